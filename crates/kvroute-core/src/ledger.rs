@@ -1,0 +1,167 @@
+//! The router-side load ledger: per-worker counters moved by explicit request transitions.
+//!
+//! ```text
+//! dispatched ──first_token──► decoding ──completed──► (gone)
+//!     │                          │
+//!     └──── cancelled / failed ◄─┘
+//! ```
+//!
+//! Each dispatched request gets a [`Ticket`] that remembers what it added, so every path
+//! out of the state machine subtracts exactly that: counters always return to zero once
+//! every ticket is closed (property-tested). Closing a ticket twice is impossible: the
+//! closing transitions take it by value.
+//!
+//! Counters follow seed 002's per-instance state: `num_requests` (in flight),
+//! `pending_prefill_tokens` (uncached prompt tokens not yet prefilled) and
+//! `ongoing_decode_tokens`, plus `waiting` (no first token yet).
+
+use crate::types::{WorkerId, WorkerView};
+
+/// Counters of one worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerLoad {
+    /// Requests dispatched and not yet closed.
+    pub in_flight: u32,
+    /// Requests dispatched that have not produced a first token.
+    pub waiting: u32,
+    /// Uncached prompt tokens of waiting requests.
+    pub pending_prefill_tokens: u64,
+    /// Prompt + expected output tokens of requests past their first token.
+    pub decode_tokens: u64,
+}
+
+/// The state of one request in the ledger. Not `Clone`: exactly one owner closes it.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a ticket must be closed with completed/cancelled/failed or counters leak"]
+pub struct Ticket {
+    worker: WorkerId,
+    prefill_tokens: u64,
+    decode_tokens: u64,
+    first_token_seen: bool,
+}
+
+impl Ticket {
+    /// The worker this request was dispatched to.
+    pub fn worker(&self) -> WorkerId {
+        self.worker
+    }
+    /// Whether the first token was recorded.
+    pub fn first_token_seen(&self) -> bool {
+        self.first_token_seen
+    }
+}
+
+/// Per-worker load counters indexed by dense [`WorkerId`].
+#[derive(Debug, Clone, Default)]
+pub struct LoadLedger {
+    loads: Vec<WorkerLoad>,
+}
+
+impl LoadLedger {
+    /// An empty ledger.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn slot(&mut self, w: WorkerId) -> &mut WorkerLoad {
+        if self.loads.len() <= w.index() {
+            self.loads.resize(w.index() + 1, WorkerLoad::default());
+        }
+        &mut self.loads[w.index()]
+    }
+
+    /// Counters of `w` (zero for an unknown worker).
+    pub fn get(&self, w: WorkerId) -> WorkerLoad {
+        self.loads.get(w.index()).copied().unwrap_or_default()
+    }
+
+    /// Copies `w`'s counters into a worker view.
+    pub fn fill(&self, view: &mut WorkerView) {
+        let l = self.get(view.id);
+        view.in_flight = l.in_flight;
+        view.waiting = l.waiting;
+        view.pending_prefill_tokens = l.pending_prefill_tokens;
+        view.decode_tokens = l.decode_tokens;
+    }
+
+    /// A request was sent to `worker`. `uncached_prompt_tokens` is the prompt minus the
+    /// part expected to be served from the worker's cache (the whole prompt when unknown);
+    /// `decode_tokens` is what it will weigh once decoding (prompt + expected output).
+    pub fn dispatched(&mut self, worker: WorkerId, uncached_prompt_tokens: u64, decode_tokens: u64) -> Ticket {
+        let s = self.slot(worker);
+        s.in_flight += 1;
+        s.waiting += 1;
+        s.pending_prefill_tokens += uncached_prompt_tokens;
+        Ticket { worker, prefill_tokens: uncached_prompt_tokens, decode_tokens, first_token_seen: false }
+    }
+
+    /// The first token arrived: prefill is done, decoding starts. Idempotent.
+    pub fn first_token(&mut self, t: &mut Ticket) {
+        if t.first_token_seen {
+            return;
+        }
+        t.first_token_seen = true;
+        let (p, d) = (t.prefill_tokens, t.decode_tokens);
+        let s = self.slot(t.worker);
+        s.waiting -= 1;
+        s.pending_prefill_tokens -= p;
+        s.decode_tokens += d;
+    }
+
+    fn close(&mut self, mut t: Ticket) {
+        // Undo exactly what is still outstanding.
+        if !t.first_token_seen {
+            let p = t.prefill_tokens;
+            let s = self.slot(t.worker);
+            s.waiting -= 1;
+            s.pending_prefill_tokens -= p;
+            t.first_token_seen = true;
+        } else {
+            let d = t.decode_tokens;
+            self.slot(t.worker).decode_tokens -= d;
+        }
+        self.slot(t.worker).in_flight -= 1;
+    }
+
+    /// The request finished normally.
+    pub fn completed(&mut self, t: Ticket) {
+        self.close(t);
+    }
+    /// The client went away (stream dropped) before the request finished.
+    pub fn cancelled(&mut self, t: Ticket) {
+        self.close(t);
+    }
+    /// The worker failed the request.
+    pub fn failed(&mut self, t: Ticket) {
+        self.close(t);
+    }
+
+    /// Forget a removed worker's counters (its open tickets must still be closed; closing
+    /// them afterwards recreates and zeroes the slot).
+    pub fn is_idle(&self) -> bool {
+        self.loads.iter().all(|l| *l == WorkerLoad::default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_paths_return_to_zero() {
+        let mut l = LoadLedger::new();
+        let w = WorkerId(3);
+        let mut a = l.dispatched(w, 100, 150);
+        let b = l.dispatched(w, 10, 20);
+        let mut c = l.dispatched(WorkerId(0), 5, 5);
+        assert_eq!(l.get(w), WorkerLoad { in_flight: 2, waiting: 2, pending_prefill_tokens: 110, decode_tokens: 0 });
+        l.first_token(&mut a);
+        l.first_token(&mut a);
+        assert_eq!(l.get(w), WorkerLoad { in_flight: 2, waiting: 1, pending_prefill_tokens: 10, decode_tokens: 150 });
+        l.completed(a);
+        l.cancelled(b);
+        l.first_token(&mut c);
+        l.failed(c);
+        assert!(l.is_idle());
+    }
+}

@@ -1,0 +1,37 @@
+//! # kvroute-core
+//!
+//! The routing core of kvroute, a KV-cache-aware request router for LLM inference fleets.
+//! Pure Rust with no I/O, no clock, no async runtime and no global state: time
+//! ([`types::Nanos`]) and randomness (a [`rand_core::Rng`]) are arguments, so the gateway,
+//! the replay simulator and the engine simulator all run the same policy code.
+//!
+//! ## Layout
+//! - [`types`]: request and worker views, ids, roles, time.
+//! - [`hash`]: chained block hashing (xxh3-64 default, BLAKE3 option).
+//! - [`radix`]: approximate multi-tenant radix tree (SGLang / Ray Serve semantics).
+//! - [`block_index`]: block hash → workers index with TTL and a block budget.
+//! - [`lru_blocks`]: seed 002's per-worker LRU set of block hashes.
+//! - [`ledger`]: per-worker load counters with explicit request transitions.
+//! - [`admission`]: per-(model, role) admission with RAII permits (seed 001).
+//! - [`policy`]: the [`policy::Policy`] trait and every policy.
+//! - [`registry`]: build a policy by name; list policies with knobs and defaults.
+//! - [`cascade`], [`disagg`]: seed 001's cascade state machine and prefill/decode plan.
+//! - [`trace`]: trace transforms shared by the simulator and the load generator.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod admission;
+pub mod block_index;
+pub mod cascade;
+pub mod disagg;
+pub mod hash;
+pub mod ledger;
+pub mod lru_blocks;
+pub mod policy;
+pub mod radix;
+pub mod registry;
+pub mod trace;
+pub mod types;
+
+pub use policy::{Branch, Decision, PickCtx, Policy, RouteError};
+pub use types::{BlockHash, Nanos, RequestView, Role, WorkerId, WorkerView};

@@ -1,0 +1,1 @@
+//! TODO(policies helper): trace
