@@ -1,1 +1,44 @@
-fn main() {}
+//! `kvroute`: the command line of the kvroute KV-cache-aware LLM router.
+//!
+//! Thin: each subcommand parses its flags and calls into the library crates.
+#![forbid(unsafe_code)]
+
+use clap::{Parser, Subcommand};
+
+mod cmd_policies;
+mod cmd_replay;
+mod cmd_serve;
+
+/// KV-cache-aware request router for LLM inference fleets.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the router gateway in front of inference workers.
+    Serve(cmd_serve::Args),
+    /// Replay a request trace through every policy on simulated engines.
+    Replay(cmd_replay::Args),
+    /// List every routing policy with its knobs, defaults and source.
+    Policies(cmd_policies::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(a) => cmd_serve::run(a),
+        Command::Replay(a) => cmd_replay::run(a),
+        Command::Policies(a) => cmd_policies::run(a),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvroute: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
