@@ -237,11 +237,8 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
 
 /// Routable candidates ordered by (load, id): the default fallback order.
 pub fn fallbacks_by_load(candidates: &[WorkerView], exclude: WorkerId) -> SmallVec<[WorkerId; MAX_FALLBACKS]> {
-    let mut v: SmallVec<[(u32, WorkerId); 16]> = candidates
-        .iter()
-        .filter(|w| w.is_routable() && w.id != exclude)
-        .map(|w| (w.load(), w.id))
-        .collect();
+    let mut v: SmallVec<[(u32, WorkerId); 16]> =
+        candidates.iter().filter(|w| w.is_routable() && w.id != exclude).map(|w| (w.load(), w.id)).collect();
     v.sort_unstable();
     v.into_iter().take(MAX_FALLBACKS).map(|(_, id)| id).collect()
 }
