@@ -31,7 +31,7 @@ impl LruBlockSet {
         hashes.iter().take_while(|h| self.lru.contains(h)).count()
     }
 
-    /// Marks all `hashes` as used now (in order, so the first block is the least recent
+    /// Marks all `hashes` as used now (in reverse order, so the first block is the most recent
     /// of them and the prompt's tail goes first on eviction), evicting the least recently
     /// used hashes beyond capacity.
     pub fn insert(&mut self, hashes: &[BlockHash]) {

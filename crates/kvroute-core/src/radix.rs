@@ -19,11 +19,13 @@ use std::collections::{BinaryHeap, HashMap};
 use std::fmt::Debug;
 use std::hash::Hash;
 
-/// A key element: `u8` (text bytes), `u32` (token ids) or `u64` (block hashes).
+/// A key element: `u8` (text bytes), `u32` (token ids), `u64` or [`crate::types::BlockHash`]
+/// (block hashes).
 pub trait Symbol: Copy + Eq + Hash + Ord + Debug + Send + Sync + 'static {}
 impl Symbol for u8 {}
 impl Symbol for u32 {}
 impl Symbol for u64 {}
+impl Symbol for crate::types::BlockHash {}
 
 /// A set of worker ids as a bitset (candidates allowed in a match).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -403,11 +405,10 @@ impl<S: Symbol> RadixTree<S> {
             }
             let parent = self.nodes[n as usize].parent;
             freed += self.drop_tenant_at(n, t);
-            if parent != ROOT && self.is_leaf_for(parent, t) {
-                if let Ok(p) = self.nodes[parent as usize].tenant_pos(t) {
+            if parent != ROOT && self.is_leaf_for(parent, t)
+                && let Ok(p) = self.nodes[parent as usize].tenant_pos(t) {
                     heap.push(Reverse((self.nodes[parent as usize].tenants[p].1, parent, t)));
                 }
-            }
         }
         freed
     }

@@ -3,6 +3,11 @@
 //! Knobs are passed as a JSON object (the gateway converts its TOML config and flags to
 //! JSON); unknown knobs are rejected with an error naming them.
 
+use crate::policy::b3::{B3, B3Config, B3Mode};
+use crate::policy::basic::{ConsistentHash, LeastLoad, PowerOfTwo, Random, RoundRobin};
+use crate::policy::cache_aware::{CacheAware, CacheAwareConfig};
+use crate::policy::kv_score::{KvScore, KvScoreConfig};
+use crate::policy::prefix_affinity::{PrefixAffinity, PrefixAffinityConfig};
 use crate::policy::{KnobError, Policy};
 use serde::Serialize;
 
@@ -53,9 +58,103 @@ pub fn names() -> Vec<&'static str> {
     list().into_iter().map(|p| p.name).collect()
 }
 
+type Knob = (&'static str, &'static str, &'static str);
+
+const CACHE_AWARE_KNOBS: &[Knob] = &[
+    ("cache_threshold", "match rate 0.0-1.0", "route to the longest-match worker when the match rate is above this"),
+    ("balance_abs_threshold", "requests", "imbalanced only if max_load - min_load exceeds this ..."),
+    ("balance_rel_threshold", "ratio >= 1", "... and max_load exceeds this x min_load"),
+    ("eviction_interval_secs", "seconds", "time between LRU eviction passes"),
+    ("max_tree_size", "symbols", "tree budget for the whole model (not per worker)"),
+];
+const PREFIX_AFFINITY_KNOBS: &[Knob] = &[
+    ("imbalanced_threshold", "requests", "queue-length spread above which prefix matching is skipped (P2C)"),
+    ("match_rate_threshold", "match rate 0.0-1.0", "minimum match rate to route to a matched worker"),
+    ("do_eviction", "bool", "evict tree entries by LRU"),
+    ("eviction_threshold_chars", "chars", "tree size that triggers eviction"),
+    ("eviction_target_chars", "chars", "tree size eviction cuts back to"),
+    ("eviction_interval_secs", "seconds", "time between eviction checks"),
+];
+const KV_SCORE_KNOBS: &[Knob] = &[
+    ("w_kv", "weight >= 0", "weight of the prefix overlap (fraction of leading blocks held)"),
+    ("w_load", "weight >= 0", "weight of 1 - util, util = max(in_flight/max_concurrent, sm_util)"),
+    ("w_pwr", "weight >= 0", "weight of 1 - watts/fleet max watts"),
+    ("w_cap", "weight >= 0", "weight of static capacity (TP x VRAM / dtype, normalised by fleet max)"),
+    ("epsilon", "score", "scores within this of the best are tied; a stable hash breaks the tie"),
+    ("prefix_tokens", "tokens", "leading prompt tokens hashed for the overlap"),
+    ("block_tokens", "tokens", "tokens per hashed block"),
+    ("hash", "xxh3 | blake3", "block hash function"),
+    ("ttl_secs", "seconds", "index entry lifetime after last use"),
+    ("max_entries", "entries", "block index budget in (block, worker) entries"),
+];
+const B3_KNOBS: &[Knob] = &[
+    ("block_tokens", "tokens", "tokens per block of the LRU block sets (Mooncake hash_ids are 512)"),
+    ("cache_blocks", "blocks", "capacity of each worker's LRU block set"),
+    ("overload_factor", "x mean load", "unified: bound worker overloaded above this x mean num_requests"),
+    ("hit_ratio_threshold", "ratio 0.0-1.0", "unified: stick only when the hit ratio is strictly above this"),
+    ("max_sessions", "sessions", "session bindings kept (LRU beyond)"),
+];
+
+fn knobs_of(defaults: serde_json::Value, table: &[Knob]) -> Vec<KnobInfo> {
+    table
+        .iter()
+        .map(|&(name, unit, doc)| KnobInfo {
+            name,
+            default: defaults.get(name).cloned().unwrap_or_default(),
+            unit,
+            doc,
+        })
+        .collect()
+}
+
+fn b3_info(name: &'static str, summary: &'static str) -> PolicyInfo {
+    PolicyInfo {
+        name,
+        source: "seed 002 (B3 cache_aware_proxy.py)",
+        summary,
+        knobs: knobs_of(serde_json::to_value(B3Config::default()).unwrap_or_default(), B3_KNOBS),
+    }
+}
+
 /// Every registered policy with its knobs and defaults.
 pub fn list() -> Vec<PolicyInfo> {
-    todo!()
+    let plain = |name, source, summary| PolicyInfo { name, source, summary, knobs: Vec::new() };
+    vec![
+        plain("round_robin", "classic baseline", "rotation over healthy workers"),
+        plain("random", "classic baseline", "uniform random worker (seeded)"),
+        plain("least_load", "classic baseline", "fewest in-flight requests, rotation among ties"),
+        plain("power_of_two", "Mitzenmacher 2001; Ray Serve default", "less loaded of two random workers"),
+        plain("consistent_hash", "rendezvous hashing", "session id (or prompt head) keeps its worker"),
+        PolicyInfo {
+            name: "cache_aware",
+            source: "seed 003 (SGLang router cache_aware)",
+            summary: "radix-tree longest match above cache_threshold, else smallest tree; least load when imbalanced",
+            knobs: knobs_of(serde_json::to_value(CacheAwareConfig::default()).unwrap_or_default(), CACHE_AWARE_KNOBS),
+        },
+        PolicyInfo {
+            name: "prefix_affinity",
+            source: "seed 000 (Ray Serve PrefixCacheAffinityRouter)",
+            summary: "P2C when imbalanced; else matched workers above match_rate_threshold, else smallest tenants, then P2C",
+            knobs: knobs_of(
+                serde_json::to_value(PrefixAffinityConfig::default()).unwrap_or_default(),
+                PREFIX_AFFINITY_KNOBS,
+            ),
+        },
+        PolicyInfo {
+            name: "kv_score",
+            source: "seed 001 (cgn-router linear KV score)",
+            summary: "w_kv*overlap + w_load*(1-util) + w_pwr*(1-watts) + w_cap*capacity; stable-hash tie-break",
+            knobs: knobs_of(serde_json::to_value(KvScoreConfig::default()).unwrap_or_default(), KV_SCORE_KNOBS),
+        },
+        b3_info("lmetric", "min (pending_prefill + uncached prompt) x num_requests"),
+        b3_info("load_only", "min num_requests, first worker on ties (B3 control)"),
+        b3_info("sticky", "session bound to its first worker forever (B3 control)"),
+        b3_info("unified", "stick if hit ratio > 0.5 and load <= 2x mean, else LMetric with 4-key tie-break"),
+    ]
+}
+
+fn unknown(name: &str) -> BuildError {
+    BuildError::Unknown { name: name.to_string(), known: names().join(", ") }
 }
 
 /// Builds policy `name` with `knobs` (a JSON object; `null` or `{}` for the defaults).
@@ -64,6 +163,55 @@ pub fn list() -> Vec<PolicyInfo> {
 /// [`BuildError::Unknown`] for an unknown name, [`BuildError::Knobs`] for an unknown knob
 /// or an out-of-range value.
 pub fn build(name: &str, knobs: &serde_json::Value) -> Result<Box<dyn Policy>, BuildError> {
-    let _ = (name, knobs);
-    todo!()
+    let empty = serde_json::json!({});
+    let knobs = if knobs.is_null() { &empty } else { knobs };
+    let mut p: Box<dyn Policy> = match name {
+        "round_robin" => Box::new(RoundRobin::default()),
+        "random" => Box::new(Random),
+        "least_load" => Box::new(LeastLoad::default()),
+        "power_of_two" => Box::new(PowerOfTwo),
+        "consistent_hash" => Box::new(ConsistentHash),
+        "cache_aware" => Box::new(CacheAware::new(CacheAwareConfig::default())),
+        "prefix_affinity" => Box::new(PrefixAffinity::new(PrefixAffinityConfig::default())),
+        "kv_score" => Box::new(KvScore::new(KvScoreConfig::default())),
+        "lmetric" => Box::new(B3::new(B3Mode::LMetric, B3Config::default())),
+        "load_only" => Box::new(B3::new(B3Mode::LoadOnly, B3Config::default())),
+        "sticky" => Box::new(B3::new(B3Mode::Sticky, B3Config::default())),
+        "unified" => Box::new(B3::new(B3Mode::Unified, B3Config::default())),
+        other => return Err(unknown(other)),
+    };
+    p.set_knobs(knobs)?;
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_listed_policy_builds_with_defaults_and_names_match() {
+        let infos = list();
+        assert_eq!(infos.len(), 12);
+        for info in infos {
+            let p = build(info.name, &serde_json::Value::Null).expect("builds");
+            assert_eq!(p.name(), info.name);
+            let knobs = p.knobs();
+            for k in &info.knobs {
+                assert_eq!(knobs.get(k.name), Some(&k.default), "{}.{}", info.name, k.name);
+            }
+            assert_eq!(knobs.as_object().map_or(0, |o| o.len()), info.knobs.len(), "{} knob table complete", info.name);
+        }
+    }
+
+    #[test]
+    fn unknown_names_and_knobs_are_clear_errors() {
+        let e = build("nope", &serde_json::Value::Null).expect_err("unknown");
+        assert!(e.to_string().contains("cache_aware"), "{e}");
+        let e = build("cache_aware", &serde_json::json!({"cache_treshold": 0.3})).expect_err("typo");
+        assert!(e.to_string().contains("cache_treshold"), "{e}");
+        let e = build("cache_aware", &serde_json::json!({"cache_threshold": 3.0})).expect_err("range");
+        assert!(e.to_string().contains("cache_threshold"), "{e}");
+        let p = build("cache_aware", &serde_json::json!({"cache_threshold": 0.3})).expect("ok");
+        assert_eq!(p.knobs()["cache_threshold"], serde_json::json!(0.3));
+    }
 }

@@ -14,6 +14,13 @@
 //! | `kv_score` | seed 001, cgn-router linear score | [`kv_score`] |
 //! | `lmetric`, `load_only`, `sticky`, `unified` | seed 002, B3 cache_aware_proxy | [`b3`] |
 
+pub mod b3;
+pub mod basic;
+pub mod cache_aware;
+pub mod kv_score;
+pub mod prefix_affinity;
+pub mod util;
+
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::Serialize;
 use smallvec::SmallVec;

@@ -1,0 +1,494 @@
+//! Seed 002's B3 policies (`shared/seeds/002_*.txt`, `scripts/cache_aware_proxy.py`):
+//! `lmetric`, `load_only`, `sticky` and `unified`, sharing one per-worker state machine.
+//!
+//! Shared state, per worker: an LRU set of 512-token block hashes
+//! ([`LruBlockSet`], `inst.cached_blocks`) updated when a request is dispatched
+//! ([`Policy::on_routed`]); `estimate_cache_hit` is the longest leading run of the request's
+//! blocks in that set, converted to tokens. Load comes from the worker view:
+//! `num_requests` = [`WorkerView::load`] (waiting + running), `pending_prefill_tokens` =
+//! [`WorkerView::pending_prefill_tokens`].
+//!
+//! - **`lmetric`** (§1): `score = (pending_prefill_tokens + max(0, input − cache_hit)) ×
+//!   num_requests`; the first worker with the strictly smallest score wins (Python's
+//!   `<`). Branch `score`.
+//! - **`load_only`** (§2): the first worker with the fewest `num_requests` (Python's `min`
+//!   returns the first seen, so ties pin worker 0 at low load — kept on purpose, the seed
+//!   documents it as part of the B3 result). Branch `least_load`.
+//! - **`sticky`** (§3): a bound session always returns to its worker, whatever its load;
+//!   an unbound one is bound to the least-loaded worker. A binding is only replaced when
+//!   its worker is unhealthy or gone — kvroute never routes to an unhealthy worker. A
+//!   request without a session id is routed as `load_only` and binds nothing. Branches
+//!   `sticky`, `new_binding`, `least_load`.
+//! - **`unified`** (§4): sticks to the session's worker only when its hit ratio
+//!   `cache_hit / max(input, 1) > hit_ratio_threshold` (0.5) *and* its `num_requests ≤
+//!   max(mean num_requests, 1) × overload_factor` (2.0); otherwise LMetric with the 4-key
+//!   tie-break (score, new prefill, num_requests, then a global round-robin counter among
+//!   workers tied on the first three). The session is (re)bound to the worker chosen.
+//!   Branches `sticky`, `affinity_broken` (bound but the gate failed), `tie_break`, `score`.
+//!
+//! §5 `capped` is not a picker: it is `lmetric` on a trace passed through
+//! [`crate::trace::cap_turns`].
+//!
+//! Session bindings live in a bounded LRU map (`max_sessions`), so a trace with millions of
+//! sessions cannot grow the router without bound; an evicted binding behaves as a new
+//! session.
+//!
+//! | knob | default | unit |
+//! |---|---|---|
+//! | `block_tokens` | 512 | tokens per block (Mooncake `hash_ids` are 512-token blocks) |
+//! | `cache_blocks` | 2048 | blocks per worker LRU set |
+//! | `overload_factor` | 2.0 | × mean `num_requests` (`unified`) |
+//! | `hit_ratio_threshold` | 0.5 | cache-hit ratio, 0.0–1.0 (`unified`) |
+//! | `max_sessions` | 1,048,576 | session bindings kept (`sticky`, `unified`) |
+
+use crate::hash::{HashAlgo, request_blocks, stable_hash};
+use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, LruBlockSet};
+use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RouteError, patch_knobs};
+use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+
+/// Which of seed 002's pickers a [`B3`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum B3Mode {
+    /// §1 `pick_lmetric`.
+    LMetric,
+    /// §2 `pick_load_only`.
+    LoadOnly,
+    /// §3 `pick_sticky`.
+    Sticky,
+    /// §4 `pick_unified`.
+    Unified,
+}
+
+impl B3Mode {
+    /// Registry name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            B3Mode::LMetric => "lmetric",
+            B3Mode::LoadOnly => "load_only",
+            B3Mode::Sticky => "sticky",
+            B3Mode::Unified => "unified",
+        }
+    }
+}
+
+/// Knobs of the B3 policies (defaults from seed 002).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct B3Config {
+    /// Tokens per block (B3 `BLOCK_SIZE`).
+    pub block_tokens: u32,
+    /// Capacity of each worker's LRU block set, in blocks.
+    pub cache_blocks: usize,
+    /// `unified`: the bound worker is overloaded above this × mean `num_requests`.
+    pub overload_factor: f64,
+    /// `unified`: the bound worker's hit ratio must be strictly above this to stick.
+    pub hit_ratio_threshold: f64,
+    /// Session bindings kept (LRU beyond).
+    pub max_sessions: usize,
+}
+
+impl Default for B3Config {
+    fn default() -> Self {
+        B3Config {
+            block_tokens: 512,
+            cache_blocks: DEFAULT_CAPACITY_BLOCKS,
+            overload_factor: 2.0,
+            hit_ratio_threshold: 0.5,
+            max_sessions: 1 << 20,
+        }
+    }
+}
+
+fn validate(c: &B3Config) -> Result<(), String> {
+    if c.block_tokens == 0 {
+        return Err("block_tokens must be at least 1".into());
+    }
+    if c.cache_blocks == 0 {
+        return Err("cache_blocks must be at least 1".into());
+    }
+    if !(c.overload_factor.is_finite() && c.overload_factor > 0.0) {
+        return Err(format!("overload_factor must be a positive number, got {}", c.overload_factor));
+    }
+    if !(0.0..=1.0).contains(&c.hit_ratio_threshold) {
+        return Err(format!("hit_ratio_threshold must be in [0, 1], got {}", c.hit_ratio_threshold));
+    }
+    if c.max_sessions == 0 {
+        return Err("max_sessions must be at least 1".into());
+    }
+    Ok(())
+}
+
+/// Upper bound on blocks hashed per request (512 × 512 = 262,144 tokens).
+const MAX_BLOCKS: usize = 512;
+
+/// One of seed 002's B3 pickers with its shared per-worker state. See the module docs.
+#[derive(Debug)]
+pub struct B3 {
+    mode: B3Mode,
+    cfg: B3Config,
+    cached: HashMap<WorkerId, LruBlockSet>,
+    affinity: lru::LruCache<u64, WorkerId>,
+    rr_counter: u64,
+    scratch: Vec<BlockHash>,
+}
+
+/// Per-worker LMetric terms of one request.
+#[derive(Debug, Clone, Copy)]
+struct Terms {
+    id: WorkerId,
+    hit_blocks: u64,
+    new_prefill: u64,
+    bs: u64,
+    score: u128,
+}
+
+impl B3 {
+    /// A B3 picker in `mode` with `cfg` (assumed valid; use [`B3::try_new`] to check).
+    pub fn new(mode: B3Mode, cfg: B3Config) -> Self {
+        let cap = NonZeroUsize::new(cfg.max_sessions.max(1)).unwrap_or(NonZeroUsize::MIN);
+        B3 { mode, cfg, cached: HashMap::new(), affinity: lru::LruCache::new(cap), rr_counter: 0, scratch: Vec::new() }
+    }
+
+    /// Builds after validating `cfg`.
+    ///
+    /// # Errors
+    /// [`KnobError`] naming the bad knob.
+    pub fn try_new(mode: B3Mode, cfg: B3Config) -> Result<Self, KnobError> {
+        validate(&cfg).map_err(|message| KnobError { policy: mode.name(), message })?;
+        Ok(B3::new(mode, cfg))
+    }
+
+    /// The block hashes of `req` at this policy's block size, into `self.scratch`.
+    fn load_blocks(&mut self, req: &RequestView<'_>) {
+        self.scratch.clear();
+        let mut out = std::mem::take(&mut self.scratch);
+        request_blocks(req, self.cfg.block_tokens as usize, MAX_BLOCKS, HashAlgo::Xxh3, &mut out);
+        self.scratch = out;
+    }
+
+    /// Tokens per block of `req`'s key (a trace's own block size when it carries blocks).
+    fn block_size_of(&self, req: &RequestView<'_>) -> u64 {
+        req.blocks.map_or(self.cfg.block_tokens, |b| b.block_tokens.max(1)) as u64
+    }
+
+    fn terms(&self, w: &WorkerView, req: &RequestView<'_>) -> Terms {
+        let hit_blocks = self.cached.get(&w.id).map_or(0, |s| s.estimate_cache_hit(&self.scratch)) as u64;
+        let input = req.input_tokens as u64;
+        let cache_hit = (hit_blocks * self.block_size_of(req)).min(input);
+        let new_prefill = input - cache_hit;
+        let bs = w.load() as u64;
+        let p_tokens = w.pending_prefill_tokens.saturating_add(new_prefill);
+        Terms { id: w.id, hit_blocks, new_prefill, bs, score: p_tokens as u128 * bs as u128 }
+    }
+
+    fn decision(&self, t: &Terms, branch: Branch) -> Decision {
+        Decision::new(t.id, branch)
+            .with_match(t.hit_blocks, self.scratch.len() as u64, MatchUnit::Blocks)
+            .with_score(t.score as f64)
+    }
+
+    fn pick_lmetric(&self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<Decision> {
+        let mut best: Option<Terms> = None;
+        for w in c.iter().filter(|w| w.is_routable()) {
+            let t = self.terms(w, req);
+            if best.is_none_or(|b| t.score < b.score) {
+                best = Some(t);
+            }
+        }
+        best.map(|t| self.decision(&t, Branch::Score))
+    }
+
+    fn pick_load_only(&self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<Decision> {
+        let w = c.iter().filter(|w| w.is_routable()).min_by_key(|w| w.load())?;
+        let t = self.terms(w, req);
+        Some(self.decision(&t, Branch::LeastLoad))
+    }
+
+    fn pick_sticky(&mut self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<Decision> {
+        let Some(sid) = req.session_id else {
+            return self.pick_load_only(req, c);
+        };
+        let key = stable_hash(sid.as_bytes());
+        if let Some(&bound) = self.affinity.get(&key)
+            && let Some(w) = c.iter().find(|w| w.id == bound && w.is_routable())
+        {
+            let t = self.terms(w, req);
+            return Some(self.decision(&t, Branch::Sticky));
+        }
+        let mut d = self.pick_load_only(req, c)?;
+        self.affinity.put(key, d.worker);
+        d.branch = Branch::NewBinding;
+        Some(d)
+    }
+
+    fn pick_unified(&mut self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<Decision> {
+        let routable = || c.iter().filter(|w| w.is_routable());
+        let n = routable().count();
+        if n == 0 {
+            return None;
+        }
+        let mean = routable().map(|w| w.load() as f64).sum::<f64>() / n as f64;
+        let avg_reqs = mean.max(1.0);
+        let key = req.session_id.map(|s| stable_hash(s.as_bytes()));
+        let mut was_bound = false;
+        if let Some(key) = key
+            && let Some(&bound) = self.affinity.get(&key)
+        {
+            was_bound = true;
+            if let Some(a) = routable().find(|w| w.id == bound) {
+                let t = self.terms(a, req);
+                let cache_hit = (t.hit_blocks * self.block_size_of(req)).min(req.input_tokens as u64);
+                let hit_ratio = cache_hit as f64 / (req.input_tokens.max(1)) as f64;
+                if hit_ratio > self.cfg.hit_ratio_threshold && t.bs as f64 <= avg_reqs * self.cfg.overload_factor {
+                    return Some(self.decision(&t, Branch::Sticky));
+                }
+            }
+        }
+        // LMetric fallback with the 4-key tie-break.
+        let all: smallvec::SmallVec<[Terms; 16]> = routable().map(|w| self.terms(w, req)).collect();
+        let best = all.iter().map(|t| (t.score, t.new_prefill, t.bs)).min()?;
+        let tied: smallvec::SmallVec<[&Terms; 16]> =
+            all.iter().filter(|t| (t.score, t.new_prefill, t.bs) == best).collect();
+        let (winner, branch) = if tied.len() > 1 {
+            let w = tied[(self.rr_counter % tied.len() as u64) as usize];
+            self.rr_counter = self.rr_counter.wrapping_add(1);
+            (*w, Branch::TieBreak)
+        } else {
+            (*tied[0], Branch::Score)
+        };
+        if let Some(key) = key {
+            self.affinity.put(key, winner.id);
+        }
+        let branch = if was_bound { Branch::AffinityBroken } else { branch };
+        Some(self.decision(&winner, branch))
+    }
+
+    /// Session bindings currently held.
+    pub fn sessions(&self) -> usize {
+        self.affinity.len()
+    }
+
+    /// Blocks the router believes `worker` holds.
+    pub fn cached_blocks(&self, worker: WorkerId) -> usize {
+        self.cached.get(&worker).map_or(0, LruBlockSet::len)
+    }
+}
+
+impl Policy for B3 {
+    fn name(&self) -> &'static str {
+        self.mode.name()
+    }
+
+    fn pick(
+        &mut self,
+        req: &RequestView<'_>,
+        candidates: &[WorkerView],
+        _ctx: &mut PickCtx<'_>,
+    ) -> Result<Decision, RouteError> {
+        self.load_blocks(req);
+        let d = match self.mode {
+            B3Mode::LMetric => self.pick_lmetric(req, candidates),
+            B3Mode::LoadOnly => self.pick_load_only(req, candidates),
+            B3Mode::Sticky => self.pick_sticky(req, candidates),
+            B3Mode::Unified => self.pick_unified(req, candidates),
+        };
+        d.ok_or(RouteError::NoWorker)
+    }
+
+    fn on_routed(&mut self, req: &RequestView<'_>, worker: WorkerId, _now: Nanos) {
+        self.load_blocks(req);
+        let cap = self.cfg.cache_blocks;
+        let set = self.cached.entry(worker).or_insert_with(|| LruBlockSet::new(cap));
+        set.insert(&self.scratch);
+    }
+
+    fn on_worker_removed(&mut self, worker: WorkerId) {
+        self.cached.remove(&worker);
+        let stale: Vec<u64> = self.affinity.iter().filter(|(_, w)| **w == worker).map(|(k, _)| *k).collect();
+        for k in stale {
+            self.affinity.pop(&k);
+        }
+    }
+
+    fn knobs(&self) -> serde_json::Value {
+        serde_json::to_value(&self.cfg).unwrap_or_default()
+    }
+
+    fn set_knobs(&mut self, patch: &serde_json::Value) -> Result<(), KnobError> {
+        let next = patch_knobs(self.mode.name(), &self.cfg, patch, validate)?;
+        if next.cache_blocks != self.cfg.cache_blocks || next.block_tokens != self.cfg.block_tokens {
+            // Block sets are sized and keyed by these: start afresh.
+            self.cached.clear();
+        }
+        if next.max_sessions != self.cfg.max_sessions {
+            self.affinity.resize(NonZeroUsize::new(next.max_sessions).unwrap_or(NonZeroUsize::MIN));
+        }
+        self.cfg = next;
+        Ok(())
+    }
+
+    fn index_size(&self) -> u64 {
+        self.cached.values().map(|s| s.len() as u64).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::BlockSeq;
+    use rand_core::SeedableRng;
+
+    fn req<'a>(blocks: &'a [BlockHash], session: Option<&'a str>) -> RequestView<'a> {
+        RequestView {
+            model: "m",
+            text: None,
+            token_ids: None,
+            blocks: Some(BlockSeq { block_tokens: 512, hashes: blocks }),
+            input_tokens: blocks.len() as u32 * 512,
+            output_tokens: None,
+            session_id: session,
+            role: crate::types::Role::Both,
+        }
+    }
+
+    fn fleet(loads: &[u32]) -> Vec<WorkerView> {
+        loads
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| {
+                let mut w = WorkerView::idle(WorkerId(i as u32));
+                w.in_flight = l;
+                w
+            })
+            .collect()
+    }
+
+    fn pick(p: &mut B3, r: &RequestView<'_>, c: &[WorkerView]) -> Decision {
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(1);
+        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng };
+        crate::policy::route(p, r, c, &mut ctx).expect("routable")
+    }
+
+    fn hashes(n: u64, base: u64) -> Vec<BlockHash> {
+        (0..n).map(|i| BlockHash(base + i)).collect()
+    }
+
+    #[test]
+    fn lmetric_prefers_cache_warm_worker_at_equal_load() {
+        let mut p = B3::new(B3Mode::LMetric, B3Config::default());
+        let h = hashes(4, 100);
+        p.on_routed(&req(&h, None), WorkerId(2), Nanos::ZERO);
+        let d = pick(&mut p, &req(&h, None), &fleet(&[1, 1, 1]));
+        assert_eq!(d.worker, WorkerId(2));
+        assert_eq!(d.matched, 4);
+        assert_eq!(d.score, Some(0.0));
+    }
+
+    #[test]
+    fn lmetric_score_is_prefill_times_batch() {
+        let mut p = B3::new(B3Mode::LMetric, B3Config::default());
+        let h = hashes(4, 100);
+        let mut c = fleet(&[2, 1]);
+        c[1].pending_prefill_tokens = 4000; // (4000 + 2048) × 1 = 6048 > 2048 × 2 = 4096
+        let d = pick(&mut p, &req(&h, None), &c);
+        assert_eq!(d.worker, WorkerId(0));
+        assert_eq!(d.score, Some(4096.0));
+    }
+
+    #[test]
+    fn load_only_ties_pin_the_first_worker() {
+        let mut p = B3::new(B3Mode::LoadOnly, B3Config::default());
+        let h = hashes(2, 7);
+        for _ in 0..5 {
+            assert_eq!(pick(&mut p, &req(&h, None), &fleet(&[0, 0, 0])).worker, WorkerId(0));
+        }
+        assert_eq!(pick(&mut p, &req(&h, None), &fleet(&[3, 1, 1])).worker, WorkerId(1));
+    }
+
+    #[test]
+    fn sticky_never_breaks_a_binding_under_load() {
+        let mut p = B3::new(B3Mode::Sticky, B3Config::default());
+        let h = hashes(2, 7);
+        let d = pick(&mut p, &req(&h, Some("s1")), &fleet(&[5, 0, 3]));
+        assert_eq!((d.worker, d.branch), (WorkerId(1), Branch::NewBinding));
+        for load in [10, 100, 10_000] {
+            let d = pick(&mut p, &req(&h, Some("s1")), &fleet(&[0, load, 0]));
+            assert_eq!((d.worker, d.branch), (WorkerId(1), Branch::Sticky));
+        }
+        // Only an unhealthy worker releases the binding.
+        let mut c = fleet(&[0, 0, 0]);
+        c[1].health = crate::types::Health::Unhealthy;
+        assert_ne!(pick(&mut p, &req(&h, Some("s1")), &c).worker, WorkerId(1));
+    }
+
+    #[test]
+    fn unified_sticks_only_when_warm_and_not_overloaded() {
+        let mut p = B3::new(B3Mode::Unified, B3Config::default());
+        let h = hashes(4, 100);
+        // First turn: no binding, tie on all keys → round-robin counter decides.
+        let d = pick(&mut p, &req(&h, Some("s")), &fleet(&[0, 0, 0]));
+        assert_eq!(d.branch, Branch::TieBreak);
+        let bound = d.worker;
+        // Warm (ratio 1.0 > 0.5) and load 2 ≤ 2 × mean(max(1, 4/3)) → stick.
+        let mut loads = [1, 1, 1];
+        loads[bound.index()] = 2;
+        let d = pick(&mut p, &req(&h, Some("s")), &fleet(&loads));
+        assert_eq!((d.worker, d.branch), (bound, Branch::Sticky));
+        // Overloaded: 9 > 2 × mean(11/3) = 7.33 → the gate fails and LMetric decides. With
+        // 10,000 pending prefill tokens the bound worker scores 10,000 × 9 against
+        // 2,048 × 1 elsewhere, so the request moves.
+        let mut loads = [1, 1, 1];
+        loads[bound.index()] = 9;
+        let mut c = fleet(&loads);
+        c[bound.index()].pending_prefill_tokens = 10_000;
+        let d = pick(&mut p, &req(&h, Some("s")), &c);
+        assert_eq!(d.branch, Branch::AffinityBroken);
+        assert_ne!(d.worker, bound);
+    }
+
+    #[test]
+    fn unified_hit_ratio_must_exceed_half() {
+        let mut p = B3::new(B3Mode::Unified, B3Config::default());
+        let h = hashes(4, 100);
+        let d = pick(&mut p, &req(&h, Some("s")), &fleet(&[0, 0]));
+        let bound = d.worker;
+        // Same session, a new prompt sharing exactly 2 of 4 blocks: ratio 0.5, not > 0.5.
+        let mut h2 = h[..2].to_vec();
+        h2.extend(hashes(2, 900));
+        let mut loads = [5, 5];
+        loads[bound.index()] = 0;
+        let d = pick(&mut p, &req(&h2, Some("s")), &fleet(&loads));
+        assert_eq!(d.branch, Branch::AffinityBroken, "ratio 0.5 must not stick");
+        // 3 of 4 blocks: ratio 0.75 → sticks.
+        let mut h3 = h[..3].to_vec();
+        h3.push(BlockHash(5000));
+        let d = pick(&mut p, &req(&h3, Some("s")), &fleet(&[1, 1]));
+        assert_eq!(d.branch, Branch::Sticky);
+    }
+
+    #[test]
+    fn unified_round_robins_among_full_ties() {
+        let mut p = B3::new(B3Mode::Unified, B3Config::default());
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..3u64 {
+            let h = hashes(1, 10_000 * (i + 1));
+            seen.insert(pick(&mut p, &req(&h, None), &fleet(&[0, 0, 0])).worker);
+        }
+        assert_eq!(seen.len(), 3, "fresh traffic must not pin worker 0");
+    }
+
+    #[test]
+    fn session_bindings_are_bounded() {
+        let cfg = B3Config { max_sessions: 4, ..B3Config::default() };
+        let mut p = B3::new(B3Mode::Sticky, cfg);
+        let h = hashes(1, 1);
+        for i in 0..100 {
+            let s = format!("s{i}");
+            pick(&mut p, &req(&h, Some(&s)), &fleet(&[0, 0]));
+        }
+        assert_eq!(p.sessions(), 4);
+    }
+}

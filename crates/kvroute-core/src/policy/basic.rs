@@ -1,0 +1,149 @@
+//! Classic load-balancing baselines, with no prefix awareness:
+//!
+//! - `round_robin`: rotation over the routable candidates;
+//! - `random`: uniform choice from the injected random source;
+//! - `least_load`: the candidate with the lowest [`WorkerView::load`] (rotation among ties);
+//! - `power_of_two`: Power of Two Choices (Mitzenmacher 2001; tower's `p2c`, Ray Serve's
+//!   default router): two distinct random candidates, the less loaded wins;
+//! - `consistent_hash`: rendezvous (highest-random-weight) hashing of the session id, or of
+//!   the prompt's first 256 bytes / first block when there is no session, so a key keeps
+//!   its worker and removing a worker moves only that worker's keys. The hash is
+//!   [`crate::hash::stable_hash`], identical across processes and versions.
+//!
+//! None has knobs.
+
+use crate::hash::stable_hash;
+use crate::policy::util::{argmin_by, power_of_two, rotate, routable_ids};
+use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RouteError};
+use crate::types::{RequestView, WorkerView};
+
+fn no_knobs(policy: &'static str, patch: &serde_json::Value) -> Result<(), KnobError> {
+    match patch.as_object() {
+        Some(o) if o.is_empty() => Ok(()),
+        None if patch.is_null() => Ok(()),
+        Some(o) => Err(KnobError {
+            policy,
+            message: format!("this policy has no knobs (got `{}`)", o.keys().next().map_or("", |k| k.as_str())),
+        }),
+        None => Err(KnobError { policy, message: "knobs must be a JSON object".into() }),
+    }
+}
+
+macro_rules! no_knob_impls {
+    ($name:literal) => {
+        fn name(&self) -> &'static str {
+            $name
+        }
+        fn knobs(&self) -> serde_json::Value {
+            serde_json::json!({})
+        }
+        fn set_knobs(&mut self, patch: &serde_json::Value) -> Result<(), KnobError> {
+            no_knobs($name, patch)
+        }
+    };
+}
+
+/// `round_robin`: rotation over routable candidates.
+#[derive(Debug, Default)]
+pub struct RoundRobin {
+    next: u64,
+}
+
+impl Policy for RoundRobin {
+    no_knob_impls!("round_robin");
+    fn pick(&mut self, _: &RequestView<'_>, c: &[WorkerView], _: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+        let ids = routable_ids(c);
+        if ids.is_empty() {
+            return Err(RouteError::NoWorker);
+        }
+        let w = ids[(self.next % ids.len() as u64) as usize];
+        self.next = self.next.wrapping_add(1);
+        Ok(Decision::new(w, Branch::RoundRobin))
+    }
+}
+
+/// `random`: uniform choice (seeded by the caller).
+#[derive(Debug, Default)]
+pub struct Random;
+
+impl Policy for Random {
+    no_knob_impls!("random");
+    fn pick(&mut self, _: &RequestView<'_>, c: &[WorkerView], ctx: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+        let ids = routable_ids(c);
+        if ids.is_empty() {
+            return Err(RouteError::NoWorker);
+        }
+        let w = ids[(ctx.rng.next_u64() % ids.len() as u64) as usize];
+        Ok(Decision::new(w, Branch::Random))
+    }
+}
+
+/// `least_load`: lowest `load()`, rotation among ties.
+#[derive(Debug, Default)]
+pub struct LeastLoad {
+    rotation: u64,
+}
+
+impl Policy for LeastLoad {
+    no_knob_impls!("least_load");
+    fn pick(&mut self, _: &RequestView<'_>, c: &[WorkerView], _: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+        let tied = argmin_by(c, |_| true, WorkerView::load);
+        let w = rotate(&tied, &mut self.rotation).ok_or(RouteError::NoWorker)?;
+        Ok(Decision::new(w, Branch::LeastLoad))
+    }
+}
+
+/// `power_of_two`: Power of Two Choices.
+#[derive(Debug, Default)]
+pub struct PowerOfTwo;
+
+impl Policy for PowerOfTwo {
+    no_knob_impls!("power_of_two");
+    fn pick(&mut self, _: &RequestView<'_>, c: &[WorkerView], ctx: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+        let ids = routable_ids(c);
+        let w = power_of_two(&ids, c, ctx.rng).ok_or(RouteError::NoWorker)?;
+        Ok(Decision::new(w, Branch::PowerOfTwo))
+    }
+}
+
+/// `consistent_hash`: rendezvous hashing of the session (or prefix) key.
+#[derive(Debug, Default)]
+pub struct ConsistentHash;
+
+/// The routing key of `consistent_hash`: the session id, else the first 256 bytes of the
+/// routing text, else the first 64 token ids, else the first block hash, else 0.
+pub fn session_or_prefix_key(req: &RequestView<'_>) -> u64 {
+    if let Some(s) = req.session_id {
+        return stable_hash(s.as_bytes());
+    }
+    if let Some(t) = req.text {
+        let mut end = t.len().min(256);
+        while !t.is_char_boundary(end) {
+            end -= 1;
+        }
+        return stable_hash(&t.as_bytes()[..end]);
+    }
+    if let Some(toks) = req.token_ids {
+        let bytes: Vec<u8> = toks.iter().take(64).flat_map(|t| t.to_le_bytes()).collect();
+        return stable_hash(&bytes);
+    }
+    req.blocks.and_then(|b| b.hashes.first()).map_or(0, |h| h.0)
+}
+
+impl Policy for ConsistentHash {
+    no_knob_impls!("consistent_hash");
+    fn pick(&mut self, req: &RequestView<'_>, c: &[WorkerView], _: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+        let key = session_or_prefix_key(req);
+        let w = c
+            .iter()
+            .filter(|w| w.is_routable())
+            .max_by_key(|w| {
+                let mut b = [0u8; 12];
+                b[..8].copy_from_slice(&key.to_le_bytes());
+                b[8..].copy_from_slice(&w.id.0.to_le_bytes());
+                (stable_hash(&b), w.id)
+            })
+            .ok_or(RouteError::NoWorker)?;
+        Ok(Decision::new(w.id, Branch::ConsistentHash))
+    }
+}

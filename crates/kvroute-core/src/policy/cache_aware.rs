@@ -1,0 +1,165 @@
+//! `cache_aware`: SGLang router's cache-aware load balancing (seed 003,
+//! `shared/seeds/003_*.txt`; sgl-router `policies/cache_aware.rs`).
+//!
+//! The router keeps an approximate radix tree of the prompts it sent to each worker
+//! (tenant = worker) and switches between two strategies:
+//!
+//! 1. **Imbalanced** — only when *both* hold: `max_load − min_load > balance_abs_threshold`
+//!    and `max_load > balance_rel_threshold × min_load` (load = [`WorkerView::load`]):
+//!    the least-loaded worker (shortest queue). Branch `imbalanced`.
+//! 2. **Balanced** — match the prompt in the tree. Match rate = matched / prompt length
+//!    (text bytes, or token ids, or blocks — whichever key the request carries):
+//!    - rate `> cache_threshold`: among *all* workers holding the deepest match, the least
+//!      loaded (rotation among ties). Branch `high_match`;
+//!    - otherwise: the worker with the smallest tree (most free cache), ties broken by load
+//!      and then by rotation, so a miss does not always land on the first worker. Branch
+//!      `low_match`;
+//!    - a request with no key: least load. Branch `no_prefix`.
+//!
+//! The prompt is inserted for the chosen worker ([`Policy::on_routed`]). Every
+//! `eviction_interval_secs` ([`Policy::maintain`]) least-recently-used leaves are evicted
+//! until the tree holds at most `max_tree_size` symbols — one budget for the whole model,
+//! not per worker. A removed worker's tenant is dropped from the tree.
+//!
+//! | knob | default | unit |
+//! |---|---|---|
+//! | `cache_threshold` | 0.5 | match rate, 0.0–1.0 |
+//! | `balance_abs_threshold` | 32 | requests |
+//! | `balance_rel_threshold` | 1.0001 | ratio ≥ 1 |
+//! | `eviction_interval_secs` | 60 | seconds |
+//! | `max_tree_size` | 16,777,216 | symbols (chars, tokens or blocks) |
+
+use crate::policy::util::{PrefixKey, PrefixTrees, argmin_by, load_range, rotate, routable_set};
+use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RouteError, patch_knobs};
+use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
+use serde::{Deserialize, Serialize};
+
+/// Knobs of `cache_aware` (defaults from seed 003).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheAwareConfig {
+    /// Minimum match rate (exclusive) to route to the longest-match worker.
+    pub cache_threshold: f64,
+    /// Absolute load difference above which the fleet may be imbalanced.
+    pub balance_abs_threshold: u32,
+    /// Relative load ratio above which the fleet may be imbalanced.
+    pub balance_rel_threshold: f64,
+    /// Seconds between eviction passes.
+    pub eviction_interval_secs: f64,
+    /// Tree budget in symbols (global per model).
+    pub max_tree_size: usize,
+}
+
+impl Default for CacheAwareConfig {
+    fn default() -> Self {
+        CacheAwareConfig {
+            cache_threshold: 0.5,
+            balance_abs_threshold: 32,
+            balance_rel_threshold: 1.0001,
+            eviction_interval_secs: 60.0,
+            max_tree_size: 16_777_216,
+        }
+    }
+}
+
+impl CacheAwareConfig {
+    /// Checks ranges.
+    ///
+    /// # Errors
+    /// A message naming the knob out of range.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(0.0..=1.0).contains(&self.cache_threshold) {
+            return Err(format!("cache_threshold must be in [0, 1], got {}", self.cache_threshold));
+        }
+        if !(self.balance_rel_threshold >= 1.0 && self.balance_rel_threshold.is_finite()) {
+            return Err(format!("balance_rel_threshold must be >= 1, got {}", self.balance_rel_threshold));
+        }
+        if !(self.eviction_interval_secs > 0.0 && self.eviction_interval_secs.is_finite()) {
+            return Err(format!("eviction_interval_secs must be > 0, got {}", self.eviction_interval_secs));
+        }
+        Ok(())
+    }
+}
+
+/// The `cache_aware` policy.
+#[derive(Debug, Default)]
+pub struct CacheAware {
+    cfg: CacheAwareConfig,
+    trees: PrefixTrees,
+    rotation: u64,
+}
+
+impl CacheAware {
+    /// A policy with `cfg` (validate it first).
+    pub fn new(cfg: CacheAwareConfig) -> Self {
+        CacheAware { cfg, trees: PrefixTrees::default(), rotation: 0 }
+    }
+
+    fn least_loaded(&mut self, c: &[WorkerView], keep: impl Fn(&WorkerView) -> bool) -> Option<WorkerId> {
+        let tied = argmin_by(c, keep, WorkerView::load);
+        rotate(&tied, &mut self.rotation)
+    }
+}
+
+impl Policy for CacheAware {
+    fn name(&self) -> &'static str {
+        "cache_aware"
+    }
+
+    fn pick(&mut self, req: &RequestView<'_>, c: &[WorkerView], _: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+        let (min, max) = load_range(c).ok_or(RouteError::NoWorker)?;
+        let imbalanced = max - min > self.cfg.balance_abs_threshold
+            && f64::from(max) > self.cfg.balance_rel_threshold * f64::from(min);
+        let key = PrefixKey::of(req);
+        if imbalanced || key.is_none() {
+            let w = self.least_loaded(c, |_| true).ok_or(RouteError::NoWorker)?;
+            let branch = if imbalanced { Branch::Imbalanced } else { Branch::NoPrefix };
+            return Ok(Decision::new(w, branch));
+        }
+        let Some(key) = key else { return Err(RouteError::NoWorker) };
+        let allowed = routable_set(c);
+        let m = self.trees.prefix_match(key, Some(&allowed));
+        let rate = m.matched as f64 / key.len() as f64;
+        let (w, branch) = if rate > self.cfg.cache_threshold && !m.tenants.is_empty() {
+            (self.least_loaded(c, |w| m.tenants.contains(&w.id)), Branch::HighMatch)
+        } else {
+            let trees = &self.trees;
+            let tied = argmin_by(c, |_| true, |w| (trees.tenant_size(w.id), w.load()));
+            (rotate(&tied, &mut self.rotation), Branch::LowMatch)
+        };
+        let w = w.ok_or(RouteError::NoWorker)?;
+        let matched = if m.tenants.contains(&w) { m.matched } else { 0 };
+        Ok(Decision::new(w, branch).with_match(matched as u64, key.len() as u64, key.unit()))
+    }
+
+    fn on_routed(&mut self, req: &RequestView<'_>, worker: WorkerId, now: Nanos) {
+        if let Some(key) = PrefixKey::of(req) {
+            self.trees.insert(key, worker, now);
+        }
+    }
+
+    fn on_worker_removed(&mut self, worker: WorkerId) {
+        self.trees.remove_tenant(worker);
+    }
+
+    fn maintain(&mut self, _now: Nanos) {
+        self.trees.evict_to(self.cfg.max_tree_size);
+    }
+
+    fn maintenance_interval(&self) -> Option<Nanos> {
+        Some(Nanos::from_secs_f64(self.cfg.eviction_interval_secs))
+    }
+
+    fn knobs(&self) -> serde_json::Value {
+        serde_json::to_value(&self.cfg).unwrap_or_default()
+    }
+
+    fn set_knobs(&mut self, patch: &serde_json::Value) -> Result<(), KnobError> {
+        self.cfg = patch_knobs("cache_aware", &self.cfg, patch, CacheAwareConfig::validate)?;
+        Ok(())
+    }
+
+    fn index_size(&self) -> u64 {
+        self.trees.total_size() as u64
+    }
+}

@@ -1,0 +1,288 @@
+//! `kv_score`: cgn-router's four-term linear KV-aware score (seed 001,
+//! `shared/seeds/001_*.txt`).
+//!
+//! For every routable worker `n`:
+//!
+//! ```text
+//! score(n) = w_kv · overlap(prefix, n) + w_load · (1 − util(n))
+//!          + w_pwr · (1 − norm_watts(n)) + w_cap · capacity(n)
+//! ```
+//!
+//! each term in [0, 1], highest score wins:
+//! - `overlap`: the prompt's first `prefix_tokens` (64) tokens are cut into `block_tokens`
+//!   (16) blocks and hashed as a chain (xxh3 by default, BLAKE3 as the seed names); overlap
+//!   = leading blocks the worker holds / blocks hashed. Holdings come from a
+//!   [`BlockIndex`] fed by this policy's own routing decisions (approximate, expiring after
+//!   `ttl_secs`). Requests carrying precomputed block hashes (traces) use their first
+//!   `prefix_tokens / block_tokens` blocks as they are. Text without tokens is cut into
+//!   `block_tokens × 4`-byte chunks.
+//! - `util = max(in_flight / max_concurrent, sm_util)`, clamped to [0, 1].
+//! - `norm_watts = watts / max watts over the candidates` (0 when unknown).
+//! - `capacity`: static capacity `tp_size × vram_gib / dtype_bytes` (memory for KV per
+//!   weight byte) normalised by the candidates' maximum; 0 for a worker with no free model
+//!   slot. It mostly breaks ties between equally busy, equally cached workers.
+//!
+//! **Tie-break**: workers within `epsilon` (0.01) of the best score are decided by the
+//! largest stable hash of (worker id, prefix hash) — [`crate::hash::stable_hash`], the same
+//! in every process and version — so a prefix-bound request keeps hitting the same worker
+//! across retries and router replicas. Branch `tie_break`, else `score`.
+//!
+//! **Live weights**: the four weights live in an `Arc<ArcSwap<KvWeights>>`
+//! ([`KvScore::weights_handle`]): the gateway (or an etcd watcher) swaps them without a
+//! lock; each pick reads them with one atomic load.
+//!
+//! | knob | default | unit |
+//! |---|---|---|
+//! | `w_kv`, `w_load`, `w_pwr`, `w_cap` | 0.55, 0.25, 0.10, 0.10 | weight ≥ 0 |
+//! | `epsilon` | 0.01 | score |
+//! | `prefix_tokens` | 64 | tokens |
+//! | `block_tokens` | 16 | tokens |
+//! | `hash` | `xxh3` | `xxh3` or `blake3` |
+//! | `ttl_secs` | 120 | seconds |
+//! | `max_entries` | 4,194,304 | (block, worker) entries |
+
+use crate::block_index::{BlockIndex, BlockIndexConfig};
+use crate::hash::{HashAlgo, prefix_key, request_blocks, stable_hash};
+use crate::policy::{Branch, Decision, KnobError, MAX_FALLBACKS, MatchUnit, PickCtx, Policy, RouteError, patch_knobs};
+use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
+use arc_swap::ArcSwap;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// The four score weights (seed 001 defaults 0.55 / 0.25 / 0.10 / 0.10).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct KvWeights {
+    /// Weight of the KV prefix overlap.
+    pub w_kv: f64,
+    /// Weight of `1 − util`.
+    pub w_load: f64,
+    /// Weight of `1 − norm_watts`.
+    pub w_pwr: f64,
+    /// Weight of the static capacity.
+    pub w_cap: f64,
+}
+
+impl Default for KvWeights {
+    fn default() -> Self {
+        KvWeights { w_kv: 0.55, w_load: 0.25, w_pwr: 0.10, w_cap: 0.10 }
+    }
+}
+
+/// Knobs of `kv_score`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvScoreConfig {
+    /// Weight of the KV prefix overlap.
+    pub w_kv: f64,
+    /// Weight of `1 − util`.
+    pub w_load: f64,
+    /// Weight of `1 − norm_watts`.
+    pub w_pwr: f64,
+    /// Weight of the static capacity.
+    pub w_cap: f64,
+    /// Scores within this distance of the best are ties.
+    pub epsilon: f64,
+    /// Leading prompt tokens hashed for the overlap.
+    pub prefix_tokens: u32,
+    /// Tokens per hashed block.
+    pub block_tokens: u32,
+    /// Block hash function.
+    pub hash: HashAlgo,
+    /// Lifetime of an index entry after its last use, seconds.
+    pub ttl_secs: f64,
+    /// Maximum (block, worker) entries in the index.
+    pub max_entries: usize,
+}
+
+impl Default for KvScoreConfig {
+    fn default() -> Self {
+        let w = KvWeights::default();
+        KvScoreConfig {
+            w_kv: w.w_kv,
+            w_load: w.w_load,
+            w_pwr: w.w_pwr,
+            w_cap: w.w_cap,
+            epsilon: 0.01,
+            prefix_tokens: 64,
+            block_tokens: 16,
+            hash: HashAlgo::Xxh3,
+            ttl_secs: 120.0,
+            max_entries: 1 << 22,
+        }
+    }
+}
+
+impl KvScoreConfig {
+    /// The weights part.
+    pub fn weights(&self) -> KvWeights {
+        KvWeights { w_kv: self.w_kv, w_load: self.w_load, w_pwr: self.w_pwr, w_cap: self.w_cap }
+    }
+
+    /// Checks ranges.
+    ///
+    /// # Errors
+    /// A message naming the knob out of range.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, v) in [("w_kv", self.w_kv), ("w_load", self.w_load), ("w_pwr", self.w_pwr), ("w_cap", self.w_cap)] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(format!("{name} must be a finite weight >= 0, got {v}"));
+            }
+        }
+        if !(self.epsilon >= 0.0 && self.epsilon.is_finite()) {
+            return Err(format!("epsilon must be >= 0, got {}", self.epsilon));
+        }
+        if self.block_tokens == 0 || self.prefix_tokens < self.block_tokens {
+            return Err("block_tokens must be >= 1 and prefix_tokens >= block_tokens".into());
+        }
+        if self.ttl_secs.is_nan() || self.ttl_secs <= 0.0 {
+            return Err(format!("ttl_secs must be > 0, got {}", self.ttl_secs));
+        }
+        Ok(())
+    }
+}
+
+/// The `kv_score` policy.
+#[derive(Debug)]
+pub struct KvScore {
+    cfg: KvScoreConfig,
+    weights: Arc<ArcSwap<KvWeights>>,
+    index: BlockIndex,
+    blocks: Vec<BlockHash>,
+    overlaps: Vec<(WorkerId, usize)>,
+    scored: Vec<(f64, WorkerId)>,
+}
+
+impl KvScore {
+    /// A policy with `cfg` (validate it first).
+    pub fn new(cfg: KvScoreConfig) -> Self {
+        let index = BlockIndex::new(BlockIndexConfig { ttl_secs: cfg.ttl_secs, max_entries: cfg.max_entries });
+        KvScore {
+            weights: Arc::new(ArcSwap::from_pointee(cfg.weights())),
+            cfg,
+            index,
+            blocks: Vec::new(),
+            overlaps: Vec::new(),
+            scored: Vec::new(),
+        }
+    }
+
+    /// The live weights: `store` a new `Arc<KvWeights>` to change them without a lock.
+    pub fn weights_handle(&self) -> Arc<ArcSwap<KvWeights>> {
+        Arc::clone(&self.weights)
+    }
+
+    fn hash_request(&mut self, req: &RequestView<'_>) {
+        self.blocks.clear();
+        let max_blocks = (self.cfg.prefix_tokens / self.cfg.block_tokens).max(1) as usize;
+        request_blocks(req, self.cfg.block_tokens as usize, max_blocks, self.cfg.hash, &mut self.blocks);
+    }
+}
+
+fn capacity_raw(w: &WorkerView) -> f64 {
+    let c = &w.capacity;
+    if c.free_model_slots == 0 {
+        return 0.0;
+    }
+    f64::from(c.tp_size) * c.vram_gib.max(0.0) / f64::from(c.dtype_bytes.max(1))
+}
+
+/// The tie-break hash of (worker id, prefix hash): stable across calls and processes.
+pub fn tie_hash(worker: WorkerId, prefix_hash: u64) -> u64 {
+    let mut b = [0u8; 12];
+    b[..4].copy_from_slice(&worker.0.to_le_bytes());
+    b[4..].copy_from_slice(&prefix_hash.to_le_bytes());
+    stable_hash(&b)
+}
+
+impl Policy for KvScore {
+    fn name(&self) -> &'static str {
+        "kv_score"
+    }
+
+    fn pick(&mut self, req: &RequestView<'_>, c: &[WorkerView], ctx: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+        self.hash_request(req);
+        self.overlaps.clear();
+        self.index.overlaps(&self.blocks, ctx.now, &mut self.overlaps);
+        let w = **self.weights.load();
+        let routable = || c.iter().filter(|w| w.is_routable());
+        let max_watts = routable().filter_map(|w| w.power_watts).fold(0.0_f64, f64::max);
+        let max_cap = routable().map(capacity_raw).fold(0.0_f64, f64::max);
+        let n_blocks = self.blocks.len();
+        self.scored.clear();
+        for v in routable() {
+            let held = self.overlaps.iter().find(|(id, _)| *id == v.id).map_or(0, |(_, n)| *n);
+            let overlap = if n_blocks == 0 { 0.0 } else { held as f64 / n_blocks as f64 };
+            let util = (f64::from(v.in_flight) / f64::from(v.capacity.max_concurrent.max(1)))
+                .max(v.sm_util.unwrap_or(0.0))
+                .clamp(0.0, 1.0);
+            let norm_watts =
+                if max_watts > 0.0 { (v.power_watts.unwrap_or(0.0) / max_watts).clamp(0.0, 1.0) } else { 0.0 };
+            let capacity = if max_cap > 0.0 { capacity_raw(v) / max_cap } else { 0.0 };
+            let score = w.w_kv * overlap + w.w_load * (1.0 - util) + w.w_pwr * (1.0 - norm_watts) + w.w_cap * capacity;
+            self.scored.push((score, v.id));
+        }
+        if self.scored.is_empty() {
+            return Err(RouteError::NoWorker);
+        }
+        let best = self.scored.iter().map(|(s, _)| *s).fold(f64::NEG_INFINITY, f64::max);
+        let eps = self.cfg.epsilon;
+        let prefix = prefix_key(&self.blocks);
+        let tied = self.scored.iter().filter(|(s, _)| *s >= best - eps).count();
+        // Order: by score descending, and within the tie band by the stable hash.
+        self.scored.sort_by(|a, b| {
+            let (a_tie, b_tie) = (a.0 >= best - eps, b.0 >= best - eps);
+            match (a_tie, b_tie) {
+                (true, true) => tie_hash(b.1, prefix).cmp(&tie_hash(a.1, prefix)),
+                _ => b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)),
+            }
+        });
+        let (score, winner) = self.scored[0];
+        let held = self.overlaps.iter().find(|(id, _)| *id == winner).map_or(0, |(_, n)| *n);
+        let mut d = Decision::new(winner, if tied > 1 { Branch::TieBreak } else { Branch::Score })
+            .with_match(held as u64, n_blocks as u64, if n_blocks == 0 { MatchUnit::None } else { MatchUnit::Blocks })
+            .with_score(score);
+        d.fallbacks = self.scored[1..].iter().take(MAX_FALLBACKS).map(|(_, id)| *id).collect();
+        Ok(d)
+    }
+
+    fn on_routed(&mut self, req: &RequestView<'_>, worker: WorkerId, now: Nanos) {
+        self.hash_request(req);
+        let blocks = std::mem::take(&mut self.blocks);
+        self.index.record(worker, &blocks, now);
+        self.blocks = blocks;
+    }
+
+    fn on_worker_removed(&mut self, worker: WorkerId) {
+        self.index.clear_worker(worker);
+    }
+
+    fn maintain(&mut self, now: Nanos) {
+        self.index.evict(now);
+    }
+
+    fn maintenance_interval(&self) -> Option<Nanos> {
+        Some(Nanos::from_secs(10))
+    }
+
+    fn knobs(&self) -> serde_json::Value {
+        let mut cfg = self.cfg.clone();
+        let w = **self.weights.load();
+        (cfg.w_kv, cfg.w_load, cfg.w_pwr, cfg.w_cap) = (w.w_kv, w.w_load, w.w_pwr, w.w_cap);
+        serde_json::to_value(&cfg).unwrap_or_default()
+    }
+
+    fn set_knobs(&mut self, patch: &serde_json::Value) -> Result<(), KnobError> {
+        let next = patch_knobs("kv_score", &self.cfg, patch, KvScoreConfig::validate)?;
+        self.weights.store(Arc::new(next.weights()));
+        if next.ttl_secs != self.cfg.ttl_secs || next.max_entries != self.cfg.max_entries {
+            // Index limits changed: rebuild (the approximate state is soft and relearned).
+            self.index = BlockIndex::new(BlockIndexConfig { ttl_secs: next.ttl_secs, max_entries: next.max_entries });
+        }
+        self.cfg = next;
+        Ok(())
+    }
+
+    fn index_size(&self) -> u64 {
+        self.index.entries() as u64
+    }
+}

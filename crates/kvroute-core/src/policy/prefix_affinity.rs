@@ -1,0 +1,169 @@
+//! `prefix_affinity`: Ray Serve's PrefixCacheAffinityRouter (seed 000,
+//! `shared/seeds/000_*.txt`).
+//!
+//! 1. **Load balance check**: if the highest minus the lowest queue length
+//!    ([`WorkerView::load`]) exceeds `imbalanced_threshold`, load wins: Power of Two
+//!    Choices over all candidates. Branch `imbalanced`.
+//! 2. **Prefix matching** (balanced): match the prompt in the multi-tenant prefix tree;
+//!    match rate = matched chars / prompt chars.
+//!    - rate `≥ match_rate_threshold`: the candidate set narrows to the replicas holding the
+//!      highest match. Branch `high_match`;
+//!    - rate `< match_rate_threshold`: it narrows to the replicas with the smallest prefix
+//!      state (smallest tenants: least KV-cache utilisation), to increase utilisation.
+//!      Branch `low_match`;
+//!    - no prefix data (no key): Power of Two Choices over all. Branch `no_prefix`.
+//! 3. Power of Two Choices then picks within the narrowed set (Ray's router extends
+//!    `PowerOfTwoChoicesRequestRouter` and falls back to it).
+//!
+//! The prompt is inserted for the chosen replica (Ray's `on_request_routed`); a dead
+//! replica's tenant is removed (`on_replica_actor_died`). With `do_eviction`, every
+//! `eviction_interval_secs` the tree is cut back to `eviction_target_chars` once it
+//! exceeds `eviction_threshold_chars` (LRU leaves first).
+//!
+//! | knob | default | unit |
+//! |---|---|---|
+//! | `imbalanced_threshold` | 10 | requests (queue length difference) |
+//! | `match_rate_threshold` | 0.1 | match rate, 0.0–1.0 |
+//! | `do_eviction` | false | — |
+//! | `eviction_threshold_chars` | 400,000 | chars (symbols) |
+//! | `eviction_target_chars` | 360,000 | chars (symbols) |
+//! | `eviction_interval_secs` | 10 | seconds |
+
+use crate::policy::util::{PrefixKey, PrefixTrees, argmin_by, load_range, power_of_two, routable_ids, routable_set};
+use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RouteError, patch_knobs};
+use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
+use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
+
+/// Knobs of `prefix_affinity` (defaults from seed 000).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefixAffinityConfig {
+    /// Queue-length difference above which load is imbalanced.
+    pub imbalanced_threshold: u32,
+    /// Minimum match rate to route by prefix.
+    pub match_rate_threshold: f64,
+    /// Whether to evict old tree entries.
+    pub do_eviction: bool,
+    /// Tree size (chars) that triggers eviction.
+    pub eviction_threshold_chars: usize,
+    /// Tree size (chars) eviction cuts back to.
+    pub eviction_target_chars: usize,
+    /// Seconds between eviction checks.
+    pub eviction_interval_secs: f64,
+}
+
+impl Default for PrefixAffinityConfig {
+    fn default() -> Self {
+        PrefixAffinityConfig {
+            imbalanced_threshold: 10,
+            match_rate_threshold: 0.1,
+            do_eviction: false,
+            eviction_threshold_chars: 400_000,
+            eviction_target_chars: 360_000,
+            eviction_interval_secs: 10.0,
+        }
+    }
+}
+
+impl PrefixAffinityConfig {
+    /// Checks ranges.
+    ///
+    /// # Errors
+    /// A message naming the knob out of range.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(0.0..=1.0).contains(&self.match_rate_threshold) {
+            return Err(format!("match_rate_threshold must be in [0, 1], got {}", self.match_rate_threshold));
+        }
+        if self.eviction_target_chars > self.eviction_threshold_chars {
+            return Err("eviction_target_chars must not exceed eviction_threshold_chars".into());
+        }
+        if !(self.eviction_interval_secs > 0.0 && self.eviction_interval_secs.is_finite()) {
+            return Err(format!("eviction_interval_secs must be > 0, got {}", self.eviction_interval_secs));
+        }
+        Ok(())
+    }
+}
+
+/// The `prefix_affinity` policy.
+#[derive(Debug, Default)]
+pub struct PrefixAffinity {
+    cfg: PrefixAffinityConfig,
+    trees: PrefixTrees,
+}
+
+impl PrefixAffinity {
+    /// A policy with `cfg` (validate it first).
+    pub fn new(cfg: PrefixAffinityConfig) -> Self {
+        PrefixAffinity { cfg, trees: PrefixTrees::default() }
+    }
+}
+
+impl Policy for PrefixAffinity {
+    fn name(&self) -> &'static str {
+        "prefix_affinity"
+    }
+
+    fn pick(&mut self, req: &RequestView<'_>, c: &[WorkerView], ctx: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+        let (lowest, highest) = load_range(c).ok_or(RouteError::NoWorker)?;
+        let all = routable_ids(c);
+        let key = PrefixKey::of(req);
+        let (set, branch, matched): (SmallVec<[WorkerId; 16]>, Branch, usize) =
+            if highest - lowest > self.cfg.imbalanced_threshold {
+                (all, Branch::Imbalanced, 0)
+            } else if let Some(key) = key {
+                let m = self.trees.prefix_match(key, Some(&routable_set(c)));
+                let rate = m.matched as f64 / key.len() as f64;
+                if rate < self.cfg.match_rate_threshold {
+                    let trees = &self.trees;
+                    let smallest = argmin_by(c, |_| true, |w| trees.tenant_size(w.id));
+                    (smallest.into_iter().collect(), Branch::LowMatch, 0)
+                } else if m.tenants.is_empty() {
+                    (all, Branch::NoPrefix, 0)
+                } else {
+                    (m.tenants.iter().copied().collect(), Branch::HighMatch, m.matched)
+                }
+            } else {
+                (all, Branch::NoPrefix, 0)
+            };
+        let w = power_of_two(&set, c, ctx.rng).ok_or(RouteError::NoWorker)?;
+        let d = Decision::new(w, branch);
+        Ok(match key {
+            Some(k) => d.with_match(matched as u64, k.len() as u64, k.unit()),
+            None => d,
+        })
+    }
+
+    fn on_routed(&mut self, req: &RequestView<'_>, worker: WorkerId, now: Nanos) {
+        if let Some(key) = PrefixKey::of(req) {
+            self.trees.insert(key, worker, now);
+        }
+    }
+
+    fn on_worker_removed(&mut self, worker: WorkerId) {
+        self.trees.remove_tenant(worker);
+    }
+
+    fn maintain(&mut self, _now: Nanos) {
+        if self.cfg.do_eviction && self.trees.total_size() > self.cfg.eviction_threshold_chars {
+            self.trees.evict_to(self.cfg.eviction_target_chars);
+        }
+    }
+
+    fn maintenance_interval(&self) -> Option<Nanos> {
+        self.cfg.do_eviction.then(|| Nanos::from_secs_f64(self.cfg.eviction_interval_secs))
+    }
+
+    fn knobs(&self) -> serde_json::Value {
+        serde_json::to_value(&self.cfg).unwrap_or_default()
+    }
+
+    fn set_knobs(&mut self, patch: &serde_json::Value) -> Result<(), KnobError> {
+        self.cfg = patch_knobs("prefix_affinity", &self.cfg, patch, PrefixAffinityConfig::validate)?;
+        Ok(())
+    }
+
+    fn index_size(&self) -> u64 {
+        self.trees.total_size() as u64
+    }
+}

@@ -1,0 +1,185 @@
+//! Helpers shared by policies: the request's prefix key, per-key-kind radix trees, and
+//! small selection routines (least load with rotation, Power of Two Choices).
+
+use crate::policy::{MatchUnit, Rng};
+use crate::radix::{PrefixMatch, RadixTree, TenantSet};
+use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
+use smallvec::SmallVec;
+
+/// The prefix key of a request, in the best form it carries: routing text (bytes), else
+/// token ids, else precomputed block hashes.
+#[derive(Debug, Clone, Copy)]
+pub enum PrefixKey<'a> {
+    /// UTF-8 bytes of the routing text.
+    Text(&'a [u8]),
+    /// Token ids.
+    Tokens(&'a [u32]),
+    /// Chained block hashes.
+    Blocks(&'a [BlockHash]),
+}
+
+impl<'a> PrefixKey<'a> {
+    /// The key of `req`, or `None` when it has none (or an empty one).
+    pub fn of(req: &RequestView<'a>) -> Option<Self> {
+        let key = if let Some(t) = req.text.filter(|t| !t.is_empty()) {
+            PrefixKey::Text(t.as_bytes())
+        } else if let Some(t) = req.token_ids.filter(|t| !t.is_empty()) {
+            PrefixKey::Tokens(t)
+        } else if let Some(b) = req.blocks.filter(|b| !b.hashes.is_empty()) {
+            PrefixKey::Blocks(b.hashes)
+        } else {
+            return None;
+        };
+        Some(key)
+    }
+    /// Length in the key's own units.
+    pub fn len(&self) -> usize {
+        match self {
+            PrefixKey::Text(t) => t.len(),
+            PrefixKey::Tokens(t) => t.len(),
+            PrefixKey::Blocks(b) => b.len(),
+        }
+    }
+    /// Whether the key is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Unit of the key's length.
+    pub fn unit(&self) -> MatchUnit {
+        match self {
+            PrefixKey::Text(_) => MatchUnit::Chars,
+            PrefixKey::Tokens(_) => MatchUnit::Tokens,
+            PrefixKey::Blocks(_) => MatchUnit::Blocks,
+        }
+    }
+}
+
+/// One radix tree per key kind (text bytes, token ids, block hashes), so a router whose
+/// requests carry different kinds of keys never compares a byte with a token. In practice
+/// one kind is used per deployment; sizes and budgets are summed over the three.
+#[derive(Debug, Default)]
+pub struct PrefixTrees {
+    text: RadixTree<u8>,
+    tokens: RadixTree<u32>,
+    blocks: RadixTree<BlockHash>,
+}
+
+impl PrefixTrees {
+    /// Deepest match of `key` among `allowed` tenants. O(len(key)).
+    pub fn prefix_match(&self, key: PrefixKey<'_>, allowed: Option<&TenantSet>) -> PrefixMatch {
+        match key {
+            PrefixKey::Text(k) => self.text.prefix_match(k, allowed),
+            PrefixKey::Tokens(k) => self.tokens.prefix_match(k, allowed),
+            PrefixKey::Blocks(k) => self.blocks.prefix_match(k, allowed),
+        }
+    }
+    /// Records that `tenant` holds `key` at `now`. O(len(key)).
+    pub fn insert(&mut self, key: PrefixKey<'_>, tenant: WorkerId, now: Nanos) {
+        match key {
+            PrefixKey::Text(k) => self.text.insert(k, tenant, now),
+            PrefixKey::Tokens(k) => self.tokens.insert(k, tenant, now),
+            PrefixKey::Blocks(k) => self.blocks.insert(k, tenant, now),
+        }
+    }
+    /// Symbols `tenant` holds over all trees. O(1).
+    pub fn tenant_size(&self, tenant: WorkerId) -> usize {
+        self.text.tenant_size(tenant) + self.tokens.tenant_size(tenant) + self.blocks.tenant_size(tenant)
+    }
+    /// Symbols stored over all trees. O(1).
+    pub fn total_size(&self) -> usize {
+        self.text.total_size() + self.tokens.total_size() + self.blocks.total_size()
+    }
+    /// Evicts LRU leaves until all trees together hold at most `budget` symbols; returns
+    /// the symbols freed.
+    pub fn evict_to(&mut self, budget: usize) -> usize {
+        let mut freed = 0;
+        let others = self.tokens.total_size() + self.blocks.total_size();
+        freed += self.text.evict_to(budget.saturating_sub(others));
+        let others = self.text.total_size() + self.blocks.total_size();
+        freed += self.tokens.evict_to(budget.saturating_sub(others));
+        let others = self.text.total_size() + self.tokens.total_size();
+        freed += self.blocks.evict_to(budget.saturating_sub(others));
+        freed
+    }
+    /// Forgets `tenant` everywhere.
+    pub fn remove_tenant(&mut self, tenant: WorkerId) {
+        self.text.remove_tenant(tenant);
+        self.tokens.remove_tenant(tenant);
+        self.blocks.remove_tenant(tenant);
+    }
+}
+
+/// Routable candidates' ids as a tenant set.
+pub fn routable_set(candidates: &[WorkerView]) -> TenantSet {
+    TenantSet::from_ids(candidates.iter().filter(|w| w.is_routable()).map(|w| w.id))
+}
+
+/// (min, max) of `load()` over routable candidates, or `None` when there is none.
+pub fn load_range(candidates: &[WorkerView]) -> Option<(u32, u32)> {
+    candidates.iter().filter(|w| w.is_routable()).map(WorkerView::load).fold(None, |acc, l| match acc {
+        None => Some((l, l)),
+        Some((lo, hi)) => Some((lo.min(l), hi.max(l))),
+    })
+}
+
+/// Among routable candidates accepted by `keep`, those minimising `key`, in candidate order.
+pub fn argmin_by<K: Ord + Copy>(
+    candidates: &[WorkerView],
+    keep: impl Fn(&WorkerView) -> bool,
+    key: impl Fn(&WorkerView) -> K,
+) -> SmallVec<[WorkerId; 8]> {
+    let mut best: Option<K> = None;
+    let mut out = SmallVec::new();
+    for w in candidates.iter().filter(|w| w.is_routable() && keep(w)) {
+        let k = key(w);
+        match best {
+            Some(b) if k > b => {}
+            Some(b) if k == b => out.push(w.id),
+            _ => {
+                best = Some(k);
+                out.clear();
+                out.push(w.id);
+            }
+        }
+    }
+    out
+}
+
+/// Picks `tied[rotation % len]` and advances the rotation when there is a real tie, so a
+/// tie does not always land on the first candidate. `None` when `tied` is empty.
+pub fn rotate(tied: &[WorkerId], rotation: &mut u64) -> Option<WorkerId> {
+    match tied.len() {
+        0 => None,
+        1 => Some(tied[0]),
+        n => {
+            let w = tied[(*rotation % n as u64) as usize];
+            *rotation = rotation.wrapping_add(1);
+            Some(w)
+        }
+    }
+}
+
+/// Power of Two Choices over `set` (ids of routable candidates): two distinct members drawn
+/// uniformly, the lower `load()` wins, the first drawn on a tie. `None` when `set` is empty.
+pub fn power_of_two(set: &[WorkerId], candidates: &[WorkerView], rng: Rng<'_>) -> Option<WorkerId> {
+    let load = |id: WorkerId| candidates.iter().find(|w| w.id == id).map_or(u32::MAX, WorkerView::load);
+    match set.len() {
+        0 => None,
+        1 => Some(set[0]),
+        n => {
+            let a = (rng.next_u64() % n as u64) as usize;
+            // Floyd's draw of a second distinct index.
+            let mut b = (rng.next_u64() % (n as u64 - 1)) as usize;
+            if b >= a {
+                b += 1;
+            }
+            let (wa, wb) = (set[a], set[b]);
+            Some(if load(wb) < load(wa) { wb } else { wa })
+        }
+    }
+}
+
+/// Ids of routable candidates, in candidate order.
+pub fn routable_ids(candidates: &[WorkerView]) -> SmallVec<[WorkerId; 16]> {
+    candidates.iter().filter(|w| w.is_routable()).map(|w| w.id).collect()
+}

@@ -1,0 +1,146 @@
+//! Property tests of the routing core's invariants.
+
+use kvroute_core::ledger::LoadLedger;
+use kvroute_core::policy::{PickCtx, route};
+use kvroute_core::radix::RadixTree;
+use kvroute_core::registry::{build, names};
+use kvroute_core::types::{Health, Nanos, RequestView, WorkerId, WorkerView};
+use proptest::prelude::*;
+use rand_core::SeedableRng;
+use rand_xoshiro::Xoshiro256PlusPlus;
+
+/// Short keys over a small alphabet so that prefixes are shared often.
+fn key() -> impl Strategy<Value = Vec<u8>> {
+    prop::collection::vec(0u8..4, 0..40)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn match_never_exceeds_input_and_insert_is_found(
+        inserts in prop::collection::vec((key(), 0u32..6), 1..30),
+        probe in key(),
+    ) {
+        let mut t: RadixTree<u8> = RadixTree::new();
+        for (i, (k, w)) in inserts.iter().enumerate() {
+            t.insert(k, WorkerId(*w), Nanos(i as u64));
+            let m = t.prefix_match(k, None);
+            prop_assert_eq!(m.matched, k.len());
+            if !k.is_empty() {
+                prop_assert!(m.tenants.contains(&WorkerId(*w)));
+            }
+        }
+        let m = t.prefix_match(&probe, None);
+        prop_assert!(m.matched <= probe.len());
+        prop_assert_eq!(m.tenants.is_empty(), m.matched == 0);
+        prop_assert!(t.check_invariants().is_ok(), "{:?}", t.check_invariants());
+    }
+
+    #[test]
+    fn eviction_respects_budget_and_leaves_no_empty_leaves(
+        inserts in prop::collection::vec((key(), 0u32..6), 1..40),
+        budget in 0usize..120,
+        removed in 0u32..6,
+    ) {
+        let mut t: RadixTree<u8> = RadixTree::new();
+        for (i, (k, w)) in inserts.iter().enumerate() {
+            t.insert(k, WorkerId(*w), Nanos(i as u64));
+        }
+        t.evict_to(budget);
+        prop_assert!(t.total_size() <= budget, "size {} > budget {}", t.total_size(), budget);
+        prop_assert!(t.check_invariants().is_ok(), "{:?}", t.check_invariants());
+        t.remove_tenant(WorkerId(removed));
+        prop_assert_eq!(t.tenant_size(WorkerId(removed)), 0);
+        prop_assert!(t.check_invariants().is_ok(), "{:?}", t.check_invariants());
+    }
+
+    #[test]
+    fn ledger_returns_to_zero(ops in prop::collection::vec((0u32..4, 0u64..5000, 0u8..3, any::<bool>()), 0..60)) {
+        let mut l = LoadLedger::new();
+        let mut tickets = Vec::new();
+        for (w, tokens, end, first) in &ops {
+            let mut t = l.dispatched(WorkerId(*w), *tokens, *tokens / 2);
+            if *first {
+                l.first_token(&mut t);
+            }
+            tickets.push((t, *end));
+        }
+        prop_assert_eq!(l.is_idle(), ops.is_empty());
+        for (t, end) in tickets {
+            match end {
+                0 => l.completed(t),
+                1 => l.cancelled(t),
+                _ => l.failed(t),
+            }
+        }
+        prop_assert!(l.is_idle());
+        for w in 0..4 {
+            let v = l.get(WorkerId(w));
+            prop_assert_eq!((v.in_flight, v.waiting, v.pending_prefill_tokens, v.decode_tokens), (0, 0, 0, 0));
+        }
+    }
+
+    #[test]
+    fn unhealthy_workers_are_never_chosen(
+        policy in prop::sample::select(names()),
+        health in prop::collection::vec(0u8..3, 1..10),
+        loads in prop::collection::vec(0u32..50, 10),
+        prompts in prop::collection::vec("[ab ]{0,64}", 1..12),
+        seed in any::<u64>(),
+    ) {
+        let mut p = build(policy, &serde_json::Value::Null).expect("build");
+        let fleet: Vec<WorkerView> = health.iter().enumerate().map(|(i, h)| {
+            let mut w = WorkerView::idle(WorkerId(i as u32));
+            w.health = [Health::Healthy, Health::Draining, Health::Unhealthy][*h as usize];
+            w.in_flight = loads[i];
+            w
+        }).collect();
+        let any_healthy = fleet.iter().any(WorkerView::is_routable);
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        for (i, text) in prompts.iter().enumerate() {
+            let mut req = RequestView::from_text("m", text);
+            let sid = format!("s{}", i % 3);
+            req.session_id = Some(&sid);
+            let mut ctx = PickCtx { now: Nanos::from_millis(i as u64), rng: &mut rng };
+            match route(p.as_mut(), &req, &fleet, &mut ctx) {
+                Ok(d) => {
+                    prop_assert!(any_healthy);
+                    prop_assert_eq!(fleet[d.worker.index()].health, Health::Healthy);
+                    for f in &d.fallbacks {
+                        prop_assert_eq!(fleet[f.index()].health, Health::Healthy);
+                        prop_assert_ne!(*f, d.worker);
+                    }
+                    prop_assert!(d.matched <= d.key_len);
+                }
+                Err(_) => prop_assert!(!any_healthy),
+            }
+        }
+    }
+
+    #[test]
+    fn same_seed_same_decisions(
+        policy in prop::sample::select(names()),
+        prompts in prop::collection::vec("[abc ]{0,48}", 1..20),
+        loads in prop::collection::vec(0u32..20, 5),
+        seed in any::<u64>(),
+    ) {
+        let run = || {
+            let mut p = build(policy, &serde_json::Value::Null).expect("build");
+            let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+            let mut out = Vec::new();
+            for (i, text) in prompts.iter().enumerate() {
+                let fleet: Vec<WorkerView> = loads.iter().enumerate().map(|(w, l)| {
+                    let mut v = WorkerView::idle(WorkerId(w as u32));
+                    v.in_flight = (*l + i as u32) % 23;
+                    v
+                }).collect();
+                let mut ctx = PickCtx { now: Nanos::from_millis(i as u64 * 10), rng: &mut rng };
+                let d = route(p.as_mut(), &RequestView::from_text("m", text), &fleet, &mut ctx).expect("route");
+                out.push((d.worker, d.branch, d.matched));
+            }
+            out
+        };
+        prop_assert_eq!(run(), run());
+    }
+}

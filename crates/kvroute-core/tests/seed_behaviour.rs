@@ -1,0 +1,213 @@
+//! Each seed's stated routing behaviour, reproduced through the public registry API.
+
+use kvroute_core::policy::kv_score::tie_hash;
+use kvroute_core::policy::{Branch, Decision, PickCtx, Policy, route};
+use kvroute_core::registry::build;
+use kvroute_core::types::{Health, Nanos, RequestView, WorkerId, WorkerView};
+use rand_core::SeedableRng;
+use rand_xoshiro::Xoshiro256PlusPlus;
+
+fn fleet(loads: &[u32]) -> Vec<WorkerView> {
+    loads
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| {
+            let mut w = WorkerView::idle(WorkerId(i as u32));
+            w.in_flight = l;
+            w
+        })
+        .collect()
+}
+
+fn go(p: &mut dyn Policy, text: &str, c: &[WorkerView], seed: u64) -> Decision {
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+    route(p, &RequestView::from_text("m", text), c, &mut ctx).expect("routable")
+}
+
+const DOC: &str = "You are a helpful assistant. The following document describes the system in detail. ";
+
+// ---- seed 003: cache_aware ----
+
+#[test]
+fn cache_aware_imbalanced_needs_both_rules() {
+    let mut p = build("cache_aware", &serde_json::Value::Null).expect("build");
+    let prompt = DOC.repeat(4);
+    // Warm worker 2 with the prompt.
+    go(p.as_mut(), &prompt, &fleet(&[0, 0, 0]), 1);
+    // abs diff 33 > 32 and 40 > 1.0001 × 7 → imbalanced → least loaded (worker 0), not worker 2.
+    let d = go(p.as_mut(), &prompt, &fleet(&[7, 20, 40]), 1);
+    assert_eq!((d.branch, d.worker), (Branch::Imbalanced, WorkerId(0)));
+    // abs diff 32 is not > 32 → balanced → prefix match wins despite load.
+    let d = go(p.as_mut(), &prompt, &fleet(&[8, 20, 40]), 1);
+    assert_eq!(d.branch, Branch::HighMatch);
+    // Relative rule fails: 1.0001 × 1,000,000 ≥ 1,000,033 → balanced.
+    let mut p = build("cache_aware", &serde_json::json!({"balance_rel_threshold": 1.0001})).expect("build");
+    go(p.as_mut(), &prompt, &fleet(&[0, 0, 0]), 1);
+    let d = go(p.as_mut(), &prompt, &fleet(&[1_000_000, 1_000_033, 1_000_010]), 1);
+    assert_ne!(d.branch, Branch::Imbalanced);
+}
+
+#[test]
+fn cache_aware_high_match_goes_to_holder_low_match_to_smallest_tree() {
+    let mut p = build("cache_aware", &serde_json::Value::Null).expect("build");
+    let a = format!("{DOC}{}", "alpha ".repeat(50));
+    let first = go(p.as_mut(), &a, &fleet(&[0, 0, 0]), 1);
+    // Same prompt again with a small extension: match rate > 0.5 → the holder.
+    let d = go(p.as_mut(), &format!("{a} and more"), &fleet(&[0, 0, 0]), 1);
+    assert_eq!((d.branch, d.worker), (Branch::HighMatch, first.worker));
+    assert!(d.matched as usize >= a.len());
+    // An unrelated prompt: low match → a worker with an empty tree, not the holder.
+    let d = go(p.as_mut(), &"zzz unrelated ".repeat(30), &fleet(&[0, 0, 0]), 1);
+    assert_eq!(d.branch, Branch::LowMatch);
+    assert_ne!(d.worker, first.worker);
+}
+
+#[test]
+fn cache_aware_misses_rotate_instead_of_pinning_the_first_worker() {
+    let mut p = build("cache_aware", &serde_json::Value::Null).expect("build");
+    let mut seen = std::collections::HashSet::new();
+    // Equal tiny prompts so trees stay equal-sized: rotation must spread them.
+    for i in 0..4 {
+        seen.insert(go(p.as_mut(), &format!("{i}"), &fleet(&[0, 0, 0, 0]), 1).worker);
+    }
+    assert_eq!(seen.len(), 4);
+}
+
+// ---- seed 000: prefix_affinity ----
+
+#[test]
+fn prefix_affinity_three_tiers() {
+    let mut p = build("prefix_affinity", &serde_json::Value::Null).expect("build");
+    let prompt = DOC.repeat(3);
+    let first = go(p.as_mut(), &prompt, &fleet(&[0, 0, 0, 0]), 7);
+    // Tier 2a: balanced and match rate ≥ 0.1 → the replica holding the match.
+    for seed in 0..20 {
+        let d = go(p.as_mut(), &prompt, &fleet(&[3, 3, 3, 3]), seed);
+        assert_eq!((d.branch, d.worker), (Branch::HighMatch, first.worker), "seed {seed}");
+    }
+    // Tier 2b: match rate < 0.1 → smallest tenants (never the holder, whose tenant is big).
+    // Three misses fill the three empty tenants one by one.
+    let mut filled = std::collections::HashSet::new();
+    for seed in 0..3 {
+        let d = go(p.as_mut(), &format!("Q{seed}: {}", "x".repeat(200)), &fleet(&[0, 0, 0, 0]), seed);
+        assert_eq!(d.branch, Branch::LowMatch);
+        assert_ne!(d.worker, first.worker, "seed {seed}");
+        assert!(filled.insert(d.worker), "seed {seed}: went to a non-empty tenant");
+    }
+    // Tier 1: spread 11 > 10 → Power of Two Choices over everyone, ignoring the prefix.
+    let mut loads = [0, 0, 0, 0];
+    loads[first.worker.index()] = 11;
+    let mut holder_hits = 0;
+    for seed in 0..40 {
+        let d = go(p.as_mut(), &prompt, &fleet(&loads), seed);
+        assert_eq!(d.branch, Branch::Imbalanced);
+        holder_hits += usize::from(d.worker == first.worker);
+    }
+    assert_eq!(holder_hits, 0, "P2C never prefers the loaded holder over an idle worker");
+    // Spread exactly 10 is balanced.
+    loads[first.worker.index()] = 10;
+    assert_eq!(go(p.as_mut(), &prompt, &fleet(&loads), 3).branch, Branch::HighMatch);
+}
+
+#[test]
+fn prefix_affinity_forgets_dead_replicas() {
+    let mut p = build("prefix_affinity", &serde_json::Value::Null).expect("build");
+    let prompt = DOC.repeat(3);
+    let first = go(p.as_mut(), &prompt, &fleet(&[0, 0]), 1);
+    p.on_worker_removed(first.worker);
+    assert_eq!(p.index_size() as usize, 0);
+}
+
+// ---- seed 001: kv_score ----
+
+#[test]
+fn kv_score_tie_break_is_stable_across_calls_and_processes() {
+    // Pinned values: the tie hash must never change between versions or processes.
+    assert_eq!(tie_hash(WorkerId(0), 42), tie_hash(WorkerId(0), 42));
+    let pinned = [tie_hash(WorkerId(0), 0x1234), tie_hash(WorkerId(1), 0x1234), tie_hash(WorkerId(7), 0xdead_beef)];
+    assert_eq!(pinned, [PINNED_0, PINNED_1, PINNED_2], "{pinned:x?}");
+    // Identical idle workers tie; the same prompt goes to the same worker every time, in
+    // fresh policy instances too (as if in another process).
+    let prompt = DOC.repeat(2);
+    let mut winners = std::collections::HashSet::new();
+    for _ in 0..5 {
+        let mut p = build("kv_score", &serde_json::Value::Null).expect("build");
+        for seed in 0..5 {
+            let d = go(p.as_mut(), &prompt, &fleet(&[0, 0, 0, 0]), seed);
+            winners.insert(d.worker);
+            if d.matched == 0 {
+                assert_eq!(d.branch, Branch::TieBreak);
+            }
+        }
+    }
+    assert_eq!(winners.len(), 1);
+}
+
+// xxh3-64 (seed ROOT_SEED) of worker id u32 LE ‖ prefix hash u64 LE, pinned at first release.
+const PINNED_0: u64 = 0x5682_f3c5_ff2a_62b0;
+const PINNED_1: u64 = 0x7726_5e44_d221_f6c3;
+const PINNED_2: u64 = 0x8cbd_803d_34d6_4c6b;
+
+#[test]
+fn kv_score_overlap_beats_small_load_difference_and_loses_to_saturation() {
+    let mut p = build("kv_score", &serde_json::Value::Null).expect("build");
+    let prompt = DOC.repeat(2);
+    let mut c = fleet(&[0, 0]);
+    let first = go(p.as_mut(), &prompt, &c, 1).worker;
+    let other = WorkerId(1 - first.0);
+    // Holder slightly busier: 0.55 overlap outweighs 0.25 × 10/256.
+    c[first.index()].in_flight = 10;
+    assert_eq!(go(p.as_mut(), &prompt, &c, 1).worker, first);
+    // Make load dominate live (w_load 0.9): a saturated holder (util 1.0) now loses.
+    p.set_knobs(&serde_json::json!({"w_kv": 0.1, "w_load": 0.9})).expect("knobs");
+    c[first.index()].in_flight = 256;
+    assert_eq!(go(p.as_mut(), &prompt, &c, 1).worker, other);
+}
+
+#[test]
+fn kv_score_weights_swap_lock_free_through_the_handle() {
+    use kvroute_core::policy::kv_score::{KvScore, KvWeights};
+    let mut p = KvScore::new(Default::default());
+    let handle = p.weights_handle();
+    handle.store(std::sync::Arc::new(KvWeights { w_kv: 0.0, w_load: 1.0, w_pwr: 0.0, w_cap: 0.0 }));
+    assert_eq!(p.knobs()["w_load"], serde_json::json!(1.0));
+    let mut c = fleet(&[5, 1]);
+    c[0].capacity.max_concurrent = 10;
+    c[1].capacity.max_concurrent = 10;
+    assert_eq!(go(&mut p, "hello", &c, 1).worker, WorkerId(1));
+}
+
+// ---- all policies ----
+
+#[test]
+fn no_policy_ever_picks_an_unhealthy_worker() {
+    for name in kvroute_core::registry::names() {
+        let mut p = build(name, &serde_json::Value::Null).expect("build");
+        let mut c = fleet(&[0, 0, 0]);
+        // Warm worker 0 then make it unhealthy.
+        go(p.as_mut(), &DOC.repeat(3), &c, 1);
+        c[0].health = Health::Unhealthy;
+        c[1].health = Health::Draining;
+        for seed in 0..10 {
+            let d = go(p.as_mut(), &DOC.repeat(3), &c, seed);
+            assert_eq!(d.worker, WorkerId(2), "{name}");
+            assert!(!d.fallbacks.contains(&WorkerId(0)), "{name}");
+        }
+    }
+}
+
+#[test]
+fn all_unhealthy_is_an_error_not_a_panic() {
+    for name in kvroute_core::registry::names() {
+        let mut p = build(name, &serde_json::Value::Null).expect("build");
+        let mut c = fleet(&[0, 0]);
+        for w in &mut c {
+            w.health = Health::Unhealthy;
+        }
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
+        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng };
+        assert!(route(p.as_mut(), &RequestView::from_text("m", "hi"), &c, &mut ctx).is_err(), "{name}");
+        assert!(route(p.as_mut(), &RequestView::from_text("m", "hi"), &[], &mut ctx).is_err(), "{name}");
+    }
+}
