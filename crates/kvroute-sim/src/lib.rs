@@ -1,1 +1,14 @@
-//! placeholder
+//! # kvroute-sim
+//!
+//! The engine model and the trace-replay simulator of kvroute.
+//!
+//! - [`engine`]: a pure discrete-event model of one inference engine (paged KV cache with
+//!   prefix caching, continuous batching, chunked prefill, step-time profiles).
+//! - [`trace`]: trace readers (Mooncake JSONL, Azure CSV, session JSONL) with
+//!   file/line/field errors, and transforms (rate scaling, spreading, sampling, capping).
+//! - [`replay`]: replays a trace through a routing policy onto N engines on a logical clock.
+//! - [`report`]: per-policy results, tables, JSON/CSV and plots.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod engine;

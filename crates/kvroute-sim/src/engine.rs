@@ -1,0 +1,762 @@
+//! A pure, discrete-event model of one inference engine (vLLM-style): a paged KV cache
+//! with prefix caching, continuous batching with chunked prefill, and a step-time model.
+//!
+//! The same model drives `kvroute replay` (logical clock) and `kvroute engine-sim` (wall
+//! clock scaled by `--time-scale`). It does no I/O and reads no clock: the caller passes
+//! `now` and asks for [`Engine::next_event_time`].
+//!
+//! ## KV cache
+//! The cache holds `kv_blocks` blocks of `block_tokens` tokens. A request's prompt blocks
+//! are identified by chained block hashes, so a block is reusable only together with its
+//! whole prefix: the cache hit of a request is the longest *leading* run of its blocks
+//! present ([`KvCache::lookup`]). Blocks used by running requests are pinned; blocks of
+//! finished requests stay cached and are evicted least-recently-used first when space is
+//! needed (the tail of a prompt before its head, as vLLM's free-block queue does). Output
+//! (decode) tokens take anonymous blocks freed at completion.
+//!
+//! ## Scheduling (one engine step)
+//! Like vLLM's scheduler with chunked prefill: every running request in decode gets one
+//! token; the remaining token budget (`max_batched_tokens`) goes to prefill chunks, first
+//! of running requests, then of waiting requests admitted FIFO while the batch has fewer
+//! than `max_batch` requests and the KV cache can hold the request's blocks. A request whose
+//! blocks exceed the whole cache is rejected.
+//!
+//! ## Step time
+//! `step = step_overhead + prefill_tokens × prefill_per_token + decode_seqs × decode_per_seq
+//!        + context_tokens × context_per_token` — a linear roofline: prefill is compute
+//! bound (per token), decode is memory bound (weights once per step, KV per context token).
+//! Runs of identical decode-only steps are coalesced into one event (the context grows by
+//! one token per step; the span uses its mean context), which keeps replay of an hour of
+//! traffic to seconds.
+
+use kvroute_core::types::{BlockHash, Nanos};
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, VecDeque};
+
+/// Constants of the engine model. See [`Profile::named`] for the built-in profiles and
+/// their sources; every field can be overridden.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    /// Profile name.
+    pub name: String,
+    /// Tokens per KV block (for the cache's capacity; trace blocks may be larger).
+    pub block_tokens: u32,
+    /// KV cache capacity in tokens.
+    pub kv_tokens: u64,
+    /// Maximum requests in the running batch (vLLM `max_num_seqs`).
+    pub max_batch: u32,
+    /// Token budget per step (vLLM `max_num_batched_tokens`).
+    pub max_batched_tokens: u32,
+    /// Fixed cost of one step, seconds.
+    pub step_overhead_s: f64,
+    /// Prefill cost per uncached prompt token, seconds.
+    pub prefill_per_token_s: f64,
+    /// Decode cost per running sequence per step, seconds.
+    pub decode_per_seq_s: f64,
+    /// Attention/KV read cost per context token in the batch per step, seconds.
+    pub context_per_token_s: f64,
+}
+
+impl Profile {
+    /// Names of the built-in profiles.
+    pub const NAMES: [&'static str; 3] = ["h100-llama3-8b", "a100-llama3-8b", "cpu-smollm2-135m"];
+
+    /// A built-in profile by name, or `None`.
+    ///
+    /// - `h100-llama3-8b`: Llama-3.1-8B, bf16, one H100 SXM (989 TFLOP/s dense bf16,
+    ///   3.35 TB/s HBM). Weights 16 GB; KV 128 KiB/token (32 layers × 8 KV heads × 128 dims ×
+    ///   2 × 2 bytes), 55 GB free for KV → 420k tokens. Prefill 2 × 8e9 FLOP/token at ≈30%
+    ///   MFU → 50 µs/token (20k tokens/s, the order vLLM reports for 8B on H100). Decode step:
+    ///   weights read once, 16 GB / 3.35 TB/s ≈ 4.8 ms, plus ≈1 ms scheduler/launch overhead
+    ///   → 6 ms; KV read 128 KiB / 3.35 TB/s ≈ 0.04 µs per context token; 30 µs per sequence
+    ///   for sampling and bookkeeping. vLLM defaults `max_num_seqs` 256 and
+    ///   `max_num_batched_tokens` 8192.
+    /// - `a100-llama3-8b`: same model on an A100 80GB (312 TFLOP/s, 2.0 TB/s): prefill ≈
+    ///   3.2× slower per token (160 µs), decode step 9 ms, 0.065 µs per context token.
+    /// - `cpu-smollm2-135m`: the llama.cpp worker measured on this 2-core machine
+    ///   (`scripts/llama-workers.sh`, `shared/tools/prefix_cache_probe.py`): ≈70 prompt
+    ///   tokens/s (14 ms/token), ≈30 ms per decode step, 2 slots, 8192-token context per
+    ///   slot.
+    pub fn named(name: &str) -> Option<Profile> {
+        let p = match name {
+            "h100-llama3-8b" => Profile {
+                name: name.into(),
+                block_tokens: 16,
+                kv_tokens: 420_000,
+                max_batch: 256,
+                max_batched_tokens: 8192,
+                step_overhead_s: 0.006,
+                prefill_per_token_s: 50e-6,
+                decode_per_seq_s: 30e-6,
+                context_per_token_s: 0.04e-6,
+            },
+            "a100-llama3-8b" => Profile {
+                name: name.into(),
+                block_tokens: 16,
+                kv_tokens: 420_000,
+                max_batch: 256,
+                max_batched_tokens: 8192,
+                step_overhead_s: 0.009,
+                prefill_per_token_s: 160e-6,
+                decode_per_seq_s: 40e-6,
+                context_per_token_s: 0.065e-6,
+            },
+            "cpu-smollm2-135m" => Profile {
+                name: name.into(),
+                block_tokens: 16,
+                kv_tokens: 16_384,
+                max_batch: 2,
+                max_batched_tokens: 2048,
+                step_overhead_s: 0.030,
+                prefill_per_token_s: 14e-3,
+                decode_per_seq_s: 1e-3,
+                context_per_token_s: 0.0,
+            },
+            _ => return None,
+        };
+        Some(p)
+    }
+
+    /// Checks the constants.
+    ///
+    /// # Errors
+    /// A message naming the bad field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.block_tokens == 0 || self.kv_tokens == 0 || self.max_batch == 0 || self.max_batched_tokens == 0 {
+            return Err("block_tokens, kv_tokens, max_batch and max_batched_tokens must be at least 1".into());
+        }
+        for (k, v) in [
+            ("step_overhead_s", self.step_overhead_s),
+            ("prefill_per_token_s", self.prefill_per_token_s),
+            ("decode_per_seq_s", self.decode_per_seq_s),
+            ("context_per_token_s", self.context_per_token_s),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{k} must be a finite number >= 0, got {v}"));
+            }
+        }
+        if self.step_overhead_s + self.prefill_per_token_s + self.decode_per_seq_s <= 0.0 {
+            return Err("a step must take time: step_overhead_s, prefill_per_token_s or decode_per_seq_s > 0".into());
+        }
+        Ok(())
+    }
+
+    /// Duration of one step.
+    pub fn step_time(&self, prefill_tokens: u64, decode_seqs: u64, context_tokens: u64) -> Nanos {
+        Nanos::from_secs_f64(
+            self.step_overhead_s
+                + prefill_tokens as f64 * self.prefill_per_token_s
+                + decode_seqs as f64 * self.decode_per_seq_s
+                + context_tokens as f64 * self.context_per_token_s,
+        )
+    }
+}
+
+/// A paged KV cache with prefix caching: pinned blocks (in use) and an LRU of evictable
+/// cached blocks, identified by chained block hashes, plus anonymous (output and partial)
+/// blocks. Capacity is in engine blocks; a cached entry may weigh several engine blocks
+/// (a 512-token trace block is 32 engine blocks of 16 tokens).
+#[derive(Debug)]
+pub struct KvCache {
+    capacity: u64,
+    pinned: HashMap<BlockHash, (u32, u64)>,
+    pinned_weight: u64,
+    free_lru: lru::LruCache<BlockHash, u64>,
+    free_weight: u64,
+    anonymous: u64,
+    reserved: u64,
+    evictions: u64,
+}
+
+impl KvCache {
+    /// A cache of `capacity` engine blocks.
+    pub fn new(capacity: u64) -> Self {
+        KvCache {
+            capacity,
+            pinned: HashMap::new(),
+            pinned_weight: 0,
+            free_lru: lru::LruCache::unbounded(),
+            free_weight: 0,
+            anonymous: 0,
+            reserved: 0,
+            evictions: 0,
+        }
+    }
+
+    /// Engine blocks in use or cached.
+    pub fn used(&self) -> u64 {
+        self.active() + self.free_weight
+    }
+
+    /// Engine blocks pinned or reserved by running requests (not evictable).
+    pub fn active(&self) -> u64 {
+        self.pinned_weight + self.anonymous + self.reserved
+    }
+
+    /// Capacity in engine blocks.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Cached entries evicted so far.
+    pub fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    /// Leading blocks of `hashes` cached (pinned or evictable). Does not touch recency.
+    pub fn lookup(&self, hashes: &[BlockHash]) -> usize {
+        hashes.iter().take_while(|h| self.pinned.contains_key(h) || self.free_lru.contains(h)).count()
+    }
+
+    /// Pins the `hit` leading blocks of `hashes` (each weighing `weight` engine blocks) and
+    /// reserves `extra` engine blocks, evicting LRU blocks as needed. Returns false (and
+    /// changes nothing) when they cannot fit.
+    pub fn admit(&mut self, hashes: &[BlockHash], hit: usize, weight: u64, extra: u64) -> bool {
+        let unpinned_hits: u64 =
+            hashes[..hit].iter().filter(|h| !self.pinned.contains_key(h)).map(|_| weight).sum();
+        if self.active() + unpinned_hits + extra > self.capacity {
+            return false;
+        }
+        for h in &hashes[..hit] {
+            self.pin(*h, weight);
+        }
+        self.reserved += extra;
+        self.evict_to_capacity();
+        true
+    }
+
+    fn pin(&mut self, h: BlockHash, weight: u64) {
+        if let Some(w) = self.free_lru.pop(&h) {
+            self.free_weight -= w;
+            self.pinned.insert(h, (1, w));
+            self.pinned_weight += w;
+        } else if let Some(e) = self.pinned.get_mut(&h) {
+            e.0 += 1;
+        } else {
+            self.pinned.insert(h, (1, weight));
+            self.pinned_weight += weight;
+        }
+    }
+
+    fn evict_to_capacity(&mut self) {
+        while self.used() > self.capacity {
+            let Some((_, w)) = self.free_lru.pop_lru() else { break };
+            self.free_weight -= w;
+            self.evictions += 1;
+        }
+    }
+
+    /// Prefill done: releases `reserved` engine blocks, pins the `new` computed prompt
+    /// blocks (each `weight` engine blocks; already-cached ones just gain a reference) and
+    /// adds `anon` anonymous blocks.
+    pub fn commit(&mut self, new: &[BlockHash], weight: u64, reserved: u64, anon: u64) {
+        self.reserved -= reserved.min(self.reserved);
+        for h in new {
+            self.pin(*h, weight);
+        }
+        self.anonymous += anon;
+        self.evict_to_capacity();
+    }
+
+    /// A request finished: unpins its prompt blocks (they become evictable, the head most
+    /// recent) and frees `anon` anonymous and `reserved` reserved blocks.
+    pub fn release(&mut self, pinned: &[BlockHash], anon: u64, reserved: u64) {
+        for h in pinned.iter().rev() {
+            if let Some(e) = self.pinned.get_mut(h) {
+                e.0 -= 1;
+                if e.0 == 0 {
+                    let w = e.1;
+                    self.pinned.remove(h);
+                    self.pinned_weight -= w;
+                    self.free_lru.put(*h, w);
+                    self.free_weight += w;
+                }
+            }
+        }
+        self.anonymous -= anon.min(self.anonymous);
+        self.reserved -= reserved.min(self.reserved);
+    }
+}
+
+/// A request submitted to an [`Engine`].
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    /// Caller's id, echoed in events.
+    pub id: u64,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Tokens to generate (at least 1).
+    pub output_tokens: u32,
+    /// Chained hashes of the prompt's blocks.
+    pub blocks: Vec<BlockHash>,
+    /// Tokens per block of `blocks`.
+    pub block_tokens: u32,
+}
+
+/// Something that happened inside an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineEvent {
+    /// The request's prefill finished and its first token was produced.
+    FirstToken {
+        /// Request id.
+        id: u64,
+        /// When.
+        at: Nanos,
+        /// Prompt tokens served from the prefix cache.
+        cached_tokens: u32,
+    },
+    /// The request finished.
+    Finished {
+        /// Request id.
+        id: u64,
+        /// When.
+        at: Nanos,
+    },
+    /// The request can never fit in this engine's KV cache.
+    Rejected {
+        /// Request id.
+        id: u64,
+        /// When.
+        at: Nanos,
+    },
+}
+
+#[derive(Debug)]
+struct Running {
+    req: EngineRequest,
+    cached_tokens: u32,
+    hit_blocks: usize,
+    prefill_left: u32,
+    decoded: u32,
+    reserved_blocks: u64,
+    anon_blocks: u64,
+    committed: bool,
+}
+
+/// Full (complete) prompt blocks of `req`: the partial tail block is never cached.
+fn full_blocks(req: &EngineRequest) -> usize {
+    ((req.input_tokens as u64 / req.block_tokens.max(1) as u64) as usize).min(req.blocks.len())
+}
+
+/// The step in progress.
+#[derive(Debug, Clone, Copy)]
+struct Step {
+    start: Nanos,
+    dt: Nanos,
+    /// Identical steps in this span (decode-only spans may have many).
+    count: u64,
+}
+
+/// Counters of one engine, for metrics and reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct EngineStats {
+    /// Requests submitted.
+    pub submitted: u64,
+    /// Requests finished.
+    pub finished: u64,
+    /// Requests rejected (too large for the KV cache).
+    pub rejected: u64,
+    /// Prompt tokens looked up in the prefix cache (vLLM `prefix_cache_queries`).
+    pub prefix_queries_tokens: u64,
+    /// Prompt tokens served from the prefix cache (vLLM `prefix_cache_hits`).
+    pub prefix_hit_tokens: u64,
+    /// Prompt tokens computed.
+    pub prefill_tokens: u64,
+    /// Output tokens generated.
+    pub decode_tokens: u64,
+    /// Time spent executing steps, nanoseconds.
+    pub busy_ns: u64,
+    /// Steps executed.
+    pub steps: u64,
+}
+
+/// One simulated engine. See the module docs.
+#[derive(Debug)]
+pub struct Engine {
+    profile: Profile,
+    cache: KvCache,
+    waiting: VecDeque<EngineRequest>,
+    running: Vec<Running>,
+    step: Option<Step>,
+    /// Chunk sizes of the current prefill step, by running index.
+    chunks: Vec<(usize, u32)>,
+    stats: EngineStats,
+    max_waiting: usize,
+    /// An idle engine's pending planning time after a submit.
+    wake: Option<Nanos>,
+}
+
+impl Engine {
+    /// An idle engine with `profile` (assumed valid) and a bounded waiting queue of
+    /// `max_waiting` requests (beyond it, requests are rejected).
+    pub fn new(profile: Profile, max_waiting: usize) -> Self {
+        let blocks = profile.kv_tokens.div_ceil(profile.block_tokens as u64);
+        Engine {
+            cache: KvCache::new(blocks),
+            profile,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            step: None,
+            chunks: Vec::new(),
+            stats: EngineStats::default(),
+            max_waiting: max_waiting.max(1),
+            wake: None,
+        }
+    }
+
+    /// The profile.
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    /// Requests waiting (not yet admitted to the batch).
+    pub fn num_waiting(&self) -> u32 {
+        self.waiting.len() as u32
+    }
+
+    /// Requests in the running batch.
+    pub fn num_running(&self) -> u32 {
+        self.running.len() as u32
+    }
+
+    /// KV cache usage in [0, 1] counting only blocks in use (vLLM `kv_cache_usage_perc`).
+    pub fn kv_usage(&self) -> f64 {
+        self.cache.active() as f64 / self.cache.capacity().max(1) as f64
+    }
+
+    /// The KV cache.
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    /// Prompt tokens a request with `blocks` (of `block_tokens`) would find cached now.
+    pub fn cached_prefix_tokens(&self, blocks: &[BlockHash], block_tokens: u32, input_tokens: u32) -> u32 {
+        ((self.cache.lookup(blocks) as u64 * block_tokens as u64).min(input_tokens as u64)) as u32
+    }
+
+    /// Submits a request at `now`. It joins the batch at the next step boundary. Events
+    /// already due before `now` must have been collected with [`Engine::advance`] first.
+    pub fn submit(&mut self, req: EngineRequest, now: Nanos, events: &mut Vec<EngineEvent>) {
+        self.stats.submitted += 1;
+        let need = (req.input_tokens as u64 + req.output_tokens.max(1) as u64).div_ceil(self.profile.block_tokens as u64);
+        if need > self.cache.capacity() || self.waiting.len() >= self.max_waiting {
+            self.stats.rejected += 1;
+            events.push(EngineEvent::Rejected { id: req.id, at: now });
+            return;
+        }
+        self.waiting.push_back(req);
+        // Cut a coalesced decode span at the next step boundary so the newcomer joins.
+        if let Some(s) = &mut self.step
+            && s.count > 1
+        {
+            let elapsed = now.0.saturating_sub(s.start.0);
+            let done = elapsed.div_ceil(s.dt.0.max(1)).max(1);
+            s.count = s.count.min(done);
+        }
+        if self.step.is_none() && self.wake.is_none() {
+            // Plan at `now`, after every same-instant arrival has been submitted.
+            self.wake = Some(now);
+        }
+    }
+
+    /// When the current step (span) ends, or `None` when idle.
+    pub fn next_event_time(&self) -> Option<Nanos> {
+        self.step.map(|s| Nanos(s.start.0 + s.dt.0 * s.count)).or(self.wake)
+    }
+
+    /// Runs every step that ends at or before `now`, appending events.
+    pub fn advance(&mut self, now: Nanos, events: &mut Vec<EngineEvent>) {
+        while let Some(end) = self.next_event_time() {
+            if end > now {
+                break;
+            }
+            if self.step.is_none() {
+                self.wake = None;
+            } else {
+                self.finish_step(end, events);
+            }
+            self.plan(end);
+        }
+    }
+
+    /// Decode progress of the current span counted up to `now` (for views between events).
+    fn finish_step(&mut self, end: Nanos, events: &mut Vec<EngineEvent>) {
+        let Some(step) = self.step.take() else { return };
+        self.stats.busy_ns += step.dt.0 * step.count;
+        self.stats.steps += step.count;
+        // Decode: every running request already past prefill gets `count` tokens.
+        let chunks = std::mem::take(&mut self.chunks);
+        let mut in_prefill = vec![false; self.running.len()];
+        for &(i, _) in &chunks {
+            in_prefill[i] = true;
+        }
+        for (i, r) in self.running.iter_mut().enumerate() {
+            if r.prefill_left == 0 && !in_prefill[i] {
+                let n = step.count.min((r.req.output_tokens - r.decoded) as u64) as u32;
+                r.decoded += n;
+                self.stats.decode_tokens += n as u64;
+            }
+        }
+        // Prefill chunks.
+        for &(i, n) in &chunks {
+            let r = &mut self.running[i];
+            r.prefill_left -= n;
+            self.stats.prefill_tokens += n as u64;
+            if r.prefill_left == 0 {
+                // The step that ends prefill also samples the first token.
+                r.decoded = 1;
+                self.stats.decode_tokens += 1;
+                events.push(EngineEvent::FirstToken { id: r.req.id, at: end, cached_tokens: r.cached_tokens });
+            }
+        }
+        // Commit computed prompt blocks to the cache: full trace blocks become cached
+        // entries; the partial tail and the output stay anonymous until completion.
+        let bt = self.profile.block_tokens as u64;
+        for r in self.running.iter_mut().filter(|r| r.prefill_left == 0 && !r.committed) {
+            r.committed = true;
+            let full = full_blocks(&r.req);
+            let new = &r.req.blocks[r.hit_blocks.min(full)..full];
+            let weight = (r.req.block_tokens as u64).div_ceil(bt);
+            let anon = r.reserved_blocks.saturating_sub(new.len() as u64 * weight);
+            self.cache.commit(new, weight, r.reserved_blocks, anon);
+            r.anon_blocks = anon;
+            r.reserved_blocks = 0;
+        }
+        // Completions.
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &self.running[i];
+            if r.prefill_left == 0 && r.decoded >= r.req.output_tokens {
+                let r = self.running.swap_remove(i);
+                let pinned_upto = if r.committed { full_blocks(&r.req).max(r.hit_blocks) } else { r.hit_blocks };
+                self.cache.release(&r.req.blocks[..pinned_upto], r.anon_blocks, r.reserved_blocks);
+                self.stats.finished += 1;
+                events.push(EngineEvent::Finished { id: r.req.id, at: end });
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Admits waiting requests and plans the next step (or span) starting at `now`.
+    fn plan(&mut self, now: Nanos) {
+        let p = &self.profile;
+        let mut budget = p.max_batched_tokens as u64;
+        let decode_seqs = self.running.iter().filter(|r| r.prefill_left == 0).count() as u64;
+        budget = budget.saturating_sub(decode_seqs);
+        let mut chunks: Vec<(usize, u32)> = Vec::new();
+        for (i, r) in self.running.iter().enumerate() {
+            if r.prefill_left > 0 && budget > 0 {
+                let n = (r.prefill_left as u64).min(budget) as u32;
+                budget -= n as u64;
+                chunks.push((i, n));
+            }
+        }
+        // Admit waiting requests FIFO.
+        while budget > 0 && (self.running.len() as u32) < p.max_batch {
+            let Some(req) = self.waiting.front() else { break };
+            let hit_blocks = self.cache.lookup(&req.blocks);
+            let hit_tokens = (hit_blocks as u64 * req.block_tokens as u64).min(req.input_tokens as u64);
+            // vLLM always recomputes at least the last prompt token.
+            let hit_tokens = hit_tokens.min((req.input_tokens as u64).saturating_sub(1));
+            let total = req.input_tokens as u64 + req.output_tokens.max(1) as u64;
+            let weight = (req.block_tokens as u64).div_ceil(p.block_tokens as u64);
+            let need = (total.div_ceil(p.block_tokens as u64)).saturating_sub(hit_blocks as u64 * weight).max(1);
+            if !self.cache.admit(&req.blocks, hit_blocks, weight, need) {
+                break;
+            }
+            let Some(req) = self.waiting.pop_front() else { break };
+            self.stats.prefix_queries_tokens += req.input_tokens as u64;
+            self.stats.prefix_hit_tokens += hit_tokens;
+            let prefill = (req.input_tokens as u64 - hit_tokens).max(1) as u32;
+            let n = (prefill as u64).min(budget) as u32;
+            budget -= n as u64;
+            let idx = self.running.len();
+            self.running.push(Running {
+                cached_tokens: hit_tokens as u32,
+                hit_blocks,
+                prefill_left: prefill,
+                decoded: 0,
+                reserved_blocks: need,
+                anon_blocks: 0,
+                committed: false,
+                req,
+            });
+            chunks.push((idx, n));
+        }
+        if self.running.is_empty() {
+            self.step = None;
+            return;
+        }
+        let context: u64 = self
+            .running
+            .iter()
+            .map(|r| (r.req.input_tokens - r.prefill_left) as u64 + r.decoded as u64)
+            .sum();
+        let prefill_tokens: u64 = chunks.iter().map(|&(_, n)| n as u64).sum();
+        if chunks.is_empty() {
+            // Decode-only: coalesce identical steps until the first completion. A new
+            // arrival cuts the span (see `submit`).
+            let count = self.running.iter().map(|r| (r.req.output_tokens - r.decoded) as u64).min().unwrap_or(1).max(1);
+            let mean_context = context + decode_seqs * (count - 1) / 2;
+            let dt = p.step_time(0, decode_seqs, mean_context);
+            self.step = Some(Step { start: now, dt, count });
+        } else {
+            let dt = p.step_time(prefill_tokens, decode_seqs, context);
+            self.step = Some(Step { start: now, dt, count: 1 });
+            self.chunks = chunks;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile() -> Profile {
+        Profile {
+            name: "test".into(),
+            block_tokens: 16,
+            kv_tokens: 16 * 100,
+            max_batch: 4,
+            max_batched_tokens: 1000,
+            step_overhead_s: 0.001,
+            prefill_per_token_s: 0.001,
+            decode_per_seq_s: 0.0,
+            context_per_token_s: 0.0,
+        }
+    }
+
+    fn req(id: u64, blocks: &[u64], input: u32, output: u32) -> EngineRequest {
+        EngineRequest {
+            id,
+            input_tokens: input,
+            output_tokens: output,
+            blocks: blocks.iter().map(|b| BlockHash(*b)).collect(),
+            block_tokens: 16,
+        }
+    }
+
+    fn run(e: &mut Engine) -> Vec<EngineEvent> {
+        let mut ev = Vec::new();
+        e.advance(Nanos(u64::MAX), &mut ev);
+        ev
+    }
+
+    #[test]
+    fn cold_prefill_time_is_linear_in_uncached_tokens() {
+        let mut e = Engine::new(profile(), 16);
+        let mut ev = Vec::new();
+        e.submit(req(1, &[1, 2, 3, 4], 64, 1), Nanos::ZERO, &mut ev);
+        let ev = run(&mut e);
+        // One step: 1 ms overhead + 64 × 1 ms.
+        assert_eq!(ev[0], EngineEvent::FirstToken { id: 1, at: Nanos::from_millis(65), cached_tokens: 0 });
+        assert_eq!(ev[1], EngineEvent::Finished { id: 1, at: Nanos::from_millis(65) });
+    }
+
+    #[test]
+    fn fully_cached_prompt_costs_no_prefill_but_the_last_token() {
+        let mut e = Engine::new(profile(), 16);
+        let mut ev = Vec::new();
+        e.submit(req(1, &[1, 2, 3, 4], 64, 1), Nanos::ZERO, &mut ev);
+        run(&mut e);
+        let t0 = Nanos::from_secs(1);
+        e.submit(req(2, &[1, 2, 3, 4], 64, 1), t0, &mut ev);
+        let ev = run(&mut e);
+        // 63 tokens cached (the last is always recomputed): 1 ms + 1 × 1 ms.
+        assert_eq!(ev[0], EngineEvent::FirstToken { id: 2, at: Nanos(t0.0 + 2_000_000), cached_tokens: 63 });
+        assert_eq!(e.stats().prefix_hit_tokens, 63);
+        assert_eq!(e.stats().prefix_queries_tokens, 128);
+    }
+
+    #[test]
+    fn only_the_leading_run_of_the_chain_is_a_hit() {
+        let mut e = Engine::new(profile(), 16);
+        let mut ev = Vec::new();
+        e.submit(req(1, &[1, 2, 3, 4], 64, 1), Nanos::ZERO, &mut ev);
+        run(&mut e);
+        // Block 1 differs: nothing after it is usable even though 2..4 are cached.
+        assert_eq!(e.cached_prefix_tokens(&[BlockHash(9), BlockHash(2), BlockHash(3)], 16, 48), 0);
+        assert_eq!(e.cached_prefix_tokens(&[BlockHash(1), BlockHash(2), BlockHash(7)], 16, 48), 32);
+    }
+
+    #[test]
+    fn eviction_is_lru_tail_first() {
+        let mut p = profile();
+        p.kv_tokens = 16 * 10; // 10 blocks
+        let mut e = Engine::new(p, 16);
+        let mut ev = Vec::new();
+        e.submit(req(1, &[1, 2, 3, 4], 64, 1), Nanos::ZERO, &mut ev);
+        run(&mut e);
+        e.submit(req(2, &[5, 6, 7, 8], 64, 1), Nanos::from_secs(1), &mut ev);
+        run(&mut e);
+        // 8 cached; a 4-block request (+1 output block) needs 5 → evicts 3 of the oldest
+        // request's blocks, tail first: 1 survives.
+        e.submit(req(3, &[9, 10, 11, 12], 64, 1), Nanos::from_secs(2), &mut ev);
+        run(&mut e);
+        assert_eq!(e.cached_prefix_tokens(&[BlockHash(1)], 16, 16), 16);
+        assert_eq!(e.cached_prefix_tokens(&[BlockHash(1), BlockHash(2)], 16, 32), 16);
+        assert_eq!(e.cached_prefix_tokens(&[BlockHash(5), BlockHash(6), BlockHash(7), BlockHash(8)], 16, 64), 64);
+        assert!(e.cache().evictions() >= 3);
+    }
+
+    #[test]
+    fn batching_shares_steps_and_respects_max_batch() {
+        let mut p = profile();
+        p.max_batch = 2;
+        let mut e = Engine::new(p, 16);
+        let mut ev = Vec::new();
+        for id in 0..3 {
+            e.submit(req(id, &[100 + id], 16, 3), Nanos::ZERO, &mut ev);
+        }
+        assert_eq!((e.num_running(), e.num_waiting()), (0, 3));
+        let mut ev = Vec::new();
+        e.advance(Nanos::ZERO, &mut ev);
+        assert_eq!((e.num_running(), e.num_waiting()), (2, 1));
+        let ev = run(&mut e);
+        let first = |id| {
+            ev.iter()
+                .find_map(|x| match x {
+                    EngineEvent::FirstToken { id: i, at, .. } if *i == id => Some(*at),
+                    _ => None,
+                })
+                .expect("first token")
+        };
+        // 0 and 1 prefill together in one step (1 + 32 ms); 2 waits for a free slot.
+        assert_eq!(first(0), Nanos::from_millis(33));
+        assert_eq!(first(1), Nanos::from_millis(33));
+        assert!(first(2) > Nanos::from_millis(33));
+        assert_eq!(e.stats().finished, 3);
+        assert_eq!(e.cache().active(), 0, "all blocks released");
+    }
+
+    #[test]
+    fn oversized_requests_are_rejected_not_stuck() {
+        let mut e = Engine::new(profile(), 16);
+        let mut ev = Vec::new();
+        e.submit(req(1, &[1], 100_000, 1), Nanos::ZERO, &mut ev);
+        assert_eq!(ev, vec![EngineEvent::Rejected { id: 1, at: Nanos::ZERO }]);
+        assert!(e.next_event_time().is_none());
+    }
+
+    #[test]
+    fn decode_span_is_cut_by_a_new_arrival() {
+        let mut e = Engine::new(profile(), 16);
+        let mut ev = Vec::new();
+        e.submit(req(1, &[1], 16, 100), Nanos::ZERO, &mut ev);
+        e.advance(Nanos::from_millis(17), &mut ev); // prefill done at 17 ms
+        assert_eq!(ev.len(), 1);
+        // Decode span of 99 steps of 1 ms; an arrival at 20.5 ms joins at 21 ms.
+        e.advance(Nanos(20_500_000), &mut ev);
+        e.submit(req(2, &[2], 16, 1), Nanos(20_500_000), &mut ev);
+        assert_eq!(e.next_event_time(), Some(Nanos::from_millis(21)));
+        let ev = run(&mut e);
+        assert!(ev.contains(&EngineEvent::FirstToken { id: 2, at: Nanos::from_millis(21 + 17), cached_tokens: 0 }));
+    }
+}
