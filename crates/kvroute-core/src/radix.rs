@@ -405,10 +405,12 @@ impl<S: Symbol> RadixTree<S> {
             }
             let parent = self.nodes[n as usize].parent;
             freed += self.drop_tenant_at(n, t);
-            if parent != ROOT && self.is_leaf_for(parent, t)
-                && let Ok(p) = self.nodes[parent as usize].tenant_pos(t) {
-                    heap.push(Reverse((self.nodes[parent as usize].tenants[p].1, parent, t)));
-                }
+            if parent != ROOT
+                && self.is_leaf_for(parent, t)
+                && let Ok(p) = self.nodes[parent as usize].tenant_pos(t)
+            {
+                heap.push(Reverse((self.nodes[parent as usize].tenants[p].1, parent, t)));
+            }
         }
         freed
     }

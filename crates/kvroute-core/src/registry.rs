@@ -7,6 +7,7 @@ use crate::policy::b3::{B3, B3Config, B3Mode};
 use crate::policy::basic::{ConsistentHash, LeastLoad, PowerOfTwo, Random, RoundRobin};
 use crate::policy::cache_aware::{CacheAware, CacheAwareConfig};
 use crate::policy::kv_score::{KvScore, KvScoreConfig};
+use crate::policy::prefill_cost::{PrefillCost, PrefillCostConfig};
 use crate::policy::prefix_affinity::{PrefixAffinity, PrefixAffinityConfig};
 use crate::policy::{KnobError, Policy};
 use serde::Serialize;
@@ -87,6 +88,16 @@ const KV_SCORE_KNOBS: &[Knob] = &[
     ("ttl_secs", "seconds", "index entry lifetime after last use"),
     ("max_entries", "entries", "block index budget in (block, worker) entries"),
 ];
+const PREFILL_COST_KNOBS: &[Knob] = &[
+    ("block_tokens", "tokens", "tokens per hashed block (trace blocks keep their own size)"),
+    ("cache_tokens", "tokens", "KV cache per worker assumed by the router's LRU block sets"),
+    ("decode_weight", "tokens per request", "prefill tokens charged per request already on the worker"),
+    (
+        "miss_weight",
+        "multiplier >= 0",
+        "weight of the request's own uncached tokens (a miss slows everyone queued behind it)",
+    ),
+];
 const B3_KNOBS: &[Knob] = &[
     ("block_tokens", "tokens", "tokens per block of the LRU block sets (Mooncake hash_ids are 512)"),
     ("cache_blocks", "blocks", "capacity of each worker's LRU block set"),
@@ -150,6 +161,12 @@ pub fn list() -> Vec<PolicyInfo> {
         b3_info("load_only", "min num_requests, first worker on ties (B3 control)"),
         b3_info("sticky", "session bound to its first worker forever (B3 control)"),
         b3_info("unified", "stick if hit ratio > 0.5 and load <= 2x mean, else LMetric with 4-key tie-break"),
+        PolicyInfo {
+            name: "prefill_cost",
+            source: "kvroute (docs/replay.md)",
+            summary: "least predicted prefill work ahead: pending prefill + own uncached suffix + decode_weight x load",
+            knobs: knobs_of(serde_json::to_value(PrefillCostConfig::default()).unwrap_or_default(), PREFILL_COST_KNOBS),
+        },
     ]
 }
 
@@ -178,6 +195,7 @@ pub fn build(name: &str, knobs: &serde_json::Value) -> Result<Box<dyn Policy>, B
         "load_only" => Box::new(B3::new(B3Mode::LoadOnly, B3Config::default())),
         "sticky" => Box::new(B3::new(B3Mode::Sticky, B3Config::default())),
         "unified" => Box::new(B3::new(B3Mode::Unified, B3Config::default())),
+        "prefill_cost" => Box::new(PrefillCost::new(PrefillCostConfig::default())),
         other => return Err(unknown(other)),
     };
     p.set_knobs(knobs)?;
@@ -191,7 +209,7 @@ mod tests {
     #[test]
     fn every_listed_policy_builds_with_defaults_and_names_match() {
         let infos = list();
-        assert_eq!(infos.len(), 12);
+        assert_eq!(infos.len(), 13);
         for info in infos {
             let p = build(info.name, &serde_json::Value::Null).expect("builds");
             assert_eq!(p.name(), info.name);

@@ -213,8 +213,7 @@ impl KvCache {
     /// reserves `extra` engine blocks, evicting LRU blocks as needed. Returns false (and
     /// changes nothing) when they cannot fit.
     pub fn admit(&mut self, hashes: &[BlockHash], hit: usize, weight: u64, extra: u64) -> bool {
-        let unpinned_hits: u64 =
-            hashes[..hit].iter().filter(|h| !self.pinned.contains_key(h)).map(|_| weight).sum();
+        let unpinned_hits: u64 = hashes[..hit].iter().filter(|h| !self.pinned.contains_key(h)).map(|_| weight).sum();
         if self.active() + unpinned_hits + extra > self.capacity {
             return false;
         }
@@ -444,7 +443,8 @@ impl Engine {
     /// already due before `now` must have been collected with [`Engine::advance`] first.
     pub fn submit(&mut self, req: EngineRequest, now: Nanos, events: &mut Vec<EngineEvent>) {
         self.stats.submitted += 1;
-        let need = (req.input_tokens as u64 + req.output_tokens.max(1) as u64).div_ceil(self.profile.block_tokens as u64);
+        let need =
+            (req.input_tokens as u64 + req.output_tokens.max(1) as u64).div_ceil(self.profile.block_tokens as u64);
         if need > self.cache.capacity() || self.waiting.len() >= self.max_waiting {
             self.stats.rejected += 1;
             events.push(EngineEvent::Rejected { id: req.id, at: now });
@@ -594,11 +594,8 @@ impl Engine {
             self.step = None;
             return;
         }
-        let context: u64 = self
-            .running
-            .iter()
-            .map(|r| (r.req.input_tokens - r.prefill_left) as u64 + r.decoded as u64)
-            .sum();
+        let context: u64 =
+            self.running.iter().map(|r| (r.req.input_tokens - r.prefill_left) as u64 + r.decoded as u64).sum();
         let prefill_tokens: u64 = chunks.iter().map(|&(_, n)| n as u64).sum();
         if chunks.is_empty() {
             // Decode-only: coalesce identical steps until the first completion. A new

@@ -12,3 +12,6 @@
 #![warn(missing_docs)]
 
 pub mod engine;
+pub mod replay;
+pub mod report;
+pub mod trace;

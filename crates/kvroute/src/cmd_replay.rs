@@ -1,10 +1,305 @@
-//! `kvroute replay` (being built).
+//! `kvroute replay`: replay a request trace through routing policies onto simulated engines.
+
+use anyhow::{Context, bail};
+use kvroute_sim::engine::Profile;
+use kvroute_sim::replay::{ReplayConfig, replay};
+use kvroute_sim::report::{PolicyReport, Slo, plot_sweep, plot_ttft_cdf, summarise, table, write_csv};
+use kvroute_sim::trace::{self, TraceFormat, TraceRequest};
+use std::path::PathBuf;
 
 /// Flags of `kvroute replay`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Trace file: Mooncake JSONL, Azure CSV or session JSONL.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Trace format (detected from the file when omitted).
+    #[arg(long, value_parser = ["mooncake", "azure", "session"])]
+    pub format: Option<String>,
+    /// Policies: a name, a comma-separated list, `all` (every registered policy) or `b3`
+    /// (seed 002's matrix: lmetric, load_only, sticky, unified and lmetric on the capped trace).
+    #[arg(long, default_value = "all")]
+    pub policy: String,
+    /// Policy knobs as a JSON object (applied to every policy named; unknown knobs are errors).
+    #[arg(long)]
+    pub knobs: Option<String>,
+    /// Number of simulated engines.
+    #[arg(long, default_value_t = 8)]
+    pub engines: usize,
+    /// Engine profile (h100-llama3-8b, a100-llama3-8b, cpu-smollm2-135m).
+    #[arg(long, default_value = "h100-llama3-8b")]
+    pub profile: String,
+    /// Overrides of profile constants as a JSON object, e.g. '{"kv_tokens": 200000}'.
+    #[arg(long)]
+    pub profile_set: Option<String>,
+    /// Arrival-rate multipliers, comma-separated (a load sweep when several).
+    #[arg(long, default_value = "1")]
+    pub rate_scale: String,
+    /// Keep this fraction of requests (deterministic from --seed).
+    #[arg(long, default_value_t = 1.0)]
+    pub sample: f64,
+    /// Keep only the first N requests.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Apply seed 002's capped transform with this many turns per session to the trace.
+    #[arg(long)]
+    pub cap_turns: Option<usize>,
+    /// Do not spread requests that share a whole-second timestamp over that second.
+    #[arg(long)]
+    pub no_spread: bool,
+    /// Seed of the policies' random source and of sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Waiting-queue bound per engine (beyond it requests are rejected).
+    #[arg(long, default_value_t = 4096)]
+    pub max_waiting: usize,
+    /// Hide the engines' own queue/KV counters from the router (ledger only).
+    #[arg(long)]
+    pub no_engine_signals: bool,
+    /// TTFT SLO for goodput, seconds.
+    #[arg(long, default_value_t = 2.0)]
+    pub slo_ttft: f64,
+    /// TPOT SLO for goodput, seconds.
+    #[arg(long, default_value_t = 0.1)]
+    pub slo_tpot: f64,
+    /// Write the reports as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write the reports as CSV to this file.
+    #[arg(long)]
+    pub csv: Option<PathBuf>,
+    /// Write plots (ttft_cdf.{png,svg}, and sweep.{png,svg} for several rates) into this directory.
+    #[arg(long)]
+    pub plot_dir: Option<PathBuf>,
+    /// Parallel replays (default: available cores).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// One replay to run: policy name, label, rate and whether to cap the trace.
+#[derive(Debug, Clone)]
+struct Run {
+    policy: String,
+    label: String,
+    rate: f64,
+    capped: bool,
+}
+
+fn policies(spec: &str) -> anyhow::Result<Vec<(String, String, bool)>> {
+    let names = kvroute_core::registry::names();
+    let mut out = Vec::new();
+    for p in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        match p {
+            "all" => out.extend(names.iter().map(|n| (n.to_string(), n.to_string(), false))),
+            "b3" => {
+                for n in ["lmetric", "load_only", "sticky", "unified"] {
+                    out.push((n.to_string(), n.to_string(), false));
+                }
+                out.push(("lmetric".into(), "capped".into(), true));
+            }
+            "capped" => out.push(("lmetric".into(), "capped".into(), true)),
+            n if names.contains(&n) => out.push((n.to_string(), n.to_string(), false)),
+            n => bail!("--policy: unknown policy `{n}`; known: all, b3, capped, {}", names.join(", ")),
+        }
+    }
+    if out.is_empty() {
+        bail!("--policy: no policy named");
+    }
+    Ok(out)
+}
+
+fn parse_rates(spec: &str) -> anyhow::Result<Vec<f64>> {
+    spec.split(',')
+        .map(|s| {
+            let v: f64 = s.trim().parse().with_context(|| format!("--rate-scale: `{s}` is not a number"))?;
+            if !(v.is_finite() && v > 0.0) {
+                bail!("--rate-scale: {v} must be > 0");
+            }
+            Ok(v)
+        })
+        .collect()
+}
+
+/// Loads the profile with overrides.
+pub fn load_profile(name: &str, set: Option<&str>) -> anyhow::Result<Profile> {
+    let base = Profile::named(name)
+        .with_context(|| format!("--profile: unknown profile `{name}`; known: {}", Profile::NAMES.join(", ")))?;
+    let Some(set) = set else { return Ok(base) };
+    let patch: serde_json::Value = serde_json::from_str(set).context("--profile-set: not JSON")?;
+    let mut v = serde_json::to_value(&base)?;
+    let (Some(obj), Some(p)) = (v.as_object_mut(), patch.as_object()) else {
+        bail!("--profile-set: expected a JSON object");
+    };
+    for (k, x) in p {
+        obj.insert(k.clone(), x.clone());
+    }
+    let prof: Profile = serde_json::from_value(v).context("--profile-set")?;
+    prof.validate().map_err(|e| anyhow::anyhow!("--profile-set: {e}"))?;
+    Ok(prof)
+}
+
+/// Reads and transforms the trace as the flags say.
+pub fn load_trace(args: &Args) -> anyhow::Result<Vec<TraceRequest>> {
+    let format = match args.format.as_deref() {
+        Some("mooncake") => Some(TraceFormat::Mooncake),
+        Some("azure") => Some(TraceFormat::Azure),
+        Some("session") => Some(TraceFormat::Session),
+        _ => None,
+    };
+    let mut t = trace::read(&args.trace, format)?;
+    if !args.no_spread {
+        trace::spread_seconds(&mut t);
+    }
+    if args.sample < 1.0 {
+        t = trace::sample(t, args.sample, args.seed);
+    }
+    if let Some(n) = args.cap_turns {
+        t = trace::cap_sessions(t, n);
+    }
+    if let Some(n) = args.limit {
+        trace::truncate(&mut t, n);
+    }
+    if t.is_empty() {
+        bail!("{}: no requests left after sampling", args.trace.display());
+    }
+    Ok(t)
+}
 
 /// Runs `kvroute replay`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`kvroute replay` is not built yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let profile = load_profile(&args.profile, args.profile_set.as_deref())?;
+    let knobs: serde_json::Value = match &args.knobs {
+        Some(k) => serde_json::from_str(k).context("--knobs: not JSON")?,
+        None => serde_json::Value::Null,
+    };
+    let rates = parse_rates(&args.rate_scale)?;
+    let pols = policies(&args.policy)?;
+    if args.engines == 0 {
+        bail!("--engines must be at least 1");
+    }
+    let base = load_trace(&args)?;
+    let capped = trace::cap_sessions(base.clone(), kvroute_core::trace::MAX_TURNS);
+    let infinite = trace::infinite_cache_hit(&base);
+    // Validate every policy's knobs before spending time.
+    for (p, _, _) in &pols {
+        kvroute_core::registry::build(p, &knobs).with_context(|| format!("--knobs for `{p}`"))?;
+    }
+    let mut runs = Vec::new();
+    for &rate in &rates {
+        for (p, label, cap) in &pols {
+            runs.push(Run { policy: p.clone(), label: label.clone(), rate, capped: *cap });
+        }
+    }
+    let total: u64 = runs.iter().map(|r| if r.capped { capped.len() } else { base.len() } as u64).sum();
+    let bar = if args.quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(total) };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} replay [{bar:40}] {pos}/{len} requests {msg} ({eta})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let jobs = args.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
+    let slo = Slo { ttft_s: args.slo_ttft, tpot_s: args.slo_tpot };
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<parking_lot_free::Slot> = (0..runs.len()).map(|_| parking_lot_free::Slot::default()).collect();
+    std::thread::scope(|s| {
+        for _ in 0..jobs.min(runs.len()) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(run) = runs.get(i) else { break };
+                    let mut t = if run.capped { capped.clone() } else { base.clone() };
+                    trace::scale_rate(&mut t, run.rate);
+                    let cfg = ReplayConfig {
+                        engines: args.engines,
+                        profile: profile.clone(),
+                        policy: run.policy.clone(),
+                        knobs: knobs.clone(),
+                        seed: args.seed,
+                        max_waiting: args.max_waiting,
+                        engine_signals: !args.no_engine_signals,
+                    };
+                    let mut last = 0usize;
+                    let r = replay(&t, &cfg, &mut |n| {
+                        bar.inc((n - last) as u64);
+                        last = n;
+                    });
+                    let r = r.map(|mut res| {
+                        res.policy = run.label.clone();
+                        summarise(&res, run.rate, infinite, slo)
+                    });
+                    results[i].set(r.map_err(|e| e.to_string()));
+                }
+            });
+        }
+    });
+    bar.finish_and_clear();
+    let mut reports: Vec<PolicyReport> = Vec::new();
+    for (slot, run) in results.into_iter().zip(&runs) {
+        match slot.take() {
+            Some(Ok(r)) => reports.push(r),
+            Some(Err(e)) => bail!("replay of `{}` failed: {e}", run.label),
+            None => bail!("replay of `{}` did not run", run.label),
+        }
+    }
+    println!(
+        "trace {} ({} requests, {:.0} s), {} engines, profile {}, seed {}",
+        args.trace.display(),
+        base.len(),
+        base.last().map_or(0.0, |r| r.arrival.as_secs_f64()),
+        args.engines,
+        profile.name,
+        args.seed
+    );
+    print!("{}", table(&reports));
+    if let Some(p) = &args.json {
+        let doc = serde_json::json!({
+            "trace": args.trace.display().to_string(),
+            "requests": base.len(),
+            "engines": args.engines,
+            "profile": profile,
+            "seed": args.seed,
+            "reports": reports,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("--json {}", p.display()))?;
+    }
+    if let Some(p) = &args.csv {
+        write_csv(p, &reports).with_context(|| format!("--csv {}", p.display()))?;
+    }
+    if let Some(dir) = &args.plot_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("--plot-dir {}", dir.display()))?;
+        let first_rate: Vec<PolicyReport> = reports.iter().filter(|r| r.rate_scale == rates[0]).cloned().collect();
+        let title = format!("TTFT CDF, {} engines, rate x{}", args.engines, rates[0]);
+        if let Err(e) = plot_ttft_cdf(&dir.join("ttft_cdf"), &first_rate, &title) {
+            eprintln!("kvroute: warning: plots skipped: {e}");
+        } else if rates.len() > 1
+            && let Err(e) = plot_sweep(&dir.join("sweep"), &reports)
+        {
+            eprintln!("kvroute: warning: sweep plot skipped: {e}");
+        }
+    }
+    Ok(())
+}
+
+/// A write-once result slot shared between replay threads (std only).
+mod parking_lot_free {
+    use kvroute_sim::report::PolicyReport;
+    use std::sync::Mutex;
+
+    /// One run's result.
+    #[derive(Default)]
+    pub struct Slot(Mutex<Option<Result<PolicyReport, String>>>);
+
+    impl Slot {
+        pub fn set(&self, v: Result<PolicyReport, String>) {
+            if let Ok(mut g) = self.0.lock() {
+                *g = Some(v);
+            }
+        }
+        pub fn take(self) -> Option<Result<PolicyReport, String>> {
+            self.0.into_inner().ok().flatten()
+        }
+    }
 }

@@ -13,11 +13,13 @@
 //! | `prefix_affinity` | seed 000, Ray Serve PrefixCacheAffinityRouter | [`prefix_affinity`] |
 //! | `kv_score` | seed 001, cgn-router linear score | [`kv_score`] |
 //! | `lmetric`, `load_only`, `sticky`, `unified` | seed 002, B3 cache_aware_proxy | [`b3`] |
+//! | `prefill_cost` | kvroute's own: least predicted prefill work ahead | [`prefill_cost`] |
 
 pub mod b3;
 pub mod basic;
 pub mod cache_aware;
 pub mod kv_score;
+pub mod prefill_cost;
 pub mod prefix_affinity;
 pub mod util;
 

@@ -1,0 +1,235 @@
+//! Replays a trace through a routing policy onto N simulated engines on a logical clock.
+//!
+//! For each request, in arrival order: every engine is advanced to the arrival time (its
+//! first tokens and completions update the router's [`LoadLedger`]); the router builds
+//! worker views from its ledger and from the engines' own counters (as the gateway does
+//! from `/metrics`), asks [`kvroute_core::policy::route`], and submits the request to the
+//! chosen engine. The policy code is exactly the gateway's.
+
+use crate::engine::{Engine, EngineEvent, EngineRequest, Profile};
+use crate::trace::TraceRequest;
+use kvroute_core::ledger::{LoadLedger, Ticket};
+use kvroute_core::policy::{MatchUnit, PickCtx, Policy, route};
+use kvroute_core::registry;
+use kvroute_core::types::{BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
+use rand_core::SeedableRng;
+use serde::Serialize;
+
+/// Settings of one replay.
+#[derive(Debug, Clone)]
+pub struct ReplayConfig {
+    /// Number of engines.
+    pub engines: usize,
+    /// Engine profile.
+    pub profile: Profile,
+    /// Policy name (see `kvroute policies`).
+    pub policy: String,
+    /// Policy knobs (JSON object or null).
+    pub knobs: serde_json::Value,
+    /// Seed of the policy's random source.
+    pub seed: u64,
+    /// Waiting-queue bound per engine; beyond it a request is rejected.
+    pub max_waiting: usize,
+    /// Whether the router sees the engines' own queue/running/KV-usage counters (as when
+    /// scraping `/metrics`); otherwise only its own ledger.
+    pub engine_signals: bool,
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Outcome {
+    /// Engine it was sent to (`None` when no worker was routable).
+    pub worker: Option<u32>,
+    /// Arrival.
+    pub arrival: Nanos,
+    /// First token, when produced.
+    pub first_token: Option<Nanos>,
+    /// Completion, when finished.
+    pub finished: Option<Nanos>,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Output tokens.
+    pub output_tokens: u32,
+    /// Prompt tokens served from the engine's prefix cache.
+    pub cached_tokens: u32,
+    /// Rejected (engine queue full, too large, or no routable worker).
+    pub rejected: bool,
+    /// Decision branch label.
+    pub branch: &'static str,
+}
+
+/// Raw results of one replay, summarised by [`crate::report`].
+#[derive(Debug, Clone)]
+pub struct ReplayResult {
+    /// Policy name.
+    pub policy: String,
+    /// Per-request outcomes, in trace order.
+    pub outcomes: Vec<Outcome>,
+    /// Busy time per engine, nanoseconds.
+    pub busy_ns: Vec<u64>,
+    /// Blocks evicted per engine.
+    pub evictions: Vec<u64>,
+}
+
+/// Why a replay could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// Bad policy name or knobs.
+    #[error(transparent)]
+    Policy(#[from] registry::BuildError),
+    /// Bad settings.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Estimated cached prompt tokens from a decision's match (the router's view).
+fn estimated_cached(unit: MatchUnit, matched: u64, block_tokens: u32, input: u32) -> u64 {
+    let t = match unit {
+        MatchUnit::Blocks => matched * block_tokens as u64,
+        MatchUnit::Tokens => matched,
+        MatchUnit::Chars => matched / kvroute_core::types::CHARS_PER_TOKEN as u64,
+        MatchUnit::None => 0,
+    };
+    t.min(input as u64)
+}
+
+/// Replays `trace` under `cfg`. `progress` is called with the number of requests routed so
+/// far (every 256 requests and at the end).
+///
+/// # Errors
+/// [`ReplayError`] for an unknown policy, bad knobs, or zero engines.
+pub fn replay(
+    trace: &[TraceRequest],
+    cfg: &ReplayConfig,
+    progress: &mut dyn FnMut(usize),
+) -> Result<ReplayResult, ReplayError> {
+    if cfg.engines == 0 {
+        return Err(ReplayError::Config("at least one engine is needed".into()));
+    }
+    cfg.profile.validate().map_err(ReplayError::Config)?;
+    let mut policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
+    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed);
+    let mut engines: Vec<Engine> =
+        (0..cfg.engines).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect();
+    let mut ledger = LoadLedger::new();
+    let mut tickets: Vec<Option<Ticket>> = (0..trace.len()).map(|_| None).collect();
+    let mut outcomes: Vec<Outcome> = trace
+        .iter()
+        .map(|r| Outcome {
+            worker: None,
+            arrival: r.arrival,
+            first_token: None,
+            finished: None,
+            input_tokens: r.input_tokens,
+            output_tokens: r.output_tokens,
+            cached_tokens: 0,
+            rejected: false,
+            branch: "",
+        })
+        .collect();
+    let mut events = Vec::new();
+    let interval = policy.maintenance_interval();
+    let mut next_maintain = interval.unwrap_or(Nanos(u64::MAX));
+    let mut views: Vec<WorkerView> = Vec::with_capacity(cfg.engines);
+
+    let handle = |events: &mut Vec<EngineEvent>,
+                  ledger: &mut LoadLedger,
+                  tickets: &mut Vec<Option<Ticket>>,
+                  outcomes: &mut Vec<Outcome>| {
+        for ev in events.drain(..) {
+            match ev {
+                EngineEvent::FirstToken { id, at, cached_tokens } => {
+                    let o = &mut outcomes[id as usize];
+                    o.first_token = Some(at);
+                    o.cached_tokens = cached_tokens;
+                    if let Some(t) = tickets[id as usize].as_mut() {
+                        ledger.first_token(t);
+                    }
+                }
+                EngineEvent::Finished { id, at } => {
+                    outcomes[id as usize].finished = Some(at);
+                    if let Some(t) = tickets[id as usize].take() {
+                        ledger.completed(t);
+                    }
+                }
+                EngineEvent::Rejected { id, .. } => {
+                    outcomes[id as usize].rejected = true;
+                    if let Some(t) = tickets[id as usize].take() {
+                        ledger.failed(t);
+                    }
+                }
+            }
+        }
+    };
+
+    for (i, r) in trace.iter().enumerate() {
+        let now = r.arrival;
+        for e in engines.iter_mut() {
+            e.advance(now, &mut events);
+        }
+        handle(&mut events, &mut ledger, &mut tickets, &mut outcomes);
+        while now >= next_maintain {
+            policy.maintain(next_maintain);
+            next_maintain = next_maintain.saturating_add(interval.unwrap_or(Nanos(u64::MAX)));
+        }
+        views.clear();
+        for (w, e) in engines.iter().enumerate() {
+            let mut v = WorkerView::idle(WorkerId(w as u32));
+            ledger.fill(&mut v);
+            if cfg.engine_signals {
+                v.engine_queue = Some(e.num_waiting());
+                v.engine_running = Some(e.num_running());
+                v.kv_cache_usage = Some(e.kv_usage());
+            }
+            views.push(v);
+        }
+        let req = RequestView {
+            model: "trace",
+            text: None,
+            token_ids: None,
+            blocks: (!r.blocks.is_empty()).then_some(BlockSeq { block_tokens: r.block_tokens, hashes: &r.blocks }),
+            input_tokens: r.input_tokens,
+            output_tokens: Some(r.output_tokens),
+            session_id: r.session.as_deref(),
+            role: Role::Both,
+        };
+        let mut ctx = PickCtx { now, rng: &mut rng };
+        match route(policy.as_mut(), &req, &views, &mut ctx) {
+            Ok(d) => {
+                let w = d.worker.index();
+                let o = &mut outcomes[i];
+                o.worker = Some(d.worker.0);
+                o.branch = d.branch.as_str();
+                let est = estimated_cached(d.unit, d.matched, r.block_tokens, r.input_tokens);
+                tickets[i] = Some(ledger.dispatched(d.worker, r.input_tokens as u64 - est, r.output_tokens as u64));
+                engines[w].submit(
+                    EngineRequest {
+                        id: i as u64,
+                        input_tokens: r.input_tokens,
+                        output_tokens: r.output_tokens,
+                        blocks: r.blocks.clone(),
+                        block_tokens: r.block_tokens,
+                    },
+                    now,
+                    &mut events,
+                );
+                handle(&mut events, &mut ledger, &mut tickets, &mut outcomes);
+            }
+            Err(_) => outcomes[i].rejected = true,
+        }
+        if i % 256 == 255 {
+            progress(i + 1);
+        }
+    }
+    for e in engines.iter_mut() {
+        e.advance(Nanos(u64::MAX), &mut events);
+    }
+    handle(&mut events, &mut ledger, &mut tickets, &mut outcomes);
+    progress(trace.len());
+    Ok(ReplayResult {
+        policy: cfg.policy.clone(),
+        outcomes,
+        busy_ns: engines.iter().map(|e| e.stats().busy_ns).collect(),
+        evictions: engines.iter().map(|e| e.cache().evictions()).collect(),
+    })
+}

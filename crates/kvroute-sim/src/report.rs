@@ -1,0 +1,425 @@
+//! Per-policy results of a replay: metrics, terminal table, JSON/CSV and plots.
+
+use crate::replay::ReplayResult;
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// Service-level objective for goodput.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Slo {
+    /// Maximum TTFT, seconds.
+    pub ttft_s: f64,
+    /// Maximum TPOT, seconds.
+    pub tpot_s: f64,
+}
+
+/// Summary of one replay.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyReport {
+    /// Policy name (with a suffix for trace variants such as `lmetric+capped`).
+    pub policy: String,
+    /// Arrival-rate multiplier of the run.
+    pub rate_scale: f64,
+    /// Offered load, requests per second.
+    pub offered_rps: f64,
+    /// Requests in the trace.
+    pub requests: u64,
+    /// Requests completed.
+    pub completed: u64,
+    /// Share of requests rejected.
+    pub rejection_rate: f64,
+    /// Prompt tokens served from prefix caches / prompt tokens of admitted requests.
+    pub hit_ratio: f64,
+    /// One shared never-evicting cache's hit ratio on the same trace (upper bound).
+    pub infinite_cache_hit_ratio: f64,
+    /// TTFT mean, seconds.
+    pub ttft_mean_s: f64,
+    /// TTFT p50, seconds.
+    pub ttft_p50_s: f64,
+    /// TTFT p90, seconds.
+    pub ttft_p90_s: f64,
+    /// TTFT p99, seconds.
+    pub ttft_p99_s: f64,
+    /// TPOT p50, seconds.
+    pub tpot_p50_s: f64,
+    /// TPOT p99, seconds.
+    pub tpot_p99_s: f64,
+    /// End-to-end latency p50, seconds.
+    pub e2e_p50_s: f64,
+    /// End-to-end latency p99, seconds.
+    pub e2e_p99_s: f64,
+    /// Output tokens per second over the makespan.
+    pub throughput_tok_s: f64,
+    /// Completed requests per second over the makespan.
+    pub throughput_rps: f64,
+    /// Requests per second meeting the SLO.
+    pub goodput_rps: f64,
+    /// The SLO used for goodput.
+    pub slo: Slo,
+    /// Max over mean of per-engine busy time (1.0 = perfectly even).
+    pub load_imbalance: f64,
+    /// Share of requests per engine.
+    pub worker_share: Vec<f64>,
+    /// Decisions per branch label.
+    pub branches: std::collections::BTreeMap<String, u64>,
+    /// TTFT CDF points (seconds, fraction) for plots.
+    #[serde(skip)]
+    pub ttft_cdf: Vec<(f64, f64)>,
+}
+
+fn hist() -> Histogram<u64> {
+    // Microseconds, 1 µs to ~3 h, 3 significant digits: constant, valid bounds.
+    #[allow(clippy::expect_used)]
+    Histogram::new_with_bounds(1, 10_000_000_000, 3).expect("valid histogram bounds")
+}
+
+fn q(h: &Histogram<u64>, quantile: f64) -> f64 {
+    if h.is_empty() { 0.0 } else { h.value_at_quantile(quantile) as f64 / 1e6 }
+}
+
+/// Summarises `r`. `infinite` is the trace's infinite-cache `(hit, total)` tokens.
+pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: Slo) -> PolicyReport {
+    let mut ttft = hist();
+    let mut tpot = hist();
+    let mut e2e = hist();
+    let (mut completed, mut rejected, mut good) = (0u64, 0u64, 0u64);
+    let (mut hit, mut queried, mut out_tokens) = (0u64, 0u64, 0u64);
+    let mut ttft_sum = 0.0;
+    let n_workers = r.busy_ns.len();
+    let mut per_worker = vec![0u64; n_workers];
+    let mut branches = std::collections::BTreeMap::new();
+    let first_arrival = r.outcomes.iter().map(|o| o.arrival.0).min().unwrap_or(0);
+    let last_arrival = r.outcomes.iter().map(|o| o.arrival.0).max().unwrap_or(0);
+    let mut last_finish = first_arrival;
+    for o in &r.outcomes {
+        if !o.branch.is_empty() {
+            *branches.entry(o.branch.to_string()).or_insert(0) += 1;
+        }
+        if let Some(w) = o.worker {
+            per_worker[w as usize] += 1;
+        }
+        if o.rejected {
+            rejected += 1;
+            continue;
+        }
+        let (Some(ft), Some(fin)) = (o.first_token, o.finished) else { continue };
+        completed += 1;
+        hit += o.cached_tokens as u64;
+        queried += o.input_tokens as u64;
+        out_tokens += o.output_tokens as u64;
+        last_finish = last_finish.max(fin.0);
+        let t = ft.0.saturating_sub(o.arrival.0);
+        ttft_sum += t as f64 / 1e9;
+        let _ = ttft.record((t / 1000).max(1));
+        let tp = if o.output_tokens > 1 { fin.0.saturating_sub(ft.0) / (o.output_tokens as u64 - 1) } else { 0 };
+        if o.output_tokens > 1 {
+            let _ = tpot.record((tp / 1000).max(1));
+        }
+        let _ = e2e.record((fin.0.saturating_sub(o.arrival.0) / 1000).max(1));
+        if t as f64 / 1e9 <= slo.ttft_s && tp as f64 / 1e9 <= slo.tpot_s {
+            good += 1;
+        }
+    }
+    let makespan = (last_finish.saturating_sub(first_arrival) as f64 / 1e9).max(1e-9);
+    let span = (last_arrival.saturating_sub(first_arrival) as f64 / 1e9).max(1e-9);
+    let total = r.outcomes.len() as u64;
+    let mean_busy = r.busy_ns.iter().sum::<u64>() as f64 / n_workers.max(1) as f64;
+    let max_busy = r.busy_ns.iter().copied().max().unwrap_or(0) as f64;
+    let mut cdf = Vec::new();
+    if !ttft.is_empty() {
+        for i in 0..=200 {
+            let f = i as f64 / 200.0;
+            cdf.push((ttft.value_at_quantile(f) as f64 / 1e6, f));
+        }
+    }
+    PolicyReport {
+        policy: r.policy.clone(),
+        rate_scale,
+        offered_rps: total as f64 / span,
+        requests: total,
+        completed,
+        rejection_rate: rejected as f64 / total.max(1) as f64,
+        hit_ratio: hit as f64 / queried.max(1) as f64,
+        infinite_cache_hit_ratio: infinite.0 as f64 / infinite.1.max(1) as f64,
+        ttft_mean_s: ttft_sum / completed.max(1) as f64,
+        ttft_p50_s: q(&ttft, 0.5),
+        ttft_p90_s: q(&ttft, 0.9),
+        ttft_p99_s: q(&ttft, 0.99),
+        tpot_p50_s: q(&tpot, 0.5),
+        tpot_p99_s: q(&tpot, 0.99),
+        e2e_p50_s: q(&e2e, 0.5),
+        e2e_p99_s: q(&e2e, 0.99),
+        throughput_tok_s: out_tokens as f64 / makespan,
+        throughput_rps: completed as f64 / makespan,
+        goodput_rps: good as f64 / makespan,
+        slo,
+        load_imbalance: if mean_busy > 0.0 { max_busy / mean_busy } else { 1.0 },
+        worker_share: per_worker.iter().map(|&n| n as f64 / total.max(1) as f64).collect(),
+        branches,
+        ttft_cdf: cdf,
+    }
+}
+
+/// A fixed-width terminal table of `reports`.
+pub fn table(reports: &[PolicyReport]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<18} {:>5} {:>7} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>6}",
+        "policy",
+        "rate",
+        "hit%",
+        "rej%",
+        "ttft_avg",
+        "ttft_p50",
+        "ttft_p99",
+        "tpot_p50",
+        "tpot_p99",
+        "e2e_p99",
+        "tok/s",
+        "good/s",
+        "imbal"
+    );
+    for r in reports {
+        let _ = writeln!(
+            s,
+            "{:<18} {:>5.2} {:>7.2} {:>6.2} {:>8.3} {:>8.3} {:>8.3} {:>8.4} {:>8.4} {:>8.2} {:>8.0} {:>7.2} {:>6.2}",
+            r.policy,
+            r.rate_scale,
+            r.hit_ratio * 100.0,
+            r.rejection_rate * 100.0,
+            r.ttft_mean_s,
+            r.ttft_p50_s,
+            r.ttft_p99_s,
+            r.tpot_p50_s,
+            r.tpot_p99_s,
+            r.e2e_p99_s,
+            r.throughput_tok_s,
+            r.goodput_rps,
+            r.load_imbalance
+        );
+    }
+    if let Some(r) = reports.first() {
+        let _ = writeln!(
+            s,
+            "infinite-cache upper bound of this trace: {:.2}% of prompt tokens (one shared cache that never evicts)",
+            r.infinite_cache_hit_ratio * 100.0
+        );
+    }
+    s
+}
+
+/// Writes `reports` as CSV (one row per policy and rate).
+///
+/// # Errors
+/// I/O or CSV errors.
+pub fn write_csv(path: &Path, reports: &[PolicyReport]) -> Result<(), csv::Error> {
+    let mut w = csv::Writer::from_path(path)?;
+    w.write_record([
+        "policy",
+        "rate_scale",
+        "offered_rps",
+        "requests",
+        "completed",
+        "rejection_rate",
+        "hit_ratio",
+        "infinite_cache_hit_ratio",
+        "ttft_mean_s",
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "ttft_p99_s",
+        "tpot_p50_s",
+        "tpot_p99_s",
+        "e2e_p50_s",
+        "e2e_p99_s",
+        "throughput_tok_s",
+        "throughput_rps",
+        "goodput_rps",
+        "load_imbalance",
+    ])?;
+    for r in reports {
+        let f = |x: f64| format!("{x:.6}");
+        w.write_record([
+            r.policy.clone(),
+            f(r.rate_scale),
+            f(r.offered_rps),
+            r.requests.to_string(),
+            r.completed.to_string(),
+            f(r.rejection_rate),
+            f(r.hit_ratio),
+            f(r.infinite_cache_hit_ratio),
+            f(r.ttft_mean_s),
+            f(r.ttft_p50_s),
+            f(r.ttft_p90_s),
+            f(r.ttft_p99_s),
+            f(r.tpot_p50_s),
+            f(r.tpot_p99_s),
+            f(r.e2e_p50_s),
+            f(r.e2e_p99_s),
+            f(r.throughput_tok_s),
+            f(r.throughput_rps),
+            f(r.goodput_rps),
+            f(r.load_imbalance),
+        ])?;
+    }
+    w.flush()?;
+    Ok(())
+}
+
+/// Font used for PNG and SVG plots: `KVROUTE_FONT`, else DejaVu Sans from the usual system
+/// paths. `None` when no font is found (plots are then skipped with a warning).
+pub fn find_font() -> Option<Vec<u8>> {
+    let mut candidates: Vec<std::path::PathBuf> = Vec::new();
+    if let Ok(p) = std::env::var("KVROUTE_FONT") {
+        candidates.push(p.into());
+    }
+    for p in [
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/TTF/DejaVuSans.ttf",
+        "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    ] {
+        candidates.push(p.into());
+    }
+    candidates.into_iter().find_map(|p| std::fs::read(p).ok())
+}
+
+/// Registers the plot font once. Returns false when none is available.
+pub fn register_font() -> bool {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *REGISTERED.get_or_init(|| {
+        let Some(bytes) = find_font() else { return false };
+        let leaked: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+        plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, leaked).is_ok()
+    })
+}
+
+type PlotResult = Result<(), Box<dyn std::error::Error>>;
+
+const COLORS: [plotters::style::RGBColor; 10] = [
+    plotters::style::RGBColor(31, 119, 180),
+    plotters::style::RGBColor(255, 127, 14),
+    plotters::style::RGBColor(44, 160, 44),
+    plotters::style::RGBColor(214, 39, 40),
+    plotters::style::RGBColor(148, 103, 189),
+    plotters::style::RGBColor(140, 86, 75),
+    plotters::style::RGBColor(227, 119, 194),
+    plotters::style::RGBColor(127, 127, 127),
+    plotters::style::RGBColor(188, 189, 34),
+    plotters::style::RGBColor(23, 190, 207),
+];
+
+fn color(i: usize) -> plotters::style::ShapeStyle {
+    use plotters::style::Color;
+    let c = COLORS[i % COLORS.len()];
+    if i >= COLORS.len() { c.stroke_width(2).filled().stroke_width(1) } else { c.stroke_width(2) }
+}
+
+fn draw_cdf<DB: plotters::prelude::DrawingBackend>(
+    root: plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+    reports: &[PolicyReport],
+    title: &str,
+) -> PlotResult
+where
+    DB::ErrorType: 'static,
+{
+    use plotters::prelude::*;
+    root.fill(&WHITE)?;
+    let max_x = reports.iter().map(|r| r.ttft_p99_s).fold(0.1_f64, f64::max) * 1.2;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(10)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..max_x, 0.0..1.0)?;
+    chart.configure_mesh().x_desc("TTFT (s)").y_desc("fraction of requests").draw()?;
+    for (i, r) in reports.iter().enumerate() {
+        let style = color(i);
+        chart
+            .draw_series(LineSeries::new(r.ttft_cdf.iter().copied().filter(|(x, _)| *x <= max_x), style))?
+            .label(r.policy.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+    }
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// Writes the TTFT CDF per policy as `<stem>.png` and `<stem>.svg`.
+///
+/// # Errors
+/// Plotting or I/O errors; "no font" when none is available.
+pub fn plot_ttft_cdf(stem: &Path, reports: &[PolicyReport], title: &str) -> PlotResult {
+    use plotters::prelude::*;
+    if !register_font() {
+        return Err("no TrueType font found for plots (set KVROUTE_FONT or install fonts-dejavu-core)".into());
+    }
+    let png = stem.with_extension("png");
+    draw_cdf(BitMapBackend::new(&png, (900, 560)).into_drawing_area(), reports, title)?;
+    let svg = stem.with_extension("svg");
+    draw_cdf(SVGBackend::new(&svg, (900, 560)).into_drawing_area(), reports, title)?;
+    Ok(())
+}
+
+fn draw_sweep<DB: plotters::prelude::DrawingBackend>(
+    root: plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+    reports: &[PolicyReport],
+) -> PlotResult
+where
+    DB::ErrorType: 'static,
+{
+    use plotters::prelude::*;
+    root.fill(&WHITE)?;
+    let (left, right) = root.split_horizontally(560);
+    let mut names: Vec<&str> = reports.iter().map(|r| r.policy.as_str()).collect();
+    names.dedup();
+    names.sort_unstable();
+    names.dedup();
+    let max_rate = reports.iter().map(|r| r.offered_rps).fold(0.1, f64::max) * 1.05;
+    let max_p99 = reports.iter().map(|r| r.ttft_p99_s).fold(0.1, f64::max) * 1.1;
+    let mut hit = ChartBuilder::on(&left)
+        .caption("prefix-cache hit ratio vs offered load", ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..max_rate, 0.0..1.0)?;
+    hit.configure_mesh().x_desc("offered load (req/s)").y_desc("hit ratio").draw()?;
+    let mut lat = ChartBuilder::on(&right)
+        .caption("p99 TTFT vs offered load", ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..max_rate, (0.001..max_p99).log_scale())?;
+    lat.configure_mesh().x_desc("offered load (req/s)").y_desc("p99 TTFT (s)").draw()?;
+    for (i, name) in names.iter().enumerate() {
+        let style = color(i);
+        let mut pts: Vec<&PolicyReport> = reports.iter().filter(|r| r.policy == *name).collect();
+        pts.sort_by(|a, b| a.offered_rps.total_cmp(&b.offered_rps));
+        hit.draw_series(LineSeries::new(pts.iter().map(|r| (r.offered_rps, r.hit_ratio)), style))?
+            .label(name.to_string())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+        lat.draw_series(LineSeries::new(pts.iter().map(|r| (r.offered_rps, r.ttft_p99_s.max(0.001))), style))?;
+    }
+    hit.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// Writes hit ratio and p99 TTFT against offered load, one line per policy, as
+/// `<stem>.png` and `<stem>.svg`.
+///
+/// # Errors
+/// Plotting or I/O errors.
+pub fn plot_sweep(stem: &Path, reports: &[PolicyReport]) -> PlotResult {
+    use plotters::prelude::*;
+    if !register_font() {
+        return Err("no TrueType font found for plots (set KVROUTE_FONT or install fonts-dejavu-core)".into());
+    }
+    let png = stem.with_extension("png");
+    draw_sweep(BitMapBackend::new(&png, (1120, 520)).into_drawing_area(), reports)?;
+    let svg = stem.with_extension("svg");
+    draw_sweep(SVGBackend::new(&svg, (1120, 520)).into_drawing_area(), reports)?;
+    Ok(())
+}

@@ -1,0 +1,483 @@
+//! Request traces: readers with file/line/field errors, and transforms.
+//!
+//! Formats:
+//! - **Mooncake JSONL** (Qin et al., FAST'25): one object per line with `timestamp` (ms
+//!   from trace start), `input_length`, `output_length` (tokens) and `hash_ids` (one
+//!   prefix-chained id per 512-token block). Mooncake has no session ids; the depth-2
+//!   prefix group (first two block ids) stands in as the session, as the trace README
+//!   suggests.
+//! - **Azure CSV** (Patel et al., ISCA'24): `TIMESTAMP,ContextTokens,GeneratedTokens`;
+//!   lengths only, no prefix information.
+//! - **Session JSONL**: `session_id`, `turn_id`, `timestamp` (ms), `input_length`,
+//!   `output_length`, `hash_ids` (optional `block_size`, default 512).
+//!
+//! Transforms: [`scale_rate`], [`spread_seconds`], [`sample`], [`cap_sessions`] (seed 002's
+//! capped transform), [`truncate`].
+
+use kvroute_core::trace::{TurnKey, cap_turns};
+use kvroute_core::types::{BlockHash, Nanos};
+use rand_core::{Rng, SeedableRng};
+use serde::Deserialize;
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+
+/// One request of a trace.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceRequest {
+    /// Arrival time from the trace start.
+    pub arrival: Nanos,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Output tokens (at least 1).
+    pub output_tokens: u32,
+    /// Prefix-chained block ids (empty when the trace has no prefix information).
+    pub blocks: Vec<BlockHash>,
+    /// Tokens per block of `blocks`.
+    pub block_tokens: u32,
+    /// Session id, when known.
+    pub session: Option<String>,
+    /// Turn number within the session.
+    pub turn: u64,
+}
+
+/// A malformed trace: names the file, the 1-based line and the field.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// The file could not be read.
+    #[error("{file}: cannot read: {source}")]
+    Io {
+        /// File.
+        file: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// A line or field is malformed.
+    #[error("{file}:{line}: field `{field}`: {message}")]
+    Field {
+        /// File.
+        file: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// Field name (or `line` for the whole line).
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The trace has no requests.
+    #[error("{file}: the trace has no requests")]
+    Empty {
+        /// File.
+        file: PathBuf,
+    },
+}
+
+/// Trace formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceFormat {
+    /// Mooncake JSONL.
+    Mooncake,
+    /// Azure LLM inference CSV.
+    Azure,
+    /// Session JSONL.
+    Session,
+}
+
+impl TraceFormat {
+    /// Guesses the format from the file: `.csv` is Azure; JSONL with `session_id` on its
+    /// first line is Session; other JSONL is Mooncake.
+    pub fn detect(path: &Path) -> Result<TraceFormat, TraceError> {
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) {
+            return Ok(TraceFormat::Azure);
+        }
+        let f = std::fs::File::open(path).map_err(|source| TraceError::Io { file: path.into(), source })?;
+        let mut first = String::new();
+        std::io::BufReader::new(f)
+            .read_line(&mut first)
+            .map_err(|source| TraceError::Io { file: path.into(), source })?;
+        Ok(if first.contains("\"session_id\"") { TraceFormat::Session } else { TraceFormat::Mooncake })
+    }
+}
+
+/// Reads a trace of `format` (or detected when `None`), sorted by arrival (stable).
+///
+/// # Errors
+/// [`TraceError`] naming the file, line and field of the first problem.
+pub fn read(path: &Path, format: Option<TraceFormat>) -> Result<Vec<TraceRequest>, TraceError> {
+    let format = match format {
+        Some(f) => f,
+        None => TraceFormat::detect(path)?,
+    };
+    let mut out = match format {
+        TraceFormat::Mooncake => read_jsonl(path, false)?,
+        TraceFormat::Session => read_jsonl(path, true)?,
+        TraceFormat::Azure => read_azure(path)?,
+    };
+    if out.is_empty() {
+        return Err(TraceError::Empty { file: path.into() });
+    }
+    out.sort_by_key(|r| r.arrival);
+    Ok(out)
+}
+
+#[derive(Deserialize)]
+struct JsonLine {
+    timestamp: Option<serde_json::Value>,
+    input_length: Option<serde_json::Value>,
+    output_length: Option<serde_json::Value>,
+    hash_ids: Option<serde_json::Value>,
+    session_id: Option<serde_json::Value>,
+    turn_id: Option<serde_json::Value>,
+    block_size: Option<serde_json::Value>,
+}
+
+fn field_err(path: &Path, line: usize, field: &str, message: impl Into<String>) -> TraceError {
+    TraceError::Field { file: path.into(), line, field: field.into(), message: message.into() }
+}
+
+fn uint(path: &Path, line: usize, field: &str, v: Option<&serde_json::Value>, max: u64) -> Result<u64, TraceError> {
+    let v = v.ok_or_else(|| field_err(path, line, field, "missing"))?;
+    let n =
+        v.as_u64().ok_or_else(|| field_err(path, line, field, format!("expected a non-negative integer, got {v}")))?;
+    if n > max {
+        return Err(field_err(path, line, field, format!("{n} is larger than the maximum {max}")));
+    }
+    Ok(n)
+}
+
+/// Largest prompt or output length accepted (tokens).
+pub const MAX_TOKENS: u64 = 10_000_000;
+
+fn read_jsonl(path: &Path, sessions: bool) -> Result<Vec<TraceRequest>, TraceError> {
+    let f = std::fs::File::open(path).map_err(|source| TraceError::Io { file: path.into(), source })?;
+    let mut out = Vec::new();
+    for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
+        let n = i + 1;
+        let line = line.map_err(|e| field_err(path, n, "line", format!("not valid UTF-8 text: {e}")))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let j: JsonLine =
+            serde_json::from_str(&line).map_err(|e| field_err(path, n, "line", format!("not a JSON object: {e}")))?;
+        let ts = j.timestamp.as_ref().ok_or_else(|| field_err(path, n, "timestamp", "missing"))?;
+        let ts_ms = ts
+            .as_f64()
+            .filter(|t| t.is_finite() && *t >= 0.0)
+            .ok_or_else(|| field_err(path, n, "timestamp", format!("expected milliseconds >= 0, got {ts}")))?;
+        let input = uint(path, n, "input_length", j.input_length.as_ref(), MAX_TOKENS)?;
+        let output = uint(path, n, "output_length", j.output_length.as_ref(), MAX_TOKENS)?;
+        let blocks = match &j.hash_ids {
+            None if sessions => Vec::new(),
+            None => return Err(field_err(path, n, "hash_ids", "missing")),
+            Some(v) => {
+                let arr =
+                    v.as_array().ok_or_else(|| field_err(path, n, "hash_ids", "expected an array of integers"))?;
+                let mut b = Vec::with_capacity(arr.len());
+                for (k, x) in arr.iter().enumerate() {
+                    let id = x.as_u64().ok_or_else(|| {
+                        field_err(path, n, "hash_ids", format!("element {k} is not a non-negative integer: {x}"))
+                    })?;
+                    b.push(BlockHash(id));
+                }
+                b
+            }
+        };
+        let block_tokens = match &j.block_size {
+            None => 512,
+            Some(v) => uint(path, n, "block_size", Some(v), 1 << 20)? as u32,
+        };
+        if block_tokens == 0 {
+            return Err(field_err(path, n, "block_size", "must be at least 1"));
+        }
+        let (session, turn) = if sessions {
+            let s = j.session_id.as_ref().ok_or_else(|| field_err(path, n, "session_id", "missing"))?;
+            let s = match s {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Number(x) => x.to_string(),
+                other => {
+                    return Err(field_err(path, n, "session_id", format!("expected a string or number, got {other}")));
+                }
+            };
+            let turn = match &j.turn_id {
+                None => 0,
+                Some(v) => uint(path, n, "turn_id", Some(v), u64::MAX)?,
+            };
+            (Some(s), turn)
+        } else {
+            // Mooncake: the depth-2 prefix group stands in for the session.
+            (blocks.get(1).map(|b| format!("{}-{}", blocks[0].0, b.0)), 0)
+        };
+        out.push(TraceRequest {
+            arrival: Nanos::from_secs_f64(ts_ms / 1000.0),
+            input_tokens: input.max(1) as u32,
+            output_tokens: output.max(1) as u32,
+            blocks,
+            block_tokens,
+            session,
+            turn,
+        });
+    }
+    if !sessions {
+        // Turn numbers within each depth-2 group, in arrival order.
+        let mut seen: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+        for r in &mut out {
+            if let Some(s) = &r.session {
+                let t = seen.entry(s.clone()).or_insert(0);
+                r.turn = *t;
+                *t += 1;
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn read_azure(path: &Path) -> Result<Vec<TraceRequest>, TraceError> {
+    let mut rdr = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .from_path(path)
+        .map_err(|e| TraceError::Io { file: path.into(), source: std::io::Error::other(e.to_string()) })?;
+    let headers = rdr.headers().map_err(|e| field_err(path, 1, "header", e.to_string()))?.clone();
+    let col = |name: &str| -> Result<usize, TraceError> {
+        headers.iter().position(|h| h.trim() == name).ok_or_else(|| field_err(path, 1, name, "missing column"))
+    };
+    let (c_ts, c_in, c_out) = (col("TIMESTAMP")?, col("ContextTokens")?, col("GeneratedTokens")?);
+    let mut out = Vec::new();
+    let mut t0: Option<f64> = None;
+    for (i, rec) in rdr.records().enumerate() {
+        let n = i + 2;
+        let rec = rec.map_err(|e| field_err(path, n, "line", e.to_string()))?;
+        let get = |c: usize, name: &str| rec.get(c).ok_or_else(|| field_err(path, n, name, "missing"));
+        let ts = parse_datetime(get(c_ts, "TIMESTAMP")?)
+            .ok_or_else(|| field_err(path, n, "TIMESTAMP", "expected `YYYY-MM-DD HH:MM:SS[.fraction]`"))?;
+        let num = |c: usize, name: &str| -> Result<u64, TraceError> {
+            let s = get(c, name)?;
+            let v: u64 = s
+                .trim()
+                .parse()
+                .map_err(|_| field_err(path, n, name, format!("expected a non-negative integer, got `{s}`")))?;
+            if v > MAX_TOKENS {
+                return Err(field_err(path, n, name, format!("{v} is larger than the maximum {MAX_TOKENS}")));
+            }
+            Ok(v)
+        };
+        let input = num(c_in, "ContextTokens")?;
+        let output = num(c_out, "GeneratedTokens")?;
+        let base = *t0.get_or_insert(ts);
+        out.push(TraceRequest {
+            arrival: Nanos::from_secs_f64((ts - base).max(0.0)),
+            input_tokens: input.max(1) as u32,
+            output_tokens: output.max(1) as u32,
+            blocks: Vec::new(),
+            block_tokens: 512,
+            session: None,
+            turn: 0,
+        });
+    }
+    Ok(out)
+}
+
+/// Seconds since 1970 of `YYYY-MM-DD HH:MM:SS[.fraction]` (UTC, proleptic Gregorian).
+fn parse_datetime(s: &str) -> Option<f64> {
+    let s = s.trim();
+    let (date, time) = s.split_once([' ', 'T'])?;
+    let mut d = date.split('-');
+    let (y, m, day): (i64, i64, i64) = (d.next()?.parse().ok()?, d.next()?.parse().ok()?, d.next()?.parse().ok()?);
+    let mut t = time.split(':');
+    let (hh, mm): (i64, i64) = (t.next()?.parse().ok()?, t.next()?.parse().ok()?);
+    let ss: f64 = t.next()?.parse().ok()?;
+    if !(1..=12).contains(&m) || !(1..=31).contains(&day) || hh > 23 || mm > 59 || !(0.0..61.0).contains(&ss) {
+        return None;
+    }
+    // Days from civil (Howard Hinnant's algorithm).
+    let y2 = if m <= 2 { y - 1 } else { y };
+    let era = y2.div_euclid(400);
+    let yoe = y2 - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days as f64 * 86_400.0 + (hh * 3600 + mm * 60) as f64 + ss)
+}
+
+/// Divides every arrival time by `factor` (2.0 = twice the request rate).
+pub fn scale_rate(trace: &mut [TraceRequest], factor: f64) {
+    if factor > 0.0 && factor.is_finite() {
+        for r in trace {
+            r.arrival = Nanos((r.arrival.0 as f64 / factor) as u64);
+        }
+    }
+}
+
+/// Spreads requests sharing a timestamp quantised to whole seconds evenly over that second
+/// (the k-th of n at `s + k/n`), keeping their order. The Mooncake trace has 1,180
+/// distinct timestamps for 12,031 requests; without this each second is a burst.
+pub fn spread_seconds(trace: &mut [TraceRequest]) {
+    let mut i = 0;
+    while i < trace.len() {
+        let t = trace[i].arrival;
+        let mut j = i;
+        while j < trace.len() && trace[j].arrival == t {
+            j += 1;
+        }
+        let n = (j - i) as u64;
+        if t.0 % 1_000_000_000 == 0 && n > 1 {
+            for (k, r) in trace[i..j].iter_mut().enumerate() {
+                r.arrival = Nanos(t.0 + 1_000_000_000 * k as u64 / n);
+            }
+        }
+        i = j;
+    }
+}
+
+/// Keeps each request with probability `fraction`, deterministically from `seed`.
+pub fn sample(trace: Vec<TraceRequest>, fraction: f64, seed: u64) -> Vec<TraceRequest> {
+    if fraction >= 1.0 {
+        return trace;
+    }
+    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
+    let threshold = (fraction.max(0.0) * u64::MAX as f64) as u64;
+    trace.into_iter().filter(|_| rng.next_u64() <= threshold).collect()
+}
+
+/// Seed 002's capped transform: each session's first `max_turns` turns, in time order
+/// (requests without a session are kept).
+pub fn cap_sessions(trace: Vec<TraceRequest>, max_turns: usize) -> Vec<TraceRequest> {
+    cap_turns(trace, max_turns, |r| TurnKey {
+        session: r.session.as_deref().map_or(u64::MAX, |s| kvroute_core::hash::stable_hash(s.as_bytes())),
+        turn: if r.session.is_some() { r.turn } else { r.arrival.0 },
+        timestamp: r.arrival.0,
+    })
+}
+
+/// Keeps the first `n` requests.
+pub fn truncate(trace: &mut Vec<TraceRequest>, n: usize) {
+    trace.truncate(n);
+}
+
+/// The infinite-cache upper bound of a trace: the fraction of prompt tokens that one shared,
+/// never-evicting cache would serve (the longest leading run of each request's blocks seen
+/// in any earlier request, full blocks only). Returns `(hit_tokens, input_tokens)`.
+pub fn infinite_cache_hit(trace: &[TraceRequest]) -> (u64, u64) {
+    let mut seen = std::collections::HashSet::new();
+    let (mut hit, mut total) = (0u64, 0u64);
+    for r in trace {
+        let run = r.blocks.iter().take_while(|b| seen.contains(*b)).count() as u64;
+        hit += (run * r.block_tokens as u64).min(r.input_tokens as u64);
+        total += r.input_tokens as u64;
+        seen.extend(r.blocks.iter().copied());
+    }
+    (hit, total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn tmp(name: &str, body: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kvroute-trace-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp dir");
+        let p = dir.join(name);
+        std::fs::File::create(&p).and_then(|mut f| f.write_all(body.as_bytes())).expect("write");
+        p
+    }
+
+    #[test]
+    fn mooncake_lines_parse_and_sessions_stand_in() {
+        let p = tmp(
+            "ok.jsonl",
+            "{\"timestamp\": 0, \"input_length\": 700, \"output_length\": 5, \"hash_ids\": [0, 1]}\n\n{\"timestamp\": 1000, \"input_length\": 1200, \"output_length\": 7, \"hash_ids\": [0, 1, 2]}\n",
+        );
+        let t = read(&p, None).expect("reads");
+        assert_eq!(t.len(), 2);
+        assert_eq!(t[1].arrival, Nanos::from_secs(1));
+        assert_eq!(t[1].session.as_deref(), Some("0-1"));
+        assert_eq!((t[0].turn, t[1].turn), (0, 1));
+        assert_eq!(infinite_cache_hit(&t), (1024, 1900));
+    }
+
+    #[test]
+    fn malformed_lines_name_file_line_and_field() {
+        let cases = [
+            ("{\"timestamp\": 0, \"input_length\": -3, \"output_length\": 5, \"hash_ids\": []}", "input_length"),
+            ("{\"timestamp\": 0, \"output_length\": 5, \"hash_ids\": []}", "input_length"),
+            ("{\"timestamp\": \"x\", \"input_length\": 3, \"output_length\": 5, \"hash_ids\": []}", "timestamp"),
+            ("{\"timestamp\": 0, \"input_length\": 3, \"output_length\": 5, \"hash_ids\": [1, \"a\"]}", "hash_ids"),
+            ("{\"timestamp\": 0, \"input_length\": 3, \"output_length\": 5}", "hash_ids"),
+            ("not json", "line"),
+        ];
+        for (i, (line, field)) in cases.iter().enumerate() {
+            let ok = "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [0]}";
+            let p = tmp(&format!("bad{i}.jsonl"), &format!("{ok}\n{line}\n"));
+            let e = read(&p, Some(TraceFormat::Mooncake)).expect_err("malformed").to_string();
+            assert!(e.contains(&format!("bad{i}.jsonl:2: field `{field}`")), "{e}");
+        }
+        let p = tmp("empty.jsonl", "\n");
+        assert!(matches!(read(&p, None), Err(TraceError::Empty { .. })));
+        assert!(matches!(read(Path::new("/nonexistent/x.jsonl"), None), Err(TraceError::Io { .. })));
+    }
+
+    #[test]
+    fn azure_csv_and_its_errors() {
+        let p = tmp(
+            "a.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.5,374,44\n2023-11-16 18:15:50.5,396,109\n",
+        );
+        let t = read(&p, None).expect("reads");
+        assert_eq!(t[1].arrival, Nanos::from_secs(4));
+        assert_eq!((t[1].input_tokens, t[1].output_tokens), (396, 109));
+        let p = tmp("b.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,12x,44\n");
+        let e = read(&p, None).expect_err("bad").to_string();
+        assert!(e.contains("b.csv:2: field `ContextTokens`"), "{e}");
+        let p = tmp("c.csv", "TIME,ContextTokens,GeneratedTokens\n");
+        assert!(read(&p, None).expect_err("bad header").to_string().contains("TIMESTAMP"));
+    }
+
+    #[test]
+    fn sessions_cap_and_spread() {
+        let mut body = String::new();
+        for turn in 0..10 {
+            body.push_str(&format!(
+                "{{\"session_id\": \"s1\", \"turn_id\": {turn}, \"timestamp\": {}, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}}\n",
+                turn * 1000
+            ));
+        }
+        body.push_str(
+            "{\"session_id\": 7, \"turn_id\": 0, \"timestamp\": 0, \"input_length\": 10, \"output_length\": 1}\n",
+        );
+        let p = tmp("s.jsonl", &body);
+        let t = read(&p, None).expect("reads");
+        assert_eq!(t.len(), 11);
+        let capped = cap_sessions(t.clone(), 8);
+        assert_eq!(capped.len(), 9);
+        let mut burst = vec![t[0].clone(), t[0].clone(), t[0].clone(), t[0].clone()];
+        for r in &mut burst {
+            r.arrival = Nanos::from_secs(3);
+        }
+        spread_seconds(&mut burst);
+        let ms: Vec<u64> = burst.iter().map(|r| r.arrival.0 / 1_000_000).collect();
+        assert_eq!(ms, vec![3000, 3250, 3500, 3750]);
+        let p = tmp(
+            "bad-s.jsonl",
+            "{\"turn_id\": 0, \"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"session_id\": null}\n",
+        );
+        assert!(read(&p, Some(TraceFormat::Session)).expect_err("bad").to_string().contains("`session_id`"));
+    }
+
+    #[test]
+    fn sampling_is_deterministic() {
+        let t: Vec<TraceRequest> = (0..1000)
+            .map(|i| TraceRequest {
+                arrival: Nanos(i),
+                input_tokens: 1,
+                output_tokens: 1,
+                blocks: vec![],
+                block_tokens: 512,
+                session: None,
+                turn: 0,
+            })
+            .collect();
+        let a = sample(t.clone(), 0.3, 9);
+        assert_eq!(a, sample(t, 0.3, 9));
+        assert!((250..350).contains(&a.len()), "{}", a.len());
+    }
+}
