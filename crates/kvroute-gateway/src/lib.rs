@@ -1,1 +1,79 @@
-//! placeholder
+//! # kvroute-gateway
+//!
+//! The OpenAI- and SGLang-compatible router server: `kvroute serve`. Requests are parsed
+//! just enough to get the model, the routing text (or token ids) and the session; the
+//! routing core ([`kvroute_core::policy::route`]) picks a worker; the body is forwarded
+//! unchanged and the response is streamed back byte for byte. See `docs/gateway.md`.
+//!
+//! - [`config`]: TOML/flags/env configuration.
+//! - [`request`]: routing-key extraction and input validation.
+//! - [`proxy`]: forwarding, streaming, retries, ledger and metrics.
+//! - [`health`]: active health checks, model discovery and `/metrics` scraping.
+//! - [`admin`]: worker management, `/policy`, `/debug/route`.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod admin;
+pub mod config;
+pub mod engine_sim;
+pub mod error;
+pub mod health;
+pub mod metrics;
+pub mod proxy;
+pub mod request;
+pub mod state;
+
+use axum::Router;
+use axum::routing::{get, post};
+pub use config::GatewayConfig;
+use state::AppState;
+use std::future::Future;
+use std::sync::Arc;
+
+/// Builds the router (all endpoints) over `state`.
+pub fn app(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(proxy::chat_completions))
+        .route("/v1/completions", post(proxy::completions))
+        .route("/generate", post(proxy::generate))
+        .route("/v1/models", get(admin::models))
+        .route("/health", get(admin::health))
+        .route("/readiness", get(admin::readiness))
+        .route("/metrics", get(admin::metrics))
+        .route("/add_worker", post(admin::add_worker))
+        .route("/remove_worker", post(admin::remove_worker))
+        .route("/list_workers", get(admin::list_workers))
+        .route("/workers", get(admin::workers))
+        .route("/policy", get(admin::get_policy).put(admin::put_policy))
+        .route("/debug/route", post(admin::debug_route))
+        .fallback(admin::not_found)
+        .with_state(state)
+}
+
+/// Serves the gateway on `listener` until `shutdown` resolves, then drains in-flight
+/// requests. Background tasks (health checks, policy maintenance) stop with it.
+///
+/// # Errors
+/// Invalid configuration, or an I/O error of the listener.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    cfg: GatewayConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    cfg.validate()?;
+    let state = AppState::new(cfg)?;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    state.add_initial_workers().await;
+    let bg = tokio::spawn(health::run_background(Arc::clone(&state), cancel.clone()));
+    let app = app(Arc::clone(&state));
+    let c2 = cancel.clone();
+    let res = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            c2.cancel();
+        })
+        .await;
+    cancel.cancel();
+    let _ = bg.await;
+    res.map_err(Into::into)
+}

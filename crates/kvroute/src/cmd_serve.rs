@@ -1,10 +1,237 @@
-//! `kvroute serve` (being built).
+//! `kvroute serve`: the router gateway in front of inference workers.
+//!
+//! Settings come from `--config FILE` (TOML), then `KVROUTE_*` environment variables, then
+//! flags (each flag has the environment variable of the same name; a flag wins).
+
+use anyhow::{Context, bail};
+use kvroute_gateway::GatewayConfig;
+use std::path::PathBuf;
+use std::time::Duration;
 
 /// Flags of `kvroute serve`.
-#[derive(Debug, clap::Args)]
-pub struct Args {}
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// TOML configuration file (see kvroute.example.toml).
+    #[arg(long, env = "KVROUTE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Listen address.
+    #[arg(long, env = "KVROUTE_HOST")]
+    pub host: Option<String>,
+    /// Listen port (0 = any free port).
+    #[arg(long, env = "KVROUTE_PORT")]
+    pub port: Option<u16>,
+    /// Routing policy (`kvroute policies`).
+    #[arg(long, env = "KVROUTE_POLICY")]
+    pub policy: Option<String>,
+    /// Policy knobs as a JSON object.
+    #[arg(long, env = "KVROUTE_POLICY_KNOBS")]
+    pub policy_knobs: Option<String>,
+    /// Worker base URLs.
+    #[arg(long, env = "KVROUTE_WORKER_URLS", num_args = 1.., value_delimiter = ',')]
+    pub worker_urls: Vec<String>,
+    /// Largest request body, bytes.
+    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Per-attempt connect timeout, seconds.
+    #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_SECS")]
+    pub connect_timeout_secs: Option<f64>,
+    /// Whole-request timeout, seconds.
+    #[arg(long, env = "KVROUTE_REQUEST_TIMEOUT_SECS")]
+    pub request_timeout_secs: Option<f64>,
+    /// Consecutive failures before a worker leaves routing.
+    #[arg(long, env = "KVROUTE_MAX_WORKER_RETRIES")]
+    pub max_worker_retries: Option<u32>,
+    /// Attempts per request across workers.
+    #[arg(long, env = "KVROUTE_MAX_TOTAL_RETRIES")]
+    pub max_total_retries: Option<u32>,
+    /// Admission limit per (model, role).
+    #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_MODEL")]
+    pub max_in_flight_per_model: Option<u32>,
+    /// Bearer token for the admin API.
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+    /// Scrape each worker's /metrics for engine load signals.
+    #[arg(long, env = "KVROUTE_SCRAPE_METRICS")]
+    pub scrape_metrics: Option<bool>,
+    /// Prometheus gauge read as watts for kv_score.
+    #[arg(long, env = "KVROUTE_POWER_METRIC")]
+    pub power_metric: Option<String>,
+    /// Seed of the policy's random source.
+    #[arg(long, env = "KVROUTE_SEED")]
+    pub seed: Option<u64>,
+    /// Seconds between active health checks.
+    #[arg(long, env = "KVROUTE_HEALTH_INTERVAL_SECS")]
+    pub health_interval_secs: Option<f64>,
+    /// Start N worker processes with --worker-cmd and route to them (seed 003 co-launch).
+    #[arg(long, env = "KVROUTE_LAUNCH_WORKERS", default_value_t = 0)]
+    pub launch_workers: usize,
+    /// Worker command for --launch-workers; `{port}` is replaced by a free port.
+    #[arg(long, env = "KVROUTE_WORKER_CMD")]
+    pub worker_cmd: Option<String>,
+    /// Seconds to wait for launched workers to become healthy.
+    #[arg(long, default_value_t = 120.0)]
+    pub launch_timeout_secs: f64,
+}
+
+/// Builds the configuration from file, environment and flags.
+///
+/// # Errors
+/// Unreadable file, invalid TOML, or an invalid value naming its key.
+pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
+    let mut cfg = match &a.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("--config {}", p.display()))?;
+            GatewayConfig::from_toml(&text).with_context(|| format!("--config {}", p.display()))?
+        }
+        None => GatewayConfig::default(),
+    };
+    macro_rules! set {
+        ($($f:ident),*) => { $( if let Some(v) = a.$f.clone() { cfg.$f = v; } )* };
+    }
+    set!(
+        host,
+        port,
+        policy,
+        max_body_bytes,
+        connect_timeout_secs,
+        request_timeout_secs,
+        max_worker_retries,
+        max_total_retries,
+        max_in_flight_per_model,
+        scrape_metrics,
+        seed
+    );
+    if a.admin_token.is_some() {
+        cfg.admin_token = a.admin_token.clone();
+    }
+    if a.power_metric.is_some() {
+        cfg.power_metric = a.power_metric.clone();
+    }
+    if let Some(i) = a.health_interval_secs {
+        cfg.health.interval_secs = i;
+    }
+    if !a.worker_urls.is_empty() {
+        cfg.worker_urls = a.worker_urls.clone();
+    }
+    if let Some(k) = &a.policy_knobs {
+        let v: toml::Table = serde_json::from_str(k).context("--policy-knobs: expected a JSON object")?;
+        cfg.policy_knobs = v;
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Worker processes started by --launch-workers; killed on drop.
+struct Launched(Vec<tokio::process::Child>);
+
+impl Drop for Launched {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.start_kill();
+        }
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+async fn launch(a: &Args, cfg: &mut GatewayConfig) -> anyhow::Result<Launched> {
+    let mut children = Launched(Vec::new());
+    if a.launch_workers == 0 {
+        return Ok(children);
+    }
+    let Some(cmd) = &a.worker_cmd else { bail!("--launch-workers needs --worker-cmd '... {{port}} ...'") };
+    if !cmd.contains("{port}") {
+        bail!("--worker-cmd must contain {{port}}");
+    }
+    if a.launch_workers > 256 {
+        bail!("--launch-workers: at most 256");
+    }
+    let mut urls = Vec::new();
+    for _ in 0..a.launch_workers {
+        let port = free_port()?;
+        let line = cmd.replace("{port}", &port.to_string());
+        let child = tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("exec {line}"))
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("--worker-cmd: cannot start `{line}`"))?;
+        children.0.push(child);
+        urls.push(format!("http://127.0.0.1:{port}"));
+    }
+    let client = reqwest::Client::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(a.launch_timeout_secs);
+    for u in &urls {
+        loop {
+            let ok = client
+                .get(format!("{u}/health"))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if ok {
+                break;
+            }
+            for c in &mut children.0 {
+                if let Ok(Some(st)) = c.try_wait() {
+                    bail!("a launched worker exited with {st} before becoming healthy");
+                }
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!("launched worker {u} not healthy after {} s", a.launch_timeout_secs);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        eprintln!("kvroute: launched worker {u} is healthy");
+    }
+    cfg.worker_urls.extend(urls);
+    Ok(children)
+}
+
+/// Runs the gateway until Ctrl-C / SIGTERM.
+pub async fn serve_until_signal(a: Args) -> anyhow::Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut cfg = build_config(&a)?;
+    let _children = launch(&a, &mut cfg).await?;
+    let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", cfg.host, cfg.port))?;
+    eprintln!(
+        "kvroute: serving on http://{} with policy {} and {} worker(s)",
+        listener.local_addr()?,
+        cfg.policy,
+        cfg.worker_urls.len()
+    );
+    kvroute_gateway::serve(listener, cfg, shutdown_signal()).await
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+    eprintln!("kvroute: shutting down, draining in-flight requests");
+}
 
 /// Runs `kvroute serve`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`kvroute serve` is not built yet")
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(serve_until_signal(a))
 }

@@ -5,6 +5,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod cmd_demo;
+mod cmd_engine_sim;
 mod cmd_policies;
 mod cmd_replay;
 mod cmd_serve;
@@ -19,6 +21,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Demo: 4 simulated engines + the gateway, a Mooncake slice over HTTP, round_robin vs cache-aware.
+    Demo(cmd_demo::Args),
+    /// One simulated inference worker over HTTP (vLLM-like metrics and endpoints).
+    EngineSim(cmd_engine_sim::Args),
     /// Run the router gateway in front of inference workers.
     Serve(cmd_serve::Args),
     /// Replay a request trace through every policy on simulated engines.
@@ -30,6 +36,8 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Demo(a) => cmd_demo::run(a),
+        Command::EngineSim(a) => cmd_engine_sim::run(a),
         Command::Serve(a) => cmd_serve::run(a),
         Command::Replay(a) => cmd_replay::run(a),
         Command::Policies(a) => cmd_policies::run(a),

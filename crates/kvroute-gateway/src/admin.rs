@@ -1,0 +1,209 @@
+//! Read-only endpoints and the admin API (seed 003's `/add_worker`, `/remove_worker`,
+//! `/list_workers`), live policy knobs and `/debug/route`.
+
+use crate::error::ApiError;
+use crate::metrics::WorkerLabel;
+use crate::proxy::{decide, decision_header, read_body};
+use crate::request::{Api, parse};
+use crate::state::AppState;
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use kvroute_core::types::{Health, WorkerId};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = &s.cfg.admin_token else { return Ok(()) };
+    let given =
+        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    if given == Some(token.as_str()) {
+        Ok(())
+    } else {
+        Err(ApiError::new(StatusCode::UNAUTHORIZED, "the admin API needs `Authorization: Bearer <admin_token>`"))
+    }
+}
+
+/// `GET /v1/models`: models of the healthy workers (never fails because one is down).
+pub async fn models(State(s): State<Arc<AppState>>) -> Response {
+    let data: Vec<serde_json::Value> = s
+        .models()
+        .into_iter()
+        .map(|m| serde_json::json!({"id": m, "object": "model", "created": 0, "owned_by": "kvroute"}))
+        .collect();
+    Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}
+
+/// `GET /health`: the gateway process is up.
+pub async fn health() -> Response {
+    Json(serde_json::json!({"status": "ok"})).into_response()
+}
+
+/// `GET /readiness`: 200 when at least one worker is routable, else 503.
+pub async fn readiness(State(s): State<Arc<AppState>>) -> Response {
+    let healthy = s.workers.read().iter().filter(|w| w.health == Health::Healthy).count();
+    let status = if healthy > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(serde_json::json!({"ready": healthy > 0, "healthy_workers": healthy}))).into_response()
+}
+
+/// `GET /metrics`: Prometheus text.
+pub async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    {
+        let ws = s.workers.read();
+        let ledger = s.ledger.lock();
+        for w in ws.iter() {
+            let n = ledger.get(WorkerId(w.id)).in_flight;
+            s.metrics.worker_in_flight.get_or_create(&WorkerLabel { worker: w.url.clone() }).set(i64::from(n));
+        }
+    }
+    let size = s.policy.lock().policy.index_size();
+    s.metrics.index_size.set(size.min(i64::MAX as u64) as i64);
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], s.metrics.render())
+        .into_response()
+}
+
+/// Unknown path: 404 JSON.
+pub async fn not_found() -> Response {
+    ApiError::new(StatusCode::NOT_FOUND, "no such endpoint").into_response()
+}
+
+fn url_param(q: &HashMap<String, String>) -> Result<String, ApiError> {
+    q.get("url").cloned().ok_or_else(|| ApiError::bad_field("url", "missing query parameter `url`"))
+}
+
+/// `POST /add_worker?url=`.
+pub async fn add_worker(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let r = async {
+        authorize(&s, &headers)?;
+        let url = url_param(&q)?;
+        let id = s.add_worker(&url).await.map_err(|m| ApiError::bad_field("url", m))?;
+        Ok::<_, ApiError>(Json(serde_json::json!({"status": "added", "url": url.trim_end_matches('/'), "id": id})))
+    }
+    .await;
+    r.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+}
+
+/// `POST /remove_worker?url=`.
+pub async fn remove_worker(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let r = (|| {
+        authorize(&s, &headers)?;
+        let url = url_param(&q)?;
+        if s.remove_worker(&url) {
+            Ok(Json(serde_json::json!({"status": "removed", "url": url})))
+        } else {
+            Err(ApiError::new(StatusCode::NOT_FOUND, format!("no worker `{url}`")).with_param("url"))
+        }
+    })();
+    r.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+}
+
+/// `GET /list_workers`: worker URLs (seed 003).
+pub async fn list_workers(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return e.into_response();
+    }
+    let urls: Vec<String> = s.workers.read().iter().map(|w| w.url.clone()).collect();
+    Json(serde_json::json!({"urls": urls})).into_response()
+}
+
+/// `GET /workers`: the worker table with health, models, load and engine signals.
+pub async fn workers(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return e.into_response();
+    }
+    let ws = s.workers.read().clone();
+    let ledger = s.ledger.lock();
+    let rows: Vec<serde_json::Value> = ws
+        .iter()
+        .map(|w| {
+            let l = ledger.get(WorkerId(w.id));
+            let mut v = serde_json::to_value(w).unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.insert("in_flight".into(), l.in_flight.into());
+                o.insert("waiting".into(), l.waiting.into());
+                o.insert("pending_prefill_tokens".into(), l.pending_prefill_tokens.into());
+            }
+            v
+        })
+        .collect();
+    Json(serde_json::json!({"workers": rows})).into_response()
+}
+
+/// `GET /policy`: name and knobs.
+pub async fn get_policy(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return e.into_response();
+    }
+    let p = s.policy.lock();
+    Json(serde_json::json!({"policy": p.policy.name(), "knobs": p.policy.knobs()})).into_response()
+}
+
+/// `PUT /policy`: `{"knobs": {...}}` (or the knobs object itself) patches knobs live.
+pub async fn put_policy(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let r = async {
+        authorize(&s, &headers)?;
+        let bytes = read_body(&s, &headers, body).await?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&bytes).map_err(|e| ApiError::bad_field("body", format!("not valid JSON: {e}")))?;
+        let patch = v.get("knobs").cloned().unwrap_or(v);
+        let mut p = s.policy.lock();
+        p.policy.set_knobs(&patch).map_err(|e| ApiError::bad_field("knobs", e.to_string()))?;
+        Ok::<_, ApiError>(Json(serde_json::json!({"policy": p.policy.name(), "knobs": p.policy.knobs()})))
+    }
+    .await;
+    r.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+}
+
+/// `POST /debug/route`: a chat or completion body (or `/generate` with `?api=generate`);
+/// answers which worker would be chosen and why, without sending anything. The decision is
+/// not recorded in the prefix index... except that policies learn on every decision, so
+/// this uses the same path as real traffic and is meant for debugging, not for probing.
+pub async fn debug_route(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+    body: Body,
+) -> Response {
+    let r = async {
+        authorize(&s, &headers)?;
+        let bytes = read_body(&s, &headers, body).await?;
+        let api = match q.get("api").map(String::as_str) {
+            Some("generate") => Api::Generate,
+            Some("completions") => Api::Completions,
+            Some("chat") | None => {
+                if bytes.windows(10).any(|w| w == b"\"messages\"") {
+                    Api::Chat
+                } else {
+                    Api::Completions
+                }
+            }
+            Some(other) => return Err(ApiError::bad_field("api", format!("unknown api `{other}`"))),
+        };
+        let (_, info) = parse(api, &bytes, headers.get("x-session-id").and_then(|v| v.to_str().ok()))?;
+        let (d, urls) = decide(&s, &info)?;
+        let url = |id: WorkerId| urls.iter().find(|(i, _)| *i == id.0).map(|(_, u)| u.clone());
+        Ok::<_, ApiError>(Json(serde_json::json!({
+            "worker": url(d.worker),
+            "fallbacks": d.fallbacks.iter().filter_map(|w| url(*w)).collect::<Vec<_>>(),
+            "policy": s.cfg.policy,
+            "branch": d.branch.as_str(),
+            "matched": d.matched,
+            "key_len": d.key_len,
+            "unit": d.unit,
+            "score": d.score,
+            "decision": decision_header(&s.cfg.policy, &d),
+        })))
+    }
+    .await;
+    r.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+}

@@ -1,0 +1,220 @@
+//! Gateway configuration: one TOML file, flags and `KVROUTE_*` environment variables with
+//! the same names (see `docs/configuration.md` and `kvroute.example.toml`).
+
+use serde::{Deserialize, Serialize};
+
+/// Active health checks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Seconds between checks of each worker.
+    pub interval_secs: f64,
+    /// Timeout of one check, seconds.
+    pub timeout_secs: f64,
+    /// Consecutive failed checks before a worker is marked unhealthy.
+    pub failure_threshold: u32,
+    /// Consecutive passed checks before an unhealthy worker is routable again.
+    pub success_threshold: u32,
+    /// Path checked.
+    pub path: String,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            interval_secs: 10.0,
+            timeout_secs: 5.0,
+            failure_threshold: 3,
+            success_threshold: 2,
+            path: "/health".into(),
+        }
+    }
+}
+
+/// Everything `kvroute serve` needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewayConfig {
+    /// Listen address.
+    pub host: String,
+    /// Listen port (0 = any free port).
+    pub port: u16,
+    /// Routing policy name (`kvroute policies`).
+    pub policy: String,
+    /// Policy knobs (a table; unknown knobs are refused at startup).
+    pub policy_knobs: toml::Table,
+    /// Worker base URLs (http or https).
+    pub worker_urls: Vec<String>,
+    /// Largest accepted request body, bytes (413 beyond).
+    pub max_body_bytes: usize,
+    /// Timeout of one upstream attempt until response headers, seconds.
+    pub connect_timeout_secs: f64,
+    /// Total timeout of one proxied request, seconds.
+    pub request_timeout_secs: f64,
+    /// Consecutive failures after which a worker is taken out of routing (seed 003).
+    pub max_worker_retries: u32,
+    /// Attempts per request across workers before the client gets an error (seed 003).
+    pub max_total_retries: u32,
+    /// In-flight requests admitted per (model, role); beyond, 503 at once (seed 001).
+    pub max_in_flight_per_model: u32,
+    /// Bearer token required by the admin API (none = open; bind to localhost then).
+    pub admin_token: Option<String>,
+    /// Scrape each worker's `/metrics` for engine load signals.
+    pub scrape_metrics: bool,
+    /// Prometheus gauge read as the worker's power draw in watts (e.g. `DCGM_FI_DEV_POWER_USAGE`).
+    pub power_metric: Option<String>,
+    /// Seed of the policy's random source.
+    pub seed: u64,
+    /// Active health checks.
+    pub health: HealthConfig,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            host: "127.0.0.1".into(),
+            port: 30000,
+            policy: "cache_aware".into(),
+            policy_knobs: toml::Table::new(),
+            worker_urls: Vec::new(),
+            max_body_bytes: 32 << 20,
+            connect_timeout_secs: 30.0,
+            request_timeout_secs: 600.0,
+            max_worker_retries: 3,
+            max_total_retries: 6,
+            max_in_flight_per_model: 4096,
+            admin_token: None,
+            scrape_metrics: false,
+            power_metric: None,
+            seed: 0,
+            health: HealthConfig::default(),
+        }
+    }
+}
+
+/// A configuration error naming the key.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration: `{key}`: {message}")]
+pub struct ConfigError {
+    /// Offending key.
+    pub key: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+fn err(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError { key: key.into(), message: message.into() }
+}
+
+impl GatewayConfig {
+    /// Parses TOML text (unknown keys are errors naming the key).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the key.
+    pub fn from_toml(text: &str) -> Result<GatewayConfig, ConfigError> {
+        let cfg: GatewayConfig = toml::from_str(text).map_err(|e| {
+            let msg = e.message().to_string();
+            let key = msg.split('`').nth(1).unwrap_or("(file)").to_string();
+            err(&key, e.to_string().trim().replace('\n', " "))
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Policy knobs as JSON.
+    pub fn knobs_json(&self) -> serde_json::Value {
+        serde_json::to_value(&self.policy_knobs).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// Checks ranges, URLs, the policy name and its knobs.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for u in &self.worker_urls {
+            check_worker_url(u).map_err(|m| err("worker_urls", m))?;
+        }
+        kvroute_core::registry::build(&self.policy, &self.knobs_json()).map_err(|e| match e {
+            kvroute_core::registry::BuildError::Unknown { .. } => err("policy", e.to_string()),
+            kvroute_core::registry::BuildError::Knobs(k) => err("policy_knobs", k.message),
+        })?;
+        if self.max_body_bytes == 0 {
+            return Err(err("max_body_bytes", "must be at least 1"));
+        }
+        for (k, v) in [
+            ("connect_timeout_secs", self.connect_timeout_secs),
+            ("request_timeout_secs", self.request_timeout_secs),
+            ("health.interval_secs", self.health.interval_secs),
+            ("health.timeout_secs", self.health.timeout_secs),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(err(k, format!("must be a positive number of seconds, got {v}")));
+            }
+        }
+        if self.max_total_retries == 0 {
+            return Err(err("max_total_retries", "must be at least 1"));
+        }
+        if self.max_worker_retries == 0 {
+            return Err(err("max_worker_retries", "must be at least 1"));
+        }
+        if self.max_in_flight_per_model == 0 {
+            return Err(err("max_in_flight_per_model", "must be at least 1"));
+        }
+        if self.health.failure_threshold == 0 || self.health.success_threshold == 0 {
+            return Err(err("health", "failure_threshold and success_threshold must be at least 1"));
+        }
+        if !self.health.path.starts_with('/') {
+            return Err(err("health.path", "must start with /"));
+        }
+        Ok(())
+    }
+}
+
+/// Accepts only absolute http(s) URLs with a host and no query or fragment; returns the
+/// URL without a trailing slash.
+///
+/// # Errors
+/// A message saying what is wrong.
+pub fn check_worker_url(u: &str) -> Result<String, String> {
+    let parsed = url::Url::parse(u).map_err(|e| format!("`{u}` is not a URL: {e}"))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(format!("`{u}`: only http and https worker URLs are accepted"));
+    }
+    if parsed.host_str().is_none_or(str::is_empty) {
+        return Err(format!("`{u}`: no host"));
+    }
+    if parsed.query().is_some() || parsed.fragment().is_some() {
+        return Err(format!("`{u}`: a worker URL has no query or fragment"));
+    }
+    Ok(u.trim_end_matches('/').to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_key() {
+        let e = GatewayConfig::from_toml("polcy = \"x\"").expect_err("unknown key");
+        assert!(e.to_string().contains("polcy"), "{e}");
+        let e = GatewayConfig::from_toml("policy = \"nope\"").expect_err("bad policy");
+        assert_eq!(e.key, "policy");
+        let e = GatewayConfig::from_toml("[policy_knobs]\ncache_threshold = 7.0").expect_err("bad knob");
+        assert_eq!(e.key, "policy_knobs");
+        let e = GatewayConfig::from_toml("worker_urls = [\"ftp://x\"]").expect_err("bad url");
+        assert_eq!(e.key, "worker_urls");
+        let e = GatewayConfig::from_toml("[health]\ninterval_secs = -1.0").expect_err("bad interval");
+        assert_eq!(e.key, "health.interval_secs");
+        let ok = GatewayConfig::from_toml("policy = \"lmetric\"\nworker_urls = [\"http://127.0.0.1:1/\"]").expect("ok");
+        assert_eq!(ok.policy, "lmetric");
+    }
+
+    #[test]
+    fn the_example_file_is_the_defaults() {
+        let text = include_str!("../../../kvroute.example.toml");
+        let cfg = GatewayConfig::from_toml(text).expect("example parses");
+        let mut def = GatewayConfig::default();
+        def.worker_urls = cfg.worker_urls.clone();
+        assert_eq!(cfg, def);
+    }
+}

@@ -1,0 +1,568 @@
+//! `kvroute engine-sim`: one simulated inference worker over HTTP, driven by the same
+//! engine model as `kvroute replay` ([`kvroute_sim::engine`]) on a wall clock scaled by
+//! `time_scale` (10 = ten times faster than the profile).
+//!
+//! The prompt is cut into 64-byte chunks (16 tokens at 4 characters per token) hashed as a
+//! chain, so two prompts sharing a text prefix share KV blocks and the second one's prefill
+//! is shorter, exactly as with vLLM's prefix caching. Output text is deterministic.
+//! Endpoints: OpenAI `/v1/chat/completions`, `/v1/completions` (streaming or not, with
+//! `usage` and optional `logprobs`), `/v1/models`, SGLang `/generate`, `/health`,
+//! `/tokenize`, `/metrics` with vLLM names, and what peer routers probe (`/server_info`,
+//! `/model_info`, `/get_load`, `/loads`, `/v1/loads`, `/version`, `*/render`).
+
+use crate::request::{Api, parse};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvroute_core::hash::{HashAlgo, hash_text_blocks, stable_hash};
+use kvroute_core::types::{BlockHash, Nanos, estimate_tokens};
+use kvroute_sim::engine::{Engine, EngineEvent, EngineRequest, Profile};
+use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Settings of one simulated worker.
+#[derive(Debug, Clone)]
+pub struct EngineSimConfig {
+    /// Engine profile.
+    pub profile: Profile,
+    /// Speed-up of simulated time over wall time (1 = real time).
+    pub time_scale: f64,
+    /// Model name served.
+    pub model: String,
+    /// Share of requests answered with a 500 (failure injection).
+    pub error_rate: f64,
+    /// Share of requests that never answer (failure injection).
+    pub hang_rate: f64,
+    /// Exit the process after this many requests (failure injection).
+    pub crash_after: Option<u64>,
+    /// `/health` answers 503 for this many seconds after start.
+    pub slow_start_secs: f64,
+    /// Waiting-queue bound of the engine.
+    pub max_waiting: usize,
+}
+
+impl Default for EngineSimConfig {
+    fn default() -> Self {
+        EngineSimConfig {
+            profile: Profile::named("h100-llama3-8b").unwrap_or_else(|| unreachable_profile()),
+            time_scale: 1.0,
+            model: "sim-llama-3-8b".into(),
+            error_rate: 0.0,
+            hang_rate: 0.0,
+            crash_after: None,
+            slow_start_secs: 0.0,
+            max_waiting: 4096,
+        }
+    }
+}
+
+fn unreachable_profile() -> Profile {
+    Profile {
+        name: "fallback".into(),
+        block_tokens: 16,
+        kv_tokens: 420_000,
+        max_batch: 256,
+        max_batched_tokens: 8192,
+        step_overhead_s: 0.006,
+        prefill_per_token_s: 50e-6,
+        decode_per_seq_s: 30e-6,
+        context_per_token_s: 0.04e-6,
+    }
+}
+
+/// Tokens per KV block of the simulated worker's prefix hashing.
+const BLOCK_TOKENS: u32 = 16;
+
+enum Cmd {
+    Submit { req: EngineRequest, reply: mpsc::Sender<EngineEvent> },
+}
+
+struct SimMetrics {
+    registry: Registry,
+    running: Gauge,
+    waiting: Gauge,
+    kv_usage: Gauge<f64, std::sync::atomic::AtomicU64>,
+    hits: Counter,
+    queries: Counter,
+    prompt_tokens: Counter,
+    generation_tokens: Counter,
+    requests: Counter,
+    ttft: Histogram,
+    e2e: Histogram,
+}
+
+impl SimMetrics {
+    fn new() -> Self {
+        let mut registry = Registry::default();
+        let running = Gauge::default();
+        registry.register("vllm:num_requests_running", "Requests in the running batch", running.clone());
+        let waiting = Gauge::default();
+        registry.register("vllm:num_requests_waiting", "Requests waiting", waiting.clone());
+        let kv_usage = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register("vllm:kv_cache_usage_perc", "KV cache usage, 0-1", kv_usage.clone());
+        let hits = Counter::default();
+        registry.register("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache", hits.clone());
+        let queries = Counter::default();
+        registry.register("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries.clone());
+        let prompt_tokens = Counter::default();
+        registry.register("vllm:prompt_tokens", "Prompt tokens processed", prompt_tokens.clone());
+        let generation_tokens = Counter::default();
+        registry.register("vllm:generation_tokens", "Tokens generated", generation_tokens.clone());
+        let requests = Counter::default();
+        registry.register("vllm:request_success", "Requests finished", requests.clone());
+        let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 18));
+        registry.register("vllm:time_to_first_token_seconds", "TTFT (wall clock)", ttft.clone());
+        let e2e = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        registry.register("vllm:e2e_request_latency_seconds", "End-to-end latency (wall clock)", e2e.clone());
+        SimMetrics {
+            registry,
+            running,
+            waiting,
+            kv_usage,
+            hits,
+            queries,
+            prompt_tokens,
+            generation_tokens,
+            requests,
+            ttft,
+            e2e,
+        }
+    }
+}
+
+/// Shared state of one simulated worker.
+pub struct EngineSim {
+    cfg: EngineSimConfig,
+    tx: mpsc::Sender<Cmd>,
+    metrics: SimMetrics,
+    start: Instant,
+    next_id: AtomicU64,
+    served: AtomicU64,
+    stats: Mutex<kvroute_sim::engine::EngineStats>,
+}
+
+impl std::fmt::Debug for EngineSim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineSim").field("model", &self.cfg.model).finish_non_exhaustive()
+    }
+}
+
+impl EngineSim {
+    fn sim_now(start: Instant, scale: f64) -> Nanos {
+        Nanos((start.elapsed().as_nanos() as f64 * scale) as u64)
+    }
+
+    /// Counters of the engine (prefix hits, tokens, …).
+    pub fn stats(&self) -> kvroute_sim::engine::EngineStats {
+        *self.stats.lock()
+    }
+}
+
+/// Starts the engine driver task and returns the shared state. The driver stops when the
+/// returned state (and every handler holding it) is dropped.
+pub fn start(cfg: EngineSimConfig) -> Arc<EngineSim> {
+    let (tx, rx) = mpsc::channel::<Cmd>(1024);
+    let sim = Arc::new(EngineSim {
+        tx,
+        metrics: SimMetrics::new(),
+        start: Instant::now(),
+        next_id: AtomicU64::new(0),
+        served: AtomicU64::new(0),
+        stats: Mutex::new(Default::default()),
+        cfg,
+    });
+    tokio::spawn(drive(Arc::downgrade(&sim), rx, sim.cfg.clone(), sim.start));
+    sim
+}
+
+async fn drive(sim: std::sync::Weak<EngineSim>, mut rx: mpsc::Receiver<Cmd>, cfg: EngineSimConfig, start: Instant) {
+    let mut engine = Engine::new(cfg.profile.clone(), cfg.max_waiting);
+    let mut waiters: HashMap<u64, mpsc::Sender<EngineEvent>> = HashMap::new();
+    let mut events = Vec::new();
+    let scale = cfg.time_scale.max(1e-6);
+    loop {
+        let now = EngineSim::sim_now(start, scale);
+        engine.advance(now, &mut events);
+        for ev in events.drain(..) {
+            let (id, done) = match ev {
+                EngineEvent::FirstToken { id, .. } => (id, false),
+                EngineEvent::Finished { id, .. } | EngineEvent::Rejected { id, .. } => (id, true),
+            };
+            if let Some(w) = waiters.get(&id) {
+                let _ = w.try_send(ev);
+            }
+            if done {
+                waiters.remove(&id);
+            }
+        }
+        if let Some(s) = sim.upgrade() {
+            s.metrics.running.set(i64::from(engine.num_running()));
+            s.metrics.waiting.set(i64::from(engine.num_waiting()));
+            s.metrics.kv_usage.set(engine.kv_usage());
+            *s.stats.lock() = engine.stats();
+        } else {
+            return;
+        }
+        let sleep = match engine.next_event_time() {
+            Some(t) => {
+                let now = EngineSim::sim_now(start, scale);
+                Duration::from_nanos((t.0.saturating_sub(now.0) as f64 / scale) as u64)
+            }
+            None => Duration::from_secs(3600),
+        };
+        tokio::select! {
+            cmd = rx.recv() => match cmd {
+                Some(Cmd::Submit { req, reply }) => {
+                    let now = EngineSim::sim_now(start, scale);
+                    engine.advance(now, &mut events);
+                    let id = req.id;
+                    waiters.insert(id, reply);
+                    engine.submit(req, now, &mut events);
+                }
+                None => return,
+            },
+            () = tokio::time::sleep(sleep) => {}
+        }
+    }
+}
+
+/// The HTTP app of a simulated worker.
+pub fn app(sim: Arc<EngineSim>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/generate", post(generate))
+        .route("/v1/chat/completions/render", post(render))
+        .route("/v1/completions/render", post(render))
+        .route("/tokenize", post(tokenize))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/server_info", get(server_info))
+        .route("/model_info", get(model_info))
+        .route("/get_load", get(get_load))
+        .route("/loads", get(get_load))
+        .route("/v1/loads", get(get_load))
+        .route("/version", get(version))
+        .with_state(sim)
+}
+
+/// Serves a simulated worker on `listener` until `shutdown`.
+///
+/// # Errors
+/// Listener I/O errors.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    cfg: EngineSimConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let sim = start(cfg);
+    axum::serve(listener, app(sim)).with_graceful_shutdown(shutdown).await
+}
+
+fn err(status: StatusCode, msg: &str) -> Response {
+    crate::error::ApiError::new(status, msg).into_response()
+}
+
+async fn health(State(s): State<Arc<EngineSim>>) -> Response {
+    if s.start.elapsed().as_secs_f64() < s.cfg.slow_start_secs {
+        return err(StatusCode::SERVICE_UNAVAILABLE, "starting");
+    }
+    Json(serde_json::json!({"status": "ok"})).into_response()
+}
+
+async fn models(State(s): State<Arc<EngineSim>>) -> Response {
+    Json(serde_json::json!({"object": "list", "data": [{"id": s.cfg.model, "object": "model", "created": 0, "owned_by": "kvroute-engine-sim", "max_model_len": 131072}]}))
+        .into_response()
+}
+
+async fn metrics(State(s): State<Arc<EngineSim>>) -> Response {
+    let mut out = String::new();
+    let _ = prometheus_client::encoding::text::encode(&mut out, &s.metrics.registry);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+async fn server_info(State(s): State<Arc<EngineSim>>) -> Response {
+    Json(serde_json::json!({"model_path": s.cfg.model, "served_model_name": s.cfg.model, "tp_size": 1, "dp_size": 1,
+        "version": env!("CARGO_PKG_VERSION"), "engine": "kvroute-engine-sim", "profile": s.cfg.profile.name}))
+    .into_response()
+}
+
+async fn model_info(State(s): State<Arc<EngineSim>>) -> Response {
+    Json(serde_json::json!({"model_path": s.cfg.model, "tokenizer_path": null, "is_generation": true})).into_response()
+}
+
+async fn get_load(State(s): State<Arc<EngineSim>>) -> Response {
+    let running = s.metrics.running.get();
+    let waiting = s.metrics.waiting.get();
+    Json(serde_json::json!({"num_reqs": running + waiting, "num_running_reqs": running, "num_waiting_reqs": waiting,
+        "kv_cache_usage": s.metrics.kv_usage.get()}))
+    .into_response()
+}
+
+async fn version() -> Response {
+    Json(serde_json::json!({"version": env!("CARGO_PKG_VERSION")})).into_response()
+}
+
+/// Pseudo token ids of `text`: 4 bytes per token, little-endian (deterministic; matches the
+/// 4-characters-per-token estimate used for routing).
+pub fn pseudo_tokens(text: &str) -> Vec<u32> {
+    text.as_bytes()
+        .chunks(4)
+        .map(|c| {
+            let mut b = [0u8; 4];
+            b[..c.len()].copy_from_slice(c);
+            u32::from_le_bytes(b)
+        })
+        .collect()
+}
+
+async fn tokenize(body: Bytes) -> Response {
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let text = v.get("prompt").or_else(|| v.get("text")).and_then(serde_json::Value::as_str).unwrap_or("");
+    let tokens = pseudo_tokens(text);
+    Json(serde_json::json!({"count": tokens.len(), "max_model_len": 131072, "tokens": tokens})).into_response()
+}
+
+async fn render(body: Bytes) -> Response {
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let api = if v.get("messages").is_some() { Api::Chat } else { Api::Completions };
+    match parse(api, &body, None) {
+        Ok((_, info)) => Json(serde_json::json!({"prompt": info.text, "prompt_token_ids": pseudo_tokens(&info.text)}))
+            .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+const WORDS: [&str; 16] = [
+    "the", "cache", "router", "sends", "each", "request", "to", "a", "worker", "that", "already", "holds", "its",
+    "prefix", "and", "answers",
+];
+
+/// Deterministic output token `i` for a prompt hash.
+fn word(seed: u64, i: u32) -> &'static str {
+    let h = stable_hash(&[seed.to_le_bytes(), u64::from(i).to_le_bytes()].concat());
+    WORDS[(h % WORDS.len() as u64) as usize]
+}
+
+async fn chat(State(s): State<Arc<EngineSim>>, body: Bytes) -> Response {
+    complete(s, Api::Chat, body).await
+}
+async fn completions(State(s): State<Arc<EngineSim>>, body: Bytes) -> Response {
+    complete(s, Api::Completions, body).await
+}
+async fn generate(State(s): State<Arc<EngineSim>>, body: Bytes) -> Response {
+    complete(s, Api::Generate, body).await
+}
+
+async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
+    let t0 = Instant::now();
+    let (v, info) = match parse(api, &body, None) {
+        Ok(x) => x,
+        Err(e) => return e.into_response(),
+    };
+    if !info.model.is_empty() && info.model != s.cfg.model {
+        return crate::error::ApiError::new(StatusCode::NOT_FOUND, format!("model `{}` does not exist", info.model))
+            .with_param("model")
+            .into_response();
+    }
+    let n = s.served.fetch_add(1, Ordering::Relaxed) + 1;
+    if s.cfg.crash_after.is_some_and(|c| n > c) {
+        tracing::error!("engine-sim: crash injected after {} requests", n - 1);
+        std::process::exit(3);
+    }
+    let roll = (stable_hash(&n.to_le_bytes()) % 1_000_000) as f64 / 1e6;
+    if roll < s.cfg.error_rate {
+        return err(StatusCode::INTERNAL_SERVER_ERROR, "injected failure");
+    }
+    if roll < s.cfg.error_rate + s.cfg.hang_rate {
+        std::future::pending::<()>().await;
+    }
+    let (input_tokens, blocks) = match &info.token_ids {
+        Some(t) => {
+            let mut b = Vec::new();
+            kvroute_core::hash::hash_token_blocks(t, BLOCK_TOKENS as usize, usize::MAX, HashAlgo::Xxh3, &mut b);
+            (t.len() as u32, b)
+        }
+        None => {
+            let mut b: Vec<BlockHash> = Vec::new();
+            hash_text_blocks(&info.text, BLOCK_TOKENS as usize, usize::MAX, HashAlgo::Xxh3, &mut b);
+            (estimate_tokens(&info.text).max(1), b)
+        }
+    };
+    let output = info.max_tokens.unwrap_or(16).clamp(1, 8192);
+    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let (tx, mut rx) = mpsc::channel(4);
+    let req = EngineRequest { id, input_tokens, output_tokens: output, blocks, block_tokens: BLOCK_TOKENS };
+    if s.tx.send(Cmd::Submit { req, reply: tx }).await.is_err() {
+        return err(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
+    }
+    let seed = stable_hash(info.text.as_bytes());
+    let logprobs = v.get("logprobs").is_some_and(|l| l.as_bool().unwrap_or(!l.is_null()));
+    let created = 1_700_000_000u64;
+    let rid = format!("kvsim-{id}");
+    let model = s.cfg.model.clone();
+    let step = Duration::from_secs_f64(
+        (s.cfg.profile.step_overhead_s + s.cfg.profile.decode_per_seq_s) / s.cfg.time_scale.max(1e-6),
+    );
+    // Wait for the first token.
+    let first = match rx.recv().await {
+        Some(EngineEvent::FirstToken { cached_tokens, .. }) => cached_tokens,
+        Some(EngineEvent::Rejected { .. }) | None => {
+            return err(StatusCode::SERVICE_UNAVAILABLE, "request does not fit in the KV cache or the queue is full");
+        }
+        Some(EngineEvent::Finished { .. }) => 0,
+    };
+    s.metrics.ttft.observe(t0.elapsed().as_secs_f64());
+    s.metrics.hits.inc_by(u64::from(first));
+    s.metrics.queries.inc_by(u64::from(input_tokens));
+    s.metrics.prompt_tokens.inc_by(u64::from(input_tokens));
+    let usage = serde_json::json!({"prompt_tokens": input_tokens, "completion_tokens": output,
+        "total_tokens": input_tokens + output, "prompt_tokens_details": {"cached_tokens": first}});
+    let s2 = Arc::clone(&s);
+    let finish = move |rx: &mut mpsc::Receiver<EngineEvent>| {
+        let _ = rx;
+        s2.metrics.generation_tokens.inc_by(u64::from(output));
+        s2.metrics.requests.inc();
+        s2.metrics.e2e.observe(t0.elapsed().as_secs_f64());
+    };
+    let (rid_c, model_c) = (rid.clone(), model.clone());
+    let chunk = move |i: u32| -> serde_json::Value {
+        let (rid, model) = (&rid_c, &model_c);
+        let w = format!("{}{}", if i == 0 { "" } else { " " }, word(seed, i));
+        let lp = logprobs.then(|| serde_json::json!({"content": [{"token": w, "logprob": -0.1, "top_logprobs": []}]}));
+        match api {
+            Api::Chat => {
+                serde_json::json!({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": w}, "logprobs": lp, "finish_reason": null}]})
+            }
+            Api::Completions => {
+                serde_json::json!({"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": w, "logprobs": lp, "finish_reason": null}]})
+            }
+            Api::Generate => serde_json::json!({"text": w, "meta_info": {"id": rid, "completion_tokens": i + 1}}),
+        }
+    };
+    if info.stream {
+        let stream =
+            async_stream(rx, output, step, chunk, finish, usage.clone(), api, rid.clone(), model.clone(), created);
+        return Response::builder()
+            .status(200)
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(Body::from_stream(stream))
+            .unwrap_or_else(|_| err(StatusCode::INTERNAL_SERVER_ERROR, "response"));
+    }
+    // Non-streaming: wait for completion.
+    let mut rx = rx;
+    while let Some(ev) = rx.recv().await {
+        if matches!(ev, EngineEvent::Finished { .. }) {
+            break;
+        }
+    }
+    finish(&mut rx);
+    let text: Vec<&str> = (0..output).map(|i| word(seed, i)).collect();
+    let text = text.join(" ");
+    let lp = logprobs.then(|| serde_json::json!({"content": (0..output).map(|i| serde_json::json!({"token": word(seed, i), "logprob": -0.1, "top_logprobs": []})).collect::<Vec<_>>()}));
+    let body = match api {
+        Api::Chat => serde_json::json!({"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": "length"}],
+            "usage": usage}),
+        Api::Completions => {
+            serde_json::json!({"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": "length"}], "usage": usage})
+        }
+        Api::Generate => serde_json::json!({"text": text, "meta_info": {"id": rid, "prompt_tokens": input_tokens,
+            "completion_tokens": output, "cached_tokens": first, "finish_reason": {"type": "length"}}}),
+    };
+    Json(body).into_response()
+}
+
+/// The SSE stream: first token now, then one token per decode step until the engine says
+/// the request finished (remaining tokens are flushed then), a final usage chunk and
+/// `[DONE]`.
+#[allow(clippy::too_many_arguments)]
+fn async_stream(
+    rx: mpsc::Receiver<EngineEvent>,
+    output: u32,
+    step: Duration,
+    chunk: impl Fn(u32) -> serde_json::Value + Send + 'static,
+    finish: impl FnOnce(&mut mpsc::Receiver<EngineEvent>) + Send + 'static,
+    usage: serde_json::Value,
+    api: Api,
+    rid: String,
+    model: String,
+    created: u64,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send {
+    struct St<C, F> {
+        rx: mpsc::Receiver<EngineEvent>,
+        i: u32,
+        done: bool,
+        finished_engine: bool,
+        chunk: C,
+        finish: Option<F>,
+        tail_sent: bool,
+    }
+    let st = St { rx, i: 0, done: false, finished_engine: false, chunk, finish: Some(finish), tail_sent: false };
+    futures_util::stream::unfold(st, move |mut st| {
+        let usage = usage.clone();
+        let rid = rid.clone();
+        let model = model.clone();
+        async move {
+            if st.done {
+                return None;
+            }
+            if st.i < output {
+                if st.i > 0 && !st.finished_engine {
+                    tokio::select! {
+                        ev = st.rx.recv() => {
+                            if matches!(ev, Some(EngineEvent::Finished { .. }) | None) { st.finished_engine = true; }
+                        }
+                        () = tokio::time::sleep(step) => {}
+                    }
+                }
+                let c = (st.chunk)(st.i);
+                st.i += 1;
+                return Some((Ok(Bytes::from(format!("data: {c}\n\n"))), st));
+            }
+            if !st.tail_sent {
+                while !st.finished_engine {
+                    match st.rx.recv().await {
+                        Some(EngineEvent::Finished { .. }) | None => st.finished_engine = true,
+                        _ => {}
+                    }
+                }
+                if let Some(f) = st.finish.take() {
+                    f(&mut st.rx);
+                }
+                st.tail_sent = true;
+                let last = match api {
+                    Api::Chat => {
+                        serde_json::json!({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": usage})
+                    }
+                    Api::Completions => {
+                        serde_json::json!({"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": usage})
+                    }
+                    Api::Generate => {
+                        serde_json::json!({"text": "", "meta_info": {"id": rid, "finish_reason": {"type": "length"}, "usage": usage}})
+                    }
+                };
+                return Some((Ok(Bytes::from(format!("data: {last}\n\ndata: [DONE]\n\n"))), st));
+            }
+            None
+        }
+    })
+}

@@ -1,0 +1,60 @@
+//! OpenAI-style JSON errors: `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+/// An error answered to the client.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Human-readable message.
+    pub message: String,
+    /// The request field at fault, when there is one.
+    pub param: Option<String>,
+    /// Seconds for a `Retry-After` header (503 admission rejections).
+    pub retry_after: Option<u32>,
+}
+
+impl ApiError {
+    /// An error with `status` and `message`.
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError { status, message: message.into(), param: None, retry_after: None }
+    }
+    /// 400 naming `param`.
+    pub fn bad_field(param: &str, message: impl Into<String>) -> Self {
+        ApiError { param: Some(param.into()), ..ApiError::new(StatusCode::BAD_REQUEST, message) }
+    }
+    /// Adds `Retry-After`.
+    pub fn retry_after(mut self, secs: u32) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+    fn kind(&self) -> &'static str {
+        match self.status.as_u16() {
+            400 | 404 | 413 | 422 => "invalid_request_error",
+            401 | 403 => "authentication_error",
+            429 | 503 => "service_unavailable",
+            _ => "server_error",
+        }
+    }
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {
+            "message": self.message,
+            "type": self.kind(),
+            "param": self.param,
+            "code": self.status.as_u16(),
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
+    }
+}

@@ -1,0 +1,127 @@
+//! Prometheus metrics of the gateway (prometheus-client), named in the field's terms.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Labels of `kvroute_requests_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// Worker URL (empty when none was chosen).
+    pub worker: String,
+    /// Policy name.
+    pub policy: String,
+    /// Decision branch.
+    pub branch: String,
+    /// ok, upstream_error, client_error, rejected, no_worker, cancelled.
+    pub outcome: String,
+}
+
+/// Labels with only a worker.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabel {
+    /// Worker URL.
+    pub worker: String,
+}
+
+/// Labels with only a model.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    /// Model name.
+    pub model: String,
+}
+
+/// Every gateway metric.
+#[derive(Debug)]
+pub struct Metrics {
+    /// The registry rendered at `/metrics`.
+    pub registry: Registry,
+    /// Requests by worker, policy, branch and outcome.
+    pub requests: Family<RequestLabels, Counter>,
+    /// Time to decide, seconds.
+    pub decision_seconds: Histogram,
+    /// Matched prefix / routing key per decision.
+    pub match_rate: Histogram,
+    /// Time to first byte of the response at the router, seconds.
+    pub ttft_seconds: Histogram,
+    /// Time to the last byte, seconds.
+    pub e2e_seconds: Histogram,
+    /// Size of the policy's prefix index (its units).
+    pub index_size: Gauge,
+    /// Admission rejections by model.
+    pub admission_rejections: Family<ModelLabel, Counter>,
+    /// Attempts retried on another worker.
+    pub retries: Counter,
+    /// 1 when the worker is routable.
+    pub worker_healthy: Family<WorkerLabel, Gauge>,
+    /// Requests in flight per worker (router's ledger).
+    pub worker_in_flight: Family<WorkerLabel, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "kvroute_requests",
+            "Requests by worker, policy, decision branch and outcome",
+            requests.clone(),
+        );
+        let decision_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
+        registry.register("kvroute_decision_seconds", "Routing decision time", decision_seconds.clone());
+        let match_rate = Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0].into_iter());
+        registry.register("kvroute_match_rate", "Matched prefix over routing key length", match_rate.clone());
+        let ttft_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 18));
+        registry.register("kvroute_ttft_seconds", "Time to first response byte at the router", ttft_seconds.clone());
+        let e2e_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        registry.register("kvroute_e2e_seconds", "Time to the last response byte at the router", e2e_seconds.clone());
+        let index_size = Gauge::default();
+        registry.register(
+            "kvroute_index_size",
+            "Size of the policy's prefix index (chars, tokens or blocks)",
+            index_size.clone(),
+        );
+        let admission_rejections = Family::<ModelLabel, Counter>::default();
+        registry.register(
+            "kvroute_admission_rejections",
+            "Requests rejected by admission (503)",
+            admission_rejections.clone(),
+        );
+        let retries = Counter::default();
+        registry.register("kvroute_retries", "Attempts retried on another worker", retries.clone());
+        let worker_healthy = Family::<WorkerLabel, Gauge>::default();
+        registry.register("kvroute_worker_healthy", "1 when the worker is routable", worker_healthy.clone());
+        let worker_in_flight = Family::<WorkerLabel, Gauge>::default();
+        registry.register("kvroute_worker_in_flight", "Requests in flight per worker", worker_in_flight.clone());
+        Metrics {
+            registry,
+            requests,
+            decision_seconds,
+            match_rate,
+            ttft_seconds,
+            e2e_seconds,
+            index_size,
+            admission_rejections,
+            retries,
+            worker_healthy,
+            worker_in_flight,
+        }
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut s, &self.registry);
+        s
+    }
+}

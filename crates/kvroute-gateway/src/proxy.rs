@@ -1,0 +1,369 @@
+//! Forwarding: decide, admit, send, retry on fallbacks, stream back, account.
+
+use crate::error::ApiError;
+use crate::metrics::RequestLabels;
+use crate::request::{Api, RoutingInfo, parse};
+use crate::state::AppState;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use kvroute_core::ledger::Ticket;
+use kvroute_core::policy::{Decision, MatchUnit, PickCtx, route};
+use kvroute_core::types::{RequestView, Role, WorkerId, estimate_tokens};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    handle(s, Api::Chat, headers, body).await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    handle(s, Api::Completions, headers, body).await
+}
+
+/// SGLang `POST /generate`.
+pub async fn generate(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    handle(s, Api::Generate, headers, body).await
+}
+
+/// Reads the body within the configured limit (413 beyond).
+///
+/// # Errors
+/// 413 when the body is larger than `max_body_bytes`, 400 when it cannot be read.
+pub async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let limit = s.cfg.max_body_bytes;
+    let too_large = || {
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body is larger than the limit of {limit} bytes"))
+    };
+    if let Some(len) =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
+        && len > limit as u64
+    {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        while let Some(x) = src {
+            if x.is::<http_body_util::LengthLimitError>() {
+                return too_large();
+            }
+            src = x.source();
+        }
+        ApiError::bad_field("body", format!("could not read the request body: {e}"))
+    })
+}
+
+/// The routing view of a request.
+pub fn view<'a>(info: &'a RoutingInfo, model: &'a str) -> RequestView<'a> {
+    let input_tokens = match &info.token_ids {
+        Some(t) => t.len().min(u32::MAX as usize) as u32,
+        None => estimate_tokens(&info.text),
+    };
+    RequestView {
+        model,
+        text: (!info.text.is_empty()).then_some(info.text.as_str()),
+        token_ids: info.token_ids.as_deref(),
+        blocks: None,
+        input_tokens,
+        output_tokens: info.max_tokens,
+        session_id: info.session.as_deref(),
+        role: Role::Both,
+    }
+}
+
+/// Prompt tokens a decision expects to find cached.
+pub fn estimated_cached_tokens(d: &Decision, input_tokens: u32) -> u64 {
+    let t = match d.unit {
+        MatchUnit::Chars => d.matched / kvroute_core::types::CHARS_PER_TOKEN as u64,
+        MatchUnit::Tokens => d.matched,
+        MatchUnit::Blocks => d.matched * 16,
+        MatchUnit::None => 0,
+    };
+    t.min(input_tokens as u64)
+}
+
+/// Decides for `info` (no I/O): `Ok((decision, urls by id))` or the error to answer.
+///
+/// # Errors
+/// 404 for a model no worker serves, 503 when no worker is routable.
+pub fn decide(s: &AppState, info: &RoutingInfo) -> Result<(Decision, Vec<(u32, String)>), ApiError> {
+    let (views, urls) = s.candidates(&info.model);
+    if views.is_empty() {
+        let any = !s.workers.read().is_empty();
+        return Err(if any && !info.model.is_empty() {
+            ApiError::new(StatusCode::NOT_FOUND, format!("model `{}` is not served by any worker", info.model))
+                .with_param("model")
+        } else {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no worker is registered")
+        });
+    }
+    let req = view(info, &info.model);
+    let t0 = Instant::now();
+    let d = {
+        let mut p = s.policy.lock();
+        let now = s.now();
+        let ps = &mut *p;
+        let mut ctx = PickCtx { now, rng: &mut ps.rng };
+        route(ps.policy.as_mut(), &req, &views, &mut ctx)
+    };
+    s.metrics.decision_seconds.observe(t0.elapsed().as_secs_f64());
+    let d =
+        d.map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no healthy worker available").retry_after(1))?;
+    if d.key_len > 0 {
+        s.metrics.match_rate.observe(d.match_rate());
+    }
+    Ok((d, urls))
+}
+
+/// The `x-kvroute-decision` header value.
+pub fn decision_header(policy: &str, d: &Decision) -> String {
+    let unit = match d.unit {
+        MatchUnit::Chars => " chars",
+        MatchUnit::Tokens => " tokens",
+        MatchUnit::Blocks => " blocks",
+        MatchUnit::None => "",
+    };
+    format!("policy={policy}; branch={}; matched={}/{}{unit}", d.branch.as_str(), d.matched, d.key_len)
+}
+
+impl ApiError {
+    /// Names the request field.
+    pub fn with_param(mut self, p: &str) -> Self {
+        self.param = Some(p.into());
+        self
+    }
+}
+
+fn count(s: &AppState, worker: &str, branch: &str, outcome: &str) {
+    s.metrics
+        .requests
+        .get_or_create(&RequestLabels {
+            worker: worker.to_string(),
+            policy: s.cfg.policy.clone(),
+            branch: branch.to_string(),
+            outcome: outcome.to_string(),
+        })
+        .inc();
+}
+
+async fn handle(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Body) -> Response {
+    match handle_inner(&s, api, &headers, body).await {
+        Ok(r) => r,
+        Err(e) => {
+            let outcome = match e.status.as_u16() {
+                503 => "rejected",
+                500..=599 => "upstream_error",
+                _ => "client_error",
+            };
+            count(&s, "", "", outcome);
+            e.into_response()
+        }
+    }
+}
+
+async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let t0 = Instant::now();
+    let bytes = read_body(s, headers, body).await?;
+    let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
+    let (_, info) = parse(api, &bytes, session)?;
+    let (d, urls) = decide(s, &info)?;
+    let model_key = if info.model.is_empty() { "*" } else { info.model.as_str() };
+    let permit = {
+        let adm = s.admission.read();
+        let r = adm.try_admit(model_key, Role::Both);
+        match r {
+            Err(rej) if rej.max == 0 => {
+                drop(adm);
+                s.admission.write().ensure_model(model_key);
+                s.admission.read().try_admit(model_key, Role::Both)
+            }
+            other => other,
+        }
+    };
+    let permit = permit.map_err(|rej| {
+        s.metrics
+            .admission_rejections
+            .get_or_create(&crate::metrics::ModelLabel { model: model_key.to_string() })
+            .inc();
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("too many requests in flight for model `{model_key}` (limit {}); retry later", rej.max),
+        )
+        .retry_after(1)
+    })?;
+    let decision = decision_header(&s.cfg.policy, &d);
+    let req = view(&info, &info.model);
+    let cached = estimated_cached_tokens(&d, req.input_tokens);
+    let uncached = (req.input_tokens as u64).saturating_sub(cached);
+    let output = info.max_tokens.unwrap_or(256) as u64;
+    let order: Vec<WorkerId> = std::iter::once(d.worker).chain(d.fallbacks.iter().copied()).collect();
+    let attempts = (s.cfg.max_total_retries as usize).max(1);
+    let mut last_err = String::from("no attempt made");
+    let timeout = Duration::from_secs_f64(s.cfg.request_timeout_secs);
+    for (n, w) in order.iter().cycle().take(attempts.min(order.len() * attempts)).enumerate() {
+        let Some(url) = urls.iter().find(|(id, _)| *id == w.0).map(|(_, u)| u.clone()) else { continue };
+        // A retry target must still be routable (it may have been taken out meanwhile).
+        if n > 0 {
+            let healthy =
+                s.workers.read().iter().any(|x| x.id == w.0 && x.health == kvroute_core::types::Health::Healthy);
+            if !healthy {
+                continue;
+            }
+            s.metrics.retries.inc();
+            let now = s.now();
+            s.policy.lock().policy.on_routed(&req, *w, now);
+        }
+        let ticket = s.ledger.lock().dispatched(*w, uncached, output);
+        let mut rb = s.client.post(format!("{url}{}", api.path())).timeout(timeout).body(bytes.clone());
+        rb = rb.header(header::CONTENT_TYPE, "application/json");
+        if let Some(a) = headers.get(header::AUTHORIZATION) {
+            rb = rb.header(header::AUTHORIZATION, a.clone());
+        }
+        let resp = match rb.send().await {
+            Ok(r) => r,
+            Err(e) => {
+                s.ledger.lock().failed(ticket);
+                s.record_failure(w.0);
+                last_err = format!("{url}: {e}");
+                tracing::debug!(worker = %url, error = %e, "attempt failed");
+                continue;
+            }
+        };
+        let status = resp.status();
+        if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
+            s.ledger.lock().failed(ticket);
+            s.record_failure(w.0);
+            last_err = format!("{url}: upstream answered {status}");
+            continue;
+        }
+        let ctype = resp.headers().get(header::CONTENT_TYPE).cloned();
+        let mut builder = Response::builder().status(status.as_u16());
+        if let Some(c) = ctype {
+            builder = builder.header(header::CONTENT_TYPE, c);
+        }
+        builder = builder
+            .header("x-kvroute-worker", HeaderValue::from_str(&url).unwrap_or(HeaderValue::from_static("?")))
+            .header("x-kvroute-decision", HeaderValue::from_str(&decision).unwrap_or(HeaderValue::from_static("?")));
+        let branch = d.branch.as_str();
+        if info.stream && status.is_success() {
+            let guard = StreamGuard {
+                state: Arc::clone(s),
+                ticket: Some(ticket),
+                t0,
+                first: false,
+                worker_id: w.0,
+                worker: url.clone(),
+                branch,
+                _permit: permit,
+            };
+            let up = Box::pin(resp.bytes_stream());
+            let stream = futures_util::stream::unfold(Some((up, guard)), |st| async move {
+                let (mut up, mut guard) = st?;
+                match up.next().await {
+                    Some(Ok(b)) => {
+                        guard.on_bytes();
+                        Some((Ok::<Bytes, std::io::Error>(b), Some((up, guard))))
+                    }
+                    Some(Err(e)) => {
+                        guard.fail();
+                        let ev = serde_json::json!({"error": {
+                            "message": format!("upstream stream failed: {e}"),
+                            "type": "server_error", "param": null, "code": 502}});
+                        Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None))
+                    }
+                    None => {
+                        guard.complete();
+                        None
+                    }
+                }
+            });
+            return builder
+                .body(Body::from_stream(stream))
+                .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()));
+        }
+        // Non-streaming: the whole body is read before anything reaches the client, so a
+        // failure here can still be retried.
+        let mut ticket = ticket;
+        match resp.bytes().await {
+            Ok(b) => {
+                {
+                    let mut l = s.ledger.lock();
+                    l.first_token(&mut ticket);
+                    l.completed(ticket);
+                }
+                s.record_success(w.0);
+                let secs = t0.elapsed().as_secs_f64();
+                s.metrics.ttft_seconds.observe(secs);
+                s.metrics.e2e_seconds.observe(secs);
+                count(s, &url, branch, if status.is_success() { "ok" } else { "client_error" });
+                drop(permit);
+                return builder
+                    .body(Body::from(b))
+                    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()));
+            }
+            Err(e) => {
+                s.ledger.lock().failed(ticket);
+                s.record_failure(w.0);
+                last_err = format!("{url}: reading the response failed: {e}");
+            }
+        }
+    }
+    count(s, "", d.branch.as_str(), "upstream_error");
+    Err(ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        format!("every attempt failed ({attempts} at most); last error: {last_err}"),
+    ))
+}
+
+/// Accounting of one streamed response: first byte, completion, failure or client
+/// disconnect (drop) each close the ledger ticket exactly once.
+struct StreamGuard {
+    state: Arc<AppState>,
+    ticket: Option<Ticket>,
+    t0: Instant,
+    first: bool,
+    worker_id: u32,
+    worker: String,
+    branch: &'static str,
+    _permit: kvroute_core::admission::Permit,
+}
+
+impl StreamGuard {
+    fn on_bytes(&mut self) {
+        if !self.first {
+            self.first = true;
+            self.state.metrics.ttft_seconds.observe(self.t0.elapsed().as_secs_f64());
+            if let Some(t) = self.ticket.as_mut() {
+                self.state.ledger.lock().first_token(t);
+            }
+        }
+    }
+    fn complete(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            self.state.ledger.lock().completed(t);
+            self.state.record_success(self.worker_id);
+            self.state.metrics.e2e_seconds.observe(self.t0.elapsed().as_secs_f64());
+            count(&self.state, &self.worker, self.branch, "ok");
+        }
+    }
+    fn fail(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            self.state.ledger.lock().failed(t);
+            self.state.record_failure(self.worker_id);
+            count(&self.state, &self.worker, self.branch, "upstream_error");
+        }
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            self.state.ledger.lock().cancelled(t);
+            count(&self.state, &self.worker, self.branch, "cancelled");
+        }
+    }
+}

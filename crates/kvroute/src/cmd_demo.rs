@@ -1,0 +1,319 @@
+//! `kvroute demo`: 4 simulated engines, the gateway, and a slice of the Mooncake
+//! conversation trace replayed over real HTTP — first under `round_robin`, then under a
+//! cache-aware policy — with a side-by-side table.
+//!
+//! Prompt text is synthesised from the trace's `hash_ids`: each 512-token block becomes
+//! 2,048 deterministic characters derived from its id, so requests sharing block ids share
+//! a text prefix (and the engines' prefix caches see exactly the trace's reuse).
+
+use anyhow::{Context, bail};
+use kvroute_gateway::GatewayConfig;
+use kvroute_gateway::engine_sim::{self, EngineSimConfig};
+use kvroute_sim::engine::Profile;
+use kvroute_sim::trace::{self, TraceRequest};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Flags of `kvroute demo`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Mooncake trace (default: ../shared/data/traces/mooncake_conversation_trace.jsonl or
+    /// shared/data/traces/… from the current directory).
+    #[arg(long, env = "KVROUTE_TRACE")]
+    pub trace: Option<PathBuf>,
+    /// Requests replayed per policy (from the start of the trace).
+    #[arg(long, default_value_t = 1000)]
+    pub requests: usize,
+    /// Simulated engines.
+    #[arg(long, default_value_t = 4)]
+    pub engines: usize,
+    /// Cache-aware policy compared with round_robin.
+    #[arg(long, default_value = "prefill_cost")]
+    pub policy: String,
+    /// Simulated seconds per wall second (engines and arrivals alike).
+    #[arg(long, default_value_t = 25.0)]
+    pub time_scale: f64,
+    /// Cap on output tokens per request.
+    #[arg(long, default_value_t = 128)]
+    pub max_output: u32,
+    /// Keep the router (with the cache-aware policy) running afterwards.
+    #[arg(long)]
+    pub serve: bool,
+    /// Port of the router with --serve.
+    #[arg(long, default_value_t = 30000)]
+    pub port: u16,
+}
+
+const BLOCK_CHARS: usize = 512 * kvroute_core::types::CHARS_PER_TOKEN;
+
+/// Deterministic text of one 512-token block: words chosen by a hash of the block id.
+fn block_text(id: u64, out: &mut String) {
+    const WORDS: [&str; 24] = [
+        "alpha ", "beta ", "gamma ", "delta ", "kv ", "cache ", "prefix ", "token ", "model ", "router ", "worker ",
+        "queue ", "batch ", "decode ", "prefill ", "block ", "hash ", "tree ", "load ", "score ", "session ", "turn ",
+        "reply ", "prompt ",
+    ];
+    let start = out.len();
+    let mut i = 0u64;
+    while out.len() - start < BLOCK_CHARS {
+        let h = kvroute_core::hash::stable_hash(&[id.to_le_bytes(), i.to_le_bytes()].concat());
+        out.push_str(WORDS[(h % WORDS.len() as u64) as usize]);
+        i += 1;
+    }
+    out.truncate(start + BLOCK_CHARS);
+}
+
+/// The prompt of a trace request: its blocks' texts, cut to `input_tokens × 4` chars.
+pub fn synth_prompt(r: &TraceRequest) -> String {
+    let mut s = String::with_capacity(r.blocks.len() * BLOCK_CHARS);
+    for b in &r.blocks {
+        block_text(b.0, &mut s);
+    }
+    s.truncate((r.input_tokens as usize * kvroute_core::types::CHARS_PER_TOKEN).min(s.len()));
+    s
+}
+
+fn find_trace(a: &Args) -> anyhow::Result<PathBuf> {
+    if let Some(p) = &a.trace {
+        return Ok(p.clone());
+    }
+    for c in [
+        "../shared/data/traces/mooncake_conversation_trace.jsonl",
+        "shared/data/traces/mooncake_conversation_trace.jsonl",
+        "../../shared/data/traces/mooncake_conversation_trace.jsonl",
+    ] {
+        if std::path::Path::new(c).exists() {
+            return Ok(c.into());
+        }
+    }
+    bail!("cannot find the Mooncake trace; pass --trace PATH (shared/data/traces/mooncake_conversation_trace.jsonl)")
+}
+
+/// Result of one policy run.
+#[derive(Debug, Clone)]
+pub struct DemoRow {
+    /// Policy.
+    pub policy: String,
+    /// Requests sent.
+    pub sent: usize,
+    /// Requests answered successfully.
+    pub ok: usize,
+    /// Prefix-cache hit ratio over all engines (tokens).
+    pub hit_ratio: f64,
+    /// TTFT p50, simulated seconds.
+    pub ttft_p50: f64,
+    /// TTFT p99, simulated seconds.
+    pub ttft_p99: f64,
+    /// TTFT mean, simulated seconds.
+    pub ttft_mean: f64,
+    /// Completed requests per simulated second.
+    pub throughput: f64,
+}
+
+struct Fleet {
+    sims: Vec<Arc<engine_sim::EngineSim>>,
+    urls: Vec<String>,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+async fn start_fleet(n: usize, time_scale: f64) -> anyhow::Result<Fleet> {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut sims = Vec::new();
+    let mut urls = Vec::new();
+    for _ in 0..n {
+        let profile = Profile::named("h100-llama3-8b").context("profile")?;
+        let sim = engine_sim::start(EngineSimConfig { profile, time_scale, ..EngineSimConfig::default() });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        urls.push(format!("http://{}", listener.local_addr()?));
+        let app = engine_sim::app(Arc::clone(&sim));
+        let c = stop.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).with_graceful_shutdown(async move { c.cancelled().await }).await;
+        });
+        sims.push(sim);
+    }
+    Ok(Fleet { sims, urls, stop })
+}
+
+async fn start_router(
+    urls: &[String],
+    policy: &str,
+    port: u16,
+    stop: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<String> {
+    let cfg = GatewayConfig {
+        port,
+        policy: policy.to_string(),
+        worker_urls: urls.to_vec(),
+        health: kvroute_gateway::config::HealthConfig { interval_secs: 2.0, ..Default::default() },
+        ..GatewayConfig::default()
+    };
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.with_context(|| format!("port {port}"))?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move {
+        if let Err(e) = kvroute_gateway::serve(listener, cfg, async move { stop.cancelled().await }).await {
+            eprintln!("kvroute: router error: {e:#}");
+        }
+    });
+    Ok(url)
+}
+
+async fn run_policy(
+    a: &Args,
+    reqs: &[TraceRequest],
+    prompts: &[Arc<String>],
+    policy: &str,
+    bar: &indicatif::ProgressBar,
+) -> anyhow::Result<DemoRow> {
+    let fleet = start_fleet(a.engines, a.time_scale).await?;
+    let router = start_router(&fleet.urls, policy, 0, fleet.stop.clone()).await?;
+    let client = reqwest::Client::builder().pool_max_idle_per_host(512).build()?;
+    // Wait until the router sees the workers.
+    for _ in 0..100 {
+        if client.get(format!("{router}/readiness")).send().await.is_ok_and(|r| r.status().is_success()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bar.set_message(policy.to_string());
+    let t0 = Instant::now();
+    let base = reqs.first().map_or(0, |r| r.arrival.0);
+    let sem = Arc::new(tokio::sync::Semaphore::new(512));
+    let mut tasks = Vec::with_capacity(reqs.len());
+    for (r, prompt) in reqs.iter().zip(prompts) {
+        let at = Duration::from_secs_f64((r.arrival.0 - base) as f64 / 1e9 / a.time_scale);
+        if let Some(wait) = at.checked_sub(t0.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+        let permit = Arc::clone(&sem).acquire_owned().await?;
+        let client = client.clone();
+        let url = format!("{router}/v1/completions");
+        let body = serde_json::json!({
+            "model": "sim-llama-3-8b",
+            "prompt": prompt.as_str(),
+            "max_tokens": r.output_tokens.min(a.max_output),
+            "stream": true,
+            "user": r.session,
+        });
+        let bar = bar.clone();
+        let scale = a.time_scale;
+        tasks.push(tokio::spawn(async move {
+            let _permit = permit;
+            let sent = Instant::now();
+            let res = async {
+                let resp = client.post(url).json(&body).timeout(Duration::from_secs(120)).send().await.ok()?;
+                if !resp.status().is_success() {
+                    return None;
+                }
+                let mut stream = resp.bytes_stream();
+                use futures_util::StreamExt;
+                let mut ttft = None;
+                while let Some(chunk) = stream.next().await {
+                    let chunk = chunk.ok()?;
+                    if ttft.is_none() && !chunk.is_empty() {
+                        ttft = Some(sent.elapsed().as_secs_f64() * scale);
+                    }
+                }
+                ttft
+            }
+            .await;
+            bar.inc(1);
+            res.map(|t| (t, sent.elapsed()))
+        }));
+    }
+    let mut ttfts = Vec::new();
+    for t in tasks {
+        if let Ok(Some((ttft, _))) = t.await {
+            ttfts.push(ttft);
+        }
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let (mut hit, mut q) = (0u64, 0u64);
+    for s in &fleet.sims {
+        let st = s.stats();
+        hit += st.prefix_hit_tokens;
+        q += st.prefix_queries_tokens;
+    }
+    fleet.stop.cancel();
+    ttfts.sort_by(f64::total_cmp);
+    let pct = |p: f64| if ttfts.is_empty() { 0.0 } else { ttfts[((ttfts.len() - 1) as f64 * p).round() as usize] };
+    Ok(DemoRow {
+        policy: policy.to_string(),
+        sent: reqs.len(),
+        ok: ttfts.len(),
+        hit_ratio: hit as f64 / q.max(1) as f64,
+        ttft_p50: pct(0.5),
+        ttft_p99: pct(0.99),
+        ttft_mean: ttfts.iter().sum::<f64>() / ttfts.len().max(1) as f64,
+        throughput: ttfts.len() as f64 / (wall * a.time_scale),
+    })
+}
+
+/// Runs `kvroute demo`.
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.engines == 0 || a.requests == 0 {
+        bail!("--engines and --requests must be at least 1");
+    }
+    if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
+        bail!("--time-scale must be > 0");
+    }
+    kvroute_core::registry::build(&a.policy, &serde_json::Value::Null).context("--policy")?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let path = find_trace(&a)?;
+    let mut reqs = trace::read(&path, None)?;
+    trace::spread_seconds(&mut reqs);
+    reqs.truncate(a.requests);
+    let prompts: Vec<Arc<String>> = reqs.iter().map(|r| Arc::new(synth_prompt(r))).collect();
+    let span = reqs.last().map_or(0.0, |r| r.arrival.as_secs_f64());
+    println!(
+        "kvroute demo: {} Mooncake requests ({:.0} s of traffic, mean prompt {} tokens) on {} simulated H100 engines \
+         (Llama-3-8B profile, {}x faster than real time), over real HTTP through the kvroute gateway",
+        reqs.len(),
+        span,
+        reqs.iter().map(|r| r.input_tokens as u64).sum::<u64>() / reqs.len() as u64,
+        a.engines,
+        a.time_scale
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async {
+        let policies = ["round_robin".to_string(), a.policy.clone()];
+        let bar = indicatif::ProgressBar::new((reqs.len() * policies.len()) as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} {msg:<12} [{bar:40}] {pos}/{len} requests ({elapsed})")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        let mut rows = Vec::new();
+        for p in &policies {
+            rows.push(run_policy(&a, &reqs, &prompts, p, &bar).await?);
+        }
+        bar.finish_and_clear();
+        println!();
+        println!("{:<14} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10}", "policy", "ok/sent", "hit %", "TTFT mean", "TTFT p50", "TTFT p99", "req/s");
+        for r in &rows {
+            println!(
+                "{:<14} {:>4}/{:<4} {:>8.1} {:>9.3}s {:>9.3}s {:>9.3}s {:>10.2}",
+                r.policy,
+                r.ok,
+                r.sent,
+                r.hit_ratio * 100.0,
+                r.ttft_mean,
+                r.ttft_p50,
+                r.ttft_p99,
+                r.throughput
+            );
+        }
+        println!("(TTFT in simulated seconds, measured at the client; hit % = prompt tokens served from the engines' prefix caches)");
+        if a.serve {
+            let fleet = start_fleet(a.engines, 1.0).await?;
+            let url = start_router(&fleet.urls, &a.policy, a.port, fleet.stop.clone()).await?;
+            println!("\nrouter on {url} (policy {}), {} simulated engines; Ctrl-C to stop. Try:", a.policy, a.engines);
+            println!(
+                "  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"sim-llama-3-8b\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}],\"max_tokens\":8}}' -D - "
+            );
+            crate::cmd_serve::shutdown_signal().await;
+            fleet.stop.cancel();
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,77 @@
+//! `kvroute engine-sim`: one simulated inference worker over HTTP (vLLM-like).
+
+use anyhow::Context;
+use kvroute_gateway::engine_sim::{EngineSimConfig, serve};
+
+/// Flags of `kvroute engine-sim`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Listen port (0 = any).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Listen address.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Engine profile (h100-llama3-8b, a100-llama3-8b, cpu-smollm2-135m).
+    #[arg(long, default_value = "h100-llama3-8b")]
+    pub profile: String,
+    /// Overrides of profile constants as JSON, e.g. '{"kv_tokens": 100000}'.
+    #[arg(long)]
+    pub profile_set: Option<String>,
+    /// Simulated seconds per wall second (10 = ten times faster than the profile).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Model name served.
+    #[arg(long, default_value = "sim-llama-3-8b")]
+    pub model: String,
+    /// Share of requests answered with HTTP 500 (failure injection).
+    #[arg(long, default_value_t = 0.0)]
+    pub error_rate: f64,
+    /// Share of requests that never answer (failure injection).
+    #[arg(long, default_value_t = 0.0)]
+    pub hang_rate: f64,
+    /// Exit after this many requests (failure injection).
+    #[arg(long)]
+    pub crash_after: Option<u64>,
+    /// /health answers 503 for this many seconds after start.
+    #[arg(long, default_value_t = 0.0)]
+    pub slow_start_secs: f64,
+    /// ZeroMQ endpoint for KV events (not built yet: see issue 8).
+    #[arg(long)]
+    pub kv_events: Option<String>,
+}
+
+/// Runs `kvroute engine-sim`.
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.kv_events.is_some() {
+        anyhow::bail!("--kv-events: KV event publishing is not built yet (issue 8)");
+    }
+    for (k, v) in [("--error-rate", a.error_rate), ("--hang-rate", a.hang_rate)] {
+        if !(0.0..=1.0).contains(&v) {
+            anyhow::bail!("{k} must be in [0, 1], got {v}");
+        }
+    }
+    if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
+        anyhow::bail!("--time-scale must be > 0, got {}", a.time_scale);
+    }
+    let profile = crate::cmd_replay::load_profile(&a.profile, a.profile_set.as_deref())?;
+    let cfg = EngineSimConfig {
+        profile,
+        time_scale: a.time_scale,
+        model: a.model,
+        error_rate: a.error_rate,
+        hang_rate: a.hang_rate,
+        crash_after: a.crash_after,
+        slow_start_secs: a.slow_start_secs,
+        max_waiting: 4096,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
+        eprintln!("kvroute engine-sim: model {} on http://{}", cfg.model, listener.local_addr()?);
+        serve(listener, cfg, crate::cmd_serve::shutdown_signal()).await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,215 @@
+//! End to end on real engines: `kvroute serve` in front of two llama.cpp `llama-server`
+//! workers running a real model (SmolLM2-135M), with multi-turn conversations built from
+//! the real MT-bench questions (`shared/data/traces/mtbench_question.jsonl`).
+//!
+//! Turn 2 of a conversation re-sends turn 1's prompt, the model's answer and the second
+//! question, so it shares turn 1's whole prompt as a prefix. llama.cpp reports how many
+//! prompt tokens it served from its cache in `timings.cache_n`: exact proof of a hit.
+//!
+//! - `cache_aware`: every turn 2 must go to the worker of its turn 1 and reuse most of
+//!   turn 1's prompt from the cache;
+//! - `round_robin` with sequential requests: turn 2 lands on the other worker and reuses
+//!   (almost) nothing.
+//!
+//! Needs `KVROUTE_LLAMA_SERVER` and `KVROUTE_LLAMA_MODEL` (set by `.ci/run` from
+//! `scripts/llama-workers.sh paths`). Without them the test says it skipped, unless
+//! `KVROUTE_REQUIRE_LLAMA=1`, which makes their absence a failure (CI sets it).
+
+use serde_json::{Value, json};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// Conversations per policy (each is 2 requests).
+const CONVERSATIONS: usize = 6;
+/// Tokens generated per answer (small: the test is about prefill and routing).
+const MAX_TOKENS: u32 = 12;
+
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    // Bind to an ephemeral port and release it for the child process (a tiny window in
+    // which another process could take it; acceptable for a test on loopback).
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("ephemeral port")
+}
+
+fn llama_env() -> Option<(PathBuf, PathBuf)> {
+    let bin = std::env::var_os("KVROUTE_LLAMA_SERVER").map(PathBuf::from);
+    let model = std::env::var_os("KVROUTE_LLAMA_MODEL").map(PathBuf::from);
+    match (bin, model) {
+        (Some(b), Some(m)) if b.exists() && m.exists() => Some((b, m)),
+        _ => {
+            if std::env::var("KVROUTE_REQUIRE_LLAMA").as_deref() == Ok("1") {
+                panic!(
+                    "KVROUTE_REQUIRE_LLAMA=1 but KVROUTE_LLAMA_SERVER/KVROUTE_LLAMA_MODEL are not set to existing files"
+                );
+            }
+            eprintln!("skipped: set KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (scripts/llama-workers.sh paths)");
+            None
+        }
+    }
+}
+
+fn start_worker(bin: &PathBuf, model: &PathBuf, port: u16) -> Proc {
+    let child = Command::new(bin)
+        .args(["-m"])
+        .arg(model)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["-t", "1", "-np", "2", "-c", "4096", "--cache-ram", "0", "--metrics", "--slots", "--no-webui"])
+        .args(["--alias", "smollm2", "--seed", "1"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start llama-server");
+    Proc(child)
+}
+
+async fn wait_healthy(client: &reqwest::Client, url: &str) {
+    for _ in 0..600 {
+        if let Ok(r) = client.get(format!("{url}/health")).send().await {
+            if r.status().is_success() {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("{url} did not become healthy within 120 s");
+}
+
+fn mtbench() -> Vec<(String, String)> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/traces/mtbench_question.jsonl");
+    let text = std::fs::read_to_string(path).expect("read mtbench_question.jsonl");
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| {
+            let t = v["turns"].as_array()?;
+            Some((t.first()?.as_str()?.to_owned(), t.get(1)?.as_str()?.to_owned()))
+        })
+        .collect()
+}
+
+/// A deterministic ~300-token reference document per conversation (as in the peers'
+/// measurement in shared/specs/peers.md), so each conversation has a substantial prefix.
+fn document(i: usize) -> String {
+    const WORDS: &[&str] = &[
+        "harbor", "lantern", "copper", "violet", "maple", "granite", "meadow", "engine", "bridge", "tower", "signal",
+        "ledger", "archive", "compass", "anchor", "beacon", "orchard", "river", "mountain", "forest",
+    ];
+    let mut s = format!("Reference document {i}. ");
+    let mut x = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    for _ in 0..220 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        s.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
+        s.push(' ');
+    }
+    s
+}
+
+struct Turn {
+    worker: String,
+    answer: String,
+    prompt_tokens: u64,
+    cache_n: u64,
+}
+
+async fn chat(client: &reqwest::Client, router: &str, messages: &Value) -> Turn {
+    let body = json!({"model": "smollm2", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0});
+    let resp = client.post(format!("{router}/v1/chat/completions")).json(&body).send().await.expect("send");
+    assert!(resp.status().is_success(), "status {}", resp.status());
+    let worker = resp
+        .headers()
+        .get("x-kvroute-worker")
+        .and_then(|v| v.to_str().ok())
+        .expect("x-kvroute-worker header")
+        .to_owned();
+    let v: Value = resp.json().await.expect("json body");
+    Turn {
+        worker,
+        answer: v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_owned(),
+        prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+        cache_n: v["timings"]["cache_n"].as_u64().expect("llama.cpp timings.cache_n"),
+    }
+}
+
+/// Runs `CONVERSATIONS` two-turn conversations (starting at question `offset`) through a
+/// fresh `kvroute serve` with `policy`; returns (turn 1, turn 2) per conversation.
+async fn run_policy(policy: &str, workers: &[String], offset: usize) -> Vec<(Turn, Turn)> {
+    let port = free_port();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute"));
+    cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy, "--worker-urls"])
+        .args(workers)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    let _router = Proc(cmd.spawn().expect("start kvroute serve"));
+    let router = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(300)).build().expect("client");
+    wait_healthy(&client, &router).await;
+
+    let questions = mtbench();
+    let mut out = Vec::new();
+    for (i, (q1, q2)) in questions.iter().skip(offset).take(CONVERSATIONS).enumerate() {
+        let system = json!({"role": "system", "content": document(offset + i)});
+        let m1 = json!([system, {"role": "user", "content": q1}]);
+        let t1 = chat(&client, &router, &m1).await;
+        let m2 = json!([system, {"role": "user", "content": q1}, {"role": "assistant", "content": t1.answer},
+                        {"role": "user", "content": q2}]);
+        let t2 = chat(&client, &router, &m2).await;
+        out.push((t1, t2));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_aware_keeps_conversations_on_their_worker_and_round_robin_does_not() {
+    let Some((bin, model)) = llama_env() else { return };
+    // reqwest is built without a default TLS provider (ring is chosen explicitly).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ports = [free_port(), free_port()];
+    let _w: Vec<Proc> = ports.iter().map(|&p| start_worker(&bin, &model, p)).collect();
+    let workers: Vec<String> = ports.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
+    let client = reqwest::Client::new();
+    for w in &workers {
+        wait_healthy(&client, w).await;
+    }
+
+    let aware = run_policy("cache_aware", &workers, 0).await;
+    for (i, (t1, t2)) in aware.iter().enumerate() {
+        eprintln!(
+            "cache_aware conv {i}: turn1 {} ({} tok) turn2 {} ({} tok, cache_n {})",
+            t1.worker, t1.prompt_tokens, t2.worker, t2.prompt_tokens, t2.cache_n
+        );
+        assert_eq!(t2.worker, t1.worker, "conversation {i}: turn 2 left its turn-1 worker");
+        assert!(
+            t2.cache_n * 10 >= t1.prompt_tokens * 9,
+            "conversation {i}: turn 2 reused {} of turn 1's {} prompt tokens",
+            t2.cache_n,
+            t1.prompt_tokens
+        );
+    }
+    let used: std::collections::BTreeSet<&str> = aware.iter().map(|(t1, _)| t1.worker.as_str()).collect();
+    assert_eq!(used.len(), 2, "cold first turns should spread over both idle workers");
+
+    let rr = run_policy("round_robin", &workers, CONVERSATIONS).await;
+    for (i, (t1, t2)) in rr.iter().enumerate() {
+        eprintln!(
+            "round_robin conv {i}: turn1 {} ({} tok) turn2 {} ({} tok, cache_n {})",
+            t1.worker, t1.prompt_tokens, t2.worker, t2.prompt_tokens, t2.cache_n
+        );
+        assert_ne!(t2.worker, t1.worker, "conversation {i}: sequential round robin must alternate workers");
+        assert!(
+            t2.cache_n * 2 < t1.prompt_tokens,
+            "conversation {i}: turn 2 on another worker cannot reuse turn 1's prompt ({} of {})",
+            t2.cache_n,
+            t1.prompt_tokens
+        );
+    }
+}
