@@ -195,7 +195,7 @@ impl AppState {
         let ledger = self.ledger.lock();
         let mut views = Vec::with_capacity(ws.len());
         let mut urls = Vec::with_capacity(ws.len());
-        for w in ws.iter().filter(|w| w.serves(model)) {
+        for w in ws.iter().filter(|w| model.is_empty() || w.serves(model)) {
             let mut v = WorkerView::idle(WorkerId(w.id));
             v.health = w.health;
             ledger.fill(&mut v);

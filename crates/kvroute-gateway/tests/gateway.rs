@@ -1,0 +1,405 @@
+//! Gateway integration tests on 127.0.0.1 with in-process simulated workers.
+//!
+//! Every client call is wrapped in a generous hang guard (a failure, not a timing
+//! assertion): the property tested is "answers at all", never "answers fast".
+
+use futures_util::StreamExt;
+use kvroute_gateway::GatewayConfig;
+use kvroute_gateway::engine_sim::{self, EngineSimConfig};
+use kvroute_sim::engine::Profile;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const GUARD: Duration = Duration::from_secs(60);
+
+async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(GUARD, f).await.expect("hang guard: no answer within 60 s")
+}
+
+struct Worker {
+    url: String,
+    sim: Arc<engine_sim::EngineSim>,
+    stop: CancellationToken,
+}
+
+async fn worker(cfg: EngineSimConfig) -> Worker {
+    let sim = engine_sim::start(cfg);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let stop = CancellationToken::new();
+    let c = stop.clone();
+    let app = engine_sim::app(Arc::clone(&sim));
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).with_graceful_shutdown(async move { c.cancelled().await }).await;
+    });
+    Worker { url, sim, stop }
+}
+
+fn fast() -> EngineSimConfig {
+    let mut profile = Profile::named("h100-llama3-8b").expect("profile");
+    profile.prefill_per_token_s = 1e-4;
+    EngineSimConfig { profile, time_scale: 50.0, ..EngineSimConfig::default() }
+}
+
+struct Router {
+    url: String,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+async fn router(mut cfg: GatewayConfig) -> Router {
+    cfg.port = 0;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let stop = CancellationToken::new();
+    let c = stop.clone();
+    let task = tokio::spawn(kvroute_gateway::serve(listener, cfg, async move { c.cancelled().await }));
+    let client = reqwest::Client::new();
+    for _ in 0..200 {
+        if client.get(format!("{url}/health")).send().await.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Router { url, stop, task }
+}
+
+fn cfg(urls: &[&str], policy: &str) -> GatewayConfig {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    GatewayConfig {
+        policy: policy.into(),
+        worker_urls: urls.iter().map(|u| u.to_string()).collect(),
+        ..GatewayConfig::default()
+    }
+}
+
+fn chat(content: &str, stream: bool) -> serde_json::Value {
+    serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": content}],
+        "max_tokens": 5, "stream": stream})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxies_non_stream_and_stream_with_explain_headers() {
+    let (w1, w2) = (worker(fast()).await, worker(fast()).await);
+    let r = router(cfg(&[&w1.url, &w2.url], "cache_aware")).await;
+    let c = reqwest::Client::new();
+    let resp = guard(c.post(format!("{}/v1/chat/completions", r.url)).json(&chat("hello there", false)).send())
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+    let worker_hdr =
+        resp.headers().get("x-kvroute-worker").expect("worker header").to_str().expect("ascii").to_string();
+    assert!(worker_hdr == w1.url || worker_hdr == w2.url, "{worker_hdr}");
+    let decision =
+        resp.headers().get("x-kvroute-decision").expect("decision header").to_str().expect("ascii").to_string();
+    assert!(decision.starts_with("policy=cache_aware; branch="), "{decision}");
+    let body: serde_json::Value = resp.json().await.expect("json");
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["usage"]["completion_tokens"], 5);
+
+    let resp = guard(c.post(format!("{}/v1/chat/completions", r.url)).json(&chat("hello there", true)).send())
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().get("content-type").expect("ctype").to_str().expect("a").starts_with("text/event-stream"));
+    let mut s = resp.bytes_stream();
+    let mut text = String::new();
+    while let Some(chunk) = guard(s.next()).await {
+        text.push_str(&String::from_utf8_lossy(&chunk.expect("chunk")));
+    }
+    assert_eq!(text.matches("data: ").count(), 5 + 1 + 1, "5 tokens, usage chunk, [DONE]: {text}");
+    assert!(text.ends_with("data: [DONE]\n\n"));
+
+    // /v1/completions and /generate too.
+    let resp = guard(
+        c.post(format!("{}/v1/completions", r.url))
+            .json(&serde_json::json!({"model": "sim-llama-3-8b", "prompt": ["a", "b"], "max_tokens": 2}))
+            .send(),
+    )
+    .await
+    .expect("send");
+    assert_eq!(resp.status(), 200);
+    let resp = guard(
+        c.post(format!("{}/generate", r.url))
+            .json(&serde_json::json!({"text": "hi", "sampling_params": {"max_new_tokens": 3}}))
+            .send(),
+    )
+    .await
+    .expect("send");
+    assert_eq!(resp.status(), 200);
+    let v: serde_json::Value = resp.json().await.expect("json");
+    assert_eq!(v["meta_info"]["completion_tokens"], 3);
+    r.stop.cancel();
+    let _ = r.task.await;
+    w1.stop.cancel();
+    w2.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_aware_keeps_a_long_prefix_on_one_worker_and_its_cache_hits() {
+    let ws = [worker(fast()).await, worker(fast()).await, worker(fast()).await];
+    let urls: Vec<&str> = ws.iter().map(|w| w.url.as_str()).collect();
+    let r = router(cfg(&urls, "cache_aware")).await;
+    let c = reqwest::Client::new();
+    let doc = "The quick brown fox jumps over the lazy dog. ".repeat(100);
+    let mut first = None;
+    for turn in 0..4 {
+        let body = chat(&format!("{doc} Question {turn}?"), false);
+        let resp = guard(c.post(format!("{}/v1/chat/completions", r.url)).json(&body).send()).await.expect("send");
+        assert_eq!(resp.status(), 200);
+        let w = resp.headers()["x-kvroute-worker"].to_str().expect("a").to_string();
+        let v: serde_json::Value = resp.json().await.expect("json");
+        if turn > 0 {
+            assert_eq!(Some(&w), first.as_ref(), "turn {turn} moved");
+            let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached");
+            let prompt = v["usage"]["prompt_tokens"].as_u64().expect("prompt");
+            assert!(cached * 10 >= prompt * 9, "turn {turn}: {cached}/{prompt} cached");
+        }
+        first.get_or_insert(w);
+    }
+    // The engine's own metrics agree with what it reported per request.
+    let holder = ws.iter().find(|w| Some(&w.url) == first.as_ref()).expect("holder");
+    let text = guard(c.get(format!("{}/metrics", holder.url)).send()).await.expect("m").text().await.expect("t");
+    let hits: f64 = kvroute_gateway::health::metric_sum(&text, "vllm:prefix_cache_hits_total").expect("hits");
+    assert_eq!(hits as u64, holder.sim.stats().prefix_hit_tokens);
+    r.stop.cancel();
+    for w in &ws {
+        w.stop.cancel();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_is_retried_around_and_taken_out() {
+    let (w1, w2) = (worker(fast()).await, worker(fast()).await);
+    let mut config = cfg(&[&w1.url, &w2.url], "round_robin");
+    config.health.interval_secs = 3600.0; // passive detection only
+    let r = router(config).await;
+    let c = reqwest::Client::new();
+    let send = |i: usize| {
+        let c = c.clone();
+        let url = format!("{}/v1/chat/completions", r.url);
+        async move { guard(c.post(url).json(&chat(&format!("q{i}"), i % 2 == 0)).send()).await.expect("send") }
+    };
+    let mut seen = std::collections::HashSet::new();
+    for i in 0..4 {
+        let resp = send(i).await;
+        assert_eq!(resp.status(), 200);
+        seen.insert(resp.headers()["x-kvroute-worker"].to_str().expect("a").to_string());
+        let _ = guard(resp.bytes()).await;
+    }
+    assert_eq!(seen.len(), 2, "round robin used both workers");
+    // Kill w2 mid-test: every request still succeeds on w1 (retried before any byte was sent).
+    w2.stop.cancel();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 4..14 {
+        let resp = send(i).await;
+        assert_eq!(resp.status(), 200, "request {i}");
+        assert_eq!(resp.headers()["x-kvroute-worker"].to_str().expect("a"), w1.url);
+        let _ = guard(resp.bytes()).await;
+    }
+    // After max_worker_retries failures w2 is out of routing.
+    let v: serde_json::Value =
+        guard(c.get(format!("{}/workers", r.url)).send()).await.expect("w").json().await.expect("j");
+    let w2row =
+        v["workers"].as_array().expect("arr").iter().find(|w| w["url"] == w2.url.as_str()).cloned().expect("row");
+    assert_eq!(w2row["health"], "unhealthy", "{v}");
+    // Kill w1 too: requests fail cleanly with a JSON error, never hang.
+    w1.stop.cancel();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 14..18 {
+        let resp = send(i).await;
+        assert!(matches!(resp.status().as_u16(), 502 | 503), "{}", resp.status());
+        let v: serde_json::Value = guard(resp.json()).await.expect("json error body");
+        assert!(v["error"]["message"].is_string());
+    }
+    r.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_worker_requests_move_to_the_fallback() {
+    let flaky = worker(EngineSimConfig { error_rate: 1.0, ..fast() }).await;
+    let good = worker(fast()).await;
+    let r = router(cfg(&[&flaky.url, &good.url], "round_robin")).await;
+    let c = reqwest::Client::new();
+    for i in 0..6 {
+        let resp = guard(c.post(format!("{}/v1/chat/completions", r.url)).json(&chat(&format!("x{i}"), true)).send())
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-kvroute-worker"].to_str().expect("a"), good.url);
+        let _ = guard(resp.bytes()).await;
+    }
+    let m = guard(c.get(format!("{}/metrics", r.url)).send()).await.expect("m").text().await.expect("t");
+    assert!(m.contains("kvroute_retries_total"), "{m}");
+    for name in [
+        "kvroute_requests_total",
+        "kvroute_decision_seconds",
+        "kvroute_ttft_seconds",
+        "kvroute_worker_healthy",
+        "kvroute_index_size",
+    ] {
+        assert!(m.contains(name), "missing {name}");
+    }
+    r.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_the_right_status_and_json() {
+    let w = worker(fast()).await;
+    let mut config = cfg(&[&w.url], "cache_aware");
+    config.max_body_bytes = 1000;
+    config.admin_token = Some("s3cret".into());
+    let r = router(config).await;
+    let c = reqwest::Client::new();
+    let post = |path: &str, body: Vec<u8>| {
+        c.post(format!("{}{path}", r.url)).header("content-type", "application/json").body(body).send()
+    };
+    let cases: Vec<(&str, Vec<u8>, u16, Option<&str>)> = vec![
+        ("/v1/chat/completions", vec![b'x'; 5000], 413, None),
+        ("/v1/chat/completions", b"{not json".to_vec(), 400, Some("body")),
+        ("/v1/chat/completions", b"\xff\xfe".to_vec(), 400, Some("body")),
+        ("/v1/chat/completions", br#"{"messages":[{"role":"user","content":"x"}]}"#.to_vec(), 400, Some("model")),
+        ("/v1/chat/completions", br#"{"model":"sim-llama-3-8b","messages":"x"}"#.to_vec(), 400, Some("messages")),
+        ("/v1/completions", br#"{"model":"sim-llama-3-8b","prompt":7}"#.to_vec(), 400, Some("prompt")),
+        (
+            "/v1/chat/completions",
+            br#"{"model":"nope","messages":[{"role":"user","content":"x"}]}"#.to_vec(),
+            404,
+            Some("model"),
+        ),
+    ];
+    for (path, body, status, param) in cases {
+        let resp = guard(post(path, body)).await.expect("send");
+        assert_eq!(resp.status().as_u16(), status, "{path}");
+        let v: serde_json::Value = guard(resp.json()).await.expect("json body");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+        if let Some(p) = param {
+            assert_eq!(v["error"]["param"], p, "{v}");
+        }
+    }
+    // Admin needs the token; URLs must be http(s).
+    let resp = guard(c.post(format!("{}/add_worker?url=http://127.0.0.1:1", r.url)).send()).await.expect("send");
+    assert_eq!(resp.status(), 401);
+    let auth = |rb: reqwest::RequestBuilder| rb.header("authorization", "Bearer s3cret");
+    let resp = guard(auth(c.post(format!("{}/add_worker?url=file:///etc/passwd", r.url))).send()).await.expect("send");
+    assert_eq!(resp.status(), 400);
+    // Live knobs: a bad knob is refused naming it, a good one applies.
+    let resp = guard(
+        auth(c.put(format!("{}/policy", r.url))).json(&serde_json::json!({"knobs": {"cache_threshold": 9}})).send(),
+    )
+    .await
+    .expect("s");
+    assert_eq!(resp.status(), 400);
+    assert!(resp.text().await.expect("t").contains("cache_threshold"));
+    let resp =
+        guard(auth(c.put(format!("{}/policy", r.url))).json(&serde_json::json!({"cache_threshold": 0.3})).send())
+            .await
+            .expect("s");
+    assert_eq!(resp.status(), 200);
+    let v: serde_json::Value =
+        guard(auth(c.get(format!("{}/policy", r.url))).send()).await.expect("s").json().await.expect("j");
+    assert_eq!(v["knobs"]["cache_threshold"], 0.3);
+    // Remove the only worker: 503, and /v1/models is empty rather than an error.
+    let resp = guard(auth(c.post(format!("{}/remove_worker?url={}", r.url, w.url))).send()).await.expect("s");
+    assert_eq!(resp.status(), 200);
+    let resp = guard(post("/v1/chat/completions", serde_json::to_vec(&chat("x", false)).expect("j"))).await.expect("s");
+    assert_eq!(resp.status(), 503);
+    let v: serde_json::Value =
+        guard(c.get(format!("{}/v1/models", r.url)).send()).await.expect("s").json().await.expect("j");
+    assert_eq!(v["data"].as_array().map(Vec::len), Some(0));
+    let resp = guard(c.get(format!("{}/readiness", r.url)).send()).await.expect("s");
+    assert_eq!(resp.status(), 503);
+    // Add it back under load-free conditions and route again; /debug/route explains.
+    let resp = guard(auth(c.post(format!("{}/add_worker?url={}", r.url, w.url))).send()).await.expect("s");
+    assert_eq!(resp.status(), 200);
+    let resp =
+        guard(auth(c.post(format!("{}/debug/route", r.url))).json(&chat("hello", false)).send()).await.expect("s");
+    let v: serde_json::Value = resp.json().await.expect("j");
+    assert_eq!(v["worker"], w.url.as_str());
+    assert!(v["branch"].is_string());
+    r.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_rejects_at_once_with_retry_after() {
+    // A hanging worker holds the only admission slot.
+    let w = worker(EngineSimConfig { hang_rate: 1.0, ..fast() }).await;
+    let mut config = cfg(&[&w.url], "round_robin");
+    config.max_in_flight_per_model = 1;
+    config.request_timeout_secs = 30.0;
+    let r = router(config).await;
+    let c = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", r.url);
+    let hold = tokio::spawn({
+        let c = c.clone();
+        let url = url.clone();
+        async move { c.post(url).json(&chat("hold", false)).send().await }
+    });
+    // Wait until the first request is admitted.
+    let mut rejected = None;
+    for _ in 0..200 {
+        let resp = guard(c.post(&url).json(&chat("second", false)).send()).await.expect("send");
+        if resp.status() == 503 {
+            rejected = Some(resp);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let resp = rejected.expect("second request rejected while the first holds the slot");
+    assert_eq!(resp.headers()["retry-after"], "1");
+    hold.abort();
+    r.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_sdk_as_client() {
+    let python = std::env::var("KVROUTE_PYTHON").ok();
+    let Some(python) = python else {
+        assert_ne!(
+            std::env::var("KVROUTE_REQUIRE_PYTHON").as_deref(),
+            Ok("1"),
+            "KVROUTE_REQUIRE_PYTHON=1 but KVROUTE_PYTHON unset"
+        );
+        eprintln!("skipped: set KVROUTE_PYTHON to a python with the `openai` package");
+        return;
+    };
+    let w = worker(fast()).await;
+    let r = router(cfg(&[&w.url], "cache_aware")).await;
+    let script = format!(
+        r#"
+import openai, sys
+c = openai.OpenAI(base_url="{}/v1", api_key="unused")
+models = [m.id for m in c.models.list()]
+assert models == ["sim-llama-3-8b"], models
+r = c.chat.completions.create(model="sim-llama-3-8b", messages=[{{"role": "user", "content": "hi"}}], max_tokens=4)
+assert r.usage.completion_tokens == 4, r
+assert len(r.choices[0].message.content) > 0
+parts = []
+for ch in c.chat.completions.create(model="sim-llama-3-8b", messages=[{{"role": "user", "content": "hi"}}], max_tokens=4, stream=True):
+    if ch.choices and ch.choices[0].delta.content:
+        parts.append(ch.choices[0].delta.content)
+assert len(parts) == 4, parts
+r = c.completions.create(model="sim-llama-3-8b", prompt="hello", max_tokens=3)
+assert r.usage.completion_tokens == 3
+try:
+    c.chat.completions.create(model="missing", messages=[{{"role": "user", "content": "hi"}}])
+    sys.exit("expected NotFoundError")
+except openai.NotFoundError as e:
+    assert e.status_code == 404
+print("ok")
+"#,
+        r.url
+    );
+    let out = tokio::task::spawn_blocking(move || std::process::Command::new(python).arg("-c").arg(script).output())
+        .await
+        .expect("join")
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "stdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    r.stop.cancel();
+}
