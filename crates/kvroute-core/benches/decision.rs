@@ -88,7 +88,9 @@ fn bench_decisions(c: &mut Criterion) {
     let mut summary = Vec::new();
     for n in [8usize, 64, 256] {
         let mut g = c.benchmark_group(format!("decision/{n}_workers"));
-        g.sample_size(20).measurement_time(std::time::Duration::from_secs(1)).warm_up_time(std::time::Duration::from_millis(300));
+        g.sample_size(20)
+            .measurement_time(std::time::Duration::from_secs(1))
+            .warm_up_time(std::time::Duration::from_millis(300));
         for name in registry::names() {
             let mut p = warmed(name, &trace, n);
             let cands = fleet(n);

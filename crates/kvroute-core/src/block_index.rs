@@ -186,11 +186,16 @@ impl BlockIndex {
         let Some(first) = hashes.first().and_then(|h| self.map.get(&h.0)) else { return };
         out.extend(first.iter().filter(|x| self.alive(**x, now_s)).map(|x| (x.worker(), 1)));
         let mut active: SmallVec<[usize; 16]> = (start..out.len()).collect();
+        let mut ids: SmallVec<[WorkerId; 64]> = SmallVec::new();
         for h in &hashes[1..] {
             let Some(holders) = self.map.get(&h.0) else { break };
+            // Sorted alive holders, then one binary search per still-active worker:
+            // O(h log h + a log h) instead of O(a × h) per block.
+            ids.clear();
+            ids.extend(holders.iter().filter(|x| self.alive(**x, now_s)).map(|x| x.worker()));
+            ids.sort_unstable();
             active.retain(|i| {
-                let w = out[*i].0;
-                let held = holders.iter().any(|x| x.worker() == w && self.alive(*x, now_s));
+                let held = ids.binary_search(&out[*i].0).is_ok();
                 if held {
                     out[*i].1 += 1;
                 }

@@ -55,7 +55,7 @@ pub struct EngineSimConfig {
 impl Default for EngineSimConfig {
     fn default() -> Self {
         EngineSimConfig {
-            profile: Profile::named("h100-llama3-8b").unwrap_or_else(|| unreachable_profile()),
+            profile: Profile::h100_llama3_8b(),
             time_scale: 1.0,
             model: "sim-llama-3-8b".into(),
             error_rate: 0.0,
@@ -64,20 +64,6 @@ impl Default for EngineSimConfig {
             slow_start_secs: 0.0,
             max_waiting: 4096,
         }
-    }
-}
-
-fn unreachable_profile() -> Profile {
-    Profile {
-        name: "fallback".into(),
-        block_tokens: 16,
-        kv_tokens: 420_000,
-        max_batch: 256,
-        max_batched_tokens: 8192,
-        step_overhead_s: 0.006,
-        prefill_per_token_s: 50e-6,
-        decode_per_seq_s: 30e-6,
-        context_per_token_s: 0.04e-6,
     }
 }
 

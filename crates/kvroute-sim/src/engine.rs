@@ -80,17 +80,7 @@ impl Profile {
     ///   slot.
     pub fn named(name: &str) -> Option<Profile> {
         let p = match name {
-            "h100-llama3-8b" => Profile {
-                name: name.into(),
-                block_tokens: 16,
-                kv_tokens: 420_000,
-                max_batch: 256,
-                max_batched_tokens: 8192,
-                step_overhead_s: 0.006,
-                prefill_per_token_s: 50e-6,
-                decode_per_seq_s: 30e-6,
-                context_per_token_s: 0.04e-6,
-            },
+            "h100-llama3-8b" => Profile::h100_llama3_8b(),
             "a100-llama3-8b" => Profile {
                 name: name.into(),
                 block_tokens: 16,
@@ -116,6 +106,21 @@ impl Profile {
             _ => return None,
         };
         Some(p)
+    }
+
+    /// The default profile, `h100-llama3-8b` (see [`Profile::named`] for its sources).
+    pub fn h100_llama3_8b() -> Profile {
+        Profile {
+            name: "h100-llama3-8b".into(),
+            block_tokens: 16,
+            kv_tokens: 420_000,
+            max_batch: 256,
+            max_batched_tokens: 8192,
+            step_overhead_s: 0.006,
+            prefill_per_token_s: 50e-6,
+            decode_per_seq_s: 30e-6,
+            context_per_token_s: 0.04e-6,
+        }
     }
 
     /// Checks the constants.

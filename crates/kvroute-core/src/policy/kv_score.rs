@@ -210,7 +210,8 @@ impl Policy for KvScore {
         let n_blocks = self.blocks.len();
         self.scored.clear();
         for v in routable() {
-            let held = self.overlaps.iter().find(|(id, _)| *id == v.id).map_or(0, |(_, n)| *n);
+            // `overlaps` is sorted by worker id.
+            let held = self.overlaps.binary_search_by_key(&v.id, |(id, _)| *id).map_or(0, |i| self.overlaps[i].1);
             let overlap = if n_blocks == 0 { 0.0 } else { held as f64 / n_blocks as f64 };
             let util = (f64::from(v.in_flight) / f64::from(v.capacity.max_concurrent.max(1)))
                 .max(v.sm_util.unwrap_or(0.0))
@@ -229,15 +230,18 @@ impl Policy for KvScore {
         let prefix = prefix_key(&self.blocks);
         let tied = self.scored.iter().filter(|(s, _)| *s >= best - eps).count();
         // Order: by score descending, and within the tie band by the stable hash.
-        self.scored.sort_by(|a, b| {
-            let (a_tie, b_tie) = (a.0 >= best - eps, b.0 >= best - eps);
-            match (a_tie, b_tie) {
-                (true, true) => tie_hash(b.1, prefix).cmp(&tie_hash(a.1, prefix)),
-                _ => b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)),
-            }
+        // One sort key per worker (tie band first, by descending stable hash; then by
+        // descending score), computed once: hashing inside the comparator cost n log n
+        // hashes per decision.
+        let desc = |x: f64| {
+            let b = x.to_bits();
+            !(if b >> 63 == 1 { !b } else { b | (1 << 63) })
+        };
+        self.scored.sort_by_cached_key(|&(sc, id)| {
+            if sc >= best - eps { (0u8, !tie_hash(id, prefix), id) } else { (1u8, desc(sc), id) }
         });
         let (score, winner) = self.scored[0];
-        let held = self.overlaps.iter().find(|(id, _)| *id == winner).map_or(0, |(_, n)| *n);
+        let held = self.overlaps.binary_search_by_key(&winner, |(id, _)| *id).map_or(0, |i| self.overlaps[i].1);
         let mut d = Decision::new(winner, if tied > 1 { Branch::TieBreak } else { Branch::Score })
             .with_match(held as u64, n_blocks as u64, if n_blocks == 0 { MatchUnit::None } else { MatchUnit::Blocks })
             .with_score(score);
