@@ -1,0 +1,137 @@
+//! `kvroute serve` as a process: co-launched workers (seed 003), config errors naming the
+//! key, add/remove of workers under load, and a clean stop that takes the workers with it.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
+}
+
+async fn wait_ready(c: &reqwest::Client, url: &str) -> bool {
+    for _ in 0..600 {
+        if c.get(format!("{url}/readiness")).send().await.is_ok_and(|r| r.status().is_success()) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+fn chat(i: usize) -> serde_json::Value {
+    serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": format!("question {i}")}], "max_tokens": 2})
+}
+
+#[test]
+fn invalid_config_is_refused_naming_the_key() {
+    let dir = std::env::temp_dir().join(format!("kvroute-serve-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let cfg = dir.join("bad.toml");
+    std::fs::write(&cfg, "policy = \"cache_aware\"\n[policy_knobs]\ncache_treshold = 0.4\n").expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["serve", "--config", cfg.to_str().expect("utf8"), "--port", "0"])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("policy_knobs") && err.contains("cache_treshold"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn co_launched_workers_serve_and_stop_with_the_router() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let port = free_port();
+    let bin = env!("CARGO_BIN_EXE_kvroute");
+    let child = Command::new(bin)
+        .args([
+            "serve",
+            "--port",
+            &port.to_string(),
+            "--policy",
+            "cache_aware",
+            "--health-interval-secs",
+            "0.5",
+            "--launch-workers",
+            "2",
+            "--worker-cmd",
+            &format!("{bin} engine-sim --port {{port}} --time-scale 50"),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let mut router = Proc(child);
+    let url = format!("http://127.0.0.1:{port}");
+    let c = reqwest::Client::new();
+    assert!(wait_ready(&c, &url).await, "router with co-launched workers never became ready");
+    let workers: serde_json::Value =
+        c.get(format!("{url}/list_workers")).send().await.expect("list").json().await.expect("json");
+    let urls: Vec<String> =
+        workers["urls"].as_array().expect("urls").iter().filter_map(|u| u.as_str().map(String::from)).collect();
+    assert_eq!(urls.len(), 2);
+
+    // Remove and re-add a worker while requests are flowing: every request gets a clean answer.
+    let load = tokio::spawn({
+        let c = c.clone();
+        let url = url.clone();
+        async move {
+            let mut statuses = Vec::new();
+            for i in 0..60 {
+                let r = tokio::time::timeout(
+                    Duration::from_secs(60),
+                    c.post(format!("{url}/v1/chat/completions")).json(&chat(i)).send(),
+                )
+                .await
+                .expect("hang guard")
+                .expect("send");
+                statuses.push(r.status().as_u16());
+                let _ = r.bytes().await;
+            }
+            statuses
+        }
+    });
+    for _ in 0..3 {
+        let r = c.post(format!("{url}/remove_worker?url={}", urls[0])).send().await.expect("remove");
+        assert_eq!(r.status(), 200);
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let r = c.post(format!("{url}/add_worker?url={}", urls[0])).send().await.expect("add");
+        assert_eq!(r.status(), 200);
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let statuses = load.await.expect("join");
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+
+    // SIGTERM: the router drains and its launched workers go away with it.
+    let pid = router.0.id();
+    let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+    let status = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            if let Some(s) = router.0.try_wait().expect("wait") {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("router exits on SIGTERM");
+    assert!(status.success(), "{status}");
+    for u in &urls {
+        let mut gone = false;
+        for _ in 0..100 {
+            if c.get(format!("{u}/health")).send().await.is_err() {
+                gone = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(gone, "launched worker {u} still running after the router stopped");
+    }
+}
