@@ -3,6 +3,9 @@
 //! `cargo run --release -p kvroute-gateway --example overhead -- [requests] [concurrency] [policy]`
 //! (defaults 20000, 32, cache_aware). Prints p50/p99 latency and requests/s for the direct
 //! path and through kvroute; the difference of p50s is the added latency.
+//!
+//! `… --example overhead -- serve [policy]` only starts the instant worker and the gateway,
+//! prints their URLs and waits, so an external load generator (wrk) can drive both.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,6 +63,21 @@ async fn load(url: String, n: usize, conc: usize) -> (hdrhistogram::Histogram<u6
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("serve") {
+        let policy = args.get(2).cloned().unwrap_or_else(|| "cache_aware".into());
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("rt");
+        rt.block_on(async {
+            let worker = instant_worker().await;
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let gw = format!("http://{}", l.local_addr().expect("addr"));
+            let cfg =
+                kvroute_gateway::GatewayConfig { policy, worker_urls: vec![worker.clone()], ..Default::default() };
+            println!("worker {worker}\nrouter {gw}");
+            kvroute_gateway::serve(l, cfg, std::future::pending()).await.expect("serve");
+        });
+        return;
+    }
     let n: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(20_000);
     let conc: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(32);
     let policy = args.get(3).cloned().unwrap_or_else(|| "cache_aware".into());

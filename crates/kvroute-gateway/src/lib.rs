@@ -67,6 +67,11 @@ pub async fn serve(
     let bg = tokio::spawn(health::run_background(Arc::clone(&state), cancel.clone()));
     let app = app(Arc::clone(&state));
     let c2 = cancel.clone();
+    // Small request/response exchanges: do not let Nagle's algorithm hold segments back.
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let res = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown.await;
