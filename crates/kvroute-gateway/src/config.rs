@@ -213,8 +213,7 @@ mod tests {
     fn the_example_file_is_the_defaults() {
         let text = include_str!("../../../kvroute.example.toml");
         let cfg = GatewayConfig::from_toml(text).expect("example parses");
-        let mut def = GatewayConfig::default();
-        def.worker_urls = cfg.worker_urls.clone();
+        let def = GatewayConfig { worker_urls: cfg.worker_urls.clone(), ..GatewayConfig::default() };
         assert_eq!(cfg, def);
     }
 }

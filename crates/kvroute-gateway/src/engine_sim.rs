@@ -50,6 +50,14 @@ pub struct EngineSimConfig {
     pub slow_start_secs: f64,
     /// Waiting-queue bound of the engine.
     pub max_waiting: usize,
+    /// ZeroMQ endpoint the KV-event PUB socket binds (`tcp://127.0.0.1:5557`); none = off.
+    pub kv_events: Option<String>,
+    /// ZeroMQ endpoint of the replay ROUTER socket; none = no replay.
+    pub kv_replay: Option<String>,
+    /// Event encoding: legacy positional arrays or current vLLM maps.
+    pub kv_encoding: crate::kv_events::Encoding,
+    /// Topic frame of published batches.
+    pub kv_topic: String,
 }
 
 impl Default for EngineSimConfig {
@@ -63,6 +71,10 @@ impl Default for EngineSimConfig {
             crash_after: None,
             slow_start_secs: 0.0,
             max_waiting: 4096,
+            kv_events: None,
+            kv_replay: None,
+            kv_encoding: crate::kv_events::Encoding::Map,
+            kv_topic: "kv-events".into(),
         }
     }
 }
@@ -174,12 +186,22 @@ pub fn start(cfg: EngineSimConfig) -> Arc<EngineSim> {
 
 async fn drive(sim: std::sync::Weak<EngineSim>, mut rx: mpsc::Receiver<Cmd>, cfg: EngineSimConfig, start: Instant) {
     let mut engine = Engine::new(cfg.profile.clone(), cfg.max_waiting);
+    let kv_tx = cfg.kv_events.as_ref().map(|endpoint| {
+        engine.record_cache_events(true);
+        let (tx, rx) = mpsc::channel::<Vec<u8>>(KV_QUEUE);
+        tokio::spawn(publish(endpoint.clone(), cfg.kv_replay.clone(), cfg.kv_topic.clone(), rx));
+        tx
+    });
+    let mut cache_events = Vec::new();
     let mut waiters: HashMap<u64, mpsc::Sender<EngineEvent>> = HashMap::new();
     let mut events = Vec::new();
     let scale = cfg.time_scale.max(1e-6);
     loop {
         let now = EngineSim::sim_now(start, scale);
         engine.advance(now, &mut events);
+        if let Some(tx) = &kv_tx {
+            flush_kv(&mut engine, &mut cache_events, tx, now, cfg.kv_encoding);
+        }
         for ev in events.drain(..) {
             let (id, done) = match ev {
                 EngineEvent::FirstToken { id, .. } => (id, false),
@@ -215,10 +237,122 @@ async fn drive(sim: std::sync::Weak<EngineSim>, mut rx: mpsc::Receiver<Cmd>, cfg
                     let id = req.id;
                     waiters.insert(id, reply);
                     engine.submit(req, now, &mut events);
+                    if let Some(tx) = &kv_tx {
+                        flush_kv(&mut engine, &mut cache_events, tx, now, cfg.kv_encoding);
+                    }
                 }
                 None => return,
             },
             () = tokio::time::sleep(sleep) => {}
+        }
+    }
+}
+
+/// Bound of the queue between the engine and the KV-event publisher (batches); beyond it
+/// batches are dropped (subscribers see a sequence gap and can replay).
+const KV_QUEUE: usize = 4096;
+
+/// Batches kept for replay (vLLM's `buffer_steps` default is 10,000).
+const KV_REPLAY_BUFFER: usize = 10_000;
+
+fn flush_kv(
+    engine: &mut Engine,
+    buf: &mut Vec<kvroute_sim::engine::CacheEvent>,
+    tx: &mpsc::Sender<Vec<u8>>,
+    now: Nanos,
+    enc: crate::kv_events::Encoding,
+) {
+    use crate::kv_events::{EventBatch, KvEvent, encode};
+    use kvroute_sim::engine::CacheEvent;
+    engine.drain_cache_events(buf);
+    if buf.is_empty() {
+        return;
+    }
+    let events = buf
+        .drain(..)
+        .map(|e| match e {
+            CacheEvent::Stored { hashes, parent, token_ids, block_size } => KvEvent::BlockStored {
+                block_hashes: hashes.iter().map(|h| h.0).collect(),
+                parent_block_hash: parent.map(|h| h.0),
+                token_ids,
+                block_size,
+                medium: Some("GPU".into()),
+                group_idx: 0,
+            },
+            CacheEvent::Removed { hashes } => KvEvent::BlockRemoved {
+                block_hashes: hashes.iter().map(|h| h.0).collect(),
+                medium: Some("GPU".into()),
+                group_idx: 0,
+            },
+        })
+        .collect();
+    let batch = EventBatch { ts: now.as_secs_f64(), events, dp_rank: Some(0) };
+    if tx.try_send(encode(&batch, enc)).is_err() {
+        tracing::warn!("kv events: publisher queue full, batch dropped");
+    }
+}
+
+fn zmq_endpoint(e: &str) -> String {
+    e.replace("://*:", "://0.0.0.0:")
+}
+
+/// Publishes batches as `[topic, seq, payload]` on a PUB socket and serves replays on a
+/// ROUTER socket (`[identity, "", start_seq]` → one `[identity, "", seq, payload]` per
+/// buffered batch from `start_seq`, then `[identity, "", -1, ""]`).
+async fn publish(endpoint: String, replay: Option<String>, topic: String, mut rx: mpsc::Receiver<Vec<u8>>) {
+    use zeromq::{Socket, SocketSend};
+    let mut sock = zeromq::PubSocket::new();
+    if let Err(e) = sock.bind(&zmq_endpoint(&endpoint)).await {
+        eprintln!("kvroute engine-sim: cannot bind KV events on {endpoint}: {e}");
+        return;
+    }
+    let ring: Arc<Mutex<std::collections::VecDeque<(u64, Bytes)>>> = Arc::default();
+    if let Some(r) = replay {
+        tokio::spawn(replay_server(r, Arc::clone(&ring)));
+    }
+    let mut seq = 0u64;
+    while let Some(payload) = rx.recv().await {
+        let payload = Bytes::from(payload);
+        {
+            let mut g = ring.lock();
+            g.push_back((seq, payload.clone()));
+            while g.len() > KV_REPLAY_BUFFER {
+                g.pop_front();
+            }
+        }
+        if let Ok(msg) = zeromq::ZmqMessage::try_from(crate::kv_events::frames(&topic, seq, payload))
+            && let Err(e) = sock.send(msg).await
+        {
+            tracing::warn!("kv events: send failed: {e}");
+        }
+        seq += 1;
+    }
+}
+
+async fn replay_server(endpoint: String, ring: Arc<Mutex<std::collections::VecDeque<(u64, Bytes)>>>) {
+    use zeromq::{Socket, SocketRecv, SocketSend};
+    let mut sock = zeromq::RouterSocket::new();
+    if let Err(e) = sock.bind(&zmq_endpoint(&endpoint)).await {
+        eprintln!("kvroute engine-sim: cannot bind KV replay on {endpoint}: {e}");
+        return;
+    }
+    loop {
+        let Ok(msg) = sock.recv().await else { return };
+        let frames = msg.into_vec();
+        let (Some(id), Some(last)) = (frames.first().cloned(), frames.last()) else { continue };
+        let Ok(start) = <[u8; 8]>::try_from(last.as_ref()).map(u64::from_be_bytes) else { continue };
+        let batches: Vec<(u64, Bytes)> = ring.lock().iter().filter(|(s, _)| *s >= start).cloned().collect();
+        for (seq, p) in batches {
+            let parts = vec![id.clone(), Bytes::new(), Bytes::copy_from_slice(&seq.to_be_bytes()), p];
+            if let Ok(m) = zeromq::ZmqMessage::try_from(parts)
+                && sock.send(m).await.is_err()
+            {
+                break;
+            }
+        }
+        let end = vec![id, Bytes::new(), Bytes::copy_from_slice(&crate::kv_events::REPLAY_END), Bytes::new()];
+        if let Ok(m) = zeromq::ZmqMessage::try_from(end) {
+            let _ = sock.send(m).await;
         }
     }
 }
@@ -375,22 +509,23 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
     if roll < s.cfg.error_rate + s.cfg.hang_rate {
         std::future::pending::<()>().await;
     }
-    let (input_tokens, blocks) = match &info.token_ids {
+    let (input_tokens, blocks, ids) = match &info.token_ids {
         Some(t) => {
             let mut b = Vec::new();
             kvroute_core::hash::hash_token_blocks(t, BLOCK_TOKENS as usize, usize::MAX, HashAlgo::Xxh3, &mut b);
-            (t.len() as u32, b)
+            (t.len() as u32, b, t.clone())
         }
         None => {
             let mut b: Vec<BlockHash> = Vec::new();
             hash_text_blocks(&info.text, BLOCK_TOKENS as usize, usize::MAX, HashAlgo::Xxh3, &mut b);
-            (estimate_tokens(&info.text).max(1), b)
+            (estimate_tokens(&info.text).max(1), b, pseudo_tokens(&info.text))
         }
     };
+    let token_ids: Option<Arc<[u32]>> = s.cfg.kv_events.is_some().then(|| ids.into());
     let output = info.max_tokens.unwrap_or(16).clamp(1, 8192);
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
     let (tx, mut rx) = mpsc::channel(4);
-    let req = EngineRequest { id, input_tokens, output_tokens: output, blocks, block_tokens: BLOCK_TOKENS };
+    let req = EngineRequest { id, input_tokens, output_tokens: output, blocks, block_tokens: BLOCK_TOKENS, token_ids };
     if s.tx.send(Cmd::Submit { req, reply: tx }).await.is_err() {
         return err(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
     }

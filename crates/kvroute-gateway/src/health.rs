@@ -130,13 +130,14 @@ async fn check_one(s: Arc<AppState>, id: u32, url: String) {
             w.models = models;
         }
     }
-    if ok && s.cfg.scrape_metrics {
-        if let Some((200, body)) = get_text(&s.client, &format!("{url}/metrics"), h.timeout_secs).await {
-            let (q, r, u) = engine_signals(&body);
-            let p = s.cfg.power_metric.as_deref().and_then(|name| metric_sum(&body, name));
-            if let Some(w) = s.workers.write().iter_mut().find(|w| w.id == id) {
-                (w.engine_queue, w.engine_running, w.kv_cache_usage, w.power_watts) = (q, r, u, p);
-            }
+    if ok
+        && s.cfg.scrape_metrics
+        && let Some((200, body)) = get_text(&s.client, &format!("{url}/metrics"), h.timeout_secs).await
+    {
+        let (q, r, u) = engine_signals(&body);
+        let p = s.cfg.power_metric.as_deref().and_then(|name| metric_sum(&body, name));
+        if let Some(w) = s.workers.write().iter_mut().find(|w| w.id == id) {
+            (w.engine_queue, w.engine_running, w.kv_cache_usage, w.power_watts) = (q, r, u, p);
         }
     }
 }

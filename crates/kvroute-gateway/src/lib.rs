@@ -18,6 +18,7 @@ pub mod config;
 pub mod engine_sim;
 pub mod error;
 pub mod health;
+pub mod kv_events;
 pub mod metrics;
 pub mod proxy;
 pub mod request;

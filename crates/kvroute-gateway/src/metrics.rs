@@ -79,7 +79,7 @@ impl Metrics {
         );
         let decision_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
         registry.register("kvroute_decision_seconds", "Routing decision time", decision_seconds.clone());
-        let match_rate = Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0].into_iter());
+        let match_rate = Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]);
         registry.register("kvroute_match_rate", "Matched prefix over routing key length", match_rate.clone());
         let ttft_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 18));
         registry.register("kvroute_ttft_seconds", "Time to first response byte at the router", ttft_seconds.clone());

@@ -179,7 +179,7 @@ async fn a_dead_worker_is_retried_around_and_taken_out() {
     let send = |i: usize| {
         let c = c.clone();
         let url = format!("{}/v1/chat/completions", r.url);
-        async move { guard(c.post(url).json(&chat(&format!("q{i}"), i % 2 == 0)).send()).await.expect("send") }
+        async move { guard(c.post(url).json(&chat(&format!("q{i}"), i.is_multiple_of(2))).send()).await.expect("send") }
     };
     let mut seen = std::collections::HashSet::new();
     for i in 0..4 {

@@ -172,6 +172,29 @@ pub struct KvCache {
     anonymous: u64,
     reserved: u64,
     evictions: u64,
+    log: Option<Vec<CacheEvent>>,
+}
+
+/// A change of the cache's contents, in the shape of vLLM's KV events (`BlockStored`,
+/// `BlockRemoved`); recorded only when enabled with [`Engine::record_cache_events`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Consecutive blocks of one chain became cached.
+    Stored {
+        /// Their hashes, in chain order.
+        hashes: Vec<BlockHash>,
+        /// The block before the first one (`None` at the root).
+        parent: Option<BlockHash>,
+        /// Their token ids, `block_size` per block (empty when the request carried none).
+        token_ids: Vec<u32>,
+        /// Tokens per block.
+        block_size: u32,
+    },
+    /// Blocks were evicted.
+    Removed {
+        /// Their hashes.
+        hashes: Vec<BlockHash>,
+    },
 }
 
 impl KvCache {
@@ -186,6 +209,7 @@ impl KvCache {
             anonymous: 0,
             reserved: 0,
             evictions: 0,
+            log: None,
         }
     }
 
@@ -223,41 +247,78 @@ impl KvCache {
             return false;
         }
         for h in &hashes[..hit] {
-            self.pin(*h, weight);
+            let _ = self.pin(*h, weight);
         }
         self.reserved += extra;
         self.evict_to_capacity();
         true
     }
 
-    fn pin(&mut self, h: BlockHash, weight: u64) {
+    /// Pins `h`; returns true when it was not cached before (newly stored).
+    fn pin(&mut self, h: BlockHash, weight: u64) -> bool {
         if let Some(w) = self.free_lru.pop(&h) {
             self.free_weight -= w;
             self.pinned.insert(h, (1, w));
             self.pinned_weight += w;
+            false
         } else if let Some(e) = self.pinned.get_mut(&h) {
             e.0 += 1;
+            false
         } else {
             self.pinned.insert(h, (1, weight));
             self.pinned_weight += weight;
+            true
         }
     }
 
     fn evict_to_capacity(&mut self) {
         while self.used() > self.capacity {
-            let Some((_, w)) = self.free_lru.pop_lru() else { break };
+            let Some((h, w)) = self.free_lru.pop_lru() else { break };
             self.free_weight -= w;
             self.evictions += 1;
+            if let Some(log) = &mut self.log {
+                match log.last_mut() {
+                    Some(CacheEvent::Removed { hashes }) => hashes.push(h),
+                    _ => log.push(CacheEvent::Removed { hashes: vec![h] }),
+                }
+            }
         }
     }
 
     /// Prefill done: releases `reserved` engine blocks, pins the `new` computed prompt
     /// blocks (each `weight` engine blocks; already-cached ones just gain a reference) and
     /// adds `anon` anonymous blocks.
-    pub fn commit(&mut self, new: &[BlockHash], weight: u64, reserved: u64, anon: u64) {
+    /// `parent` is the block before `new[0]` and `tokens` the token ids of `new` (for the
+    /// event log; may be empty).
+    #[allow(clippy::too_many_arguments)]
+    pub fn commit(
+        &mut self,
+        new: &[BlockHash],
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+        block_size: u32,
+        weight: u64,
+        reserved: u64,
+        anon: u64,
+    ) {
         self.reserved -= reserved.min(self.reserved);
-        for h in new {
-            self.pin(*h, weight);
+        let bs = block_size as usize;
+        let mut run: Option<(usize, usize)> = None; // [start, end) of newly stored blocks
+        let mut runs = Vec::new();
+        for (i, h) in new.iter().enumerate() {
+            if self.pin(*h, weight) {
+                run = Some(run.map_or((i, i + 1), |(s, _)| (s, i + 1)));
+            } else if let Some(r) = run.take() {
+                runs.push(r);
+            }
+        }
+        runs.extend(run);
+        if let Some(log) = &mut self.log {
+            for (s, e) in runs {
+                let token_ids = tokens.get(s * bs..e * bs).map(<[u32]>::to_vec).unwrap_or_default();
+                let parent = if s == 0 { parent } else { Some(new[s - 1]) };
+                log.push(CacheEvent::Stored { hashes: new[s..e].to_vec(), parent, token_ids, block_size });
+            }
         }
         self.anonymous += anon;
         self.evict_to_capacity();
@@ -296,6 +357,8 @@ pub struct EngineRequest {
     pub blocks: Vec<BlockHash>,
     /// Tokens per block of `blocks`.
     pub block_tokens: u32,
+    /// Prompt token ids, when known (for `BlockStored` events).
+    pub token_ids: Option<std::sync::Arc<[u32]>>,
 }
 
 /// Something that happened inside an engine.
@@ -434,6 +497,18 @@ impl Engine {
         self.cache.active() as f64 / self.cache.capacity().max(1) as f64
     }
 
+    /// Starts (or stops) recording [`CacheEvent`]s.
+    pub fn record_cache_events(&mut self, on: bool) {
+        self.cache.log = on.then(Vec::new);
+    }
+
+    /// Moves the recorded cache events into `out`.
+    pub fn drain_cache_events(&mut self, out: &mut Vec<CacheEvent>) {
+        if let Some(log) = &mut self.cache.log {
+            out.append(log);
+        }
+    }
+
     /// The KV cache.
     pub fn cache(&self) -> &KvCache {
         &self.cache
@@ -529,7 +604,11 @@ impl Engine {
             let new = &r.req.blocks[r.hit_blocks.min(full)..full];
             let weight = (r.req.block_tokens as u64).div_ceil(bt);
             let anon = r.reserved_blocks.saturating_sub(new.len() as u64 * weight);
-            self.cache.commit(new, weight, r.reserved_blocks, anon);
+            let start = r.hit_blocks.min(full);
+            let parent = start.checked_sub(1).map(|i| r.req.blocks[i]);
+            let bs = r.req.block_tokens as usize;
+            let toks: &[u32] = r.req.token_ids.as_deref().and_then(|t| t.get(start * bs..full * bs)).unwrap_or(&[]);
+            self.cache.commit(new, parent, toks, r.req.block_tokens, weight, r.reserved_blocks, anon);
             r.anon_blocks = anon;
             r.reserved_blocks = 0;
         }
@@ -642,6 +721,7 @@ mod tests {
             output_tokens: output,
             blocks: blocks.iter().map(|b| BlockHash(*b)).collect(),
             block_tokens: 16,
+            token_ids: None,
         }
     }
 
@@ -760,5 +840,58 @@ mod tests {
         assert_eq!(e.next_event_time(), Some(Nanos::from_millis(21)));
         let ev = run(&mut e);
         assert!(ev.contains(&EngineEvent::FirstToken { id: 2, at: Nanos::from_millis(21 + 17), cached_tokens: 0 }));
+    }
+
+    #[test]
+    fn cache_events_report_stored_chains_and_evictions() {
+        let mut p = profile();
+        p.kv_tokens = 16 * 6; // 6 blocks
+        let mut e = Engine::new(p, 16);
+        e.record_cache_events(true);
+        let mut ev = Vec::new();
+        let mut r = req(1, &[1, 2, 3], 48, 1);
+        r.token_ids = Some((0..48).collect::<Vec<u32>>().into());
+        e.submit(r, Nanos::ZERO, &mut ev);
+        run(&mut e);
+        let mut log = Vec::new();
+        e.drain_cache_events(&mut log);
+        assert_eq!(
+            log,
+            vec![CacheEvent::Stored {
+                hashes: vec![BlockHash(1), BlockHash(2), BlockHash(3)],
+                parent: None,
+                token_ids: (0..48).collect(),
+                block_size: 16
+            }]
+        );
+        // Sharing the first block: only the new tail is stored, with its parent.
+        e.submit(req(2, &[1, 9], 32, 1), Nanos::from_secs(1), &mut ev);
+        run(&mut e);
+        log.clear();
+        e.drain_cache_events(&mut log);
+        assert_eq!(
+            log,
+            vec![CacheEvent::Stored {
+                hashes: vec![BlockHash(9)],
+                parent: Some(BlockHash(1)),
+                token_ids: vec![],
+                block_size: 16
+            }]
+        );
+        // A 4-block request (+1 output block) in a 6-block cache evicts LRU blocks.
+        e.submit(req(3, &[20, 21, 22, 23], 64, 1), Nanos::from_secs(2), &mut ev);
+        run(&mut e);
+        log.clear();
+        e.drain_cache_events(&mut log);
+        let removed: Vec<BlockHash> = log
+            .iter()
+            .filter_map(|x| match x {
+                CacheEvent::Removed { hashes } => Some(hashes.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert!(!removed.is_empty());
+        assert_eq!(removed.len() as u64, e.cache().evictions());
     }
 }

@@ -209,6 +209,7 @@ pub fn replay(
                         output_tokens: r.output_tokens,
                         blocks: r.blocks.clone(),
                         block_tokens: r.block_tokens,
+                        token_ids: None,
                     },
                     now,
                     &mut events,

@@ -319,7 +319,7 @@ pub fn spread_seconds(trace: &mut [TraceRequest]) {
             j += 1;
         }
         let n = (j - i) as u64;
-        if t.0 % 1_000_000_000 == 0 && n > 1 {
+        if t.0.is_multiple_of(1_000_000_000) && n > 1 {
             for (k, r) in trace[i..j].iter_mut().enumerate() {
                 r.arrival = Nanos(t.0 + 1_000_000_000 * k as u64 / n);
             }

@@ -36,16 +36,23 @@ pub struct Args {
     /// /health answers 503 for this many seconds after start.
     #[arg(long, default_value_t = 0.0)]
     pub slow_start_secs: f64,
-    /// ZeroMQ endpoint for KV events (not built yet: see issue 8).
+    /// Publish KV-cache events (vLLM wire format) on a ZeroMQ PUB socket bound here,
+    /// e.g. tcp://127.0.0.1:5557 (`*` binds every interface).
     #[arg(long)]
     pub kv_events: Option<String>,
+    /// Serve replays of the last 10,000 batches on a ZeroMQ ROUTER socket bound here.
+    #[arg(long, requires = "kv_events")]
+    pub kv_replay: Option<String>,
+    /// Event encoding: `map` (current vLLM) or `legacy` (positional arrays, older vLLM and SGLang).
+    #[arg(long, default_value = "map", value_parser = ["map", "legacy"])]
+    pub kv_encoding: String,
+    /// Topic frame of published batches.
+    #[arg(long, default_value = "kv-events")]
+    pub kv_topic: String,
 }
 
 /// Runs `kvroute engine-sim`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.kv_events.is_some() {
-        anyhow::bail!("--kv-events: KV event publishing is not built yet (issue 8)");
-    }
     for (k, v) in [("--error-rate", a.error_rate), ("--hang-rate", a.hang_rate)] {
         if !(0.0..=1.0).contains(&v) {
             anyhow::bail!("{k} must be in [0, 1], got {v}");
@@ -64,6 +71,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         crash_after: a.crash_after,
         slow_start_secs: a.slow_start_secs,
         max_waiting: 4096,
+        kv_events: a.kv_events,
+        kv_replay: a.kv_replay,
+        kv_encoding: if a.kv_encoding == "legacy" {
+            kvroute_gateway::kv_events::Encoding::Legacy
+        } else {
+            kvroute_gateway::kv_events::Encoding::Map
+        },
+        kv_topic: a.kv_topic,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {

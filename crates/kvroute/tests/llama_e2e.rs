@@ -73,10 +73,10 @@ fn start_worker(bin: &PathBuf, model: &PathBuf, port: u16) -> Proc {
 
 async fn wait_healthy(client: &reqwest::Client, url: &str) {
     for _ in 0..600 {
-        if let Ok(r) = client.get(format!("{url}/health")).send().await {
-            if r.status().is_success() {
-                return;
-            }
+        if let Ok(r) = client.get(format!("{url}/health")).send().await
+            && r.status().is_success()
+        {
+            return;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
