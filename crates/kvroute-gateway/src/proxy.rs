@@ -228,6 +228,14 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
             Err(e) => {
                 s.ledger.lock().failed(ticket);
                 s.record_failure(w.0);
+                if e.is_timeout() {
+                    // A timed-out attempt has already spent the client's budget: no retry.
+                    count(s, &url, d.branch.as_str(), "upstream_error");
+                    return Err(ApiError::new(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        format!("{url} did not answer within {} s", s.cfg.request_timeout_secs),
+                    ));
+                }
                 last_err = format!("{url}: {e}");
                 tracing::debug!(worker = %url, error = %e, "attempt failed");
                 continue;

@@ -336,17 +336,17 @@ async fn admission_rejects_at_once_with_retry_after() {
         let url = url.clone();
         async move { c.post(url).json(&chat("hold", false)).send().await }
     });
-    // Wait until the first request is admitted.
-    let mut rejected = None;
-    for _ in 0..200 {
-        let resp = guard(c.post(&url).json(&chat("second", false)).send()).await.expect("send");
-        if resp.status() == 503 {
-            rejected = Some(resp);
+    // Wait until the first request holds the slot (the ledger shows it in flight).
+    for _ in 0..500 {
+        let v: serde_json::Value =
+            guard(c.get(format!("{}/workers", r.url)).send()).await.expect("w").json().await.expect("j");
+        if v["workers"][0]["in_flight"] == 1 {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let resp = rejected.expect("second request rejected while the first holds the slot");
+    let resp = guard(c.post(&url).json(&chat("second", false)).send()).await.expect("send");
+    assert_eq!(resp.status(), 503, "the second request must be rejected while the first holds the slot");
     assert_eq!(resp.headers()["retry-after"], "1");
     hold.abort();
     r.stop.cancel();
@@ -402,4 +402,30 @@ print("ok")
         String::from_utf8_lossy(&out.stderr)
     );
     r.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_start_worker_is_unhealthy_until_ready() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let w = worker(EngineSimConfig { slow_start_secs: 3600.0, ..fast() }).await;
+    let c = reqwest::Client::new();
+    let r = guard(c.get(format!("{}/health", w.url)).send()).await.expect("send");
+    assert_eq!(r.status(), 503);
+    // Its /v1/models answers, so a router adds it as healthy; the first failed active
+    // check (failure_threshold 1) takes it out of routing.
+    let mut config = cfg(&[&w.url], "round_robin");
+    config.health.interval_secs = 0.05;
+    config.health.failure_threshold = 1;
+    let r = router(config).await;
+    let mut ready = true;
+    for _ in 0..200 {
+        ready = guard(c.get(format!("{}/readiness", r.url)).send()).await.expect("send").status().is_success();
+        if !ready {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!ready, "a worker failing /health must be taken out of routing");
+    r.stop.cancel();
+    w.stop.cancel();
 }
