@@ -75,15 +75,15 @@ pub fn view<'a>(info: &'a RoutingInfo, model: &'a str) -> RequestView<'a> {
     }
 }
 
-/// Prompt tokens a decision expects to find cached.
+/// Prompt tokens a decision expects to find cached: the matched share of the routing key
+/// applied to the prompt's tokens, whatever the key's unit (chars, tokens, or blocks of any
+/// size), so the ledger's pending-prefill estimate does not depend on the policy's block size.
 pub fn estimated_cached_tokens(d: &Decision, input_tokens: u32) -> u64 {
-    let t = match d.unit {
-        MatchUnit::Chars => d.matched / kvroute_core::types::CHARS_PER_TOKEN as u64,
-        MatchUnit::Tokens => d.matched,
-        MatchUnit::Blocks => d.matched * 16,
-        MatchUnit::None => 0,
-    };
-    t.min(input_tokens as u64)
+    if d.key_len == 0 || d.unit == MatchUnit::None {
+        return 0;
+    }
+    let share = (d.matched as f64 / d.key_len as f64).clamp(0.0, 1.0);
+    ((share * f64::from(input_tokens)) as u64).min(u64::from(input_tokens))
 }
 
 /// Decides for `info` (no I/O): `Ok((decision, urls by id))` or the error to answer.
@@ -373,5 +373,24 @@ impl Drop for StreamGuard {
             self.state.ledger.lock().cancelled(t);
             count(&self.state, &self.worker, self.branch, "cancelled");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_core::policy::Branch;
+
+    #[test]
+    fn cached_estimate_is_unit_agnostic() {
+        let d = |m, k, u| Decision::new(WorkerId(0), Branch::HighMatch).with_match(m, k, u);
+        assert_eq!(estimated_cached_tokens(&d(2, 4, MatchUnit::Blocks), 4096), 2048);
+        assert_eq!(estimated_cached_tokens(&d(100, 400, MatchUnit::Chars), 100), 25);
+        assert_eq!(estimated_cached_tokens(&d(9, 9, MatchUnit::Tokens), 9), 9);
+        assert_eq!(estimated_cached_tokens(&d(0, 0, MatchUnit::None), 50), 0);
+        assert_eq!(
+            decision_header("p", &d(3, 8, MatchUnit::Blocks)),
+            "policy=p; branch=high_match; matched=3/8 blocks"
+        );
     }
 }
