@@ -93,6 +93,36 @@ fn estimated_cached(unit: MatchUnit, matched: u64, block_tokens: u32, input: u32
     t.min(input as u64)
 }
 
+/// Compute utilisation as an engine exporter reports it (DCGM's SM activity is an average
+/// over its sampling period): the busy fraction of the engine over the last
+/// [`UTIL_WINDOW`], refreshed once per window.
+#[derive(Debug, Default, Clone, Copy)]
+struct BusyWindow {
+    since: Nanos,
+    busy_at_since: u64,
+    value: f64,
+}
+
+/// Averaging period of the simulated SM utilisation.
+pub const UTIL_WINDOW: Nanos = Nanos::from_secs(1);
+
+impl BusyWindow {
+    fn observe(&mut self, now: Nanos, busy_ns: u64, stepping: bool) -> f64 {
+        let dt = now.0.saturating_sub(self.since.0);
+        if dt >= UTIL_WINDOW.0 {
+            let busy = busy_ns.saturating_sub(self.busy_at_since) as f64;
+            self.value = (busy / dt as f64).clamp(0.0, 1.0);
+            // A step still running counts as busy (its time is added when it ends).
+            if stepping && self.value == 0.0 {
+                self.value = 1.0;
+            }
+            self.since = now;
+            self.busy_at_since = busy_ns;
+        }
+        self.value
+    }
+}
+
 /// Replays `trace` under `cfg`. `progress` is called with the number of requests routed so
 /// far (every 256 requests and at the end).
 ///
@@ -131,6 +161,7 @@ pub fn replay(
     let interval = policy.maintenance_interval();
     let mut next_maintain = interval.unwrap_or(Nanos(u64::MAX));
     let mut views: Vec<WorkerView> = Vec::with_capacity(cfg.engines);
+    let mut util: Vec<BusyWindow> = (0..cfg.engines).map(|_| BusyWindow::default()).collect();
 
     let handle = |events: &mut Vec<EngineEvent>,
                   ledger: &mut LoadLedger,
@@ -180,6 +211,7 @@ pub fn replay(
                 v.engine_queue = Some(e.num_waiting());
                 v.engine_running = Some(e.num_running());
                 v.kv_cache_usage = Some(e.kv_usage());
+                v.sm_util = Some(util[w].observe(now, e.stats().busy_ns, e.next_event_time().is_some()));
             }
             views.push(v);
         }
