@@ -97,6 +97,13 @@ const PREFILL_COST_KNOBS: &[Knob] = &[
         "multiplier >= 0",
         "weight of the request's own uncached tokens (a miss slows everyone queued behind it)",
     ),
+    (
+        "session_affinity",
+        "bool",
+        "keep a session on its last worker while it holds > half the prompt and is not overloaded",
+    ),
+    ("overload_factor", "x mean load", "affinity gate: the session's worker is overloaded above this x mean load"),
+    ("max_sessions", "sessions", "session bindings kept (LRU beyond)"),
 ];
 const B3_KNOBS: &[Knob] = &[
     ("block_tokens", "tokens", "tokens per block of the LRU block sets (Mooncake hash_ids are 512)"),
