@@ -283,4 +283,25 @@ mod tests {
         }
         assert_eq!(seen.len(), 3);
     }
+
+    #[test]
+    fn session_gate_sticks_while_warm_and_not_overloaded() {
+        let mut p = PrefillCost::new(PrefillCostConfig::default());
+        let h: Vec<BlockHash> = (0..4).map(BlockHash).collect();
+        let mut r = req(&h);
+        r.session_id = Some("conv-1");
+        let mut c: Vec<WorkerView> = (0..3).map(|i| WorkerView::idle(WorkerId(i))).collect();
+        let first = go(&mut p, &r, &c).worker;
+        // The bound worker has queued prefill work, so the cost alone would move the turn;
+        // it is warm (all 4 blocks) and at 1 ≤ 1.5 × mean(1) load: the gate keeps it.
+        c[first.index()].pending_prefill_tokens = 50_000;
+        c[first.index()].in_flight = 1;
+        let d = go(&mut p, &r, &c);
+        assert_eq!((d.worker, d.branch), (first, Branch::Sticky));
+        // Overloaded (6 > 1.5 × mean 2): the cost decides and the turn moves.
+        c[first.index()].in_flight = 6;
+        let d = go(&mut p, &r, &c);
+        assert_ne!(d.worker, first);
+        assert_ne!(d.branch, Branch::Sticky);
+    }
 }
