@@ -61,39 +61,39 @@ async fn load(url: String, n: usize, conc: usize) -> (hdrhistogram::Histogram<u6
     (all, n as f64 / secs)
 }
 
+/// Starts the instant worker and a gateway in front of it; returns their URLs.
+async fn start_pair(policy: &str) -> (String, String) {
+    let worker = instant_worker().await;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let gw = format!("http://{}", l.local_addr().expect("addr"));
+    let cfg = kvroute_gateway::GatewayConfig {
+        policy: policy.to_string(),
+        worker_urls: vec![worker.clone()],
+        ..Default::default()
+    };
+    tokio::spawn(kvroute_gateway::serve(l, cfg, std::future::pending()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    (worker, gw)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("rt");
     if args.get(1).map(String::as_str) == Some("serve") {
         let policy = args.get(2).cloned().unwrap_or_else(|| "cache_aware".into());
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("rt");
         rt.block_on(async {
-            let worker = instant_worker().await;
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-            let gw = format!("http://{}", l.local_addr().expect("addr"));
-            let cfg =
-                kvroute_gateway::GatewayConfig { policy, worker_urls: vec![worker.clone()], ..Default::default() };
+            let (worker, gw) = start_pair(&policy).await;
             println!("worker {worker}\nrouter {gw}");
-            kvroute_gateway::serve(l, cfg, std::future::pending()).await.expect("serve");
+            std::future::pending::<()>().await;
         });
         return;
     }
     let n: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(20_000);
     let conc: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(32);
     let policy = args.get(3).cloned().unwrap_or_else(|| "cache_aware".into());
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("rt");
     rt.block_on(async {
-        let worker = instant_worker().await;
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let gw = format!("http://{}", l.local_addr().expect("addr"));
-        let cfg = kvroute_gateway::GatewayConfig {
-            policy: policy.clone(),
-            worker_urls: vec![worker.clone()],
-            ..Default::default()
-        };
-        tokio::spawn(kvroute_gateway::serve(l, cfg, std::future::pending()));
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (worker, gw) = start_pair(&policy).await;
         // Warm both paths.
         let _ = load(worker.clone(), 2000, conc).await;
         let _ = load(gw.clone(), 2000, conc).await;
