@@ -41,13 +41,13 @@
 //! | `hit_ratio_threshold` | 0.5 | cache-hit ratio, 0.0–1.0 (`unified`) |
 //! | `max_sessions` | 1,048,576 | session bindings kept (`sticky`, `unified`) |
 
-use crate::hash::{HashAlgo, request_blocks, stable_hash};
+use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, LruBlockSet};
+use crate::policy::util::{SessionTable, mean_load};
 use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RouteError, patch_knobs};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::num::NonZeroUsize;
 
 /// Which of seed 002's pickers a [`B3`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,7 +130,7 @@ pub struct B3 {
     mode: B3Mode,
     cfg: B3Config,
     cached: HashMap<WorkerId, LruBlockSet>,
-    affinity: lru::LruCache<u64, WorkerId>,
+    affinity: SessionTable,
     rr_counter: u64,
     scratch: Vec<BlockHash>,
 }
@@ -148,8 +148,8 @@ struct Terms {
 impl B3 {
     /// A B3 picker in `mode` with `cfg` (assumed valid; use [`B3::try_new`] to check).
     pub fn new(mode: B3Mode, cfg: B3Config) -> Self {
-        let cap = NonZeroUsize::new(cfg.max_sessions.max(1)).unwrap_or(NonZeroUsize::MIN);
-        B3 { mode, cfg, cached: HashMap::new(), affinity: lru::LruCache::new(cap), rr_counter: 0, scratch: Vec::new() }
+        let affinity = SessionTable::new(cfg.max_sessions);
+        B3 { mode, cfg, cached: HashMap::new(), affinity, rr_counter: 0, scratch: Vec::new() }
     }
 
     /// Builds after validating `cfg`.
@@ -211,31 +211,24 @@ impl B3 {
         let Some(sid) = req.session_id else {
             return self.pick_load_only(req, c);
         };
-        let key = stable_hash(sid.as_bytes());
-        if let Some(&bound) = self.affinity.get(&key)
+        if let Some(bound) = self.affinity.get(sid)
             && let Some(w) = c.iter().find(|w| w.id == bound && w.is_routable())
         {
             let t = self.terms(w, req);
             return Some(self.decision(&t, Branch::Sticky));
         }
         let mut d = self.pick_load_only(req, c)?;
-        self.affinity.put(key, d.worker);
+        self.affinity.bind(sid, d.worker);
         d.branch = Branch::NewBinding;
         Some(d)
     }
 
     fn pick_unified(&mut self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<Decision> {
         let routable = || c.iter().filter(|w| w.is_routable());
-        let n = routable().count();
-        if n == 0 {
-            return None;
-        }
-        let mean = routable().map(|w| w.load() as f64).sum::<f64>() / n as f64;
-        let avg_reqs = mean.max(1.0);
-        let key = req.session_id.map(|s| stable_hash(s.as_bytes()));
+        let avg_reqs = mean_load(c)?.max(1.0);
         let mut was_bound = false;
-        if let Some(key) = key
-            && let Some(&bound) = self.affinity.get(&key)
+        if let Some(sid) = req.session_id
+            && let Some(bound) = self.affinity.get(sid)
         {
             was_bound = true;
             if let Some(a) = routable().find(|w| w.id == bound) {
@@ -259,8 +252,8 @@ impl B3 {
         } else {
             (*tied[0], Branch::Score)
         };
-        if let Some(key) = key {
-            self.affinity.put(key, winner.id);
+        if let Some(sid) = req.session_id {
+            self.affinity.bind(sid, winner.id);
         }
         let branch = if was_bound { Branch::AffinityBroken } else { branch };
         Some(self.decision(&winner, branch))
@@ -307,10 +300,7 @@ impl Policy for B3 {
 
     fn on_worker_removed(&mut self, worker: WorkerId) {
         self.cached.remove(&worker);
-        let stale: Vec<u64> = self.affinity.iter().filter(|(_, w)| **w == worker).map(|(k, _)| *k).collect();
-        for k in stale {
-            self.affinity.pop(&k);
-        }
+        self.affinity.forget_worker(worker);
     }
 
     fn knobs(&self) -> serde_json::Value {
@@ -324,7 +314,7 @@ impl Policy for B3 {
             self.cached.clear();
         }
         if next.max_sessions != self.cfg.max_sessions {
-            self.affinity.resize(NonZeroUsize::new(next.max_sessions).unwrap_or(NonZeroUsize::MIN));
+            self.affinity.resize(next.max_sessions);
         }
         self.cfg = next;
         Ok(())

@@ -52,7 +52,7 @@
 
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::LruBlockSet;
-use crate::policy::util::rotate;
+use crate::policy::util::{SessionTable, mean_load, rotate};
 use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RouteError, patch_knobs};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -121,14 +121,14 @@ pub struct PrefillCost {
     sets: HashMap<WorkerId, LruBlockSet>,
     blocks: Vec<BlockHash>,
     rotation: u64,
-    sessions: lru::LruCache<u64, WorkerId>,
+    sessions: SessionTable,
 }
 
 impl PrefillCost {
     /// A policy with `cfg` (validated by the registry).
     pub fn new(cfg: PrefillCostConfig) -> Self {
-        let cap = std::num::NonZeroUsize::new(cfg.max_sessions.max(1)).unwrap_or(std::num::NonZeroUsize::MIN);
-        PrefillCost { cfg, sets: HashMap::new(), blocks: Vec::new(), rotation: 0, sessions: lru::LruCache::new(cap) }
+        let sessions = SessionTable::new(cfg.max_sessions);
+        PrefillCost { cfg, sets: HashMap::new(), blocks: Vec::new(), rotation: 0, sessions }
     }
 
     fn hash(&mut self, req: &RequestView<'_>) -> u64 {
@@ -152,12 +152,10 @@ impl Policy for PrefillCost {
         let input = req.input_tokens as u64;
         if self.cfg.session_affinity
             && let Some(sid) = req.session_id
-            && let Some(&bound) = self.sessions.get(&crate::hash::stable_hash(sid.as_bytes()))
+            && let Some(bound) = self.sessions.get(sid)
             && let Some(a) = c.iter().find(|w| w.id == bound && w.is_routable())
         {
-            let routable = || c.iter().filter(|w| w.is_routable());
-            let n = routable().count().max(1);
-            let mean = (routable().map(|w| w.load() as f64).sum::<f64>() / n as f64).max(1.0);
+            let mean = mean_load(c).unwrap_or(0.0).max(1.0);
             let hit = self.sets.get(&a.id).map_or(0, |s| s.estimate_cache_hit(&self.blocks)) as u64;
             let cached = (hit * bt).min(input);
             if cached * 2 > input && a.load() as f64 <= mean * self.cfg.overload_factor {
@@ -200,16 +198,13 @@ impl Policy for PrefillCost {
         let cap = self.capacity_blocks(bt);
         self.sets.entry(worker).or_insert_with(|| LruBlockSet::new(cap)).insert(&self.blocks);
         if let Some(sid) = req.session_id {
-            self.sessions.put(crate::hash::stable_hash(sid.as_bytes()), worker);
+            self.sessions.bind(sid, worker);
         }
     }
 
     fn on_worker_removed(&mut self, worker: WorkerId) {
         self.sets.remove(&worker);
-        let stale: Vec<u64> = self.sessions.iter().filter(|(_, w)| **w == worker).map(|(k, _)| *k).collect();
-        for k in stale {
-            self.sessions.pop(&k);
-        }
+        self.sessions.forget_worker(worker);
     }
 
     fn knobs(&self) -> serde_json::Value {
@@ -222,7 +217,7 @@ impl Policy for PrefillCost {
             self.sets.clear();
         }
         if next.max_sessions != self.cfg.max_sessions {
-            self.sessions.resize(std::num::NonZeroUsize::new(next.max_sessions).unwrap_or(std::num::NonZeroUsize::MIN));
+            self.sessions.resize(next.max_sessions);
         }
         self.cfg = next;
         Ok(())

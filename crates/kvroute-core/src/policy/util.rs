@@ -183,3 +183,69 @@ pub fn power_of_two(set: &[WorkerId], candidates: &[WorkerView], rng: Rng<'_>) -
 pub fn routable_ids(candidates: &[WorkerView]) -> SmallVec<[WorkerId; 16]> {
     candidates.iter().filter(|w| w.is_routable()).map(|w| w.id).collect()
 }
+
+/// Mean [`WorkerView::load`] over routable candidates, `None` when there is none.
+pub fn mean_load(candidates: &[WorkerView]) -> Option<f64> {
+    let (n, sum) = candidates
+        .iter()
+        .filter(|w| w.is_routable())
+        .fold((0usize, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.load())));
+    (n > 0).then(|| sum / n as f64)
+}
+
+/// Session → worker bindings for session-aware policies: a bounded LRU map keyed by the
+/// stable hash of the session id ([`crate::hash::stable_hash`]), so a trace with millions of
+/// sessions cannot grow the router without bound (an evicted binding behaves as a new
+/// session).
+#[derive(Debug)]
+pub struct SessionTable {
+    map: lru::LruCache<u64, WorkerId>,
+}
+
+impl SessionTable {
+    /// A table keeping at most `max_sessions` bindings (at least 1).
+    pub fn new(max_sessions: usize) -> Self {
+        SessionTable { map: lru::LruCache::new(Self::cap(max_sessions)) }
+    }
+
+    fn cap(n: usize) -> std::num::NonZeroUsize {
+        std::num::NonZeroUsize::new(n.max(1)).unwrap_or(std::num::NonZeroUsize::MIN)
+    }
+
+    fn key(session: &str) -> u64 {
+        crate::hash::stable_hash(session.as_bytes())
+    }
+
+    /// The worker `session` is bound to (marks the binding recently used).
+    pub fn get(&mut self, session: &str) -> Option<WorkerId> {
+        self.map.get(&Self::key(session)).copied()
+    }
+
+    /// Binds `session` to `worker`, replacing any binding.
+    pub fn bind(&mut self, session: &str, worker: WorkerId) {
+        self.map.put(Self::key(session), worker);
+    }
+
+    /// Drops every binding to `worker` (it left the fleet). O(bindings).
+    pub fn forget_worker(&mut self, worker: WorkerId) {
+        let stale: Vec<u64> = self.map.iter().filter(|(_, w)| **w == worker).map(|(k, _)| *k).collect();
+        for k in stale {
+            self.map.pop(&k);
+        }
+    }
+
+    /// Changes the bound, evicting least recently used bindings beyond it.
+    pub fn resize(&mut self, max_sessions: usize) {
+        self.map.resize(Self::cap(max_sessions));
+    }
+
+    /// Bindings held.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether no binding is held.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
