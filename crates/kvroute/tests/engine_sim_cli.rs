@@ -1,20 +1,11 @@
 //! `kvroute engine-sim` as a process: serves, reports prefix-cache hits, and crashes on
 //! request when failure injection says so.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
-}
+mod common;
+use common::{Proc, free_port};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_caches_prefixes_and_crashes_when_told() {

@@ -16,9 +16,8 @@
 //! `KVROUTE_REQUIRE_LLAMA=1`, which makes their absence a failure (CI sets it).
 
 use serde_json::{Value, json};
-use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 /// Conversations per policy (each is 2 requests).
@@ -26,19 +25,8 @@ const CONVERSATIONS: usize = 6;
 /// Tokens generated per answer (small: the test is about prefill and routing).
 const MAX_TOKENS: u32 = 12;
 
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    // Bind to an ephemeral port and release it for the child process (a tiny window in
-    // which another process could take it; acceptable for a test on loopback).
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("ephemeral port")
-}
+mod common;
+use common::{Proc, free_port};
 
 fn llama_env() -> Option<(PathBuf, PathBuf)> {
     let bin = std::env::var_os("KVROUTE_LLAMA_SERVER").map(PathBuf::from);

@@ -1,20 +1,11 @@
 //! `kvroute serve` as a process: co-launched workers (seed 003), config errors naming the
 //! key, add/remove of workers under load, and a clean stop that takes the workers with it.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
-}
+mod common;
+use common::{Proc, free_port};
 
 async fn wait_ready(c: &reqwest::Client, url: &str) -> bool {
     for _ in 0..600 {
