@@ -391,6 +391,25 @@ pub async fn serve(
     axum::serve(listener, app(sim)).with_graceful_shutdown(shutdown).await
 }
 
+/// Starts a simulated worker on an ephemeral 127.0.0.1 port in the background, serving until
+/// `stop` is cancelled. Returns its base URL and its shared state (for its counters).
+///
+/// # Errors
+/// Binding the listener.
+pub async fn spawn_local(
+    cfg: EngineSimConfig,
+    stop: tokio_util::sync::CancellationToken,
+) -> std::io::Result<(String, Arc<EngineSim>)> {
+    let sim = start(cfg);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let app = app(Arc::clone(&sim));
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await }).await;
+    });
+    Ok((url, sim))
+}
+
 fn err(status: StatusCode, msg: &str) -> Response {
     crate::error::ApiError::new(status, msg).into_response()
 }

@@ -204,7 +204,9 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
     let attempts = (s.cfg.max_total_retries as usize).max(1);
     let mut last_err = String::from("no attempt made");
     let timeout = Duration::from_secs_f64(s.cfg.request_timeout_secs);
-    for (n, w) in order.iter().cycle().take(attempts.min(order.len() * attempts)).enumerate() {
+    // `order` is never empty (the chosen worker comes first), so this is `attempts` tries,
+    // cycling through the fallbacks when there are fewer of them.
+    for (n, w) in order.iter().cycle().take(attempts).enumerate() {
         let Some(url) = urls.iter().find(|(id, _)| *id == w.0).map(|(_, u)| u.clone()) else { continue };
         // A retry target must still be routable (it may have been taken out meanwhile).
         if n > 0 {

@@ -24,15 +24,8 @@ struct Worker {
 }
 
 async fn worker(cfg: EngineSimConfig) -> Worker {
-    let sim = engine_sim::start(cfg);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
     let stop = CancellationToken::new();
-    let c = stop.clone();
-    let app = engine_sim::app(Arc::clone(&sim));
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).with_graceful_shutdown(async move { c.cancelled().await }).await;
-    });
+    let (url, sim) = engine_sim::spawn_local(cfg, stop.clone()).await.expect("start a simulated worker");
     Worker { url, sim, stop }
 }
 

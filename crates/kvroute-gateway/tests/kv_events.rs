@@ -6,7 +6,6 @@ use kvroute_core::hash::{HashAlgo, hash_text_blocks};
 use kvroute_gateway::engine_sim::{self, EngineSimConfig, pseudo_tokens};
 use kvroute_gateway::kv_events::{Encoding, KvEvent, REPLAY_END, decode, parse_frames};
 use kvroute_sim::engine::Profile;
-use std::sync::Arc;
 use std::time::Duration;
 use zeromq::{Socket, SocketRecv, SocketSend};
 
@@ -28,17 +27,16 @@ async fn run(enc: Encoding) {
     let (pport, rport) = (free_port(), free_port());
     let mut profile = Profile::named("h100-llama3-8b").expect("profile");
     profile.kv_tokens = 16 * 16; // 16 blocks: the second prompt (11 blocks) evicts part of the first
-    let sim = engine_sim::start(EngineSimConfig {
+    let cfg = EngineSimConfig {
         profile,
         time_scale: 50.0,
         kv_events: Some(format!("tcp://127.0.0.1:{pport}")),
         kv_replay: Some(format!("tcp://127.0.0.1:{rport}")),
         kv_encoding: enc,
         ..EngineSimConfig::default()
-    });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(axum::serve(listener, engine_sim::app(Arc::clone(&sim))).into_future());
+    };
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (url, _sim) = engine_sim::spawn_local(cfg, stop.clone()).await.expect("start a simulated worker");
     tokio::time::sleep(Duration::from_millis(200)).await; // the publisher binds
     let mut sub = zeromq::SubSocket::new();
     sub.connect(&format!("tcp://127.0.0.1:{pport}")).await.expect("connect");
@@ -115,6 +113,7 @@ async fn run(enc: Encoding) {
     assert!(!removed.is_empty());
     assert!(removed.iter().all(|h| want.contains(h)), "{removed:?}");
     assert!(removed.contains(&want[9]));
+    stop.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

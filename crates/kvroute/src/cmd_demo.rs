@@ -123,14 +123,9 @@ async fn start_fleet(n: usize, time_scale: f64) -> anyhow::Result<Fleet> {
     let mut urls = Vec::new();
     for _ in 0..n {
         let profile = Profile::named("h100-llama3-8b").context("profile")?;
-        let sim = engine_sim::start(EngineSimConfig { profile, time_scale, ..EngineSimConfig::default() });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        urls.push(format!("http://{}", listener.local_addr()?));
-        let app = engine_sim::app(Arc::clone(&sim));
-        let c = stop.clone();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app).with_graceful_shutdown(async move { c.cancelled().await }).await;
-        });
+        let cfg = EngineSimConfig { profile, time_scale, ..EngineSimConfig::default() };
+        let (url, sim) = engine_sim::spawn_local(cfg, stop.clone()).await?;
+        urls.push(url);
         sims.push(sim);
     }
     Ok(Fleet { sims, urls, stop })
