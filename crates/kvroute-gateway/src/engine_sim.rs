@@ -58,6 +58,9 @@ pub struct EngineSimConfig {
     pub kv_encoding: crate::kv_events::Encoding,
     /// Topic frame of published batches.
     pub kv_topic: String,
+    /// Answer every request at once with one token, bypassing the engine model (no prefill,
+    /// no decode, no cache): an "instant worker" for measuring a router's own overhead.
+    pub instant: bool,
 }
 
 impl Default for EngineSimConfig {
@@ -75,6 +78,7 @@ impl Default for EngineSimConfig {
             kv_replay: None,
             kv_encoding: crate::kv_events::Encoding::Map,
             kv_topic: "kv-events".into(),
+            instant: false,
         }
     }
 }
@@ -541,13 +545,22 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         }
     };
     let token_ids: Option<Arc<[u32]>> = s.cfg.kv_events.is_some().then(|| ids.into());
-    let output = info.max_tokens.unwrap_or(16).clamp(1, 8192);
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
     let (tx, mut rx) = mpsc::channel(4);
-    let req = EngineRequest { id, input_tokens, output_tokens: output, blocks, block_tokens: BLOCK_TOKENS, token_ids };
-    if s.tx.send(Cmd::Submit { req, reply: tx }).await.is_err() {
-        return err(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
-    }
+    let output = if s.cfg.instant {
+        // No engine: the first token and the end are already there.
+        let _ = tx.try_send(EngineEvent::FirstToken { id, at: Nanos(0), cached_tokens: 0 });
+        let _ = tx.try_send(EngineEvent::Finished { id, at: Nanos(0) });
+        1
+    } else {
+        let output = info.max_tokens.unwrap_or(16).clamp(1, 8192);
+        let req =
+            EngineRequest { id, input_tokens, output_tokens: output, blocks, block_tokens: BLOCK_TOKENS, token_ids };
+        if s.tx.send(Cmd::Submit { req, reply: tx }).await.is_err() {
+            return err(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
+        }
+        output
+    };
     let seed = stable_hash(info.text.as_bytes());
     let logprobs = v.get("logprobs").is_some_and(|l| l.as_bool().unwrap_or(!l.is_null()));
     let created = 1_700_000_000u64;

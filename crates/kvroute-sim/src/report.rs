@@ -317,9 +317,13 @@ fn color(i: usize) -> plotters::style::ShapeStyle {
     if i >= COLORS.len() { c.stroke_width(2).filled().stroke_width(1) } else { c.stroke_width(2) }
 }
 
+/// One line of a CDF plot: a label and its `(x, fraction)` points, sorted by x.
+pub type CdfSeries<'a> = (&'a str, &'a [(f64, f64)]);
+
 fn draw_cdf<DB: plotters::prelude::DrawingBackend>(
     root: plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
-    reports: &[PolicyReport],
+    series: &[CdfSeries<'_>],
+    max_x: f64,
     title: &str,
 ) -> PlotResult
 where
@@ -327,7 +331,6 @@ where
 {
     use plotters::prelude::*;
     root.fill(&WHITE)?;
-    let max_x = reports.iter().map(|r| r.ttft_p99_s).fold(0.1_f64, f64::max) * 1.2;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
         .margin(10)
@@ -335,11 +338,11 @@ where
         .y_label_area_size(50)
         .build_cartesian_2d(0.0..max_x, 0.0..1.0)?;
     chart.configure_mesh().x_desc("TTFT (s)").y_desc("fraction of requests").draw()?;
-    for (i, r) in reports.iter().enumerate() {
+    for (i, (label, points)) in series.iter().enumerate() {
         let style = color(i);
         chart
-            .draw_series(LineSeries::new(r.ttft_cdf.iter().copied().filter(|(x, _)| *x <= max_x), style))?
-            .label(r.policy.clone())
+            .draw_series(LineSeries::new(points.iter().copied().filter(|(x, _)| *x <= max_x), style))?
+            .label(label.to_string())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
     }
     chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
@@ -347,19 +350,95 @@ where
     Ok(())
 }
 
-/// Writes the TTFT CDF per policy as `<stem>.png` and `<stem>.svg`.
+/// Writes TTFT CDFs, one line per series, as `<stem>.png` and `<stem>.svg`; the x axis ends
+/// at `max_x` seconds (points beyond it are cut).
 ///
 /// # Errors
 /// Plotting or I/O errors; "no font" when none is available.
-pub fn plot_ttft_cdf(stem: &Path, reports: &[PolicyReport], title: &str) -> PlotResult {
+pub fn plot_cdf_series(stem: &Path, series: &[CdfSeries<'_>], max_x: f64, title: &str) -> PlotResult {
     use plotters::prelude::*;
     if !register_font() {
         return Err("no TrueType font found for plots (set KVROUTE_FONT or install fonts-dejavu-core)".into());
     }
     let png = stem.with_extension("png");
-    draw_cdf(BitMapBackend::new(&png, (900, 560)).into_drawing_area(), reports, title)?;
+    draw_cdf(BitMapBackend::new(&png, (900, 560)).into_drawing_area(), series, max_x, title)?;
     let svg = stem.with_extension("svg");
-    draw_cdf(SVGBackend::new(&svg, (900, 560)).into_drawing_area(), reports, title)?;
+    draw_cdf(SVGBackend::new(&svg, (900, 560)).into_drawing_area(), series, max_x, title)?;
+    Ok(())
+}
+
+/// Writes the TTFT CDF per policy as `<stem>.png` and `<stem>.svg` (x axis to 1.2 × the
+/// largest p99).
+///
+/// # Errors
+/// Plotting or I/O errors; "no font" when none is available.
+pub fn plot_ttft_cdf(stem: &Path, reports: &[PolicyReport], title: &str) -> PlotResult {
+    let max_x = reports.iter().map(|r| r.ttft_p99_s).fold(0.1_f64, f64::max) * 1.2;
+    let series: Vec<CdfSeries<'_>> = reports.iter().map(|r| (r.policy.as_str(), r.ttft_cdf.as_slice())).collect();
+    plot_cdf_series(stem, &series, max_x, title)
+}
+
+fn draw_shares<DB: plotters::prelude::DrawingBackend>(
+    root: plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+    rows: &[(&str, &[f64])],
+    title: &str,
+) -> PlotResult
+where
+    DB::ErrorType: 'static,
+{
+    use plotters::prelude::*;
+    root.fill(&WHITE)?;
+    let workers = rows.iter().map(|(_, s)| s.len()).max().unwrap_or(1).max(1);
+    let max_y = rows.iter().flat_map(|(_, s)| s.iter().copied()).fold(0.05_f64, f64::max) * 1.15;
+    let groups = rows.len().max(1);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(10)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..groups as f64, 0.0..max_y.min(1.0))?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(groups)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            rows.get(i).map_or_else(String::new, |(l, _)| l.to_string())
+        })
+        .y_desc("share of requests")
+        .draw()?;
+    let width = 0.8 / workers as f64;
+    for w in 0..workers {
+        let style = color(w).filled();
+        chart
+            .draw_series(rows.iter().enumerate().filter_map(|(g, (_, shares))| {
+                let v = *shares.get(w)?;
+                let x0 = g as f64 + 0.1 + w as f64 * width;
+                Some(Rectangle::new([(x0, 0.0), (x0 + width * 0.9, v)], style))
+            }))?
+            .label(format!("worker {w}"))
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], style));
+    }
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// Writes a grouped bar chart of each run's share of requests per worker as `<stem>.png` and
+/// `<stem>.svg`: one group per `(label, shares)` row, one bar per worker.
+///
+/// # Errors
+/// Plotting or I/O errors; "no font" when none is available.
+pub fn plot_worker_shares(stem: &Path, rows: &[(&str, &[f64])], title: &str) -> PlotResult {
+    use plotters::prelude::*;
+    if !register_font() {
+        return Err("no TrueType font found for plots (set KVROUTE_FONT or install fonts-dejavu-core)".into());
+    }
+    let width = (160 * rows.len().max(1) as u32 + 200).clamp(700, 2400);
+    let png = stem.with_extension("png");
+    draw_shares(BitMapBackend::new(&png, (width, 480)).into_drawing_area(), rows, title)?;
+    let svg = stem.with_extension("svg");
+    draw_shares(SVGBackend::new(&svg, (width, 480)).into_drawing_area(), rows, title)?;
     Ok(())
 }
 

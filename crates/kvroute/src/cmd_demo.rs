@@ -7,13 +7,16 @@
 //! a text prefix (and the engines' prefix caches see exactly the trace's reuse).
 
 use anyhow::{Context, bail};
+use kvroute_bench::runner::{self, Api, Mode, RunConfig};
+use kvroute_bench::summary::{self, Slo};
+use kvroute_bench::workload::{self, BenchRequest};
 use kvroute_gateway::GatewayConfig;
 use kvroute_gateway::engine_sim::{self, EngineSimConfig};
 use kvroute_sim::engine::Profile;
-use kvroute_sim::trace::{self, TraceRequest};
+use kvroute_sim::trace;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Flags of `kvroute demo`.
 #[derive(Debug, clap::Args)]
@@ -45,43 +48,20 @@ pub struct Args {
     pub port: u16,
 }
 
-const BLOCK_CHARS: usize = 512 * kvroute_core::types::CHARS_PER_TOKEN;
-
-/// Deterministic text of one 512-token block: words chosen by a hash of the block id.
-fn block_text(id: u64, out: &mut String) {
-    const WORDS: [&str; 24] = [
-        "alpha ", "beta ", "gamma ", "delta ", "kv ", "cache ", "prefix ", "token ", "model ", "router ", "worker ",
-        "queue ", "batch ", "decode ", "prefill ", "block ", "hash ", "tree ", "load ", "score ", "session ", "turn ",
-        "reply ", "prompt ",
-    ];
-    let start = out.len();
-    let mut i = 0u64;
-    while out.len() - start < BLOCK_CHARS {
-        let h = kvroute_core::hash::stable_hash(&[id.to_le_bytes(), i.to_le_bytes()].concat());
-        out.push_str(WORDS[(h % WORDS.len() as u64) as usize]);
-        i += 1;
-    }
-    out.truncate(start + BLOCK_CHARS);
-}
-
-/// The prompt of a trace request: its blocks' texts, cut to `input_tokens × 4` chars.
-pub fn synth_prompt(r: &TraceRequest) -> String {
-    let mut s = String::with_capacity(r.blocks.len() * BLOCK_CHARS);
-    for b in &r.blocks {
-        block_text(b.0, &mut s);
-    }
-    s.truncate((r.input_tokens as usize * kvroute_core::types::CHARS_PER_TOKEN).min(s.len()));
-    s
-}
-
-fn find_trace(a: &Args) -> anyhow::Result<PathBuf> {
-    if let Some(p) = &a.trace {
-        return Ok(p.clone());
+/// The Mooncake trace: `given`, else the shared conversation trace found from the current
+/// directory.
+///
+/// # Errors
+/// No trace found.
+pub fn find_trace(given: Option<&std::path::Path>) -> anyhow::Result<PathBuf> {
+    if let Some(p) = given {
+        return Ok(p.to_path_buf());
     }
     for c in [
         "../shared/data/traces/mooncake_conversation_trace.jsonl",
         "shared/data/traces/mooncake_conversation_trace.jsonl",
         "../../shared/data/traces/mooncake_conversation_trace.jsonl",
+        "../../../shared/data/traces/mooncake_conversation_trace.jsonl",
     ] {
         if std::path::Path::new(c).exists() {
             return Ok(c.into());
@@ -156,14 +136,13 @@ async fn start_router(
 
 async fn run_policy(
     a: &Args,
-    reqs: &[TraceRequest],
-    prompts: &[Arc<String>],
+    reqs: &[BenchRequest],
     policy: &str,
     bar: &indicatif::ProgressBar,
 ) -> anyhow::Result<DemoRow> {
     let fleet = start_fleet(a.engines, a.time_scale).await?;
     let router = start_router(&fleet.urls, policy, 0, fleet.stop.clone()).await?;
-    let client = reqwest::Client::builder().pool_max_idle_per_host(512).build()?;
+    let client = reqwest::Client::builder().build()?;
     // Wait until the router sees the workers.
     for _ in 0..100 {
         if client.get(format!("{router}/readiness")).send().await.is_ok_and(|r| r.status().is_success()) {
@@ -172,76 +151,34 @@ async fn run_policy(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     bar.set_message(policy.to_string());
-    let t0 = Instant::now();
-    let base = reqs.first().map_or(0, |r| r.arrival.0);
-    let sem = Arc::new(tokio::sync::Semaphore::new(512));
-    let mut tasks = Vec::with_capacity(reqs.len());
-    for (r, prompt) in reqs.iter().zip(prompts) {
-        let at = Duration::from_secs_f64((r.arrival.0 - base) as f64 / 1e9 / a.time_scale);
-        if let Some(wait) = at.checked_sub(t0.elapsed()) {
-            tokio::time::sleep(wait).await;
-        }
-        let permit = Arc::clone(&sem).acquire_owned().await?;
-        let client = client.clone();
-        let url = format!("{router}/v1/completions");
-        let body = serde_json::json!({
-            "model": "sim-llama-3-8b",
-            "prompt": prompt.as_str(),
-            "max_tokens": r.output_tokens.min(a.max_output),
-            "stream": true,
-            "user": r.session,
-        });
-        let bar = bar.clone();
-        let scale = a.time_scale;
-        tasks.push(tokio::spawn(async move {
-            let _permit = permit;
-            let sent = Instant::now();
-            let res = async {
-                let resp = client.post(url).json(&body).timeout(Duration::from_secs(120)).send().await.ok()?;
-                if !resp.status().is_success() {
-                    return None;
-                }
-                let mut stream = resp.bytes_stream();
-                use futures_util::StreamExt;
-                let mut ttft = None;
-                while let Some(chunk) = stream.next().await {
-                    let chunk = chunk.ok()?;
-                    if ttft.is_none() && !chunk.is_empty() {
-                        ttft = Some(sent.elapsed().as_secs_f64() * scale);
-                    }
-                }
-                ttft
-            }
-            .await;
-            bar.inc(1);
-            res.map(|t| (t, sent.elapsed()))
-        }));
-    }
-    let mut ttfts = Vec::new();
-    for t in tasks {
-        if let Ok(Some((ttft, _))) = t.await {
-            ttfts.push(ttft);
-        }
-    }
-    let wall = t0.elapsed().as_secs_f64();
+    let cfg = RunConfig {
+        url: router,
+        model: "sim-llama-3-8b".into(),
+        api: Api::Completions,
+        stream: true,
+        mode: Mode::Open,
+        max_concurrency: 512,
+        duration: None,
+        timeout: Duration::from_secs(120),
+    };
+    let results = runner::run(&cfg, reqs, Some(bar)).await?;
+    let s = summary::summarise(policy, &results, a.time_scale, Slo { ttft_s: f64::INFINITY, tpot_s: f64::INFINITY });
     let (mut hit, mut q) = (0u64, 0u64);
-    for s in &fleet.sims {
-        let st = s.stats();
+    for sim in &fleet.sims {
+        let st = sim.stats();
         hit += st.prefix_hit_tokens;
         q += st.prefix_queries_tokens;
     }
     fleet.stop.cancel();
-    ttfts.sort_by(f64::total_cmp);
-    let pct = |p: f64| if ttfts.is_empty() { 0.0 } else { ttfts[((ttfts.len() - 1) as f64 * p).round() as usize] };
     Ok(DemoRow {
         policy: policy.to_string(),
         sent: reqs.len(),
-        ok: ttfts.len(),
+        ok: s.ok as usize,
         hit_ratio: hit as f64 / q.max(1) as f64,
-        ttft_p50: pct(0.5),
-        ttft_p99: pct(0.99),
-        ttft_mean: ttfts.iter().sum::<f64>() / ttfts.len().max(1) as f64,
-        throughput: ttfts.len() as f64 / (wall * a.time_scale),
+        ttft_p50: s.ttft_p50_s,
+        ttft_p99: s.ttft_p99_s,
+        ttft_mean: s.ttft_mean_s,
+        throughput: s.throughput_rps / a.time_scale,
     })
 }
 
@@ -255,11 +192,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     kvroute_core::registry::build(&a.policy, &serde_json::Value::Null).context("--policy")?;
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let path = find_trace(&a)?;
+    let path = find_trace(a.trace.as_deref())?;
     let mut reqs = trace::read(&path, None)?;
     trace::spread_seconds(&mut reqs);
     reqs.truncate(a.requests);
-    let prompts: Vec<Arc<String>> = reqs.iter().map(|r| Arc::new(synth_prompt(r))).collect();
+    let load = workload::from_trace(&reqs, a.time_scale, a.max_output);
     let span = reqs.last().map_or(0.0, |r| r.arrival.as_secs_f64());
     println!(
         "kvroute demo: {} Mooncake requests ({:.0} s of traffic, mean prompt {} tokens) on {} simulated H100 engines \
@@ -280,7 +217,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
         let mut rows = Vec::new();
         for p in &policies {
-            rows.push(run_policy(&a, &reqs, &prompts, p, &bar).await?);
+            rows.push(run_policy(&a, &load, p, &bar).await?);
         }
         bar.finish_and_clear();
         println!();

@@ -49,6 +49,10 @@ pub struct Args {
     /// Topic frame of published batches.
     #[arg(long, default_value = "kv-events")]
     pub kv_topic: String,
+    /// Answer every request at once with one token (no engine model): an instant worker for
+    /// measuring router overhead.
+    #[arg(long)]
+    pub instant: bool,
 }
 
 /// Runs `kvroute engine-sim`.
@@ -79,6 +83,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             kvroute_gateway::kv_events::Encoding::Map
         },
         kv_topic: a.kv_topic,
+        instant: a.instant,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {

@@ -5,6 +5,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod cmd_bench;
+mod cmd_compare;
 mod cmd_demo;
 mod cmd_engine_sim;
 mod cmd_policies;
@@ -29,6 +31,8 @@ enum Command {
     Serve(cmd_serve::Args),
     /// Replay a request trace through every policy on simulated engines.
     Replay(cmd_replay::Args),
+    /// Load generator (trace or synthetic, open or closed loop), and `bench compare` with peer routers.
+    Bench(Box<cmd_bench::Args>),
     /// List every routing policy with its knobs, defaults and source.
     Policies(cmd_policies::Args),
 }
@@ -41,6 +45,7 @@ fn main() -> std::process::ExitCode {
         Command::Serve(a) => cmd_serve::run(a),
         Command::Replay(a) => cmd_replay::run(a),
         Command::Policies(a) => cmd_policies::run(a),
+        Command::Bench(a) => cmd_bench::run(*a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -1,0 +1,19 @@
+//! kvroute's load generator, the engine of `kvroute bench`.
+//!
+//! - [`workload`]: the requests to send, each with its send time: from a trace (Mooncake,
+//!   session JSONL, Azure) with prompt text synthesised deterministically from the trace's
+//!   `hash_ids` (shared block ids mean shared text), or synthetic (Poisson, constant rate,
+//!   llm-d's shared-prefix groups).
+//! - [`runner`]: sends them over HTTP to any OpenAI-compatible endpoint (kvroute, a peer
+//!   router, a worker), open loop by timestamp or closed loop at a fixed concurrency,
+//!   streaming, and records per request TTFT, inter-token latencies, E2E, usage
+//!   (`cached_tokens`), the status and the serving worker (`x-kvroute-worker`).
+//! - [`summary`]: percentiles, throughput, goodput at an SLO, errors and rejections
+//!   (429/503/529 counted apart, never hidden), per-worker shares, a terminal table.
+//!
+//! Everything is bounded: in-flight requests by a semaphore, each request by a timeout, the
+//! run by a request count and an optional duration.
+
+pub mod runner;
+pub mod summary;
+pub mod workload;

@@ -1,0 +1,372 @@
+//! Sends a workload over HTTP and records what happened to every request.
+
+use crate::workload::BenchRequest;
+use futures_util::StreamExt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// Which OpenAI endpoint to call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// `POST /v1/chat/completions`, the prompt as one user message.
+    Chat,
+    /// `POST /v1/completions`, the prompt as `prompt`.
+    Completions,
+}
+
+/// How requests are released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Each request at its `at` (open loop); at most `max_concurrency` in flight, later ones
+    /// wait for a slot and their lateness is recorded as send lag.
+    Open,
+    /// `max_concurrency` clients, each sending its next request as soon as the previous one
+    /// finished; `at` is ignored. With a duration, the workload is cycled until it ends.
+    Closed,
+}
+
+/// Settings of one run.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// Base URL of the router or worker, e.g. `http://127.0.0.1:30000`.
+    pub url: String,
+    /// `model` of every request.
+    pub model: String,
+    /// Endpoint.
+    pub api: Api,
+    /// Ask for a streamed (SSE) answer; TTFT and ITL are measured only when streaming.
+    pub stream: bool,
+    /// Open or closed loop.
+    pub mode: Mode,
+    /// In-flight bound (open loop) or number of clients (closed loop); ≥ 1.
+    pub max_concurrency: usize,
+    /// Stop releasing requests after this long (none: the whole workload).
+    pub duration: Option<Duration>,
+    /// Timeout of one request, from send to the end of its body.
+    pub timeout: Duration,
+}
+
+/// What became of one request.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "detail")]
+pub enum Outcome {
+    /// A 2xx answer whose body (or stream) ended properly.
+    Ok,
+    /// Refused for load: 429, 503 or 529 (with the status).
+    Rejected(u16),
+    /// Any other failure: another status, a transport error, a timeout, a broken stream.
+    Error(String),
+}
+
+/// The record of one request.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RequestResult {
+    /// Index in the workload.
+    pub index: usize,
+    /// Intended send time from the run start, seconds.
+    pub scheduled_s: f64,
+    /// Actual send time from the run start, seconds (later than scheduled when the
+    /// in-flight bound or the client was the bottleneck).
+    pub sent_s: f64,
+    /// Outcome.
+    pub outcome: Outcome,
+    /// HTTP status, when an answer came.
+    pub status: Option<u16>,
+    /// Time to the first content token, seconds (streaming only).
+    pub ttft_s: Option<f64>,
+    /// Send to end of body, seconds.
+    pub e2e_s: f64,
+    /// Gaps between consecutive content chunks, seconds (streaming only).
+    #[serde(skip)]
+    pub itl_s: Vec<f64>,
+    /// Output tokens: `usage.completion_tokens` when reported, else content chunks seen.
+    pub output_tokens: u32,
+    /// `usage.prompt_tokens`, when reported.
+    pub prompt_tokens: Option<u32>,
+    /// `usage.prompt_tokens_details.cached_tokens`, when reported.
+    pub cached_tokens: Option<u32>,
+    /// Worker that served it, from the `x-kvroute-worker` header, when the router says.
+    pub worker: Option<String>,
+}
+
+/// Header in which kvroute names the worker that served a request.
+pub const WORKER_HEADER: &str = "x-kvroute-worker";
+
+/// Sends `requests` per `cfg` and returns one record per request released, in workload
+/// order (closed loop with a duration: in completion order, indices cycling). `progress` is
+/// advanced once per finished request.
+///
+/// # Errors
+/// Only building the HTTP client; every per-request failure is an [`Outcome`].
+pub async fn run(
+    cfg: &RunConfig,
+    requests: &[BenchRequest],
+    progress: Option<&indicatif::ProgressBar>,
+) -> Result<Vec<RequestResult>, reqwest::Error> {
+    let conc = cfg.max_concurrency.max(1);
+    // reqwest is built without a default TLS provider; https URLs need one (idempotent).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(conc)
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(10))
+        .build()?;
+    let endpoint = match cfg.api {
+        Api::Chat => format!("{}/v1/chat/completions", cfg.url.trim_end_matches('/')),
+        Api::Completions => format!("{}/v1/completions", cfg.url.trim_end_matches('/')),
+    };
+    let bodies: Vec<bytes::Bytes> = requests.iter().map(|r| body(cfg, r)).collect();
+    let shared = Arc::new(Shared { client, endpoint, timeout: cfg.timeout, bodies, t0: Instant::now() });
+    let results = match cfg.mode {
+        Mode::Open => open_loop(&shared, requests, conc, cfg.duration, progress).await,
+        Mode::Closed => closed_loop(&shared, requests, conc, cfg.duration, progress).await,
+    };
+    Ok(results)
+}
+
+struct Shared {
+    client: reqwest::Client,
+    endpoint: String,
+    timeout: Duration,
+    bodies: Vec<bytes::Bytes>,
+    t0: Instant,
+}
+
+fn body(cfg: &RunConfig, r: &BenchRequest) -> bytes::Bytes {
+    let mut v = match cfg.api {
+        Api::Chat => serde_json::json!({
+            "model": cfg.model,
+            "messages": [{"role": "user", "content": &*r.prompt}],
+            "max_tokens": r.max_tokens,
+        }),
+        Api::Completions => serde_json::json!({"model": cfg.model, "prompt": &*r.prompt, "max_tokens": r.max_tokens}),
+    };
+    if cfg.stream {
+        v["stream"] = true.into();
+        v["stream_options"] = serde_json::json!({"include_usage": true});
+    }
+    if let Some(s) = &r.session {
+        v["user"] = s.as_str().into();
+    }
+    bytes::Bytes::from(v.to_string())
+}
+
+async fn open_loop(
+    sh: &Arc<Shared>,
+    requests: &[BenchRequest],
+    conc: usize,
+    duration: Option<Duration>,
+    progress: Option<&indicatif::ProgressBar>,
+) -> Vec<RequestResult> {
+    let sem = Arc::new(tokio::sync::Semaphore::new(conc));
+    let mut tasks = Vec::with_capacity(requests.len());
+    for (i, r) in requests.iter().enumerate() {
+        if duration.is_some_and(|d| r.at > d) {
+            break;
+        }
+        if let Some(wait) = r.at.checked_sub(sh.t0.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+        let Ok(permit) = Arc::clone(&sem).acquire_owned().await else { break };
+        let (sh, bar, at) = (Arc::clone(sh), progress.cloned(), r.at);
+        tasks.push(tokio::spawn(async move {
+            let res = one(&sh, i, at).await;
+            drop(permit);
+            if let Some(b) = bar {
+                b.inc(1);
+            }
+            res
+        }));
+    }
+    let mut out = Vec::with_capacity(tasks.len());
+    for (i, t) in tasks.into_iter().enumerate() {
+        out.push(t.await.unwrap_or_else(|e| failed(i, format!("task failed: {e}"))));
+    }
+    out
+}
+
+async fn closed_loop(
+    sh: &Arc<Shared>,
+    requests: &[BenchRequest],
+    conc: usize,
+    duration: Option<Duration>,
+    progress: Option<&indicatif::ProgressBar>,
+) -> Vec<RequestResult> {
+    if requests.is_empty() {
+        return Vec::new();
+    }
+    let next = Arc::new(AtomicUsize::new(0));
+    let n = requests.len();
+    let mut tasks = Vec::with_capacity(conc);
+    for _ in 0..conc {
+        let (sh, next, bar) = (Arc::clone(sh), Arc::clone(&next), progress.cloned());
+        tasks.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let done = match duration {
+                    Some(d) => sh.t0.elapsed() >= d,
+                    None => k >= n,
+                };
+                if done {
+                    break;
+                }
+                let sent = sh.t0.elapsed();
+                let mut r = one(&sh, k % n, sent).await;
+                r.index = k;
+                mine.push(r);
+                if let Some(b) = &bar {
+                    b.inc(1);
+                }
+            }
+            mine
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.extend(t.await.unwrap_or_default());
+    }
+    out.sort_by_key(|r| r.index);
+    out
+}
+
+fn failed(index: usize, why: String) -> RequestResult {
+    RequestResult {
+        index,
+        scheduled_s: 0.0,
+        sent_s: 0.0,
+        outcome: Outcome::Error(why),
+        status: None,
+        ttft_s: None,
+        e2e_s: 0.0,
+        itl_s: Vec::new(),
+        output_tokens: 0,
+        prompt_tokens: None,
+        cached_tokens: None,
+        worker: None,
+    }
+}
+
+/// Sends request `i` now and follows its answer to the end.
+async fn one(sh: &Shared, i: usize, scheduled: Duration) -> RequestResult {
+    let sent = sh.t0.elapsed();
+    let start = Instant::now();
+    let mut r = failed(i, String::new());
+    r.scheduled_s = scheduled.as_secs_f64();
+    r.sent_s = sent.as_secs_f64();
+    let fut = exchange(sh, i, start, &mut r);
+    r.outcome = match tokio::time::timeout(sh.timeout, fut).await {
+        Ok(o) => o,
+        Err(_) => Outcome::Error("timeout".into()),
+    };
+    r.e2e_s = start.elapsed().as_secs_f64();
+    r
+}
+
+async fn exchange(sh: &Shared, i: usize, start: Instant, r: &mut RequestResult) -> Outcome {
+    let resp = match sh
+        .client
+        .post(&sh.endpoint)
+        .header("content-type", "application/json")
+        .body(sh.bodies[i].clone())
+        .send()
+        .await
+    {
+        Ok(x) => x,
+        Err(e) => return Outcome::Error(if e.is_connect() { "connect".into() } else { "send".into() }),
+    };
+    let status = resp.status().as_u16();
+    r.status = Some(status);
+    r.worker = resp.headers().get(WORKER_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let is_sse = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    if !resp.status().is_success() {
+        let _ = resp.bytes().await;
+        return match status {
+            429 | 503 | 529 => Outcome::Rejected(status),
+            s => Outcome::Error(format!("http {s}")),
+        };
+    }
+    if !is_sse {
+        let Ok(b) = resp.bytes().await else { return Outcome::Error("body".into()) };
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) else { return Outcome::Error("bad json".into()) };
+        read_usage(&v, r);
+        if r.output_tokens == 0 {
+            r.output_tokens = u32::from(content(&v).is_some_and(|c| !c.is_empty()));
+        }
+        return Outcome::Ok;
+    }
+    let mut stream = resp.bytes_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut last: Option<Instant> = None;
+    let mut chunks = 0u32;
+    let mut done = false;
+    while let Some(piece) = stream.next().await {
+        let Ok(piece) = piece else { return Outcome::Error("stream broken".into()) };
+        let now = Instant::now();
+        buf.extend_from_slice(&piece);
+        // Every complete line.
+        while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=nl).collect();
+            let line = line.trim_ascii();
+            let Some(data) = line.strip_prefix(b"data:") else { continue };
+            let data = data.trim_ascii();
+            if data == b"[DONE]" {
+                done = true;
+                continue;
+            }
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else {
+                return Outcome::Error("bad sse json".into());
+            };
+            if v.get("error").is_some_and(|e| !e.is_null()) {
+                return Outcome::Error("error in stream".into());
+            }
+            read_usage(&v, r);
+            if content(&v).is_some_and(|c| !c.is_empty()) {
+                chunks += 1;
+                match last {
+                    None => r.ttft_s = Some(now.duration_since(start).as_secs_f64()),
+                    Some(prev) => r.itl_s.push(now.duration_since(prev).as_secs_f64()),
+                }
+                last = Some(now);
+            }
+        }
+        if buf.len() > 1 << 20 {
+            return Outcome::Error("sse line over 1 MiB".into());
+        }
+    }
+    if r.output_tokens == 0 {
+        r.output_tokens = chunks;
+    }
+    if !done {
+        return Outcome::Error("stream ended without [DONE]".into());
+    }
+    Outcome::Ok
+}
+
+/// The generated text of a chunk or answer: chat delta/message content or completion text.
+fn content(v: &serde_json::Value) -> Option<&str> {
+    let c = v.get("choices")?.get(0)?;
+    c.get("delta")
+        .and_then(|d| d.get("content"))
+        .or_else(|| c.get("message").and_then(|m| m.get("content")))
+        .or_else(|| c.get("text"))
+        .and_then(|t| t.as_str())
+}
+
+fn read_usage(v: &serde_json::Value, r: &mut RequestResult) {
+    let Some(u) = v.get("usage").filter(|u| u.is_object()) else { return };
+    let n = |x: Option<&serde_json::Value>| {
+        x.and_then(serde_json::Value::as_u64).map(|x| x.min(u64::from(u32::MAX)) as u32)
+    };
+    if let Some(c) = n(u.get("completion_tokens")) {
+        r.output_tokens = c;
+    }
+    r.prompt_tokens = n(u.get("prompt_tokens")).or(r.prompt_tokens);
+    r.cached_tokens = n(u.get("prompt_tokens_details").and_then(|d| d.get("cached_tokens"))).or(r.cached_tokens);
+}

@@ -1,0 +1,551 @@
+//! `kvroute bench compare`: kvroute and the peer routers people run today (sglang-router,
+//! vllm-router, SMG), one after another in front of the same simulated workers, with the same
+//! load generator, in one run and one table.
+//!
+//! Two measurements per router and policy:
+//! - **proxy overhead**: instant workers (`engine-sim --instant`), closed loop at concurrency
+//!   1 and 32, non-streamed chat completions; added latency = router p50/p99 − the p50/p99
+//!   of the same load sent straight to one worker;
+//! - **routing quality**: a Mooncake conversation slice replayed by its timestamps onto
+//!   engine simulators with realistic H100 timing (run `--time-scale`× faster than real time,
+//!   arrivals likewise; latencies reported in simulated seconds), workers restarted cold for
+//!   every run; prefix-cache hit ratio and request shares from the workers' own `/metrics`.
+//!
+//! Peers come from the venvs `scripts/compare-peers.sh` installs (`--peers-dir`); a peer
+//! whose venv is missing is reported as skipped, never silently dropped.
+
+use crate::cmd_bench::{self, WorkloadArgs};
+use anyhow::{Context, bail};
+use kvroute_bench::runner::{self, Api, Mode, RunConfig};
+use kvroute_bench::summary::{self, Slo, Summary};
+use kvroute_bench::workload::{self, Arrivals};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+/// Flags of `kvroute bench compare`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Directory of the peer venvs (`peers/` with sglang-router and vllm-router, `smg/`).
+    #[arg(long, env = "KVROUTE_PEERS_DIR")]
+    pub peers_dir: Option<PathBuf>,
+    /// Peers to compare (any of sglang-router, vllm-router, smg).
+    #[arg(long, value_delimiter = ',', default_value = "sglang-router,vllm-router,smg")]
+    pub peers: Vec<String>,
+    /// kvroute policies to run.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "round_robin,cache_aware,prefix_affinity,kv_score,lmetric,unified,prefill_cost"
+    )]
+    pub policies: Vec<String>,
+    /// Peer policies to run.
+    #[arg(long, value_delimiter = ',', default_value = "round_robin,cache_aware")]
+    pub peer_policies: Vec<String>,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Routing quality: Mooncake trace (default: the shared conversation trace).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Routing quality: requests from the start of the trace.
+    #[arg(long, default_value_t = 1000)]
+    pub requests: usize,
+    /// Routing quality: engines and arrivals run this many times faster than real time.
+    #[arg(long, default_value_t = 25.0)]
+    pub time_scale: f64,
+    /// Routing quality: extra arrival-rate multiplier on top of the time scale (load).
+    #[arg(long, default_value_t = 1.0)]
+    pub rate_scale: f64,
+    /// Overhead: seconds per (router, concurrency) point.
+    #[arg(long, default_value_t = 4.0)]
+    pub overhead_secs: f64,
+    /// Skip the overhead measurement.
+    #[arg(long)]
+    pub skip_overhead: bool,
+    /// Skip the routing-quality measurement.
+    #[arg(long)]
+    pub skip_quality: bool,
+    /// Goodput SLO: TTFT, simulated seconds.
+    #[arg(long, default_value_t = 2.0)]
+    pub slo_ttft: f64,
+    /// Goodput SLO: TPOT, simulated seconds.
+    #[arg(long, default_value_t = 0.1)]
+    pub slo_tpot: f64,
+    /// Write every summary as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write plots (compare_ttft_cdf, compare_worker_share) into this directory.
+    #[arg(long)]
+    pub plots: Option<PathBuf>,
+    /// Directory for router and worker logs (default: a new one under the temp dir).
+    #[arg(long)]
+    pub log_dir: Option<PathBuf>,
+    /// No progress bars.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// A router under test.
+#[derive(Debug, Clone)]
+struct Target {
+    router: String,
+    policy: String,
+}
+
+impl Target {
+    fn label(&self) -> String {
+        format!("{} {}", self.router, self.policy)
+    }
+}
+
+/// A child process killed when dropped.
+struct Child(tokio::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.start_kill();
+    }
+}
+
+impl Child {
+    async fn stop(mut self) {
+        let _ = self.0.start_kill();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.0.wait()).await;
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+struct Ctx {
+    exe: PathBuf,
+    peers_dir: PathBuf,
+    logs: PathBuf,
+    client: reqwest::Client,
+    seq: std::sync::atomic::AtomicUsize,
+}
+
+impl Ctx {
+    fn spawn(&self, program: &std::path::Path, args: &[String], name: &str) -> anyhow::Result<Child> {
+        let n = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = self.logs.join(format!("{n:03}-{name}.log"));
+        let f = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let child = tokio::process::Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(f.try_clone()?)
+            .stderr(f)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", program.display()))?;
+        Ok(Child(child))
+    }
+
+    /// Starts `n` engine-sim workers and waits until each answers /health.
+    async fn workers(&self, n: usize, extra: &[&str]) -> anyhow::Result<(Vec<Child>, Vec<String>)> {
+        let (mut kids, mut urls) = (Vec::new(), Vec::new());
+        for i in 0..n {
+            let port = free_port()?;
+            let mut args = vec!["engine-sim".to_string(), "--port".into(), port.to_string()];
+            args.extend(extra.iter().map(|s| s.to_string()));
+            kids.push(self.spawn(&self.exe, &args, &format!("worker{i}"))?);
+            urls.push(format!("http://127.0.0.1:{port}"));
+        }
+        for u in &urls {
+            self.wait_ok(&format!("{u}/health"), None, Duration::from_secs(30))
+                .await
+                .with_context(|| format!("worker {u}"))?;
+        }
+        Ok((kids, urls))
+    }
+
+    /// Polls `url` (GET, or POST `body`) until it answers 2xx.
+    async fn wait_ok(&self, url: &str, body: Option<&serde_json::Value>, within: Duration) -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        let mut last = String::from("no answer");
+        while t0.elapsed() < within {
+            let req = match body {
+                Some(b) => self.client.post(url).json(b),
+                None => self.client.get(url),
+            };
+            match req.timeout(Duration::from_secs(5)).send().await {
+                Ok(r) if r.status().is_success() => return Ok(()),
+                Ok(r) => last = format!("HTTP {}", r.status()),
+                Err(e) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        bail!("{url} not ready after {:?}: {last}", within)
+    }
+
+    /// Starts the router of `t` in front of `workers`; returns it and its URL once it
+    /// forwards a chat completion.
+    async fn router(&self, t: &Target, workers: &[String]) -> anyhow::Result<(Child, String)> {
+        let (port, prom) = (free_port()?, free_port()?);
+        let host = ["--host".to_string(), "127.0.0.1".into(), "--port".into(), port.to_string()];
+        let worker_args: Vec<String> =
+            std::iter::once("--worker-urls".to_string()).chain(workers.iter().cloned()).collect();
+        let policy = ["--policy".to_string(), t.policy.clone()];
+        let (program, mut args): (PathBuf, Vec<String>) = match t.router.as_str() {
+            "kvroute" => {
+                let mut a = vec!["serve".to_string()];
+                a.extend(host.iter().cloned());
+                a.extend(policy.iter().cloned());
+                a.push("--worker-urls".into());
+                a.push(workers.join(","));
+                (self.exe.clone(), a)
+            }
+            "sglang-router" => {
+                let mut a = vec!["-m".to_string(), "sglang_router.launch_router".into()];
+                a.extend(host.iter().cloned());
+                a.extend(worker_args.iter().cloned());
+                a.extend(policy.iter().cloned());
+                a.extend(["--prometheus-host", "127.0.0.1", "--log-level", "warn"].map(String::from));
+                a.extend(["--prometheus-port".to_string(), prom.to_string()]);
+                (self.peers_dir.join("peers/bin/python"), a)
+            }
+            "vllm-router" => {
+                let mut a: Vec<String> = host.to_vec();
+                a.extend(worker_args.iter().cloned());
+                a.extend(policy.iter().cloned());
+                a.extend(["--log-level".to_string(), "warning".into(), "--prometheus-port".into(), prom.to_string()]);
+                (self.peers_dir.join("peers/bin/vllm-router"), a)
+            }
+            "smg" => {
+                let mut a = vec!["launch".to_string()];
+                a.extend(host.iter().cloned());
+                a.extend(worker_args.iter().cloned());
+                a.extend(policy.iter().cloned());
+                a.extend(["--prometheus-host", "127.0.0.1", "--log-level", "warn"].map(String::from));
+                a.extend(["--prometheus-port".to_string(), prom.to_string()]);
+                (self.peers_dir.join("smg/bin/smg"), a)
+            }
+            other => bail!("unknown router {other}"),
+        };
+        if !program.exists() {
+            bail!("{} is not installed (run scripts/compare-peers.sh, which installs the peers)", program.display());
+        }
+        args.shrink_to_fit();
+        let child = self.spawn(&program, &args, &t.label().replace(' ', "-"))?;
+        let url = format!("http://127.0.0.1:{port}");
+        let warm =
+            serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1});
+        self.wait_ok(&format!("{url}/v1/chat/completions"), Some(&warm), Duration::from_secs(90))
+            .await
+            .with_context(|| format!("{} did not come up (logs in {})", t.label(), self.logs.display()))?;
+        Ok((child, url))
+    }
+
+    /// Sums of the workers' prefix-cache counters and per-worker finished requests.
+    async fn counters(&self, workers: &[String]) -> anyhow::Result<(f64, f64, Vec<f64>)> {
+        let (mut hits, mut queries, mut done) = (0.0, 0.0, Vec::new());
+        for w in workers {
+            let text = self.client.get(format!("{w}/metrics")).send().await?.text().await?;
+            let get = |name: &str| {
+                text.lines()
+                    .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum::<f64>()
+            };
+            hits += get("vllm:prefix_cache_hits_total");
+            queries += get("vllm:prefix_cache_queries_total");
+            done.push(get("vllm:request_success_total"));
+        }
+        Ok((hits, queries, done))
+    }
+}
+
+const MODEL: &str = "sim-llama-3-8b";
+
+/// One row of the comparison.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Row {
+    router: String,
+    policy: String,
+    /// Why this row has no numbers (not installed, failed to start, …).
+    skipped: Option<String>,
+    overhead_c1: Option<Summary>,
+    overhead_c32: Option<Summary>,
+    quality: Option<Summary>,
+    /// Prefix-cache hit ratio from the workers' counters (tokens).
+    hit_ratio: Option<f64>,
+    /// Share of finished requests per worker, from the workers' counters.
+    worker_share: Vec<f64>,
+}
+
+fn overhead_load(secs: f64, conc: usize) -> RunConfig {
+    RunConfig {
+        url: String::new(),
+        model: MODEL.into(),
+        api: Api::Chat,
+        stream: false,
+        mode: Mode::Closed,
+        max_concurrency: conc,
+        duration: Some(Duration::from_secs_f64(secs)),
+        timeout: Duration::from_secs(30),
+    }
+}
+
+/// Runs `kvroute bench compare`.
+pub fn run(mut a: Args) -> anyhow::Result<()> {
+    // `--peers ""` compares kvroute's policies alone.
+    a.peers.retain(|p| !p.is_empty());
+    if a.workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    for p in &a.peers {
+        if !["sglang-router", "vllm-router", "smg"].contains(&p.as_str()) {
+            bail!("--peers: unknown peer `{p}` (sglang-router, vllm-router, smg)");
+        }
+    }
+    for p in &a.policies {
+        kvroute_core::registry::build(p, &serde_json::Value::Null).with_context(|| format!("--policies: {p}"))?;
+    }
+    let peers_dir = a.peers_dir.clone().unwrap_or_else(|| {
+        std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from).join(".cache/kvroute/peers")
+    });
+    let logs = match &a.log_dir {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir().join(format!("kvroute-compare-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    // The quality workload: a Mooncake slice by its timestamps, time_scale × faster.
+    let trace = match &a.trace {
+        Some(t) => t.clone(),
+        None => crate::cmd_demo::find_trace(None)?,
+    };
+    let wl = WorkloadArgs {
+        trace: Some(trace.clone()),
+        workload: None,
+        rate_scale: a.time_scale * a.rate_scale,
+        rate: 1.0,
+        requests: Some(a.requests),
+        input_tokens: 0,
+        output_tokens: 0,
+        max_output: 128,
+        groups: 0,
+        prompts_per_group: 0,
+        system_tokens: 0,
+        question_tokens: 0,
+        seed: 0,
+    };
+    let quality_reqs = wl.build()?;
+    // The overhead workload: 256 distinct ~64-token chats, one output token, cycled.
+    let overhead_reqs = workload::independent(256, Arrivals::Constant(1.0), 64, 1, 7);
+
+    let mut targets: Vec<Target> =
+        a.policies.iter().map(|p| Target { router: "kvroute".into(), policy: p.clone() }).collect();
+    for peer in &a.peers {
+        for p in &a.peer_policies {
+            targets.push(Target { router: peer.clone(), policy: p.clone() });
+        }
+    }
+    let exe = std::env::current_exe().context("locating the kvroute binary")?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = reqwest::Client::builder().build()?;
+    let ctx = Ctx { exe, peers_dir, logs, client, seq: Default::default() };
+    let slo = Slo { ttft_s: a.slo_ttft, tpot_s: a.slo_tpot };
+    println!(
+        "kvroute bench compare: {} configurations × {} simulated workers; logs in {}",
+        targets.len(),
+        a.workers,
+        ctx.logs.display()
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async {
+        let mut rows: Vec<Row> = targets
+            .iter()
+            .map(|t| Row {
+                router: t.router.clone(),
+                policy: t.policy.clone(),
+                skipped: None,
+                overhead_c1: None,
+                overhead_c32: None,
+                quality: None,
+                hit_ratio: None,
+                worker_share: Vec::new(),
+            })
+            .collect();
+        let mut direct: Option<(Summary, Summary)> = None;
+        if !a.skip_overhead {
+            eprintln!("proxy overhead: instant workers, closed loop, {} s per point", a.overhead_secs);
+            let (kids, urls) = ctx.workers(a.workers, &["--instant"]).await?;
+            let measure = |url: String, label: String| {
+                let reqs = &overhead_reqs;
+                async move {
+                    let mut out = Vec::new();
+                    for conc in [1usize, 32] {
+                        let cfg = RunConfig { url: url.clone(), ..overhead_load(a.overhead_secs, conc) };
+                        let res = runner::run(&cfg, reqs, None).await?;
+                        out.push(summary::summarise(&format!("{label} c={conc}"), &res, 1.0, slo));
+                    }
+                    anyhow::Ok((out.remove(0), out.remove(0)))
+                }
+            };
+            let d = measure(urls[0].clone(), "direct".into()).await?;
+            eprintln!("  direct: c=1 p50 {:.3} ms, c=32 {:.0} req/s", d.0.e2e_p50_s * 1e3, d.1.throughput_rps);
+            direct = Some(d);
+            for (t, row) in targets.iter().zip(rows.iter_mut()) {
+                match ctx.router(t, &urls).await {
+                    Ok((child, url)) => {
+                        let m = measure(url, t.label()).await;
+                        child.stop().await;
+                        match m {
+                            Ok((c1, c32)) => {
+                                eprintln!(
+                                    "  {}: c=1 p50 {:.3} ms, c=32 {:.0} req/s",
+                                    t.label(),
+                                    c1.e2e_p50_s * 1e3,
+                                    c32.throughput_rps
+                                );
+                                row.overhead_c1 = Some(c1);
+                                row.overhead_c32 = Some(c32);
+                            }
+                            Err(e) => row.skipped = Some(format!("{e:#}")),
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("  {}: skipped: {e:#}", t.label());
+                        row.skipped = Some(format!("{e:#}"));
+                    }
+                }
+            }
+            for k in kids {
+                k.stop().await;
+            }
+        }
+        if !a.skip_quality {
+            let span = quality_reqs.last().map_or(0.0, |r| r.at.as_secs_f64());
+            eprintln!(
+                "routing quality: {} Mooncake requests over {:.0} s wall ({}× real time), workers restarted cold per run",
+                quality_reqs.len(),
+                span,
+                a.time_scale
+            );
+            let ts = a.time_scale.to_string();
+            for (t, row) in targets.iter().zip(rows.iter_mut()) {
+                if row.skipped.as_deref().is_some_and(|s| s.contains("not installed")) {
+                    continue;
+                }
+                let (kids, urls) = ctx.workers(a.workers, &["--time-scale", &ts]).await?;
+                let started = match ctx.router(t, &urls).await {
+                    Ok(x) => x,
+                    Err(e) => {
+                        eprintln!("  {}: skipped: {e:#}", t.label());
+                        row.skipped = Some(format!("{e:#}"));
+                        for k in kids {
+                            k.stop().await;
+                        }
+                        continue;
+                    }
+                };
+                let (child, url) = started;
+                let before = ctx.counters(&urls).await?;
+                let cfg = RunConfig {
+                    url,
+                    model: MODEL.into(),
+                    api: Api::Chat,
+                    stream: true,
+                    mode: Mode::Open,
+                    max_concurrency: 1024,
+                    duration: None,
+                    timeout: Duration::from_secs(300),
+                };
+                let bar = cmd_bench::progress(quality_reqs.len() as u64, &t.label(), a.quiet);
+                let res = runner::run(&cfg, &quality_reqs, Some(&bar)).await?;
+                bar.finish_and_clear();
+                let after = ctx.counters(&urls).await?;
+                child.stop().await;
+                for k in kids {
+                    k.stop().await;
+                }
+                let mut s = summary::summarise(&t.label(), &res, a.time_scale, slo);
+                let hit = (after.0 - before.0) / (after.1 - before.1).max(1.0);
+                let done: Vec<f64> = after.2.iter().zip(&before.2).map(|(x, y)| x - y).collect();
+                let total: f64 = done.iter().sum::<f64>().max(1.0);
+                row.worker_share = done.iter().map(|d| d / total).collect();
+                s.worker_share = row.worker_share.iter().enumerate().map(|(i, x)| (format!("w{i}"), *x)).collect::<BTreeMap<_, _>>();
+                eprintln!(
+                    "  {}: hit {:.1}%, TTFT mean {:.3} s p99 {:.3} s, {} ok / {} rejected / {} errors",
+                    t.label(),
+                    hit * 100.0,
+                    s.ttft_mean_s,
+                    s.ttft_p99_s,
+                    s.ok,
+                    s.rejected,
+                    s.errors
+                );
+                row.hit_ratio = Some(hit);
+                row.quality = Some(s);
+            }
+        }
+        print_table(&rows, direct.as_ref(), &a);
+        if let Some(p) = &a.json {
+            let doc = serde_json::json!({
+                "workers": a.workers, "time_scale": a.time_scale, "rate_scale": a.rate_scale,
+                "requests": a.requests, "trace": trace, "overhead_secs": a.overhead_secs,
+                "direct": direct.as_ref().map(|d| [&d.0, &d.1]), "rows": rows,
+            });
+            std::fs::write(p, serde_json::to_vec_pretty(&doc)?).with_context(|| format!("writing {}", p.display()))?;
+        }
+        if let Some(dir) = &a.plots {
+            let q: Vec<Summary> = rows.iter().filter_map(|r| r.quality.clone()).collect();
+            if !q.is_empty() {
+                cmd_bench::write_plots(dir, "compare", &q, "TTFT CDF, Mooncake slice, simulated H100 workers")?;
+            }
+        }
+        Ok(())
+    })
+}
+
+fn ms(x: f64) -> String {
+    format!("{:+.3}", x * 1e3)
+}
+
+fn print_table(rows: &[Row], direct: Option<&(Summary, Summary)>, a: &Args) {
+    println!();
+    if let Some((d1, d32)) = direct {
+        println!(
+            "direct to one instant worker: c=1 p50 {:.3} ms p99 {:.3} ms; c=32 {:.0} req/s",
+            d1.e2e_p50_s * 1e3,
+            d1.e2e_p99_s * 1e3,
+            d32.throughput_rps
+        );
+    }
+    println!(
+        "| router | policy | added p50 c=1 (ms) | added p99 c=1 (ms) | req/s c=32 | hit % | TTFT mean (s) | TTFT p50 (s) | TTFT p99 (s) | goodput (req/s) | rejected + errors |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in rows {
+        if let Some(why) = r.skipped.as_ref().filter(|_| r.overhead_c1.is_none() && r.quality.is_none()) {
+            println!("| {} | {} | skipped: {} |||||||||", r.router, r.policy, why.lines().next().unwrap_or(""));
+            continue;
+        }
+        let (o1, o99, rps) = match (&r.overhead_c1, &r.overhead_c32, direct) {
+            (Some(c1), Some(c32), Some((d1, _))) => {
+                (ms(c1.e2e_p50_s - d1.e2e_p50_s), ms(c1.e2e_p99_s - d1.e2e_p99_s), format!("{:.0}", c32.throughput_rps))
+            }
+            _ => ("-".into(), "-".into(), "-".into()),
+        };
+        let q = r.quality.as_ref();
+        let f = |g: &dyn Fn(&Summary) -> String| q.map_or_else(|| "-".to_string(), g);
+        println!(
+            "| {} | {} | {o1} | {o99} | {rps} | {} | {} | {} | {} | {} | {} |",
+            r.router,
+            r.policy,
+            r.hit_ratio.map_or_else(|| "-".into(), |h| format!("{:.1}", h * 100.0)),
+            f(&|s| format!("{:.3}", s.ttft_mean_s)),
+            f(&|s| format!("{:.3}", s.ttft_p50_s)),
+            f(&|s| format!("{:.3}", s.ttft_p99_s)),
+            f(&|s| format!("{:.2}", s.goodput_rps * 1.0 / a.time_scale)),
+            f(&|s| format!("{}", s.rejected + s.errors)),
+        );
+    }
+    println!(
+        "(quality: TTFT in simulated seconds at {}× real time; goodput in simulated req/s with TTFT ≤ {} s and TPOT ≤ {} s; hit % from the workers' prefix-cache counters)",
+        a.time_scale, a.slo_ttft, a.slo_tpot
+    );
+}

@@ -1,0 +1,169 @@
+//! `kvroute bench` and `kvroute bench compare` as processes: a synthetic workload against an
+//! engine-sim worker (JSON and plots written, every request recorded), clear errors on bad
+//! input, and the comparison run to completion (with the peer routers when
+//! `KVROUTE_PEERS_DIR` points at their venvs; `KVROUTE_REQUIRE_PEERS=1` makes them mandatory).
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+mod common;
+use common::{Proc, free_port};
+
+fn kvroute(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvroute")).args(args).stdin(Stdio::null()).output().expect("run kvroute")
+}
+
+fn wait_health(url: &str) {
+    for _ in 0..300 {
+        if std::net::TcpStream::connect(url.trim_start_matches("http://")).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("{url} did not come up");
+}
+
+#[test]
+fn bench_records_every_request_and_writes_json_and_plots() {
+    let port = free_port();
+    let _sim = Proc(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["engine-sim", "--port", &port.to_string(), "--time-scale", "50"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn engine-sim"),
+    );
+    let url = format!("http://127.0.0.1:{port}");
+    wait_health(&url);
+    let dir = std::env::temp_dir().join(format!("kvroute-bench-cli-{}", std::process::id()));
+    let json = dir.join("run.json");
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let out = kvroute(&[
+        "bench",
+        "--url",
+        &url,
+        "--workload",
+        "shared-prefix",
+        "--groups",
+        "2",
+        "--prompts-per-group",
+        "3",
+        "--system-tokens",
+        "300",
+        "--question-tokens",
+        "10",
+        "--output-tokens",
+        "3",
+        "--rate",
+        "20",
+        "--latency-scale",
+        "50",
+        "--json",
+        json.to_str().expect("utf-8"),
+        "--plots",
+        dir.to_str().expect("utf-8"),
+        "--quiet",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("TTFT p99"), "table printed: {stdout}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("json");
+    assert_eq!(v["summary"]["requests"], 6);
+    assert_eq!(v["summary"]["ok"], 6);
+    assert_eq!(v["summary"]["errors"], 0);
+    assert_eq!(v["requests"].as_array().map(Vec::len), Some(6));
+    for r in v["requests"].as_array().expect("records") {
+        assert_eq!(r["outcome"]["kind"], "ok");
+        assert!(r["ttft_s"].as_f64().is_some_and(|t| t > 0.0));
+        assert_eq!(r["output_tokens"], 3);
+    }
+    // The model was discovered from /v1/models; the later questions of each group hit the
+    // cached system prompt.
+    assert!(v["summary"]["cached_token_ratio"].as_f64().is_some_and(|c| c > 0.2), "{}", v["summary"]);
+    if kvroute_sim_font_available() {
+        assert!(dir.join("bench_ttft_cdf.png").exists() && dir.join("bench_ttft_cdf.svg").exists());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn kvroute_sim_font_available() -> bool {
+    [
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    ]
+    .iter()
+    .any(|p| std::path::Path::new(p).exists())
+}
+
+#[test]
+fn bad_input_gets_a_clear_message() {
+    let out = kvroute(&["bench", "--url", "http://127.0.0.1:9"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exactly one of --trace FILE or --workload"));
+    let out = kvroute(&["bench"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--url is required"));
+    let bad = std::env::temp_dir().join(format!("kvroute-bad-trace-{}.jsonl", std::process::id()));
+    std::fs::write(&bad, "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]}\n{\"timestamp\": 1, \"input_length\": \"ten\"}\n")
+        .expect("write trace");
+    let out = kvroute(&["bench", "--url", "http://127.0.0.1:9", "--trace", bad.to_str().expect("utf-8")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains(":2") && err.contains("input_length"), "names the line and field: {err}");
+    let _ = std::fs::remove_file(&bad);
+    let out = kvroute(&["bench", "--url", "http://127.0.0.1:9", "--workload", "poisson", "--rate", "0"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--rate must be a positive number"));
+    let out = kvroute(&["bench", "compare", "--peers", "haproxy"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown peer `haproxy`"));
+}
+
+#[test]
+fn compare_runs_to_completion() {
+    let peers_dir = std::env::var("KVROUTE_PEERS_DIR").ok().filter(|d| !d.is_empty());
+    if peers_dir.is_none() && std::env::var("KVROUTE_REQUIRE_PEERS").is_ok_and(|v| v == "1") {
+        panic!("KVROUTE_REQUIRE_PEERS=1 but KVROUTE_PEERS_DIR is not set");
+    }
+    let peers = if peers_dir.is_some() { "sglang-router,vllm-router,smg" } else { "" };
+    let json = std::env::temp_dir().join(format!("kvroute-compare-{}.json", std::process::id()));
+    let mut args = vec![
+        "bench",
+        "compare",
+        "--requests",
+        "40",
+        "--overhead-secs",
+        "0.3",
+        "--policies",
+        "round_robin,cache_aware",
+        "--peer-policies",
+        "cache_aware",
+        "--time-scale",
+        "50",
+        "--json",
+        json.to_str().expect("utf-8"),
+        "--quiet",
+        "--peers",
+        peers,
+    ];
+    let dir;
+    if let Some(d) = &peers_dir {
+        dir = d.clone();
+        args.extend(["--peers-dir", dir.as_str()]);
+    }
+    let out = kvroute(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("| router | policy |"), "one table: {stdout}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("json");
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), if peers_dir.is_some() { 5 } else { 2 });
+    for r in rows {
+        assert!(r["skipped"].is_null(), "{} {} skipped: {}", r["router"], r["policy"], r["skipped"]);
+        assert_eq!(r["quality"]["requests"], 40, "{r}");
+        assert_eq!(r["quality"]["ok"], 40, "{r}");
+        assert!(r["hit_ratio"].as_f64().is_some());
+        assert!(r["overhead_c1"]["ok"].as_u64().is_some_and(|n| n > 0));
+        let shares: f64 = r["worker_share"].as_array().expect("shares").iter().filter_map(|x| x.as_f64()).sum();
+        assert!((shares - 1.0).abs() < 1e-6, "shares sum to 1: {shares}");
+    }
+    let _ = std::fs::remove_file(&json);
+}
