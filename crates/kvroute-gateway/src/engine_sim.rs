@@ -95,6 +95,7 @@ struct SimMetrics {
     running: Gauge,
     waiting: Gauge,
     kv_usage: Gauge<f64, std::sync::atomic::AtomicU64>,
+    sm_active: Gauge<f64, std::sync::atomic::AtomicU64>,
     hits: Counter,
     queries: Counter,
     prompt_tokens: Counter,
@@ -113,6 +114,12 @@ impl SimMetrics {
         registry.register("vllm:num_requests_waiting", "Requests waiting", waiting.clone());
         let kv_usage = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         registry.register("vllm:kv_cache_usage_perc", "KV cache usage, 0-1", kv_usage.clone());
+        let sm_active = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "DCGM_FI_PROF_SM_ACTIVE",
+            "Simulated SM activity, 0-1: the engine's busy fraction over the last simulated second (named as NVIDIA DCGM exports it)",
+            sm_active.clone(),
+        );
         let hits = Counter::default();
         registry.register("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache", hits.clone());
         let queries = Counter::default();
@@ -132,6 +139,7 @@ impl SimMetrics {
             running,
             waiting,
             kv_usage,
+            sm_active,
             hits,
             queries,
             prompt_tokens,
@@ -200,6 +208,7 @@ async fn drive(sim: std::sync::Weak<EngineSim>, mut rx: mpsc::Receiver<Cmd>, cfg
     let mut waiters: HashMap<u64, mpsc::Sender<EngineEvent>> = HashMap::new();
     let mut events = Vec::new();
     let scale = cfg.time_scale.max(1e-6);
+    let mut util = kvroute_sim::replay::BusyWindow::default();
     loop {
         let now = EngineSim::sim_now(start, scale);
         engine.advance(now, &mut events);
@@ -222,6 +231,7 @@ async fn drive(sim: std::sync::Weak<EngineSim>, mut rx: mpsc::Receiver<Cmd>, cfg
             s.metrics.running.set(i64::from(engine.num_running()));
             s.metrics.waiting.set(i64::from(engine.num_waiting()));
             s.metrics.kv_usage.set(engine.kv_usage());
+            s.metrics.sm_active.set(util.observe(now, engine.stats().busy_ns, engine.next_event_time().is_some()));
             *s.stats.lock() = engine.stats();
         } else {
             return;
@@ -231,7 +241,8 @@ async fn drive(sim: std::sync::Weak<EngineSim>, mut rx: mpsc::Receiver<Cmd>, cfg
                 let now = EngineSim::sim_now(start, scale);
                 Duration::from_nanos((t.0.saturating_sub(now.0) as f64 / scale) as u64)
             }
-            None => Duration::from_secs(3600),
+            // Idle: wake once per utilisation window so the SM gauge decays to 0.
+            None => Duration::from_secs_f64(kvroute_sim::replay::UTIL_WINDOW.as_secs_f64() / scale),
         };
         tokio::select! {
             cmd = rx.recv() => match cmd {

@@ -81,6 +81,17 @@ pub fn engine_signals(body: &str) -> (Option<u32>, Option<u32>, Option<f64>) {
     (queue.map(|v| v.max(0.0) as u32), running.map(|v| v.max(0.0) as u32), usage.map(|v| v.clamp(0.0, 1.0)))
 }
 
+/// Compute utilisation in [0, 1] from a `/metrics` body: NVIDIA DCGM's SM activity
+/// (`DCGM_FI_PROF_SM_ACTIVE`, a ratio) or GPU utilisation (`DCGM_FI_DEV_GPU_UTIL`, percent),
+/// averaged over the GPUs listed. Seed 001's `sm_pct` term of kv_score. `None` when absent.
+pub fn sm_utilisation(body: &str) -> Option<f64> {
+    let avg = |name: &str| {
+        let n = body.lines().filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{'])).count();
+        metric_sum(body, name).map(|v| v / n.max(1) as f64)
+    };
+    avg("DCGM_FI_PROF_SM_ACTIVE").or_else(|| avg("DCGM_FI_DEV_GPU_UTIL").map(|p| p / 100.0)).map(|v| v.clamp(0.0, 1.0))
+}
+
 async fn check_one(s: Arc<AppState>, id: u32, url: String) {
     let h = &s.cfg.health;
     let ok = matches!(get_text(&s.client, &format!("{url}{}", h.path), h.timeout_secs).await, Some((200, _)));
@@ -136,8 +147,9 @@ async fn check_one(s: Arc<AppState>, id: u32, url: String) {
     {
         let (q, r, u) = engine_signals(&body);
         let p = s.cfg.power_metric.as_deref().and_then(|name| metric_sum(&body, name));
+        let sm = sm_utilisation(&body);
         if let Some(w) = s.workers.write().iter_mut().find(|w| w.id == id) {
-            (w.engine_queue, w.engine_running, w.kv_cache_usage, w.power_watts) = (q, r, u, p);
+            (w.engine_queue, w.engine_running, w.kv_cache_usage, w.power_watts, w.sm_util) = (q, r, u, p, sm);
         }
     }
 }
@@ -178,6 +190,16 @@ pub async fn run_background(s: Arc<AppState>, cancel: tokio_util::sync::Cancella
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_sm_utilisation_from_dcgm() {
+        assert_eq!(sm_utilisation("DCGM_FI_PROF_SM_ACTIVE 0.5\n"), Some(0.5));
+        // Two GPUs: averaged, not summed.
+        let two = "DCGM_FI_PROF_SM_ACTIVE{gpu=\"0\"} 0.2\nDCGM_FI_PROF_SM_ACTIVE{gpu=\"1\"} 0.6\n";
+        assert!(sm_utilisation(two).is_some_and(|u| (u - 0.4).abs() < 1e-9));
+        assert_eq!(sm_utilisation("DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 75\n"), Some(0.75));
+        assert_eq!(sm_utilisation("vllm:num_requests_running 3\n"), None);
+    }
 
     #[test]
     fn parses_engine_gauges() {

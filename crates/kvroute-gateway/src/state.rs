@@ -39,6 +39,8 @@ pub struct Worker {
     pub engine_running: Option<u32>,
     /// Engine KV cache usage in [0, 1] from `/metrics`.
     pub kv_cache_usage: Option<f64>,
+    /// Scraped compute utilisation in [0, 1] (DCGM SM activity), when exported.
+    pub sm_util: Option<f64>,
     /// Power draw, watts.
     pub power_watts: Option<f64>,
 }
@@ -156,6 +158,7 @@ impl AppState {
             engine_queue: None,
             engine_running: None,
             kv_cache_usage: None,
+            sm_util: None,
             power_watts: None,
         });
         self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url }).set(i64::from(healthy));
@@ -202,6 +205,7 @@ impl AppState {
             v.engine_queue = w.engine_queue;
             v.engine_running = w.engine_running;
             v.kv_cache_usage = w.kv_cache_usage;
+            v.sm_util = w.sm_util;
             v.power_watts = w.power_watts;
             views.push(v);
             urls.push((w.id, w.url.clone()));

@@ -97,7 +97,7 @@ fn estimated_cached(unit: MatchUnit, matched: u64, block_tokens: u32, input: u32
 /// over its sampling period): the busy fraction of the engine over the last
 /// [`UTIL_WINDOW`], refreshed once per window.
 #[derive(Debug, Default, Clone, Copy)]
-struct BusyWindow {
+pub struct BusyWindow {
     since: Nanos,
     busy_at_since: u64,
     value: f64,
@@ -107,7 +107,10 @@ struct BusyWindow {
 pub const UTIL_WINDOW: Nanos = Nanos::from_secs(1);
 
 impl BusyWindow {
-    fn observe(&mut self, now: Nanos, busy_ns: u64, stepping: bool) -> f64 {
+    /// The utilisation in [0, 1] at `now`, given the engine's cumulative busy time
+    /// `busy_ns` and whether a step is running; recomputed once a window has passed since
+    /// the last refresh, else the last value.
+    pub fn observe(&mut self, now: Nanos, busy_ns: u64, stepping: bool) -> f64 {
         let dt = now.0.saturating_sub(self.since.0);
         if dt >= UTIL_WINDOW.0 {
             let busy = busy_ns.saturating_sub(self.busy_at_since) as f64;

@@ -10,6 +10,8 @@
 //!   engine simulators with realistic H100 timing (run `--time-scale`× faster than real time,
 //!   arrivals likewise; latencies reported in simulated seconds), workers restarted cold for
 //!   every run; prefix-cache hit ratio and request shares from the workers' own `/metrics`.
+//!   kvroute scrapes the workers' `/metrics` (queue, KV usage, SM activity) every simulated
+//!   5 s, seed 001's heartbeat; the peers use their own defaults.
 //!
 //! Peers come from the venvs `scripts/compare-peers.sh` installs (`--peers-dir`); a peer
 //! whose venv is missing is reported as skipped, never silently dropped.
@@ -126,6 +128,8 @@ struct Ctx {
     logs: PathBuf,
     client: reqwest::Client,
     seq: std::sync::atomic::AtomicUsize,
+    /// kvroute's health-check and `/metrics` scrape interval, wall seconds.
+    scrape_secs: f64,
 }
 
 impl Ctx {
@@ -196,6 +200,10 @@ impl Ctx {
                 a.extend(policy.iter().cloned());
                 a.push("--worker-urls".into());
                 a.push(workers.join(","));
+                // Engine signals as deployed in front of vLLM: /metrics scraped every
+                // simulated 5 s (seed 001's heartbeat).
+                a.extend(["--scrape-metrics".to_string(), "true".into()]);
+                a.extend(["--health-interval-secs".to_string(), self.scrape_secs.to_string()]);
                 (self.exe.clone(), a)
             }
             "sglang-router" => {
@@ -346,7 +354,8 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating the kvroute binary")?;
     let _ = rustls::crypto::ring::default_provider().install_default();
     let client = reqwest::Client::builder().build()?;
-    let ctx = Ctx { exe, peers_dir, logs, client, seq: Default::default() };
+    let scrape_secs = (5.0 / a.time_scale).max(0.05);
+    let ctx = Ctx { exe, peers_dir, logs, client, seq: Default::default(), scrape_secs };
     let slo = Slo { ttft_s: a.slo_ttft, tpot_s: a.slo_tpot };
     println!(
         "kvroute bench compare: {} configurations × {} simulated workers; logs in {}",
