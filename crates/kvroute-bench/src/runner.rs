@@ -117,11 +117,19 @@ pub async fn run(
         Api::Chat => format!("{}/v1/chat/completions", cfg.url.trim_end_matches('/')),
         Api::Completions => format!("{}/v1/completions", cfg.url.trim_end_matches('/')),
     };
-    let bodies: Vec<bytes::Bytes> = requests.iter().map(|r| body(cfg, r)).collect();
-    let shared = Arc::new(Shared { client, endpoint, timeout: cfg.timeout, bodies, t0: Instant::now() });
     let results = match cfg.mode {
-        Mode::Open => open_loop(&shared, requests, conc, cfg.duration, progress).await,
-        Mode::Closed => closed_loop(&shared, requests, conc, cfg.duration, progress).await,
+        Mode::Open => {
+            // Bodies are serialised just in time: a long trace's prompts are held once.
+            let shared =
+                Arc::new(Shared { client, endpoint, timeout: cfg.timeout, bodies: Vec::new(), t0: Instant::now() });
+            open_loop(&shared, cfg, requests, conc, progress).await
+        }
+        Mode::Closed => {
+            // Cycled many times: serialise each body once.
+            let bodies = requests.iter().map(|r| body(cfg, r)).collect();
+            let shared = Arc::new(Shared { client, endpoint, timeout: cfg.timeout, bodies, t0: Instant::now() });
+            closed_loop(&shared, requests, conc, cfg.duration, progress).await
+        }
     };
     Ok(results)
 }
@@ -130,6 +138,7 @@ struct Shared {
     client: reqwest::Client,
     endpoint: String,
     timeout: Duration,
+    /// Closed loop: every request's body, serialised once.
     bodies: Vec<bytes::Bytes>,
     t0: Instant,
 }
@@ -155,11 +164,12 @@ fn body(cfg: &RunConfig, r: &BenchRequest) -> bytes::Bytes {
 
 async fn open_loop(
     sh: &Arc<Shared>,
+    cfg: &RunConfig,
     requests: &[BenchRequest],
     conc: usize,
-    duration: Option<Duration>,
     progress: Option<&indicatif::ProgressBar>,
 ) -> Vec<RequestResult> {
+    let duration = cfg.duration;
     let sem = Arc::new(tokio::sync::Semaphore::new(conc));
     let mut tasks = Vec::with_capacity(requests.len());
     for (i, r) in requests.iter().enumerate() {
@@ -170,9 +180,9 @@ async fn open_loop(
             tokio::time::sleep(wait).await;
         }
         let Ok(permit) = Arc::clone(&sem).acquire_owned().await else { break };
-        let (sh, bar, at) = (Arc::clone(sh), progress.cloned(), r.at);
+        let (sh, bar, at, b) = (Arc::clone(sh), progress.cloned(), r.at, body(cfg, r));
         tasks.push(tokio::spawn(async move {
-            let res = one(&sh, i, at).await;
+            let res = one(&sh, i, at, b).await;
             drop(permit);
             if let Some(b) = bar {
                 b.inc(1);
@@ -214,7 +224,7 @@ async fn closed_loop(
                     break;
                 }
                 let sent = sh.t0.elapsed();
-                let mut r = one(&sh, k % n, sent).await;
+                let mut r = one(&sh, k % n, sent, sh.bodies[k % n].clone()).await;
                 r.index = k;
                 mine.push(r);
                 if let Some(b) = &bar {
@@ -250,13 +260,13 @@ fn failed(index: usize, why: String) -> RequestResult {
 }
 
 /// Sends request `i` now and follows its answer to the end.
-async fn one(sh: &Shared, i: usize, scheduled: Duration) -> RequestResult {
+async fn one(sh: &Shared, i: usize, scheduled: Duration, body: bytes::Bytes) -> RequestResult {
     let sent = sh.t0.elapsed();
     let start = Instant::now();
     let mut r = failed(i, String::new());
     r.scheduled_s = scheduled.as_secs_f64();
     r.sent_s = sent.as_secs_f64();
-    let fut = exchange(sh, i, start, &mut r);
+    let fut = exchange(sh, body, start, &mut r);
     r.outcome = match tokio::time::timeout(sh.timeout, fut).await {
         Ok(o) => o,
         Err(_) => Outcome::Error("timeout".into()),
@@ -265,15 +275,8 @@ async fn one(sh: &Shared, i: usize, scheduled: Duration) -> RequestResult {
     r
 }
 
-async fn exchange(sh: &Shared, i: usize, start: Instant, r: &mut RequestResult) -> Outcome {
-    let resp = match sh
-        .client
-        .post(&sh.endpoint)
-        .header("content-type", "application/json")
-        .body(sh.bodies[i].clone())
-        .send()
-        .await
-    {
+async fn exchange(sh: &Shared, body: bytes::Bytes, start: Instant, r: &mut RequestResult) -> Outcome {
+    let resp = match sh.client.post(&sh.endpoint).header("content-type", "application/json").body(body).send().await {
         Ok(x) => x,
         Err(e) => return Outcome::Error(if e.is_connect() { "connect".into() } else { "send".into() }),
     };
