@@ -166,6 +166,35 @@ fn kv_score_overlap_beats_small_load_difference_and_loses_to_saturation() {
 }
 
 #[test]
+fn kv_score_hashes_the_first_64_tokens_whatever_the_block_size() {
+    use kvroute_core::types::{BlockHash, BlockSeq};
+    // Two trace requests (512-token blocks) sharing only their first block: 64 tokens lie
+    // inside that block, so the holder of block 0 has full overlap for the second request,
+    // exactly as with 64 real tokens of a shared system prompt.
+    let mut p = build("kv_score", &serde_json::Value::Null).expect("build");
+    static A: [BlockHash; 4] = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4)];
+    static B: [BlockHash; 4] = [BlockHash(1), BlockHash(9), BlockHash(10), BlockHash(11)];
+    static E: [BlockHash; 5] = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4), BlockHash(5)];
+    let view = |h: &'static [BlockHash]| RequestView {
+        blocks: Some(BlockSeq { block_tokens: 512, hashes: h }),
+        input_tokens: 2048,
+        ..RequestView::from_text("m", "")
+    };
+    let c = fleet(&[0, 0, 0, 0]);
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
+    let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+    let first = route(p.as_mut(), &view(&A), &c, &mut ctx).expect("routable");
+    let second = route(p.as_mut(), &view(&B), &c, &mut ctx).expect("routable");
+    assert_eq!(second.worker, first.worker);
+    assert_eq!((second.matched, second.key_len), (1, 1), "one 512-token block covers the 64-token prefix");
+    // With 16-token blocks (KV events) the same 64 tokens are four blocks.
+    let mut p = build("kv_score", &serde_json::Value::Null).expect("build");
+    let ev = RequestView { blocks: Some(BlockSeq { block_tokens: 16, hashes: &E }), input_tokens: 80, ..view(&A) };
+    let d = route(p.as_mut(), &ev, &c, &mut ctx).expect("routable");
+    assert_eq!(d.key_len, 4);
+}
+
+#[test]
 fn kv_score_weights_swap_lock_free_through_the_handle() {
     use kvroute_core::policy::kv_score::{KvScore, KvWeights};
     let mut p = KvScore::new(Default::default());

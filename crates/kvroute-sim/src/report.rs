@@ -331,27 +331,41 @@ where
 {
     use plotters::prelude::*;
     root.fill(&WHITE)?;
+    // Latencies span orders of magnitude (a cache hit is ~50 ms, a herded queue minutes),
+    // so the x axis is logarithmic from just below the smallest TTFT to `max_x`.
+    let min_x =
+        series.iter().flat_map(|(_, p)| p.iter().map(|(x, _)| *x)).filter(|x| *x > 0.0).fold(f64::INFINITY, f64::min);
+    let min_x = if min_x.is_finite() { (min_x * 0.8).max(1e-4) } else { 1e-3 };
+    let max_x = max_x.max(min_x * 10.0);
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
         .margin(10)
         .x_label_area_size(40)
         .y_label_area_size(50)
-        .build_cartesian_2d(0.0..max_x, 0.0..1.0)?;
-    chart.configure_mesh().x_desc("TTFT (s)").y_desc("fraction of requests").draw()?;
+        .build_cartesian_2d((min_x..max_x).log_scale(), 0.0..1.0)?;
+    chart.configure_mesh().x_desc("TTFT (s, log scale)").y_desc("fraction of requests").draw()?;
     for (i, (label, points)) in series.iter().enumerate() {
         let style = color(i);
         chart
-            .draw_series(LineSeries::new(points.iter().copied().filter(|(x, _)| *x <= max_x), style))?
+            .draw_series(LineSeries::new(
+                points.iter().copied().filter(|(x, _)| *x <= max_x).map(|(x, y)| (x.max(min_x), y)),
+                style,
+            ))?
             .label(label.to_string())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
     Ok(())
 }
 
-/// Writes TTFT CDFs, one line per series, as `<stem>.png` and `<stem>.svg`; the x axis ends
-/// at `max_x` seconds (points beyond it are cut).
+/// Writes TTFT CDFs, one line per series, as `<stem>.png` and `<stem>.svg`; the x axis is
+/// logarithmic and ends at `max_x` seconds (points beyond it are cut).
 ///
 /// # Errors
 /// Plotting or I/O errors; "no font" when none is available.
@@ -397,16 +411,21 @@ where
         .x_label_area_size(40)
         .y_label_area_size(50)
         .build_cartesian_2d(0.0..groups as f64, 0.0..max_y.min(1.0))?;
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(groups)
-        .x_label_formatter(&|x| {
-            let i = x.floor() as usize;
-            rows.get(i).map_or_else(String::new, |(l, _)| l.to_string())
-        })
-        .y_desc("share of requests")
-        .draw()?;
+    chart.configure_mesh().disable_x_mesh().x_labels(0).y_desc("share of requests").draw()?;
+    // Group labels are drawn at the centre of each group (router on one line, policy on the
+    // next) rather than by the axis, whose tick positions need not fall on groups.
+    let font = ("sans-serif", 12).into_font();
+    for (g, (label, _)) in rows.iter().enumerate() {
+        let (x, y) = chart.backend_coord(&(g as f64 + 0.5, 0.0));
+        let (first, second) = label.split_once(' ').unwrap_or((label, ""));
+        for (k, line) in [first, second].into_iter().enumerate() {
+            let style = TextStyle::from(font.clone()).pos(plotters::style::text_anchor::Pos::new(
+                plotters::style::text_anchor::HPos::Center,
+                plotters::style::text_anchor::VPos::Top,
+            ));
+            root.draw(&Text::new(line.to_string(), (x, y + 4 + 14 * k as i32), style))?;
+        }
+    }
     let width = 0.8 / workers as f64;
     for w in 0..workers {
         let style = color(w).filled();

@@ -13,8 +13,8 @@
 //!   (16) blocks and hashed as a chain (xxh3 by default, BLAKE3 as the seed names); overlap
 //!   = leading blocks the worker holds / blocks hashed. Holdings come from a
 //!   [`BlockIndex`] fed by this policy's own routing decisions (approximate, expiring after
-//!   `ttl_secs`). Requests carrying precomputed block hashes (traces) use their first
-//!   `prefix_tokens / block_tokens` blocks as they are. Text without tokens is cut into
+//!   `ttl_secs`). Requests carrying precomputed block hashes (traces) use as many of
+//!   them as cover `prefix_tokens` tokens at their own block size (at least one). Text without tokens is cut into
 //!   `block_tokens × 4`-byte chunks.
 //! - `util = max(in_flight / max_concurrent, sm_util)`, clamped to [0, 1].
 //! - `norm_watts = watts / max watts over the candidates` (0 when unknown).
@@ -173,7 +173,12 @@ impl KvScore {
 
     fn hash_request(&mut self, req: &RequestView<'_>) {
         self.blocks.clear();
-        let max_blocks = (self.cfg.prefix_tokens / self.cfg.block_tokens).max(1) as usize;
+        // The seed hashes the first `prefix_tokens` tokens. Precomputed blocks (traces,
+        // KV events) have their own block size, so take as many of them as cover that many
+        // tokens (at least one): with Mooncake's 512-token blocks that is one block, as the
+        // gateway's 64 real tokens are.
+        let block_tokens = req.blocks.map_or(self.cfg.block_tokens, |seq| seq.block_tokens.max(1));
+        let max_blocks = self.cfg.prefix_tokens.div_ceil(block_tokens).max(1) as usize;
         request_blocks(req, self.cfg.block_tokens as usize, max_blocks, self.cfg.hash, &mut self.blocks);
     }
 }
