@@ -35,11 +35,12 @@ pub struct Summary {
     pub failures: BTreeMap<String, u64>,
     /// First send to last completion, wall seconds.
     pub wall_s: f64,
-    /// Successful requests per wall second.
+    /// Successful requests per second (wall seconds × `latency_scale`: simulated seconds
+    /// for simulated engines, like the latencies).
     pub throughput_rps: f64,
-    /// Output tokens of successful requests per wall second.
+    /// Output tokens of successful requests per (scaled) second.
     pub output_tok_s: f64,
-    /// Successful requests within the SLO per wall second.
+    /// Successful requests within the SLO per (scaled) second.
     pub goodput_rps: f64,
     /// The SLO of `goodput_rps`.
     pub slo: Slo,
@@ -155,7 +156,8 @@ pub fn summarise(label: &str, results: &[RequestResult], latency_scale: f64, slo
         }
     }
     let wall = if results.is_empty() { 0.0 } else { (last - first).max(1e-9) };
-    let per_s = |x: u64| if wall > 0.0 { x as f64 / wall } else { 0.0 };
+    // Rates are per second of the same clock as the latencies (wall × latency scale).
+    let per_s = |x: u64| if wall > 0.0 { x as f64 / (wall * k) } else { 0.0 };
     ttfts.sort_by(f64::total_cmp);
     let step = (ttfts.len() / 400).max(1);
     let mut ttft_cdf: Vec<(f64, f64)> =
@@ -276,7 +278,7 @@ mod tests {
         assert_eq!(s.worker_share.get("w0"), Some(&0.5));
         // Wall: first send 0.5 s, last end 3.5 + 5.0 s.
         assert!((s.wall_s - 8.0).abs() < 1e-9);
-        assert!((s.goodput_rps - 1.0 / 8.0).abs() < 1e-9);
+        assert!((s.goodput_rps - 1.0 / 80.0).abs() < 1e-9, "per simulated second: 1 / (8 s × 10)");
         assert!((s.send_lag_p99_s - 0.5).abs() < 1e-3);
         assert!(table(&[s]).contains("50.0%"));
     }

@@ -100,8 +100,9 @@ pub struct LoadArgs {
     /// Model name (default: the first model of GET /v1/models).
     #[arg(long)]
     pub model: Option<String>,
-    /// Multiply every reported latency (engine simulators at --time-scale N: pass N to get
-    /// simulated seconds).
+    /// Report times on a clock this many times slower than the wall clock: latencies are
+    /// multiplied and rates divided by it (engine simulators at --time-scale N: pass N to
+    /// get simulated seconds and simulated requests per second).
     #[arg(long, default_value_t = 1.0)]
     pub latency_scale: f64,
     /// Goodput SLO: maximum TTFT, seconds (scaled).

@@ -549,7 +549,7 @@ fn print_table(rows: &[Row], direct: Option<&(Summary, Summary)>, a: &Args) {
             f(&|s| format!("{:.3}", s.ttft_mean_s)),
             f(&|s| format!("{:.3}", s.ttft_p50_s)),
             f(&|s| format!("{:.3}", s.ttft_p99_s)),
-            f(&|s| format!("{:.2}", s.goodput_rps * 1.0 / a.time_scale)),
+            f(&|s| format!("{:.2}", s.goodput_rps)),
             f(&|s| format!("{}", s.rejected + s.errors)),
         );
     }
