@@ -28,6 +28,7 @@ pub mod hash;
 pub mod ledger;
 pub mod lru_blocks;
 pub mod policy;
+pub mod precise;
 pub mod radix;
 pub mod registry;
 pub mod trace;

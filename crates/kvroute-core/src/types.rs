@@ -219,6 +219,11 @@ pub struct WorkerView {
     pub sm_util: Option<f64>,
     /// *engine*: power draw in watts (rolling average).
     pub power_watts: Option<f64>,
+    /// *engine, precise*: prompt tokens of **this request** that the worker's KV cache
+    /// holds according to its KV events ([`crate::precise::PreciseIndex::cached_tokens`]),
+    /// set per request by the caller. `None` when the worker publishes no events: prefix
+    /// policies then use their own approximate index for this worker.
+    pub cached_tokens: Option<u64>,
     /// Static capacity.
     pub capacity: Capacity,
 }
@@ -239,6 +244,7 @@ impl WorkerView {
             kv_cache_usage: None,
             sm_util: None,
             power_watts: None,
+            cached_tokens: None,
             capacity: Capacity::default(),
         }
     }

@@ -195,6 +195,29 @@ fn kv_score_hashes_the_first_64_tokens_whatever_the_block_size() {
 }
 
 #[test]
+fn engine_reported_cached_tokens_override_the_policies_own_estimate() {
+    // Worker 1 reports (from KV events) that it holds 300 of the prompt's tokens; worker 0
+    // publishes no events and has never seen the prompt. Both policies follow the engine.
+    let prompt = DOC.repeat(16); // 336 tokens at 4 characters per token
+    let mut c = fleet(&[0, 0]);
+    c[1].cached_tokens = Some(300);
+    for name in ["prefill_cost", "kv_score"] {
+        let mut p = build(name, &serde_json::Value::Null).expect("build");
+        let d = go(p.as_mut(), &prompt, &c, 1);
+        assert_eq!(d.worker, WorkerId(1), "{name}");
+    }
+    let mut p = build("prefill_cost", &serde_json::Value::Null).expect("build");
+    let d = go(p.as_mut(), &prompt, &c, 1);
+    assert_eq!((d.matched, d.unit), (300, kvroute_core::policy::MatchUnit::Tokens));
+    // The engine says worker 1 evicted it all: the router's own memory of having sent the
+    // prompt there does not count for a worker with events.
+    c[1].cached_tokens = Some(0);
+    c[0].in_flight = 1;
+    let d = go(p.as_mut(), &prompt, &c, 1);
+    assert_eq!((d.worker, d.matched), (WorkerId(1), 0));
+}
+
+#[test]
 fn kv_score_weights_swap_lock_free_through_the_handle() {
     use kvroute_core::policy::kv_score::{KvScore, KvWeights};
     let mut p = KvScore::new(Default::default());

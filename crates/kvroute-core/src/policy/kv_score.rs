@@ -16,6 +16,8 @@
 //!   `ttl_secs`). Requests carrying precomputed block hashes (traces) use as many of
 //!   them as cover `prefix_tokens` tokens at their own block size (at least one). Text without tokens is cut into
 //!   `block_tokens × 4`-byte chunks.
+//!   For a worker that publishes KV events (`WorkerView::cached_tokens` set), overlap is
+//!   instead the engine-reported cached share of the first `prefix_tokens` tokens.
 //! - `util = max(in_flight / max_concurrent, sm_util)`, clamped to [0, 1].
 //! - `norm_watts = watts / max watts over the candidates` (0 when unknown).
 //! - `capacity`: static capacity `tp_size × vram_gib / dtype_bytes` (memory for KV per
@@ -217,7 +219,15 @@ impl Policy for KvScore {
         for v in routable() {
             // `overlaps` is sorted by worker id.
             let held = self.overlaps.binary_search_by_key(&v.id, |(id, _)| *id).map_or(0, |i| self.overlaps[i].1);
-            let overlap = if n_blocks == 0 { 0.0 } else { held as f64 / n_blocks as f64 };
+            let overlap = match v.cached_tokens {
+                // Precise (engine KV events): the cached share of the first prefix_tokens.
+                Some(t) => {
+                    let p = u64::from(req.input_tokens.min(self.cfg.prefix_tokens));
+                    if p == 0 { 0.0 } else { t.min(p) as f64 / p as f64 }
+                }
+                None if n_blocks == 0 => 0.0,
+                None => held as f64 / n_blocks as f64,
+            };
             let util = (f64::from(v.in_flight) / f64::from(v.capacity.max_concurrent.max(1)))
                 .max(v.sm_util.unwrap_or(0.0))
                 .clamp(0.0, 1.0);

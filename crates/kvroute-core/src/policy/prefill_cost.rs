@@ -17,7 +17,9 @@
 //!   of prefill work the request will wait behind, in the unit that decides TTFT.
 //! - `uncached_tokens(req, w) = input − cached(w)`, where `cached(w)` is the longest leading
 //!   run of the request's block hashes in a per-worker LRU block set sized like the engine's
-//!   KV cache (`cache_tokens`), so the estimate forgets what the engine has evicted.
+//!   KV cache (`cache_tokens`), so the estimate forgets what the engine has evicted. For a
+//!   worker that publishes KV events (`WorkerView::cached_tokens` set), `cached(w)` is the
+//!   engine-reported count instead (decision unit `tokens`).
 //! - `miss_weight` > 1 because a miss is paid twice: by the request, and by every request
 //!   queued behind it on that worker (and by the fleet whose capacity the extra prefill
 //!   consumes). With weight 1 the policy spreads prompts away from their caches as queues
@@ -114,6 +116,9 @@ fn validate(c: &PrefillCostConfig) -> Result<(), String> {
     Ok(())
 }
 
+/// (matched, key length, unit) of a decision.
+type Match = (u64, u64, MatchUnit);
+
 /// The `prefill_cost` policy. See the module docs.
 #[derive(Debug)]
 pub struct PrefillCost {
@@ -137,6 +142,19 @@ impl PrefillCost {
         req.blocks.map_or(self.cfg.block_tokens, |b| b.block_tokens.max(1)) as u64
     }
 
+    /// Cached prompt tokens of the request on `w`, and the match to report: the engine's
+    /// precise count (in tokens) when the worker publishes KV events, else this policy's
+    /// own LRU estimate (in blocks).
+    fn cached(&self, w: &WorkerView, bt: u64, input: u64) -> (u64, Match) {
+        if let Some(t) = w.cached_tokens {
+            let t = t.min(input);
+            return (t, (t, input, MatchUnit::Tokens));
+        }
+        let hit = self.sets.get(&w.id).map_or(0, |s| s.estimate_cache_hit(&self.blocks)) as u64;
+        let unit = if self.blocks.is_empty() { MatchUnit::None } else { MatchUnit::Blocks };
+        ((hit * bt).min(input), (hit, self.blocks.len() as u64, unit))
+    }
+
     fn capacity_blocks(&self, block_tokens: u64) -> usize {
         (self.cfg.cache_tokens / block_tokens.max(1)).max(1) as usize
     }
@@ -156,21 +174,16 @@ impl Policy for PrefillCost {
             && let Some(a) = c.iter().find(|w| w.id == bound && w.is_routable())
         {
             let mean = mean_load(c).unwrap_or(0.0).max(1.0);
-            let hit = self.sets.get(&a.id).map_or(0, |s| s.estimate_cache_hit(&self.blocks)) as u64;
-            let cached = (hit * bt).min(input);
+            let (cached, m) = self.cached(a, bt, input);
             if cached * 2 > input && a.load() as f64 <= mean * self.cfg.overload_factor {
-                let unit = if self.blocks.is_empty() { MatchUnit::None } else { MatchUnit::Blocks };
                 let cost = a.pending_prefill_tokens + (input - cached);
-                return Ok(Decision::new(a.id, Branch::Sticky)
-                    .with_match(hit, self.blocks.len() as u64, unit)
-                    .with_score(cost as f64));
+                return Ok(Decision::new(a.id, Branch::Sticky).with_match(m.0, m.1, m.2).with_score(cost as f64));
             }
         }
         let mut best: Option<(u64, u64)> = None; // (cost, Reverse-ish cached)
-        let mut tied: SmallVec<[(WorkerId, u64); 8]> = SmallVec::new();
+        let mut tied: SmallVec<[(WorkerId, Match); 8]> = SmallVec::new();
         for w in c.iter().filter(|w| w.is_routable()) {
-            let hit = self.sets.get(&w.id).map_or(0, |s| s.estimate_cache_hit(&self.blocks)) as u64;
-            let cached = (hit * bt).min(input);
+            let (cached, hit) = self.cached(w, bt, input);
             let miss = ((input - cached) as f64 * self.cfg.miss_weight) as u64;
             let cost = w.pending_prefill_tokens + miss + self.cfg.decode_weight * w.load() as u64;
             let key = (cost, u64::MAX - cached);
@@ -187,10 +200,9 @@ impl Policy for PrefillCost {
         let (cost, _) = best.ok_or(RouteError::NoWorker)?;
         let ids: SmallVec<[WorkerId; 8]> = tied.iter().map(|t| t.0).collect();
         let w = rotate(&ids, &mut self.rotation).ok_or(RouteError::NoWorker)?;
-        let hit = tied.iter().find(|t| t.0 == w).map_or(0, |t| t.1);
+        let m = tied.iter().find(|t| t.0 == w).map_or((0, 0, MatchUnit::None), |t| t.1);
         let branch = if ids.len() > 1 { Branch::TieBreak } else { Branch::Score };
-        let unit = if self.blocks.is_empty() { MatchUnit::None } else { MatchUnit::Blocks };
-        Ok(Decision::new(w, branch).with_match(hit, self.blocks.len() as u64, unit).with_score(cost as f64))
+        Ok(Decision::new(w, branch).with_match(m.0, m.1, m.2).with_score(cost as f64))
     }
 
     fn on_routed(&mut self, req: &RequestView<'_>, worker: WorkerId, _now: Nanos) {
