@@ -67,6 +67,56 @@ pub struct GatewayConfig {
     pub seed: u64,
     /// Active health checks.
     pub health: HealthConfig,
+    /// Engine KV-event sources, one per worker that publishes them (vLLM, SGLang,
+    /// `kvroute engine-sim --kv-events`). Workers without one are routed on the policy's
+    /// approximate index.
+    pub kv_events: Vec<KvEventSource>,
+    /// Weight of a block held only on a lower tier (CPU, disk) in the precise index, in [0, 1].
+    pub kv_lower_tier_weight: f64,
+}
+
+/// Where one worker publishes its KV events (`shared/specs/kv-events.md`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventSource {
+    /// The worker's base URL, as in `worker_urls`.
+    pub worker: String,
+    /// The engine's PUB endpoint, `tcp://HOST:PORT` (the router connects a SUB socket).
+    pub endpoint: String,
+    /// The engine's replay (ROUTER) endpoint, for batches lost in a sequence gap.
+    #[serde(default)]
+    pub replay: Option<String>,
+}
+
+impl KvEventSource {
+    /// Parses the flag form `WORKER_URL=tcp://HOST:PORT[+tcp://HOST:REPLAY_PORT]`.
+    ///
+    /// # Errors
+    /// A message naming what is wrong.
+    pub fn parse(s: &str) -> Result<KvEventSource, String> {
+        let (worker, rest) =
+            s.split_once('=').ok_or_else(|| format!("`{s}`: expected WORKER_URL=tcp://HOST:PORT[+tcp://HOST:PORT]"))?;
+        let (endpoint, replay) = match rest.split_once('+') {
+            Some((e, r)) => (e, Some(r.to_string())),
+            None => (rest, None),
+        };
+        let src = KvEventSource { worker: worker.to_string(), endpoint: endpoint.to_string(), replay };
+        src.check()?;
+        Ok(src)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        check_worker_url(&self.worker)?;
+        for e in std::iter::once(&self.endpoint).chain(self.replay.iter()) {
+            let hostport =
+                e.strip_prefix("tcp://").ok_or_else(|| format!("`{e}`: only tcp:// endpoints are supported"))?;
+            let (host, port) = hostport.rsplit_once(':').ok_or_else(|| format!("`{e}`: expected tcp://HOST:PORT"))?;
+            if host.is_empty() || host == "*" || port.parse::<u16>().is_err() {
+                return Err(format!("`{e}`: expected tcp://HOST:PORT with a host to connect to and a port"));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for GatewayConfig {
@@ -88,6 +138,8 @@ impl Default for GatewayConfig {
             power_metric: None,
             seed: 0,
             health: HealthConfig::default(),
+            kv_events: Vec::new(),
+            kv_lower_tier_weight: 0.5,
         }
     }
 }
@@ -165,6 +217,12 @@ impl GatewayConfig {
         }
         if !self.health.path.starts_with('/') {
             return Err(err("health.path", "must start with /"));
+        }
+        for k in &self.kv_events {
+            k.check().map_err(|m| err("kv_events", m))?;
+        }
+        if !(0.0..=1.0).contains(&self.kv_lower_tier_weight) {
+            return Err(err("kv_lower_tier_weight", format!("must be in [0, 1], got {}", self.kv_lower_tier_weight)));
         }
         Ok(())
     }

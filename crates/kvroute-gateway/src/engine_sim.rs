@@ -58,6 +58,9 @@ pub struct EngineSimConfig {
     pub kv_encoding: crate::kv_events::Encoding,
     /// Topic frame of published batches.
     pub kv_topic: String,
+    /// XORed into every published block hash, like vLLM's per-process hash seed: a router
+    /// must not rely on reproducing engine hashes (0 = publish the plain hashes).
+    pub kv_hash_salt: u64,
     /// Answer every request at once with one token, bypassing the engine model (no prefill,
     /// no decode, no cache): an "instant worker" for measuring a router's own overhead.
     pub instant: bool,
@@ -78,6 +81,7 @@ impl Default for EngineSimConfig {
             kv_replay: None,
             kv_encoding: crate::kv_events::Encoding::Map,
             kv_topic: "kv-events".into(),
+            kv_hash_salt: 0,
             instant: false,
         }
     }
@@ -213,7 +217,7 @@ async fn drive(sim: std::sync::Weak<EngineSim>, mut rx: mpsc::Receiver<Cmd>, cfg
         let now = EngineSim::sim_now(start, scale);
         engine.advance(now, &mut events);
         if let Some(tx) = &kv_tx {
-            flush_kv(&mut engine, &mut cache_events, tx, now, cfg.kv_encoding);
+            flush_kv(&mut engine, &mut cache_events, tx, now, cfg.kv_encoding, cfg.kv_hash_salt);
         }
         for ev in events.drain(..) {
             let (id, done) = match ev {
@@ -253,7 +257,7 @@ async fn drive(sim: std::sync::Weak<EngineSim>, mut rx: mpsc::Receiver<Cmd>, cfg
                     waiters.insert(id, reply);
                     engine.submit(req, now, &mut events);
                     if let Some(tx) = &kv_tx {
-                        flush_kv(&mut engine, &mut cache_events, tx, now, cfg.kv_encoding);
+                        flush_kv(&mut engine, &mut cache_events, tx, now, cfg.kv_encoding, cfg.kv_hash_salt);
                     }
                 }
                 None => return,
@@ -276,6 +280,7 @@ fn flush_kv(
     tx: &mpsc::Sender<Vec<u8>>,
     now: Nanos,
     enc: crate::kv_events::Encoding,
+    salt: u64,
 ) {
     use crate::kv_events::{EventBatch, KvEvent, encode};
     use kvroute_sim::engine::CacheEvent;
@@ -287,15 +292,15 @@ fn flush_kv(
         .drain(..)
         .map(|e| match e {
             CacheEvent::Stored { hashes, parent, token_ids, block_size } => KvEvent::BlockStored {
-                block_hashes: hashes.iter().map(|h| h.0).collect(),
-                parent_block_hash: parent.map(|h| h.0),
+                block_hashes: hashes.iter().map(|h| h.0 ^ salt).collect(),
+                parent_block_hash: parent.map(|h| h.0 ^ salt),
                 token_ids,
                 block_size,
                 medium: Some("GPU".into()),
                 group_idx: 0,
             },
             CacheEvent::Removed { hashes } => KvEvent::BlockRemoved {
-                block_hashes: hashes.iter().map(|h| h.0).collect(),
+                block_hashes: hashes.iter().map(|h| h.0 ^ salt).collect(),
                 medium: Some("GPU".into()),
                 group_idx: 0,
             },
@@ -482,10 +487,21 @@ pub fn pseudo_tokens(text: &str) -> Vec<u32> {
         .collect()
 }
 
+/// vLLM's `POST /tokenize`: `{"prompt": …}` or `{"messages": […]}` (the chat flattened as
+/// the engine flattens it for generation), so a router gets the exact token ids the engine
+/// will hash.
 async fn tokenize(body: Bytes) -> Response {
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-    let text = v.get("prompt").or_else(|| v.get("text")).and_then(serde_json::Value::as_str).unwrap_or("");
-    let tokens = pseudo_tokens(text);
+    let tokens = if v.get("messages").is_some() || v.get("prompt").is_some_and(|p| !p.is_string()) {
+        let api = if v.get("messages").is_some() { Api::Chat } else { Api::Completions };
+        match parse(api, &body, None) {
+            Ok((_, info)) => info.token_ids.unwrap_or_else(|| pseudo_tokens(&info.text)),
+            Err(e) => return e.into_response(),
+        }
+    } else {
+        let text = v.get("prompt").or_else(|| v.get("text")).and_then(serde_json::Value::as_str).unwrap_or("");
+        pseudo_tokens(text)
+    };
     Json(serde_json::json!({"count": tokens.len(), "max_model_len": 131072, "tokens": tokens})).into_response()
 }
 

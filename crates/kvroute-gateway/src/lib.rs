@@ -10,6 +10,7 @@
 //! - [`proxy`]: forwarding, streaming, retries, ledger and metrics.
 //! - [`health`]: active health checks, model discovery and `/metrics` scraping.
 //! - [`admin`]: worker management, `/policy`, `/debug/route`.
+//! - [`kv_events`], [`kv_subscriber`]: engine KV events (codec, subscribers, precise index).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -19,6 +20,7 @@ pub mod engine_sim;
 pub mod error;
 pub mod health;
 pub mod kv_events;
+pub mod kv_subscriber;
 pub mod metrics;
 pub mod proxy;
 pub mod request;
@@ -66,6 +68,7 @@ pub async fn serve(
     let cancel = tokio_util::sync::CancellationToken::new();
     state.add_initial_workers().await;
     let bg = tokio::spawn(health::run_background(Arc::clone(&state), cancel.clone()));
+    let kv = tokio::spawn(kv_subscriber::run(Arc::clone(&state), cancel.clone()));
     let app = app(Arc::clone(&state));
     let c2 = cancel.clone();
     // Small request/response exchanges: do not let Nagle's algorithm hold segments back.
@@ -81,5 +84,6 @@ pub async fn serve(
         .await;
     cancel.cancel();
     let _ = bg.await;
+    let _ = kv.await;
     res.map_err(Into::into)
 }

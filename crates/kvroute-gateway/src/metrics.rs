@@ -34,6 +34,17 @@ pub struct ModelLabel {
     pub model: String,
 }
 
+/// Labels of `kvroute_prefix_source`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    /// `precise` (engine KV events) or `approximate` (the policy's own index).
+    pub source: String,
+    /// Why approximate: `no_events` (the chosen worker publishes none), `not_tokenized`
+    /// (the request could not be tokenized), `no_block_size` (no BlockStored seen yet);
+    /// empty for precise.
+    pub reason: String,
+}
+
 /// Every gateway metric.
 #[derive(Debug)]
 pub struct Metrics {
@@ -59,6 +70,20 @@ pub struct Metrics {
     pub worker_healthy: Family<WorkerLabel, Gauge>,
     /// Requests in flight per worker (router's ledger).
     pub worker_in_flight: Family<WorkerLabel, Gauge>,
+    /// KV-event batches applied per worker.
+    pub kv_batches: Family<WorkerLabel, Counter>,
+    /// Sequence gaps seen per worker.
+    pub kv_gaps: Family<WorkerLabel, Counter>,
+    /// Batches recovered through the replay socket per worker.
+    pub kv_replayed: Family<WorkerLabel, Counter>,
+    /// Publisher restarts (sequence went back) per worker.
+    pub kv_restarts: Family<WorkerLabel, Counter>,
+    /// Malformed messages per worker.
+    pub kv_errors: Family<WorkerLabel, Counter>,
+    /// Events and fields skipped per worker (unknown types or fields, other KV groups).
+    pub kv_skipped: Family<WorkerLabel, Counter>,
+    /// Decisions by where the chosen worker's prefix state came from.
+    pub prefix_source: Family<SourceLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -103,7 +128,40 @@ impl Metrics {
         registry.register("kvroute_worker_healthy", "1 when the worker is routable", worker_healthy.clone());
         let worker_in_flight = Family::<WorkerLabel, Gauge>::default();
         registry.register("kvroute_worker_in_flight", "Requests in flight per worker", worker_in_flight.clone());
+        let kv_batches = Family::<WorkerLabel, Counter>::default();
+        registry.register("kvroute_kv_event_batches", "KV-event batches applied", kv_batches.clone());
+        let kv_gaps = Family::<WorkerLabel, Counter>::default();
+        registry.register("kvroute_kv_event_gaps", "KV-event sequence gaps", kv_gaps.clone());
+        let kv_replayed = Family::<WorkerLabel, Counter>::default();
+        registry.register("kvroute_kv_event_replayed", "KV-event batches recovered by replay", kv_replayed.clone());
+        let kv_restarts = Family::<WorkerLabel, Counter>::default();
+        registry.register(
+            "kvroute_kv_event_restarts",
+            "KV-event publisher restarts (sequence went back; worker state cleared)",
+            kv_restarts.clone(),
+        );
+        let kv_errors = Family::<WorkerLabel, Counter>::default();
+        registry.register("kvroute_kv_event_errors", "Malformed KV-event messages", kv_errors.clone());
+        let kv_skipped = Family::<WorkerLabel, Counter>::default();
+        registry.register(
+            "kvroute_kv_event_skipped",
+            "KV events or fields skipped (unknown, or not the main attention group)",
+            kv_skipped.clone(),
+        );
+        let prefix_source = Family::<SourceLabels, Counter>::default();
+        registry.register(
+            "kvroute_prefix_source",
+            "Decisions by the source of the chosen worker's prefix state",
+            prefix_source.clone(),
+        );
         Metrics {
+            kv_batches,
+            kv_gaps,
+            kv_replayed,
+            kv_restarts,
+            kv_errors,
+            kv_skipped,
+            prefix_source,
             registry,
             requests,
             decision_seconds,

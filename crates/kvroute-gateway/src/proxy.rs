@@ -91,7 +91,73 @@ pub fn estimated_cached_tokens(d: &Decision, input_tokens: u32) -> u64 {
 /// # Errors
 /// 404 for a model no worker serves, 503 when no worker is routable.
 pub fn decide(s: &AppState, info: &RoutingInfo) -> Result<(Decision, Vec<(u32, String)>), ApiError> {
-    let (views, urls) = s.candidates(&info.model);
+    decide_with(s, info, &Precise::Off).map(|(d, urls, _)| (d, urls))
+}
+
+/// Candidate worker URLs by dense id.
+pub type WorkerUrls = Vec<(u32, String)>;
+
+/// The request side of precise (KV-event) matching.
+#[derive(Debug)]
+pub enum Precise {
+    /// No worker publishes KV events.
+    Off,
+    /// The request's token ids as the engine sees them.
+    Tokens(Arc<[u32]>),
+    /// Events flow but the request could not be tokenized (the reason).
+    Unavailable(&'static str),
+}
+
+/// Where the chosen worker's prefix state came from: `precise`, or `approximate` and why.
+pub fn prefix_source(p: &Precise, chosen_precise: bool) -> (&'static str, &'static str) {
+    match p {
+        _ if chosen_precise => ("precise", ""),
+        Precise::Off => ("approximate", "no_events"),
+        Precise::Unavailable(r) => ("approximate", r),
+        Precise::Tokens(_) => ("approximate", "no_events"),
+    }
+}
+
+/// [`decide`] with the precise prefix state: each worker that publishes KV events gets the
+/// engine-reported cached tokens of this request in its view. Returns the decision, the
+/// URLs, and whether the chosen worker's prefix state was precise.
+///
+/// # Errors
+/// As [`decide`].
+pub fn decide_with(
+    s: &AppState,
+    info: &RoutingInfo,
+    precise: &Precise,
+) -> Result<(Decision, WorkerUrls, bool), ApiError> {
+    let (mut views, urls) = s.candidates(&info.model);
+    if let Precise::Tokens(tokens) = precise {
+        let ix = s.precise.lock();
+        let now = s.now();
+        // Own hashes per engine block size (one size in practice).
+        let mut by_size: Vec<(u32, Vec<kvroute_core::types::BlockHash>)> = Vec::new();
+        for v in &mut views {
+            let Some(bs) = ix.block_size(v.id) else {
+                // Tracked but no BlockStored yet: the cache is empty as far as we know.
+                if ix.is_tracked(v.id) {
+                    v.cached_tokens = Some(0);
+                }
+                continue;
+            };
+            if !by_size.iter().any(|(b, _)| *b == bs) {
+                let mut h = Vec::new();
+                kvroute_core::hash::hash_token_blocks(
+                    tokens,
+                    bs as usize,
+                    usize::MAX,
+                    kvroute_core::hash::HashAlgo::Xxh3,
+                    &mut h,
+                );
+                by_size.push((bs, h));
+            }
+            let hashes = by_size.iter().find(|(b, _)| *b == bs).map(|(_, h)| h.as_slice()).unwrap_or_default();
+            v.cached_tokens = ix.cached_tokens(v.id, hashes, bs, now);
+        }
+    }
     if views.is_empty() {
         let any = !s.workers.read().is_empty();
         return Err(if any && !info.model.is_empty() {
@@ -101,7 +167,11 @@ pub fn decide(s: &AppState, info: &RoutingInfo) -> Result<(Decision, Vec<(u32, S
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no worker is registered")
         });
     }
-    let req = view(info, &info.model);
+    let mut req = view(info, &info.model);
+    if let Precise::Tokens(t) = precise {
+        req.token_ids = Some(t);
+        req.input_tokens = t.len().min(u32::MAX as usize) as u32;
+    }
     let t0 = Instant::now();
     let d = {
         let mut p = s.policy.lock();
@@ -116,7 +186,8 @@ pub fn decide(s: &AppState, info: &RoutingInfo) -> Result<(Decision, Vec<(u32, S
     if d.key_len > 0 {
         s.metrics.match_rate.observe(d.match_rate());
     }
-    Ok((d, urls))
+    let chosen_precise = views.iter().any(|v| v.id == d.worker && v.cached_tokens.is_some());
+    Ok((d, urls, chosen_precise))
 }
 
 /// The `x-kvroute-decision` header value.
@@ -170,7 +241,20 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
     let bytes = read_body(s, headers, body).await?;
     let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
     let (_, info) = parse(api, &bytes, session)?;
-    let (d, urls) = decide(s, &info)?;
+    let precise = if s.cfg.kv_events.is_empty() {
+        Precise::Off
+    } else {
+        match crate::kv_subscriber::request_tokens(s, &bytes, &info).await {
+            Ok(t) => Precise::Tokens(t),
+            Err(reason) => Precise::Unavailable(reason),
+        }
+    };
+    let (d, urls, chosen_precise) = decide_with(s, &info, &precise)?;
+    let (source, reason) = prefix_source(&precise, chosen_precise);
+    s.metrics
+        .prefix_source
+        .get_or_create(&crate::metrics::SourceLabels { source: source.into(), reason: reason.into() })
+        .inc();
     let model_key = if info.model.is_empty() { "*" } else { info.model.as_str() };
     let permit = {
         let adm = s.admission.read();
@@ -195,8 +279,17 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
         )
         .retry_after(1)
     })?;
-    let decision = decision_header(&s.cfg.policy, &d);
-    let req = view(&info, &info.model);
+    let mut decision = decision_header(&s.cfg.policy, &d);
+    decision.push_str(&if reason.is_empty() {
+        format!("; prefix={source}")
+    } else {
+        format!("; prefix={source}({reason})")
+    });
+    let mut req = view(&info, &info.model);
+    if let Precise::Tokens(t) = &precise {
+        req.token_ids = Some(t);
+        req.input_tokens = t.len().min(u32::MAX as usize) as u32;
+    }
     let cached = estimated_cached_tokens(&d, req.input_tokens);
     let uncached = (req.input_tokens as u64).saturating_sub(cached);
     let output = info.max_tokens.unwrap_or(256) as u64;

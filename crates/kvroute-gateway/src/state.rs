@@ -80,6 +80,10 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Monotonic origin of [`AppState::now`].
     pub start: Instant,
+    /// Engine-reported prefix state of the workers that publish KV events.
+    pub precise: Mutex<kvroute_core::precise::PreciseIndex>,
+    /// Request token ids from `/tokenize`, for precise matching.
+    pub tokens: Mutex<crate::kv_subscriber::TokenCache>,
     next_id: AtomicU32,
 }
 
@@ -91,6 +95,7 @@ impl AppState {
     pub fn new(cfg: GatewayConfig) -> anyhow::Result<Arc<AppState>> {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let policy = kvroute_core::registry::build(&cfg.policy, &cfg.knobs_json())?;
+        let cfg_lower = cfg.kv_lower_tier_weight;
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout_secs))
             .pool_max_idle_per_host(256)
@@ -104,6 +109,11 @@ impl AppState {
             client,
             metrics: Metrics::new(),
             start: Instant::now(),
+            precise: Mutex::new(kvroute_core::precise::PreciseIndex::new(kvroute_core::precise::PreciseConfig {
+                lower_tier_weight: cfg_lower,
+                ..Default::default()
+            })),
+            tokens: Mutex::new(Default::default()),
             next_id: AtomicU32::new(0),
         }))
     }
@@ -185,6 +195,7 @@ impl AppState {
         };
         if let Some(id) = removed {
             self.policy.lock().policy.on_worker_removed(WorkerId(id));
+            self.precise.lock().untrack(WorkerId(id));
             self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.to_string() }).set(0);
             true
         } else {

@@ -49,6 +49,10 @@ pub struct Args {
     /// Topic frame of published batches.
     #[arg(long, default_value = "kv-events")]
     pub kv_topic: String,
+    /// XORed into published block hashes (default: random per process, as vLLM's hash seed
+    /// without PYTHONHASHSEED); 0 publishes the plain hashes.
+    #[arg(long)]
+    pub kv_hash_salt: Option<u64>,
     /// Answer every request at once with one token (no engine model): an instant worker for
     /// measuring router overhead.
     #[arg(long)]
@@ -83,6 +87,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             kvroute_gateway::kv_events::Encoding::Map
         },
         kv_topic: a.kv_topic,
+        kv_hash_salt: a.kv_hash_salt.unwrap_or_else(|| {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            kvroute_core::hash::stable_hash(
+                &[t.as_nanos().to_le_bytes().as_slice(), &std::process::id().to_le_bytes()].concat(),
+            )
+        }),
         instant: a.instant,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -62,6 +62,10 @@ pub struct Args {
     /// Seconds between active health checks.
     #[arg(long, env = "KVROUTE_HEALTH_INTERVAL_SECS")]
     pub health_interval_secs: Option<f64>,
+    /// KV-event source of a worker: `WORKER_URL=tcp://HOST:PORT[+tcp://HOST:REPLAY_PORT]`
+    /// (repeat, or separate with commas).
+    #[arg(long, env = "KVROUTE_KV_EVENTS", num_args = 1.., value_delimiter = ',')]
+    pub kv_events: Vec<String>,
     /// Start N worker processes with --worker-cmd and route to them (seed 003 co-launch).
     #[arg(long, env = "KVROUTE_LAUNCH_WORKERS", default_value_t = 0)]
     pub launch_workers: usize,
@@ -112,6 +116,10 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
     }
     if !a.worker_urls.is_empty() {
         cfg.worker_urls = a.worker_urls.clone();
+    }
+    for k in &a.kv_events {
+        let src = kvroute_gateway::config::KvEventSource::parse(k).map_err(|m| anyhow::anyhow!("--kv-events: {m}"))?;
+        cfg.kv_events.push(src);
     }
     if let Some(k) = &a.policy_knobs {
         let v: toml::Table = serde_json::from_str(k).context("--policy-knobs: expected a JSON object")?;

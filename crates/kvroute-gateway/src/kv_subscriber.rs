@@ -1,0 +1,324 @@
+//! The router side of engine KV events (`shared/specs/kv-events.md`): one ZeroMQ SUB
+//! subscriber per worker feeding the shared [`PreciseIndex`], and the request side
+//! (token ids for a request, cached) that lets policies use it.
+//!
+//! Sequence tracking per (worker, data-parallel rank):
+//! - the first batch seen with a sequence above 0, or a gap (`seq > last + 1`), asks the
+//!   worker's replay socket (DEALER → ROUTER) for the missing batches and applies them first;
+//! - a sequence that goes back means the publisher restarted: the worker's state is cleared
+//!   and rebuilt from what follows (and from the replay buffer of the new process);
+//! - `AllBlocksCleared` clears the worker.
+//!
+//! Only the main attention group (`group_idx` 0) is indexed. Everything is bounded: the
+//! replay exchange has a timeout and a batch limit, reconnects back off, the token cache
+//! holds at most [`TOKEN_CACHE_TOKENS`] tokens.
+
+use crate::kv_events::{KvEvent, REPLAY_END, decode, parse_frames};
+use crate::metrics::WorkerLabel;
+use crate::state::AppState;
+use bytes::Bytes;
+use kvroute_core::precise::{StoredBlocks, Tier};
+use kvroute_core::types::WorkerId;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use zeromq::{Socket, SocketRecv, SocketSend};
+
+/// Most batches taken from one replay answer.
+pub const MAX_REPLAY_BATCHES: usize = 100_000;
+/// Time allowed for one replay exchange.
+pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bound of the request-token cache, in tokens (4 bytes each).
+pub const TOKEN_CACHE_TOKENS: usize = 16 << 20;
+/// Time allowed for one `/tokenize` call.
+pub const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs one subscriber per configured source until `cancel`.
+pub async fn run(s: Arc<AppState>, cancel: CancellationToken) {
+    let mut tasks = Vec::new();
+    for src in s.cfg.kv_events.clone() {
+        tasks.push(tokio::spawn(subscribe(Arc::clone(&s), src, cancel.clone())));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
+fn worker_id(s: &AppState, url: &str) -> Option<WorkerId> {
+    let url = url.trim_end_matches('/');
+    s.workers.read().iter().find(|w| w.url == url).map(|w| WorkerId(w.id))
+}
+
+async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, cancel: CancellationToken) {
+    let label = WorkerLabel { worker: src.worker.trim_end_matches('/').to_string() };
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let mut sock = zeromq::SubSocket::new();
+        let connected = tokio::select! {
+            () = cancel.cancelled() => return,
+            r = sock.connect(&src.endpoint) => r,
+        };
+        if let Err(e) = connected.map(|_| ()) {
+            tracing::warn!(endpoint = %src.endpoint, error = %e, "kv events: cannot connect; retrying");
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+            continue;
+        }
+        if let Err(e) = sock.subscribe("").await {
+            tracing::warn!(endpoint = %src.endpoint, error = %e, "kv events: subscribe failed");
+            continue;
+        }
+        backoff = Duration::from_millis(100);
+        tracing::info!(worker = %label.worker, endpoint = %src.endpoint, "kv events: subscribed");
+        let mut last: HashMap<Option<i64>, u64> = HashMap::new();
+        loop {
+            let msg = tokio::select! {
+                () = cancel.cancelled() => return,
+                m = sock.recv() => m,
+            };
+            let Ok(msg) = msg else {
+                tracing::warn!(endpoint = %src.endpoint, "kv events: connection lost; reconnecting");
+                break;
+            };
+            let Some(w) = worker_id(&s, &label.worker) else { continue };
+            s.precise.lock().track(w);
+            let (seq, payload) = match parse_frames(&msg.into_vec()) {
+                Ok((_, seq, p)) => (seq, p),
+                Err(e) => {
+                    s.metrics.kv_errors.get_or_create(&label).inc();
+                    tracing::debug!(error = %e, "kv events: bad message");
+                    continue;
+                }
+            };
+            let batch = match decode(&payload) {
+                Ok((b, stats)) => {
+                    let skipped = stats.unknown_events + stats.unknown_fields;
+                    if skipped > 0 {
+                        s.metrics.kv_skipped.get_or_create(&label).inc_by(skipped);
+                    }
+                    b
+                }
+                Err(e) => {
+                    s.metrics.kv_errors.get_or_create(&label).inc();
+                    tracing::debug!(error = %e, "kv events: bad batch");
+                    continue;
+                }
+            };
+            let rank = batch.dp_rank;
+            let expected = match last.get(&rank) {
+                None => 0,
+                Some(&l) if seq <= l => {
+                    // The publisher restarted: everything it said before is void.
+                    s.metrics.kv_restarts.get_or_create(&label).inc();
+                    tracing::info!(worker = %label.worker, seq, last = l, "kv events: publisher restarted; state cleared");
+                    s.precise.lock().clear(w);
+                    0
+                }
+                Some(&l) => l + 1,
+            };
+            if seq > expected {
+                s.metrics.kv_gaps.get_or_create(&label).inc();
+                if let Some(r) = &src.replay {
+                    let got = replay(&s, w, &label, r, expected, seq).await;
+                    s.metrics.kv_replayed.get_or_create(&label).inc_by(got);
+                }
+            }
+            apply(&s, w, &label, &batch.events);
+            last.insert(rank, seq);
+        }
+    }
+}
+
+/// Applies one batch's events to the precise index.
+fn apply(s: &AppState, w: WorkerId, label: &WorkerLabel, events: &[KvEvent]) {
+    let now = s.now();
+    let mut skipped = 0u64;
+    {
+        let mut ix = s.precise.lock();
+        for e in events {
+            match e {
+                KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, group_idx } => {
+                    if *group_idx != 0 {
+                        skipped += 1;
+                        continue;
+                    }
+                    let ev = StoredBlocks {
+                        engine_hashes: block_hashes,
+                        parent: *parent_block_hash,
+                        token_ids,
+                        block_size: *block_size,
+                        tier: Tier::of_medium(medium.as_deref()),
+                    };
+                    ix.stored(w, ev, now);
+                }
+                KvEvent::BlockRemoved { block_hashes, medium, group_idx } => {
+                    if *group_idx != 0 {
+                        skipped += 1;
+                        continue;
+                    }
+                    ix.removed(w, block_hashes, Tier::of_medium(medium.as_deref()));
+                }
+                KvEvent::AllBlocksCleared => ix.clear(w),
+            }
+        }
+    }
+    s.metrics.kv_batches.get_or_create(label).inc();
+    if skipped > 0 {
+        s.metrics.kv_skipped.get_or_create(label).inc_by(skipped);
+    }
+}
+
+/// Asks `endpoint` for batches `from..until` and applies them in order; returns how many
+/// were applied. Bounded by [`REPLAY_TIMEOUT`] and [`MAX_REPLAY_BATCHES`].
+async fn replay(s: &AppState, w: WorkerId, label: &WorkerLabel, endpoint: &str, from: u64, until: u64) -> u64 {
+    let work = async {
+        let mut dealer = zeromq::DealerSocket::new();
+        dealer.connect(endpoint).await.map_err(|e| e.to_string())?;
+        let req = zeromq::ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&from.to_be_bytes())])
+            .map_err(|e| e.to_string())?;
+        dealer.send(req).await.map_err(|e| e.to_string())?;
+        let mut applied = 0u64;
+        for _ in 0..MAX_REPLAY_BATCHES {
+            let f = dealer.recv().await.map_err(|e| e.to_string())?.into_vec();
+            // [b"", seq, payload]; tolerate a missing empty delimiter frame.
+            let n = f.len();
+            if n < 2 {
+                return Err(format!("replay answer of {n} frames"));
+            }
+            let (seq, payload) = (&f[n - 2], &f[n - 1]);
+            if seq.as_ref() == REPLAY_END {
+                break;
+            }
+            let seq = u64::from_be_bytes(seq.as_ref().try_into().map_err(|_| "sequence frame is not 8 bytes")?);
+            if seq < from || seq >= until {
+                continue;
+            }
+            match decode(payload) {
+                Ok((b, _)) => {
+                    apply(s, w, label, &b.events);
+                    applied += 1;
+                }
+                Err(_) => {
+                    s.metrics.kv_errors.get_or_create(label).inc();
+                }
+            }
+        }
+        Ok::<u64, String>(applied)
+    };
+    match tokio::time::timeout(REPLAY_TIMEOUT, work).await {
+        Ok(Ok(n)) => {
+            tracing::info!(worker = %label.worker, from, until, applied = n, "kv events: gap replayed");
+            n
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(worker = %label.worker, error = %e, "kv events: replay failed");
+            0
+        }
+        Err(_) => {
+            tracing::warn!(worker = %label.worker, "kv events: replay timed out");
+            0
+        }
+    }
+}
+
+/// A bounded cache of request token ids, keyed by a hash of (model, prompt JSON).
+#[derive(Debug)]
+pub struct TokenCache {
+    map: lru::LruCache<u64, Arc<[u32]>>,
+    tokens: usize,
+}
+
+impl Default for TokenCache {
+    fn default() -> Self {
+        TokenCache { map: lru::LruCache::unbounded(), tokens: 0 }
+    }
+}
+
+impl TokenCache {
+    /// The cached tokens of `key`.
+    pub fn get(&mut self, key: u64) -> Option<Arc<[u32]>> {
+        self.map.get(&key).cloned()
+    }
+
+    /// Caches `tokens` under `key`, evicting the least recently used beyond
+    /// [`TOKEN_CACHE_TOKENS`].
+    pub fn put(&mut self, key: u64, tokens: Arc<[u32]>) {
+        if tokens.len() > TOKEN_CACHE_TOKENS {
+            return;
+        }
+        self.tokens += tokens.len();
+        if let Some(old) = self.map.put(key, tokens) {
+            self.tokens -= old.len();
+        }
+        while self.tokens > TOKEN_CACHE_TOKENS {
+            match self.map.pop_lru() {
+                Some((_, t)) => self.tokens -= t.len(),
+                None => break,
+            }
+        }
+    }
+}
+
+/// Why a request is routed without token ids.
+pub type NotTokenized = &'static str;
+
+/// The request's prompt token ids as the engine will see them: carried by the request
+/// (`input_ids`, a token-list prompt), else from a worker's `/tokenize` (vLLM's: `model`
+/// with `messages` or `prompt`; the engine applies its chat template), cached.
+///
+/// # Errors
+/// `not_tokenized` when no worker could tokenize it.
+pub async fn request_tokens(
+    s: &AppState,
+    body: &[u8],
+    info: &crate::request::RoutingInfo,
+) -> Result<Arc<[u32]>, NotTokenized> {
+    if let Some(t) = &info.token_ids {
+        return Ok(t.as_slice().into());
+    }
+    let v: serde_json::Value = serde_json::from_slice(body).map_err(|_| "not_tokenized")?;
+    let mut req = serde_json::Map::new();
+    req.insert("model".into(), serde_json::Value::String(info.model.clone()));
+    for k in ["messages", "prompt"] {
+        if let Some(x) = v.get(k) {
+            req.insert(k.into(), x.clone());
+        }
+    }
+    let req = serde_json::Value::Object(req);
+    let key = kvroute_core::hash::stable_hash(&serde_json::to_vec(&req).unwrap_or_default());
+    if let Some(t) = s.tokens.lock().get(key) {
+        return Ok(t);
+    }
+    // Any tracked, healthy worker's tokenizer (they serve the same model).
+    let urls: Vec<String> = {
+        let ix = s.precise.lock();
+        s.workers
+            .read()
+            .iter()
+            .filter(|w| w.health == kvroute_core::types::Health::Healthy && ix.is_tracked(WorkerId(w.id)))
+            .filter(|w| info.model.is_empty() || w.serves(&info.model))
+            .map(|w| w.url.clone())
+            .collect()
+    };
+    for url in urls.iter().take(2) {
+        let r = s.client.post(format!("{url}/tokenize")).timeout(TOKENIZE_TIMEOUT).json(&req).send().await;
+        let Ok(r) = r else { continue };
+        if !r.status().is_success() {
+            continue;
+        }
+        #[derive(serde::Deserialize)]
+        struct Tokenized {
+            tokens: Vec<u32>,
+        }
+        if let Ok(t) = r.json::<Tokenized>().await {
+            let t: Arc<[u32]> = t.tokens.into();
+            s.tokens.lock().put(key, Arc::clone(&t));
+            return Ok(t);
+        }
+    }
+    Err("not_tokenized")
+}
