@@ -236,3 +236,112 @@ async fn routes_on_precise_prefix_state_recovered_from_engine_events() {
     stop.cancel();
     let _ = task.await;
 }
+
+/// A publisher restart (sequence going back) clears what the router knew of that worker,
+/// and a malformed message is counted, not fatal. The test is the engine here: it publishes
+/// batches itself on a PUB socket for a worker whose HTTP side is engine-sim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
+    use kvroute_gateway::kv_events::{EventBatch, encode, frames};
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (w0, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker 0");
+    let (w1, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker 1");
+    let pport = free_port();
+    let mut publisher = zeromq::PubSocket::new();
+    publisher.bind(&format!("tcp://127.0.0.1:{pport}")).await.expect("bind pub");
+    let gw = kvroute_gateway::GatewayConfig {
+        port: 0,
+        policy: "prefill_cost".into(),
+        worker_urls: vec![w0.clone(), w1.clone()],
+        kv_events: vec![kvroute_gateway::config::KvEventSource {
+            worker: w1.clone(),
+            endpoint: format!("tcp://127.0.0.1:{pport}"),
+            replay: None,
+        }],
+        ..Default::default()
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let router = format!("http://{}", listener.local_addr().expect("addr"));
+    let rstop = stop.clone();
+    let task = tokio::spawn(kvroute_gateway::serve(listener, gw, async move { rstop.cancelled().await }));
+    let c = reqwest::Client::new();
+    let mut seq = 0u64;
+    let mut publish = async |publisher: &mut zeromq::PubSocket, seq: u64, events: Vec<KvEvent>| {
+        let batch = EventBatch { ts: 0.0, events, dp_rank: None };
+        let msg = zeromq::ZmqMessage::try_from(frames("", seq, encode(&batch, Encoding::Legacy).into())).expect("msg");
+        publisher.send(msg).await.expect("publish");
+    };
+    // Empty batches until the subscription is live.
+    let mut live = false;
+    for _ in 0..100 {
+        publish(&mut publisher, seq, Vec::new()).await;
+        seq += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if metric(&c, &router, "kvroute_kv_event_batches_total", &w1).await >= 1.0 {
+            live = true;
+            break;
+        }
+    }
+    assert!(live, "the router never received a batch");
+    let doc = "abcdefghijklmnop".repeat(64); // 1,024 chars = 256 tokens = 16 blocks
+    let tokens = pseudo_tokens(&doc);
+    let stored = KvEvent::BlockStored {
+        block_hashes: (0..16).map(|i| 0xdead_0000 + i).collect(),
+        parent_block_hash: None,
+        token_ids: tokens,
+        block_size: 16,
+        medium: Some("GPU".into()),
+        group_idx: 0,
+    };
+    publish(&mut publisher, seq, vec![stored]).await;
+    seq += 1;
+    // Garbage: counted as an error, the subscriber carries on.
+    let junk = zeromq::ZmqMessage::try_from(vec![Bytes::from_static(b"t"), Bytes::from_static(b"short")]).expect("msg");
+    publisher.send(junk).await.expect("publish junk");
+    let ask = async || {
+        let r = c
+            .post(format!("{router}/v1/completions"))
+            .json(&serde_json::json!({"model": "sim-llama-3-8b", "prompt": format!("{doc} more"), "max_tokens": 1}))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status(), 200);
+        let worker = r.headers().get("x-kvroute-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+        let d = r.headers().get("x-kvroute-decision").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+        (worker, d)
+    };
+    let mut seen = false;
+    for _ in 0..50 {
+        let (worker, d) = ask().await;
+        if d.contains("matched=256/") {
+            assert_eq!(worker, w1, "{d}");
+            assert!(d.contains("prefix=precise"), "{d}");
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(seen, "the stored blocks never reached the router");
+    assert!(metric(&c, &router, "kvroute_kv_event_errors_total", &w1).await >= 1.0);
+
+    // The publisher restarts: its sequence starts again at 0.
+    publish(&mut publisher, 0, Vec::new()).await;
+    let mut cleared = false;
+    for _ in 0..100 {
+        if metric(&c, &router, "kvroute_kv_event_restarts_total", &w1).await >= 1.0 {
+            cleared = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(cleared, "the restart was not noticed");
+    let (worker, d) = ask().await;
+    assert!(d.contains("matched=0/"), "worker 1's blocks must be gone after the restart: {d}");
+    if worker == w1 {
+        assert!(d.contains("prefix=precise"), "{d}");
+    }
+    let _ = seq;
+    stop.cancel();
+    let _ = task.await;
+}
