@@ -267,7 +267,7 @@ async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
     let task = tokio::spawn(kvroute_gateway::serve(listener, gw, async move { rstop.cancelled().await }));
     let c = reqwest::Client::new();
     let mut seq = 0u64;
-    let mut publish = async |publisher: &mut zeromq::PubSocket, seq: u64, events: Vec<KvEvent>| {
+    let publish = async |publisher: &mut zeromq::PubSocket, seq: u64, events: Vec<KvEvent>| {
         let batch = EventBatch { ts: 0.0, events, dp_rank: None };
         let msg = zeromq::ZmqMessage::try_from(frames("", seq, encode(&batch, Encoding::Legacy).into())).expect("msg");
         publisher.send(msg).await.expect("publish");
