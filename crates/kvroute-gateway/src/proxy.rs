@@ -108,6 +108,17 @@ pub enum Precise {
     Unavailable(&'static str),
 }
 
+/// The routing view of a request, keyed on the engine's token ids when they are known
+/// (exact `input_tokens`), else as [`view`].
+pub fn precise_view<'a>(info: &'a RoutingInfo, precise: &'a Precise) -> RequestView<'a> {
+    let mut req = view(info, &info.model);
+    if let Precise::Tokens(t) = precise {
+        req.token_ids = Some(t);
+        req.input_tokens = t.len().min(u32::MAX as usize) as u32;
+    }
+    req
+}
+
 /// Where the chosen worker's prefix state came from: `precise`, or `approximate` and why.
 pub fn prefix_source(p: &Precise, chosen_precise: bool) -> (&'static str, &'static str) {
     match p {
@@ -167,11 +178,7 @@ pub fn decide_with(
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no worker is registered")
         });
     }
-    let mut req = view(info, &info.model);
-    if let Precise::Tokens(t) = precise {
-        req.token_ids = Some(t);
-        req.input_tokens = t.len().min(u32::MAX as usize) as u32;
-    }
+    let req = precise_view(info, precise);
     let t0 = Instant::now();
     let d = {
         let mut p = s.policy.lock();
@@ -285,11 +292,7 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
     } else {
         format!("; prefix={source}({reason})")
     });
-    let mut req = view(&info, &info.model);
-    if let Precise::Tokens(t) = &precise {
-        req.token_ids = Some(t);
-        req.input_tokens = t.len().min(u32::MAX as usize) as u32;
-    }
+    let req = precise_view(&info, &precise);
     let cached = estimated_cached_tokens(&d, req.input_tokens);
     let uncached = (req.input_tokens as u64).saturating_sub(cached);
     let output = info.max_tokens.unwrap_or(256) as u64;

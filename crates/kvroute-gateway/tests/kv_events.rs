@@ -126,6 +126,25 @@ async fn kv_events_round_trip_legacy_encoding() {
     run(Encoding::Legacy).await;
 }
 
+/// Starts the gateway with `cfg` on an ephemeral port until `stop`; returns its URL once it
+/// answers `/health`.
+async fn start_router(
+    cfg: kvroute_gateway::GatewayConfig,
+    stop: tokio_util::sync::CancellationToken,
+) -> (String, tokio::task::JoinHandle<anyhow::Result<()>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let router = format!("http://{}", listener.local_addr().expect("addr"));
+    let task = tokio::spawn(kvroute_gateway::serve(listener, cfg, async move { stop.cancelled().await }));
+    let c = reqwest::Client::new();
+    for _ in 0..200 {
+        if c.get(format!("{router}/health")).send().await.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (router, task)
+}
+
 async fn metric(client: &reqwest::Client, router: &str, name: &str, worker: &str) -> f64 {
     let text = client.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
     text.lines()
@@ -188,16 +207,7 @@ async fn routes_on_precise_prefix_state_recovered_from_engine_events() {
         kv_events: sources,
         ..Default::default()
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let router = format!("http://{}", listener.local_addr().expect("addr"));
-    let rstop = stop.clone();
-    let task = tokio::spawn(kvroute_gateway::serve(listener, gw, async move { rstop.cancelled().await }));
-    for _ in 0..200 {
-        if c.get(format!("{router}/health")).send().await.is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (router, task) = start_router(gw, stop.clone()).await;
     tokio::time::sleep(Duration::from_millis(500)).await; // subscriptions propagate
 
     // New traffic on worker 1 (directly again) publishes a batch with a sequence above 0:
@@ -261,10 +271,7 @@ async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
         }],
         ..Default::default()
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let router = format!("http://{}", listener.local_addr().expect("addr"));
-    let rstop = stop.clone();
-    let task = tokio::spawn(kvroute_gateway::serve(listener, gw, async move { rstop.cancelled().await }));
+    let (router, task) = start_router(gw, stop.clone()).await;
     let c = reqwest::Client::new();
     let mut seq = 0u64;
     let publish = async |publisher: &mut zeromq::PubSocket, seq: u64, events: Vec<KvEvent>| {
@@ -295,7 +302,6 @@ async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
         group_idx: 0,
     };
     publish(&mut publisher, seq, vec![stored]).await;
-    seq += 1;
     // Garbage: counted as an error, the subscriber carries on.
     let junk = zeromq::ZmqMessage::try_from(vec![Bytes::from_static(b"t"), Bytes::from_static(b"short")]).expect("msg");
     publisher.send(junk).await.expect("publish junk");
@@ -341,7 +347,6 @@ async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
     if worker == w1 {
         assert!(d.contains("prefix=precise"), "{d}");
     }
-    let _ = seq;
     stop.cancel();
     let _ = task.await;
 }
