@@ -199,12 +199,15 @@ fn engine_reported_cached_tokens_override_the_policies_own_estimate() {
     // Worker 1 reports (from KV events) that it holds 300 of the prompt's tokens; worker 0
     // publishes no events and has never seen the prompt. Both policies follow the engine.
     let prompt = DOC.repeat(16); // 336 tokens at 4 characters per token
-    let mut c = fleet(&[0, 0]);
+    let mut c = fleet(&[1, 1]);
     c[1].cached_tokens = Some(300);
-    for name in ["prefill_cost", "kv_score"] {
+    for name in ["prefill_cost", "kv_score", "cache_aware", "prefix_affinity", "lmetric", "unified"] {
         let mut p = build(name, &serde_json::Value::Null).expect("build");
         let d = go(p.as_mut(), &prompt, &c, 1);
         assert_eq!(d.worker, WorkerId(1), "{name}");
+        if name != "kv_score" {
+            assert_eq!((d.matched, d.unit), (300, kvroute_core::policy::MatchUnit::Tokens), "{name}");
+        }
     }
     let mut p = build("prefill_cost", &serde_json::Value::Null).expect("build");
     let d = go(p.as_mut(), &prompt, &c, 1);
@@ -212,7 +215,7 @@ fn engine_reported_cached_tokens_override_the_policies_own_estimate() {
     // The engine says worker 1 evicted it all: the router's own memory of having sent the
     // prompt there does not count for a worker with events.
     c[1].cached_tokens = Some(0);
-    c[0].in_flight = 1;
+    c[0].in_flight = 2;
     let d = go(p.as_mut(), &prompt, &c, 1);
     assert_eq!((d.worker, d.matched), (WorkerId(1), 0));
 }
@@ -262,4 +265,25 @@ fn all_unhealthy_is_an_error_not_a_panic() {
         assert!(route(p.as_mut(), &RequestView::from_text("m", "hi"), &c, &mut ctx).is_err(), "{name}");
         assert!(route(p.as_mut(), &RequestView::from_text("m", "hi"), &[], &mut ctx).is_err(), "{name}");
     }
+}
+
+#[test]
+fn cache_aware_mixes_precise_and_approximate_workers_by_match_rate() {
+    // Worker 0 publishes no events (its tree entry counts); worker 1 does (its engine count
+    // counts, its tree entry does not).
+    let prompt = DOC.repeat(16);
+    let mut p = build("cache_aware", &serde_json::Value::Null).expect("build");
+    let mut c = fleet(&[1, 1]);
+    c[1].cached_tokens = Some(0);
+    let view = RequestView::from_text("m", &prompt);
+    p.on_routed(&view, WorkerId(0), Nanos::from_secs(1));
+    p.on_routed(&view, WorkerId(1), Nanos::from_secs(1));
+    let d = go(p.as_mut(), &prompt, &c, 1);
+    assert_eq!((d.worker, d.unit), (WorkerId(0), kvroute_core::policy::MatchUnit::Chars));
+    assert_eq!(d.matched, prompt.len() as u64);
+    // Both hold all of it now; the less loaded one of the two wins.
+    c[1].cached_tokens = Some(view.input_tokens as u64);
+    c[0].in_flight = 2;
+    let d = go(p.as_mut(), &prompt, &c, 1);
+    assert_eq!((d.worker, d.matched, d.unit), (WorkerId(1), view.input_tokens as u64, kvroute_core::policy::MatchUnit::Tokens));
 }

@@ -4,7 +4,8 @@
 //! Shared state, per worker: an LRU set of 512-token block hashes
 //! ([`LruBlockSet`], `inst.cached_blocks`) updated when a request is dispatched
 //! ([`Policy::on_routed`]); `estimate_cache_hit` is the longest leading run of the request's
-//! blocks in that set, converted to tokens. Load comes from the worker view:
+//! blocks in that set, converted to tokens — or, for a worker that publishes KV events
+//! ([`WorkerView::cached_tokens`] set), the engine's own count. Load comes from the worker view:
 //! `num_requests` = [`WorkerView::load`] (waiting + running), `pending_prefill_tokens` =
 //! [`WorkerView::pending_prefill_tokens`].
 //!
@@ -139,7 +140,10 @@ pub struct B3 {
 #[derive(Debug, Clone, Copy)]
 struct Terms {
     id: WorkerId,
-    hit_blocks: u64,
+    /// What the worker holds of the request: `(matched, total, unit)`.
+    hit: (u64, u64, MatchUnit),
+    /// Cached prompt tokens (`cache_hit`).
+    cache_hit: u64,
     new_prefill: u64,
     bs: u64,
     score: u128,
@@ -175,18 +179,24 @@ impl B3 {
     }
 
     fn terms(&self, w: &WorkerView, req: &RequestView<'_>) -> Terms {
-        let hit_blocks = self.cached.get(&w.id).map_or(0, |s| s.estimate_cache_hit(&self.scratch)) as u64;
         let input = req.input_tokens as u64;
-        let cache_hit = (hit_blocks * self.block_size_of(req)).min(input);
+        let (cache_hit, hit) = match w.cached_tokens {
+            // Precise: the engine's own count from its KV events.
+            Some(t) => (t.min(input), (t.min(input), input, MatchUnit::Tokens)),
+            None => {
+                let blocks = self.cached.get(&w.id).map_or(0, |s| s.estimate_cache_hit(&self.scratch)) as u64;
+                ((blocks * self.block_size_of(req)).min(input), (blocks, self.scratch.len() as u64, MatchUnit::Blocks))
+            }
+        };
         let new_prefill = input - cache_hit;
         let bs = w.load() as u64;
         let p_tokens = w.pending_prefill_tokens.saturating_add(new_prefill);
-        Terms { id: w.id, hit_blocks, new_prefill, bs, score: p_tokens as u128 * bs as u128 }
+        Terms { id: w.id, hit, cache_hit, new_prefill, bs, score: p_tokens as u128 * bs as u128 }
     }
 
     fn decision(&self, t: &Terms, branch: Branch) -> Decision {
         Decision::new(t.id, branch)
-            .with_match(t.hit_blocks, self.scratch.len() as u64, MatchUnit::Blocks)
+            .with_match(t.hit.0, t.hit.1, t.hit.2)
             .with_score(t.score as f64)
     }
 
@@ -233,8 +243,7 @@ impl B3 {
             was_bound = true;
             if let Some(a) = routable().find(|w| w.id == bound) {
                 let t = self.terms(a, req);
-                let cache_hit = (t.hit_blocks * self.block_size_of(req)).min(req.input_tokens as u64);
-                let hit_ratio = cache_hit as f64 / (req.input_tokens.max(1)) as f64;
+                let hit_ratio = t.cache_hit as f64 / (req.input_tokens.max(1)) as f64;
                 if hit_ratio > self.cfg.hit_ratio_threshold && t.bs as f64 <= avg_reqs * self.cfg.overload_factor {
                     return Some(self.decision(&t, Branch::Sticky));
                 }

@@ -16,6 +16,10 @@
 //!      `low_match`;
 //!    - a request with no key: least load. Branch `no_prefix`.
 //!
+//!    A worker that publishes KV events ([`WorkerView::cached_tokens`] set) is matched by
+//!    the engine's cached tokens / prompt tokens instead of the tree (precise prefix state,
+//!    as SMG's event-driven mode does); the others by the tree ([`BestMatch`]).
+//!
 //! The prompt is inserted for the chosen worker ([`Policy::on_routed`]). Every
 //! `eviction_interval_secs` ([`Policy::maintain`]) least-recently-used leaves are evicted
 //! until the tree holds at most `max_tree_size` symbols — one budget for the whole model,
@@ -29,7 +33,7 @@
 //! | `eviction_interval_secs` | 60 | seconds |
 //! | `max_tree_size` | 16,777,216 | symbols (chars, tokens or blocks) |
 
-use crate::policy::util::{PrefixKey, PrefixTrees, argmin_by, load_range, rotate, routable_set};
+use crate::policy::util::{BestMatch, PrefixKey, PrefixTrees, argmin_by, load_range, rotate};
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -117,19 +121,17 @@ impl Policy for CacheAware {
             return Ok(Decision::new(w, branch));
         }
         let Some(key) = key else { return Err(RouteError::NoWorker) };
-        let allowed = routable_set(c);
-        let m = self.trees.prefix_match(key, Some(&allowed));
-        let rate = m.matched as f64 / key.len() as f64;
-        let (w, branch) = if rate > self.cfg.cache_threshold && !m.tenants.is_empty() {
-            (self.least_loaded(c, |w| m.tenants.contains(&w.id)), Branch::HighMatch)
+        let m = BestMatch::of(&self.trees, key, req, c);
+        let (w, branch) = if m.rate > self.cfg.cache_threshold && !m.holders.is_empty() {
+            (self.least_loaded(c, |w| m.holders.contains(&w.id)), Branch::HighMatch)
         } else {
             let trees = &self.trees;
             let tied = argmin_by(c, |_| true, |w| (trees.tenant_size(w.id), w.load()));
             (rotate(&tied, &mut self.rotation), Branch::LowMatch)
         };
         let w = w.ok_or(RouteError::NoWorker)?;
-        let matched = if m.tenants.contains(&w) { m.matched } else { 0 };
-        Ok(Decision::new(w, branch).with_match(matched as u64, key.len() as u64, key.unit()))
+        let (matched, total, unit) = m.matched_on(w, key, req, c);
+        Ok(Decision::new(w, branch).with_match(matched, total, unit))
     }
 
     fn on_routed(&mut self, req: &RequestView<'_>, worker: WorkerId, now: Nanos) {

@@ -12,6 +12,9 @@
 //!      state (smallest tenants: least KV-cache utilisation), to increase utilisation.
 //!      Branch `low_match`;
 //!    - no prefix data (no key): Power of Two Choices over all. Branch `no_prefix`.
+//!
+//!    A replica that publishes KV events ([`WorkerView::cached_tokens`] set) is matched by
+//!    the engine's cached tokens / prompt tokens instead of the tree ([`BestMatch`]).
 //! 3. Power of Two Choices then picks within the narrowed set (Ray's router extends
 //!    `PowerOfTwoChoicesRequestRouter` and falls back to it).
 //!
@@ -29,7 +32,7 @@
 //! | `eviction_target_chars` | 360,000 | chars (symbols) |
 //! | `eviction_interval_secs` | 10 | seconds |
 
-use crate::policy::util::{PrefixKey, PrefixTrees, argmin_by, load_range, power_of_two, routable_ids, routable_set};
+use crate::policy::util::{BestMatch, PrefixKey, PrefixTrees, argmin_by, load_range, power_of_two, routable_ids};
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -108,29 +111,32 @@ impl Policy for PrefixAffinity {
         let (lowest, highest) = load_range(c).ok_or(RouteError::NoWorker)?;
         let all = routable_ids(c);
         let key = PrefixKey::of(req);
-        let (set, branch, matched): (SmallVec<[WorkerId; 16]>, Branch, usize) =
+        let (set, branch, matched): (SmallVec<[WorkerId; 16]>, Branch, Option<BestMatch>) =
             if highest - lowest > self.cfg.imbalanced_threshold {
-                (all, Branch::Imbalanced, 0)
+                (all, Branch::Imbalanced, None)
             } else if let Some(key) = key {
-                let m = self.trees.prefix_match(key, Some(&routable_set(c)));
-                let rate = m.matched as f64 / key.len() as f64;
-                if rate < self.cfg.match_rate_threshold {
+                let m = BestMatch::of(&self.trees, key, req, c);
+                if m.rate < self.cfg.match_rate_threshold {
                     let trees = &self.trees;
                     let smallest = argmin_by(c, |_| true, |w| trees.tenant_size(w.id));
-                    (smallest.into_iter().collect(), Branch::LowMatch, 0)
-                } else if m.tenants.is_empty() {
-                    (all, Branch::NoPrefix, 0)
+                    (smallest.into_iter().collect(), Branch::LowMatch, None)
+                } else if m.holders.is_empty() {
+                    (all, Branch::NoPrefix, None)
                 } else {
-                    (m.tenants.iter().copied().collect(), Branch::HighMatch, m.matched)
+                    (m.holders.iter().copied().collect(), Branch::HighMatch, Some(m))
                 }
             } else {
-                (all, Branch::NoPrefix, 0)
+                (all, Branch::NoPrefix, None)
             };
         let w = power_of_two(&set, c, ctx.rng).ok_or(RouteError::NoWorker)?;
         let d = Decision::new(w, branch);
-        Ok(match key {
-            Some(k) => d.with_match(matched as u64, k.len() as u64, k.unit()),
-            None => d,
+        Ok(match (key, matched) {
+            (Some(k), Some(m)) => {
+                let (matched, total, unit) = m.matched_on(w, k, req, c);
+                d.with_match(matched, total, unit)
+            }
+            (Some(k), None) => d.with_match(0, k.len() as u64, k.unit()),
+            (None, _) => d,
         })
     }
 

@@ -109,6 +109,63 @@ impl PrefixTrees {
     }
 }
 
+/// The best prefix match of a request over the routable workers, mixing the two sources of
+/// prefix state per worker: a worker with [`WorkerView::cached_tokens`] set (it publishes
+/// KV events) is matched by the engine's count, every other worker by the policy's own
+/// approximate tree. Match rates (matched / prompt, in each source's unit) are compared.
+#[derive(Debug, Clone, Default)]
+pub struct BestMatch {
+    /// Best match rate in [0, 1].
+    pub rate: f64,
+    /// Every routable worker reaching `rate` (empty when `rate` is 0), in candidate order.
+    pub holders: SmallVec<[WorkerId; 8]>,
+    /// The tree's deepest match among the approximate workers, in the key's unit.
+    tree: PrefixMatch,
+}
+
+impl BestMatch {
+    /// Matches `key` (of `req`) over `c`: precise workers by their engine count, the others
+    /// in `trees`. With no precise worker this is exactly `trees.prefix_match` over the
+    /// routable set. O(len(key) + workers).
+    pub fn of(trees: &PrefixTrees, key: PrefixKey<'_>, req: &RequestView<'_>, c: &[WorkerView]) -> Self {
+        let approx = TenantSet::from_ids(c.iter().filter(|w| w.is_routable() && w.cached_tokens.is_none()).map(|w| w.id));
+        let tree = trees.prefix_match(key, Some(&approx));
+        let tree_rate = tree.matched as f64 / key.len().max(1) as f64;
+        let input = u64::from(req.input_tokens.max(1));
+        let precise_rate = |w: &WorkerView| w.cached_tokens.map(|t| t.min(input) as f64 / input as f64);
+        let best = c
+            .iter()
+            .filter(|w| w.is_routable())
+            .filter_map(precise_rate)
+            .fold(tree_rate, f64::max);
+        let mut holders = SmallVec::new();
+        if best > 0.0 {
+            for w in c.iter().filter(|w| w.is_routable()) {
+                let hit = match precise_rate(w) {
+                    Some(r) => r >= best,
+                    None => tree_rate >= best && tree.tenants.contains(&w.id),
+                };
+                if hit {
+                    holders.push(w.id);
+                }
+            }
+        }
+        BestMatch { rate: best, holders, tree }
+    }
+
+    /// What `w` holds of the request, as `(matched, total, unit)` for a decision: the
+    /// engine's tokens for a precise worker, the tree's deepest match for a holder of it,
+    /// else nothing.
+    pub fn matched_on(&self, w: WorkerId, key: PrefixKey<'_>, req: &RequestView<'_>, c: &[WorkerView]) -> (u64, u64, MatchUnit) {
+        if let Some(t) = c.iter().find(|v| v.id == w).and_then(|v| v.cached_tokens) {
+            let input = u64::from(req.input_tokens);
+            return (t.min(input), input, MatchUnit::Tokens);
+        }
+        let matched = if self.tree.tenants.contains(&w) { self.tree.matched } else { 0 };
+        (matched as u64, key.len() as u64, key.unit())
+    }
+}
+
 /// Routable candidates' ids as a tenant set.
 pub fn routable_set(candidates: &[WorkerView]) -> TenantSet {
     TenantSet::from_ids(candidates.iter().filter(|w| w.is_routable()).map(|w| w.id))
