@@ -55,11 +55,21 @@ pub struct PreciseConfig {
     pub max_blocks_per_worker: usize,
     /// Bound of each tier's block index, in (block, worker) entries (default 4,194,304).
     pub max_entries: usize,
+    /// Predict-on-route window, seconds (default 2; 0 turns it off): after a request is
+    /// routed to a worker, its blocks count as held by that worker for this long or until
+    /// the engine's own events say otherwise, so siblings arriving before the engine's
+    /// `BlockStored` (it is sent when the prefill ends) follow it. See [`PredictWindow`].
+    pub predict_window_secs: f64,
 }
 
 impl Default for PreciseConfig {
     fn default() -> Self {
-        PreciseConfig { lower_tier_weight: 0.5, max_blocks_per_worker: 1 << 20, max_entries: 1 << 22 }
+        PreciseConfig {
+            lower_tier_weight: 0.5,
+            max_blocks_per_worker: 1 << 20,
+            max_entries: 1 << 22,
+            predict_window_secs: 2.0,
+        }
     }
 }
 
@@ -112,6 +122,7 @@ pub struct PreciseIndex {
     lower: BlockIndex,
     workers: HashMap<WorkerId, WorkerState>,
     stats: PreciseStats,
+    predicted: PredictWindow,
     buf: Vec<u8>,
 }
 
@@ -125,6 +136,10 @@ impl PreciseIndex {
             lower: BlockIndex::new(icfg),
             workers: HashMap::new(),
             stats: PreciseStats::default(),
+            predicted: PredictWindow::new(
+                Nanos::from_secs_f64(cfg.predict_window_secs.max(0.0)),
+                cfg.max_entries.max(1),
+            ),
             buf: Vec::new(),
         }
     }
@@ -140,6 +155,7 @@ impl PreciseIndex {
         if self.workers.remove(&worker).is_some() {
             self.gpu.clear_worker(worker);
             self.lower.clear_worker(worker);
+            self.predicted.clear_worker(worker);
         }
     }
 
@@ -170,7 +186,18 @@ impl PreciseIndex {
             w.blocks.clear();
             self.gpu.clear_worker(worker);
             self.lower.clear_worker(worker);
+            self.predicted.clear_worker(worker);
             self.stats.clears += 1;
+        }
+    }
+
+    /// Records that a request with own block hashes `hashes` was just routed to `worker`:
+    /// they count as held (fully, like GPU blocks) for the predict window, so a sibling
+    /// routed before the engine's `BlockStored` arrives finds them. Ignored for untracked
+    /// workers and when the window is 0.
+    pub fn predict(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Nanos) {
+        if self.workers.contains_key(&worker) {
+            self.predicted.predict(worker, hashes, now);
         }
     }
 
@@ -252,13 +279,15 @@ impl PreciseIndex {
             Tier::Gpu => self.gpu.remove(worker, &own),
             Tier::Lower => self.lower.remove(worker, &own),
         }
+        self.predicted.forget(worker, &own);
         self.stats.removed += own.len() as u64;
     }
 
     /// Prompt tokens of a request that `worker` holds, as a weighted token count: the
     /// leading run of `hashes` (own hashes at `block_size` tokens per block, from
     /// [`hash_token_blocks`](crate::hash::hash_token_blocks)) found on the GPU counts
-    /// fully; the run continued on a lower tier counts `lower_tier_weight` per token.
+    /// fully (as do blocks inside the predict window, [`PreciseIndex::predict`]); the run
+    /// continued on a lower tier counts `lower_tier_weight` per token.
     /// `None` when the worker is not tracked. O(matched blocks).
     pub fn cached_tokens(&self, worker: WorkerId, hashes: &[BlockHash], block_size: u32, now: Nanos) -> Option<u64> {
         if !self.workers.contains_key(&worker) {
@@ -268,7 +297,7 @@ impl PreciseIndex {
         let mut any_run = 0usize;
         let mut on_gpu = true;
         for h in hashes {
-            let g = self.gpu.overlap(worker, std::slice::from_ref(h), now) > 0;
+            let g = self.gpu.overlap(worker, std::slice::from_ref(h), now) > 0 || self.predicted.holds(worker, *h, now);
             let l = !g && self.lower.overlap(worker, std::slice::from_ref(h), now) > 0;
             if !(g || l) {
                 break;
@@ -282,6 +311,105 @@ impl PreciseIndex {
         let bs = f64::from(block_size);
         let w = self.cfg.lower_tier_weight.clamp(0.0, 1.0);
         Some((gpu_run as f64 * bs + (any_run - gpu_run) as f64 * bs * w) as u64)
+    }
+}
+
+/// Predict-on-route: blocks a worker is assumed to hold because a request carrying them was
+/// just routed there, each until `window` after its last prediction. Engines publish
+/// `BlockStored` only when a prefill ends (vLLM, SGLang), so without this a burst of
+/// requests sharing a new prefix would all look like misses and scatter; llm-d's precise
+/// scorer and Dynamo's router keep the same kind of short-lived speculative entries.
+///
+/// Pure and bounded: at most `max_entries` (worker, block) entries, the oldest dropped
+/// first; expired entries are dropped as new ones arrive. O(1) per block.
+#[derive(Debug)]
+pub struct PredictWindow {
+    window: Nanos,
+    max_entries: usize,
+    until: HashMap<(WorkerId, BlockHash), Nanos>,
+    order: std::collections::VecDeque<(Nanos, WorkerId, BlockHash)>,
+}
+
+impl PredictWindow {
+    /// A window of `window` (zero: nothing is ever predicted) holding at most
+    /// `max_entries` entries.
+    pub fn new(window: Nanos, max_entries: usize) -> Self {
+        PredictWindow { window, max_entries: max_entries.max(1), until: HashMap::new(), order: Default::default() }
+    }
+
+    /// `worker` holds `hashes` until `now + window`.
+    pub fn predict(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Nanos) {
+        if self.window.0 == 0 {
+            return;
+        }
+        self.expire(now);
+        let until = now.saturating_add(self.window);
+        for &h in hashes {
+            self.until.insert((worker, h), until);
+            self.order.push_back((until, worker, h));
+        }
+        while self.until.len() > self.max_entries {
+            let Some((t, w, h)) = self.order.pop_front() else { break };
+            if self.until.get(&(w, h)) == Some(&t) {
+                self.until.remove(&(w, h));
+            }
+        }
+        // Stale queue entries (re-predicted blocks) are bounded by twice the live ones.
+        if self.order.len() > 2 * self.max_entries {
+            let live = &self.until;
+            self.order.retain(|(t, w, h)| live.get(&(*w, *h)) == Some(t));
+        }
+    }
+
+    /// Whether `worker` is predicted to hold `h` at `now`.
+    pub fn holds(&self, worker: WorkerId, h: BlockHash, now: Nanos) -> bool {
+        self.until.get(&(worker, h)).is_some_and(|t| *t > now)
+    }
+
+    /// Leading blocks of `hashes` that `worker` holds at `now` by prediction or by
+    /// `cached(h)` (the engine's own state), block by block.
+    pub fn run(
+        &self,
+        worker: WorkerId,
+        hashes: &[BlockHash],
+        now: Nanos,
+        cached: impl Fn(&BlockHash) -> bool,
+    ) -> usize {
+        hashes.iter().take_while(|h| cached(h) || self.holds(worker, **h, now)).count()
+    }
+
+    /// Drops the predictions of `hashes` on `worker` (the engine evicted them).
+    pub fn forget(&mut self, worker: WorkerId, hashes: &[BlockHash]) {
+        for h in hashes {
+            self.until.remove(&(worker, *h));
+        }
+    }
+
+    /// Drops every prediction for `worker`.
+    pub fn clear_worker(&mut self, worker: WorkerId) {
+        self.until.retain(|(w, _), _| *w != worker);
+    }
+
+    /// Live entries (for tests and metrics).
+    pub fn len(&self) -> usize {
+        self.until.len()
+    }
+
+    /// Whether no prediction is held.
+    pub fn is_empty(&self) -> bool {
+        self.until.is_empty()
+    }
+
+    fn expire(&mut self, now: Nanos) {
+        while let Some(&(t, w, h)) = self.order.front() {
+            if t > now {
+                break;
+            }
+            self.order.pop_front();
+            if self.until.get(&(w, h)) == Some(&t) {
+                self.until.remove(&(w, h));
+            }
+        }
     }
 }
 
@@ -375,5 +503,70 @@ mod tests {
         assert!(ix.blocks_of(W) <= 2);
         ix.stored(W, stored(&[9], None, &tokens[..4], Tier::Gpu), NOW);
         assert_eq!(ix.cached_tokens(W, &own(&tokens, 4), 4, NOW), Some(4));
+    }
+}
+
+#[cfg(test)]
+mod predict_tests {
+    use super::*;
+    use crate::hash::hash_token_blocks;
+
+    const W: WorkerId = WorkerId(1);
+
+    fn own(tokens: &[u32]) -> Vec<BlockHash> {
+        let mut out = Vec::new();
+        hash_token_blocks(tokens, 4, usize::MAX, HashAlgo::Xxh3, &mut out);
+        out
+    }
+
+    #[test]
+    fn a_routed_prompt_counts_until_the_window_ends_or_the_engine_evicts_it() {
+        let tokens: Vec<u32> = (0..16).collect();
+        let req = own(&tokens);
+        let mut ix = PreciseIndex::new(PreciseConfig::default());
+        ix.track(W);
+        assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(10)), Some(0));
+        // Routed at t = 10 s: a sibling at 11 s finds it, one at 12 s (window 2 s) does not.
+        ix.predict(W, &req[..3], Nanos::from_secs(10));
+        assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(11)), Some(12));
+        assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(12)), Some(0));
+        // The engine's BlockStored makes it permanent; its BlockRemoved ends it and the prediction.
+        ix.predict(W, &req, Nanos::from_secs(20));
+        ix.stored(
+            W,
+            StoredBlocks {
+                engine_hashes: &[7, 8],
+                parent: None,
+                token_ids: &tokens[..8],
+                block_size: 4,
+                tier: Tier::Gpu,
+            },
+            Nanos::from_secs(20),
+        );
+        ix.removed(W, &[8], Tier::Gpu);
+        assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(21)), Some(4));
+        assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(100)), Some(4));
+        // Untracked workers get no predictions; a clear drops them.
+        ix.predict(WorkerId(5), &req, Nanos::from_secs(30));
+        assert_eq!(ix.cached_tokens(WorkerId(5), &req, 4, Nanos::from_secs(30)), None);
+        ix.predict(W, &req, Nanos::from_secs(30));
+        ix.clear(W);
+        assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(30)), Some(0));
+    }
+
+    #[test]
+    fn the_window_is_bounded_and_zero_turns_it_off() {
+        let hs: Vec<BlockHash> = (0..100).map(BlockHash).collect();
+        let mut p = PredictWindow::new(Nanos::from_secs(5), 10);
+        for i in 0..100 {
+            p.predict(W, &hs[i..i + 1], Nanos(i as u64));
+        }
+        assert_eq!(p.len(), 10);
+        assert!(p.holds(W, hs[99], Nanos(100)) && !p.holds(W, hs[0], Nanos(100)));
+        assert_eq!(p.run(W, &hs[90..], Nanos(100), |_| false), 10);
+        assert_eq!(p.run(W, &hs[..], Nanos(100), |h| h.0 < 3), 3);
+        let mut off = PredictWindow::new(Nanos(0), 10);
+        off.predict(W, &hs, Nanos(0));
+        assert!(off.is_empty());
     }
 }

@@ -285,5 +285,8 @@ fn cache_aware_mixes_precise_and_approximate_workers_by_match_rate() {
     c[1].cached_tokens = Some(view.input_tokens as u64);
     c[0].in_flight = 2;
     let d = go(p.as_mut(), &prompt, &c, 1);
-    assert_eq!((d.worker, d.matched, d.unit), (WorkerId(1), view.input_tokens as u64, kvroute_core::policy::MatchUnit::Tokens));
+    assert_eq!(
+        (d.worker, d.matched, d.unit),
+        (WorkerId(1), view.input_tokens as u64, kvroute_core::policy::MatchUnit::Tokens)
+    );
 }

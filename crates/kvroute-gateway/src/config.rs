@@ -73,6 +73,10 @@ pub struct GatewayConfig {
     pub kv_events: Vec<KvEventSource>,
     /// Weight of a block held only on a lower tier (CPU, disk) in the precise index, in [0, 1].
     pub kv_lower_tier_weight: f64,
+    /// Predict-on-route window of the precise index, seconds (0 turns it off): a request's
+    /// blocks count as held by its worker this long or until the engine's events say
+    /// otherwise, covering siblings that arrive before the engine's `BlockStored`.
+    pub kv_predict_window_secs: f64,
 }
 
 /// Where one worker publishes its KV events (`shared/specs/kv-events.md`).
@@ -140,6 +144,7 @@ impl Default for GatewayConfig {
             health: HealthConfig::default(),
             kv_events: Vec::new(),
             kv_lower_tier_weight: 0.5,
+            kv_predict_window_secs: 2.0,
         }
     }
 }
@@ -223,6 +228,12 @@ impl GatewayConfig {
         }
         if !(0.0..=1.0).contains(&self.kv_lower_tier_weight) {
             return Err(err("kv_lower_tier_weight", format!("must be in [0, 1], got {}", self.kv_lower_tier_weight)));
+        }
+        if !(0.0..=3600.0).contains(&self.kv_predict_window_secs) {
+            return Err(err(
+                "kv_predict_window_secs",
+                format!("must be in [0, 3600] seconds, got {}", self.kv_predict_window_secs),
+            ));
         }
         Ok(())
     }

@@ -141,20 +141,18 @@ pub fn decide_with(
     precise: &Precise,
 ) -> Result<(Decision, WorkerUrls, bool), ApiError> {
     let (mut views, urls) = s.candidates(&info.model);
+    // Own hashes of the request per engine block size (one size in practice), computed
+    // outside the index lock so a long prompt does not hold up the event subscribers.
+    let mut by_size: Vec<(u32, Vec<kvroute_core::types::BlockHash>)> = Vec::new();
     if let Precise::Tokens(tokens) = precise {
-        let ix = s.precise.lock();
-        let now = s.now();
-        // Own hashes per engine block size (one size in practice).
-        let mut by_size: Vec<(u32, Vec<kvroute_core::types::BlockHash>)> = Vec::new();
-        for v in &mut views {
-            let Some(bs) = ix.block_size(v.id) else {
-                // Tracked but no BlockStored yet: the cache is empty as far as we know.
-                if ix.is_tracked(v.id) {
-                    v.cached_tokens = Some(0);
-                }
-                continue;
-            };
-            if !by_size.iter().any(|(b, _)| *b == bs) {
+        let sizes: Vec<(usize, Option<u32>, bool)> = {
+            let ix = s.precise.lock();
+            views.iter().enumerate().map(|(i, v)| (i, ix.block_size(v.id), ix.is_tracked(v.id))).collect()
+        };
+        for &(_, bs, _) in &sizes {
+            if let Some(bs) = bs
+                && !by_size.iter().any(|(b, _)| *b == bs)
+            {
                 let mut h = Vec::new();
                 kvroute_core::hash::hash_token_blocks(
                     tokens,
@@ -165,8 +163,20 @@ pub fn decide_with(
                 );
                 by_size.push((bs, h));
             }
-            let hashes = by_size.iter().find(|(b, _)| *b == bs).map(|(_, h)| h.as_slice()).unwrap_or_default();
-            v.cached_tokens = ix.cached_tokens(v.id, hashes, bs, now);
+        }
+        let ix = s.precise.lock();
+        let now = s.now();
+        for (i, bs, tracked) in sizes {
+            let v = &mut views[i];
+            v.cached_tokens = match bs {
+                Some(bs) => {
+                    let hashes = by_size.iter().find(|(b, _)| *b == bs).map(|(_, h)| h.as_slice()).unwrap_or_default();
+                    ix.cached_tokens(v.id, hashes, bs, now)
+                }
+                // Tracked but no BlockStored yet: the cache is empty as far as we know.
+                None if tracked => Some(0),
+                None => None,
+            };
         }
     }
     if views.is_empty() {
@@ -194,6 +204,16 @@ pub fn decide_with(
         s.metrics.match_rate.observe(d.match_rate());
     }
     let chosen_precise = views.iter().any(|v| v.id == d.worker && v.cached_tokens.is_some());
+    if chosen_precise {
+        // Predict-on-route: siblings arriving before the engine's BlockStored follow this one.
+        let mut ix = s.precise.lock();
+        if let Some(bs) = ix.block_size(d.worker)
+            && let Some((_, hashes)) = by_size.iter().find(|(b, _)| *b == bs)
+        {
+            let now = s.now();
+            ix.predict(d.worker, hashes, now);
+        }
+    }
     Ok((d, urls, chosen_precise))
 }
 

@@ -95,7 +95,11 @@ impl AppState {
     pub fn new(cfg: GatewayConfig) -> anyhow::Result<Arc<AppState>> {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let policy = kvroute_core::registry::build(&cfg.policy, &cfg.knobs_json())?;
-        let cfg_lower = cfg.kv_lower_tier_weight;
+        let precise_cfg = kvroute_core::precise::PreciseConfig {
+            lower_tier_weight: cfg.kv_lower_tier_weight,
+            predict_window_secs: cfg.kv_predict_window_secs,
+            ..Default::default()
+        };
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout_secs))
             .pool_max_idle_per_host(256)
@@ -109,10 +113,7 @@ impl AppState {
             client,
             metrics: Metrics::new(),
             start: Instant::now(),
-            precise: Mutex::new(kvroute_core::precise::PreciseIndex::new(kvroute_core::precise::PreciseConfig {
-                lower_tier_weight: cfg_lower,
-                ..Default::default()
-            })),
+            precise: Mutex::new(kvroute_core::precise::PreciseIndex::new(precise_cfg)),
             tokens: Mutex::new(Default::default()),
             next_id: AtomicU32::new(0),
         }))

@@ -350,3 +350,92 @@ async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
     stop.cancel();
     let _ = task.await;
 }
+
+/// Predict-on-route: engines publish `BlockStored` only when a prefill ends, so a sibling
+/// that arrives before it must still follow the first request. The test is both engines'
+/// publisher here and never publishes the first request's blocks: with the window the
+/// sibling goes to the first request's worker with its prefix counted (`prefix=precise`);
+/// with the window off, it finds nothing cached anywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predict_on_route_sends_siblings_after_the_first_request_before_block_stored() {
+    use kvroute_gateway::kv_events::{EventBatch, encode, frames};
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    for window in [600.0, 0.0] {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let mut workers = Vec::new();
+        let mut publishers = Vec::new();
+        let mut sources = Vec::new();
+        for _ in 0..2 {
+            let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
+            let pport = free_port();
+            let mut publisher = zeromq::PubSocket::new();
+            publisher.bind(&format!("tcp://127.0.0.1:{pport}")).await.expect("bind pub");
+            sources.push(kvroute_gateway::config::KvEventSource {
+                worker: w.clone(),
+                endpoint: format!("tcp://127.0.0.1:{pport}"),
+                replay: None,
+            });
+            workers.push(w);
+            publishers.push(publisher);
+        }
+        let gw = kvroute_gateway::GatewayConfig {
+            port: 0,
+            policy: "prefill_cost".into(),
+            worker_urls: workers.clone(),
+            kv_events: sources,
+            kv_predict_window_secs: window,
+            ..Default::default()
+        };
+        let (router, task) = start_router(gw, stop.clone()).await;
+        let c = reqwest::Client::new();
+        // Each engine announces one unrelated block (the router learns its block size),
+        // repeated until the subscription is live.
+        for (i, publisher) in publishers.iter_mut().enumerate() {
+            let mut live = false;
+            for seq in 0..100u64 {
+                let ev = KvEvent::BlockStored {
+                    block_hashes: vec![seq],
+                    parent_block_hash: None,
+                    token_ids: (0..16).map(|t| 90_000 + t).collect(),
+                    block_size: 16,
+                    medium: None,
+                    group_idx: 0,
+                };
+                let batch = EventBatch { ts: 0.0, events: vec![ev], dp_rank: None };
+                let msg =
+                    zeromq::ZmqMessage::try_from(frames("", seq, encode(&batch, Encoding::Map).into())).expect("msg");
+                publisher.send(msg).await.expect("publish");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                if metric(&c, &router, "kvroute_kv_event_batches_total", &workers[i]).await >= 1.0 {
+                    live = true;
+                    break;
+                }
+            }
+            assert!(live, "worker {i}'s events never reached the router");
+        }
+        let doc: String = (0..64).map(|i| format!("shared system prompt line {i:02}. ")).collect();
+        let send = async |prompt: String| {
+            let r = c
+                .post(format!("{router}/v1/completions"))
+                .json(&serde_json::json!({"model": "sim-llama-3-8b", "prompt": prompt, "max_tokens": 1}))
+                .send()
+                .await
+                .expect("send");
+            assert_eq!(r.status(), 200);
+            let h = |n: &str| r.headers().get(n).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+            (h("x-kvroute-worker"), h("x-kvroute-decision"))
+        };
+        let (first, d1) = send(format!("{doc}First question?")).await;
+        assert!(d1.contains("matched=0/") && d1.contains("prefix=precise"), "{d1}");
+        let (second, d2) = send(format!("{doc}Second question?")).await;
+        let want = (doc.len() as u64 / 4) / 16 * 16; // the document's full 16-token blocks
+        if window > 0.0 {
+            assert_eq!(second, first, "{d2}");
+            assert!(d2.contains(&format!("matched={want}/")) && d2.contains("prefix=precise"), "{d2}");
+        } else {
+            assert!(d2.contains("matched=0/") && d2.contains("prefix=precise"), "{d2}");
+        }
+        stop.cancel();
+        let _ = task.await;
+    }
+}

@@ -66,6 +66,9 @@ pub struct Args {
     /// (repeat, or separate with commas).
     #[arg(long, env = "KVROUTE_KV_EVENTS", num_args = 1.., value_delimiter = ',')]
     pub kv_events: Vec<String>,
+    /// Predict-on-route window of the precise index, seconds (0 turns it off).
+    #[arg(long, env = "KVROUTE_KV_PREDICT_WINDOW_SECS")]
+    pub kv_predict_window_secs: Option<f64>,
     /// Start N worker processes with --worker-cmd and route to them (seed 003 co-launch).
     #[arg(long, env = "KVROUTE_LAUNCH_WORKERS", default_value_t = 0)]
     pub launch_workers: usize,
@@ -103,7 +106,8 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         max_total_retries,
         max_in_flight_per_model,
         scrape_metrics,
-        seed
+        seed,
+        kv_predict_window_secs
     );
     if a.admin_token.is_some() {
         cfg.admin_token = a.admin_token.clone();

@@ -195,9 +195,7 @@ impl B3 {
     }
 
     fn decision(&self, t: &Terms, branch: Branch) -> Decision {
-        Decision::new(t.id, branch)
-            .with_match(t.hit.0, t.hit.1, t.hit.2)
-            .with_score(t.score as f64)
+        Decision::new(t.id, branch).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score as f64)
     }
 
     fn pick_lmetric(&self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<Decision> {

@@ -128,16 +128,13 @@ impl BestMatch {
     /// in `trees`. With no precise worker this is exactly `trees.prefix_match` over the
     /// routable set. O(len(key) + workers).
     pub fn of(trees: &PrefixTrees, key: PrefixKey<'_>, req: &RequestView<'_>, c: &[WorkerView]) -> Self {
-        let approx = TenantSet::from_ids(c.iter().filter(|w| w.is_routable() && w.cached_tokens.is_none()).map(|w| w.id));
+        let approx =
+            TenantSet::from_ids(c.iter().filter(|w| w.is_routable() && w.cached_tokens.is_none()).map(|w| w.id));
         let tree = trees.prefix_match(key, Some(&approx));
         let tree_rate = tree.matched as f64 / key.len().max(1) as f64;
         let input = u64::from(req.input_tokens.max(1));
         let precise_rate = |w: &WorkerView| w.cached_tokens.map(|t| t.min(input) as f64 / input as f64);
-        let best = c
-            .iter()
-            .filter(|w| w.is_routable())
-            .filter_map(precise_rate)
-            .fold(tree_rate, f64::max);
+        let best = c.iter().filter(|w| w.is_routable()).filter_map(precise_rate).fold(tree_rate, f64::max);
         let mut holders = SmallVec::new();
         if best > 0.0 {
             for w in c.iter().filter(|w| w.is_routable()) {
@@ -156,7 +153,13 @@ impl BestMatch {
     /// What `w` holds of the request, as `(matched, total, unit)` for a decision: the
     /// engine's tokens for a precise worker, the tree's deepest match for a holder of it,
     /// else nothing.
-    pub fn matched_on(&self, w: WorkerId, key: PrefixKey<'_>, req: &RequestView<'_>, c: &[WorkerView]) -> (u64, u64, MatchUnit) {
+    pub fn matched_on(
+        &self,
+        w: WorkerId,
+        key: PrefixKey<'_>,
+        req: &RequestView<'_>,
+        c: &[WorkerView],
+    ) -> (u64, u64, MatchUnit) {
         if let Some(t) = c.iter().find(|v| v.id == w).and_then(|v| v.cached_tokens) {
             let input = u64::from(req.input_tokens);
             return (t.min(input), input, MatchUnit::Tokens);
