@@ -191,14 +191,21 @@ impl PreciseIndex {
         }
     }
 
-    /// Records that a request with own block hashes `hashes` was just routed to `worker`:
-    /// they count as held (fully, like GPU blocks) for the predict window, so a sibling
-    /// routed before the engine's `BlockStored` arrives finds them. Ignored for untracked
+    /// Records at `now` that `worker` is about to hold the blocks `hashes` (own hashes) of a
+    /// request routed to it: they count as held (fully, like GPU blocks) until `until`, so a
+    /// sibling routed before the engine's `BlockStored` arrives finds them. Callers predict
+    /// at routing time until the request's deadline, then again at its first token until
+    /// `first token + predict window` (the event's delivery time). Ignored for untracked
     /// workers and when the window is 0.
-    pub fn predict(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Nanos) {
+    pub fn predict(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Nanos, until: Nanos) {
         if self.workers.contains_key(&worker) {
-            self.predicted.predict(worker, hashes, now);
+            self.predicted.predict(worker, hashes, now, until);
         }
+    }
+
+    /// The predict-on-route window ([`PreciseConfig::predict_window_secs`]).
+    pub fn predict_window(&self) -> Nanos {
+        self.predicted.window()
     }
 
     /// Applies a `BlockStored` event of `worker` (tracked implicitly). Our own hash of each
@@ -320,30 +327,49 @@ impl PreciseIndex {
 /// requests sharing a new prefix would all look like misses and scatter; llm-d's precise
 /// scorer and Dynamo's router keep the same kind of short-lived speculative entries.
 ///
-/// Pure and bounded: at most `max_entries` (worker, block) entries, the oldest dropped
-/// first; expired entries are dropped as new ones arrive. O(1) per block.
+/// Pure and bounded: at most `max_entries` (worker, block) entries, the oldest predictions
+/// dropped first (expired entries are ignored until then). O(1) amortised per block.
 #[derive(Debug)]
 pub struct PredictWindow {
     window: Nanos,
     max_entries: usize,
     until: HashMap<(WorkerId, BlockHash), Nanos>,
     order: std::collections::VecDeque<(Nanos, WorkerId, BlockHash)>,
+    /// Live-entry count at which expired entries are next swept out.
+    sweep_at: usize,
 }
 
 impl PredictWindow {
     /// A window of `window` (zero: nothing is ever predicted) holding at most
     /// `max_entries` entries.
     pub fn new(window: Nanos, max_entries: usize) -> Self {
-        PredictWindow { window, max_entries: max_entries.max(1), until: HashMap::new(), order: Default::default() }
+        PredictWindow {
+            window,
+            max_entries: max_entries.max(1),
+            until: HashMap::new(),
+            order: Default::default(),
+            sweep_at: 1024,
+        }
     }
 
-    /// `worker` holds `hashes` until `now + window`.
-    pub fn predict(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Nanos) {
+    /// The window (zero: off).
+    pub fn window(&self) -> Nanos {
+        self.window
+    }
+
+    /// `worker` holds `hashes` until `until` (a later prediction of a block replaces an
+    /// earlier one), predicted at `now`. Nothing happens when the window is zero.
+    pub fn predict(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Nanos, until: Nanos) {
         if self.window.0 == 0 {
             return;
         }
-        self.expire(now);
-        let until = now.saturating_add(self.window);
+        if self.until.len() >= self.sweep_at {
+            // Amortised O(1): sweep expired and stale entries when the map has doubled.
+            self.until.retain(|_, t| *t > now);
+            let live = &self.until;
+            self.order.retain(|(t, w, h)| live.get(&(*w, *h)) == Some(t));
+            self.sweep_at = (2 * self.until.len()).max(1024);
+        }
         for &h in hashes {
             self.until.insert((worker, h), until);
             self.order.push_back((until, worker, h));
@@ -398,18 +424,6 @@ impl PredictWindow {
     /// Whether no prediction is held.
     pub fn is_empty(&self) -> bool {
         self.until.is_empty()
-    }
-
-    fn expire(&mut self, now: Nanos) {
-        while let Some(&(t, w, h)) = self.order.front() {
-            if t > now {
-                break;
-            }
-            self.order.pop_front();
-            if self.until.get(&(w, h)) == Some(&t) {
-                self.until.remove(&(w, h));
-            }
-        }
     }
 }
 
@@ -526,12 +540,12 @@ mod predict_tests {
         let mut ix = PreciseIndex::new(PreciseConfig::default());
         ix.track(W);
         assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(10)), Some(0));
-        // Routed at t = 10 s: a sibling at 11 s finds it, one at 12 s (window 2 s) does not.
-        ix.predict(W, &req[..3], Nanos::from_secs(10));
+        // Predicted until t = 12 s: a sibling at 11 s finds it, one at 12 s does not.
+        ix.predict(W, &req[..3], Nanos::from_secs(10), Nanos::from_secs(12));
         assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(11)), Some(12));
         assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(12)), Some(0));
         // The engine's BlockStored makes it permanent; its BlockRemoved ends it and the prediction.
-        ix.predict(W, &req, Nanos::from_secs(20));
+        ix.predict(W, &req, Nanos::from_secs(20), Nanos::from_secs(22));
         ix.stored(
             W,
             StoredBlocks {
@@ -547,9 +561,9 @@ mod predict_tests {
         assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(21)), Some(4));
         assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(100)), Some(4));
         // Untracked workers get no predictions; a clear drops them.
-        ix.predict(WorkerId(5), &req, Nanos::from_secs(30));
+        ix.predict(WorkerId(5), &req, Nanos::from_secs(30), Nanos::from_secs(40));
         assert_eq!(ix.cached_tokens(WorkerId(5), &req, 4, Nanos::from_secs(30)), None);
-        ix.predict(W, &req, Nanos::from_secs(30));
+        ix.predict(W, &req, Nanos::from_secs(30), Nanos::from_secs(40));
         ix.clear(W);
         assert_eq!(ix.cached_tokens(W, &req, 4, Nanos::from_secs(30)), Some(0));
     }
@@ -559,14 +573,21 @@ mod predict_tests {
         let hs: Vec<BlockHash> = (0..100).map(BlockHash).collect();
         let mut p = PredictWindow::new(Nanos::from_secs(5), 10);
         for i in 0..100 {
-            p.predict(W, &hs[i..i + 1], Nanos(i as u64));
+            p.predict(W, &hs[i..i + 1], Nanos(i as u64), Nanos(i as u64 + 5_000_000_000));
         }
         assert_eq!(p.len(), 10);
         assert!(p.holds(W, hs[99], Nanos(100)) && !p.holds(W, hs[0], Nanos(100)));
         assert_eq!(p.run(W, &hs[90..], Nanos(100), |_| false), 10);
         assert_eq!(p.run(W, &hs[..], Nanos(100), |h| h.0 < 3), 3);
+        // Expired entries are swept once the map has grown: a long run of short predictions
+        // does not keep them all.
+        let mut sweep = PredictWindow::new(Nanos(1), 1 << 20);
+        for i in 0..10_000u64 {
+            sweep.predict(W, &[BlockHash(i)], Nanos(i), Nanos(i + 1));
+        }
+        assert!(sweep.len() <= 1024, "{}", sweep.len());
         let mut off = PredictWindow::new(Nanos(0), 10);
-        off.predict(W, &hs, Nanos(0));
+        off.predict(W, &hs, Nanos(0), Nanos(10));
         assert!(off.is_empty());
     }
 }

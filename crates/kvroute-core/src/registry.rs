@@ -36,6 +36,9 @@ pub struct PolicyInfo {
     pub summary: &'static str,
     /// Knobs with defaults.
     pub knobs: Vec<KnobInfo>,
+    /// Whether the policy reads prefix state (its own index, or the engine's cached tokens
+    /// from KV events); prefix-blind policies route the same with either.
+    pub prefix_aware: bool,
 }
 
 /// Why a policy could not be built.
@@ -125,8 +128,9 @@ fn knobs_of(defaults: serde_json::Value, table: &[Knob]) -> Vec<KnobInfo> {
         .collect()
 }
 
-fn b3_info(name: &'static str, summary: &'static str) -> PolicyInfo {
+fn b3_info(name: &'static str, summary: &'static str, prefix_aware: bool) -> PolicyInfo {
     PolicyInfo {
+        prefix_aware,
         name,
         source: "seed 002 (B3 cache_aware_proxy.py)",
         summary,
@@ -136,7 +140,7 @@ fn b3_info(name: &'static str, summary: &'static str) -> PolicyInfo {
 
 /// Every registered policy with its knobs and defaults.
 pub fn list() -> Vec<PolicyInfo> {
-    let plain = |name, source, summary| PolicyInfo { name, source, summary, knobs: Vec::new() };
+    let plain = |name, source, summary| PolicyInfo { name, source, summary, knobs: Vec::new(), prefix_aware: false };
     vec![
         plain("round_robin", "classic baseline", "rotation over healthy workers"),
         plain("random", "classic baseline", "uniform random worker (seeded)"),
@@ -144,12 +148,14 @@ pub fn list() -> Vec<PolicyInfo> {
         plain("power_of_two", "Mitzenmacher 2001; Ray Serve default", "less loaded of two random workers"),
         plain("consistent_hash", "rendezvous hashing", "session id (or prompt head) keeps its worker"),
         PolicyInfo {
+            prefix_aware: true,
             name: "cache_aware",
             source: "seed 003 (SGLang router cache_aware)",
             summary: "radix-tree longest match above cache_threshold, else smallest tree; least load when imbalanced",
             knobs: knobs_of(serde_json::to_value(CacheAwareConfig::default()).unwrap_or_default(), CACHE_AWARE_KNOBS),
         },
         PolicyInfo {
+            prefix_aware: true,
             name: "prefix_affinity",
             source: "seed 000 (Ray Serve PrefixCacheAffinityRouter)",
             summary: "P2C when imbalanced; else matched workers above match_rate_threshold, else smallest tenants, then P2C",
@@ -159,16 +165,18 @@ pub fn list() -> Vec<PolicyInfo> {
             ),
         },
         PolicyInfo {
+            prefix_aware: true,
             name: "kv_score",
             source: "seed 001 (cgn-router linear KV score)",
             summary: "w_kv*overlap + w_load*(1-util) + w_pwr*(1-watts) + w_cap*capacity; stable-hash tie-break",
             knobs: knobs_of(serde_json::to_value(KvScoreConfig::default()).unwrap_or_default(), KV_SCORE_KNOBS),
         },
-        b3_info("lmetric", "min (pending_prefill + uncached prompt) x num_requests"),
-        b3_info("load_only", "min num_requests, first worker on ties (B3 control)"),
-        b3_info("sticky", "session bound to its first worker forever (B3 control)"),
-        b3_info("unified", "stick if hit ratio > 0.5 and load <= 2x mean, else LMetric with 4-key tie-break"),
+        b3_info("lmetric", "min (pending_prefill + uncached prompt) x num_requests", true),
+        b3_info("load_only", "min num_requests, first worker on ties (B3 control)", false),
+        b3_info("sticky", "session bound to its first worker forever (B3 control)", false),
+        b3_info("unified", "stick if hit ratio > 0.5 and load <= 2x mean, else LMetric with 4-key tie-break", true),
         PolicyInfo {
+            prefix_aware: true,
             name: "prefill_cost",
             source: "kvroute (docs/replay.md)",
             summary: "least predicted prefill work ahead: pending prefill + own uncached suffix + decode_weight x load",

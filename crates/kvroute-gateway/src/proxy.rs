@@ -91,7 +91,7 @@ pub fn estimated_cached_tokens(d: &Decision, input_tokens: u32) -> u64 {
 /// # Errors
 /// 404 for a model no worker serves, 503 when no worker is routable.
 pub fn decide(s: &AppState, info: &RoutingInfo) -> Result<(Decision, Vec<(u32, String)>), ApiError> {
-    decide_with(s, info, &Precise::Off).map(|(d, urls, _)| (d, urls))
+    decide_with(s, info, &Precise::Off).map(|r| (r.decision, r.urls))
 }
 
 /// Candidate worker URLs by dense id.
@@ -129,17 +129,47 @@ pub fn prefix_source(p: &Precise, chosen_precise: bool) -> (&'static str, &'stat
     }
 }
 
+/// A routing decision with its prefix-state bookkeeping.
+#[derive(Debug)]
+pub struct Routed {
+    /// The policy's decision.
+    pub decision: Decision,
+    /// Candidate URLs by dense id.
+    pub urls: WorkerUrls,
+    /// Whether the chosen worker's prefix state was precise (KV events).
+    pub chosen_precise: bool,
+    /// The request's blocks predicted on the chosen worker (predict-on-route), to be
+    /// settled at the first token.
+    pub predicted: Option<Predicted>,
+}
+
+/// A request's own block hashes predicted on its worker until the request's deadline
+/// ([`kvroute_core::precise::PreciseIndex::predict`]).
+#[derive(Debug, Clone)]
+pub struct Predicted {
+    worker: WorkerId,
+    hashes: Arc<[kvroute_core::types::BlockHash]>,
+}
+
+impl Predicted {
+    /// The prefill is over (first token) or the attempt ended: the engine's `BlockStored`
+    /// is on its way, so the prediction now lasts only the predict window.
+    pub fn settle(&self, s: &AppState) {
+        let mut ix = s.precise.lock();
+        let now = s.now();
+        let until = now.saturating_add(ix.predict_window());
+        ix.predict(self.worker, &self.hashes, now, until);
+    }
+}
+
 /// [`decide`] with the precise prefix state: each worker that publishes KV events gets the
-/// engine-reported cached tokens of this request in its view. Returns the decision, the
-/// URLs, and whether the chosen worker's prefix state was precise.
+/// engine-reported cached tokens of this request in its view, and the request's blocks are
+/// predicted on the chosen worker until the request's deadline (settle them with
+/// [`Predicted::settle`] at the first token).
 ///
 /// # Errors
 /// As [`decide`].
-pub fn decide_with(
-    s: &AppState,
-    info: &RoutingInfo,
-    precise: &Precise,
-) -> Result<(Decision, WorkerUrls, bool), ApiError> {
+pub fn decide_with(s: &AppState, info: &RoutingInfo, precise: &Precise) -> Result<Routed, ApiError> {
     let (mut views, urls) = s.candidates(&info.model);
     // Own hashes of the request per engine block size (one size in practice), computed
     // outside the index lock so a long prompt does not hold up the event subscribers.
@@ -204,17 +234,21 @@ pub fn decide_with(
         s.metrics.match_rate.observe(d.match_rate());
     }
     let chosen_precise = views.iter().any(|v| v.id == d.worker && v.cached_tokens.is_some());
+    let mut predicted = None;
     if chosen_precise {
         // Predict-on-route: siblings arriving before the engine's BlockStored follow this one.
         let mut ix = s.precise.lock();
-        if let Some(bs) = ix.block_size(d.worker)
-            && let Some((_, hashes)) = by_size.iter().find(|(b, _)| *b == bs)
+        if ix.predict_window().0 > 0
+            && let Some(bs) = ix.block_size(d.worker)
+            && let Some((_, hashes)) = by_size.into_iter().find(|(b, _)| *b == bs)
         {
             let now = s.now();
-            ix.predict(d.worker, hashes, now);
+            let deadline = now.saturating_add(kvroute_core::types::Nanos::from_secs_f64(s.cfg.request_timeout_secs));
+            ix.predict(d.worker, &hashes, now, deadline);
+            predicted = Some(Predicted { worker: d.worker, hashes: hashes.into() });
         }
     }
-    Ok((d, urls, chosen_precise))
+    Ok(Routed { decision: d, urls, chosen_precise, predicted })
 }
 
 /// The `x-kvroute-decision` header value.
@@ -276,7 +310,10 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
             Err(reason) => Precise::Unavailable(reason),
         }
     };
-    let (d, urls, chosen_precise) = decide_with(s, &info, &precise)?;
+    let Routed { decision: d, urls, chosen_precise, predicted } = decide_with(s, &info, &precise)?;
+    // Settles the prediction when this handler returns without a stream (error or a whole
+    // body); a stream's guard takes it over and settles it at the first bytes.
+    let mut settle = SettleOnDrop(Arc::clone(s), predicted);
     let (source, reason) = prefix_source(&precise, chosen_precise);
     s.metrics
         .prefix_source
@@ -377,6 +414,7 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
         let branch = d.branch.as_str();
         if info.stream && status.is_success() {
             let guard = StreamGuard {
+                predicted: settle.1.take(),
                 state: Arc::clone(s),
                 ticket: Some(ticket),
                 t0,
@@ -448,6 +486,7 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
 /// Accounting of one streamed response: first byte, completion, failure or client
 /// disconnect (drop) each close the ledger ticket exactly once.
 struct StreamGuard {
+    predicted: Option<Predicted>,
     state: Arc<AppState>,
     ticket: Option<Ticket>,
     t0: Instant,
@@ -462,6 +501,9 @@ impl StreamGuard {
     fn on_bytes(&mut self) {
         if !self.first {
             self.first = true;
+            if let Some(p) = self.predicted.take() {
+                p.settle(&self.state);
+            }
             self.state.metrics.ttft_seconds.observe(self.t0.elapsed().as_secs_f64());
             if let Some(t) = self.ticket.as_mut() {
                 self.state.ledger.lock().first_token(t);
@@ -485,8 +527,22 @@ impl StreamGuard {
     }
 }
 
+/// Settles a prediction when dropped (see [`Predicted::settle`]).
+struct SettleOnDrop(Arc<AppState>, Option<Predicted>);
+
+impl Drop for SettleOnDrop {
+    fn drop(&mut self) {
+        if let Some(p) = self.1.take() {
+            p.settle(&self.0);
+        }
+    }
+}
+
 impl Drop for StreamGuard {
     fn drop(&mut self) {
+        if let Some(p) = self.predicted.take() {
+            p.settle(&self.state);
+        }
         if let Some(t) = self.ticket.take() {
             self.state.ledger.lock().cancelled(t);
             count(&self.state, &self.worker, self.branch, "cancelled");

@@ -233,6 +233,11 @@ impl KvCache {
         self.evictions
     }
 
+    /// Whether block `h` is cached (pinned or evictable). Does not touch recency.
+    pub fn contains(&self, h: &BlockHash) -> bool {
+        self.pinned.contains_key(h) || self.free_lru.contains(h)
+    }
+
     /// Leading blocks of `hashes` cached (pinned or evictable). Does not touch recency.
     pub fn lookup(&self, hashes: &[BlockHash]) -> usize {
         hashes.iter().take_while(|h| self.pinned.contains_key(h) || self.free_lru.contains(h)).count()

@@ -5,11 +5,15 @@
 //! worker views from its ledger and from the engines' own counters (as the gateway does
 //! from `/metrics`), asks [`kvroute_core::policy::route`], and submits the request to the
 //! chosen engine. The policy code is exactly the gateway's.
+//!
+//! With [`PrefixState::Precise`] the views also carry each engine's real cache contents for
+//! the request, as a router fed by KV events sees them.
 
 use crate::engine::{Engine, EngineEvent, EngineRequest, Profile};
 use crate::trace::TraceRequest;
 use kvroute_core::ledger::{LoadLedger, Ticket};
 use kvroute_core::policy::{MatchUnit, PickCtx, Policy, route};
+use kvroute_core::precise::PredictWindow;
 use kvroute_core::registry;
 use kvroute_core::types::{BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
 use rand_core::SeedableRng;
@@ -33,6 +37,35 @@ pub struct ReplayConfig {
     /// Whether the router sees the engines' own queue/running/KV-usage counters (as when
     /// scraping `/metrics`); otherwise only its own ledger.
     pub engine_signals: bool,
+    /// Where the router's prefix state comes from.
+    pub prefix_state: PrefixState,
+}
+
+/// Where the router's prefix state comes from in a replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefixState {
+    /// Approximate: each policy's own index of what it routed (no engine feedback).
+    #[default]
+    Approximate,
+    /// Precise: every worker view carries the tokens of the request that the engine's KV
+    /// cache really holds at routing time ([`WorkerView::cached_tokens`]) — what the router
+    /// knows from loss-free, zero-delay KV events (`BlockStored` is sent when a prefill
+    /// ends, as in vLLM and SGLang) — plus the predict-on-route window
+    /// ([`kvroute_core::precise::PredictWindow`]; zero turns it off).
+    Precise {
+        /// Predict-on-route window.
+        predict_window: Nanos,
+    },
+}
+
+impl PrefixState {
+    /// `approximate` or `precise`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            PrefixState::Approximate => "approximate",
+            PrefixState::Precise { .. } => "precise",
+        }
+    }
 }
 
 /// What happened to one request.
@@ -165,14 +198,28 @@ pub fn replay(
     let mut next_maintain = interval.unwrap_or(Nanos(u64::MAX));
     let mut views: Vec<WorkerView> = Vec::with_capacity(cfg.engines);
     let mut util: Vec<BusyWindow> = (0..cfg.engines).map(|_| BusyWindow::default()).collect();
+    let mut predicted = match cfg.prefix_state {
+        PrefixState::Precise { predict_window } => PredictWindow::new(predict_window, 1 << 22),
+        PrefixState::Approximate => PredictWindow::new(Nanos(0), 1),
+    };
 
+    // Settles a request's prediction once its prefill is over (its blocks are in the
+    // engine's cache now, or never will be): it then lasts the predict window only.
+    let settle = |predicted: &mut PredictWindow, o: &Outcome, id: u64, at: Nanos| {
+        if let Some(w) = o.worker {
+            let until = at.saturating_add(predicted.window());
+            predicted.predict(WorkerId(w), &trace[id as usize].blocks, at, until);
+        }
+    };
     let handle = |events: &mut Vec<EngineEvent>,
                   ledger: &mut LoadLedger,
                   tickets: &mut Vec<Option<Ticket>>,
-                  outcomes: &mut Vec<Outcome>| {
+                  outcomes: &mut Vec<Outcome>,
+                  predicted: &mut PredictWindow| {
         for ev in events.drain(..) {
             match ev {
                 EngineEvent::FirstToken { id, at, cached_tokens } => {
+                    settle(predicted, &outcomes[id as usize], id, at);
                     let o = &mut outcomes[id as usize];
                     o.first_token = Some(at);
                     o.cached_tokens = cached_tokens;
@@ -186,7 +233,8 @@ pub fn replay(
                         ledger.completed(t);
                     }
                 }
-                EngineEvent::Rejected { id, .. } => {
+                EngineEvent::Rejected { id, at } => {
+                    settle(predicted, &outcomes[id as usize], id, at);
                     outcomes[id as usize].rejected = true;
                     if let Some(t) = tickets[id as usize].take() {
                         ledger.failed(t);
@@ -201,7 +249,7 @@ pub fn replay(
         for e in engines.iter_mut() {
             e.advance(now, &mut events);
         }
-        handle(&mut events, &mut ledger, &mut tickets, &mut outcomes);
+        handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted);
         while now >= next_maintain {
             policy.maintain(next_maintain);
             next_maintain = next_maintain.saturating_add(interval.unwrap_or(Nanos(u64::MAX)));
@@ -215,6 +263,10 @@ pub fn replay(
                 v.engine_running = Some(e.num_running());
                 v.kv_cache_usage = Some(e.kv_usage());
                 v.sm_util = Some(util[w].observe(now, e.stats().busy_ns, e.next_event_time().is_some()));
+            }
+            if matches!(cfg.prefix_state, PrefixState::Precise { .. }) && !r.blocks.is_empty() {
+                let run = predicted.run(v.id, &r.blocks, now, |h| e.cache().contains(h)) as u64;
+                v.cached_tokens = Some((run * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)));
             }
             views.push(v);
         }
@@ -232,6 +284,8 @@ pub fn replay(
         match route(policy.as_mut(), &req, &views, &mut ctx) {
             Ok(d) => {
                 let w = d.worker.index();
+                // Predicted until its prefill is over (settled at its first token).
+                predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
                 let o = &mut outcomes[i];
                 o.worker = Some(d.worker.0);
                 o.branch = d.branch.as_str();
@@ -249,7 +303,7 @@ pub fn replay(
                     now,
                     &mut events,
                 );
-                handle(&mut events, &mut ledger, &mut tickets, &mut outcomes);
+                handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted);
             }
             Err(_) => outcomes[i].rejected = true,
         }
@@ -260,7 +314,7 @@ pub fn replay(
     for e in engines.iter_mut() {
         e.advance(Nanos(u64::MAX), &mut events);
     }
-    handle(&mut events, &mut ledger, &mut tickets, &mut outcomes);
+    handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted);
     progress(trace.len());
     Ok(ReplayResult {
         policy: cfg.policy.clone(),

@@ -477,19 +477,22 @@ where
     names.dedup();
     let max_rate = reports.iter().map(|r| r.offered_rps).fold(0.1, f64::max) * 1.05;
     let max_p99 = reports.iter().map(|r| r.ttft_p99_s).fold(0.1, f64::max) * 1.1;
+    let min_p99 = (reports.iter().map(|r| r.ttft_p99_s).filter(|v| *v > 0.0).fold(max_p99, f64::min) * 0.5).max(1e-3);
+    // Hit ratios of real traces sit far below 1: scale the axis to the data.
+    let max_hit = (reports.iter().map(|r| r.hit_ratio).fold(0.0, f64::max) * 1.25).clamp(0.05, 1.0);
     let mut hit = ChartBuilder::on(&left)
         .caption("prefix-cache hit ratio vs offered load", ("sans-serif", 18))
         .margin(10)
         .x_label_area_size(40)
         .y_label_area_size(50)
-        .build_cartesian_2d(0.0..max_rate, 0.0..1.0)?;
+        .build_cartesian_2d(0.0..max_rate, 0.0..max_hit)?;
     hit.configure_mesh().x_desc("offered load (req/s)").y_desc("hit ratio").draw()?;
     let mut lat = ChartBuilder::on(&right)
         .caption("p99 TTFT vs offered load", ("sans-serif", 18))
         .margin(10)
         .x_label_area_size(40)
         .y_label_area_size(50)
-        .build_cartesian_2d(0.0..max_rate, (0.001..max_p99).log_scale())?;
+        .build_cartesian_2d(0.0..max_rate, (min_p99..max_p99).log_scale())?;
     lat.configure_mesh().x_desc("offered load (req/s)").y_desc("p99 TTFT (s)").draw()?;
     for (i, name) in names.iter().enumerate() {
         let style = color(i);

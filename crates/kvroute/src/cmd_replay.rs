@@ -1,8 +1,9 @@
 //! `kvroute replay`: replay a request trace through routing policies onto simulated engines.
 
 use anyhow::{Context, bail};
+use kvroute_core::types::Nanos;
 use kvroute_sim::engine::Profile;
-use kvroute_sim::replay::{ReplayConfig, replay};
+use kvroute_sim::replay::{PrefixState, ReplayConfig, replay};
 use kvroute_sim::report::{PolicyReport, Slo, plot_sweep, plot_ttft_cdf, summarise, table, write_csv};
 use kvroute_sim::trace::{self, TraceFormat, TraceRequest};
 use std::path::PathBuf;
@@ -56,6 +57,14 @@ pub struct Args {
     /// Hide the engines' own queue/KV counters from the router (ledger only).
     #[arg(long)]
     pub no_engine_signals: bool,
+    /// Router prefix state, comma-separated: `approximate` (each policy's own index of what
+    /// it routed) and/or `precise` (the engines' real cache contents, as from KV events;
+    /// reported as `POLICY/precise`; prefix-blind policies run once).
+    #[arg(long, default_value = "approximate")]
+    pub prefix_state: String,
+    /// Predict-on-route window of the precise prefix state, seconds (0 turns it off).
+    #[arg(long, default_value_t = 2.0)]
+    pub predict_window_secs: f64,
     /// TTFT SLO for goodput, seconds.
     #[arg(long, default_value_t = 2.0)]
     pub slo_ttft: f64,
@@ -86,6 +95,7 @@ struct Run {
     label: String,
     rate: f64,
     capped: bool,
+    prefix_state: PrefixState,
 }
 
 fn policies(spec: &str) -> anyhow::Result<Vec<(String, String, bool)>> {
@@ -107,6 +117,24 @@ fn policies(spec: &str) -> anyhow::Result<Vec<(String, String, bool)>> {
     }
     if out.is_empty() {
         bail!("--policy: no policy named");
+    }
+    Ok(out)
+}
+
+fn parse_prefix_states(spec: &str, window_secs: f64) -> anyhow::Result<Vec<PrefixState>> {
+    if !(window_secs.is_finite() && window_secs >= 0.0) {
+        bail!("--predict-window-secs: {window_secs} must be >= 0");
+    }
+    let mut out = Vec::new();
+    for p in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        out.push(match p {
+            "approximate" => PrefixState::Approximate,
+            "precise" => PrefixState::Precise { predict_window: Nanos::from_secs_f64(window_secs) },
+            other => bail!("--prefix-state: unknown `{other}`; known: approximate, precise"),
+        });
+    }
+    if out.is_empty() {
+        bail!("--prefix-state: none named");
     }
     Ok(out)
 }
@@ -177,6 +205,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let rates = parse_rates(&args.rate_scale)?;
     let pols = policies(&args.policy)?;
+    let states = parse_prefix_states(&args.prefix_state, args.predict_window_secs)?;
     if args.engines == 0 {
         bail!("--engines must be at least 1");
     }
@@ -189,8 +218,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let mut runs = Vec::new();
     for &rate in &rates {
-        for (p, label, cap) in &pols {
-            runs.push(Run { policy: p.clone(), label: label.clone(), rate, capped: *cap });
+        for &prefix_state in &states {
+            for (p, label, cap) in &pols {
+                // A prefix-blind policy routes the same with either prefix state: run it once.
+                let blind = !kvroute_core::registry::list().iter().any(|i| i.name == p && i.prefix_aware);
+                if blind && prefix_state != states[0] {
+                    continue;
+                }
+                let label = match prefix_state {
+                    PrefixState::Precise { .. } if !blind => format!("{label}/precise"),
+                    _ => label.clone(),
+                };
+                runs.push(Run { policy: p.clone(), label, rate, capped: *cap, prefix_state });
+            }
         }
     }
     let total: u64 = runs.iter().map(|r| if r.capped { capped.len() } else { base.len() } as u64).sum();
@@ -219,6 +259,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         seed: args.seed,
                         max_waiting: args.max_waiting,
                         engine_signals: !args.no_engine_signals,
+                        prefix_state: run.prefix_state,
                     };
                     let mut last = 0usize;
                     let r = replay(&t, &cfg, &mut |n| {
