@@ -77,6 +77,9 @@ pub struct GatewayConfig {
     /// blocks count as held by its worker this long or until the engine's events say
     /// otherwise, covering siblings that arrive before the engine's `BlockStored`.
     pub kv_predict_window_secs: f64,
+    /// Startup parity check per KV-event worker: a probe prompt whose `BlockStored` must
+    /// match the router's own hashes (metric `kvroute_kv_parity`, error log on mismatch).
+    pub kv_parity_check: bool,
 }
 
 /// Where one worker publishes its KV events (`shared/specs/kv-events.md`).
@@ -145,6 +148,7 @@ impl Default for GatewayConfig {
             kv_events: Vec::new(),
             kv_lower_tier_weight: 0.5,
             kv_predict_window_secs: 2.0,
+            kv_parity_check: true,
         }
     }
 }

@@ -34,11 +34,21 @@ pub const TOKEN_CACHE_TOKENS: usize = 16 << 20;
 /// Time allowed for one `/tokenize` call.
 pub const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Runs one subscriber per configured source until `cancel`.
+/// Runs one subscriber per configured source until `cancel`, and each worker's startup
+/// parity check ([`parity_check`]) when `kv_parity_check` is on.
 pub async fn run(s: Arc<AppState>, cancel: CancellationToken) {
     let mut tasks = Vec::new();
     for src in s.cfg.kv_events.clone() {
-        tasks.push(tokio::spawn(subscribe(Arc::clone(&s), src, cancel.clone())));
+        tasks.push(tokio::spawn(subscribe(Arc::clone(&s), src.clone(), cancel.clone())));
+        if s.cfg.kv_parity_check {
+            let (s, cancel) = (Arc::clone(&s), cancel.clone());
+            tasks.push(tokio::spawn(async move {
+                tokio::select! {
+                    () = cancel.cancelled() => {}
+                    _ = parity_check(&s, &src.worker) => {}
+                }
+            }));
+        }
     }
     for t in tasks {
         let _ = t.await;
@@ -222,6 +232,147 @@ async fn replay(s: &AppState, w: WorkerId, label: &WorkerLabel, endpoint: &str, 
             tracing::warn!(worker = %label.worker, "kv events: replay timed out");
             0
         }
+    }
+}
+
+/// How long the parity check waits for the subscription to settle before probing.
+pub const PARITY_SETTLE: Duration = Duration::from_secs(1);
+/// How long the parity check waits for the probe's `BlockStored`.
+pub const PARITY_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How long the parity check keeps waiting for the probe's blocks once other blocks arrived.
+pub const PARITY_GRACE: Duration = Duration::from_secs(3);
+
+/// Result of a worker's startup parity check (gauge `kvroute_kv_parity`: 1, 0, −1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Parity {
+    /// The router's own hashes of the probe found every full block the engine stored.
+    Ok {
+        /// Full blocks of the probe prompt.
+        blocks: u64,
+    },
+    /// Blocks were stored after the probe but the router's hashes of the probe find fewer
+    /// than all of them: the router's tokens (tokenizer, chat template) or block size do
+    /// not match the engine's.
+    Mismatch {
+        /// Probe tokens the index finds cached under the router's hashes.
+        matched: u64,
+        /// Probe tokens in full blocks.
+        expected: u64,
+    },
+    /// No usable answer: no events after the probe, or the probe could not be sent or
+    /// tokenized (the reason).
+    Inconclusive(String),
+}
+
+/// The startup parity check of one worker (the most common silent failure of precise
+/// routing is a router that hashes different tokens than the engine caches): after the
+/// subscription settles, sends the worker a probe chat request directly (not through the
+/// router), tokenizes it the way requests are ([`request_tokens`]: the worker's own
+/// `/tokenize` with the chat messages), and waits up to [`PARITY_TIMEOUT`] for the
+/// engine's `BlockStored` to make the router's own hashes of those tokens match. Logs an
+/// error naming the worker on a mismatch, a warning when inconclusive, and sets
+/// `kvroute_kv_parity{worker}` to 1 (ok), 0 (mismatch) or −1 (inconclusive).
+pub async fn parity_check(s: &Arc<AppState>, worker: &str) -> Parity {
+    let worker = worker.trim_end_matches('/').to_string();
+    tokio::time::sleep(PARITY_SETTLE).await;
+    let p = probe(s, &worker).await;
+    let label = WorkerLabel { worker: worker.clone() };
+    let gauge = s.metrics.kv_parity.get_or_create(&label);
+    match &p {
+        Parity::Ok { blocks } => {
+            gauge.set(1);
+            tracing::info!(worker = %worker, blocks, "kv events: parity check passed");
+        }
+        Parity::Mismatch { matched, expected } => {
+            gauge.set(0);
+            tracing::error!(
+                worker = %worker, matched, expected,
+                "kv events: PARITY CHECK FAILED — the engine stored the probe prompt but the router's own \
+                 block hashes of it match only {matched} of {expected} tokens: the router tokenizes \
+                 (tokenizer or chat template) or cuts blocks differently from the engine, so precise \
+                 routing will miss this worker's cache"
+            );
+        }
+        Parity::Inconclusive(why) => {
+            gauge.set(-1);
+            tracing::warn!(worker = %worker, reason = %why, "kv events: parity check inconclusive");
+        }
+    }
+    p
+}
+
+async fn probe(s: &Arc<AppState>, worker: &str) -> Parity {
+    let model = {
+        let ws = s.workers.read();
+        let Some(w) = ws.iter().find(|w| w.url == worker) else {
+            return Parity::Inconclusive("the worker is not registered".into());
+        };
+        w.models.first().cloned().unwrap_or_default()
+    };
+    // A prompt no client sends (unique per router start), long enough for several blocks
+    // at any block size engines use.
+    let nonce = s.now().0 ^ u64::from(std::process::id()).rotate_left(32);
+    let text: String = std::iter::once(format!("kvroute KV-event parity probe {nonce:016x}. "))
+        .chain(
+            (0..48).map(|i| format!("Line {i:02} of the probe checks that router and engine hash the same tokens. ")),
+        )
+        .collect();
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 1,
+    });
+    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    let info = match crate::request::parse(crate::request::Api::Chat, &bytes, None) {
+        Ok((_, info)) => info,
+        Err(e) => return Parity::Inconclusive(format!("probe request: {}", e.message)),
+    };
+    let Some(w) = worker_id(s, worker) else { return Parity::Inconclusive("the worker is not registered".into()) };
+    let tokens = match request_tokens(s, &bytes, &info).await {
+        Ok(t) => t,
+        Err(why) => return Parity::Inconclusive(format!("the probe could not be tokenized ({why})")),
+    };
+    let stored_before = s.precise.lock().stats().stored;
+    let sent = s.client.post(format!("{worker}/v1/chat/completions")).timeout(PARITY_TIMEOUT).json(&body).send().await;
+    match sent {
+        Ok(r) if r.status().is_success() => {}
+        Ok(r) => return Parity::Inconclusive(format!("the probe got HTTP {}", r.status())),
+        Err(e) => return Parity::Inconclusive(format!("the probe failed: {e}")),
+    }
+    let deadline = tokio::time::Instant::now() + PARITY_TIMEOUT;
+    let mut last = Parity::Inconclusive("no BlockStored event arrived after the probe".into());
+    let mut mismatch_since = None;
+    loop {
+        {
+            let ix = s.precise.lock();
+            if let Some(bs) = ix.block_size(w).filter(|b| *b > 0) {
+                let mut h = Vec::new();
+                kvroute_core::hash::hash_token_blocks(
+                    &tokens,
+                    bs as usize,
+                    usize::MAX,
+                    kvroute_core::hash::HashAlgo::Xxh3,
+                    &mut h,
+                );
+                let expected = h.len() as u64 * u64::from(bs);
+                let matched = ix.cached_tokens(w, &h, bs, s.now()).unwrap_or(0);
+                if expected > 0 && matched >= expected {
+                    return Parity::Ok { blocks: h.len() as u64 };
+                }
+                if ix.stats().stored > stored_before {
+                    last = Parity::Mismatch { matched, expected };
+                    mismatch_since.get_or_insert_with(tokio::time::Instant::now);
+                }
+            }
+        }
+        // Blocks were stored but not the probe's (as the router hashes it): give the
+        // probe's own events a grace period, then report.
+        let now = tokio::time::Instant::now();
+        if now >= deadline || mismatch_since.is_some_and(|t| now - t >= PARITY_GRACE) {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -82,6 +82,8 @@ pub struct Metrics {
     pub kv_errors: Family<WorkerLabel, Counter>,
     /// Events and fields skipped per worker (unknown types or fields, other KV groups).
     pub kv_skipped: Family<WorkerLabel, Counter>,
+    /// Startup parity check per worker: 1 ok, 0 mismatch, −1 inconclusive.
+    pub kv_parity: Family<WorkerLabel, Gauge>,
     /// Decisions by where the chosen worker's prefix state came from.
     pub prefix_source: Family<SourceLabels, Counter>,
 }
@@ -148,6 +150,12 @@ impl Metrics {
             "KV events or fields skipped (unknown, or not the main attention group)",
             kv_skipped.clone(),
         );
+        let kv_parity = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "kvroute_kv_parity",
+            "Startup KV-event parity check: 1 router and engine hash the same tokens, 0 mismatch, -1 inconclusive",
+            kv_parity.clone(),
+        );
         let prefix_source = Family::<SourceLabels, Counter>::default();
         registry.register(
             "kvroute_prefix_source",
@@ -161,6 +169,7 @@ impl Metrics {
             kv_restarts,
             kv_errors,
             kv_skipped,
+            kv_parity,
             prefix_source,
             registry,
             requests,

@@ -153,6 +153,12 @@ async fn metric(client: &reqwest::Client, router: &str, name: &str, worker: &str
         .sum()
 }
 
+/// Whether `/metrics` has a sample of `name` for `worker` yet.
+async fn text_has(client: &reqwest::Client, router: &str, name: &str, worker: &str) -> bool {
+    let text = client.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    text.lines().any(|l| l.starts_with(name) && l.contains(&format!("worker=\"{worker}\"")))
+}
+
 /// The router learns a worker's cache from its KV events alone: a prompt sent to the worker
 /// directly (bypassing the router, before the router even started) is recovered through the
 /// replay socket, the router hashes the events' token ids itself (the published hashes are
@@ -243,6 +249,19 @@ async fn routes_on_precise_prefix_state_recovered_from_engine_events() {
     assert_eq!(matched, want, "{decision}");
     let body: serde_json::Value = r.json().await.expect("json");
     assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], want, "the engine agrees: {body}");
+    // The startup parity check passed on both workers: the router's tokens of a probe chat
+    // request hash to exactly the blocks the engine stored.
+    for w in &workers {
+        let mut v = f64::NAN;
+        for _ in 0..300 {
+            v = metric(&c, &router, "kvroute_kv_parity", w).await;
+            if v != 0.0 || text_has(&c, &router, "kvroute_kv_parity", w).await {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(v, 1.0, "parity of {w}");
+    }
     stop.cancel();
     let _ = task.await;
 }
@@ -269,6 +288,7 @@ async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
             endpoint: format!("tcp://127.0.0.1:{pport}"),
             replay: None,
         }],
+        kv_parity_check: false,
         ..Default::default()
     };
     let (router, task) = start_router(gw, stop.clone()).await;
@@ -384,6 +404,7 @@ async fn predict_on_route_sends_siblings_after_the_first_request_before_block_st
             worker_urls: workers.clone(),
             kv_events: sources,
             kv_predict_window_secs: window,
+            kv_parity_check: false,
             ..Default::default()
         };
         let (router, task) = start_router(gw, stop.clone()).await;
@@ -438,4 +459,54 @@ async fn predict_on_route_sends_siblings_after_the_first_request_before_block_st
         stop.cancel();
         let _ = task.await;
     }
+}
+
+/// The parity check catches a router whose tokens do not hash to what the engine stores:
+/// here the engine (the test's publisher) stores blocks of other tokens than the ones its
+/// `/tokenize` returns, as an engine with another chat template or tokenizer would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_parity_check_reports_a_tokenizer_mismatch() {
+    use kvroute_gateway::kv_events::{EventBatch, encode, frames};
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
+    let pport = free_port();
+    let mut publisher = zeromq::PubSocket::new();
+    publisher.bind(&format!("tcp://127.0.0.1:{pport}")).await.expect("bind pub");
+    let gw = kvroute_gateway::GatewayConfig {
+        port: 0,
+        policy: "prefill_cost".into(),
+        worker_urls: vec![w.clone()],
+        kv_events: vec![kvroute_gateway::config::KvEventSource {
+            worker: w.clone(),
+            endpoint: format!("tcp://127.0.0.1:{pport}"),
+            replay: None,
+        }],
+        ..Default::default()
+    };
+    let (router, task) = start_router(gw, stop.clone()).await;
+    let c = reqwest::Client::new();
+    let mut parity = None;
+    for seq in 0..300u64 {
+        // Blocks of shifted token ids: the "engine" tokenizes differently from its /tokenize.
+        let ev = KvEvent::BlockStored {
+            block_hashes: vec![seq + 1],
+            parent_block_hash: None,
+            token_ids: (0..16).map(|t| 50_000 + t + seq as u32).collect(),
+            block_size: 16,
+            medium: None,
+            group_idx: 0,
+        };
+        let batch = EventBatch { ts: 0.0, events: vec![ev], dp_rank: None };
+        let msg = zeromq::ZmqMessage::try_from(frames("", seq, encode(&batch, Encoding::Map).into())).expect("msg");
+        publisher.send(msg).await.expect("publish");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if text_has(&c, &router, "kvroute_kv_parity", &w).await {
+            parity = Some(metric(&c, &router, "kvroute_kv_parity", &w).await);
+            break;
+        }
+    }
+    assert_eq!(parity, Some(0.0), "a mismatch must set kvroute_kv_parity to 0");
+    stop.cancel();
+    let _ = task.await;
 }

@@ -69,6 +69,9 @@ pub struct Args {
     /// Predict-on-route window of the precise index, seconds (0 turns it off).
     #[arg(long, env = "KVROUTE_KV_PREDICT_WINDOW_SECS")]
     pub kv_predict_window_secs: Option<f64>,
+    /// Startup parity check of each KV-event worker (true/false; default true).
+    #[arg(long, env = "KVROUTE_KV_PARITY_CHECK")]
+    pub kv_parity_check: Option<bool>,
     /// Start N worker processes with --worker-cmd and route to them (seed 003 co-launch).
     #[arg(long, env = "KVROUTE_LAUNCH_WORKERS", default_value_t = 0)]
     pub launch_workers: usize,
@@ -107,7 +110,8 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         max_in_flight_per_model,
         scrape_metrics,
         seed,
-        kv_predict_window_secs
+        kv_predict_window_secs,
+        kv_parity_check
     );
     if a.admin_token.is_some() {
         cfg.admin_token = a.admin_token.clone();
