@@ -348,6 +348,20 @@ pub fn cap_sessions(trace: Vec<TraceRequest>, max_turns: usize) -> Vec<TraceRequ
     })
 }
 
+/// Scales a trace down to a smaller model: every block becomes `block_tokens` tokens and
+/// each prompt shrinks by the same factor (at least 1 token), so requests keep their
+/// shared prefixes and relative lengths. Requests without blocks shrink by the factor of
+/// the trace's first block size (512 for Mooncake when none has blocks).
+pub fn rescale_blocks(trace: &mut [TraceRequest], block_tokens: u32) {
+    let bt = block_tokens.max(1);
+    let default_from = trace.iter().find(|r| !r.blocks.is_empty()).map_or(512, |r| r.block_tokens.max(1));
+    for r in trace {
+        let from = if r.blocks.is_empty() { default_from } else { r.block_tokens.max(1) };
+        r.input_tokens = ((u64::from(r.input_tokens) * u64::from(bt)).div_ceil(u64::from(from))).max(1) as u32;
+        r.block_tokens = bt;
+    }
+}
+
 /// Keeps the first `n` requests.
 pub fn truncate(trace: &mut Vec<TraceRequest>, n: usize) {
     trace.truncate(n);
@@ -461,6 +475,21 @@ mod tests {
             "{\"turn_id\": 0, \"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"session_id\": null}\n",
         );
         assert!(read(&p, Some(TraceFormat::Session)).expect_err("bad").to_string().contains("`session_id`"));
+    }
+
+    #[test]
+    fn rescaled_blocks_keep_prefixes_and_proportions() {
+        let mut t = vec![TraceRequest {
+            arrival: Nanos(0),
+            input_tokens: 1100,
+            output_tokens: 5,
+            blocks: vec![BlockHash(1), BlockHash(2), BlockHash(3)],
+            block_tokens: 512,
+            session: None,
+            turn: 0,
+        }];
+        rescale_blocks(&mut t, 16);
+        assert_eq!((t[0].input_tokens, t[0].block_tokens, t[0].blocks.len()), (35, 16, 3));
     }
 
     #[test]

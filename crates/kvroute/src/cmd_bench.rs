@@ -56,6 +56,10 @@ pub struct WorkloadArgs {
     /// Trace: cap on max_tokens.
     #[arg(long, default_value_t = 128)]
     pub max_output: u32,
+    /// Trace: scale blocks down to this many tokens each (prompts shrink alike), to replay a
+    /// trace recorded on a large model against a small one.
+    #[arg(long)]
+    pub block_tokens: Option<u32>,
     /// shared-prefix: number of system prompts.
     #[arg(long, default_value_t = 8)]
     pub groups: usize,
@@ -149,6 +153,12 @@ impl WorkloadArgs {
                 kvroute_sim::trace::spread_seconds(&mut t);
                 if let Some(n) = self.requests {
                     t.truncate(n);
+                }
+                if let Some(bt) = self.block_tokens {
+                    if bt == 0 {
+                        bail!("--block-tokens must be at least 1");
+                    }
+                    kvroute_sim::trace::rescale_blocks(&mut t, bt);
                 }
                 workload::from_trace(&t, self.rate_scale, self.max_output)
             }

@@ -45,9 +45,48 @@ pub struct Args {
     /// Peer policies to run.
     #[arg(long, value_delimiter = ',', default_value = "round_robin,cache_aware")]
     pub peer_policies: Vec<String>,
-    /// Simulated workers.
+    /// Workers per run (simulated, or llama.cpp with --engine llama).
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
+    /// Worker engine: `sim` (kvroute engine-sim, simulated H100s) or `llama` (real
+    /// llama.cpp `llama-server` processes, 1 thread and 2 slots each, started cold per run).
+    #[arg(long, default_value = "sim", value_parser = ["sim", "llama"])]
+    pub engine: String,
+    /// llama-server binary (`scripts/llama-workers.sh paths` prints it).
+    #[arg(long, env = "KVROUTE_LLAMA_SERVER")]
+    pub llama_server: Option<PathBuf>,
+    /// GGUF model for llama-server.
+    #[arg(long, env = "KVROUTE_LLAMA_MODEL")]
+    pub llama_model: Option<PathBuf>,
+    /// Routing quality: scale the trace's blocks down to this many tokens (prompts shrink
+    /// alike), e.g. 16 to fit Mooncake's 512-token blocks to a small CPU model.
+    #[arg(long)]
+    pub block_tokens: Option<u32>,
+    /// Routing quality: a synthetic workload instead of the trace (`shared-prefix`: groups
+    /// of prompts sharing a system prompt, Poisson arrivals at --rate).
+    #[arg(long, value_parser = ["shared-prefix"])]
+    pub workload: Option<String>,
+    /// shared-prefix: groups (distinct system prompts).
+    #[arg(long, default_value_t = 4)]
+    pub groups: usize,
+    /// shared-prefix: prompts per group.
+    #[arg(long, default_value_t = 6)]
+    pub prompts_per_group: usize,
+    /// shared-prefix: system prompt tokens.
+    #[arg(long, default_value_t = 512)]
+    pub system_tokens: u32,
+    /// shared-prefix: question tokens.
+    #[arg(long, default_value_t = 32)]
+    pub question_tokens: u32,
+    /// shared-prefix: output tokens.
+    #[arg(long, default_value_t = 16)]
+    pub output_tokens: u32,
+    /// shared-prefix: arrival rate, requests per second.
+    #[arg(long, default_value_t = 0.2)]
+    pub rate: f64,
+    /// Routing quality: cap of each request's output tokens.
+    #[arg(long, default_value_t = 128)]
+    pub max_output: u32,
     /// Routing quality: Mooncake trace (default: the shared conversation trace).
     #[arg(long)]
     pub trace: Option<PathBuf>,
@@ -130,6 +169,10 @@ struct Ctx {
     seq: std::sync::atomic::AtomicUsize,
     /// kvroute's health-check and `/metrics` scrape interval, wall seconds.
     scrape_secs: f64,
+    /// `model` of every request (engine-sim's name, or the llama-server alias).
+    model: String,
+    /// llama-server binary and model, when the workers are llama.cpp.
+    llama: Option<(PathBuf, PathBuf)>,
 }
 
 impl Ctx {
@@ -148,18 +191,50 @@ impl Ctx {
         Ok(Child(child))
     }
 
-    /// Starts `n` engine-sim workers and waits until each answers /health.
+    /// Starts `n` workers — engine-sim with `extra` flags, or llama-server (one thread, two
+    /// slots, 8192 context, no host-RAM prompt cache, as `scripts/llama-workers.sh` runs
+    /// them) — and waits until each answers /health.
     async fn workers(&self, n: usize, extra: &[&str]) -> anyhow::Result<(Vec<Child>, Vec<String>)> {
         let (mut kids, mut urls) = (Vec::new(), Vec::new());
         for i in 0..n {
             let port = free_port()?;
-            let mut args = vec!["engine-sim".to_string(), "--port".into(), port.to_string()];
-            args.extend(extra.iter().map(|s| s.to_string()));
-            kids.push(self.spawn(&self.exe, &args, &format!("worker{i}"))?);
+            match &self.llama {
+                None => {
+                    let mut args = vec!["engine-sim".to_string(), "--port".into(), port.to_string()];
+                    args.extend(extra.iter().map(|s| s.to_string()));
+                    kids.push(self.spawn(&self.exe, &args, &format!("worker{i}"))?);
+                }
+                Some((bin, model)) => {
+                    let args: Vec<String> = [
+                        "-m",
+                        &model.display().to_string(),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        &port.to_string(),
+                        "-t",
+                        "1",
+                        "-np",
+                        "2",
+                        "-c",
+                        "8192",
+                        "--cache-ram",
+                        "0",
+                        "--metrics",
+                        "--slots",
+                        "--no-webui",
+                        "--alias",
+                        &self.model,
+                    ]
+                    .map(String::from)
+                    .to_vec();
+                    kids.push(self.spawn(bin, &args, &format!("llama{i}"))?);
+                }
+            }
             urls.push(format!("http://127.0.0.1:{port}"));
         }
         for u in &urls {
-            self.wait_ok(&format!("{u}/health"), None, Duration::from_secs(30))
+            self.wait_ok(&format!("{u}/health"), None, Duration::from_secs(120))
                 .await
                 .with_context(|| format!("worker {u}"))?;
         }
@@ -239,8 +314,7 @@ impl Ctx {
         args.shrink_to_fit();
         let child = self.spawn(&program, &args, &t.label().replace(' ', "-"))?;
         let url = format!("http://127.0.0.1:{port}");
-        let warm =
-            serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1});
+        let warm = serde_json::json!({"model": self.model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1});
         self.wait_ok(&format!("{url}/v1/chat/completions"), Some(&warm), Duration::from_secs(90))
             .await
             .with_context(|| format!("{} did not come up (logs in {})", t.label(), self.logs.display()))?;
@@ -258,9 +332,19 @@ impl Ctx {
                     .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
                     .sum::<f64>()
             };
-            hits += get("vllm:prefix_cache_hits_total");
-            queries += get("vllm:prefix_cache_queries_total");
-            done.push(get("vllm:request_success_total"));
+            if self.llama.is_some() {
+                // llama.cpp: prompt tokens processed and served from the cache; the share per
+                // worker is of prompt tokens (it counts no requests).
+                let cached = get("llamacpp:prompt_tokens_cached_total");
+                let processed = get("llamacpp:prompt_tokens_total");
+                hits += cached;
+                queries += cached + processed;
+                done.push(cached + processed);
+            } else {
+                hits += get("vllm:prefix_cache_hits_total");
+                queries += get("vllm:prefix_cache_queries_total");
+                done.push(get("vllm:request_success_total"));
+            }
         }
         Ok((hits, queries, done))
     }
@@ -301,6 +385,15 @@ fn overhead_load(secs: f64, conc: usize) -> RunConfig {
 pub fn run(mut a: Args) -> anyhow::Result<()> {
     // `--peers ""` compares kvroute's policies alone.
     a.peers.retain(|p| !p.is_empty());
+    if a.engine == "llama" {
+        // Real engines run in real time (slow the trace with --rate-scale instead), and the
+        // proxy-overhead part needs instant simulated workers.
+        if a.time_scale != 1.0 {
+            eprintln!("kvroute bench compare: --engine llama runs in real time; --time-scale set to 1");
+        }
+        a.time_scale = 1.0;
+        a.skip_overhead = true;
+    }
     if a.workers == 0 {
         bail!("--workers must be at least 1");
     }
@@ -325,19 +418,21 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         Some(t) => t.clone(),
         None => crate::cmd_demo::find_trace(None)?,
     };
+    let synthetic = a.workload.is_some();
     let wl = WorkloadArgs {
-        trace: Some(trace.clone()),
-        workload: None,
+        trace: (!synthetic).then(|| trace.clone()),
+        workload: a.workload.clone(),
         rate_scale: a.time_scale * a.rate_scale,
-        rate: 1.0,
+        rate: a.rate * a.time_scale * a.rate_scale,
         requests: Some(a.requests),
         input_tokens: 0,
-        output_tokens: 0,
-        max_output: 128,
-        groups: 0,
-        prompts_per_group: 0,
-        system_tokens: 0,
-        question_tokens: 0,
+        output_tokens: a.output_tokens,
+        max_output: a.max_output,
+        block_tokens: a.block_tokens,
+        groups: a.groups,
+        prompts_per_group: a.prompts_per_group,
+        system_tokens: a.system_tokens,
+        question_tokens: a.question_tokens,
         seed: 0,
     };
     let quality_reqs = wl.build()?;
@@ -355,12 +450,30 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let client = reqwest::Client::builder().build()?;
     let scrape_secs = (5.0 / a.time_scale).max(0.05);
-    let ctx = Ctx { exe, peers_dir, logs, client, seq: Default::default(), scrape_secs };
+    let llama = match a.engine.as_str() {
+        "llama" => {
+            let (Some(bin), Some(model)) = (a.llama_server.clone(), a.llama_model.clone()) else {
+                bail!(
+                    "--engine llama needs --llama-server and --llama-model (scripts/llama-workers.sh paths prints them)"
+                );
+            };
+            for p in [&bin, &model] {
+                if !p.exists() {
+                    bail!("{} does not exist (run scripts/llama-workers.sh install)", p.display());
+                }
+            }
+            Some((bin, model))
+        }
+        _ => None,
+    };
+    let model = if llama.is_some() { "smollm2".to_string() } else { MODEL.to_string() };
+    let ctx = Ctx { exe, peers_dir, logs, client, seq: Default::default(), scrape_secs, model, llama };
     let slo = Slo { ttft_s: a.slo_ttft, tpot_s: a.slo_tpot };
     println!(
-        "kvroute bench compare: {} configurations × {} simulated workers; logs in {}",
+        "kvroute bench compare: {} configurations × {} {} workers; logs in {}",
         targets.len(),
         a.workers,
+        if a.engine == "llama" { "llama.cpp" } else { "simulated" },
         ctx.logs.display()
     );
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
@@ -429,8 +542,9 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         if !a.skip_quality {
             let span = quality_reqs.last().map_or(0.0, |r| r.at.as_secs_f64());
             eprintln!(
-                "routing quality: {} Mooncake requests over {:.0} s wall ({}× real time), workers restarted cold per run",
+                "routing quality: {} {} requests over {:.0} s wall ({}× real time), workers restarted cold per run",
                 quality_reqs.len(),
+                a.workload.as_deref().unwrap_or("Mooncake"),
                 span,
                 a.time_scale
             );
@@ -455,7 +569,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                 let before = ctx.counters(&urls).await?;
                 let cfg = RunConfig {
                     url,
-                    model: MODEL.into(),
+                    model: ctx.model.clone(),
                     api: Api::Chat,
                     stream: true,
                     mode: Mode::Open,
@@ -476,7 +590,8 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                 let done: Vec<f64> = after.2.iter().zip(&before.2).map(|(x, y)| x - y).collect();
                 let total: f64 = done.iter().sum::<f64>().max(1.0);
                 row.worker_share = done.iter().map(|d| d / total).collect();
-                s.worker_share = row.worker_share.iter().enumerate().map(|(i, x)| (format!("w{i}"), *x)).collect::<BTreeMap<_, _>>();
+                s.worker_share =
+                    row.worker_share.iter().enumerate().map(|(i, x)| (format!("w{i}"), *x)).collect::<BTreeMap<_, _>>();
                 eprintln!(
                     "  {}: hit {:.1}%, TTFT mean {:.3} s p99 {:.3} s, {} ok / {} rejected / {} errors",
                     t.label(),
@@ -503,7 +618,13 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         if let Some(dir) = &a.plots {
             let q: Vec<Summary> = rows.iter().filter_map(|r| r.quality.clone()).collect();
             if !q.is_empty() {
-                cmd_bench::write_plots(dir, "compare", &q, "TTFT CDF, Mooncake slice, simulated H100 workers")?;
+                let title = match (a.engine.as_str(), a.workload.as_deref()) {
+                    ("llama", Some(w)) => format!("TTFT CDF, {w}, llama.cpp SmolLM2-135M workers"),
+                    ("llama", None) => "TTFT CDF, Mooncake slice, llama.cpp SmolLM2-135M workers".to_string(),
+                    (_, Some(w)) => format!("TTFT CDF, {w}, simulated H100 workers"),
+                    _ => "TTFT CDF, Mooncake slice, simulated H100 workers".to_string(),
+                };
+                cmd_bench::write_plots(dir, "compare", &q, &title)?;
             }
         }
         Ok(())
@@ -553,8 +674,15 @@ fn print_table(rows: &[Row], direct: Option<&(Summary, Summary)>, a: &Args) {
             f(&|s| format!("{}", s.rejected + s.errors)),
         );
     }
-    println!(
-        "(quality: TTFT in simulated seconds at {}× real time; goodput in simulated req/s with TTFT ≤ {} s and TPOT ≤ {} s; hit % from the workers' prefix-cache counters)",
-        a.time_scale, a.slo_ttft, a.slo_tpot
-    );
+    if a.engine == "llama" {
+        println!(
+            "(quality: llama.cpp workers in real time; goodput in req/s with TTFT ≤ {} s and TPOT ≤ {} s; hit % = llamacpp:prompt_tokens_cached_total / all prompt tokens)",
+            a.slo_ttft, a.slo_tpot
+        );
+    } else {
+        println!(
+            "(quality: TTFT in simulated seconds at {}× real time; goodput in simulated req/s with TTFT ≤ {} s and TPOT ≤ {} s; hit % from the workers' prefix-cache counters)",
+            a.time_scale, a.slo_ttft, a.slo_tpot
+        );
+    }
 }
