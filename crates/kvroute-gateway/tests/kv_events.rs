@@ -153,10 +153,28 @@ async fn metric(client: &reqwest::Client, router: &str, name: &str, worker: &str
         .sum()
 }
 
-/// Whether `/metrics` has a sample of `name` for `worker` yet.
-async fn text_has(client: &reqwest::Client, router: &str, name: &str, worker: &str) -> bool {
+/// The sample of `name` for `worker`, or `None` while `/metrics` has none yet.
+async fn gauge(client: &reqwest::Client, router: &str, name: &str, worker: &str) -> Option<f64> {
     let text = client.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
-    text.lines().any(|l| l.starts_with(name) && l.contains(&format!("worker=\"{worker}\"")))
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(&format!("worker=\"{worker}\"")))
+        .find_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+}
+
+/// A PUB socket on a free loopback port standing in for an engine's publisher, and its endpoint.
+async fn bind_publisher() -> (zeromq::PubSocket, String) {
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let mut publisher = zeromq::PubSocket::new();
+    publisher.bind(&endpoint).await.expect("bind pub");
+    (publisher, endpoint)
+}
+
+/// Publishes one batch of `events` with sequence `seq` in `enc`, as engines do.
+async fn publish(publisher: &mut zeromq::PubSocket, seq: u64, events: Vec<KvEvent>, enc: Encoding) {
+    use kvroute_gateway::kv_events::{EventBatch, encode, frames};
+    let batch = EventBatch { ts: 0.0, events, dp_rank: None };
+    let msg = zeromq::ZmqMessage::try_from(frames("", seq, encode(&batch, enc).into())).expect("msg");
+    publisher.send(msg).await.expect("publish");
 }
 
 /// The router learns a worker's cache from its KV events alone: a prompt sent to the worker
@@ -252,15 +270,15 @@ async fn routes_on_precise_prefix_state_recovered_from_engine_events() {
     // The startup parity check passed on both workers: the router's tokens of a probe chat
     // request hash to exactly the blocks the engine stored.
     for w in &workers {
-        let mut v = f64::NAN;
+        let mut v = None;
         for _ in 0..300 {
-            v = metric(&c, &router, "kvroute_kv_parity", w).await;
-            if v != 0.0 || text_has(&c, &router, "kvroute_kv_parity", w).await {
+            v = gauge(&c, &router, "kvroute_kv_parity", w).await;
+            if v.is_some() {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        assert_eq!(v, 1.0, "parity of {w}");
+        assert_eq!(v, Some(1.0), "parity of {w}");
     }
     stop.cancel();
     let _ = task.await;
@@ -271,38 +289,26 @@ async fn routes_on_precise_prefix_state_recovered_from_engine_events() {
 /// batches itself on a PUB socket for a worker whose HTTP side is engine-sim.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
-    use kvroute_gateway::kv_events::{EventBatch, encode, frames};
     let _ = rustls::crypto::ring::default_provider().install_default();
     let stop = tokio_util::sync::CancellationToken::new();
     let (w0, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker 0");
     let (w1, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker 1");
-    let pport = free_port();
-    let mut publisher = zeromq::PubSocket::new();
-    publisher.bind(&format!("tcp://127.0.0.1:{pport}")).await.expect("bind pub");
+    let (mut publisher, endpoint) = bind_publisher().await;
     let gw = kvroute_gateway::GatewayConfig {
         port: 0,
         policy: "prefill_cost".into(),
         worker_urls: vec![w0.clone(), w1.clone()],
-        kv_events: vec![kvroute_gateway::config::KvEventSource {
-            worker: w1.clone(),
-            endpoint: format!("tcp://127.0.0.1:{pport}"),
-            replay: None,
-        }],
+        kv_events: vec![kvroute_gateway::config::KvEventSource { worker: w1.clone(), endpoint, replay: None }],
         kv_parity_check: false,
         ..Default::default()
     };
     let (router, task) = start_router(gw, stop.clone()).await;
     let c = reqwest::Client::new();
     let mut seq = 0u64;
-    let publish = async |publisher: &mut zeromq::PubSocket, seq: u64, events: Vec<KvEvent>| {
-        let batch = EventBatch { ts: 0.0, events, dp_rank: None };
-        let msg = zeromq::ZmqMessage::try_from(frames("", seq, encode(&batch, Encoding::Legacy).into())).expect("msg");
-        publisher.send(msg).await.expect("publish");
-    };
     // Empty batches until the subscription is live.
     let mut live = false;
     for _ in 0..100 {
-        publish(&mut publisher, seq, Vec::new()).await;
+        publish(&mut publisher, seq, Vec::new(), Encoding::Legacy).await;
         seq += 1;
         tokio::time::sleep(Duration::from_millis(50)).await;
         if metric(&c, &router, "kvroute_kv_event_batches_total", &w1).await >= 1.0 {
@@ -321,7 +327,7 @@ async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
         medium: Some("GPU".into()),
         group_idx: 0,
     };
-    publish(&mut publisher, seq, vec![stored]).await;
+    publish(&mut publisher, seq, vec![stored], Encoding::Legacy).await;
     // Garbage: counted as an error, the subscriber carries on.
     let junk = zeromq::ZmqMessage::try_from(vec![Bytes::from_static(b"t"), Bytes::from_static(b"short")]).expect("msg");
     publisher.send(junk).await.expect("publish junk");
@@ -352,7 +358,7 @@ async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
     assert!(metric(&c, &router, "kvroute_kv_event_errors_total", &w1).await >= 1.0);
 
     // The publisher restarts: its sequence starts again at 0.
-    publish(&mut publisher, 0, Vec::new()).await;
+    publish(&mut publisher, 0, Vec::new(), Encoding::Legacy).await;
     let mut cleared = false;
     for _ in 0..100 {
         if metric(&c, &router, "kvroute_kv_event_restarts_total", &w1).await >= 1.0 {
@@ -378,7 +384,6 @@ async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
 /// with the window off, it finds nothing cached anywhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predict_on_route_sends_siblings_after_the_first_request_before_block_stored() {
-    use kvroute_gateway::kv_events::{EventBatch, encode, frames};
     let _ = rustls::crypto::ring::default_provider().install_default();
     for window in [600.0, 0.0] {
         let stop = tokio_util::sync::CancellationToken::new();
@@ -387,14 +392,8 @@ async fn predict_on_route_sends_siblings_after_the_first_request_before_block_st
         let mut sources = Vec::new();
         for _ in 0..2 {
             let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
-            let pport = free_port();
-            let mut publisher = zeromq::PubSocket::new();
-            publisher.bind(&format!("tcp://127.0.0.1:{pport}")).await.expect("bind pub");
-            sources.push(kvroute_gateway::config::KvEventSource {
-                worker: w.clone(),
-                endpoint: format!("tcp://127.0.0.1:{pport}"),
-                replay: None,
-            });
+            let (publisher, endpoint) = bind_publisher().await;
+            sources.push(kvroute_gateway::config::KvEventSource { worker: w.clone(), endpoint, replay: None });
             workers.push(w);
             publishers.push(publisher);
         }
@@ -422,10 +421,7 @@ async fn predict_on_route_sends_siblings_after_the_first_request_before_block_st
                     medium: None,
                     group_idx: 0,
                 };
-                let batch = EventBatch { ts: 0.0, events: vec![ev], dp_rank: None };
-                let msg =
-                    zeromq::ZmqMessage::try_from(frames("", seq, encode(&batch, Encoding::Map).into())).expect("msg");
-                publisher.send(msg).await.expect("publish");
+                publish(publisher, seq, vec![ev], Encoding::Map).await;
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 if metric(&c, &router, "kvroute_kv_event_batches_total", &workers[i]).await >= 1.0 {
                     live = true;
@@ -466,22 +462,15 @@ async fn predict_on_route_sends_siblings_after_the_first_request_before_block_st
 /// `/tokenize` returns, as an engine with another chat template or tokenizer would.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_parity_check_reports_a_tokenizer_mismatch() {
-    use kvroute_gateway::kv_events::{EventBatch, encode, frames};
     let _ = rustls::crypto::ring::default_provider().install_default();
     let stop = tokio_util::sync::CancellationToken::new();
     let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
-    let pport = free_port();
-    let mut publisher = zeromq::PubSocket::new();
-    publisher.bind(&format!("tcp://127.0.0.1:{pport}")).await.expect("bind pub");
+    let (mut publisher, endpoint) = bind_publisher().await;
     let gw = kvroute_gateway::GatewayConfig {
         port: 0,
         policy: "prefill_cost".into(),
         worker_urls: vec![w.clone()],
-        kv_events: vec![kvroute_gateway::config::KvEventSource {
-            worker: w.clone(),
-            endpoint: format!("tcp://127.0.0.1:{pport}"),
-            replay: None,
-        }],
+        kv_events: vec![kvroute_gateway::config::KvEventSource { worker: w.clone(), endpoint, replay: None }],
         ..Default::default()
     };
     let (router, task) = start_router(gw, stop.clone()).await;
@@ -497,12 +486,10 @@ async fn the_parity_check_reports_a_tokenizer_mismatch() {
             medium: None,
             group_idx: 0,
         };
-        let batch = EventBatch { ts: 0.0, events: vec![ev], dp_rank: None };
-        let msg = zeromq::ZmqMessage::try_from(frames("", seq, encode(&batch, Encoding::Map).into())).expect("msg");
-        publisher.send(msg).await.expect("publish");
+        publish(&mut publisher, seq, vec![ev], Encoding::Map).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
-        if text_has(&c, &router, "kvroute_kv_parity", &w).await {
-            parity = Some(metric(&c, &router, "kvroute_kv_parity", &w).await);
+        parity = gauge(&c, &router, "kvroute_kv_parity", &w).await;
+        if parity.is_some() {
             break;
         }
     }
