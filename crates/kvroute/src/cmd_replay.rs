@@ -216,12 +216,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     for (p, _, _) in &pols {
         kvroute_core::registry::build(p, &knobs).with_context(|| format!("--knobs for `{p}`"))?;
     }
+    let prefix_aware: Vec<&str> =
+        kvroute_core::registry::list().into_iter().filter(|i| i.prefix_aware).map(|i| i.name).collect();
     let mut runs = Vec::new();
     for &rate in &rates {
         for &prefix_state in &states {
             for (p, label, cap) in &pols {
                 // A prefix-blind policy routes the same with either prefix state: run it once.
-                let blind = !kvroute_core::registry::list().iter().any(|i| i.name == p && i.prefix_aware);
+                let blind = !prefix_aware.contains(&p.as_str());
                 if blind && prefix_state != states[0] {
                     continue;
                 }
