@@ -80,6 +80,11 @@ pub struct GatewayConfig {
     /// Startup parity check per KV-event worker: a probe prompt whose `BlockStored` must
     /// match the router's own hashes (metric `kvroute_kv_parity`, error log on mismatch).
     pub kv_parity_check: bool,
+    /// Local tokenizer for token-accurate routing keys without a round trip per request: a
+    /// GGUF model file (llama.cpp workers; vocabulary and chat template from its metadata)
+    /// or a Hugging Face `tokenizer.json` (with `tokenizer_config.json` beside it). Checked
+    /// against each worker once at startup (metric `kvroute_tokenizer_parity`).
+    pub tokenizer: Option<String>,
 }
 
 /// Where one worker publishes its KV events (`shared/specs/kv-events.md`).
@@ -149,6 +154,7 @@ impl Default for GatewayConfig {
             kv_lower_tier_weight: 0.5,
             kv_predict_window_secs: 2.0,
             kv_parity_check: true,
+            tokenizer: None,
         }
     }
 }

@@ -81,6 +81,36 @@ pub fn engine_signals(body: &str) -> (Option<u32>, Option<u32>, Option<f64>) {
     (queue.map(|v| v.max(0.0) as u32), running.map(|v| v.max(0.0) as u32), usage.map(|v| v.clamp(0.0, 1.0)))
 }
 
+/// Engine-reported prefix-cache hit ratio of prompt tokens in [0, 1] from a `/metrics`
+/// body: llama.cpp `prompt_tokens_cached_total / (cached + prompt_tokens_total)` (its
+/// `prompt_tokens_total` counts only the tokens it processed), vLLM
+/// `prefix_cache_hits_total / prefix_cache_queries_total`, SGLang `cache_hit_rate`.
+/// `None` before any prompt token or when the engine exports none of them.
+pub fn engine_hit_ratio(body: &str) -> Option<f64> {
+    let ratio = |num: f64, den: f64| (den > 0.0).then(|| (num / den).clamp(0.0, 1.0));
+    if let (Some(c), Some(p)) =
+        (metric_sum(body, "llamacpp:prompt_tokens_cached_total"), metric_sum(body, "llamacpp:prompt_tokens_total"))
+    {
+        return ratio(c, c + p);
+    }
+    if let (Some(h), Some(q)) =
+        (metric_sum(body, "vllm:prefix_cache_hits_total"), metric_sum(body, "vllm:prefix_cache_queries_total"))
+    {
+        return ratio(h, q);
+    }
+    metric_sum(body, "sglang:cache_hit_rate").map(|v| v.clamp(0.0, 1.0))
+}
+
+/// (slots, busy slots) from a llama.cpp `GET /slots` body (an array of slots with
+/// `is_processing`); `None` when it is not one.
+pub fn slot_counts(body: &str) -> Option<(u32, u32)> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    let slots = v.as_array().filter(|a| !a.is_empty())?;
+    let busy =
+        slots.iter().filter(|s| s.get("is_processing").and_then(serde_json::Value::as_bool) == Some(true)).count();
+    Some((slots.len().min(u32::MAX as usize) as u32, busy.min(u32::MAX as usize) as u32))
+}
+
 /// Compute utilisation in [0, 1] from a `/metrics` body: NVIDIA DCGM's SM activity
 /// (`DCGM_FI_PROF_SM_ACTIVE`, a ratio) or GPU utilisation (`DCGM_FI_DEV_GPU_UTIL`, percent),
 /// averaged over the GPUs listed. Seed 001's `sm_pct` term of kv_score. `None` when absent.
@@ -125,6 +155,9 @@ async fn check_one(s: Arc<AppState>, id: u32, url: String) {
     }
     if let Some(hn) = healthy_now {
         s.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.clone() }).set(i64::from(hn));
+        if hn && s.tokenizer.is_some() {
+            tokio::spawn(tokenizer_parity(Arc::clone(&s), url.clone()));
+        }
     }
     if removed {
         tracing::warn!(worker = %url, "health checks failing: out of routing");
@@ -145,13 +178,103 @@ async fn check_one(s: Arc<AppState>, id: u32, url: String) {
         && s.cfg.scrape_metrics
         && let Some((200, body)) = get_text(&s.client, &format!("{url}/metrics"), h.timeout_secs).await
     {
-        let (q, r, u) = engine_signals(&body);
+        let (q, mut r, u) = engine_signals(&body);
         let p = s.cfg.power_metric.as_deref().and_then(|name| metric_sum(&body, name));
         let sm = sm_utilisation(&body);
+        let hit = engine_hit_ratio(&body);
+        // llama.cpp: its slots bound what it runs at once; the busy ones are running.
+        let mut slots = None;
+        if body.contains("llamacpp:")
+            && let Some((200, text)) = get_text(&s.client, &format!("{url}/slots"), h.timeout_secs).await
+            && let Some((n, busy)) = slot_counts(&text)
+        {
+            slots = Some(n);
+            r = Some(busy);
+            s.metrics.worker_slots.get_or_create(&WorkerLabel { worker: url.clone() }).set(i64::from(n));
+        }
+        if let Some(x) = hit {
+            s.metrics.engine_prefix_hit_ratio.get_or_create(&WorkerLabel { worker: url.clone() }).set(x);
+        }
         if let Some(w) = s.workers.write().iter_mut().find(|w| w.id == id) {
             (w.engine_queue, w.engine_running, w.kv_cache_usage, w.power_watts, w.sm_util) = (q, r, u, p, sm);
+            (w.slots, w.engine_hit_ratio) = (slots, hit);
         }
     }
+}
+
+/// The probe chat of [`tokenizer_parity`]: digits, punctuation, contractions, non-ASCII text,
+/// blank lines and a system message, the places where tokenizers differ.
+fn parity_probe() -> serde_json::Value {
+    serde_json::json!({"model": "", "messages": [
+        {"role": "system", "content": "You route requests.  Answer in 3 words; don't explain.\n\n"},
+        {"role": "user", "content": "Prix: 1234,56 € — naïve café? It's 10:45pm!\tOK\n  indented\n\nEnd."}
+    ]})
+}
+
+/// The worker's own token ids of a chat body: vLLM/SGLang `POST /tokenize` with the
+/// messages, else llama.cpp `POST /apply-template` then `POST /tokenize` of the prompt
+/// (special tokens added and parsed, as its chat endpoint does). `None` when it has neither.
+async fn worker_chat_tokens(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+    timeout: Duration,
+) -> Option<Vec<u32>> {
+    #[derive(serde::Deserialize)]
+    struct Tokens {
+        tokens: Vec<u32>,
+    }
+    let post = |path: &str, v: serde_json::Value| client.post(format!("{url}{path}")).timeout(timeout).json(&v).send();
+    if let Ok(r) = post("/tokenize", body.clone()).await
+        && r.status().is_success()
+        && let Ok(t) = r.json::<Tokens>().await
+        && !t.tokens.is_empty()
+    {
+        return Some(t.tokens);
+    }
+    let msgs = serde_json::json!({"messages": body.get("messages")?});
+    let r = post("/apply-template", msgs).await.ok()?.error_for_status().ok()?;
+    let prompt = r.json::<serde_json::Value>().await.ok()?.get("prompt")?.as_str()?.to_string();
+    let r = post("/tokenize", serde_json::json!({"content": prompt, "add_special": true, "parse_special": true}))
+        .await
+        .ok()?
+        .error_for_status()
+        .ok()?;
+    r.json::<Tokens>().await.ok().map(|t| t.tokens).filter(|t| !t.is_empty())
+}
+
+/// Startup tokenizer parity of one worker (run when it first becomes healthy): the local
+/// tokenizer's ids of a probe chat must equal the worker's own. Sets
+/// `kvroute_tokenizer_parity{worker}` to 1 (equal), 0 (different: logged as an error with
+/// the first differing position; the routing keys of this fleet are then approximate) or
+/// −1 (the worker exposes no tokenize endpoint, or the local tokenizer cannot render it).
+pub async fn tokenizer_parity(s: Arc<AppState>, url: String) {
+    let Some(tk) = s.tokenizer.clone() else { return };
+    let mut probe = parity_probe();
+    let model = s.workers.read().iter().find(|w| w.url == url).and_then(|w| w.models.first().cloned());
+    probe["model"] = serde_json::Value::String(model.unwrap_or_default());
+    let local = tk.request_tokens(crate::request::Api::Chat, &probe);
+    let remote =
+        worker_chat_tokens(&s.client, &url, &probe, Duration::from_secs_f64(s.cfg.health.timeout_secs.max(5.0))).await;
+    let v = match (local, remote) {
+        (Ok(l), Some(r)) if l == r => {
+            tracing::info!(worker = %url, tokens = l.len(), "local tokenizer matches the worker's");
+            1
+        }
+        (Ok(l), Some(r)) => {
+            let at = l.iter().zip(&r).position(|(a, b)| a != b).unwrap_or(l.len().min(r.len()));
+            tracing::error!(
+                worker = %url, local = l.len(), worker_tokens = r.len(), first_difference = at,
+                "the local tokenizer ({}) does not give the worker's tokens: check --tokenizer", tk.source()
+            );
+            0
+        }
+        (local, remote) => {
+            tracing::warn!(worker = %url, local_ok = local.is_ok(), worker_ok = remote.is_some(), "tokenizer parity inconclusive");
+            -1
+        }
+    };
+    s.metrics.tokenizer_parity.get_or_create(&WorkerLabel { worker: url }).set(v);
 }
 
 /// Background loop: active health checks every `health.interval_secs` and policy
@@ -190,6 +313,28 @@ pub async fn run_background(s: Arc<AppState>, cancel: tokio_util::sync::Cancella
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn engine_hit_ratio_from_each_engine() {
+        // llama.cpp: 150 cached of 200 prompt tokens (50 processed).
+        let llama = "llamacpp:prompt_tokens_total 50\nllamacpp:prompt_tokens_cached_total 150\n";
+        assert_eq!(engine_hit_ratio(llama), Some(0.75));
+        assert_eq!(engine_hit_ratio("llamacpp:prompt_tokens_total 0\nllamacpp:prompt_tokens_cached_total 0\n"), None);
+        let vllm =
+            "vllm:prefix_cache_queries_total{engine=\"0\"} 400\nvllm:prefix_cache_hits_total{engine=\"0\"} 100\n";
+        assert_eq!(engine_hit_ratio(vllm), Some(0.25));
+        assert_eq!(engine_hit_ratio("sglang:cache_hit_rate 0.5\n"), Some(0.5));
+        assert_eq!(engine_hit_ratio("other 1\n"), None);
+    }
+
+    #[test]
+    fn slot_counts_from_llama_slots() {
+        let body = r#"[{"id":0,"n_ctx":4096,"is_processing":true},{"id":1,"n_ctx":4096,"is_processing":false}]"#;
+        assert_eq!(slot_counts(body), Some((2, 1)));
+        assert_eq!(slot_counts("[]"), None);
+        assert_eq!(slot_counts("{\"error\": 1}"), None);
+        assert_eq!(slot_counts("not json"), None);
+    }
 
     #[test]
     fn parses_sm_utilisation_from_dcgm() {

@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod request;
 pub mod state;
+pub mod tokenizer;
 
 use axum::Router;
 use axum::routing::{get, post};

@@ -45,6 +45,17 @@ pub struct SourceLabels {
     pub reason: String,
 }
 
+/// Labels of `kvroute_local_tokenize`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// `ok`, or why the request was routed on its text instead (`unsupported_request`,
+    /// `template_error`, `no_chat_template`, `tokenizer_error`).
+    pub outcome: String,
+}
+
+/// An `f64` gauge.
+pub type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+
 /// Every gateway metric.
 #[derive(Debug)]
 pub struct Metrics {
@@ -86,6 +97,17 @@ pub struct Metrics {
     pub kv_parity: Family<WorkerLabel, Gauge>,
     /// Decisions by where the chosen worker's prefix state came from.
     pub prefix_source: Family<SourceLabels, Counter>,
+    /// Requests tokenized by the local tokenizer, by outcome.
+    pub local_tokenize: Family<OutcomeLabel, Counter>,
+    /// Startup tokenizer parity per worker: 1 the local tokenizer gives the worker's
+    /// tokens, 0 mismatch, −1 inconclusive.
+    pub tokenizer_parity: Family<WorkerLabel, Gauge>,
+    /// Engine-reported prefix-cache hit ratio of a worker's prompt tokens since it started
+    /// (llama.cpp `prompt_tokens_cached_total` over cached + processed; vLLM
+    /// `prefix_cache_hits_total` over `prefix_cache_queries_total`).
+    pub engine_prefix_hit_ratio: Family<WorkerLabel, FloatGauge>,
+    /// Decode slots of a worker (llama.cpp `/slots`: parallel sequences).
+    pub worker_slots: Family<WorkerLabel, Gauge>,
 }
 
 impl Default for Metrics {
@@ -162,7 +184,31 @@ impl Metrics {
             "Decisions by the source of the chosen worker's prefix state",
             prefix_source.clone(),
         );
+        let local_tokenize = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "kvroute_local_tokenize",
+            "Requests tokenized locally for routing keys, by outcome",
+            local_tokenize.clone(),
+        );
+        let tokenizer_parity = Family::<WorkerLabel, Gauge>::default();
+        registry.register(
+            "kvroute_tokenizer_parity",
+            "Startup tokenizer parity: 1 local tokens equal the worker's, 0 mismatch, -1 inconclusive",
+            tokenizer_parity.clone(),
+        );
+        let engine_prefix_hit_ratio = Family::<WorkerLabel, FloatGauge>::default();
+        registry.register(
+            "kvroute_engine_prefix_hit_ratio",
+            "Engine-reported prefix-cache hit ratio of prompt tokens since the worker started",
+            engine_prefix_hit_ratio.clone(),
+        );
+        let worker_slots = Family::<WorkerLabel, Gauge>::default();
+        registry.register("kvroute_worker_slots", "Decode slots of a worker (llama.cpp /slots)", worker_slots.clone());
         Metrics {
+            local_tokenize,
+            tokenizer_parity,
+            engine_prefix_hit_ratio,
+            worker_slots,
             kv_batches,
             kv_gaps,
             kv_replayed,

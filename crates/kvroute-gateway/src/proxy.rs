@@ -297,11 +297,37 @@ async fn handle(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Body) -> R
     }
 }
 
+/// Bodies up to this size are tokenized on the request's task; longer ones on the blocking
+/// pool (a long prompt takes milliseconds).
+const INLINE_TOKENIZE_BYTES: usize = 16 << 10;
+
+/// Fills `info.token_ids` from the local tokenizer when one is configured and the request
+/// carries none; counts the outcome (`kvroute_local_tokenize`). A request that cannot be
+/// reproduced exactly keeps its text key.
+async fn local_tokens(s: &Arc<AppState>, api: Api, body: serde_json::Value, info: &mut RoutingInfo) {
+    let Some(tk) = s.tokenizer.as_ref().filter(|_| info.token_ids.is_none()) else { return };
+    let r = if info.text.len() <= INLINE_TOKENIZE_BYTES {
+        tk.request_tokens(api, &body)
+    } else {
+        let tk = Arc::clone(tk);
+        tokio::task::spawn_blocking(move || tk.request_tokens(api, &body)).await.unwrap_or(Err("tokenizer_error"))
+    };
+    let outcome = match r {
+        Ok(t) => {
+            info.token_ids = Some(t);
+            "ok"
+        }
+        Err(reason) => reason,
+    };
+    s.metrics.local_tokenize.get_or_create(&crate::metrics::OutcomeLabel { outcome: outcome.into() }).inc();
+}
+
 async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
     let t0 = Instant::now();
     let bytes = read_body(s, headers, body).await?;
     let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
-    let (_, info) = parse(api, &bytes, session)?;
+    let (body, mut info) = parse(api, &bytes, session)?;
+    local_tokens(s, api, body, &mut info).await;
     let precise = if s.cfg.kv_events.is_empty() {
         Precise::Off
     } else {

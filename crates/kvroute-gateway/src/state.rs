@@ -43,6 +43,11 @@ pub struct Worker {
     pub sm_util: Option<f64>,
     /// Power draw, watts.
     pub power_watts: Option<f64>,
+    /// Decode slots (llama.cpp `/slots`): requests it runs at once; the view's
+    /// `capacity.max_concurrent`.
+    pub slots: Option<u32>,
+    /// Engine-reported prefix-cache hit ratio of prompt tokens since the worker started.
+    pub engine_hit_ratio: Option<f64>,
 }
 
 impl Worker {
@@ -84,6 +89,8 @@ pub struct AppState {
     pub precise: Mutex<kvroute_core::precise::PreciseIndex>,
     /// Request token ids from `/tokenize`, for precise matching.
     pub tokens: Mutex<crate::kv_subscriber::TokenCache>,
+    /// The local tokenizer (`tokenizer`), when configured.
+    pub tokenizer: Option<Arc<crate::tokenizer::LocalTokenizer>>,
     next_id: AtomicU32,
 }
 
@@ -100,6 +107,14 @@ impl AppState {
             predict_window_secs: cfg.kv_predict_window_secs,
             ..Default::default()
         };
+        let tokenizer = match &cfg.tokenizer {
+            Some(p) => {
+                let t = crate::tokenizer::LocalTokenizer::load(std::path::Path::new(p))?;
+                tracing::info!(source = t.source(), "local tokenizer loaded");
+                Some(Arc::new(t))
+            }
+            None => None,
+        };
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout_secs))
             .pool_max_idle_per_host(256)
@@ -115,6 +130,7 @@ impl AppState {
             start: Instant::now(),
             precise: Mutex::new(kvroute_core::precise::PreciseIndex::new(precise_cfg)),
             tokens: Mutex::new(Default::default()),
+            tokenizer,
             next_id: AtomicU32::new(0),
         }))
     }
@@ -171,8 +187,15 @@ impl AppState {
             kv_cache_usage: None,
             sm_util: None,
             power_watts: None,
+            slots: None,
+            engine_hit_ratio: None,
         });
-        self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url }).set(i64::from(healthy));
+        drop(ws);
+        self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.clone() }).set(i64::from(healthy));
+        if healthy && self.tokenizer.is_some() {
+            // Later recoveries are checked by the health checker.
+            tokio::spawn(crate::health::tokenizer_parity(Arc::clone(self), url));
+        }
         Ok(id)
     }
 
@@ -219,6 +242,9 @@ impl AppState {
             v.kv_cache_usage = w.kv_cache_usage;
             v.sm_util = w.sm_util;
             v.power_watts = w.power_watts;
+            if let Some(n) = w.slots {
+                v.capacity.max_concurrent = n.max(1);
+            }
             views.push(v);
             urls.push((w.id, w.url.clone()));
         }

@@ -72,6 +72,10 @@ pub struct Args {
     /// Startup parity check of each KV-event worker (true/false; default true).
     #[arg(long, env = "KVROUTE_KV_PARITY_CHECK")]
     pub kv_parity_check: Option<bool>,
+    /// Local tokenizer for token-accurate routing keys: a GGUF model file (llama.cpp
+    /// workers) or a Hugging Face tokenizer.json (tokenizer_config.json beside it).
+    #[arg(long, env = "KVROUTE_TOKENIZER")]
+    pub tokenizer: Option<String>,
     /// Start N worker processes with --worker-cmd and route to them (seed 003 co-launch).
     #[arg(long, env = "KVROUTE_LAUNCH_WORKERS", default_value_t = 0)]
     pub launch_workers: usize,
@@ -115,6 +119,9 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
     );
     if a.admin_token.is_some() {
         cfg.admin_token = a.admin_token.clone();
+    }
+    if a.tokenizer.is_some() {
+        cfg.tokenizer = a.tokenizer.clone();
     }
     if a.power_metric.is_some() {
         cfg.power_metric = a.power_metric.clone();

@@ -129,11 +129,14 @@ async fn chat(client: &reqwest::Client, router: &str, messages: &Value) -> Turn 
 }
 
 /// Runs `CONVERSATIONS` two-turn conversations (starting at question `offset`) through a
-/// fresh `kvroute serve` with `policy`; returns (turn 1, turn 2) per conversation.
-async fn run_policy(policy: &str, workers: &[String], offset: usize) -> Vec<(Turn, Turn)> {
+/// fresh `kvroute serve` with `policy` (and `extra` flags); returns (turn 1, turn 2) per
+/// conversation and the router's `/metrics` text at the end.
+async fn run_policy(policy: &str, workers: &[String], offset: usize, extra: &[&str]) -> (Vec<(Turn, Turn)>, String) {
     let port = free_port();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute"));
-    cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy, "--worker-urls"])
+    cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy])
+        .args(extra)
+        .arg("--worker-urls")
         .args(workers)
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());
@@ -153,7 +156,16 @@ async fn run_policy(policy: &str, workers: &[String], offset: usize) -> Vec<(Tur
         let t2 = chat(&client, &router, &m2).await;
         out.push((t1, t2));
     }
-    out
+    let metrics = client.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    (out, metrics)
+}
+
+/// The value of the sample of `name` whose labels contain `label` (or any, when empty).
+fn sample(metrics: &str, name: &str, label: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(label))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -169,7 +181,15 @@ async fn cache_aware_keeps_conversations_on_their_worker_and_round_robin_does_no
         wait_healthy(&client, w).await;
     }
 
-    let aware = run_policy("cache_aware", &workers, 0).await;
+    // With the model's own tokenizer loaded locally (--tokenizer): routing keys carry the
+    // worker's exact token ids, checked against each worker at startup.
+    let model_arg = model.to_str().expect("utf-8 model path");
+    let (aware, metrics) = run_policy("cache_aware", &workers, 0, &["--tokenizer", model_arg]).await;
+    for w in &workers {
+        assert_eq!(sample(&metrics, "kvroute_tokenizer_parity", w), Some(1.0), "parity with {w}:\n{metrics}");
+    }
+    let ok = sample(&metrics, "kvroute_local_tokenize_total", "outcome=\"ok\"");
+    assert_eq!(ok, Some((2 * CONVERSATIONS) as f64), "every request tokenized locally:\n{metrics}");
     for (i, (t1, t2)) in aware.iter().enumerate() {
         eprintln!(
             "cache_aware conv {i}: turn1 {} ({} tok) turn2 {} ({} tok, cache_n {})",
@@ -186,7 +206,7 @@ async fn cache_aware_keeps_conversations_on_their_worker_and_round_robin_does_no
     let used: std::collections::BTreeSet<&str> = aware.iter().map(|(t1, _)| t1.worker.as_str()).collect();
     assert_eq!(used.len(), 2, "cold first turns should spread over both idle workers");
 
-    let rr = run_policy("round_robin", &workers, CONVERSATIONS).await;
+    let (rr, _) = run_policy("round_robin", &workers, CONVERSATIONS, &[]).await;
     for (i, (t1, t2)) in rr.iter().enumerate() {
         eprintln!(
             "round_robin conv {i}: turn1 {} ({} tok) turn2 {} ({} tok, cache_n {})",
@@ -200,4 +220,76 @@ async fn cache_aware_keeps_conversations_on_their_worker_and_round_robin_does_no
             t1.prompt_tokens
         );
     }
+}
+
+/// llama-server's own token ids of a chat: `/apply-template`, then `/tokenize` with special
+/// tokens added and parsed (what its chat endpoint does).
+async fn server_tokens(client: &reqwest::Client, url: &str, messages: &Value) -> Vec<u32> {
+    let r: Value = client
+        .post(format!("{url}/apply-template"))
+        .json(&json!({"messages": messages}))
+        .send()
+        .await
+        .expect("apply-template")
+        .json()
+        .await
+        .expect("json");
+    let prompt = r["prompt"].as_str().expect("prompt").to_owned();
+    let r: Value = client
+        .post(format!("{url}/tokenize"))
+        .json(&json!({"content": prompt, "add_special": true, "parse_special": true}))
+        .send()
+        .await
+        .expect("tokenize")
+        .json()
+        .await
+        .expect("json");
+    r["tokens"].as_array().expect("tokens").iter().map(|t| t.as_u64().expect("id") as u32).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_gguf_tokenizer_gives_llama_servers_tokens_for_every_mtbench_conversation() {
+    let Some((bin, model)) = llama_env() else { return };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let port = free_port();
+    let _w = start_worker(&bin, &model, port);
+    let url = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().expect("client");
+    wait_healthy(&client, &url).await;
+    let tk = kvroute_gateway::tokenizer::LocalTokenizer::load(&model).expect("load the GGUF tokenizer");
+    let questions = mtbench();
+    assert!(questions.len() >= 80, "MT-bench has 80 two-turn questions, read {}", questions.len());
+    let mut compared = 0;
+    for (i, (q1, q2)) in questions.iter().enumerate() {
+        // Turn 1 without a system message (the template adds its default one), turn 2 with a
+        // reference document, an answer full of digits and punctuation, and the second question.
+        let t1 = json!([{"role": "user", "content": q1}]);
+        let t2 = json!([{"role": "system", "content": document(i)}, {"role": "user", "content": q1},
+            {"role": "assistant", "content": format!("Answer {i}: 1,234.5 — \"quoted\", it's fine.\n\n- item")},
+            {"role": "user", "content": q2}]);
+        for messages in [t1, t2] {
+            let local = tk
+                .request_tokens(kvroute_gateway::request::Api::Chat, &json!({"model": "smollm2", "messages": messages}))
+                .expect("local tokens");
+            let server = server_tokens(&client, &url, &messages).await;
+            assert_eq!(local, server, "question {i}: local and llama-server tokens differ");
+            compared += 1;
+        }
+    }
+    // And the count the engine itself reports for a real chat request.
+    let messages = json!([{"role": "user", "content": questions[0].0}]);
+    let local = tk
+        .request_tokens(kvroute_gateway::request::Api::Chat, &json!({"model": "smollm2", "messages": messages}))
+        .expect("local tokens");
+    let r: Value = client
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&json!({"model": "smollm2", "messages": messages, "max_tokens": 1}))
+        .send()
+        .await
+        .expect("chat")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(r["usage"]["prompt_tokens"].as_u64(), Some(local.len() as u64));
+    eprintln!("{compared} prompts: local tokens equal llama-server's");
 }
