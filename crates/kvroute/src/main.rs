@@ -37,8 +37,23 @@ enum Command {
     Policies(cmd_policies::Args),
 }
 
+/// Logs to stderr: `KVROUTE_LOG` (an `EnvFilter` directive such as `debug` or
+/// `kvroute_gateway=debug`) or by default `info` for the long-running servers and `warn`
+/// for the one-shot commands, whose output is their report.
+fn init_logging(cmd: &Command) {
+    let default = match cmd {
+        Command::Serve(_) | Command::EngineSim(_) => "info",
+        _ => "warn",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
+}
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    init_logging(&cli.command);
     let result = match cli.command {
         Command::Demo(a) => cmd_demo::run(a),
         Command::EngineSim(a) => cmd_engine_sim::run(a),
