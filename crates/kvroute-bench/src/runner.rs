@@ -89,7 +89,14 @@ pub struct RequestResult {
     pub cached_tokens: Option<u32>,
     /// Worker that served it, from the `x-kvroute-worker` header, when the router says.
     pub worker: Option<String>,
+    /// The generated text (kept for conversations, whose next turn carries it; at most
+    /// [`MAX_ANSWER_BYTES`]).
+    #[serde(skip)]
+    pub answer: String,
 }
+
+/// Longest answer text kept per request.
+pub const MAX_ANSWER_BYTES: usize = 64 << 10;
 
 /// Header in which kvroute names the worker that served a request.
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
@@ -256,6 +263,7 @@ fn failed(index: usize, why: String) -> RequestResult {
         prompt_tokens: None,
         cached_tokens: None,
         worker: None,
+        answer: String::new(),
     }
 }
 
@@ -299,8 +307,11 @@ async fn exchange(sh: &Shared, body: bytes::Bytes, start: Instant, r: &mut Reque
         let Ok(b) = resp.bytes().await else { return Outcome::Error("body".into()) };
         let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) else { return Outcome::Error("bad json".into()) };
         read_usage(&v, r);
+        if let Some(c) = content(&v) {
+            keep_answer(&mut r.answer, c);
+        }
         if r.output_tokens == 0 {
-            r.output_tokens = u32::from(content(&v).is_some_and(|c| !c.is_empty()));
+            r.output_tokens = u32::from(!r.answer.is_empty());
         }
         return Outcome::Ok;
     }
@@ -330,7 +341,8 @@ async fn exchange(sh: &Shared, body: bytes::Bytes, start: Instant, r: &mut Reque
                 return Outcome::Error("error in stream".into());
             }
             read_usage(&v, r);
-            if content(&v).is_some_and(|c| !c.is_empty()) {
+            if let Some(c) = content(&v).filter(|c| !c.is_empty()) {
+                keep_answer(&mut r.answer, c);
                 chunks += 1;
                 match last {
                     None => r.ttft_s = Some(now.duration_since(start).as_secs_f64()),
@@ -350,6 +362,88 @@ async fn exchange(sh: &Shared, body: bytes::Bytes, start: Instant, r: &mut Reque
         return Outcome::Error("stream ended without [DONE]".into());
     }
     Outcome::Ok
+}
+
+/// Appends `piece` to `answer` up to [`MAX_ANSWER_BYTES`] (cut at a character boundary).
+fn keep_answer(answer: &mut String, piece: &str) {
+    let room = MAX_ANSWER_BYTES.saturating_sub(answer.len());
+    let mut end = piece.len().min(room);
+    while !piece.is_char_boundary(end) {
+        end -= 1;
+    }
+    answer.push_str(&piece[..end]);
+}
+
+/// Sends each conversation's turns in order from its `at` (turn k+1 as soon as turn k's
+/// answer is complete, carrying that answer), at most `cfg.max_concurrency` conversations at
+/// once. Records are indexed conversation-major (conversation c's turn k is
+/// `c × max_turns + k`, `max_turns` the most turns of any conversation) and returned in
+/// that order; a failed turn ends its conversation. Chat API only: `cfg.api` is ignored.
+///
+/// # Errors
+/// Only building the HTTP client.
+pub async fn run_conversations(
+    cfg: &RunConfig,
+    convs: &[crate::workload::Conversation],
+    progress: Option<&indicatif::ProgressBar>,
+) -> Result<Vec<RequestResult>, reqwest::Error> {
+    let conc = cfg.max_concurrency.max(1);
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(conc)
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(10))
+        .build()?;
+    let endpoint = format!("{}/v1/chat/completions", cfg.url.trim_end_matches('/'));
+    let sh = Arc::new(Shared { client, endpoint, timeout: cfg.timeout, bodies: Vec::new(), t0: Instant::now() });
+    let max_turns = convs.iter().map(|c| c.turns.len()).max().unwrap_or(0);
+    let sem = Arc::new(tokio::sync::Semaphore::new(conc));
+    let mut tasks = Vec::with_capacity(convs.len());
+    for (ci, c) in convs.iter().enumerate() {
+        if cfg.duration.is_some_and(|d| c.at > d) {
+            break;
+        }
+        if let Some(wait) = c.at.checked_sub(sh.t0.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+        let Ok(permit) = Arc::clone(&sem).acquire_owned().await else { break };
+        let (sh, bar, c, cfg) = (Arc::clone(&sh), progress.cloned(), c.clone(), cfg.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut messages = Vec::new();
+            if let Some(sys) = &c.system {
+                messages.push(serde_json::json!({"role": "system", "content": &**sys}));
+            }
+            let mut out = Vec::with_capacity(c.turns.len());
+            for (k, turn) in c.turns.iter().enumerate() {
+                messages.push(serde_json::json!({"role": "user", "content": &**turn}));
+                let mut v = serde_json::json!({"model": cfg.model, "messages": messages, "max_tokens": c.max_tokens,
+                    "user": format!("conversation-{ci}")});
+                if cfg.stream {
+                    v["stream"] = true.into();
+                    v["stream_options"] = serde_json::json!({"include_usage": true});
+                }
+                let scheduled = sh.t0.elapsed();
+                let r = one(&sh, ci * max_turns + k, scheduled, bytes::Bytes::from(v.to_string())).await;
+                if let Some(b) = &bar {
+                    b.inc(1);
+                }
+                let ok = r.outcome == Outcome::Ok;
+                messages.push(serde_json::json!({"role": "assistant", "content": r.answer}));
+                out.push(r);
+                if !ok {
+                    break;
+                }
+            }
+            drop(permit);
+            out
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.extend(t.await.unwrap_or_default());
+    }
+    out.sort_by_key(|r| r.index);
+    Ok(out)
 }
 
 /// The generated text of a chunk or answer: chat delta/message content or completion text.

@@ -255,6 +255,7 @@ mod tests {
             prompt_tokens: Some(100),
             cached_tokens: Some(50),
             worker: Some(format!("w{}", i % 2)),
+            answer: String::new(),
         }
     }
 

@@ -188,6 +188,67 @@ pub fn shared_prefix(shape: SharedPrefix, arrivals: Arrivals, seed: u64) -> Vec<
         .collect()
 }
 
+/// A multi-turn conversation: its user turns are sent one after another, each turn's
+/// messages carrying every earlier turn and the model's own answer to it, so turn k's prompt
+/// extends turn k−1's prompt (the prefix a worker's KV cache can serve).
+#[derive(Debug, Clone)]
+pub struct Conversation {
+    /// When the first turn is sent, from the start of the run.
+    pub at: Duration,
+    /// System message, when the conversation has one.
+    pub system: Option<Arc<str>>,
+    /// The user messages, in order.
+    pub turns: Vec<Arc<str>>,
+    /// `max_tokens` of every turn (≥ 1).
+    pub max_tokens: u32,
+}
+
+/// The first `n` (all when `n` is 0) MT-bench questions of `text` (`mtbench_question.jsonl`:
+/// one JSON object per line with a `turns` array of user messages, as published by
+/// FastChat's LLM-judge) as two-turn conversations started by `arrivals`.
+///
+/// # Errors
+/// A message naming the line and field for a malformed line; no conversations.
+pub fn mtbench(
+    text: &str,
+    n: usize,
+    arrivals: Arrivals,
+    max_tokens: u32,
+    seed: u64,
+) -> Result<Vec<Conversation>, String> {
+    let mut turns_of = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        if n > 0 && turns_of.len() == n {
+            break;
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("line {}: not valid JSON: {e}", i + 1))?;
+        let turns = v
+            .get("turns")
+            .and_then(serde_json::Value::as_array)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| format!("line {}: field `turns` must be a non-empty array of strings", i + 1))?;
+        let turns: Vec<Arc<str>> = turns
+            .iter()
+            .map(|t| t.as_str().map(Arc::from))
+            .collect::<Option<_>>()
+            .ok_or_else(|| format!("line {}: field `turns` must hold strings", i + 1))?;
+        turns_of.push(turns);
+    }
+    if turns_of.is_empty() {
+        return Err("no conversations".into());
+    }
+    let times = arrivals.times(turns_of.len(), seed);
+    Ok(turns_of
+        .into_iter()
+        .zip(times)
+        .map(|(turns, at)| Conversation { at, system: None, turns, max_tokens: max_tokens.max(1) })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,5 +318,27 @@ mod tests {
         assert_eq!(distinct.len(), 3);
         let questions: std::collections::HashSet<&str> = w.iter().map(|r| &r.prompt[400..]).collect();
         assert_eq!(questions.len(), 12);
+    }
+
+    #[test]
+    fn mtbench_reads_conversations_and_names_bad_lines() {
+        let text = "{\"question_id\": 81, \"turns\": [\"a\", \"b\"]}\n\n{\"turns\": [\"c\"]}\n";
+        let c = mtbench(text, 0, Arrivals::Constant(2.0), 0, 1).unwrap();
+        assert_eq!(c.len(), 2);
+        assert_eq!((c[0].turns.len(), &*c[0].turns[1], c[0].max_tokens), (2, "b", 1));
+        assert_eq!((c[1].at, c[1].system.is_none()), (Duration::from_millis(500), true));
+        assert_eq!(mtbench(text, 1, Arrivals::Constant(1.0), 8, 1).unwrap().len(), 1);
+        assert_eq!(
+            mtbench("{\"turns\": 3}", 0, Arrivals::Constant(1.0), 8, 1).unwrap_err(),
+            "line 1: field `turns` must be a non-empty array of strings"
+        );
+        assert!(
+            mtbench("\n{oops", 0, Arrivals::Constant(1.0), 8, 1).unwrap_err().starts_with("line 2: not valid JSON")
+        );
+        assert_eq!(
+            mtbench("{\"turns\": [1]}", 0, Arrivals::Constant(1.0), 8, 1).unwrap_err(),
+            "line 1: field `turns` must hold strings"
+        );
+        assert_eq!(mtbench("", 0, Arrivals::Constant(1.0), 8, 1).unwrap_err(), "no conversations");
     }
 }

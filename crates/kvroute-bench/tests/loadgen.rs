@@ -1,9 +1,9 @@
 //! The load generator against real HTTP servers: engine-sim workers (streaming, usage,
 //! cached tokens, injected failures) and a stub that refuses with 429.
 
-use kvroute_bench::runner::{Api, Mode, Outcome, RunConfig, run};
+use kvroute_bench::runner::{Api, Mode, Outcome, RunConfig, run, run_conversations};
 use kvroute_bench::summary::{Slo, summarise};
-use kvroute_bench::workload::{Arrivals, BenchRequest, SharedPrefix, independent, shared_prefix};
+use kvroute_bench::workload::{Arrivals, BenchRequest, Conversation, SharedPrefix, independent, shared_prefix};
 use kvroute_gateway::engine_sim::{self, EngineSimConfig};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -116,4 +116,35 @@ async fn errors_and_rejections_are_counted_not_hidden() {
     assert_eq!((s.ok, s.rejected, s.errors), (0, 4, 0));
     assert_eq!(s.failures.get("rejected 503"), Some(&1));
     assert_eq!(s.failures.get("rejected 429"), Some(&3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_carry_each_answer_into_the_next_turn() {
+    let (url, stop) = sim(EngineSimConfig { time_scale: 20.0, ..EngineSimConfig::default() }).await;
+    let long = "Explain how a prefix cache lets a second turn skip prefill. ".repeat(20);
+    let convs: Vec<Conversation> = (0..3)
+        .map(|i| Conversation {
+            at: Duration::from_millis(20 * i),
+            system: Some(format!("You are assistant {i}. {long}").into()),
+            turns: vec![format!("Question {i}?").into(), "And then?".into(), "Last one.".into()],
+            max_tokens: 24,
+        })
+        .collect();
+    let res = run_conversations(&cfg(&url, Mode::Open, Api::Chat), &convs, None).await.expect("client");
+    assert_eq!(res.len(), 9, "three turns of three conversations");
+    for (i, r) in res.iter().enumerate() {
+        assert_eq!((r.index, &r.outcome), (i, &Outcome::Ok), "{r:?}");
+        assert!(!r.answer.is_empty(), "the answer text is kept: {r:?}");
+    }
+    for c in res.chunks(3) {
+        let p: Vec<u32> = c.iter().map(|r| r.prompt_tokens.expect("usage")).collect();
+        // Each turn's prompt holds the previous prompt, its answer and the new question.
+        assert!(p[1] > p[0] + 10 && p[2] > p[1] + 10, "prompts grow by the answers: {p:?}");
+        // And the worker serves the previous turn's prompt from its cache.
+        for k in 1..3 {
+            let cached = c[k].cached_tokens.expect("cached tokens reported");
+            assert!(cached + 32 >= p[k - 1], "turn {k} reused {cached} of the previous {} tokens", p[k - 1]);
+        }
+    }
+    stop.cancel();
 }

@@ -62,10 +62,18 @@ pub struct Args {
     /// alike), e.g. 16 to fit Mooncake's 512-token blocks to a small CPU model.
     #[arg(long)]
     pub block_tokens: Option<u32>,
-    /// Routing quality: a synthetic workload instead of the trace (`shared-prefix`: groups
-    /// of prompts sharing a system prompt, Poisson arrivals at --rate).
-    #[arg(long, value_parser = ["shared-prefix"])]
+    /// Routing quality: a workload instead of the Mooncake trace. `shared-prefix`: groups
+    /// of prompts sharing a system prompt, Poisson arrivals at --rate. `mtbench`: the real
+    /// MT-bench questions as two-turn conversations started at --rate per second, turn 2
+    /// sent when turn 1's answer is complete and carrying that answer (--output-tokens each).
+    #[arg(long, value_parser = ["shared-prefix", "mtbench"])]
     pub workload: Option<String>,
+    /// mtbench: conversations (the first N questions; 0 = all 80).
+    #[arg(long, default_value_t = 40)]
+    pub conversations: usize,
+    /// mtbench: the questions file (default: shared/data/traces/mtbench_question.jsonl).
+    #[arg(long)]
+    pub mtbench: Option<PathBuf>,
     /// shared-prefix: groups (distinct system prompts).
     #[arg(long, default_value_t = 4)]
     pub groups: usize,
@@ -279,6 +287,11 @@ impl Ctx {
                 // simulated 5 s (seed 001's heartbeat).
                 a.extend(["--scrape-metrics".to_string(), "true".into()]);
                 a.extend(["--health-interval-secs".to_string(), self.scrape_secs.to_string()]);
+                // In front of llama.cpp: the model's own tokenizer, as deployed (routing keys
+                // are the worker's token ids).
+                if let Some((_, model)) = &self.llama {
+                    a.extend(["--tokenizer".to_string(), model.display().to_string()]);
+                }
                 (self.exe.clone(), a)
             }
             "sglang-router" => {
@@ -418,6 +431,20 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         Some(t) => t.clone(),
         None => crate::cmd_demo::find_trace(None)?,
     };
+    let conversations = match a.workload.as_deref() {
+        Some("mtbench") => {
+            let path = match &a.mtbench {
+                Some(p) => p.clone(),
+                None => trace.with_file_name("mtbench_question.jsonl"),
+            };
+            let text = std::fs::read_to_string(&path).with_context(|| format!("--mtbench {}", path.display()))?;
+            let arrivals = Arrivals::Poisson(a.rate * a.time_scale * a.rate_scale);
+            let c = workload::mtbench(&text, a.conversations, arrivals, a.output_tokens, 0)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            Some(c)
+        }
+        _ => None,
+    };
     let synthetic = a.workload.is_some();
     let wl = WorkloadArgs {
         trace: (!synthetic).then(|| trace.clone()),
@@ -435,7 +462,8 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         question_tokens: a.question_tokens,
         seed: 0,
     };
-    let quality_reqs = wl.build()?;
+    let quality_reqs = if conversations.is_some() { Vec::new() } else { wl.build()? };
+    let quality_n = conversations.as_ref().map_or(quality_reqs.len(), |c| c.iter().map(|c| c.turns.len()).sum());
     // The overhead workload: 256 distinct ~64-token chats, one output token, cycled.
     let overhead_reqs = workload::independent(256, Arrivals::Constant(1.0), 64, 1, 7);
 
@@ -540,10 +568,13 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
             }
         }
         if !a.skip_quality {
-            let span = quality_reqs.last().map_or(0.0, |r| r.at.as_secs_f64());
+            let span = match &conversations {
+                Some(c) => c.last().map_or(0.0, |c| c.at.as_secs_f64()),
+                None => quality_reqs.last().map_or(0.0, |r| r.at.as_secs_f64()),
+            };
             eprintln!(
                 "routing quality: {} {} requests over {:.0} s wall ({}× real time), workers restarted cold per run",
-                quality_reqs.len(),
+                quality_n,
                 a.workload.as_deref().unwrap_or("Mooncake"),
                 span,
                 a.time_scale
@@ -577,8 +608,11 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                     duration: None,
                     timeout: Duration::from_secs(300),
                 };
-                let bar = cmd_bench::progress(quality_reqs.len() as u64, &t.label(), a.quiet);
-                let res = runner::run(&cfg, &quality_reqs, Some(&bar)).await?;
+                let bar = cmd_bench::progress(quality_n as u64, &t.label(), a.quiet);
+                let res = match &conversations {
+                    Some(c) => runner::run_conversations(&cfg, c, Some(&bar)).await?,
+                    None => runner::run(&cfg, &quality_reqs, Some(&bar)).await?,
+                };
                 bar.finish_and_clear();
                 let after = ctx.counters(&urls).await?;
                 child.stop().await;
@@ -611,6 +645,8 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
             let doc = serde_json::json!({
                 "workers": a.workers, "time_scale": a.time_scale, "rate_scale": a.rate_scale,
                 "requests": a.requests, "trace": trace, "overhead_secs": a.overhead_secs,
+                "engine": a.engine, "workload": a.workload, "quality_requests": quality_n,
+                "rate": a.rate, "output_tokens": a.output_tokens,
                 "direct": direct.as_ref().map(|d| [&d.0, &d.1]), "rows": rows,
             });
             std::fs::write(p, serde_json::to_vec_pretty(&doc)?).with_context(|| format!("writing {}", p.display()))?;
