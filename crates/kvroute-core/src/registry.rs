@@ -107,6 +107,7 @@ const PREFILL_COST_KNOBS: &[Knob] = &[
     ),
     ("overload_factor", "x mean load", "affinity gate: the session's worker is overloaded above this x mean load"),
     ("max_sessions", "sessions", "session bindings kept (LRU beyond)"),
+    ("batch_factor", "x per request", "queue-depth multiplier: cost x (1 + batch_factor x load); 0 = additive"),
 ];
 const B3_KNOBS: &[Knob] = &[
     ("block_tokens", "tokens", "tokens per block of the LRU block sets (Mooncake hash_ids are 512)"),

@@ -44,13 +44,14 @@
 //!
 //! | knob | default | unit |
 //! |---|---|---|
-//! | `block_tokens` | 512 | tokens per hashed block (trace blocks are used as they are) |
+//! | `block_tokens` | 16 | tokens per hashed block of token ids or text (vLLM's default block size; llama.cpp and SGLang reuse any token prefix, so a small block loses little of a match). Trace blocks and engine KV events keep their own size |
 //! | `cache_tokens` | 1,000,000 | tokens of KV cache assumed per worker |
 //! | `decode_weight` | 64 | prefill tokens charged per running request |
 //! | `miss_weight` | 4 | multiplier on the request's own uncached tokens |
 //! | `session_affinity` | true | seed 002's gate before the cost comparison |
 //! | `overload_factor` | 1.5 | × mean load, the gate's overload bound |
 //! | `max_sessions` | 1,048,576 | session bindings kept (LRU) |
+//! | `batch_factor` | 0 | cost × (1 + batch_factor × load); 0 keeps the additive cost. Opt-in: 0.05 (with `miss_weight` 2, `decode_weight` 0) wins every precise point of ×2.25–×3.5 on 8 engines but not with 4 or 16 (docs/replay.md) |
 
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::LruBlockSet;
@@ -81,18 +82,22 @@ pub struct PrefillCostConfig {
     pub overload_factor: f64,
     /// Session bindings kept (LRU beyond).
     pub max_sessions: usize,
+    /// Queue-depth multiplier: the additive cost is multiplied by `1 + batch_factor ×
+    /// load(w)` (0: purely additive).
+    pub batch_factor: f64,
 }
 
 impl Default for PrefillCostConfig {
     fn default() -> Self {
         PrefillCostConfig {
-            block_tokens: 512,
+            block_tokens: 16,
             cache_tokens: 1_000_000,
             decode_weight: 64,
             miss_weight: 4.0,
             session_affinity: true,
             overload_factor: 1.5,
             max_sessions: 1 << 20,
+            batch_factor: 0.0,
         }
     }
 }
@@ -106,6 +111,9 @@ fn validate(c: &PrefillCostConfig) -> Result<(), String> {
     }
     if !(c.overload_factor.is_finite() && c.overload_factor > 0.0) {
         return Err(format!("overload_factor must be > 0, got {}", c.overload_factor));
+    }
+    if !(c.batch_factor.is_finite() && c.batch_factor >= 0.0) {
+        return Err(format!("batch_factor must be a finite number >= 0, got {}", c.batch_factor));
     }
     if c.max_sessions == 0 {
         return Err("max_sessions must be at least 1".into());
@@ -185,7 +193,8 @@ impl Policy for PrefillCost {
         for w in c.iter().filter(|w| w.is_routable()) {
             let (cached, hit) = self.cached(w, bt, input);
             let miss = ((input - cached) as f64 * self.cfg.miss_weight) as u64;
-            let cost = w.pending_prefill_tokens + miss + self.cfg.decode_weight * w.load() as u64;
+            let additive = w.pending_prefill_tokens + miss + self.cfg.decode_weight * w.load() as u64;
+            let cost = (additive as f64 * (1.0 + self.cfg.batch_factor * f64::from(w.load()))) as u64;
             let key = (cost, u64::MAX - cached);
             match best {
                 Some(b) if key > b => {}
@@ -277,6 +286,24 @@ mod tests {
         // 4,200 pending: the cold idle worker finishes the prefill sooner.
         c[0].pending_prefill_tokens = 4200;
         assert_eq!(go(&mut p, &req(&h), &c).worker, WorkerId(1));
+    }
+
+    #[test]
+    fn batch_factor_multiplies_the_cost_by_queue_depth() {
+        let h: Vec<BlockHash> = (0..8).map(BlockHash).collect();
+        let mut c = vec![WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
+        // Worker 0 holds the prompt and runs 3 requests: additive cost 0 + 3 × 64 = 192 <
+        // worker 1's 4 × 4,096 misses, so it wins; × (1 + 10 × 3) = 5,952 still wins; with
+        // 2,000 pending, 2,192 × 31 = 67,952 > 16,384: the multiplier moves the request.
+        c[0].in_flight = 3;
+        for (bf, pending, want) in [(0.0, 2000, 0), (10.0, 0, 0), (10.0, 2000, 1)] {
+            let mut p = PrefillCost::new(PrefillCostConfig { batch_factor: bf, ..Default::default() });
+            p.on_routed(&req(&h), WorkerId(0), Nanos::ZERO);
+            c[0].pending_prefill_tokens = pending;
+            assert_eq!(go(&mut p, &req(&h), &c).worker, WorkerId(want), "batch_factor {bf}, pending {pending}");
+        }
+        let bad = crate::registry::build("prefill_cost", &serde_json::json!({"batch_factor": -1.0}));
+        assert!(bad.is_err());
     }
 
     #[test]
