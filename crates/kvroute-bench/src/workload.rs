@@ -249,6 +249,19 @@ pub fn mtbench(
         .collect())
 }
 
+/// Gives conversation `i` a system message holding reference document `i % documents`
+/// (`documents` 0: one per conversation) of `tokens × 4` characters of [`synth_text`], as in
+/// the peers' measurement on llama.cpp (shared/specs/peers.md: a ~300-token document per
+/// conversation). Fewer documents than conversations share prefixes across conversations.
+pub fn attach_documents(convs: &mut [Conversation], tokens: u32, documents: usize, seed: u64) {
+    for (i, c) in convs.iter_mut().enumerate() {
+        let d = if documents == 0 { i } else { i % documents };
+        let mut s = format!("Reference document {d}. ");
+        synth_text(seed ^ (0x3000_0000 + d as u64), tokens as usize * CHARS_PER_TOKEN, &mut s);
+        c.system = Some(s.into());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,5 +353,10 @@ mod tests {
             "line 1: field `turns` must hold strings"
         );
         assert_eq!(mtbench("", 0, Arrivals::Constant(1.0), 8, 1).unwrap_err(), "no conversations");
+        let mut c = mtbench("{\"turns\": [\"a\"]}\n".repeat(3).as_str(), 0, Arrivals::Constant(1.0), 8, 1).unwrap();
+        attach_documents(&mut c, 100, 2, 7);
+        let sys: Vec<&str> = c.iter().map(|c| c.system.as_deref().unwrap()).collect();
+        assert_eq!((sys[0] == sys[2], sys[0] == sys[1]), (true, false), "document i % 2");
+        assert!(sys[0].starts_with("Reference document 0. ") && sys[0].len() == 22 + 400);
     }
 }

@@ -71,6 +71,18 @@ pub struct Args {
     /// mtbench: conversations (the first N questions; 0 = all 80).
     #[arg(long, default_value_t = 40)]
     pub conversations: usize,
+    /// mtbench: tokens of a reference document in each conversation's system message
+    /// (0: none), as in shared/specs/peers.md's llama.cpp measurement (~300).
+    #[arg(long, default_value_t = 0)]
+    pub document_tokens: u32,
+    /// mtbench: distinct documents (0: one per conversation; fewer share prefixes across
+    /// conversations).
+    #[arg(long, default_value_t = 0)]
+    pub documents: usize,
+    /// mtbench: run this many conversations at a time, each starting when one ends (closed
+    /// loop; 0: open loop, started at --rate).
+    #[arg(long, default_value_t = 0)]
+    pub conversation_concurrency: usize,
     /// mtbench: the questions file (default: shared/data/traces/mtbench_question.jsonl).
     #[arg(long)]
     pub mtbench: Option<PathBuf>,
@@ -379,6 +391,8 @@ struct Row {
     hit_ratio: Option<f64>,
     /// Share of finished requests per worker, from the workers' counters.
     worker_share: Vec<f64>,
+    /// Conversations: the turns after the first (those a prefix cache can serve).
+    later_turns: Option<Summary>,
 }
 
 fn overhead_load(secs: f64, conc: usize) -> RunConfig {
@@ -439,8 +453,16 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
             };
             let text = std::fs::read_to_string(&path).with_context(|| format!("--mtbench {}", path.display()))?;
             let arrivals = Arrivals::Poisson(a.rate * a.time_scale * a.rate_scale);
-            let c = workload::mtbench(&text, a.conversations, arrivals, a.output_tokens, 0)
+            let mut c = workload::mtbench(&text, a.conversations, arrivals, a.output_tokens, 0)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            if a.document_tokens > 0 {
+                workload::attach_documents(&mut c, a.document_tokens, a.documents, 0);
+            }
+            if a.conversation_concurrency > 0 {
+                for x in &mut c {
+                    x.at = Duration::ZERO;
+                }
+            }
             Some(c)
         }
         _ => None,
@@ -517,6 +539,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                 quality: None,
                 hit_ratio: None,
                 worker_share: Vec::new(),
+                later_turns: None,
             })
             .collect();
         let mut direct: Option<(Summary, Summary)> = None;
@@ -604,7 +627,11 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                     api: Api::Chat,
                     stream: true,
                     mode: Mode::Open,
-                    max_concurrency: 1024,
+                    max_concurrency: if conversations.is_some() && a.conversation_concurrency > 0 {
+                        a.conversation_concurrency
+                    } else {
+                        1024
+                    },
                     duration: None,
                     timeout: Duration::from_secs(300),
                 };
@@ -620,6 +647,20 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                     k.stop().await;
                 }
                 let mut s = summary::summarise(&t.label(), &res, a.time_scale, slo);
+                // Conversations: the later turns alone (the ones a prefix cache can serve).
+                if let Some(c) = &conversations {
+                    let turns = c.iter().map(|c| c.turns.len()).max().unwrap_or(1).max(1);
+                    let later: Vec<_> = res.iter().filter(|r| r.index % turns > 0).cloned().collect();
+                    let l = summary::summarise(&format!("{} turn 2+", t.label()), &later, a.time_scale, slo);
+                    eprintln!(
+                        "  {}: later turns TTFT mean {:.3} s p90 {:.3} s ({} requests)",
+                        t.label(),
+                        l.ttft_mean_s,
+                        l.ttft_p90_s,
+                        later.len()
+                    );
+                    row.later_turns = Some(l);
+                }
                 let hit = (after.0 - before.0) / (after.1 - before.1).max(1.0);
                 let done: Vec<f64> = after.2.iter().zip(&before.2).map(|(x, y)| x - y).collect();
                 let total: f64 = done.iter().sum::<f64>().max(1.0);
@@ -646,7 +687,9 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                 "workers": a.workers, "time_scale": a.time_scale, "rate_scale": a.rate_scale,
                 "requests": a.requests, "trace": trace, "overhead_secs": a.overhead_secs,
                 "engine": a.engine, "workload": a.workload, "quality_requests": quality_n,
-                "rate": a.rate, "output_tokens": a.output_tokens,
+                "rate": a.rate, "output_tokens": a.output_tokens, "conversations": a.conversations,
+                "document_tokens": a.document_tokens, "documents": a.documents,
+                "conversation_concurrency": a.conversation_concurrency,
                 "direct": direct.as_ref().map(|d| [&d.0, &d.1]), "rows": rows,
             });
             std::fs::write(p, serde_json::to_vec_pretty(&doc)?).with_context(|| format!("writing {}", p.display()))?;
@@ -682,12 +725,12 @@ fn print_table(rows: &[Row], direct: Option<&(Summary, Summary)>, a: &Args) {
         );
     }
     println!(
-        "| router | policy | added p50 c=1 (ms) | added p99 c=1 (ms) | req/s c=32 | hit % | TTFT mean (s) | TTFT p50 (s) | TTFT p99 (s) | goodput (req/s) | rejected + errors |"
+        "| router | policy | added p50 c=1 (ms) | added p99 c=1 (ms) | req/s c=32 | hit % | TTFT mean (s) | TTFT p50 (s) | TTFT p99 (s) | later-turn TTFT mean (s) | goodput (req/s) | rejected + errors |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         if let Some(why) = r.skipped.as_ref().filter(|_| r.overhead_c1.is_none() && r.quality.is_none()) {
-            println!("| {} | {} | skipped: {} |||||||||", r.router, r.policy, why.lines().next().unwrap_or(""));
+            println!("| {} | {} | skipped: {} ||||||||||", r.router, r.policy, why.lines().next().unwrap_or(""));
             continue;
         }
         let (o1, o99, rps) = match (&r.overhead_c1, &r.overhead_c32, direct) {
@@ -699,13 +742,14 @@ fn print_table(rows: &[Row], direct: Option<&(Summary, Summary)>, a: &Args) {
         let q = r.quality.as_ref();
         let f = |g: &dyn Fn(&Summary) -> String| q.map_or_else(|| "-".to_string(), g);
         println!(
-            "| {} | {} | {o1} | {o99} | {rps} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {o1} | {o99} | {rps} | {} | {} | {} | {} | {} | {} | {} |",
             r.router,
             r.policy,
             r.hit_ratio.map_or_else(|| "-".into(), |h| format!("{:.1}", h * 100.0)),
             f(&|s| format!("{:.3}", s.ttft_mean_s)),
             f(&|s| format!("{:.3}", s.ttft_p50_s)),
             f(&|s| format!("{:.3}", s.ttft_p99_s)),
+            r.later_turns.as_ref().map_or_else(|| "-".into(), |s| format!("{:.3}", s.ttft_mean_s)),
             f(&|s| format!("{:.2}", s.goodput_rps)),
             f(&|s| format!("{}", s.rejected + s.errors)),
         );
