@@ -294,9 +294,15 @@ async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
     let (w0, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker 0");
     let (w1, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker 1");
     let (mut publisher, endpoint) = bind_publisher().await;
+    // 512-token approximate blocks: worker 0 (no events) may serve the 256-token document
+    // while the router waits for worker 1's events, and its approximate index must not match
+    // the document afterwards — only worker 1's precise state can.
+    let mut knobs = toml::Table::new();
+    knobs.insert("block_tokens".into(), toml::Value::Integer(512));
     let gw = kvroute_gateway::GatewayConfig {
         port: 0,
         policy: "prefill_cost".into(),
+        policy_knobs: knobs,
         worker_urls: vec![w0.clone(), w1.clone()],
         kv_events: vec![kvroute_gateway::config::KvEventSource { worker: w1.clone(), endpoint, replay: None }],
         kv_parity_check: false,
