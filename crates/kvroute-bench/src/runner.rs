@@ -89,8 +89,8 @@ pub struct RequestResult {
     pub cached_tokens: Option<u32>,
     /// Worker that served it, from the `x-kvroute-worker` header, when the router says.
     pub worker: Option<String>,
-    /// The generated text (kept for conversations, whose next turn carries it; at most
-    /// [`MAX_ANSWER_BYTES`]).
+    /// The generated text, kept only by [`run_conversations`] (the next turn carries it; at
+    /// most [`MAX_ANSWER_BYTES`]); empty otherwise.
     #[serde(skip)]
     pub answer: String,
 }
@@ -127,14 +127,27 @@ pub async fn run(
     let results = match cfg.mode {
         Mode::Open => {
             // Bodies are serialised just in time: a long trace's prompts are held once.
-            let shared =
-                Arc::new(Shared { client, endpoint, timeout: cfg.timeout, bodies: Vec::new(), t0: Instant::now() });
+            let shared = Arc::new(Shared {
+                client,
+                endpoint,
+                timeout: cfg.timeout,
+                bodies: Vec::new(),
+                t0: Instant::now(),
+                keep_answers: false,
+            });
             open_loop(&shared, cfg, requests, conc, progress).await
         }
         Mode::Closed => {
             // Cycled many times: serialise each body once.
             let bodies = requests.iter().map(|r| body(cfg, r)).collect();
-            let shared = Arc::new(Shared { client, endpoint, timeout: cfg.timeout, bodies, t0: Instant::now() });
+            let shared = Arc::new(Shared {
+                client,
+                endpoint,
+                timeout: cfg.timeout,
+                bodies,
+                t0: Instant::now(),
+                keep_answers: false,
+            });
             closed_loop(&shared, requests, conc, cfg.duration, progress).await
         }
     };
@@ -148,6 +161,8 @@ struct Shared {
     /// Closed loop: every request's body, serialised once.
     bodies: Vec<bytes::Bytes>,
     t0: Instant,
+    /// Keep each answer's text (conversations only: a long trace would hold every answer).
+    keep_answers: bool,
 }
 
 fn body(cfg: &RunConfig, r: &BenchRequest) -> bytes::Bytes {
@@ -307,11 +322,12 @@ async fn exchange(sh: &Shared, body: bytes::Bytes, start: Instant, r: &mut Reque
         let Ok(b) = resp.bytes().await else { return Outcome::Error("body".into()) };
         let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) else { return Outcome::Error("bad json".into()) };
         read_usage(&v, r);
-        if let Some(c) = content(&v) {
-            keep_answer(&mut r.answer, c);
+        let text = content(&v).unwrap_or_default();
+        if sh.keep_answers {
+            keep_answer(&mut r.answer, text);
         }
         if r.output_tokens == 0 {
-            r.output_tokens = u32::from(!r.answer.is_empty());
+            r.output_tokens = u32::from(!text.is_empty());
         }
         return Outcome::Ok;
     }
@@ -342,7 +358,9 @@ async fn exchange(sh: &Shared, body: bytes::Bytes, start: Instant, r: &mut Reque
             }
             read_usage(&v, r);
             if let Some(c) = content(&v).filter(|c| !c.is_empty()) {
-                keep_answer(&mut r.answer, c);
+                if sh.keep_answers {
+                    keep_answer(&mut r.answer, c);
+                }
                 chunks += 1;
                 match last {
                     None => r.ttft_s = Some(now.duration_since(start).as_secs_f64()),
@@ -395,7 +413,14 @@ pub async fn run_conversations(
         .connect_timeout(Duration::from_secs(10))
         .build()?;
     let endpoint = format!("{}/v1/chat/completions", cfg.url.trim_end_matches('/'));
-    let sh = Arc::new(Shared { client, endpoint, timeout: cfg.timeout, bodies: Vec::new(), t0: Instant::now() });
+    let sh = Arc::new(Shared {
+        client,
+        endpoint,
+        timeout: cfg.timeout,
+        bodies: Vec::new(),
+        t0: Instant::now(),
+        keep_answers: true,
+    });
     let max_turns = convs.iter().map(|c| c.turns.len()).max().unwrap_or(0);
     let sem = Arc::new(tokio::sync::Semaphore::new(conc));
     let mut tasks = Vec::with_capacity(convs.len());
