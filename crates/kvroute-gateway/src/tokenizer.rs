@@ -8,7 +8,8 @@
 //!
 //! - a **GGUF model file** (llama.cpp workers): vocabulary, merges, token types, BOS/EOS and
 //!   chat template come from the `tokenizer.*` metadata; the pre-tokenizer is chosen from
-//!   `tokenizer.ggml.pre` with llama.cpp's own split rules (`llama-vocab.cpp`). Encoded as
+//!   `tokenizer.ggml.pre` with llama.cpp's own split rules (`llama-vocab.cpp`): the
+//!   `smollm`/`starcoder`, `gpt-2`, `llama-bpe` (llama3) and `qwen2` families. Encoded as
 //!   llama-server encodes a chat prompt: special tokens parsed, BOS prepended when
 //!   `tokenizer.ggml.add_bos_token` is true.
 //! - a Hugging Face **`tokenizer.json`** (vLLM, SGLang workers), with `chat_template`,
@@ -118,7 +119,7 @@ impl LocalTokenizer {
     /// # Errors
     /// The file cannot be read; it is neither format; a GGUF tokenizer model or
     /// pre-tokenizer this module does not reproduce (only BPE `gpt2` models with the
-    /// pre-tokenizers listed in [`gguf_pre_tokenizer`]); a chat template that does not parse.
+    /// pre-tokenizer families listed in the module docs); a chat template that does not parse.
     pub fn load(path: &Path) -> Result<LocalTokenizer, TokenizerLoadError> {
         let mut magic = [0u8; 4];
         {
