@@ -113,41 +113,16 @@ pub async fn run(
     progress: Option<&indicatif::ProgressBar>,
 ) -> Result<Vec<RequestResult>, reqwest::Error> {
     let conc = cfg.max_concurrency.max(1);
-    // reqwest is built without a default TLS provider; https URLs need one (idempotent).
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(conc)
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(10))
-        .build()?;
-    let endpoint = match cfg.api {
-        Api::Chat => format!("{}/v1/chat/completions", cfg.url.trim_end_matches('/')),
-        Api::Completions => format!("{}/v1/completions", cfg.url.trim_end_matches('/')),
-    };
     let results = match cfg.mode {
         Mode::Open => {
             // Bodies are serialised just in time: a long trace's prompts are held once.
-            let shared = Arc::new(Shared {
-                client,
-                endpoint,
-                timeout: cfg.timeout,
-                bodies: Vec::new(),
-                t0: Instant::now(),
-                keep_answers: false,
-            });
+            let shared = Arc::new(Shared::new(cfg, cfg.api, Vec::new(), false)?);
             open_loop(&shared, cfg, requests, conc, progress).await
         }
         Mode::Closed => {
             // Cycled many times: serialise each body once.
             let bodies = requests.iter().map(|r| body(cfg, r)).collect();
-            let shared = Arc::new(Shared {
-                client,
-                endpoint,
-                timeout: cfg.timeout,
-                bodies,
-                t0: Instant::now(),
-                keep_answers: false,
-            });
+            let shared = Arc::new(Shared::new(cfg, cfg.api, bodies, false)?);
             closed_loop(&shared, requests, conc, cfg.duration, progress).await
         }
     };
@@ -163,6 +138,26 @@ struct Shared {
     t0: Instant,
     /// Keep each answer's text (conversations only: a long trace would hold every answer).
     keep_answers: bool,
+}
+
+impl Shared {
+    /// The HTTP client (pooled for `cfg.max_concurrency`), `api`'s endpoint under `cfg.url`
+    /// and the run's clock, started now.
+    fn new(cfg: &RunConfig, api: Api, bodies: Vec<bytes::Bytes>, keep_answers: bool) -> Result<Shared, reqwest::Error> {
+        // reqwest is built without a default TLS provider; https URLs need one (idempotent).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(cfg.max_concurrency.max(1))
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(10))
+            .build()?;
+        let path = match api {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+        };
+        let endpoint = format!("{}{path}", cfg.url.trim_end_matches('/'));
+        Ok(Shared { client, endpoint, timeout: cfg.timeout, bodies, t0: Instant::now(), keep_answers })
+    }
 }
 
 fn body(cfg: &RunConfig, r: &BenchRequest) -> bytes::Bytes {
@@ -406,21 +401,7 @@ pub async fn run_conversations(
     progress: Option<&indicatif::ProgressBar>,
 ) -> Result<Vec<RequestResult>, reqwest::Error> {
     let conc = cfg.max_concurrency.max(1);
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(conc)
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(10))
-        .build()?;
-    let endpoint = format!("{}/v1/chat/completions", cfg.url.trim_end_matches('/'));
-    let sh = Arc::new(Shared {
-        client,
-        endpoint,
-        timeout: cfg.timeout,
-        bodies: Vec::new(),
-        t0: Instant::now(),
-        keep_answers: true,
-    });
+    let sh = Arc::new(Shared::new(cfg, Api::Chat, Vec::new(), true)?);
     let max_turns = convs.iter().map(|c| c.turns.len()).max().unwrap_or(0);
     let sem = Arc::new(tokio::sync::Semaphore::new(conc));
     let mut tasks = Vec::with_capacity(convs.len());
