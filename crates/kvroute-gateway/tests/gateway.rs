@@ -11,6 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
+mod common;
+
 const GUARD: Duration = Duration::from_secs(60);
 
 async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
@@ -43,18 +45,8 @@ struct Router {
 
 async fn router(mut cfg: GatewayConfig) -> Router {
     cfg.port = 0;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
     let stop = CancellationToken::new();
-    let c = stop.clone();
-    let task = tokio::spawn(kvroute_gateway::serve(listener, cfg, async move { c.cancelled().await }));
-    let client = reqwest::Client::new();
-    for _ in 0..200 {
-        if client.get(format!("{url}/health")).send().await.is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (url, task) = common::start_router(cfg, stop.clone()).await;
     Router { url, stop, task }
 }
 

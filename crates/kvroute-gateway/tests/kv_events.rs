@@ -9,6 +9,9 @@ use kvroute_sim::engine::Profile;
 use std::time::Duration;
 use zeromq::{Socket, SocketRecv, SocketSend};
 
+mod common;
+use common::start_router;
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
 }
@@ -124,25 +127,6 @@ async fn kv_events_round_trip_map_encoding() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_events_round_trip_legacy_encoding() {
     run(Encoding::Legacy).await;
-}
-
-/// Starts the gateway with `cfg` on an ephemeral port until `stop`; returns its URL once it
-/// answers `/health`.
-async fn start_router(
-    cfg: kvroute_gateway::GatewayConfig,
-    stop: tokio_util::sync::CancellationToken,
-) -> (String, tokio::task::JoinHandle<anyhow::Result<()>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let router = format!("http://{}", listener.local_addr().expect("addr"));
-    let task = tokio::spawn(kvroute_gateway::serve(listener, cfg, async move { stop.cancelled().await }));
-    let c = reqwest::Client::new();
-    for _ in 0..200 {
-        if c.get(format!("{router}/health")).send().await.is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    (router, task)
 }
 
 async fn metric(client: &reqwest::Client, router: &str, name: &str, worker: &str) -> f64 {
