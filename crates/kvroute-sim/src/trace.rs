@@ -11,7 +11,7 @@
 //! - **Session JSONL**: `session_id`, `turn_id`, `timestamp` (ms), `input_length`,
 //!   `output_length`, `hash_ids` (optional `block_size`, default 512).
 //!
-//! Transforms: [`scale_rate`], [`spread_seconds`], [`sample`], [`cap_sessions`] (seed 002's
+//! Transforms: [`scale_rate`], [`spread_seconds`], [`sample`], [`session_slice`], [`cap_sessions`] (seed 002's
 //! capped transform), [`truncate`].
 
 use kvroute_core::trace::{TurnKey, cap_turns};
@@ -362,6 +362,49 @@ pub fn rescale_blocks(trace: &mut [TraceRequest], block_tokens: u32) {
     }
 }
 
+/// A slice of a trace chosen for its sessions: the requests arriving in `[start, start +
+/// window)` (seconds from the trace start; no window = to the end), then only the sessions
+/// with at least `min_turns` requests in that span whose prompts are all at most
+/// `max_input_tokens` long. Requests without a session count as one-request sessions.
+/// Used to cut a trace down to a size a CPU engine serves in minutes while keeping its
+/// real arrival times and prefix reuse (docs/real-engines.md's Mooncake slice).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SessionSlice {
+    /// Start of the span, seconds from the trace start.
+    pub start_secs: f64,
+    /// Length of the span, seconds (`None`: to the end).
+    pub window_secs: Option<f64>,
+    /// Keep sessions with at least this many requests in the span.
+    pub min_turns: usize,
+    /// Drop a session if one of its prompts is longer than this (tokens, before any
+    /// block rescaling).
+    pub max_input_tokens: Option<u32>,
+}
+
+/// Applies a [`SessionSlice`], keeping the order of the requests.
+pub fn session_slice(trace: Vec<TraceRequest>, slice: &SessionSlice) -> Vec<TraceRequest> {
+    let from = Nanos((slice.start_secs.max(0.0) * 1e9) as u64);
+    let to = slice.window_secs.map(|w| Nanos(from.0.saturating_add((w.max(0.0) * 1e9) as u64)));
+    let span: Vec<TraceRequest> =
+        trace.into_iter().filter(|r| r.arrival >= from && to.is_none_or(|t| r.arrival < t)).collect();
+    let mut sessions: std::collections::HashMap<&str, (usize, u32)> = std::collections::HashMap::new();
+    for r in &span {
+        if let Some(s) = &r.session {
+            let e = sessions.entry(s.as_str()).or_insert((0, 0));
+            e.0 += 1;
+            e.1 = e.1.max(r.input_tokens);
+        }
+    }
+    let keep = |r: &TraceRequest| {
+        let (turns, longest) =
+            r.session.as_deref().and_then(|s| sessions.get(s).copied()).unwrap_or((1, r.input_tokens));
+        turns >= slice.min_turns && slice.max_input_tokens.is_none_or(|m| longest <= m)
+    };
+    let kept: Vec<bool> = span.iter().map(keep).collect();
+    drop(sessions);
+    span.into_iter().zip(kept).filter_map(|(r, k)| k.then_some(r)).collect()
+}
+
 /// Keeps the first `n` requests.
 pub fn truncate(trace: &mut Vec<TraceRequest>, n: usize) {
     trace.truncate(n);
@@ -407,6 +450,42 @@ mod tests {
         assert_eq!(t[1].session.as_deref(), Some("0-1"));
         assert_eq!((t[0].turn, t[1].turn), (0, 1));
         assert_eq!(infinite_cache_hit(&t), (1024, 1900));
+    }
+
+    #[test]
+    fn session_slice_keeps_long_enough_sessions_in_the_span() {
+        let req = |secs: u64, session: Option<&str>, input: u32| TraceRequest {
+            arrival: Nanos::from_secs(secs),
+            input_tokens: input,
+            output_tokens: 1,
+            blocks: Vec::new(),
+            block_tokens: 512,
+            session: session.map(str::to_owned),
+            turn: 0,
+        };
+        let t = vec![
+            req(0, Some("a"), 10),  // before the span
+            req(10, Some("a"), 10), // a: 2 turns in the span
+            req(11, Some("b"), 10), // b: 3 turns, one too long
+            req(12, None, 10),      // no session: 1 turn
+            req(13, Some("a"), 10),
+            req(14, Some("b"), 900),
+            req(15, Some("c"), 10), // c: 2 turns, the second after the span
+            req(16, Some("b"), 10),
+            req(40, Some("c"), 10),
+        ];
+        let slice = |min_turns, max_input_tokens| SessionSlice {
+            start_secs: 10.0,
+            window_secs: Some(20.0),
+            min_turns,
+            max_input_tokens,
+        };
+        let secs = |v: Vec<TraceRequest>| v.iter().map(|r| r.arrival.0 / 1_000_000_000).collect::<Vec<_>>();
+        assert_eq!(secs(session_slice(t.clone(), &slice(2, None))), vec![10, 11, 13, 14, 16]);
+        assert_eq!(secs(session_slice(t.clone(), &slice(2, Some(100)))), vec![10, 13]);
+        assert_eq!(secs(session_slice(t.clone(), &slice(1, Some(100)))), vec![10, 12, 13, 15]);
+        let all = SessionSlice { start_secs: 0.0, window_secs: None, min_turns: 0, max_input_tokens: None };
+        assert_eq!(session_slice(t.clone(), &all), t);
     }
 
     #[test]

@@ -60,6 +60,19 @@ pub struct WorkloadArgs {
     /// trace recorded on a large model against a small one.
     #[arg(long)]
     pub block_tokens: Option<u32>,
+    /// Trace: start of the slice to send, seconds from the trace start.
+    #[arg(long, default_value_t = 0.0)]
+    pub trace_start: f64,
+    /// Trace: length of the slice, seconds (default: to the end).
+    #[arg(long)]
+    pub trace_window: Option<f64>,
+    /// Trace: keep only sessions with at least this many requests in the slice (Mooncake:
+    /// the depth-2 prefix group is the session).
+    #[arg(long, default_value_t = 0)]
+    pub min_turns: usize,
+    /// Trace: drop sessions with a prompt longer than this many tokens (before --block-tokens).
+    #[arg(long)]
+    pub max_input_tokens: Option<u32>,
     /// shared-prefix: number of system prompts.
     #[arg(long, default_value_t = 8)]
     pub groups: usize,
@@ -151,6 +164,30 @@ impl WorkloadArgs {
             (Some(path), None) => {
                 let mut t = kvroute_sim::trace::read(path, None)?;
                 kvroute_sim::trace::spread_seconds(&mut t);
+                if self.trace_start != 0.0
+                    || self.trace_window.is_some()
+                    || self.min_turns > 1
+                    || self.max_input_tokens.is_some()
+                {
+                    if !(self.trace_start.is_finite() && self.trace_start >= 0.0) {
+                        bail!("--trace-start must be a number of seconds ≥ 0, got {}", self.trace_start);
+                    }
+                    if let Some(w) = self.trace_window {
+                        positive("--trace-window", w)?;
+                    }
+                    let slice = kvroute_sim::trace::SessionSlice {
+                        start_secs: self.trace_start,
+                        window_secs: self.trace_window,
+                        min_turns: self.min_turns,
+                        max_input_tokens: self.max_input_tokens,
+                    };
+                    t = kvroute_sim::trace::session_slice(t, &slice);
+                    if t.is_empty() {
+                        bail!(
+                            "the trace slice (--trace-start/--trace-window/--min-turns/--max-input-tokens) has no requests"
+                        );
+                    }
+                }
                 if let Some(n) = self.requests {
                     t.truncate(n);
                 }
@@ -160,6 +197,15 @@ impl WorkloadArgs {
                     }
                     kvroute_sim::trace::rescale_blocks(&mut t, bt);
                 }
+                let (hit, total) = kvroute_sim::trace::infinite_cache_hit(&t);
+                let sessions: std::collections::HashSet<&str> = t.iter().filter_map(|r| r.session.as_deref()).collect();
+                eprintln!(
+                    "trace: {} requests, {} sessions, {} prompt tokens, infinite-cache bound {:.1} % of them",
+                    t.len(),
+                    sessions.len(),
+                    total,
+                    100.0 * hit as f64 / total.max(1) as f64
+                );
                 workload::from_trace(&t, self.rate_scale, self.max_output)
             }
             (None, Some(w)) => {

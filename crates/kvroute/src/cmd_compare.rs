@@ -58,10 +58,30 @@ pub struct Args {
     /// GGUF model for llama-server.
     #[arg(long, env = "KVROUTE_LLAMA_MODEL")]
     pub llama_model: Option<PathBuf>,
+    /// llama-server's host-RAM prompt cache per worker, MiB (`--cache-ram`; 0 = off, the
+    /// default, so a worker holds only its slots' prompts; llama.cpp's own default is 8192).
+    /// A bounded cache makes each worker an LRU prefix cache of finite size, as a GPU
+    /// engine's KV pool is (SmolLM2-135M: ≈ 22.5 KiB per token, so 64 MiB ≈ 2,900 tokens).
+    #[arg(long, default_value_t = 0)]
+    pub llama_cache_ram: u32,
     /// Routing quality: scale the trace's blocks down to this many tokens (prompts shrink
     /// alike), e.g. 16 to fit Mooncake's 512-token blocks to a small CPU model.
     #[arg(long)]
     pub block_tokens: Option<u32>,
+    /// Routing quality: start of the trace slice, seconds from the trace start.
+    #[arg(long, default_value_t = 0.0)]
+    pub trace_start: f64,
+    /// Routing quality: length of the trace slice, seconds (default: to the end).
+    #[arg(long)]
+    pub trace_window: Option<f64>,
+    /// Routing quality: keep only the trace's sessions with at least this many requests in
+    /// the slice (Mooncake: the depth-2 prefix group is the session).
+    #[arg(long, default_value_t = 0)]
+    pub min_turns: usize,
+    /// Routing quality: drop trace sessions with a prompt longer than this many tokens
+    /// (before --block-tokens).
+    #[arg(long)]
+    pub max_input_tokens: Option<u32>,
     /// Routing quality: a workload instead of the Mooncake trace. `shared-prefix`: groups
     /// of prompts sharing a system prompt, Poisson arrivals at --rate. `mtbench`: the real
     /// MT-bench questions as two-turn conversations started at --rate per second, turn 2
@@ -193,6 +213,8 @@ struct Ctx {
     model: String,
     /// llama-server binary and model, when the workers are llama.cpp.
     llama: Option<(PathBuf, PathBuf)>,
+    /// llama-server `--cache-ram`, MiB.
+    llama_cache_ram: u32,
 }
 
 impl Ctx {
@@ -212,8 +234,8 @@ impl Ctx {
     }
 
     /// Starts `n` workers — engine-sim with `extra` flags, or llama-server (one thread, two
-    /// slots, 8192 context, no host-RAM prompt cache, as `scripts/llama-workers.sh` runs
-    /// them) — and waits until each answers /health.
+    /// slots, 8192 context, `--cache-ram` from `--llama-cache-ram`, 0 by default as
+    /// `scripts/llama-workers.sh` runs them) — and waits until each answers /health.
     async fn workers(&self, n: usize, extra: &[&str]) -> anyhow::Result<(Vec<Child>, Vec<String>)> {
         let (mut kids, mut urls) = (Vec::new(), Vec::new());
         for i in 0..n {
@@ -239,7 +261,7 @@ impl Ctx {
                         "-c",
                         "8192",
                         "--cache-ram",
-                        "0",
+                        &self.llama_cache_ram.to_string(),
                         "--metrics",
                         "--slots",
                         "--no-webui",
@@ -478,6 +500,10 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         output_tokens: a.output_tokens,
         max_output: a.max_output,
         block_tokens: a.block_tokens,
+        trace_start: a.trace_start,
+        trace_window: a.trace_window,
+        min_turns: a.min_turns,
+        max_input_tokens: a.max_input_tokens,
         groups: a.groups,
         prompts_per_group: a.prompts_per_group,
         system_tokens: a.system_tokens,
@@ -517,7 +543,17 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         _ => None,
     };
     let model = if llama.is_some() { "smollm2".to_string() } else { MODEL.to_string() };
-    let ctx = Ctx { exe, peers_dir, logs, client, seq: Default::default(), scrape_secs, model, llama };
+    let ctx = Ctx {
+        exe,
+        peers_dir,
+        logs,
+        client,
+        seq: Default::default(),
+        scrape_secs,
+        model,
+        llama,
+        llama_cache_ram: a.llama_cache_ram,
+    };
     let slo = Slo { ttft_s: a.slo_ttft, tpot_s: a.slo_tpot };
     println!(
         "kvroute bench compare: {} configurations × {} {} workers; logs in {}",
@@ -690,6 +726,9 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                 "rate": a.rate, "output_tokens": a.output_tokens, "conversations": a.conversations,
                 "document_tokens": a.document_tokens, "documents": a.documents,
                 "conversation_concurrency": a.conversation_concurrency,
+                "block_tokens": a.block_tokens, "trace_start": a.trace_start, "trace_window": a.trace_window,
+                "min_turns": a.min_turns, "max_input_tokens": a.max_input_tokens,
+                "llama_cache_ram_mib": a.llama_cache_ram,
                 "direct": direct.as_ref().map(|d| [&d.0, &d.1]), "rows": rows,
             });
             std::fs::write(p, serde_json::to_vec_pretty(&doc)?).with_context(|| format!("writing {}", p.display()))?;
