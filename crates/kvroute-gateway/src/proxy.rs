@@ -376,6 +376,16 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
         format!("; prefix={source}({reason})")
     });
     let req = precise_view(&info, &precise);
+    // The per-request decision log (`KVROUTE_LOG=kvroute::decision=debug`): enough to line up
+    // one router's choices with another's or with the engines' logs.
+    tracing::debug!(
+        target: "kvroute::decision",
+        worker = urls.iter().find(|(id, _)| *id == d.worker.0).map_or("?", |(_, u)| u.as_str()),
+        session = info.session.as_deref().unwrap_or("-"),
+        input_tokens = req.input_tokens,
+        decision = %decision,
+        "routed"
+    );
     let cached = estimated_cached_tokens(&d, req.input_tokens);
     let uncached = (req.input_tokens as u64).saturating_sub(cached);
     let output = info.max_tokens.unwrap_or(256) as u64;
