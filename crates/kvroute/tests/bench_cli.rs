@@ -96,6 +96,89 @@ fn kvroute_sim_font_available() -> bool {
     .any(|p| std::path::Path::new(p).exists())
 }
 
+/// A Mooncake-format trace of three stand-in sessions (depth-2 prefix groups [0, 1], [0, 2],
+/// [0, 3]): session 1 has three requests at 1–3 s, session 2 one at 2 s, session 3 two at
+/// 4 s and 30 s.
+fn sessions_trace(path: &std::path::Path) {
+    let line = |t: u64, blocks: &[u64]| {
+        format!(
+            "{{\"timestamp\": {t}, \"input_length\": {}, \"output_length\": 2, \"hash_ids\": {blocks:?}}}\n",
+            512 * blocks.len()
+        )
+    };
+    let body = [
+        line(1000, &[0, 1]),
+        line(2000, &[0, 2]),
+        line(2500, &[0, 1, 10]),
+        line(3000, &[0, 1, 10, 11]),
+        line(4000, &[0, 3]),
+        line(30000, &[0, 3, 20]),
+    ]
+    .concat();
+    std::fs::write(path, body).expect("write trace");
+}
+
+#[test]
+fn a_trace_slice_sends_only_the_sessions_chosen() {
+    let port = free_port();
+    let _sim = Proc(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["engine-sim", "--port", &port.to_string(), "--time-scale", "50"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn engine-sim"),
+    );
+    let url = format!("http://127.0.0.1:{port}");
+    wait_health(&url);
+    let dir = std::env::temp_dir().join(format!("kvroute-bench-slice-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let trace = dir.join("sessions.jsonl");
+    sessions_trace(&trace);
+    let json = dir.join("run.json");
+    // The first 10 s, sessions with at least 2 requests in them: session 1 only (session 3's
+    // second request is at 30 s).
+    let out = kvroute(&[
+        "bench",
+        "--url",
+        &url,
+        "--trace",
+        trace.to_str().expect("utf-8"),
+        "--trace-window",
+        "10",
+        "--min-turns",
+        "2",
+        "--block-tokens",
+        "16",
+        "--rate-scale",
+        "20",
+        "--json",
+        json.to_str().expect("utf-8"),
+        "--quiet",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}\n{err}", String::from_utf8_lossy(&out.stdout));
+    // Session 1: 32 + 48 + 64 tokens after scaling 512-token blocks to 16; the second and
+    // third requests find 32 and 48 of them in an infinite cache: 80 / 144 = 55.6 %.
+    assert!(err.contains("trace: 3 requests, 1 sessions, 144 prompt tokens, infinite-cache bound 55.6 %"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("json");
+    assert_eq!(v["summary"]["requests"], 3);
+    assert_eq!(v["summary"]["ok"], 3);
+    // Bad slices name the flag.
+    let t = trace.to_str().expect("utf-8");
+    let out = kvroute(&["bench", "--url", &url, "--trace", t, "--trace-window", "0"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--trace-window must be a positive number"));
+    let out = kvroute(&["bench", "--url", &url, "--trace", t, "--trace-start", "-1"]);
+    assert!(!out.status.success());
+    let out = kvroute(&["bench", "--url", &url, "--trace", t, "--min-turns", "4"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("the trace slice"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn bad_input_gets_a_clear_message() {
     let out = kvroute(&["bench", "--url", "http://127.0.0.1:9"]);
