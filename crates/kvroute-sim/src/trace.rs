@@ -401,7 +401,7 @@ pub fn session_slice(trace: Vec<TraceRequest>, slice: &SessionSlice) -> Vec<Trac
         turns >= slice.min_turns && slice.max_input_tokens.is_none_or(|m| longest <= m)
     };
     let kept: Vec<bool> = span.iter().map(keep).collect();
-    drop(sessions);
+    drop(sessions); // it borrows the session ids of `span`, which is consumed next
     span.into_iter().zip(kept).filter_map(|(r, k)| k.then_some(r)).collect()
 }
 
