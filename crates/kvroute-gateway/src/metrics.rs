@@ -77,6 +77,9 @@ pub struct Metrics {
     pub admission_rejections: Family<ModelLabel, Counter>,
     /// Attempts retried on another worker.
     pub retries: Counter,
+    /// Requests sent again to the same worker after its keep-alive connection closed under
+    /// them.
+    pub stale_connection_resends: Counter,
     /// 1 when the worker is routable.
     pub worker_healthy: Family<WorkerLabel, Gauge>,
     /// Requests in flight per worker (router's ledger).
@@ -148,6 +151,12 @@ impl Metrics {
         );
         let retries = Counter::default();
         registry.register("kvroute_retries", "Attempts retried on another worker", retries.clone());
+        let stale_connection_resends = Counter::default();
+        registry.register(
+            "kvroute_stale_connection_resends",
+            "Requests sent again to the same worker after its keep-alive connection closed under them",
+            stale_connection_resends.clone(),
+        );
         let worker_healthy = Family::<WorkerLabel, Gauge>::default();
         registry.register("kvroute_worker_healthy", "1 when the worker is routable", worker_healthy.clone());
         let worker_in_flight = Family::<WorkerLabel, Gauge>::default();
@@ -226,6 +235,7 @@ impl Metrics {
             index_size,
             admission_rejections,
             retries,
+            stale_connection_resends,
             worker_healthy,
             worker_in_flight,
         }

@@ -414,7 +414,21 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
         if let Some(a) = headers.get(header::AUTHORIZATION) {
             rb = rb.header(header::AUTHORIZATION, a.clone());
         }
-        let resp = match rb.send().await {
+        let again = rb.try_clone();
+        let sent = match (rb.send().await, again) {
+            // A send error that is neither a timeout nor a failed connect happened on a
+            // pooled keep-alive connection the worker had just closed (llama-server serves
+            // connections beyond its fixed HTTP threads once and closes them): the worker
+            // did not take the request, so send it to the same worker once more on a fresh
+            // connection instead of moving it — and its prefix — to another worker.
+            (Err(e), Some(again)) if !e.is_timeout() && !e.is_connect() => {
+                tracing::debug!(worker = %url, error = ?e, "stale connection; sending again to the same worker");
+                s.metrics.stale_connection_resends.inc();
+                again.send().await
+            }
+            (r, _) => r,
+        };
+        let resp = match sent {
             Ok(r) => r,
             Err(e) => {
                 s.ledger.lock().failed(ticket);
@@ -428,7 +442,7 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
                     ));
                 }
                 last_err = format!("{url}: {e}");
-                tracing::debug!(worker = %url, error = %e, "attempt failed");
+                tracing::warn!(worker = %url, error = ?e, attempt = n + 1, "attempt failed; trying the next worker");
                 continue;
             }
         };
@@ -437,6 +451,7 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
             s.ledger.lock().failed(ticket);
             s.record_failure(w.0);
             last_err = format!("{url}: upstream answered {status}");
+            tracing::warn!(worker = %url, %status, attempt = n + 1, "attempt failed; trying the next worker");
             continue;
         }
         let ctype = resp.headers().get(header::CONTENT_TYPE).cloned();

@@ -115,9 +115,15 @@ impl AppState {
             }
             None => None,
         };
+        // Idle pooled connections are dropped after 4 s: llama-server (cpp-httplib) and
+        // uvicorn (vLLM, SGLang) close keep-alive connections idle for 5 s, and a request
+        // written to one as the worker closes it fails (a request to llama-server after
+        // 5.02 s idle did, in a scratch test). The proxy also sends a request whose pooled
+        // connection closed under it once more to the same worker (`proxy`).
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout_secs))
             .pool_max_idle_per_host(256)
+            .pool_idle_timeout(Duration::from_secs(4))
             .build()?;
         Ok(Arc::new(AppState {
             admission: RwLock::new(Admission::new(cfg.max_in_flight_per_model)),

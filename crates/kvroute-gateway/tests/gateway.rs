@@ -229,6 +229,99 @@ async fn failing_worker_requests_move_to_the_fallback() {
     r.stop.cancel();
 }
 
+/// A worker that behaves like llama-server's overflow HTTP threads: it answers the first
+/// POST on a connection with a keep-alive response, then reads the next POST on that
+/// connection and closes it without answering. GETs (health, models) answer and close.
+async fn closing_worker() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut posts = 0;
+                let mut buf = Vec::new();
+                loop {
+                    // One request: headers, then Content-Length bytes of body.
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match sock.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                    let len = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0)))
+                        .unwrap_or(0);
+                    while buf.len() < head_end + len {
+                        let mut chunk = [0u8; 4096];
+                        match sock.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.drain(..head_end + len);
+                    if !head.starts_with("post") {
+                        let body = r#"{"object":"list","data":[]}"#;
+                        let resp = format!(
+                            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                            body.len()
+                        );
+                        let _ = sock.write_all(resp.as_bytes()).await;
+                        return;
+                    }
+                    posts += 1;
+                    if posts > 1 {
+                        return; // closed under the client, no answer
+                    }
+                    let body = r#"{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if sock.write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_closed_under_a_request_sends_it_again_to_the_same_worker() {
+    let (a, b) = (closing_worker().await, closing_worker().await);
+    let r = router(cfg(&[&a, &b], "round_robin")).await;
+    let c = reqwest::Client::new();
+    // Round robin: a, b, a, b — the third and fourth requests go out on pooled connections
+    // that the workers close under them.
+    let mut served = Vec::new();
+    for i in 0..4 {
+        let resp = guard(c.post(format!("{}/v1/chat/completions", r.url)).json(&chat(&format!("q{i}"), false)).send())
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 200, "request {i}");
+        served.push(resp.headers()["x-kvroute-worker"].to_str().expect("a").to_string());
+        let _ = guard(resp.bytes()).await;
+    }
+    assert_eq!(served[0], served[2], "the third request stays on the first request's worker");
+    assert_eq!(served[1], served[3]);
+    assert_ne!(served[0], served[1]);
+    let m = guard(c.get(format!("{}/metrics", r.url)).send()).await.expect("m").text().await.expect("t");
+    let value = |name: &str| {
+        m.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse::<f64>().ok())
+    };
+    assert_eq!(value("kvroute_stale_connection_resends_total"), Some(2.0), "{m}");
+    assert_eq!(value("kvroute_retries_total"), Some(0.0), "no request moved to another worker");
+    r.stop.cancel();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_inputs_get_the_right_status_and_json() {
     let w = worker(fast()).await;
