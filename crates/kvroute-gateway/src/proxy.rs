@@ -416,11 +416,11 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
         }
         let again = rb.try_clone();
         let sent = match (rb.send().await, again) {
-            // A send error that is neither a timeout nor a failed connect happened on a
-            // pooled keep-alive connection the worker had just closed (llama-server serves
-            // connections beyond its fixed HTTP threads once and closes them): the worker
-            // did not take the request, so send it to the same worker once more on a fresh
-            // connection instead of moving it — and its prefix — to another worker.
+            // A send error that is neither a timeout nor a failed connect: the worker closed
+            // a pooled keep-alive connection under the request without answering (seen with
+            // llama-server, docs/real-engines.md). Send it once more to the same worker on a
+            // fresh connection: at worst a duplicate generation there, where moving it costs
+            // a cold prefill elsewhere and credits its prefix to the wrong worker.
             (Err(e), Some(again)) if !e.is_timeout() && !e.is_connect() => {
                 tracing::debug!(worker = %url, error = ?e, "stale connection; sending again to the same worker");
                 s.metrics.stale_connection_resends.inc();
