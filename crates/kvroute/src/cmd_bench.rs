@@ -60,19 +60,8 @@ pub struct WorkloadArgs {
     /// trace recorded on a large model against a small one.
     #[arg(long)]
     pub block_tokens: Option<u32>,
-    /// Trace: start of the slice to send, seconds from the trace start.
-    #[arg(long, default_value_t = 0.0)]
-    pub trace_start: f64,
-    /// Trace: length of the slice, seconds (default: to the end).
-    #[arg(long)]
-    pub trace_window: Option<f64>,
-    /// Trace: keep only sessions with at least this many requests in the slice (Mooncake:
-    /// the depth-2 prefix group is the session).
-    #[arg(long, default_value_t = 0)]
-    pub min_turns: usize,
-    /// Trace: drop sessions with a prompt longer than this many tokens (before --block-tokens).
-    #[arg(long)]
-    pub max_input_tokens: Option<u32>,
+    #[command(flatten)]
+    pub slice: TraceSliceArgs,
     /// shared-prefix: number of system prompts.
     #[arg(long, default_value_t = 8)]
     pub groups: usize,
@@ -88,6 +77,62 @@ pub struct WorkloadArgs {
     /// Seed of synthetic arrivals and text.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+}
+
+/// Which part of a trace to send, by time span and session (shared by `kvroute bench` and
+/// `kvroute bench compare`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct TraceSliceArgs {
+    /// Trace: start of the slice to send, seconds from the trace start.
+    #[arg(long, default_value_t = 0.0)]
+    pub trace_start: f64,
+    /// Trace: length of the slice, seconds (default: to the end).
+    #[arg(long)]
+    pub trace_window: Option<f64>,
+    /// Trace: keep only sessions with at least this many requests in the slice (Mooncake:
+    /// the depth-2 prefix group is the session).
+    #[arg(long, default_value_t = 0)]
+    pub min_turns: usize,
+    /// Trace: drop sessions with a prompt longer than this many tokens (before --block-tokens).
+    #[arg(long)]
+    pub max_input_tokens: Option<u32>,
+}
+
+impl TraceSliceArgs {
+    /// `trace` cut to the slice ([`kvroute_sim::trace::session_slice`]); unchanged when no
+    /// flag is set.
+    ///
+    /// # Errors
+    /// A negative start, a non-positive window, or a slice with no requests.
+    pub fn apply(
+        &self,
+        trace: Vec<kvroute_sim::trace::TraceRequest>,
+    ) -> anyhow::Result<Vec<kvroute_sim::trace::TraceRequest>> {
+        if self.trace_start == 0.0
+            && self.trace_window.is_none()
+            && self.min_turns <= 1
+            && self.max_input_tokens.is_none()
+        {
+            return Ok(trace);
+        }
+        if !(self.trace_start.is_finite() && self.trace_start >= 0.0) {
+            bail!("--trace-start must be a number of seconds ≥ 0, got {}", self.trace_start);
+        }
+        if let Some(w) = self.trace_window {
+            positive("--trace-window", w)?;
+        }
+        let slice = kvroute_sim::trace::SessionSlice {
+            start_secs: self.trace_start,
+            window_secs: self.trace_window,
+            min_turns: self.min_turns,
+            max_input_tokens: self.max_input_tokens,
+        };
+        let t = kvroute_sim::trace::session_slice(trace, &slice);
+        if t.is_empty() {
+            bail!("the trace slice (--trace-start/--trace-window/--min-turns/--max-input-tokens) has no requests");
+        }
+        Ok(t)
+    }
 }
 
 /// Flags of a load run.
@@ -164,30 +209,7 @@ impl WorkloadArgs {
             (Some(path), None) => {
                 let mut t = kvroute_sim::trace::read(path, None)?;
                 kvroute_sim::trace::spread_seconds(&mut t);
-                if self.trace_start != 0.0
-                    || self.trace_window.is_some()
-                    || self.min_turns > 1
-                    || self.max_input_tokens.is_some()
-                {
-                    if !(self.trace_start.is_finite() && self.trace_start >= 0.0) {
-                        bail!("--trace-start must be a number of seconds ≥ 0, got {}", self.trace_start);
-                    }
-                    if let Some(w) = self.trace_window {
-                        positive("--trace-window", w)?;
-                    }
-                    let slice = kvroute_sim::trace::SessionSlice {
-                        start_secs: self.trace_start,
-                        window_secs: self.trace_window,
-                        min_turns: self.min_turns,
-                        max_input_tokens: self.max_input_tokens,
-                    };
-                    t = kvroute_sim::trace::session_slice(t, &slice);
-                    if t.is_empty() {
-                        bail!(
-                            "the trace slice (--trace-start/--trace-window/--min-turns/--max-input-tokens) has no requests"
-                        );
-                    }
-                }
+                t = self.slice.apply(t)?;
                 if let Some(n) = self.requests {
                     t.truncate(n);
                 }

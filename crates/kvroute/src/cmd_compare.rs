@@ -68,20 +68,9 @@ pub struct Args {
     /// alike), e.g. 16 to fit Mooncake's 512-token blocks to a small CPU model.
     #[arg(long)]
     pub block_tokens: Option<u32>,
-    /// Routing quality: start of the trace slice, seconds from the trace start.
-    #[arg(long, default_value_t = 0.0)]
-    pub trace_start: f64,
-    /// Routing quality: length of the trace slice, seconds (default: to the end).
-    #[arg(long)]
-    pub trace_window: Option<f64>,
-    /// Routing quality: keep only the trace's sessions with at least this many requests in
-    /// the slice (Mooncake: the depth-2 prefix group is the session).
-    #[arg(long, default_value_t = 0)]
-    pub min_turns: usize,
-    /// Routing quality: drop trace sessions with a prompt longer than this many tokens
-    /// (before --block-tokens).
-    #[arg(long)]
-    pub max_input_tokens: Option<u32>,
+    /// Routing quality: the part of the trace to send.
+    #[command(flatten)]
+    pub slice: crate::cmd_bench::TraceSliceArgs,
     /// Routing quality: a workload instead of the Mooncake trace. `shared-prefix`: groups
     /// of prompts sharing a system prompt, Poisson arrivals at --rate. `mtbench`: the real
     /// MT-bench questions as two-turn conversations started at --rate per second, turn 2
@@ -500,10 +489,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         output_tokens: a.output_tokens,
         max_output: a.max_output,
         block_tokens: a.block_tokens,
-        trace_start: a.trace_start,
-        trace_window: a.trace_window,
-        min_turns: a.min_turns,
-        max_input_tokens: a.max_input_tokens,
+        slice: a.slice.clone(),
         groups: a.groups,
         prompts_per_group: a.prompts_per_group,
         system_tokens: a.system_tokens,
@@ -726,8 +712,9 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                 "rate": a.rate, "output_tokens": a.output_tokens, "conversations": a.conversations,
                 "document_tokens": a.document_tokens, "documents": a.documents,
                 "conversation_concurrency": a.conversation_concurrency,
-                "block_tokens": a.block_tokens, "trace_start": a.trace_start, "trace_window": a.trace_window,
-                "min_turns": a.min_turns, "max_input_tokens": a.max_input_tokens,
+                "block_tokens": a.block_tokens, "trace_start": a.slice.trace_start,
+                "trace_window": a.slice.trace_window, "min_turns": a.slice.min_turns,
+                "max_input_tokens": a.slice.max_input_tokens,
                 "llama_cache_ram_mib": a.llama_cache_ram,
                 "direct": direct.as_ref().map(|d| [&d.0, &d.1]), "rows": rows,
             });

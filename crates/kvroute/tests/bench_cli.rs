@@ -23,10 +23,11 @@ fn wait_health(url: &str) {
     panic!("{url} did not come up");
 }
 
-#[test]
-fn bench_records_every_request_and_writes_json_and_plots() {
+/// An engine-sim process at 50× real time on a free port, and its URL once it accepts
+/// connections.
+fn engine_sim() -> (Proc, String) {
     let port = free_port();
-    let _sim = Proc(
+    let sim = Proc(
         Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["engine-sim", "--port", &port.to_string(), "--time-scale", "50"])
             .stdout(Stdio::null())
@@ -36,6 +37,12 @@ fn bench_records_every_request_and_writes_json_and_plots() {
     );
     let url = format!("http://127.0.0.1:{port}");
     wait_health(&url);
+    (sim, url)
+}
+
+#[test]
+fn bench_records_every_request_and_writes_json_and_plots() {
+    let (_sim, url) = engine_sim();
     let dir = std::env::temp_dir().join(format!("kvroute-bench-cli-{}", std::process::id()));
     let json = dir.join("run.json");
     std::fs::create_dir_all(&dir).expect("tmp dir");
@@ -120,17 +127,7 @@ fn sessions_trace(path: &std::path::Path) {
 
 #[test]
 fn a_trace_slice_sends_only_the_sessions_chosen() {
-    let port = free_port();
-    let _sim = Proc(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["engine-sim", "--port", &port.to_string(), "--time-scale", "50"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn engine-sim"),
-    );
-    let url = format!("http://127.0.0.1:{port}");
-    wait_health(&url);
+    let (_sim, url) = engine_sim();
     let dir = std::env::temp_dir().join(format!("kvroute-bench-slice-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("tmp dir");
     let trace = dir.join("sessions.jsonl");
