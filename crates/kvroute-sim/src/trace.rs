@@ -311,6 +311,25 @@ pub fn scale_rate(trace: &mut [TraceRequest], factor: f64) {
 /// (the k-th of n at `s + k/n`), keeping their order. The Mooncake trace has 1,180
 /// distinct timestamps for 12,031 requests; without this each second is a burst.
 pub fn spread_seconds(trace: &mut [TraceRequest]) {
+    spread_with(trace, |n, offsets| offsets.extend((0..n).map(|k| 1_000_000_000 * k / n)));
+}
+
+/// Like [`spread_seconds`], but the n requests sharing a whole second arrive at n uniform
+/// random instants of that second (drawn from `seed`, sorted so the trace order is kept).
+/// Each seed is another realisation of the same trace at the same load: the evenly spread
+/// arrivals are one arbitrary choice among them, and results near saturation depend on it.
+pub fn spread_seconds_random(trace: &mut [TraceRequest], seed: u64) {
+    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
+    spread_with(trace, |n, offsets| {
+        offsets.extend((0..n).map(|_| rng.next_u64() % 1_000_000_000));
+        offsets.sort_unstable();
+    });
+}
+
+/// Groups requests sharing a whole-second timestamp and moves the k-th of each group of n
+/// to `second + offsets[k]` nanoseconds, with `offsets` filled by `fill(n, offsets)`.
+fn spread_with(trace: &mut [TraceRequest], mut fill: impl FnMut(u64, &mut Vec<u64>)) {
+    let mut offsets = Vec::new();
     let mut i = 0;
     while i < trace.len() {
         let t = trace[i].arrival;
@@ -320,8 +339,10 @@ pub fn spread_seconds(trace: &mut [TraceRequest]) {
         }
         let n = (j - i) as u64;
         if t.0.is_multiple_of(1_000_000_000) && n > 1 {
-            for (k, r) in trace[i..j].iter_mut().enumerate() {
-                r.arrival = Nanos(t.0 + 1_000_000_000 * k as u64 / n);
+            offsets.clear();
+            fill(n, &mut offsets);
+            for (r, off) in trace[i..j].iter_mut().zip(&offsets) {
+                r.arrival = Nanos(t.0 + off);
             }
         }
         i = j;
@@ -549,6 +570,22 @@ mod tests {
         spread_seconds(&mut burst);
         let ms: Vec<u64> = burst.iter().map(|r| r.arrival.0 / 1_000_000).collect();
         assert_eq!(ms, vec![3000, 3250, 3500, 3750]);
+        for r in &mut burst {
+            r.arrival = Nanos::from_secs(3);
+        }
+        let mut again = burst.clone();
+        spread_seconds_random(&mut burst, 1);
+        spread_seconds_random(&mut again, 1);
+        let ns: Vec<u64> = burst.iter().map(|r| r.arrival.0).collect();
+        assert_eq!(ns, again.iter().map(|r| r.arrival.0).collect::<Vec<_>>(), "same seed, same instants");
+        assert!(ns.windows(2).all(|w| w[0] <= w[1]), "order kept: {ns:?}");
+        assert!(ns.iter().all(|&t| (3_000_000_000..4_000_000_000).contains(&t)), "within the second: {ns:?}");
+        assert_ne!(ns, vec![3_000_000_000, 3_250_000_000, 3_500_000_000, 3_750_000_000]);
+        for r in &mut again {
+            r.arrival = Nanos::from_secs(3);
+        }
+        spread_seconds_random(&mut again, 2);
+        assert_ne!(ns, again.iter().map(|r| r.arrival.0).collect::<Vec<_>>(), "another seed, other instants");
         let p = tmp(
             "bad-s.jsonl",
             "{\"turn_id\": 0, \"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"session_id\": null}\n",

@@ -48,6 +48,11 @@ pub struct Args {
     /// Do not spread requests that share a whole-second timestamp over that second.
     #[arg(long)]
     pub no_spread: bool,
+    /// Spread each whole second's requests at uniform random instants drawn from this seed
+    /// instead of evenly: another realisation of the trace at the same load (results near
+    /// saturation depend on it; average over a few).
+    #[arg(long, conflicts_with = "no_spread")]
+    pub arrival_seed: Option<u64>,
     /// Seed of the policies' random source and of sampling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -178,8 +183,10 @@ pub fn load_trace(args: &Args) -> anyhow::Result<Vec<TraceRequest>> {
         _ => None,
     };
     let mut t = trace::read(&args.trace, format)?;
-    if !args.no_spread {
-        trace::spread_seconds(&mut t);
+    match (args.no_spread, args.arrival_seed) {
+        (true, _) => {}
+        (false, Some(seed)) => trace::spread_seconds_random(&mut t, seed),
+        (false, None) => trace::spread_seconds(&mut t),
     }
     if args.sample < 1.0 {
         t = trace::sample(t, args.sample, args.seed);
@@ -303,6 +310,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "engines": args.engines,
             "profile": profile,
             "seed": args.seed,
+            "arrivals": match (args.no_spread, args.arrival_seed) {
+                (true, _) => "trace".to_string(),
+                (false, Some(s)) => format!("random spread, seed {s}"),
+                (false, None) => "even spread".to_string(),
+            },
             "reports": reports,
         });
         std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")

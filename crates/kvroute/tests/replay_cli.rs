@@ -1,0 +1,95 @@
+//! `kvroute replay` as a process: the same seed gives the same JSON bytes, an arrival seed
+//! gives another realisation of the same trace, and bad flag combinations are refused with
+//! a message.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A small Mooncake-format trace: 120 requests in bursts of 6 per whole second, two
+/// conversations' worth of shared prefixes, so spreading and routing both matter.
+fn trace(dir: &Path) -> PathBuf {
+    let mut body = String::new();
+    for i in 0..120u64 {
+        let group = i % 4;
+        let turn = i / 4;
+        let hashes: Vec<u64> =
+            [group * 1000, group * 1000 + 1].into_iter().chain((0..turn % 5).map(|t| group * 1000 + 10 + t)).collect();
+        body.push_str(&format!(
+            "{{\"timestamp\": {}, \"input_length\": {}, \"output_length\": 20, \"hash_ids\": {:?}}}\n",
+            (i / 6) * 1000,
+            hashes.len() * 512,
+            hashes
+        ));
+    }
+    let p = dir.join("burst.jsonl");
+    std::fs::write(&p, body).expect("write trace");
+    p
+}
+
+/// A fresh directory under the system temp dir for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-replay-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+fn replay(trace: &Path, json: &Path, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["replay", "--quiet", "--engines", "2", "--policy", "prefill_cost,round_robin", "--rate-scale", "4"])
+        .arg("--trace")
+        .arg(trace)
+        .arg("--json")
+        .arg(json)
+        .args(extra)
+        .output()
+        .expect("run kvroute replay")
+}
+
+fn ttfts(json: &Path) -> (String, Vec<f64>) {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(json).expect("read json")).expect("json");
+    let arrivals = v["arrivals"].as_str().expect("arrivals").to_string();
+    let means =
+        v["reports"].as_array().expect("reports").iter().map(|r| r["ttft_mean_s"].as_f64().expect("mean")).collect();
+    (arrivals, means)
+}
+
+#[test]
+fn arrival_seeds_are_reproducible_realisations_of_one_trace() {
+    let dir = scratch("realisations");
+    let t = trace(&dir);
+    let out = |name: &str| dir.join(name);
+    for (name, extra) in [
+        ("even1", &[][..]),
+        ("even2", &[][..]),
+        ("a1", &["--arrival-seed", "1"][..]),
+        ("a1b", &["--arrival-seed", "1"][..]),
+        ("a2", &["--arrival-seed", "2"][..]),
+    ] {
+        let o = replay(&t, &out(name), extra);
+        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    let bytes = |name: &str| std::fs::read(out(name)).expect("read");
+    assert_eq!(bytes("even1"), bytes("even2"), "same flags, same bytes");
+    assert_eq!(bytes("a1"), bytes("a1b"), "same arrival seed, same bytes");
+    let (even, even_ttft) = ttfts(&out("even1"));
+    let (a1, a1_ttft) = ttfts(&out("a1"));
+    let (_, a2_ttft) = ttfts(&out("a2"));
+    assert_eq!(even, "even spread");
+    assert_eq!(a1, "random spread, seed 1");
+    assert_eq!(even_ttft.len(), 2);
+    assert_ne!(a1_ttft, even_ttft, "random instants change the outcome");
+    assert_ne!(a1_ttft, a2_ttft, "another seed, another realisation");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_arrival_seed_with_no_spread_is_refused() {
+    let dir = scratch("conflict");
+    let t = trace(&dir);
+    let o = replay(&t, &dir.join("x.json"), &["--arrival-seed", "1", "--no-spread"]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--arrival-seed") && err.contains("--no-spread"), "{err}");
+}
