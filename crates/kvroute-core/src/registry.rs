@@ -108,6 +108,12 @@ const PREFILL_COST_KNOBS: &[Knob] = &[
     ("overload_factor", "x mean load", "affinity gate: the session's worker is overloaded above this x mean load"),
     ("max_sessions", "sessions", "session bindings kept (LRU beyond)"),
     ("batch_factor", "x per request", "queue-depth multiplier: cost x (1 + batch_factor x load); 0 = additive"),
+    (
+        "stall_weight",
+        "tokens per uncached token per request",
+        "a prefill stalls every request on its worker: uncached x stall_weight x load is added",
+    ),
+    ("stall_queue_scale", "waiting requests", "mean waiting per worker at which stall_weight doubles; 0 = fixed"),
 ];
 const B3_KNOBS: &[Knob] = &[
     ("block_tokens", "tokens", "tokens per block of the LRU block sets (Mooncake hash_ids are 512)"),
@@ -180,7 +186,7 @@ pub fn list() -> Vec<PolicyInfo> {
             prefix_aware: true,
             name: "prefill_cost",
             source: "kvroute (docs/replay.md)",
-            summary: "least predicted prefill work ahead: pending prefill + own uncached suffix + decode_weight x load",
+            summary: "least pending prefill + uncached x (miss_weight + stall_weight x load) + decode_weight x load",
             knobs: knobs_of(serde_json::to_value(PrefillCostConfig::default()).unwrap_or_default(), PREFILL_COST_KNOBS),
         },
     ]

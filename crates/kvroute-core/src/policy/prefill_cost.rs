@@ -1,15 +1,12 @@
 //! `prefill_cost`: kvroute's own policy — route to the worker with the least *predicted
-//! prefill work ahead of the request's first token*, counting the request's own uncached
-//! suffix on that worker, behind seed 002's session gate.
-//!
-//! 1. **Session gate** (from seed 002's `unified`): a request whose session was last sent to
-//!    worker A stays on A while A holds more than half of the prompt and A's load is at most
-//!    `overload_factor` × the mean load. Branch `sticky`.
-//! 2. Otherwise the least cost, with no thresholds:
+//! prefill work*: the work already queued there plus the request's own uncached suffix,
+//! weighted by who pays for it. No thresholds.
 //!
 //! ```text
-//! cost(w) = pending_prefill_tokens(w) + miss_weight × uncached_tokens(req, w)
-//!           + decode_weight × load(w)
+//! cost(w) = pending_prefill_tokens(w)
+//!         + uncached_tokens(req, w) × (miss_weight + stall(w))
+//!         + decode_weight × load(w)
+//! stall(w) = stall_weight × (1 + mean_waiting / stall_queue_scale) × load(w)
 //! ```
 //!
 //! - `pending_prefill_tokens(w)`: prompt tokens dispatched to `w` whose first token has not
@@ -20,38 +17,56 @@
 //!   KV cache (`cache_tokens`), so the estimate forgets what the engine has evicted. For a
 //!   worker that publishes KV events (`WorkerView::cached_tokens` set), `cached(w)` is the
 //!   engine-reported count instead (decision unit `tokens`).
-//! - `miss_weight` > 1 because a miss is paid twice: by the request, and by every request
-//!   queued behind it on that worker (and by the fleet whose capacity the extra prefill
-//!   consumes). With weight 1 the policy spreads prompts away from their caches as queues
-//!   grow and loses hits exactly when capacity is scarce.
+//! - `miss_weight` (8) > 1 because a miss is paid more than once: by the request, by every
+//!   request queued behind it on that worker, and by the fleet whose capacity the extra
+//!   prefill consumes. With weight 1 the policy spreads prompts away from their caches as
+//!   queues grow and loses hits exactly when capacity is scarce. A conversation's next turn
+//!   finds its context on the worker that served the last one, so this term alone keeps
+//!   sessions in place; seed 002's session gate (`session_affinity`) is available but off.
+//! - `stall(w)`: with chunked prefill (vLLM, SGLang) an uncached prompt is computed in the
+//!   same steps as every request already on the worker, so each of the `load(w)` requests
+//!   there waits through it (decodes stall, queued prefills start later). The charge grows
+//!   with the fleet's queue (`mean_waiting`, requests without a first token per worker, from
+//!   the ledger), because under queueing the stalled steps delay the queue too.
 //! - `decode_weight × load(w)`: every running request costs the batch a little time per
 //!   step; a small weight breaks ties towards the emptier worker.
 //!
 //! Ties (equal cost) go to the worker holding more of the prefix, then rotate.
 //!
-//! **Why it helps near saturation.** TTFT is queueing time plus prefill time, and both are
+//! **Why it wins near saturation.** TTFT is queueing time plus prefill time, and both are
 //! proportional to prefill tokens. `cache_aware` and `prefix_affinity` switch between "follow
 //! the cache" and "follow the load" on thresholds over request *counts*; LMetric (seed 002)
-//! multiplies prefill work by the batch size, which over-penalises a worker busy decoding
-//! short requests and under-penalises one queued behind a single 100k-token prompt. Adding
-//! the request's own (weighted) prefill to the work already queued compares workers in
-//! prefill tokens; the session gate keeps a conversation's growing context on one worker
-//! instead of copying it around the fleet. Measured in `docs/replay.md`: on Mooncake with 8
-//! engines at ×3 the trace rate it has the lowest mean *and* p99 TTFT of all policies
-//! (1.62 s / 8.4 s against unified's 1.64 s / 12.9 s); below and above that point a seed
-//! policy has the lower mean (lmetric at ×2.5–2.75, unified at ×3.25–3.5) while prefill_cost
-//! keeps the lowest or equal p99 — so the "beats every seed policy" goal is met only at ×3.
+//! multiplies all the prefill work, queued and new, by the batch size, which over-penalises
+//! a worker busy decoding short requests and under-penalises one queued behind a single
+//! 100k-token prompt. Here the queue counts in tokens, a miss is charged what it costs the
+//! fleet, and only the request's *own* uncached prefill is charged per request it would
+//! stall. That last term sends long uncached prompts to workers with few requests and lets
+//! short or cached ones join busy workers, so long and short prefills separate (as
+//! size-interval task assignment does in a server farm) and short requests stop queueing
+//! behind long ones; it lowers mean TTFT most when queues form.
+//!
+//! Measured (`docs/replay.md`, `scripts/replay-realisations.py`: Mooncake conversation
+//! trace, h100-llama3-8b engines, approximate and precise prefix state, each point averaged
+//! over 5 arrival realisations): at the highest load each fleet still serves — ×3 the trace
+//! rate on 8 engines, ×1.4 on 4, ×6–6.5 on 16 — it has the lowest mean *and* p99 TTFT of
+//! all 13 policies in both prefix states except one point (8 engines, precise, ×3: mean
+//! 1.514 s against unified's 1.510 s; p99 9.6 s against 13.8 s), with no rejections. Past
+//! saturation its mean is 19–37 % below the best seed policy's, but on 4 engines its p99 is
+//! up to 27 % above sticky's. Below saturation it wins every precise point, while with the
+//! approximate state lmetric's mean is 0.2–2.5 % lower (on 16 engines its p99 too).
 //!
 //! | knob | default | unit |
 //! |---|---|---|
 //! | `block_tokens` | 16 | tokens per hashed block of token ids or text (vLLM's default block size; llama.cpp and SGLang reuse any token prefix, so a small block loses little of a match). Trace blocks and engine KV events keep their own size |
 //! | `cache_tokens` | 1,000,000 | tokens of KV cache assumed per worker |
-//! | `decode_weight` | 64 | prefill tokens charged per running request |
-//! | `miss_weight` | 4 | multiplier on the request's own uncached tokens |
-//! | `session_affinity` | true | seed 002's gate before the cost comparison |
+//! | `decode_weight` | 64 | prefill tokens charged per request on the worker |
+//! | `miss_weight` | 8 | multiplier on the request's own uncached tokens |
+//! | `stall_weight` | 0.05 | per uncached token, per request on the worker |
+//! | `stall_queue_scale` | 10 | mean waiting requests per worker at which `stall_weight` doubles (0: fixed) |
+//! | `session_affinity` | false | seed 002's gate before the cost: stay on the session's last worker while it holds more than half of the prompt and its load is at most `overload_factor` × the mean (branch `sticky`) |
 //! | `overload_factor` | 1.5 | × mean load, the gate's overload bound |
 //! | `max_sessions` | 1,048,576 | session bindings kept (LRU) |
-//! | `batch_factor` | 0 | cost × (1 + batch_factor × load); 0 keeps the additive cost. Opt-in: 0.05 (with `miss_weight` 2, `decode_weight` 0) wins every precise point of ×2.25–×3.5 on 8 engines but not with 4 or 16 (docs/replay.md) |
+//! | `batch_factor` | 0 | cost × (1 + batch_factor × load); 0 keeps the additive cost (an LMetric-like multiplier, kept for comparison in docs/replay.md) |
 
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::LruBlockSet;
@@ -85,6 +100,12 @@ pub struct PrefillCostConfig {
     /// Queue-depth multiplier: the additive cost is multiplied by `1 + batch_factor ×
     /// load(w)` (0: purely additive).
     pub batch_factor: f64,
+    /// Prefill tokens charged per uncached token of the request per request already on
+    /// the worker: a prefill stalls the steps of every request it shares the worker with.
+    pub stall_weight: f64,
+    /// Mean waiting requests per worker (router's ledger) at which `stall_weight` doubles;
+    /// it grows linearly with the fleet's queue. 0 keeps `stall_weight` fixed.
+    pub stall_queue_scale: f64,
 }
 
 impl Default for PrefillCostConfig {
@@ -93,11 +114,13 @@ impl Default for PrefillCostConfig {
             block_tokens: 16,
             cache_tokens: 1_000_000,
             decode_weight: 64,
-            miss_weight: 4.0,
-            session_affinity: true,
+            miss_weight: 8.0,
+            session_affinity: false,
             overload_factor: 1.5,
             max_sessions: 1 << 20,
             batch_factor: 0.0,
+            stall_weight: 0.05,
+            stall_queue_scale: 10.0,
         }
     }
 }
@@ -114,6 +137,12 @@ fn validate(c: &PrefillCostConfig) -> Result<(), String> {
     }
     if !(c.batch_factor.is_finite() && c.batch_factor >= 0.0) {
         return Err(format!("batch_factor must be a finite number >= 0, got {}", c.batch_factor));
+    }
+    if !(c.stall_weight.is_finite() && c.stall_weight >= 0.0) {
+        return Err(format!("stall_weight must be a finite number >= 0, got {}", c.stall_weight));
+    }
+    if !(c.stall_queue_scale.is_finite() && c.stall_queue_scale >= 0.0) {
+        return Err(format!("stall_queue_scale must be a finite number >= 0, got {}", c.stall_queue_scale));
     }
     if c.max_sessions == 0 {
         return Err("max_sessions must be at least 1".into());
@@ -163,6 +192,17 @@ impl PrefillCost {
         ((hit * bt).min(input), (hit, self.blocks.len() as u64, unit))
     }
 
+    /// `stall_weight × (1 + mean waiting / stall_queue_scale)` over the routable workers.
+    fn stall_weight(&self, c: &[WorkerView]) -> f64 {
+        if self.cfg.stall_weight == 0.0 || self.cfg.stall_queue_scale == 0.0 {
+            return self.cfg.stall_weight;
+        }
+        let (n, waiting) =
+            c.iter().filter(|w| w.is_routable()).fold((0u32, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.waiting)));
+        let mean = if n == 0 { 0.0 } else { waiting / f64::from(n) };
+        self.cfg.stall_weight * (1.0 + mean / self.cfg.stall_queue_scale)
+    }
+
     fn capacity_blocks(&self, block_tokens: u64) -> usize {
         (self.cfg.cache_tokens / block_tokens.max(1)).max(1) as usize
     }
@@ -188,11 +228,13 @@ impl Policy for PrefillCost {
                 return Ok(Decision::new(a.id, Branch::Sticky).with_match(m.0, m.1, m.2).with_score(cost as f64));
             }
         }
+        let stall = self.stall_weight(c);
         let mut best: Option<(u64, u64)> = None; // (cost, Reverse-ish cached)
         let mut tied: SmallVec<[(WorkerId, Match); 8]> = SmallVec::new();
         for w in c.iter().filter(|w| w.is_routable()) {
             let (cached, hit) = self.cached(w, bt, input);
-            let miss = ((input - cached) as f64 * self.cfg.miss_weight) as u64;
+            let per_token = self.cfg.miss_weight + stall * f64::from(w.load());
+            let miss = ((input - cached) as f64 * per_token) as u64;
             let additive = w.pending_prefill_tokens + miss + self.cfg.decode_weight * w.load() as u64;
             let cost = (additive as f64 * (1.0 + self.cfg.batch_factor * f64::from(w.load()))) as u64;
             let key = (cost, u64::MAX - cached);
@@ -293,8 +335,8 @@ mod tests {
         let h: Vec<BlockHash> = (0..8).map(BlockHash).collect();
         let mut c = vec![WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
         // Worker 0 holds the prompt and runs 3 requests: additive cost 0 + 3 × 64 = 192 <
-        // worker 1's 4 × 4,096 misses, so it wins; × (1 + 10 × 3) = 5,952 still wins; with
-        // 2,000 pending, 2,192 × 31 = 67,952 > 16,384: the multiplier moves the request.
+        // worker 1's 8 × 4,096 = 32,768 of misses, so it wins; × (1 + 10 × 3) = 5,952 still wins; with
+        // 2,000 pending, 2,192 × 31 = 67,952 > 32,768: the multiplier moves the request.
         c[0].in_flight = 3;
         for (bf, pending, want) in [(0.0, 2000, 0), (10.0, 0, 0), (10.0, 2000, 1)] {
             let mut p = PrefillCost::new(PrefillCostConfig { batch_factor: bf, ..Default::default() });
@@ -304,6 +346,45 @@ mod tests {
         }
         let bad = crate::registry::build("prefill_cost", &serde_json::json!({"batch_factor": -1.0}));
         assert!(bad.is_err());
+    }
+
+    #[test]
+    fn a_long_prefill_goes_where_it_stalls_fewer_requests() {
+        // A cold 4,096-token prompt. Worker 0 runs 10 requests and has no prefill queued;
+        // worker 1 is empty with 1,000 tokens queued. Defaults (miss 8, stall 0.05, decode 64):
+        //   worker 0: 0 + 4,096 × (8 + 0.05 × 10) + 64 × 10 = 35,456
+        //   worker 1: 1,000 + 4,096 × 8 = 33,768 → worker 1.
+        // Without the stall term worker 0 costs 32,768 + 640 = 33,408 and wins.
+        let h: Vec<BlockHash> = (0..8).map(BlockHash).collect();
+        let mut c = vec![WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
+        c[0].in_flight = 10;
+        c[1].pending_prefill_tokens = 1000;
+        for (stall, want) in [(0.05, 1), (0.0, 0)] {
+            let mut p = PrefillCost::new(PrefillCostConfig { stall_weight: stall, ..Default::default() });
+            let d = go(&mut p, &req(&h), &c);
+            assert_eq!(d.worker, WorkerId(want), "stall_weight {stall}");
+        }
+        let bad = crate::registry::build("prefill_cost", &serde_json::json!({"stall_queue_scale": -1.0}));
+        assert!(bad.is_err());
+    }
+
+    #[test]
+    fn the_stall_weight_grows_with_the_fleets_queue() {
+        // Worker 0 runs 10 requests, all still waiting for their first token: mean waiting
+        // 10 / 2 = 5, so the stall weight is 0.05 × (1 + 5 / 10) = 0.075 and worker 0 costs
+        // 4,096 × (8 + 0.75) + 640 = 36,480 against worker 1's 3,000 + 32,768 = 35,768.
+        // With a fixed stall weight (scale 0) worker 0 costs 35,456 and wins.
+        let h: Vec<BlockHash> = (0..8).map(BlockHash).collect();
+        let mut c = vec![WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
+        c[0].in_flight = 10;
+        c[0].waiting = 10;
+        c[1].pending_prefill_tokens = 3000;
+        let p = PrefillCost::new(PrefillCostConfig::default());
+        assert!((p.stall_weight(&c) - 0.075).abs() < 1e-12);
+        for (scale, want) in [(10.0, 1), (0.0, 0)] {
+            let mut p = PrefillCost::new(PrefillCostConfig { stall_queue_scale: scale, ..Default::default() });
+            assert_eq!(go(&mut p, &req(&h), &c).worker, WorkerId(want), "stall_queue_scale {scale}");
+        }
     }
 
     #[test]
@@ -320,7 +401,7 @@ mod tests {
 
     #[test]
     fn session_gate_sticks_while_warm_and_not_overloaded() {
-        let mut p = PrefillCost::new(PrefillCostConfig::default());
+        let mut p = PrefillCost::new(PrefillCostConfig { session_affinity: true, ..Default::default() });
         let h: Vec<BlockHash> = (0..4).map(BlockHash).collect();
         let mut r = req(&h);
         r.session_id = Some("conv-1");
