@@ -25,7 +25,8 @@
 //!   sessions in place; seed 002's session gate (`session_affinity`) is available but off.
 //! - `stall(w)`: with chunked prefill (vLLM, SGLang) an uncached prompt is computed in the
 //!   same steps as every request already on the worker, so each of the `load(w)` requests
-//!   there waits through it (decodes stall, queued prefills start later). The charge grows
+//!   there waits through it (decodes stall — Sarathi-Serve's "generation stalls", Agrawal et
+//!   al., OSDI 2024 — and queued prefills start later). The charge grows
 //!   with the fleet's queue (`mean_waiting`, requests without a first token per worker, from
 //!   the ledger), because under queueing the stalled steps delay the queue too.
 //! - `decode_weight × load(w)`: every running request costs the batch a little time per
