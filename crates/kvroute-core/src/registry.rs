@@ -114,6 +114,7 @@ const PREFILL_COST_KNOBS: &[Knob] = &[
         "a prefill stalls every request on its worker: uncached x stall_weight x load is added",
     ),
     ("stall_queue_scale", "waiting requests", "mean waiting per worker at which stall_weight doubles; 0 = fixed"),
+    ("stall_cap", "tokens per uncached token", "upper bound of the stall charge per uncached token"),
 ];
 const B3_KNOBS: &[Knob] = &[
     ("block_tokens", "tokens", "tokens per block of the LRU block sets (Mooncake hash_ids are 512)"),
@@ -186,7 +187,7 @@ pub fn list() -> Vec<PolicyInfo> {
             prefix_aware: true,
             name: "prefill_cost",
             source: "kvroute (docs/replay.md)",
-            summary: "least pending prefill + uncached x (miss_weight + stall_weight x load) + decode_weight x load",
+            summary: "least pending prefill + uncached x (miss_weight + min(stall_weight x load, stall_cap)) + decode_weight x load",
             knobs: knobs_of(serde_json::to_value(PrefillCostConfig::default()).unwrap_or_default(), PREFILL_COST_KNOBS),
         },
     ]

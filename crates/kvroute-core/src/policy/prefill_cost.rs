@@ -6,7 +6,7 @@
 //! cost(w) = pending_prefill_tokens(w)
 //!         + uncached_tokens(req, w) × (miss_weight + stall(w))
 //!         + decode_weight × load(w)
-//! stall(w) = stall_weight × (1 + mean_waiting / stall_queue_scale) × load(w)
+//! stall(w) = min(stall_weight × (1 + mean_waiting / stall_queue_scale) × load(w), stall_cap)
 //! ```
 //!
 //! - `pending_prefill_tokens(w)`: prompt tokens dispatched to `w` whose first token has not
@@ -28,7 +28,12 @@
 //!   there waits through it (decodes stall — Sarathi-Serve's "generation stalls", Agrawal et
 //!   al., OSDI 2024 — and queued prefills start later). The charge grows
 //!   with the fleet's queue (`mean_waiting`, requests without a first token per worker, from
-//!   the ledger), because under queueing the stalled steps delay the queue too.
+//!   the ledger), because under queueing the stalled steps delay the queue too. It is capped
+//!   at `stall_cap` (8, the default miss weight) per token. On Azure's conversation trace
+//!   (short prompts, many requests per worker) the uncapped charge passes 8 — that takes
+//!   `load × (1 + mean_waiting / 10)` > 160 — outweighs the queued work and piles long
+//!   prompts onto the least crowded workers, nearly doubling the p99 TTFT near saturation;
+//!   capped, its p99 there is within 7 % of the best seed policy's.
 //! - `decode_weight × load(w)`: every running request costs the batch a little time per
 //!   step; a small weight breaks ties towards the emptier worker.
 //!
@@ -50,11 +55,11 @@
 //! trace, h100-llama3-8b engines, approximate and precise prefix state, each point averaged
 //! over 5 arrival realisations): at the highest load each fleet still serves — ×3 the trace
 //! rate on 8 engines, ×1.4 on 4, ×6–6.5 on 16 — it has the lowest mean *and* p99 TTFT of
-//! all 13 policies in both prefix states except one point (8 engines, precise, ×3: mean
-//! 1.514 s against unified's 1.510 s; p99 9.6 s against 13.8 s), with no rejections. Past
-//! saturation its mean is 19–37 % below the best seed policy's, but on 4 engines its p99 is
-//! up to 27 % above sticky's. Below saturation it wins every precise point, while with the
-//! approximate state lmetric's mean is 0.2–2.5 % lower (on 16 engines its p99 too).
+//! all 13 policies at every point, in both prefix states, with no rejections (8 engines ×3:
+//! 1.678 / 10.8 s against unified's 1.746 / 14.0 s). Below saturation it wins every precise
+//! point, while with the approximate state lmetric's mean is 0.2–2.5 % lower. Past
+//! saturation its p99 is the lowest or within 0.2 % of it, but unified's mean is 4–16 %
+//! lower: the cap gives up the mean there for the tail on traces without prefix reuse.
 //!
 //! | knob | default | unit |
 //! |---|---|---|
@@ -64,6 +69,7 @@
 //! | `miss_weight` | 8 | multiplier on the request's own uncached tokens |
 //! | `stall_weight` | 0.05 | per uncached token, per request on the worker |
 //! | `stall_queue_scale` | 10 | mean waiting requests per worker at which `stall_weight` doubles (0: fixed) |
+//! | `stall_cap` | 8 | upper bound of the stall charge, per uncached token |
 //! | `session_affinity` | false | seed 002's gate before the cost: stay on the session's last worker while it holds more than half of the prompt and its load is at most `overload_factor` × the mean (branch `sticky`) |
 //! | `overload_factor` | 1.5 | × mean load, the gate's overload bound |
 //! | `max_sessions` | 1,048,576 | session bindings kept (LRU) |
@@ -107,6 +113,8 @@ pub struct PrefillCostConfig {
     /// Mean waiting requests per worker (router's ledger) at which `stall_weight` doubles;
     /// it grows linearly with the fleet's queue. 0 keeps `stall_weight` fixed.
     pub stall_queue_scale: f64,
+    /// Upper bound of the stall charge per uncached token (`stall(w)` is at most this).
+    pub stall_cap: f64,
 }
 
 impl Default for PrefillCostConfig {
@@ -122,6 +130,7 @@ impl Default for PrefillCostConfig {
             batch_factor: 0.0,
             stall_weight: 0.05,
             stall_queue_scale: 10.0,
+            stall_cap: 8.0,
         }
     }
 }
@@ -144,6 +153,9 @@ fn validate(c: &PrefillCostConfig) -> Result<(), String> {
     }
     if !(c.stall_queue_scale.is_finite() && c.stall_queue_scale >= 0.0) {
         return Err(format!("stall_queue_scale must be a finite number >= 0, got {}", c.stall_queue_scale));
+    }
+    if !(c.stall_cap.is_finite() && c.stall_cap >= 0.0) {
+        return Err(format!("stall_cap must be a finite number >= 0, got {}", c.stall_cap));
     }
     if c.max_sessions == 0 {
         return Err("max_sessions must be at least 1".into());
@@ -234,7 +246,7 @@ impl Policy for PrefillCost {
         let mut tied: SmallVec<[(WorkerId, Match); 8]> = SmallVec::new();
         for w in c.iter().filter(|w| w.is_routable()) {
             let (cached, hit) = self.cached(w, bt, input);
-            let per_token = self.cfg.miss_weight + stall * f64::from(w.load());
+            let per_token = self.cfg.miss_weight + (stall * f64::from(w.load())).min(self.cfg.stall_cap);
             let miss = ((input - cached) as f64 * per_token) as u64;
             let additive = w.pending_prefill_tokens + miss + self.cfg.decode_weight * w.load() as u64;
             let cost = (additive as f64 * (1.0 + self.cfg.batch_factor * f64::from(w.load()))) as u64;
@@ -360,13 +372,17 @@ mod tests {
         let mut c = vec![WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
         c[0].in_flight = 10;
         c[1].pending_prefill_tokens = 1000;
-        for (stall, want) in [(0.05, 1), (0.0, 0)] {
-            let mut p = PrefillCost::new(PrefillCostConfig { stall_weight: stall, ..Default::default() });
+        // With `stall_cap` 0.05 the charge per token is min(0.5, 0.05): worker 0 costs
+        // 4,096 × 8.05 + 640 = 33,612 (rounded down) < 33,768 and wins again.
+        for (stall, cap, want) in [(0.05, 8.0, 1), (0.0, 8.0, 0), (0.05, 0.05, 0)] {
+            let mut p =
+                PrefillCost::new(PrefillCostConfig { stall_weight: stall, stall_cap: cap, ..Default::default() });
             let d = go(&mut p, &req(&h), &c);
-            assert_eq!(d.worker, WorkerId(want), "stall_weight {stall}");
+            assert_eq!(d.worker, WorkerId(want), "stall_weight {stall}, stall_cap {cap}");
         }
-        let bad = crate::registry::build("prefill_cost", &serde_json::json!({"stall_queue_scale": -1.0}));
-        assert!(bad.is_err());
+        for bad in [serde_json::json!({"stall_queue_scale": -1.0}), serde_json::json!({"stall_cap": -1.0})] {
+            assert!(crate::registry::build("prefill_cost", &bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
