@@ -26,9 +26,9 @@
 //! - `stall(w)`: with chunked prefill (vLLM, SGLang) an uncached prompt is computed in the
 //!   same steps as every request already on the worker, so each of the `load(w)` requests
 //!   there waits through it (decodes stall — Sarathi-Serve's "generation stalls", Agrawal et
-//!   al., OSDI 2024 — and queued prefills start later). The charge grows
-//!   with the fleet's queue (`mean_waiting`, requests without a first token per worker, from
-//!   the ledger), because under queueing the stalled steps delay the queue too. It is capped
+//!   al., OSDI 2024 — and queued prefills start later). The charge grows with the fleet's
+//!   queue (`mean_waiting`, requests without a first token per worker, from the ledger),
+//!   because under queueing the stalled steps delay the queue too. It is capped
 //!   at `stall_cap` (8, the default miss weight) per token. On Azure's conversation trace
 //!   (short prompts, many requests per worker) the uncapped charge passes 8 — that takes
 //!   `load × (1 + mean_waiting / 10)` > 160 — outweighs the queued work and piles long
@@ -49,7 +49,8 @@
 //! stall. That last term sends long uncached prompts to workers with few requests and lets
 //! short or cached ones join busy workers, so long and short prefills separate (as
 //! size-interval task assignment does in a server farm) and short requests stop queueing
-//! behind long ones; it lowers mean TTFT most when queues form.
+//! behind long ones. The cap bounds that separation, so that the long prompts do not pay
+//! for it with the tail.
 //!
 //! Measured (`docs/replay.md`, `scripts/replay-realisations.py`: Mooncake conversation
 //! trace, h100-llama3-8b engines, approximate and precise prefix state, each point averaged
