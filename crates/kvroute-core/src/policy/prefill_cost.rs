@@ -57,7 +57,8 @@
 //! over 5 arrival realisations): at the highest load each fleet still serves — ×3 the trace
 //! rate on 8 engines, ×1.4 on 4, ×6–6.5 on 16 — it has the lowest mean *and* p99 TTFT of
 //! all 13 policies at every point, in both prefix states, with no rejections (8 engines ×3:
-//! 1.678 / 10.8 s against unified's 1.746 / 14.0 s). Below saturation it wins every precise
+//! 1.678 / 10.8 s against unified's 1.746 / 14.0 s; the closest, precise ×3, 1.497 against
+//! 1.510 s, is a tie on the mean within the seed-to-seed spread). Below saturation it wins every precise
 //! point, while with the approximate state lmetric's mean is 0.2–2.5 % lower. Past
 //! saturation its p99 is the lowest or within 0.2 % of it, but unified's mean is 4–16 %
 //! lower: the cap gives up the mean there for the tail on traces without prefix reuse.
