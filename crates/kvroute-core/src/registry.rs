@@ -111,7 +111,7 @@ const PREFILL_COST_KNOBS: &[Knob] = &[
     (
         "stall_weight",
         "tokens per uncached token per request",
-        "a prefill stalls every request on its worker: uncached x stall_weight x load is added",
+        "a prefill stalls every request on its worker: uncached x stall_weight x load is added (scaled by the queue, capped)",
     ),
     ("stall_queue_scale", "waiting requests", "mean waiting per worker at which stall_weight doubles; 0 = fixed"),
     ("stall_cap", "tokens per uncached token", "upper bound of the stall charge per uncached token"),
