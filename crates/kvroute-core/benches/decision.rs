@@ -92,22 +92,22 @@ fn bench_decisions(c: &mut Criterion) {
             .measurement_time(std::time::Duration::from_secs(1))
             .warm_up_time(std::time::Duration::from_millis(300));
         for name in registry::names() {
-            let mut p = warmed(name, &trace, n);
+            let p = warmed(name, &trace, n);
             let cands = fleet(n);
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
             let req = view(&pr, Some(&text));
             g.bench_function(name, |b| {
                 b.iter(|| {
                     let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng };
-                    black_box(p.pick(black_box(&req), &cands, &mut ctx).ok())
+                    black_box(kvroute_core::policy::decide(p.as_ref(), black_box(&req), &cands, &mut ctx).ok())
                 })
             });
-            // p50/p99 of single calls (route = pick + fallbacks + index insert).
+            // p50/p99 of single decisions (key + pick + fallbacks; no commit).
             let mut h = hdrhistogram::Histogram::<u64>::new(3).unwrap_or_else(|e| panic!("{e}"));
             for _ in 0..20_000 {
                 let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng };
                 let t = Instant::now();
-                let _ = black_box(p.pick(black_box(&req), &cands, &mut ctx));
+                let _ = black_box(kvroute_core::policy::decide(p.as_ref(), black_box(&req), &cands, &mut ctx));
                 let _ = h.record(t.elapsed().as_nanos() as u64);
             }
             summary.push((n, name, h.value_at_quantile(0.5), h.value_at_quantile(0.99), p.index_size()));

@@ -383,7 +383,14 @@ impl<S: Symbol> RadixTree<S> {
     /// (tenant, leaf) pair into a min-heap by last use; a pair whose eviction exposes the
     /// parent as the tenant's new leaf pushes that parent.
     pub fn evict_to(&mut self, budget_symbols: usize) -> usize {
-        if self.total <= budget_symbols {
+        self.evict_toward(budget_symbols, usize::MAX)
+    }
+
+    /// [`RadixTree::evict_to`] in a bounded slice: evicts at most `max_pairs` (tenant, leaf)
+    /// pairs, so a caller holding a lock can release it between slices. Returns the symbols
+    /// freed; the tree may still be over budget afterwards.
+    pub fn evict_toward(&mut self, budget_symbols: usize, max_pairs: usize) -> usize {
+        if self.total <= budget_symbols || max_pairs == 0 {
             return 0;
         }
         let mut heap: BinaryHeap<Reverse<(Nanos, u32, WorkerId)>> = BinaryHeap::new();
@@ -398,11 +405,13 @@ impl<S: Symbol> RadixTree<S> {
             }
         }
         let mut freed = 0;
-        while self.total > budget_symbols {
+        let mut evicted = 0;
+        while self.total > budget_symbols && evicted < max_pairs {
             let Some(Reverse((_, n, t))) = heap.pop() else { break };
             if !self.is_leaf_for(n, t) {
                 continue; // stale: already evicted
             }
+            evicted += 1;
             let parent = self.nodes[n as usize].parent;
             freed += self.drop_tenant_at(n, t);
             if parent != ROOT

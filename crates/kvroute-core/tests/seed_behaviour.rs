@@ -221,11 +221,10 @@ fn engine_reported_cached_tokens_override_the_policies_own_estimate() {
 }
 
 #[test]
-fn kv_score_weights_swap_lock_free_through_the_handle() {
-    use kvroute_core::policy::kv_score::{KvScore, KvWeights};
+fn kv_score_weights_change_live_in_their_one_home() {
+    use kvroute_core::policy::kv_score::KvScore;
     let mut p = KvScore::new(Default::default());
-    let handle = p.weights_handle();
-    handle.store(std::sync::Arc::new(KvWeights { w_kv: 0.0, w_load: 1.0, w_pwr: 0.0, w_cap: 0.0 }));
+    p.set_knobs(&serde_json::json!({"w_kv": 0.0, "w_load": 1.0, "w_pwr": 0.0, "w_cap": 0.0})).expect("valid weights");
     assert_eq!(p.knobs()["w_load"], serde_json::json!(1.0));
     let mut c = fleet(&[5, 1]);
     c[0].capacity.max_concurrent = 10;
@@ -276,8 +275,8 @@ fn cache_aware_mixes_precise_and_approximate_workers_by_match_rate() {
     let mut c = fleet(&[1, 1]);
     c[1].cached_tokens = Some(0);
     let view = RequestView::from_text("m", &prompt);
-    p.on_routed(&view, WorkerId(0), Nanos::from_secs(1));
-    p.on_routed(&view, WorkerId(1), Nanos::from_secs(1));
+    kvroute_core::policy::record_routed(p.as_mut(), &view, WorkerId(0), Nanos::from_secs(1));
+    kvroute_core::policy::record_routed(p.as_mut(), &view, WorkerId(1), Nanos::from_secs(1));
     let d = go(p.as_mut(), &prompt, &c, 1);
     assert_eq!((d.worker, d.unit), (WorkerId(0), kvroute_core::policy::MatchUnit::Chars));
     assert_eq!(d.matched, prompt.len() as u64);

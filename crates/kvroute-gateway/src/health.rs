@@ -300,7 +300,7 @@ pub async fn run_background(s: Arc<AppState>, cancel: tokio_util::sync::Cancella
                 let now = s.now();
                 if let Some(t) = next_maintain && now >= t {
                     let mut p = s.policy.lock();
-                    p.policy.maintain(now);
+                    while p.policy.maintain(now, 4096) {}
                     next_maintain = p.policy.maintenance_interval().map(|i| now.saturating_add(i));
                 }
                 let size = s.policy.lock().policy.index_size();

@@ -406,7 +406,7 @@ async fn handle_inner(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Bo
             }
             s.metrics.retries.inc();
             let now = s.now();
-            s.policy.lock().policy.on_routed(&req, *w, now);
+            kvroute_core::policy::record_routed(s.policy.lock().policy.as_mut(), &req, *w, now);
         }
         let ticket = s.ledger.lock().dispatched(*w, uncached, output);
         let mut rb = s.client.post(format!("{url}{}", api.path())).timeout(timeout).body(bytes.clone());

@@ -12,7 +12,7 @@
 use crate::engine::{Engine, EngineEvent, EngineRequest, Profile};
 use crate::trace::TraceRequest;
 use kvroute_core::ledger::{LoadLedger, Ticket};
-use kvroute_core::policy::{MatchUnit, PickCtx, Policy, route};
+use kvroute_core::policy::{PickCtx, Policy, route};
 use kvroute_core::precise::PredictWindow;
 use kvroute_core::registry;
 use kvroute_core::types::{BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
@@ -113,17 +113,6 @@ pub enum ReplayError {
     /// Bad settings.
     #[error("{0}")]
     Config(String),
-}
-
-/// Estimated cached prompt tokens from a decision's match (the router's view).
-fn estimated_cached(unit: MatchUnit, matched: u64, block_tokens: u32, input: u32) -> u64 {
-    let t = match unit {
-        MatchUnit::Blocks => matched * block_tokens as u64,
-        MatchUnit::Tokens => matched,
-        MatchUnit::Chars => matched / kvroute_core::types::CHARS_PER_TOKEN as u64,
-        MatchUnit::None => 0,
-    };
-    t.min(input as u64)
 }
 
 /// Compute utilisation as an engine exporter reports it (DCGM's SM activity is an average
@@ -251,7 +240,7 @@ pub fn replay(
         }
         handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted);
         while now >= next_maintain {
-            policy.maintain(next_maintain);
+            policy.maintain(next_maintain, usize::MAX);
             next_maintain = next_maintain.saturating_add(interval.unwrap_or(Nanos(u64::MAX)));
         }
         views.clear();
@@ -289,7 +278,7 @@ pub fn replay(
                 let o = &mut outcomes[i];
                 o.worker = Some(d.worker.0);
                 o.branch = d.branch.as_str();
-                let est = estimated_cached(d.unit, d.matched, r.block_tokens, r.input_tokens);
+                let est = d.cached_tokens_estimate(r.input_tokens);
                 tickets[i] = Some(ledger.dispatched(d.worker, r.input_tokens as u64 - est, r.output_tokens as u64));
                 engines[w].submit(
                     EngineRequest {

@@ -44,8 +44,8 @@
 
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, LruBlockSet};
-use crate::policy::util::{SessionTable, mean_load};
-use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RouteError, patch_knobs};
+use crate::policy::util::{Rotation, SessionTable, mean_load};
+use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -132,8 +132,7 @@ pub struct B3 {
     cfg: B3Config,
     cached: HashMap<WorkerId, LruBlockSet>,
     affinity: SessionTable,
-    rr_counter: u64,
-    scratch: Vec<BlockHash>,
+    rr_counter: Rotation,
 }
 
 /// Per-worker LMetric terms of one request.
@@ -153,7 +152,7 @@ impl B3 {
     /// A B3 picker in `mode` with `cfg` (assumed valid; use [`B3::try_new`] to check).
     pub fn new(mode: B3Mode, cfg: B3Config) -> Self {
         let affinity = SessionTable::new(cfg.max_sessions);
-        B3 { mode, cfg, cached: HashMap::new(), affinity, rr_counter: 0, scratch: Vec::new() }
+        B3 { mode, cfg, cached: HashMap::new(), affinity, rr_counter: Rotation::default() }
     }
 
     /// Builds after validating `cfg`.
@@ -165,27 +164,19 @@ impl B3 {
         Ok(B3::new(mode, cfg))
     }
 
-    /// The block hashes of `req` at this policy's block size, into `self.scratch`.
-    fn load_blocks(&mut self, req: &RequestView<'_>) {
-        self.scratch.clear();
-        let mut out = std::mem::take(&mut self.scratch);
-        request_blocks(req, self.cfg.block_tokens as usize, MAX_BLOCKS, HashAlgo::Xxh3, &mut out);
-        self.scratch = out;
-    }
-
     /// Tokens per block of `req`'s key (a trace's own block size when it carries blocks).
     fn block_size_of(&self, req: &RequestView<'_>) -> u64 {
         req.blocks.map_or(self.cfg.block_tokens, |b| b.block_tokens.max(1)) as u64
     }
 
-    fn terms(&self, w: &WorkerView, req: &RequestView<'_>) -> Terms {
+    fn terms(&self, w: &WorkerView, req: &RequestView<'_>, blocks: &[BlockHash]) -> Terms {
         let input = req.input_tokens as u64;
         let (cache_hit, hit) = match w.cached_tokens {
             // Precise: the engine's own count from its KV events.
             Some(t) => (t.min(input), (t.min(input), input, MatchUnit::Tokens)),
             None => {
-                let blocks = self.cached.get(&w.id).map_or(0, |s| s.estimate_cache_hit(&self.scratch)) as u64;
-                ((blocks * self.block_size_of(req)).min(input), (blocks, self.scratch.len() as u64, MatchUnit::Blocks))
+                let hit = self.cached.get(&w.id).map_or(0, |s| s.estimate_cache_hit(blocks)) as u64;
+                ((hit * self.block_size_of(req)).min(input), (hit, blocks.len() as u64, MatchUnit::Blocks))
             }
         };
         let new_prefill = input - cache_hit;
@@ -198,10 +189,10 @@ impl B3 {
         Decision::new(t.id, branch).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score as f64)
     }
 
-    fn pick_lmetric(&self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<Decision> {
+    fn pick_lmetric(&self, req: &RequestView<'_>, blocks: &[BlockHash], c: &[WorkerView]) -> Option<Decision> {
         let mut best: Option<Terms> = None;
         for w in c.iter().filter(|w| w.is_routable()) {
-            let t = self.terms(w, req);
+            let t = self.terms(w, req, blocks);
             if best.is_none_or(|b| t.score < b.score) {
                 best = Some(t);
             }
@@ -209,29 +200,29 @@ impl B3 {
         best.map(|t| self.decision(&t, Branch::Score))
     }
 
-    fn pick_load_only(&self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<Decision> {
+    fn pick_load_only(&self, req: &RequestView<'_>, blocks: &[BlockHash], c: &[WorkerView]) -> Option<Decision> {
         let w = c.iter().filter(|w| w.is_routable()).min_by_key(|w| w.load())?;
-        let t = self.terms(w, req);
+        let t = self.terms(w, req, blocks);
         Some(self.decision(&t, Branch::LeastLoad))
     }
 
-    fn pick_sticky(&mut self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<Decision> {
+    fn pick_sticky(&self, req: &RequestView<'_>, blocks: &[BlockHash], c: &[WorkerView]) -> Option<Decision> {
         let Some(sid) = req.session_id else {
-            return self.pick_load_only(req, c);
+            return self.pick_load_only(req, blocks, c);
         };
         if let Some(bound) = self.affinity.get(sid)
             && let Some(w) = c.iter().find(|w| w.id == bound && w.is_routable())
         {
-            let t = self.terms(w, req);
+            let t = self.terms(w, req, blocks);
             return Some(self.decision(&t, Branch::Sticky));
         }
-        let mut d = self.pick_load_only(req, c)?;
-        self.affinity.bind(sid, d.worker);
+        // The binding is made when the request is committed (`on_routed`).
+        let mut d = self.pick_load_only(req, blocks, c)?;
         d.branch = Branch::NewBinding;
         Some(d)
     }
 
-    fn pick_unified(&mut self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<Decision> {
+    fn pick_unified(&self, req: &RequestView<'_>, blocks: &[BlockHash], c: &[WorkerView]) -> Option<Decision> {
         let routable = || c.iter().filter(|w| w.is_routable());
         let avg_reqs = mean_load(c)?.max(1.0);
         let mut was_bound = false;
@@ -240,7 +231,7 @@ impl B3 {
         {
             was_bound = true;
             if let Some(a) = routable().find(|w| w.id == bound) {
-                let t = self.terms(a, req);
+                let t = self.terms(a, req, blocks);
                 let hit_ratio = t.cache_hit as f64 / (req.input_tokens.max(1)) as f64;
                 if hit_ratio > self.cfg.hit_ratio_threshold && t.bs as f64 <= avg_reqs * self.cfg.overload_factor {
                     return Some(self.decision(&t, Branch::Sticky));
@@ -248,20 +239,17 @@ impl B3 {
             }
         }
         // LMetric fallback with the 4-key tie-break.
-        let all: smallvec::SmallVec<[Terms; 16]> = routable().map(|w| self.terms(w, req)).collect();
+        let all: smallvec::SmallVec<[Terms; 16]> = routable().map(|w| self.terms(w, req, blocks)).collect();
         let best = all.iter().map(|t| (t.score, t.new_prefill, t.bs)).min()?;
         let tied: smallvec::SmallVec<[&Terms; 16]> =
             all.iter().filter(|t| (t.score, t.new_prefill, t.bs) == best).collect();
         let (winner, branch) = if tied.len() > 1 {
-            let w = tied[(self.rr_counter % tied.len() as u64) as usize];
-            self.rr_counter = self.rr_counter.wrapping_add(1);
+            let w = tied[(self.rr_counter.next() % tied.len() as u64) as usize];
             (*w, Branch::TieBreak)
         } else {
             (*tied[0], Branch::Score)
         };
-        if let Some(sid) = req.session_id {
-            self.affinity.bind(sid, winner.id);
-        }
+        // The session is (re)bound to the worker it is sent to when it is committed.
         let branch = if was_bound { Branch::AffinityBroken } else { branch };
         Some(self.decision(&winner, branch))
     }
@@ -282,27 +270,40 @@ impl Policy for B3 {
         self.mode.name()
     }
 
+    fn key(&self, req: &RequestView<'_>) -> RequestKey {
+        let mut blocks = Vec::new();
+        request_blocks(req, self.cfg.block_tokens as usize, MAX_BLOCKS, HashAlgo::Xxh3, &mut blocks);
+        RequestKey { blocks, block_tokens: self.block_size_of(req) }
+    }
+
     fn pick(
-        &mut self,
+        &self,
         req: &RequestView<'_>,
+        key: &RequestKey,
         candidates: &[WorkerView],
         _ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
-        self.load_blocks(req);
+        let blocks = &key.blocks;
         let d = match self.mode {
-            B3Mode::LMetric => self.pick_lmetric(req, candidates),
-            B3Mode::LoadOnly => self.pick_load_only(req, candidates),
-            B3Mode::Sticky => self.pick_sticky(req, candidates),
-            B3Mode::Unified => self.pick_unified(req, candidates),
+            B3Mode::LMetric => self.pick_lmetric(req, blocks, candidates),
+            B3Mode::LoadOnly => self.pick_load_only(req, blocks, candidates),
+            B3Mode::Sticky => self.pick_sticky(req, blocks, candidates),
+            B3Mode::Unified => self.pick_unified(req, blocks, candidates),
         };
         d.ok_or(RouteError::NoWorker)
     }
 
-    fn on_routed(&mut self, req: &RequestView<'_>, worker: WorkerId, _now: Nanos) {
-        self.load_blocks(req);
+    fn on_routed(&mut self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, _now: Nanos) {
         let cap = self.cfg.cache_blocks;
         let set = self.cached.entry(worker).or_insert_with(|| LruBlockSet::new(cap));
-        set.insert(&self.scratch);
+        set.insert(&key.blocks);
+        // B3 sticky and unified bind the session to the worker that serves it (a new
+        // binding, a kept one refreshed, or a broken one moved).
+        if matches!(self.mode, B3Mode::Sticky | B3Mode::Unified)
+            && let Some(sid) = req.session_id
+        {
+            self.affinity.bind(sid, worker);
+        }
     }
 
     fn on_worker_removed(&mut self, worker: WorkerId) {
@@ -377,7 +378,7 @@ mod tests {
     fn lmetric_prefers_cache_warm_worker_at_equal_load() {
         let mut p = B3::new(B3Mode::LMetric, B3Config::default());
         let h = hashes(4, 100);
-        p.on_routed(&req(&h, None), WorkerId(2), Nanos::ZERO);
+        crate::policy::record_routed(&mut p, &req(&h, None), WorkerId(2), Nanos::ZERO);
         let d = pick(&mut p, &req(&h, None), &fleet(&[1, 1, 1]));
         assert_eq!(d.worker, WorkerId(2));
         assert_eq!(d.matched, 4);

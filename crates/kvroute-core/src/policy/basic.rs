@@ -13,8 +13,8 @@
 //! None has knobs.
 
 use crate::hash::stable_hash;
-use crate::policy::util::{argmin_by, power_of_two, rotate, routable_ids};
-use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RouteError};
+use crate::policy::util::{Rotation, argmin_by, power_of_two, rotate, routable_ids};
+use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError};
 use crate::types::{RequestView, WorkerView};
 
 fn no_knobs(policy: &'static str, patch: &serde_json::Value) -> Result<(), KnobError> {
@@ -46,18 +46,23 @@ macro_rules! no_knob_impls {
 /// `round_robin`: rotation over routable candidates.
 #[derive(Debug, Default)]
 pub struct RoundRobin {
-    next: u64,
+    next: Rotation,
 }
 
 impl Policy for RoundRobin {
     no_knob_impls!("round_robin");
-    fn pick(&mut self, _: &RequestView<'_>, c: &[WorkerView], _: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+    fn pick(
+        &self,
+        _: &RequestView<'_>,
+        _: &RequestKey,
+        c: &[WorkerView],
+        _: &mut PickCtx<'_>,
+    ) -> Result<Decision, RouteError> {
         let ids = routable_ids(c);
         if ids.is_empty() {
             return Err(RouteError::NoWorker);
         }
-        let w = ids[(self.next % ids.len() as u64) as usize];
-        self.next = self.next.wrapping_add(1);
+        let w = ids[(self.next.next() % ids.len() as u64) as usize];
         Ok(Decision::new(w, Branch::RoundRobin))
     }
 }
@@ -68,7 +73,13 @@ pub struct Random;
 
 impl Policy for Random {
     no_knob_impls!("random");
-    fn pick(&mut self, _: &RequestView<'_>, c: &[WorkerView], ctx: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+    fn pick(
+        &self,
+        _: &RequestView<'_>,
+        _: &RequestKey,
+        c: &[WorkerView],
+        ctx: &mut PickCtx<'_>,
+    ) -> Result<Decision, RouteError> {
         let ids = routable_ids(c);
         if ids.is_empty() {
             return Err(RouteError::NoWorker);
@@ -81,14 +92,20 @@ impl Policy for Random {
 /// `least_load`: lowest `load()`, rotation among ties.
 #[derive(Debug, Default)]
 pub struct LeastLoad {
-    rotation: u64,
+    rotation: Rotation,
 }
 
 impl Policy for LeastLoad {
     no_knob_impls!("least_load");
-    fn pick(&mut self, _: &RequestView<'_>, c: &[WorkerView], _: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+    fn pick(
+        &self,
+        _: &RequestView<'_>,
+        _: &RequestKey,
+        c: &[WorkerView],
+        _: &mut PickCtx<'_>,
+    ) -> Result<Decision, RouteError> {
         let tied = argmin_by(c, |_| true, WorkerView::load);
-        let w = rotate(&tied, &mut self.rotation).ok_or(RouteError::NoWorker)?;
+        let w = rotate(&tied, &self.rotation).ok_or(RouteError::NoWorker)?;
         Ok(Decision::new(w, Branch::LeastLoad))
     }
 }
@@ -99,7 +116,13 @@ pub struct PowerOfTwo;
 
 impl Policy for PowerOfTwo {
     no_knob_impls!("power_of_two");
-    fn pick(&mut self, _: &RequestView<'_>, c: &[WorkerView], ctx: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+    fn pick(
+        &self,
+        _: &RequestView<'_>,
+        _: &RequestKey,
+        c: &[WorkerView],
+        ctx: &mut PickCtx<'_>,
+    ) -> Result<Decision, RouteError> {
         let ids = routable_ids(c);
         let w = power_of_two(&ids, c, ctx.rng).ok_or(RouteError::NoWorker)?;
         Ok(Decision::new(w, Branch::PowerOfTwo))
@@ -132,7 +155,13 @@ pub fn session_or_prefix_key(req: &RequestView<'_>) -> u64 {
 
 impl Policy for ConsistentHash {
     no_knob_impls!("consistent_hash");
-    fn pick(&mut self, req: &RequestView<'_>, c: &[WorkerView], _: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+    fn pick(
+        &self,
+        req: &RequestView<'_>,
+        _: &RequestKey,
+        c: &[WorkerView],
+        _: &mut PickCtx<'_>,
+    ) -> Result<Decision, RouteError> {
         let key = session_or_prefix_key(req);
         let w = c
             .iter()

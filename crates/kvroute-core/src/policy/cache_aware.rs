@@ -33,8 +33,8 @@
 //! | `eviction_interval_secs` | 60 | seconds |
 //! | `max_tree_size` | 16,777,216 | symbols (chars, tokens or blocks) |
 
-use crate::policy::util::{BestMatch, PrefixKey, PrefixTrees, argmin_by, load_range, rotate};
-use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RouteError, patch_knobs};
+use crate::policy::util::{BestMatch, PrefixKey, PrefixTrees, Rotation, argmin_by, load_range, rotate};
+use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 
@@ -90,18 +90,18 @@ impl CacheAwareConfig {
 pub struct CacheAware {
     cfg: CacheAwareConfig,
     trees: PrefixTrees,
-    rotation: u64,
+    rotation: Rotation,
 }
 
 impl CacheAware {
     /// A policy with `cfg` (validate it first).
     pub fn new(cfg: CacheAwareConfig) -> Self {
-        CacheAware { cfg, trees: PrefixTrees::default(), rotation: 0 }
+        CacheAware { cfg, trees: PrefixTrees::default(), rotation: Rotation::default() }
     }
 
-    fn least_loaded(&mut self, c: &[WorkerView], keep: impl Fn(&WorkerView) -> bool) -> Option<WorkerId> {
+    fn least_loaded(&self, c: &[WorkerView], keep: impl Fn(&WorkerView) -> bool) -> Option<WorkerId> {
         let tied = argmin_by(c, keep, WorkerView::load);
-        rotate(&tied, &mut self.rotation)
+        rotate(&tied, &self.rotation)
     }
 }
 
@@ -110,7 +110,13 @@ impl Policy for CacheAware {
         "cache_aware"
     }
 
-    fn pick(&mut self, req: &RequestView<'_>, c: &[WorkerView], _: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+    fn pick(
+        &self,
+        req: &RequestView<'_>,
+        _: &RequestKey,
+        c: &[WorkerView],
+        _: &mut PickCtx<'_>,
+    ) -> Result<Decision, RouteError> {
         let (min, max) = load_range(c).ok_or(RouteError::NoWorker)?;
         let imbalanced = max - min > self.cfg.balance_abs_threshold
             && f64::from(max) > self.cfg.balance_rel_threshold * f64::from(min);
@@ -127,14 +133,14 @@ impl Policy for CacheAware {
         } else {
             let trees = &self.trees;
             let tied = argmin_by(c, |_| true, |w| (trees.tenant_size(w.id), w.load()));
-            (rotate(&tied, &mut self.rotation), Branch::LowMatch)
+            (rotate(&tied, &self.rotation), Branch::LowMatch)
         };
         let w = w.ok_or(RouteError::NoWorker)?;
         let (matched, total, unit) = m.matched_on(w, key, req, c);
         Ok(Decision::new(w, branch).with_match(matched, total, unit))
     }
 
-    fn on_routed(&mut self, req: &RequestView<'_>, worker: WorkerId, now: Nanos) {
+    fn on_routed(&mut self, req: &RequestView<'_>, _: &RequestKey, worker: WorkerId, now: Nanos) {
         if let Some(key) = PrefixKey::of(req) {
             self.trees.insert(key, worker, now);
         }
@@ -144,8 +150,8 @@ impl Policy for CacheAware {
         self.trees.remove_tenant(worker);
     }
 
-    fn maintain(&mut self, _now: Nanos) {
-        self.trees.evict_to(self.cfg.max_tree_size);
+    fn maintain(&mut self, _now: Nanos, max_evictions: usize) -> bool {
+        self.trees.evict_to(self.cfg.max_tree_size, max_evictions)
     }
 
     fn maintenance_interval(&self) -> Option<Nanos> {

@@ -29,9 +29,9 @@
 //! in every process and version — so a prefix-bound request keeps hitting the same worker
 //! across retries and router replicas. Branch `tie_break`, else `score`.
 //!
-//! **Live weights**: the four weights live in an `Arc<ArcSwap<KvWeights>>`
-//! ([`KvScore::weights_handle`]): the gateway (or an etcd watcher) swaps them without a
-//! lock; each pick reads them with one atomic load.
+//! **Live weights**: the four weights have one home, the policy's config; they change with
+//! [`Policy::set_knobs`] (`PUT /policy`), which the gateway applies to each model's router
+//! in turn without stopping the others.
 //!
 //! | knob | default | unit |
 //! |---|---|---|
@@ -45,11 +45,11 @@
 
 use crate::block_index::{BlockIndex, BlockIndexConfig};
 use crate::hash::{HashAlgo, prefix_key, request_blocks, stable_hash};
-use crate::policy::{Branch, Decision, KnobError, MAX_FALLBACKS, MatchUnit, PickCtx, Policy, RouteError, patch_knobs};
+use crate::policy::{
+    Branch, Decision, KnobError, MAX_FALLBACKS, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs,
+};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
-use arc_swap::ArcSwap;
 use serde::{Deserialize, Serialize};
-use std::sync::Arc;
 
 /// The four score weights (seed 001 defaults 0.55 / 0.25 / 0.10 / 0.10).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -147,41 +147,26 @@ impl KvScoreConfig {
 #[derive(Debug)]
 pub struct KvScore {
     cfg: KvScoreConfig,
-    weights: Arc<ArcSwap<KvWeights>>,
     index: BlockIndex,
-    blocks: Vec<BlockHash>,
-    overlaps: Vec<(WorkerId, usize)>,
-    scored: Vec<(f64, WorkerId)>,
 }
 
 impl KvScore {
     /// A policy with `cfg` (validate it first).
     pub fn new(cfg: KvScoreConfig) -> Self {
         let index = BlockIndex::new(BlockIndexConfig { ttl_secs: cfg.ttl_secs, max_entries: cfg.max_entries });
-        KvScore {
-            weights: Arc::new(ArcSwap::from_pointee(cfg.weights())),
-            cfg,
-            index,
-            blocks: Vec::new(),
-            overlaps: Vec::new(),
-            scored: Vec::new(),
-        }
+        KvScore { cfg, index }
     }
 
-    /// The live weights: `store` a new `Arc<KvWeights>` to change them without a lock.
-    pub fn weights_handle(&self) -> Arc<ArcSwap<KvWeights>> {
-        Arc::clone(&self.weights)
-    }
-
-    fn hash_request(&mut self, req: &RequestView<'_>) {
-        self.blocks.clear();
-        // The seed hashes the first `prefix_tokens` tokens. Precomputed blocks (traces,
-        // KV events) have their own block size, so take as many of them as cover that many
-        // tokens (at least one): with Mooncake's 512-token blocks that is one block, as the
-        // gateway's 64 real tokens are.
+    fn hash_request(&self, req: &RequestView<'_>) -> Vec<BlockHash> {
+        // Cognitora cgn-router hashes the first `prefix_tokens` tokens. Precomputed blocks
+        // (traces, KV events) have their own block size, so take as many of them as cover
+        // that many tokens (at least one): with Mooncake's 512-token blocks that is one
+        // block, as the gateway's 64 real tokens are.
         let block_tokens = req.blocks.map_or(self.cfg.block_tokens, |seq| seq.block_tokens.max(1));
         let max_blocks = self.cfg.prefix_tokens.div_ceil(block_tokens).max(1) as usize;
-        request_blocks(req, self.cfg.block_tokens as usize, max_blocks, self.cfg.hash, &mut self.blocks);
+        let mut blocks = Vec::new();
+        request_blocks(req, self.cfg.block_tokens as usize, max_blocks, self.cfg.hash, &mut blocks);
+        blocks
     }
 }
 
@@ -206,19 +191,30 @@ impl Policy for KvScore {
         "kv_score"
     }
 
-    fn pick(&mut self, req: &RequestView<'_>, c: &[WorkerView], ctx: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
-        self.hash_request(req);
-        self.overlaps.clear();
-        self.index.overlaps(&self.blocks, ctx.now, &mut self.overlaps);
-        let w = **self.weights.load();
+    fn key(&self, req: &RequestView<'_>) -> RequestKey {
+        let block_tokens = req.blocks.map_or(self.cfg.block_tokens, |seq| seq.block_tokens.max(1));
+        RequestKey { blocks: self.hash_request(req), block_tokens: u64::from(block_tokens) }
+    }
+
+    fn pick(
+        &self,
+        req: &RequestView<'_>,
+        key: &RequestKey,
+        c: &[WorkerView],
+        ctx: &mut PickCtx<'_>,
+    ) -> Result<Decision, RouteError> {
+        let blocks = &key.blocks;
+        let mut overlaps = Vec::new();
+        self.index.overlaps(blocks, ctx.now, &mut overlaps);
+        let w = self.cfg.weights();
         let routable = || c.iter().filter(|w| w.is_routable());
         let max_watts = routable().filter_map(|w| w.power_watts).fold(0.0_f64, f64::max);
         let max_cap = routable().map(capacity_raw).fold(0.0_f64, f64::max);
-        let n_blocks = self.blocks.len();
-        self.scored.clear();
+        let n_blocks = blocks.len();
+        let mut scored: Vec<(f64, WorkerId)> = Vec::with_capacity(c.len());
         for v in routable() {
             // `overlaps` is sorted by worker id.
-            let held = self.overlaps.binary_search_by_key(&v.id, |(id, _)| *id).map_or(0, |i| self.overlaps[i].1);
+            let held = overlaps.binary_search_by_key(&v.id, |(id, _)| *id).map_or(0, |i| overlaps[i].1);
             let overlap = match v.cached_tokens {
                 // Precise (engine KV events): the cached share of the first prefix_tokens.
                 Some(t) => {
@@ -235,15 +231,15 @@ impl Policy for KvScore {
                 if max_watts > 0.0 { (v.power_watts.unwrap_or(0.0) / max_watts).clamp(0.0, 1.0) } else { 0.0 };
             let capacity = if max_cap > 0.0 { capacity_raw(v) / max_cap } else { 0.0 };
             let score = w.w_kv * overlap + w.w_load * (1.0 - util) + w.w_pwr * (1.0 - norm_watts) + w.w_cap * capacity;
-            self.scored.push((score, v.id));
+            scored.push((score, v.id));
         }
-        if self.scored.is_empty() {
+        if scored.is_empty() {
             return Err(RouteError::NoWorker);
         }
-        let best = self.scored.iter().map(|(s, _)| *s).fold(f64::NEG_INFINITY, f64::max);
+        let best = scored.iter().map(|(s, _)| *s).fold(f64::NEG_INFINITY, f64::max);
         let eps = self.cfg.epsilon;
-        let prefix = prefix_key(&self.blocks);
-        let tied = self.scored.iter().filter(|(s, _)| *s >= best - eps).count();
+        let prefix = prefix_key(blocks);
+        let tied = scored.iter().filter(|(s, _)| *s >= best - eps).count();
         // Order: by score descending, and within the tie band by the stable hash.
         // One sort key per worker (tie band first, by descending stable hash; then by
         // descending score), computed once: hashing inside the comparator cost n log n
@@ -252,31 +248,30 @@ impl Policy for KvScore {
             let b = x.to_bits();
             !(if b >> 63 == 1 { !b } else { b | (1 << 63) })
         };
-        self.scored.sort_by_cached_key(|&(sc, id)| {
+        scored.sort_by_cached_key(|&(sc, id)| {
             if sc >= best - eps { (0u8, !tie_hash(id, prefix), id) } else { (1u8, desc(sc), id) }
         });
-        let (score, winner) = self.scored[0];
-        let held = self.overlaps.binary_search_by_key(&winner, |(id, _)| *id).map_or(0, |i| self.overlaps[i].1);
+        let (score, winner) = scored[0];
+        let held = overlaps.binary_search_by_key(&winner, |(id, _)| *id).map_or(0, |i| overlaps[i].1);
         let mut d = Decision::new(winner, if tied > 1 { Branch::TieBreak } else { Branch::Score })
             .with_match(held as u64, n_blocks as u64, if n_blocks == 0 { MatchUnit::None } else { MatchUnit::Blocks })
             .with_score(score);
-        d.fallbacks = self.scored[1..].iter().take(MAX_FALLBACKS).map(|(_, id)| *id).collect();
+        d.fallbacks = scored[1..].iter().take(MAX_FALLBACKS).map(|(_, id)| *id).collect();
         Ok(d)
     }
 
-    fn on_routed(&mut self, req: &RequestView<'_>, worker: WorkerId, now: Nanos) {
-        self.hash_request(req);
-        let blocks = std::mem::take(&mut self.blocks);
-        self.index.record(worker, &blocks, now);
-        self.blocks = blocks;
+    fn on_routed(&mut self, _req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) {
+        self.index.record(worker, &key.blocks, now);
     }
 
     fn on_worker_removed(&mut self, worker: WorkerId) {
         self.index.clear_worker(worker);
     }
 
-    fn maintain(&mut self, now: Nanos) {
+    fn maintain(&mut self, now: Nanos, _max_evictions: usize) -> bool {
+        // One pass over the block map (TTL expiry, then the entry budget); not sliced.
         self.index.evict(now);
+        false
     }
 
     fn maintenance_interval(&self) -> Option<Nanos> {
@@ -284,15 +279,11 @@ impl Policy for KvScore {
     }
 
     fn knobs(&self) -> serde_json::Value {
-        let mut cfg = self.cfg.clone();
-        let w = **self.weights.load();
-        (cfg.w_kv, cfg.w_load, cfg.w_pwr, cfg.w_cap) = (w.w_kv, w.w_load, w.w_pwr, w.w_cap);
-        serde_json::to_value(&cfg).unwrap_or_default()
+        serde_json::to_value(&self.cfg).unwrap_or_default()
     }
 
     fn set_knobs(&mut self, patch: &serde_json::Value) -> Result<(), KnobError> {
         let next = patch_knobs("kv_score", &self.cfg, patch, KvScoreConfig::validate)?;
-        self.weights.store(Arc::new(next.weights()));
         if next.ttl_secs != self.cfg.ttl_secs || next.max_entries != self.cfg.max_entries {
             // Index limits changed: rebuild (the approximate state is soft and relearned).
             self.index = BlockIndex::new(BlockIndexConfig { ttl_secs: next.ttl_secs, max_entries: next.max_entries });

@@ -23,7 +23,7 @@ pub mod prefill_cost;
 pub mod prefix_affinity;
 pub mod util;
 
-use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
+use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::Serialize;
 use smallvec::SmallVec;
 
@@ -119,6 +119,9 @@ pub struct Decision {
     pub unit: MatchUnit,
     /// The winning score, for scoring policies.
     pub score: Option<f64>,
+    /// Tokens per block when `unit` is [`MatchUnit::Blocks`] (set by [`decide`] from the
+    /// request's key); 0 otherwise.
+    pub block_tokens: u32,
 }
 
 impl Decision {
@@ -132,6 +135,7 @@ impl Decision {
             key_len: 0,
             unit: MatchUnit::None,
             score: None,
+            block_tokens: 0,
         }
     }
 
@@ -147,6 +151,28 @@ impl Decision {
     pub fn with_score(mut self, score: f64) -> Self {
         self.score = Some(score);
         self
+    }
+
+    /// Prompt tokens this decision expects to find cached on [`Decision::worker`], in
+    /// `[0, input_tokens]` — the one estimate every front end charges the ledger with:
+    /// - tokens: `matched`;
+    /// - blocks: `matched × block_tokens` (engines cache whole blocks; a key that covers
+    ///   only the prompt's first blocks, as `kv_score`'s does, counts only those);
+    /// - chars: the matched share of the routing text applied to `input_tokens` (the
+    ///   prompt's real token count when known, rather than a chars-per-token guess).
+    pub fn cached_tokens_estimate(&self, input_tokens: u32) -> u64 {
+        let input = u64::from(input_tokens);
+        let t = match self.unit {
+            MatchUnit::None => 0,
+            MatchUnit::Tokens => self.matched,
+            MatchUnit::Blocks => self.matched.saturating_mul(u64::from(self.block_tokens)),
+            MatchUnit::Chars if self.key_len == 0 => 0,
+            MatchUnit::Chars => {
+                let share = (self.matched as f64 / self.key_len as f64).clamp(0.0, 1.0);
+                (share * input as f64) as u64
+            }
+        };
+        t.min(input)
     }
 
     /// `matched / key_len` in [0, 1] (0 when the key is empty).
@@ -190,40 +216,73 @@ pub struct KnobError {
     pub message: String,
 }
 
+/// What a policy derives from a request before deciding — its block hashes at the
+/// policy's own block size — computed once per request by [`Policy::key`] and passed to
+/// both [`Policy::pick`] and [`Policy::on_routed`] (and to every retry target's commit),
+/// so a request is hashed once however many stages read it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestKey {
+    /// Chained block hashes of the request's prompt (empty for policies that need none).
+    pub blocks: Vec<BlockHash>,
+    /// Tokens per block of `blocks` (a trace's own block size when the request carries
+    /// precomputed blocks); 0 when `blocks` is empty.
+    pub block_tokens: u64,
+}
+
 /// A routing policy. See the module docs for the contract.
 ///
 /// `candidates` passed to [`Policy::pick`] are the workers serving the request's model and
 /// role; the caller guarantees at least one of them is routable, and a policy must never
 /// return a worker whose [`WorkerView::is_routable`] is false.
+///
+/// **Decide, then commit.** [`Policy::pick`] takes `&self`: a decision reads the policy's
+/// prefix index and session table and changes neither, so a request refused by admission,
+/// a dry run (`POST /debug/route`) or a decision never sent leaves no trace. The only state
+/// a pick may advance is a tie-break rotation counter (an atomic), which spreads ties and
+/// records nothing about the request. Everything a request teaches the policy happens in
+/// [`Policy::on_routed`], called when the request is really sent to a worker.
 pub trait Policy: Send + Sync + std::fmt::Debug {
     /// Registry name (also the metric label).
     fn name(&self) -> &'static str;
 
-    /// Picks a worker. Must not mutate prefix state (that is [`Policy::on_routed`]'s job)
-    /// except bookkeeping such as rotation counters and session bindings.
+    /// The request's key for this policy (block hashes at its block size); called once per
+    /// request. The default is an empty key, for policies that match on text or not at all.
+    fn key(&self, _req: &RequestView<'_>) -> RequestKey {
+        RequestKey::default()
+    }
+
+    /// Picks a worker for `req` (whose [`Policy::key`] is `key`). Changes no routing state.
     ///
     /// # Errors
     /// [`RouteError::NoWorker`] when no candidate is routable.
     fn pick(
-        &mut self,
+        &self,
         req: &RequestView<'_>,
+        key: &RequestKey,
         candidates: &[WorkerView],
         ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError>;
 
-    /// Records that `req` was sent to `worker` at `now` (inserts its prefix into the
-    /// policy's index). Called for the chosen worker and again for each retry target.
-    fn on_routed(&mut self, _req: &RequestView<'_>, _worker: WorkerId, _now: Nanos) {}
+    /// Records that `req` was sent to `worker` at `now`: inserts its prefix into the
+    /// policy's index and binds its session. Called for the chosen worker and again for
+    /// each retry target.
+    fn on_routed(&mut self, _req: &RequestView<'_>, _key: &RequestKey, _worker: WorkerId, _now: Nanos) {}
 
     /// A worker left the fleet (removed, or dead after retries): forget all its state
-    /// (seed 000's `on_replica_actor_died`, seed 003's "removed from the tree").
+    /// (Ray Serve PrefixCacheAffinityRouter's `on_replica_actor_died`; SGLang router
+    /// removes the worker's tenant from its tree).
     fn on_worker_removed(&mut self, _worker: WorkerId) {}
 
-    /// Periodic maintenance (eviction). The front end calls it at least every
-    /// [`Policy::maintenance_interval`].
-    fn maintain(&mut self, _now: Nanos) {}
+    /// Periodic maintenance (eviction), in a bounded slice: evicts at most `max_evictions`
+    /// entries (leaves, blocks) and returns whether more remain over budget, so a front end
+    /// can release its lock between slices and no decision waits behind a whole pass. The
+    /// front end calls it at least every [`Policy::maintenance_interval`].
+    fn maintain(&mut self, _now: Nanos, _max_evictions: usize) -> bool {
+        false
+    }
 
-    /// How often [`Policy::maintain`] should run; `None` when it need not.
+    /// How often [`Policy::maintain`] should run; `None` when it need not. Read again
+    /// after every knob change (a front end must not cache it).
     fn maintenance_interval(&self) -> Option<Nanos> {
         None
     }
@@ -279,23 +338,24 @@ where
     Ok(next)
 }
 
-/// The one routing entry point every front end uses: checks that a routable candidate
-/// exists, asks the policy, guarantees the decision names a routable worker and carries
-/// load-ordered fallbacks, and records the decision in the policy's index
-/// ([`Policy::on_routed`]).
+/// Decides for `req` without changing any state ([`Policy::pick`] behind the checks every
+/// front end needs): a routable candidate exists, the decision names a routable worker and
+/// carries load-ordered fallbacks. Returns the decision and the request's key, to be passed
+/// to [`commit`] for each worker the request is really sent to.
 ///
 /// # Errors
 /// [`RouteError::NoWorker`] when no candidate is routable.
-pub fn route(
-    policy: &mut dyn Policy,
+pub fn decide(
+    policy: &dyn Policy,
     req: &RequestView<'_>,
     candidates: &[WorkerView],
     ctx: &mut PickCtx<'_>,
-) -> Result<Decision, RouteError> {
+) -> Result<(Decision, RequestKey), RouteError> {
     if !candidates.iter().any(WorkerView::is_routable) {
         return Err(RouteError::NoWorker);
     }
-    let mut d = policy.pick(req, candidates, ctx)?;
+    let key = policy.key(req);
+    let mut d = policy.pick(req, &key, candidates, ctx)?;
     let chosen_ok = candidates.iter().any(|w| w.id == d.worker && w.is_routable());
     if !chosen_ok {
         // A policy bug must not send traffic to a dead worker: fall back to least load.
@@ -305,6 +365,40 @@ pub fn route(
     if d.fallbacks.is_empty() {
         d.fallbacks = fallbacks_by_load(candidates, d.worker);
     }
-    policy.on_routed(req, d.worker, ctx.now);
+    if d.unit == MatchUnit::Blocks {
+        let bt =
+            if key.block_tokens > 0 { key.block_tokens } else { req.blocks.map_or(0, |b| u64::from(b.block_tokens)) };
+        d.block_tokens = bt.min(u64::from(u32::MAX)) as u32;
+    }
+    Ok((d, key))
+}
+
+/// Commits a decision: records that `req` (with the `key` [`decide`] returned) was sent to
+/// `worker` at `now`. Call it when the request is written to a worker — the chosen one, and
+/// again for each retry target.
+pub fn commit(policy: &mut dyn Policy, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) {
+    policy.on_routed(req, key, worker, now);
+}
+
+/// Records that `req` was sent to `worker` without a decision (its key computed here): for
+/// tests and for state carried over from elsewhere.
+pub fn record_routed(policy: &mut dyn Policy, req: &RequestView<'_>, worker: WorkerId, now: Nanos) {
+    let key = policy.key(req);
+    policy.on_routed(req, &key, worker, now);
+}
+
+/// [`decide`] then [`commit`] to the chosen worker at `ctx.now`: for front ends that send
+/// every decision at once (the replay simulator, tests).
+///
+/// # Errors
+/// [`RouteError::NoWorker`] when no candidate is routable.
+pub fn route(
+    policy: &mut dyn Policy,
+    req: &RequestView<'_>,
+    candidates: &[WorkerView],
+    ctx: &mut PickCtx<'_>,
+) -> Result<Decision, RouteError> {
+    let (d, key) = decide(policy, req, candidates, ctx)?;
+    commit(policy, req, &key, d.worker, ctx.now);
     Ok(d)
 }

@@ -79,9 +79,9 @@
 
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::LruBlockSet;
-use crate::policy::util::{SessionTable, mean_load, rotate};
-use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RouteError, patch_knobs};
-use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
+use crate::policy::util::{Rotation, SessionTable, mean_load, rotate};
+use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
+use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 use std::collections::HashMap;
@@ -176,8 +176,7 @@ type Match = (u64, u64, MatchUnit);
 pub struct PrefillCost {
     cfg: PrefillCostConfig,
     sets: HashMap<WorkerId, LruBlockSet>,
-    blocks: Vec<BlockHash>,
-    rotation: u64,
+    rotation: Rotation,
     sessions: SessionTable,
 }
 
@@ -185,26 +184,20 @@ impl PrefillCost {
     /// A policy with `cfg` (validated by the registry).
     pub fn new(cfg: PrefillCostConfig) -> Self {
         let sessions = SessionTable::new(cfg.max_sessions);
-        PrefillCost { cfg, sets: HashMap::new(), blocks: Vec::new(), rotation: 0, sessions }
-    }
-
-    fn hash(&mut self, req: &RequestView<'_>) -> u64 {
-        self.blocks.clear();
-        request_blocks(req, self.cfg.block_tokens as usize, 1 << 12, HashAlgo::Xxh3, &mut self.blocks);
-        req.blocks.map_or(self.cfg.block_tokens, |b| b.block_tokens.max(1)) as u64
+        PrefillCost { cfg, sets: HashMap::new(), rotation: Rotation::default(), sessions }
     }
 
     /// Cached prompt tokens of the request on `w`, and the match to report: the engine's
     /// precise count (in tokens) when the worker publishes KV events, else this policy's
     /// own LRU estimate (in blocks).
-    fn cached(&self, w: &WorkerView, bt: u64, input: u64) -> (u64, Match) {
+    fn cached(&self, w: &WorkerView, key: &RequestKey, input: u64) -> (u64, Match) {
         if let Some(t) = w.cached_tokens {
             let t = t.min(input);
             return (t, (t, input, MatchUnit::Tokens));
         }
-        let hit = self.sets.get(&w.id).map_or(0, |s| s.estimate_cache_hit(&self.blocks)) as u64;
-        let unit = if self.blocks.is_empty() { MatchUnit::None } else { MatchUnit::Blocks };
-        ((hit * bt).min(input), (hit, self.blocks.len() as u64, unit))
+        let hit = self.sets.get(&w.id).map_or(0, |s| s.estimate_cache_hit(&key.blocks)) as u64;
+        let unit = if key.blocks.is_empty() { MatchUnit::None } else { MatchUnit::Blocks };
+        ((hit * key.block_tokens).min(input), (hit, key.blocks.len() as u64, unit))
     }
 
     /// `stall_weight × (1 + mean waiting / stall_queue_scale)` over the routable workers.
@@ -228,8 +221,19 @@ impl Policy for PrefillCost {
         "prefill_cost"
     }
 
-    fn pick(&mut self, req: &RequestView<'_>, c: &[WorkerView], _: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
-        let bt = self.hash(req);
+    fn key(&self, req: &RequestView<'_>) -> RequestKey {
+        let mut blocks = Vec::new();
+        request_blocks(req, self.cfg.block_tokens as usize, 1 << 12, HashAlgo::Xxh3, &mut blocks);
+        RequestKey { blocks, block_tokens: req.blocks.map_or(self.cfg.block_tokens, |b| b.block_tokens.max(1)) as u64 }
+    }
+
+    fn pick(
+        &self,
+        req: &RequestView<'_>,
+        key: &RequestKey,
+        c: &[WorkerView],
+        _: &mut PickCtx<'_>,
+    ) -> Result<Decision, RouteError> {
         let input = req.input_tokens as u64;
         if self.cfg.session_affinity
             && let Some(sid) = req.session_id
@@ -237,7 +241,7 @@ impl Policy for PrefillCost {
             && let Some(a) = c.iter().find(|w| w.id == bound && w.is_routable())
         {
             let mean = mean_load(c).unwrap_or(0.0).max(1.0);
-            let (cached, m) = self.cached(a, bt, input);
+            let (cached, m) = self.cached(a, key, input);
             if cached * 2 > input && a.load() as f64 <= mean * self.cfg.overload_factor {
                 let cost = a.pending_prefill_tokens + (input - cached);
                 return Ok(Decision::new(a.id, Branch::Sticky).with_match(m.0, m.1, m.2).with_score(cost as f64));
@@ -247,7 +251,7 @@ impl Policy for PrefillCost {
         let mut best: Option<(u64, u64)> = None; // (cost, Reverse-ish cached)
         let mut tied: SmallVec<[(WorkerId, Match); 8]> = SmallVec::new();
         for w in c.iter().filter(|w| w.is_routable()) {
-            let (cached, hit) = self.cached(w, bt, input);
+            let (cached, hit) = self.cached(w, key, input);
             let per_token = self.cfg.miss_weight + (stall * f64::from(w.load())).min(self.cfg.stall_cap);
             let miss = ((input - cached) as f64 * per_token) as u64;
             let additive = w.pending_prefill_tokens + miss + self.cfg.decode_weight * w.load() as u64;
@@ -265,16 +269,15 @@ impl Policy for PrefillCost {
         }
         let (cost, _) = best.ok_or(RouteError::NoWorker)?;
         let ids: SmallVec<[WorkerId; 8]> = tied.iter().map(|t| t.0).collect();
-        let w = rotate(&ids, &mut self.rotation).ok_or(RouteError::NoWorker)?;
+        let w = rotate(&ids, &self.rotation).ok_or(RouteError::NoWorker)?;
         let m = tied.iter().find(|t| t.0 == w).map_or((0, 0, MatchUnit::None), |t| t.1);
         let branch = if ids.len() > 1 { Branch::TieBreak } else { Branch::Score };
         Ok(Decision::new(w, branch).with_match(m.0, m.1, m.2).with_score(cost as f64))
     }
 
-    fn on_routed(&mut self, req: &RequestView<'_>, worker: WorkerId, _now: Nanos) {
-        let bt = self.hash(req);
-        let cap = self.capacity_blocks(bt);
-        self.sets.entry(worker).or_insert_with(|| LruBlockSet::new(cap)).insert(&self.blocks);
+    fn on_routed(&mut self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, _now: Nanos) {
+        let cap = self.capacity_blocks(key.block_tokens);
+        self.sets.entry(worker).or_insert_with(|| LruBlockSet::new(cap)).insert(&key.blocks);
         if let Some(sid) = req.session_id {
             self.sessions.bind(sid, worker);
         }
@@ -312,6 +315,8 @@ mod tests {
     use crate::types::BlockSeq;
     use rand_core::SeedableRng;
 
+    use crate::types::BlockHash;
+
     fn req(blocks: &[BlockHash]) -> RequestView<'_> {
         RequestView {
             model: "m",
@@ -336,7 +341,7 @@ mod tests {
         let mut p = PrefillCost::new(PrefillCostConfig { decode_weight: 0, miss_weight: 1.0, ..Default::default() });
         let h: Vec<BlockHash> = (0..8).map(BlockHash).collect();
         let mut c = vec![WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
-        p.on_routed(&req(&h), WorkerId(0), Nanos::ZERO);
+        crate::policy::record_routed(&mut p, &req(&h), WorkerId(0), Nanos::ZERO);
         // Worker 0 holds all 4,096 tokens but has 4,000 pending: 4,000 + 0 < 0 + 4,096.
         c[0].pending_prefill_tokens = 4000;
         assert_eq!(go(&mut p, &req(&h), &c).worker, WorkerId(0));
@@ -355,7 +360,7 @@ mod tests {
         c[0].in_flight = 3;
         for (bf, pending, want) in [(0.0, 2000, 0), (10.0, 0, 0), (10.0, 2000, 1)] {
             let mut p = PrefillCost::new(PrefillCostConfig { batch_factor: bf, ..Default::default() });
-            p.on_routed(&req(&h), WorkerId(0), Nanos::ZERO);
+            crate::policy::record_routed(&mut p, &req(&h), WorkerId(0), Nanos::ZERO);
             c[0].pending_prefill_tokens = pending;
             assert_eq!(go(&mut p, &req(&h), &c).worker, WorkerId(want), "batch_factor {bf}, pending {pending}");
         }

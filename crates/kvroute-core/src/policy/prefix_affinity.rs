@@ -33,7 +33,7 @@
 //! | `eviction_interval_secs` | 10 | seconds |
 
 use crate::policy::util::{BestMatch, PrefixKey, PrefixTrees, argmin_by, load_range, power_of_two, routable_ids};
-use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RouteError, patch_knobs};
+use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
@@ -93,12 +93,14 @@ impl PrefixAffinityConfig {
 pub struct PrefixAffinity {
     cfg: PrefixAffinityConfig,
     trees: PrefixTrees,
+    /// An eviction pass is under way (over the threshold, not yet down to the target).
+    evicting: bool,
 }
 
 impl PrefixAffinity {
     /// A policy with `cfg` (validate it first).
     pub fn new(cfg: PrefixAffinityConfig) -> Self {
-        PrefixAffinity { cfg, trees: PrefixTrees::default() }
+        PrefixAffinity { cfg, trees: PrefixTrees::default(), evicting: false }
     }
 }
 
@@ -107,7 +109,13 @@ impl Policy for PrefixAffinity {
         "prefix_affinity"
     }
 
-    fn pick(&mut self, req: &RequestView<'_>, c: &[WorkerView], ctx: &mut PickCtx<'_>) -> Result<Decision, RouteError> {
+    fn pick(
+        &self,
+        req: &RequestView<'_>,
+        _: &RequestKey,
+        c: &[WorkerView],
+        ctx: &mut PickCtx<'_>,
+    ) -> Result<Decision, RouteError> {
         let (lowest, highest) = load_range(c).ok_or(RouteError::NoWorker)?;
         let all = routable_ids(c);
         let key = PrefixKey::of(req);
@@ -140,7 +148,7 @@ impl Policy for PrefixAffinity {
         })
     }
 
-    fn on_routed(&mut self, req: &RequestView<'_>, worker: WorkerId, now: Nanos) {
+    fn on_routed(&mut self, req: &RequestView<'_>, _: &RequestKey, worker: WorkerId, now: Nanos) {
         if let Some(key) = PrefixKey::of(req) {
             self.trees.insert(key, worker, now);
         }
@@ -150,10 +158,16 @@ impl Policy for PrefixAffinity {
         self.trees.remove_tenant(worker);
     }
 
-    fn maintain(&mut self, _now: Nanos) {
+    fn maintain(&mut self, _now: Nanos, max_evictions: usize) -> bool {
+        // Ray Serve evicts down to the target once the tree exceeds the threshold; a pass
+        // cut short by `max_evictions` goes on at the next slice until the target is met.
         if self.cfg.do_eviction && self.trees.total_size() > self.cfg.eviction_threshold_chars {
-            self.trees.evict_to(self.cfg.eviction_target_chars);
+            self.evicting = true;
         }
+        if self.evicting {
+            self.evicting = self.trees.evict_to(self.cfg.eviction_target_chars, max_evictions);
+        }
+        self.evicting
     }
 
     fn maintenance_interval(&self) -> Option<Nanos> {

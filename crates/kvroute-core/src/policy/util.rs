@@ -89,17 +89,17 @@ impl PrefixTrees {
     pub fn total_size(&self) -> usize {
         self.text.total_size() + self.tokens.total_size() + self.blocks.total_size()
     }
-    /// Evicts LRU leaves until all trees together hold at most `budget` symbols; returns
-    /// the symbols freed.
-    pub fn evict_to(&mut self, budget: usize) -> usize {
-        let mut freed = 0;
+    /// Evicts LRU leaves until all trees together hold at most `budget` symbols, at most
+    /// `max_pairs` (tenant, leaf) pairs per tree in this call; returns whether the trees are
+    /// still over budget (call again, after releasing any lock).
+    pub fn evict_to(&mut self, budget: usize, max_pairs: usize) -> bool {
         let others = self.tokens.total_size() + self.blocks.total_size();
-        freed += self.text.evict_to(budget.saturating_sub(others));
+        self.text.evict_toward(budget.saturating_sub(others), max_pairs);
         let others = self.text.total_size() + self.blocks.total_size();
-        freed += self.tokens.evict_to(budget.saturating_sub(others));
+        self.tokens.evict_toward(budget.saturating_sub(others), max_pairs);
         let others = self.text.total_size() + self.tokens.total_size();
-        freed += self.blocks.evict_to(budget.saturating_sub(others));
-        freed
+        self.blocks.evict_toward(budget.saturating_sub(others), max_pairs);
+        self.total_size() > budget
     }
     /// Forgets `tenant` everywhere.
     pub fn remove_tenant(&mut self, tenant: WorkerId) {
@@ -205,17 +205,26 @@ pub fn argmin_by<K: Ord + Copy>(
     out
 }
 
+/// A tie-break rotation counter. An atomic, so a decision can take `&self`: advancing it
+/// records nothing about a request, it only spreads ties (and concurrent decisions) over
+/// the tied workers.
+#[derive(Debug, Default)]
+pub struct Rotation(std::sync::atomic::AtomicU64);
+
+impl Rotation {
+    /// The next rotation step (a wrapping count).
+    pub fn next(&self) -> u64 {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// Picks `tied[rotation % len]` and advances the rotation when there is a real tie, so a
 /// tie does not always land on the first candidate. `None` when `tied` is empty.
-pub fn rotate(tied: &[WorkerId], rotation: &mut u64) -> Option<WorkerId> {
+pub fn rotate(tied: &[WorkerId], rotation: &Rotation) -> Option<WorkerId> {
     match tied.len() {
         0 => None,
         1 => Some(tied[0]),
-        n => {
-            let w = tied[(*rotation % n as u64) as usize];
-            *rotation = rotation.wrapping_add(1);
-            Some(w)
-        }
+        n => Some(tied[(rotation.next() % n as u64) as usize]),
     }
 }
 
@@ -276,12 +285,13 @@ impl SessionTable {
         crate::hash::stable_hash(session.as_bytes())
     }
 
-    /// The worker `session` is bound to (marks the binding recently used).
-    pub fn get(&mut self, session: &str) -> Option<WorkerId> {
-        self.map.get(&Self::key(session)).copied()
+    /// The worker `session` is bound to. Read-only: the binding is marked recently used
+    /// when the request is committed ([`SessionTable::bind`]), not when a decision reads it.
+    pub fn get(&self, session: &str) -> Option<WorkerId> {
+        self.map.peek(&Self::key(session)).copied()
     }
 
-    /// Binds `session` to `worker`, replacing any binding.
+    /// Binds `session` to `worker`, replacing any binding (and marking it recently used).
     pub fn bind(&mut self, session: &str, worker: WorkerId) {
         self.map.put(Self::key(session), worker);
     }
