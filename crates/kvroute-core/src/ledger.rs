@@ -16,6 +16,9 @@
 //! `ongoing_decode_tokens`, plus `waiting` (no first token yet).
 
 use crate::types::{WorkerId, WorkerView};
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 /// Counters of one worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -143,6 +146,108 @@ impl LoadLedger {
     }
 }
 
+/// One worker's load counters as atomics, for a front end whose requests run concurrently
+/// (the gateway): opening and settling a request touches only that worker's counters, with
+/// no lock. Same transitions as [`LoadLedger`]; settle with a [`LoadTicket`].
+#[derive(Debug, Default)]
+pub struct AtomicLoad {
+    in_flight: AtomicU32,
+    waiting: AtomicU32,
+    pending_prefill_tokens: AtomicU64,
+    decode_tokens: AtomicU64,
+}
+
+impl AtomicLoad {
+    /// The counters now (each read on its own: a consistent snapshot is not needed for
+    /// routing, and every counter returns to zero when its requests settle).
+    pub fn get(&self) -> WorkerLoad {
+        WorkerLoad {
+            in_flight: self.in_flight.load(Relaxed),
+            waiting: self.waiting.load(Relaxed),
+            pending_prefill_tokens: self.pending_prefill_tokens.load(Relaxed),
+            decode_tokens: self.decode_tokens.load(Relaxed),
+        }
+    }
+
+    /// Copies the counters into `view`.
+    pub fn fill(&self, view: &mut WorkerView) {
+        let l = self.get();
+        view.in_flight = l.in_flight;
+        view.waiting = l.waiting;
+        view.pending_prefill_tokens = l.pending_prefill_tokens;
+        view.decode_tokens = l.decode_tokens;
+    }
+
+    /// A request was sent with `uncached_prompt_tokens` to prefill and `decode_tokens`
+    /// expected output tokens. The ticket settles the counters on every path: explicitly,
+    /// or when it is dropped (a client that went away), so nothing leaks.
+    pub fn dispatched(self: &Arc<Self>, uncached_prompt_tokens: u64, decode_tokens: u64) -> LoadTicket {
+        self.in_flight.fetch_add(1, Relaxed);
+        self.waiting.fetch_add(1, Relaxed);
+        self.pending_prefill_tokens.fetch_add(uncached_prompt_tokens, Relaxed);
+        LoadTicket {
+            load: Arc::clone(self),
+            prefill_tokens: uncached_prompt_tokens,
+            decode_tokens,
+            first_token_seen: false,
+            closed: false,
+        }
+    }
+}
+
+/// An open request on an [`AtomicLoad`]. [`LoadTicket::first_token`] moves it from waiting
+/// to decoding; [`LoadTicket::close`], or dropping the ticket, takes it out. Closing twice
+/// is a no-op.
+#[derive(Debug)]
+pub struct LoadTicket {
+    load: Arc<AtomicLoad>,
+    prefill_tokens: u64,
+    decode_tokens: u64,
+    first_token_seen: bool,
+    closed: bool,
+}
+
+impl LoadTicket {
+    /// The first output token arrived: prefill is over.
+    pub fn first_token(&mut self) {
+        if self.first_token_seen || self.closed {
+            return;
+        }
+        self.first_token_seen = true;
+        let l = &self.load;
+        l.waiting.fetch_sub(1, Relaxed);
+        l.pending_prefill_tokens.fetch_sub(self.prefill_tokens, Relaxed);
+        l.decode_tokens.fetch_add(self.decode_tokens, Relaxed);
+    }
+
+    /// The request ended (completed, failed or cancelled).
+    pub fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        let l = &self.load;
+        if self.first_token_seen {
+            l.decode_tokens.fetch_sub(self.decode_tokens, Relaxed);
+        } else {
+            l.waiting.fetch_sub(1, Relaxed);
+            l.pending_prefill_tokens.fetch_sub(self.prefill_tokens, Relaxed);
+        }
+        l.in_flight.fetch_sub(1, Relaxed);
+        self.closed = true;
+    }
+
+    /// Whether the ticket is still open.
+    pub fn is_open(&self) -> bool {
+        !self.closed
+    }
+}
+
+impl Drop for LoadTicket {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -163,5 +268,23 @@ mod tests {
         l.first_token(&mut c);
         l.failed(c);
         assert!(l.is_idle());
+    }
+
+    #[test]
+    fn atomic_tickets_settle_on_every_path_including_drop() {
+        let load = Arc::new(AtomicLoad::default());
+        let mut a = load.dispatched(100, 150);
+        let b = load.dispatched(10, 20);
+        let mut c = load.dispatched(5, 5);
+        assert_eq!(load.get(), WorkerLoad { in_flight: 3, waiting: 3, pending_prefill_tokens: 115, decode_tokens: 0 });
+        a.first_token();
+        a.first_token();
+        assert_eq!(load.get(), WorkerLoad { in_flight: 3, waiting: 2, pending_prefill_tokens: 15, decode_tokens: 150 });
+        c.close();
+        c.close();
+        drop(b); // a client that went away before its first byte
+        drop(a); // ... and one that went away mid-stream
+        drop(c);
+        assert_eq!(load.get(), WorkerLoad::default());
     }
 }

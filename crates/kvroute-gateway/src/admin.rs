@@ -3,7 +3,9 @@
 
 use crate::error::ApiError;
 use crate::metrics::WorkerLabel;
-use crate::proxy::{decide, decision_header, read_body};
+use crate::pipeline::keys;
+use crate::pipeline::read_body;
+use crate::pipeline::route::{decide, decision_header, model_of};
 use crate::request::{Api, parse};
 use crate::state::AppState;
 use axum::Json;
@@ -11,7 +13,7 @@ use axum::body::Body;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use kvroute_core::types::{Health, WorkerId};
+use kvroute_core::types::WorkerId;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -29,6 +31,7 @@ fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
 /// `GET /v1/models`: models of the healthy workers (never fails because one is down).
 pub async fn models(State(s): State<Arc<AppState>>) -> Response {
     let data: Vec<serde_json::Value> = s
+        .fleet
         .models()
         .into_iter()
         .map(|m| serde_json::json!({"id": m, "object": "model", "created": 0, "owned_by": "kvroute"}))
@@ -43,7 +46,7 @@ pub async fn health() -> Response {
 
 /// `GET /readiness`: 200 when at least one worker is routable, else 503.
 pub async fn readiness(State(s): State<Arc<AppState>>) -> Response {
-    let healthy = s.workers.read().iter().filter(|w| w.health == Health::Healthy).count();
+    let healthy = s.fleet.load().iter().filter(|w| w.is_routable()).count();
     let status = if healthy > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (status, Json(serde_json::json!({"ready": healthy > 0, "healthy_workers": healthy}))).into_response()
 }
@@ -51,14 +54,12 @@ pub async fn readiness(State(s): State<Arc<AppState>>) -> Response {
 /// `GET /metrics`: Prometheus text.
 pub async fn metrics(State(s): State<Arc<AppState>>) -> Response {
     {
-        let ws = s.workers.read();
-        let ledger = s.ledger.lock();
-        for w in ws.iter() {
-            let n = ledger.get(WorkerId(w.id)).in_flight;
-            s.metrics.worker_in_flight.get_or_create(&WorkerLabel { worker: w.url.clone() }).set(i64::from(n));
+        for w in s.fleet.load().iter() {
+            let n = w.load.get().in_flight;
+            s.metrics.worker_in_flight.get_or_create(&WorkerLabel { worker: w.url.to_string() }).set(i64::from(n));
         }
     }
-    let size = s.policy.lock().policy.index_size();
+    let size = s.routers.index_size();
     s.metrics.index_size.set(size.min(i64::MAX as u64) as i64);
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], s.metrics.render())
         .into_response()
@@ -112,7 +113,7 @@ pub async fn list_workers(State(s): State<Arc<AppState>>, headers: HeaderMap) ->
     if let Err(e) = authorize(&s, &headers) {
         return e.into_response();
     }
-    let urls: Vec<String> = s.workers.read().iter().map(|w| w.url.clone()).collect();
+    let urls: Vec<String> = s.fleet.load().iter().map(|w| w.url.to_string()).collect();
     Json(serde_json::json!({"urls": urls})).into_response()
 }
 
@@ -121,13 +122,13 @@ pub async fn workers(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Resp
     if let Err(e) = authorize(&s, &headers) {
         return e.into_response();
     }
-    let ws = s.workers.read().clone();
-    let ledger = s.ledger.lock();
-    let rows: Vec<serde_json::Value> = ws
+    let rows: Vec<serde_json::Value> = s
+        .fleet
+        .load()
         .iter()
         .map(|w| {
-            let l = ledger.get(WorkerId(w.id));
-            let mut v = serde_json::to_value(w).unwrap_or_default();
+            let l = w.load.get();
+            let mut v = serde_json::to_value(w.snapshot()).unwrap_or_default();
             if let Some(o) = v.as_object_mut() {
                 o.insert("in_flight".into(), l.in_flight.into());
                 o.insert("waiting".into(), l.waiting.into());
@@ -144,8 +145,7 @@ pub async fn get_policy(State(s): State<Arc<AppState>>, headers: HeaderMap) -> R
     if let Err(e) = authorize(&s, &headers) {
         return e.into_response();
     }
-    let p = s.policy.lock();
-    Json(serde_json::json!({"policy": p.policy.name(), "knobs": p.policy.knobs()})).into_response()
+    Json(serde_json::json!({"policy": s.routers.policy_name(), "knobs": s.routers.knobs()})).into_response()
 }
 
 /// `PUT /policy`: `{"knobs": {...}}` (or the knobs object itself) patches knobs live.
@@ -156,18 +156,18 @@ pub async fn put_policy(State(s): State<Arc<AppState>>, headers: HeaderMap, body
         let v: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::bad_field("body", format!("not valid JSON: {e}")))?;
         let patch = v.get("knobs").cloned().unwrap_or(v);
-        let mut p = s.policy.lock();
-        p.policy.set_knobs(&patch).map_err(|e| ApiError::bad_field("knobs", e.to_string()))?;
-        Ok::<_, ApiError>(Json(serde_json::json!({"policy": p.policy.name(), "knobs": p.policy.knobs()})))
+        let knobs =
+            s.routers.set_knobs(&patch, s.now()).map_err(|e| ApiError::bad_field("knobs", e.to_string()))?;
+        Ok::<_, ApiError>(Json(serde_json::json!({"policy": s.routers.policy_name(), "knobs": knobs})))
     }
     .await;
     r.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
 }
 
 /// `POST /debug/route`: a chat or completion body (or `/generate` with `?api=generate`);
-/// answers which worker would be chosen and why, without sending anything. The decision is
-/// not recorded in the prefix index... except that policies learn on every decision, so
-/// this uses the same path as real traffic and is meant for debugging, not for probing.
+/// answers which worker would be chosen and why, without sending anything: the same
+/// decision stage real traffic takes (with the precise prefix state when workers publish
+/// KV events), and like every decision it records nothing.
 pub async fn debug_route(
     State(s): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -189,19 +189,22 @@ pub async fn debug_route(
             }
             Some(other) => return Err(ApiError::bad_field("api", format!("unknown api `{other}`"))),
         };
-        let (_, info) = parse(api, &bytes, headers.get("x-session-id").and_then(|v| v.to_str().ok()))?;
-        let (d, urls) = decide(&s, &info)?;
-        let url = |id: WorkerId| urls.iter().find(|(i, _)| *i == id.0).map(|(_, u)| u.clone());
+        let (json, mut info) = parse(api, &bytes, headers.get("x-session-id").and_then(|v| v.to_str().ok()))?;
+        let precise = keys::resolve(&s, api, json, &bytes, &mut info).await;
+        let model = model_of(&s, &info)?;
+        let routed = decide(&s, &info, &model, &precise)?;
+        let d = &routed.decision;
+        let url = |id: WorkerId| routed.candidates.entry(id).map(|w| w.url.to_string());
         Ok::<_, ApiError>(Json(serde_json::json!({
             "worker": url(d.worker),
             "fallbacks": d.fallbacks.iter().filter_map(|w| url(*w)).collect::<Vec<_>>(),
-            "policy": s.cfg.policy,
+            "policy": s.routers.policy_name(),
             "branch": d.branch.as_str(),
             "matched": d.matched,
             "key_len": d.key_len,
             "unit": d.unit,
             "score": d.score,
-            "decision": decision_header(&s.cfg.policy, &d),
+            "decision": decision_header(&s.routers.policy_name(), d),
         })))
     }
     .await;

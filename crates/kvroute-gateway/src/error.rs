@@ -25,6 +25,11 @@ impl ApiError {
     pub fn bad_field(param: &str, message: impl Into<String>) -> Self {
         ApiError { param: Some(param.into()), ..ApiError::new(StatusCode::BAD_REQUEST, message) }
     }
+    /// Names the request field.
+    pub fn with_param(mut self, p: &str) -> Self {
+        self.param = Some(p.into());
+        self
+    }
     /// Adds `Retry-After`.
     pub fn retry_after(mut self, secs: u32) -> Self {
         self.retry_after = Some(secs);

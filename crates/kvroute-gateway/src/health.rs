@@ -2,7 +2,9 @@
 
 use crate::metrics::WorkerLabel;
 use crate::state::AppState;
-use kvroute_core::types::{Health, WorkerId};
+use crate::fleet::WorkerEntry;
+use kvroute_core::types::Health;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -122,35 +124,29 @@ pub fn sm_utilisation(body: &str) -> Option<f64> {
     avg("DCGM_FI_PROF_SM_ACTIVE").or_else(|| avg("DCGM_FI_DEV_GPU_UTIL").map(|p| p / 100.0)).map(|v| v.clamp(0.0, 1.0))
 }
 
-async fn check_one(s: Arc<AppState>, id: u32, url: String) {
+async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
     let h = &s.cfg.health;
+    let url = w.url.to_string();
     let ok = matches!(get_text(&s.client, &format!("{url}{}", h.path), h.timeout_secs).await, Some((200, _)));
     let mut refresh_models = false;
-    let mut removed = false;
     let mut healthy_now = None;
-    {
-        let mut ws = s.workers.write();
-        let Some(w) = ws.iter_mut().find(|w| w.id == id) else { return };
-        if ok {
-            w.check_failures = 0;
-            if w.health != Health::Healthy {
-                w.check_successes += 1;
-                if w.check_successes >= h.success_threshold {
-                    w.health = Health::Healthy;
-                    w.consecutive_failures = 0;
-                    w.check_successes = 0;
-                    healthy_now = Some(true);
-                    refresh_models = w.models.is_empty();
-                }
+    if ok {
+        w.check_failures.store(0, Relaxed);
+        if w.health() != Health::Healthy {
+            let n = w.check_successes.fetch_add(1, Relaxed) + 1;
+            if n >= h.success_threshold {
+                w.set_health(Health::Healthy);
+                w.check_successes.store(0, Relaxed);
+                healthy_now = Some(true);
+                refresh_models = w.models.load().is_empty();
             }
-        } else {
-            w.check_successes = 0;
-            w.check_failures += 1;
-            if w.check_failures >= h.failure_threshold && w.health == Health::Healthy {
-                w.health = Health::Unhealthy;
-                removed = true;
-                healthy_now = Some(false);
-            }
+        }
+    } else {
+        w.check_successes.store(0, Relaxed);
+        let n = w.check_failures.fetch_add(1, Relaxed) + 1;
+        if n >= h.failure_threshold && w.health() == Health::Healthy {
+            w.set_health(Health::Unhealthy);
+            healthy_now = Some(false);
         }
     }
     if let Some(hn) = healthy_now {
@@ -158,10 +154,22 @@ async fn check_one(s: Arc<AppState>, id: u32, url: String) {
         if hn && s.tokenizer.is_some() {
             tokio::spawn(tokenizer_parity(Arc::clone(&s), url.clone()));
         }
+        if !hn {
+            tracing::warn!(worker = %url, "health checks failing: out of routing");
+            s.routers.worker_removed(w.id);
+        }
     }
-    if removed {
-        tracing::warn!(worker = %url, "health checks failing: out of routing");
-        s.policy.lock().policy.on_worker_removed(WorkerId(id));
+    // A worker ejected by failed requests answers `/health` but may fail every request:
+    // only a real inference request readmits it, probed with capped exponential backoff.
+    if ok && w.probe_due(s.now()) {
+        let passed = inference_probe(&s, &w).await;
+        w.probe_result(passed, s.now());
+        if passed {
+            tracing::info!(worker = %url, "inference probe passed: back in routing");
+            s.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.clone() }).set(1);
+        } else {
+            tracing::warn!(worker = %url, "inference probe failed: stays out of routing");
+        }
     }
     if refresh_models && let Some(models) = fetch_models(&s.client, &url, h.timeout_secs).await {
         {
@@ -170,36 +178,52 @@ async fn check_one(s: Arc<AppState>, id: u32, url: String) {
                 adm.ensure_model(m);
             }
         }
-        if let Some(w) = s.workers.write().iter_mut().find(|w| w.id == id) {
-            w.models = models;
-        }
+        w.models.store(Arc::new(models));
     }
     if ok
         && s.cfg.scrape_metrics
         && let Some((200, body)) = get_text(&s.client, &format!("{url}/metrics"), h.timeout_secs).await
     {
-        let (q, mut r, u) = engine_signals(&body);
-        let p = s.cfg.power_metric.as_deref().and_then(|name| metric_sum(&body, name));
-        let sm = sm_utilisation(&body);
-        let hit = engine_hit_ratio(&body);
-        // llama.cpp: its slots bound what it runs at once; the busy ones are running.
-        let mut slots = None;
-        if body.contains("llamacpp:")
-            && let Some((200, text)) = get_text(&s.client, &format!("{url}/slots"), h.timeout_secs).await
-            && let Some((n, busy)) = slot_counts(&text)
-        {
-            slots = Some(n);
-            r = Some(busy);
-            s.metrics.worker_slots.get_or_create(&WorkerLabel { worker: url.clone() }).set(i64::from(n));
-        }
-        if let Some(x) = hit {
-            s.metrics.engine_prefix_hit_ratio.get_or_create(&WorkerLabel { worker: url.clone() }).set(x);
-        }
-        if let Some(w) = s.workers.write().iter_mut().find(|w| w.id == id) {
-            (w.engine_queue, w.engine_running, w.kv_cache_usage, w.power_watts, w.sm_util) = (q, r, u, p, sm);
-            (w.slots, w.engine_hit_ratio) = (slots, hit);
-        }
+        scrape(&s, &w, &body).await;
     }
+}
+
+/// Stores a worker's engine signals from its `/metrics` body (and llama.cpp's `/slots`).
+async fn scrape(s: &AppState, w: &WorkerEntry, body: &str) {
+    let url = &*w.url;
+    let (q, mut r, u) = engine_signals(body);
+    // llama.cpp: its slots bound what it runs at once; the busy ones are running.
+    let mut slots = None;
+    if body.contains("llamacpp:")
+        && let Some((200, text)) = get_text(&s.client, &format!("{url}/slots"), s.cfg.health.timeout_secs).await
+        && let Some((n, busy)) = slot_counts(&text)
+    {
+        slots = Some(n);
+        r = Some(busy);
+        s.metrics.worker_slots.get_or_create(&WorkerLabel { worker: url.to_string() }).set(i64::from(n));
+    }
+    let hit = engine_hit_ratio(body);
+    if let Some(x) = hit {
+        s.metrics.engine_prefix_hit_ratio.get_or_create(&WorkerLabel { worker: url.to_string() }).set(x);
+    }
+    let sig = &w.signals;
+    sig.queue.set(q);
+    sig.running.set(r);
+    sig.kv_cache_usage.set(u);
+    sig.power_watts.set(s.cfg.power_metric.as_deref().and_then(|name| metric_sum(body, name)));
+    sig.sm_util.set(sm_utilisation(body));
+    sig.slots.set(slots);
+    sig.hit_ratio.set(hit);
+}
+
+/// One real inference request (a one-token completion of the worker's first model): what
+/// readmits a worker that failed requests, since its `/health` may pass while inference fails.
+async fn inference_probe(s: &AppState, w: &WorkerEntry) -> bool {
+    let model = w.models.load().first().cloned().unwrap_or_default();
+    let body = serde_json::json!({"model": model, "prompt": "ping", "max_tokens": 1, "stream": false});
+    let timeout = Duration::from_secs_f64(s.cfg.health.timeout_secs.max(1.0) * 5.0);
+    let r = s.client.post(format!("{}/v1/completions", w.url)).timeout(timeout).json(&body).send().await;
+    matches!(r, Ok(r) if r.status().is_success())
 }
 
 /// The probe chat of [`tokenizer_parity`]: digits, punctuation, contractions, non-ASCII text,
@@ -251,7 +275,7 @@ async fn worker_chat_tokens(
 pub async fn tokenizer_parity(s: Arc<AppState>, url: String) {
     let Some(tk) = s.tokenizer.clone() else { return };
     let mut probe = parity_probe();
-    let model = s.workers.read().iter().find(|w| w.url == url).and_then(|w| w.models.first().cloned());
+    let model = s.fleet.by_url(&url).and_then(|w| w.models.load().first().cloned());
     probe["model"] = serde_json::Value::String(model.unwrap_or_default());
     let local = tk.request_tokens(crate::request::Api::Chat, &probe);
     let remote =
@@ -284,26 +308,24 @@ pub async fn run_background(s: Arc<AppState>, cancel: tokio_util::sync::Cancella
     checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut next_maintain = s.policy.lock().policy.maintenance_interval().map(|i| s.now().saturating_add(i));
     loop {
         tokio::select! {
             () = cancel.cancelled() => break,
             _ = checks.tick() => {
-                let list: Vec<(u32, String)> = s.workers.read().iter().map(|w| (w.id, w.url.clone())).collect();
-                let jobs = list.into_iter().map(|(id, url)| check_one(Arc::clone(&s), id, url));
+                let list: Vec<Arc<WorkerEntry>> = s.fleet.load().iter().cloned().collect();
+                let jobs = list.into_iter().map(|w| check_one(Arc::clone(&s), w));
                 tokio::select! {
                     () = cancel.cancelled() => break,
                     _ = futures_util::future::join_all(jobs) => {}
                 }
             }
             _ = tick.tick() => {
+                // Each model's router evicts in bounded slices on the blocking pool, so no
+                // decision waits behind a whole pass and the runtime's threads stay free.
+                let routers = s.routers.all();
                 let now = s.now();
-                if let Some(t) = next_maintain && now >= t {
-                    let mut p = s.policy.lock();
-                    while p.policy.maintain(now, 4096) {}
-                    next_maintain = p.policy.maintenance_interval().map(|i| now.saturating_add(i));
-                }
-                let size = s.policy.lock().policy.index_size();
+                let _ = tokio::task::spawn_blocking(move || routers.iter().for_each(|r| r.maintain_if_due(now))).await;
+                let size = s.routers.index_size();
                 s.metrics.index_size.set(size.min(i64::MAX as u64) as i64);
             }
         }

@@ -57,7 +57,7 @@ pub async fn run(s: Arc<AppState>, cancel: CancellationToken) {
 
 fn worker_id(s: &AppState, url: &str) -> Option<WorkerId> {
     let url = url.trim_end_matches('/');
-    s.workers.read().iter().find(|w| w.url == url).map(|w| WorkerId(w.id))
+    s.fleet.by_url(url).map(|w| w.id)
 }
 
 async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, cancel: CancellationToken) {
@@ -304,11 +304,10 @@ pub async fn parity_check(s: &Arc<AppState>, worker: &str) -> Parity {
 
 async fn probe(s: &Arc<AppState>, worker: &str) -> Parity {
     let model = {
-        let ws = s.workers.read();
-        let Some(w) = ws.iter().find(|w| w.url == worker) else {
+        let Some(w) = s.fleet.by_url(worker) else {
             return Parity::Inconclusive("the worker is not registered".into());
         };
-        w.models.first().cloned().unwrap_or_default()
+        w.models.load().first().cloned().unwrap_or_default()
     };
     // A prompt no client sends (unique per router start), long enough for several blocks
     // at any block size engines use.
@@ -447,12 +446,12 @@ pub async fn request_tokens(
     // Any tracked, healthy worker's tokenizer (they serve the same model).
     let urls: Vec<String> = {
         let ix = s.precise.lock();
-        s.workers
-            .read()
+        s.fleet
+            .load()
             .iter()
-            .filter(|w| w.health == kvroute_core::types::Health::Healthy && ix.is_tracked(WorkerId(w.id)))
-            .filter(|w| info.model.is_empty() || w.serves(&info.model))
-            .map(|w| w.url.clone())
+            .filter(|w| w.is_routable() && ix.is_tracked(w.id))
+            .filter(|w| w.serves(&info.model))
+            .map(|w| w.url.to_string())
             .collect()
     };
     for url in urls.iter().take(2) {

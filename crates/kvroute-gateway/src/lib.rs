@@ -18,12 +18,14 @@ pub mod admin;
 pub mod config;
 pub mod engine_sim;
 pub mod error;
+pub mod fleet;
 pub mod health;
 pub mod kv_events;
 pub mod kv_subscriber;
 pub mod metrics;
-pub mod proxy;
+pub mod pipeline;
 pub mod request;
+pub mod routers;
 pub mod state;
 pub mod tokenizer;
 
@@ -37,9 +39,9 @@ use std::sync::Arc;
 /// Builds the router (all endpoints) over `state`.
 pub fn app(state: Arc<AppState>) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(proxy::chat_completions))
-        .route("/v1/completions", post(proxy::completions))
-        .route("/generate", post(proxy::generate))
+        .route("/v1/chat/completions", post(pipeline::chat_completions))
+        .route("/v1/completions", post(pipeline::completions))
+        .route("/generate", post(pipeline::generate))
         .route("/v1/models", get(admin::models))
         .route("/health", get(admin::health))
         .route("/readiness", get(admin::readiness))

@@ -1,0 +1,424 @@
+//! The fleet: every worker the gateway knows, as an immutable list swapped whole.
+//!
+//! The request path reads [`Fleet::load`] (one atomic load, no lock) and each worker's
+//! health, engine signals and load counters from atomics inside its [`WorkerEntry`]. The
+//! tasks that learn about workers — health checks, `/metrics` scrapes, the admin API, KV-event
+//! subscribers — store into those atomics; only a change of membership builds a new list
+//! (pingora's `Backends` works the same way).
+
+use arc_swap::ArcSwap;
+use kvroute_core::ledger::AtomicLoad;
+use kvroute_core::types::{Health, Nanos, WorkerId, WorkerView};
+use parking_lot::Mutex;
+use serde::Serialize;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64};
+
+/// Most workers the gateway accepts (bounded table).
+pub const MAX_WORKERS: usize = 4096;
+
+/// An optional `u32` in one atomic (`u64::MAX` is `None`).
+#[derive(Debug)]
+pub struct OptU32(AtomicU64);
+
+impl Default for OptU32 {
+    fn default() -> Self {
+        OptU32(AtomicU64::new(u64::MAX))
+    }
+}
+
+impl OptU32 {
+    /// The value.
+    pub fn get(&self) -> Option<u32> {
+        let v = self.0.load(Relaxed);
+        (v != u64::MAX).then_some(v as u32)
+    }
+    /// Sets the value.
+    pub fn set(&self, v: Option<u32>) {
+        self.0.store(v.map_or(u64::MAX, u64::from), Relaxed);
+    }
+}
+
+/// An optional `f64` in one atomic (NaN's bit pattern `u64::MAX` is `None`).
+#[derive(Debug)]
+pub struct OptF64(AtomicU64);
+
+impl Default for OptF64 {
+    fn default() -> Self {
+        OptF64(AtomicU64::new(u64::MAX))
+    }
+}
+
+impl OptF64 {
+    /// The value.
+    pub fn get(&self) -> Option<f64> {
+        let v = self.0.load(Relaxed);
+        (v != u64::MAX).then(|| f64::from_bits(v))
+    }
+    /// Sets the value (a NaN is stored as `None`).
+    pub fn set(&self, v: Option<f64>) {
+        self.0.store(v.filter(|x| !x.is_nan()).map_or(u64::MAX, f64::to_bits), Relaxed);
+    }
+}
+
+/// What a worker's engine reports on `/metrics` (and llama.cpp on `/slots`), each `None`
+/// until scraped.
+#[derive(Debug, Default)]
+pub struct EngineSignals {
+    /// Requests waiting in the engine's queue.
+    pub queue: OptU32,
+    /// Requests the engine runs.
+    pub running: OptU32,
+    /// KV cache usage in [0, 1].
+    pub kv_cache_usage: OptF64,
+    /// Compute utilisation in [0, 1] (DCGM SM activity), when exported.
+    pub sm_util: OptF64,
+    /// Power draw, watts.
+    pub power_watts: OptF64,
+    /// Decode slots (llama.cpp `/slots`): requests it runs at once.
+    pub slots: OptU32,
+    /// Engine-reported prefix-cache hit ratio of prompt tokens since the worker started.
+    pub hit_ratio: OptF64,
+}
+
+/// One worker: fixed identity, and atomics for everything that changes.
+#[derive(Debug)]
+pub struct WorkerEntry {
+    /// Dense id used on the hot path and by the routing core.
+    pub id: WorkerId,
+    /// Base URL (normalised, no trailing slash).
+    pub url: Arc<str>,
+    /// Models served (empty = unknown: serves any model); replaced when rediscovered.
+    pub models: ArcSwap<Vec<String>>,
+    health: AtomicU8,
+    /// Taken out of routing by failed requests: routable again only after an inference
+    /// probe passes (a `/health` 200 is not enough).
+    ejected: AtomicBool,
+    /// Consecutive failed requests (passive), SGLang router's `max_worker_retries` rule.
+    pub consecutive_failures: AtomicU32,
+    /// Consecutive failed active checks.
+    pub check_failures: AtomicU32,
+    /// Consecutive passed active checks while unhealthy.
+    pub check_successes: AtomicU32,
+    /// Ejections in a row without a request succeeding in between (the probe backoff's
+    /// exponent).
+    ejections: AtomicU32,
+    /// When the next inference probe of an ejected worker is due (gateway clock, ns).
+    probe_at: AtomicU64,
+    /// Engine signals.
+    pub signals: EngineSignals,
+    /// The router's own load counters for this worker.
+    pub load: Arc<AtomicLoad>,
+}
+
+fn health_code(h: Health) -> u8 {
+    match h {
+        Health::Healthy => 0,
+        Health::Draining => 1,
+        Health::Unhealthy => 2,
+    }
+}
+
+fn health_of(c: u8) -> Health {
+    match c {
+        0 => Health::Healthy,
+        1 => Health::Draining,
+        _ => Health::Unhealthy,
+    }
+}
+
+/// First probe of an ejected worker after this long; doubling per failed probe up to
+/// [`PROBE_BACKOFF_MAX`].
+pub const PROBE_BACKOFF_START: Nanos = Nanos::from_secs(1);
+/// Longest wait between two inference probes of an ejected worker.
+pub const PROBE_BACKOFF_MAX: Nanos = Nanos::from_secs(60);
+
+impl WorkerEntry {
+    fn new(id: WorkerId, url: &str, models: Vec<String>, health: Health) -> Self {
+        WorkerEntry {
+            id,
+            url: Arc::from(url),
+            models: ArcSwap::from_pointee(models),
+            health: AtomicU8::new(health_code(health)),
+            ejected: AtomicBool::new(false),
+            consecutive_failures: AtomicU32::new(0),
+            check_failures: AtomicU32::new(0),
+            check_successes: AtomicU32::new(0),
+            ejections: AtomicU32::new(0),
+            probe_at: AtomicU64::new(0),
+            signals: EngineSignals::default(),
+            load: Arc::default(),
+        }
+    }
+
+    /// Health as the active checks see it.
+    pub fn health(&self) -> Health {
+        health_of(self.health.load(Relaxed))
+    }
+
+    /// Sets the health; returns the previous value.
+    pub fn set_health(&self, h: Health) -> Health {
+        health_of(self.health.swap(health_code(h), Relaxed))
+    }
+
+    /// Whether failed requests took the worker out (until an inference probe passes).
+    pub fn is_ejected(&self) -> bool {
+        self.ejected.load(Relaxed)
+    }
+
+    /// Routable: healthy and not ejected.
+    pub fn is_routable(&self) -> bool {
+        self.health() == Health::Healthy && !self.is_ejected()
+    }
+
+    /// Whether the worker serves `model` (an empty name or unknown models serve any).
+    pub fn serves(&self, model: &str) -> bool {
+        let models = self.models.load();
+        model.is_empty() || models.is_empty() || models.iter().any(|m| m == model)
+    }
+
+    /// A failed request on this worker. Returns `true` when this failure ejects it (the
+    /// `max_worker_retries`-th in a row); its first inference probe is then due after the
+    /// backoff, which doubles with each ejection in a row.
+    pub fn record_failure(&self, max_in_a_row: u32, now: Nanos) -> bool {
+        let n = self.consecutive_failures.fetch_add(1, Relaxed) + 1;
+        if n < max_in_a_row.max(1) || self.ejected.swap(true, Relaxed) {
+            return false;
+        }
+        let k = self.ejections.fetch_add(1, Relaxed).min(16);
+        let wait = PROBE_BACKOFF_START.0.saturating_mul(1 << k).min(PROBE_BACKOFF_MAX.0);
+        self.probe_at.store(now.0.saturating_add(wait), Relaxed);
+        true
+    }
+
+    /// A request succeeded on this worker.
+    pub fn record_success(&self) {
+        if self.consecutive_failures.load(Relaxed) != 0 {
+            self.consecutive_failures.store(0, Relaxed);
+        }
+        if self.ejections.load(Relaxed) != 0 && !self.is_ejected() {
+            self.ejections.store(0, Relaxed);
+        }
+    }
+
+    /// Whether an inference probe of this ejected worker is due at `now`.
+    pub fn probe_due(&self, now: Nanos) -> bool {
+        self.is_ejected() && now.0 >= self.probe_at.load(Relaxed)
+    }
+
+    /// The outcome of an inference probe: a pass readmits the worker; a failure schedules
+    /// the next probe after a doubled wait (capped at [`PROBE_BACKOFF_MAX`]).
+    pub fn probe_result(&self, passed: bool, now: Nanos) {
+        if passed {
+            self.consecutive_failures.store(0, Relaxed);
+            self.ejected.store(false, Relaxed);
+        } else {
+            let k = self.ejections.fetch_add(1, Relaxed).min(16);
+            let wait = PROBE_BACKOFF_START.0.saturating_mul(1 << k).min(PROBE_BACKOFF_MAX.0);
+            self.probe_at.store(now.0.saturating_add(wait), Relaxed);
+        }
+    }
+
+    /// The routing core's view of this worker now.
+    pub fn view(&self) -> WorkerView {
+        let mut v = WorkerView::idle(self.id);
+        v.health = if self.is_ejected() { Health::Unhealthy } else { self.health() };
+        self.load.fill(&mut v);
+        let s = &self.signals;
+        v.engine_queue = s.queue.get();
+        v.engine_running = s.running.get();
+        v.kv_cache_usage = s.kv_cache_usage.get();
+        v.sm_util = s.sm_util.get();
+        v.power_watts = s.power_watts.get();
+        if let Some(n) = s.slots.get() {
+            v.capacity.max_concurrent = n.max(1);
+        }
+        v
+    }
+
+    /// A serialisable copy for the admin API.
+    pub fn snapshot(&self) -> WorkerInfo {
+        let s = &self.signals;
+        WorkerInfo {
+            id: self.id.0,
+            url: self.url.to_string(),
+            models: self.models.load().as_ref().clone(),
+            health: if self.is_ejected() { Health::Unhealthy } else { self.health() },
+            ejected: self.is_ejected(),
+            consecutive_failures: self.consecutive_failures.load(Relaxed),
+            check_failures: self.check_failures.load(Relaxed),
+            check_successes: self.check_successes.load(Relaxed),
+            engine_queue: s.queue.get(),
+            engine_running: s.running.get(),
+            kv_cache_usage: s.kv_cache_usage.get(),
+            sm_util: s.sm_util.get(),
+            power_watts: s.power_watts.get(),
+            slots: s.slots.get(),
+            engine_hit_ratio: s.hit_ratio.get(),
+            in_flight: self.load.get().in_flight,
+        }
+    }
+}
+
+/// One worker as the admin API shows it (`GET /workers`).
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerInfo {
+    /// Dense id.
+    pub id: u32,
+    /// Base URL.
+    pub url: String,
+    /// Models served (empty = unknown: serves any model).
+    pub models: Vec<String>,
+    /// Routability.
+    pub health: Health,
+    /// Out of routing after failed requests, until an inference probe passes.
+    pub ejected: bool,
+    /// Consecutive failed requests.
+    pub consecutive_failures: u32,
+    /// Consecutive failed active checks.
+    pub check_failures: u32,
+    /// Consecutive passed active checks while unhealthy.
+    pub check_successes: u32,
+    /// Engine queue length from `/metrics`.
+    pub engine_queue: Option<u32>,
+    /// Engine running requests from `/metrics`.
+    pub engine_running: Option<u32>,
+    /// Engine KV cache usage in [0, 1] from `/metrics`.
+    pub kv_cache_usage: Option<f64>,
+    /// Compute utilisation in [0, 1], when exported.
+    pub sm_util: Option<f64>,
+    /// Power draw, watts.
+    pub power_watts: Option<f64>,
+    /// Decode slots (llama.cpp).
+    pub slots: Option<u32>,
+    /// Engine-reported prefix-cache hit ratio.
+    pub engine_hit_ratio: Option<f64>,
+    /// Requests the router has in flight on this worker.
+    pub in_flight: u32,
+}
+
+/// The candidates of one request: the workers serving its model, with their views.
+#[derive(Debug)]
+pub struct Candidates {
+    /// Views in the order of `entries`.
+    pub views: Vec<WorkerView>,
+    /// The workers.
+    pub entries: Vec<Arc<WorkerEntry>>,
+}
+
+impl Candidates {
+    /// The worker with id `id` among the candidates.
+    pub fn entry(&self, id: WorkerId) -> Option<&Arc<WorkerEntry>> {
+        self.entries.iter().find(|e| e.id == id)
+    }
+}
+
+/// The worker list, swapped whole on membership changes.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    list: ArcSwap<Vec<Arc<WorkerEntry>>>,
+    /// Serialises membership changes (never taken on the request path).
+    writer: Mutex<()>,
+    next_id: AtomicU32,
+}
+
+impl Fleet {
+    /// The current list (one atomic load).
+    pub fn load(&self) -> arc_swap::Guard<Arc<Vec<Arc<WorkerEntry>>>> {
+        self.list.load()
+    }
+
+    /// The worker with `url`.
+    pub fn by_url(&self, url: &str) -> Option<Arc<WorkerEntry>> {
+        self.list.load().iter().find(|w| &*w.url == url).cloned()
+    }
+
+    /// The worker with `id`.
+    pub fn by_id(&self, id: WorkerId) -> Option<Arc<WorkerEntry>> {
+        self.list.load().iter().find(|w| w.id == id).cloned()
+    }
+
+    /// Adds a worker unless one with `url` exists; returns it and whether it is new.
+    ///
+    /// # Errors
+    /// The table is full ([`MAX_WORKERS`]).
+    pub fn add(&self, url: &str, models: Vec<String>, health: Health) -> Result<(Arc<WorkerEntry>, bool), String> {
+        let _w = self.writer.lock();
+        let cur = self.list.load_full();
+        if let Some(w) = cur.iter().find(|w| &*w.url == url) {
+            return Ok((Arc::clone(w), false));
+        }
+        if cur.len() >= MAX_WORKERS {
+            return Err(format!("the gateway already has {MAX_WORKERS} workers"));
+        }
+        let id = WorkerId(self.next_id.fetch_add(1, Relaxed));
+        let entry = Arc::new(WorkerEntry::new(id, url, models, health));
+        let mut next = Vec::with_capacity(cur.len() + 1);
+        next.extend(cur.iter().cloned());
+        next.push(Arc::clone(&entry));
+        self.list.store(Arc::new(next));
+        Ok((entry, true))
+    }
+
+    /// Removes the worker with `url`; returns it when it existed.
+    pub fn remove(&self, url: &str) -> Option<Arc<WorkerEntry>> {
+        let _w = self.writer.lock();
+        let cur = self.list.load_full();
+        let gone = cur.iter().find(|w| &*w.url == url).cloned()?;
+        let next: Vec<Arc<WorkerEntry>> = cur.iter().filter(|w| w.id != gone.id).cloned().collect();
+        self.list.store(Arc::new(next));
+        Some(gone)
+    }
+
+    /// The workers serving `model` and their views.
+    pub fn candidates(&self, model: &str) -> Candidates {
+        let list = self.list.load();
+        let mut views = Vec::with_capacity(list.len());
+        let mut entries = Vec::with_capacity(list.len());
+        for w in list.iter().filter(|w| w.serves(model)) {
+            views.push(w.view());
+            entries.push(Arc::clone(w));
+        }
+        Candidates { views, entries }
+    }
+
+    /// Models served by routable workers, sorted and deduplicated.
+    pub fn models(&self) -> Vec<String> {
+        let mut m: Vec<String> =
+            self.list.load().iter().filter(|w| w.is_routable()).flat_map(|w| w.models.load().as_ref().clone()).collect();
+        m.sort();
+        m.dedup();
+        m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ejection_needs_failures_in_a_row_and_a_passing_probe_with_backoff() {
+        let f = Fleet::default();
+        let (w, _) = f.add("http://a", vec![], Health::Healthy).expect("add");
+        let t = |s: u64| Nanos::from_secs(s);
+        assert!(!w.record_failure(3, t(0)));
+        w.record_success();
+        assert!(!w.record_failure(3, t(0)));
+        assert!(!w.record_failure(3, t(0)));
+        assert!(w.record_failure(3, t(0)), "the third failure in a row ejects");
+        assert!(!w.is_routable());
+        assert!(!w.probe_due(t(0)));
+        assert!(w.probe_due(t(1)), "first probe after 1 s");
+        w.probe_result(false, t(1));
+        assert!(!w.probe_due(t(2)));
+        assert!(w.probe_due(t(5)), "then after 4 s (doubling per failed probe)");
+        for i in 0..20 {
+            w.probe_result(false, t(100 * i));
+        }
+        assert!(w.probe_due(t(1900 + 60)), "the wait is capped at 60 s");
+        w.probe_result(true, t(2000));
+        assert!(w.is_routable());
+        assert_eq!(w.health(), Health::Healthy);
+    }
+}

@@ -1,0 +1,241 @@
+//! Stage 5, dispatch: send the request to the chosen worker and retry as SGLang's router
+//! documents — a connection error or a 5xx (or 429) before any byte reached the client is
+//! retried on the same worker up to `max_worker_retries` times, then on the next worker;
+//! `max_total_retries` bounds the attempts of one request. Each worker the request is
+//! really written to is committed to the model's router (prefix index, session binding)
+//! and gets a load ticket.
+
+use super::keys::Precise;
+use super::route::{Routed, order};
+use crate::fleet::WorkerEntry;
+use crate::request::{Api, RoutingInfo};
+use crate::state::AppState;
+use axum::body::Bytes;
+use axum::http::{HeaderMap, StatusCode, header};
+use kvroute_core::ledger::LoadTicket;
+use kvroute_core::types::{BlockHash, Nanos, RequestView, WorkerId};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Who a failed dispatch is to blame on (the shape of pingora's error type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blame {
+    /// The request itself (a worker answered 4xx).
+    Client,
+    /// The workers (connection errors, 5xx, timeouts).
+    Worker,
+    /// The router (no routable worker left to try).
+    Router,
+}
+
+/// Why a request could not be served.
+#[derive(Debug, Clone)]
+pub struct DispatchError {
+    /// Who is to blame.
+    pub blame: Blame,
+    /// Whether the client may retry the request as it is.
+    pub retryable: bool,
+    /// Whether bytes of a response already reached the client (then no retry is possible).
+    pub bytes_sent: bool,
+    /// The status to answer.
+    pub status: StatusCode,
+    /// What happened.
+    pub message: String,
+}
+
+impl From<DispatchError> for crate::error::ApiError {
+    fn from(e: DispatchError) -> Self {
+        let err = crate::error::ApiError::new(e.status, e.message);
+        if e.retryable { err.retry_after(1) } else { err }
+    }
+}
+
+/// A worker's answer with a success or client-error status.
+#[derive(Debug)]
+pub struct Sent {
+    /// The response (for a stream, its body still to come).
+    pub resp: reqwest::Response,
+    /// The whole body, read within the attempt (so a failure reading it can still be
+    /// retried), for a non-streamed request or an error status; `None` for a stream.
+    pub body: Option<Bytes>,
+    /// The worker that answered.
+    pub worker: Arc<WorkerEntry>,
+    /// Its open load ticket (settles on drop).
+    pub ticket: LoadTicket,
+    /// The request's engine blocks predicted on that worker (settled at the first token).
+    pub predicted: Option<Predicted>,
+}
+
+/// A request's own block hashes predicted on its worker until its deadline
+/// ([`kvroute_core::precise::PreciseIndex::predict`]).
+#[derive(Debug, Clone)]
+pub struct Predicted {
+    worker: WorkerId,
+    hashes: Arc<[BlockHash]>,
+}
+
+impl Predicted {
+    /// The prefill is over (first token) or the attempt ended: the engine's `BlockStored`
+    /// is on its way, so the prediction now lasts only the predict window.
+    pub fn settle(&self, s: &AppState) {
+        let mut ix = s.precise.lock();
+        let now = s.now();
+        let until = now.saturating_add(ix.predict_window());
+        ix.predict(self.worker, &self.hashes, now, until);
+    }
+}
+
+/// Commits the request to `worker`: the router's index and session table, and (for a
+/// worker that publishes KV events) predict-on-route until the request's deadline.
+fn commit(s: &AppState, routed: &Routed, req: &RequestView<'_>, worker: WorkerId) -> Option<Predicted> {
+    let now = s.now();
+    routed.router.commit(req, &routed.key, worker, now);
+    if routed.engine_blocks.is_empty() {
+        return None;
+    }
+    let mut ix = s.precise.lock();
+    if ix.predict_window().0 == 0 {
+        return None;
+    }
+    let bs = ix.block_size(worker)?;
+    let hashes = routed.engine_blocks.iter().find(|(b, _)| *b == bs).map(|(_, h)| Arc::clone(h))?;
+    let deadline = now.saturating_add(Nanos::from_secs_f64(s.cfg.request_timeout_secs));
+    ix.predict(worker, &hashes, now, deadline);
+    Some(Predicted { worker, hashes })
+}
+
+/// Sends the request until a worker answers with a non-retryable status, within the
+/// retry bounds.
+///
+/// # Errors
+/// [`DispatchError`]: 504 when an attempt timed out (the client's time budget is spent),
+/// 502 when every attempt failed, 503 when no routable worker was left to try.
+#[allow(clippy::too_many_arguments)]
+pub async fn send(
+    s: &AppState,
+    api: Api,
+    routed: &Routed,
+    info: &RoutingInfo,
+    precise: &Precise,
+    model: &str,
+    bytes: &Bytes,
+    headers: &HeaderMap,
+) -> Result<Sent, DispatchError> {
+    let req = super::keys::precise_view(info, model, precise);
+    let d = &routed.decision;
+    let uncached = u64::from(req.input_tokens).saturating_sub(d.cached_tokens_estimate(req.input_tokens));
+    let output = u64::from(info.max_tokens.unwrap_or(256));
+    let per_worker = s.cfg.max_worker_retries.max(1);
+    let total = s.cfg.max_total_retries.max(1);
+    let timeout = Duration::from_secs_f64(s.cfg.request_timeout_secs);
+    let mut attempts = 0u32;
+    let mut last_err = String::from("no routable worker was left to try");
+    'workers: for id in order(d) {
+        let Some(w) = routed.candidates.entry(id) else { continue };
+        let mut committed = false;
+        for _ in 0..per_worker {
+            // A retry target must still be routable (it may have been taken out meanwhile).
+            if attempts == total || (attempts > 0 && !w.is_routable()) {
+                continue 'workers;
+            }
+            attempts += 1;
+            if attempts > 1 {
+                s.metrics.retries.inc();
+            }
+            let predicted = if committed { None } else { commit(s, routed, &req, w.id) };
+            committed = true;
+            let ticket = w.load.dispatched(uncached, output);
+            let answer = match attempt(s, api, w, bytes, headers, timeout).await {
+                Ok(resp) if info.stream && resp.status().is_success() => Ok((resp, None)),
+                // Non-streaming: the whole body is read before anything reaches the client.
+                Ok(resp) => read_whole(resp).await,
+                Err(f) => Err(f),
+            };
+            match answer {
+                Ok((resp, body)) => return Ok(Sent { resp, body, worker: Arc::clone(w), ticket, predicted }),
+                Err(Failure::Timeout) => {
+                    s.record_failure(w);
+                    return Err(DispatchError {
+                        blame: Blame::Worker,
+                        retryable: false,
+                        bytes_sent: false,
+                        status: StatusCode::GATEWAY_TIMEOUT,
+                        message: format!("{} did not answer within {} s", w.url, s.cfg.request_timeout_secs),
+                    });
+                }
+                Err(Failure::Retry(e)) => {
+                    s.record_failure(w);
+                    tracing::warn!(worker = %w.url, error = %e, attempt = attempts, "attempt failed");
+                    last_err = e;
+                }
+            }
+            if let Some(p) = predicted {
+                p.settle(s);
+            }
+        }
+    }
+    let (blame, status) =
+        if attempts == 0 { (Blame::Router, StatusCode::SERVICE_UNAVAILABLE) } else { (Blame::Worker, StatusCode::BAD_GATEWAY) };
+    Err(DispatchError {
+        blame,
+        retryable: blame == Blame::Router,
+        bytes_sent: false,
+        status,
+        message: format!("every attempt failed ({attempts} made, {total} at most); last error: {last_err}"),
+    })
+}
+
+enum Failure {
+    Timeout,
+    Retry(String),
+}
+
+/// Reads a whole body; the response keeps its status and headers (its body is drained).
+async fn read_whole(mut resp: reqwest::Response) -> Result<(reqwest::Response, Option<Bytes>), Failure> {
+    let mut out = Vec::new();
+    loop {
+        match resp.chunk().await {
+            Ok(Some(c)) => out.extend_from_slice(&c),
+            Ok(None) => return Ok((resp, Some(Bytes::from(out)))),
+            Err(e) if e.is_timeout() => return Err(Failure::Timeout),
+            Err(e) => return Err(Failure::Retry(format!("reading the response failed: {e}"))),
+        }
+    }
+}
+
+/// One attempt on `w`. A send error that is neither a timeout nor a failed connect means the
+/// worker closed a pooled keep-alive connection under the request without answering (seen
+/// with llama-server, docs/real-engines.md): it is sent once more to the same worker on a
+/// fresh connection — at worst a duplicate generation there, where moving it costs a cold
+/// prefill elsewhere and credits its prefix to the wrong worker.
+async fn attempt(
+    s: &AppState,
+    api: Api,
+    w: &WorkerEntry,
+    bytes: &Bytes,
+    headers: &HeaderMap,
+    timeout: Duration,
+) -> Result<reqwest::Response, Failure> {
+    let mut rb = s.client.post(format!("{}{}", w.url, api.path())).timeout(timeout).body(bytes.clone());
+    rb = rb.header(header::CONTENT_TYPE, "application/json");
+    if let Some(a) = headers.get(header::AUTHORIZATION) {
+        rb = rb.header(header::AUTHORIZATION, a.clone());
+    }
+    let again = rb.try_clone();
+    let sent = match (rb.send().await, again) {
+        (Err(e), Some(again)) if !e.is_timeout() && !e.is_connect() => {
+            tracing::debug!(worker = %w.url, error = ?e, "stale connection; sending again to the same worker");
+            s.metrics.stale_connection_resends.inc();
+            again.send().await
+        }
+        (r, _) => r,
+    };
+    match sent {
+        Err(e) if e.is_timeout() => Err(Failure::Timeout),
+        Err(e) => Err(Failure::Retry(format!("{}: {e}", w.url))),
+        Ok(r) if r.status().is_server_error() || r.status() == StatusCode::TOO_MANY_REQUESTS => {
+            Err(Failure::Retry(format!("{}: upstream answered {}", w.url, r.status())))
+        }
+        Ok(r) => Ok(r),
+    }
+}

@@ -1,0 +1,125 @@
+//! The request pipeline: one request walks through named stages, each a small module.
+//!
+//! ```text
+//! read     body within the size limit                              read_body (here)
+//! parse    body → routing info (model, text or token ids, session) request::parse
+//! key      local tokenizer / engine tokens for precise matching    keys::resolve
+//! admit    per-model permit; full → 503, nothing recorded          route::admit
+//! decide   pure: the model's router picks, changes nothing         route::decide
+//! dispatch send, retry; commit each worker really written to       dispatch::send
+//! respond  relay (streamed or whole); settle ticket, permit, count respond::respond
+//! ```
+
+pub mod dispatch;
+pub mod keys;
+pub mod respond;
+pub mod route;
+
+use crate::error::ApiError;
+use crate::request::{Api, parse};
+use crate::state::AppState;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    handle(s, Api::Chat, headers, body).await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    handle(s, Api::Completions, headers, body).await
+}
+
+/// SGLang `POST /generate`.
+pub async fn generate(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    handle(s, Api::Generate, headers, body).await
+}
+
+async fn handle(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Body) -> Response {
+    match run(&s, api, &headers, body).await {
+        Ok(r) => r,
+        Err((e, branch)) => {
+            let outcome = match e.status.as_u16() {
+                503 if branch.is_empty() => "rejected",
+                500..=599 => "upstream_error",
+                _ => "client_error",
+            };
+            respond::count(&s, "", branch, outcome);
+            e.into_response()
+        }
+    }
+}
+
+/// The stages in order. An error carries the decision's branch once there is one.
+async fn run(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Body) -> Result<Response, (ApiError, &'static str)> {
+    let t0 = Instant::now();
+    let bytes = read_body(s, headers, body).await.map_err(|e| (e, ""))?;
+    let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
+    let (json, mut info) = parse(api, &bytes, session).map_err(|e| (e, ""))?;
+    let precise = keys::resolve(s, api, json, &bytes, &mut info).await;
+    let model = route::model_of(s, &info).map_err(|e| (e, ""))?;
+    let permit = route::admit(s, &model).map_err(|e| (e, ""))?;
+    let routed = route::decide(s, &info, &model, &precise).map_err(|e| (e, ""))?;
+    let branch = routed.decision.branch.as_str();
+    let (source, reason) = keys::prefix_source(&precise, routed.chosen_precise);
+    s.metrics
+        .prefix_source
+        .get_or_create(&crate::metrics::SourceLabels { source: source.into(), reason: reason.into() })
+        .inc();
+    let mut decision = route::decision_header(&s.routers.policy_name(), &routed.decision);
+    decision.push_str("; prefix=");
+    decision.push_str(source);
+    if !reason.is_empty() {
+        decision.push_str(&format!("({reason})"));
+    }
+    log_decision(&routed, &info, &decision);
+    let sent = dispatch::send(s, api, &routed, &info, &precise, &model, &bytes, headers)
+        .await
+        .map_err(|e| (ApiError::from(e), branch))?;
+    respond::respond(s, sent, permit, &decision, branch, t0).map_err(|e| (e, branch))
+}
+
+/// The per-request decision log (`KVROUTE_LOG=kvroute::decision=debug`): enough to line up
+/// one router's choices with another's or with the engines' logs.
+fn log_decision(routed: &route::Routed, info: &crate::request::RoutingInfo, decision: &str) {
+    tracing::debug!(
+        target: "kvroute::decision",
+        worker = routed.candidates.entry(routed.decision.worker).map_or("?", |w| &*w.url),
+        session = info.session.as_deref().unwrap_or("-"),
+        input_tokens = info.token_ids.as_ref().map_or(0, Vec::len),
+        decision = %decision,
+        "routed"
+    );
+}
+
+/// Reads the body within the configured limit (413 beyond).
+///
+/// # Errors
+/// 413 when the body is larger than `max_body_bytes`, 400 when it cannot be read.
+pub async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let limit = s.cfg.max_body_bytes;
+    let too_large = || {
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body is larger than the limit of {limit} bytes"))
+    };
+    if let Some(len) =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
+        && len > limit as u64
+    {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        while let Some(x) = src {
+            if x.is::<http_body_util::LengthLimitError>() {
+                return too_large();
+            }
+            src = x.source();
+        }
+        ApiError::bad_field("body", format!("could not read the request body: {e}"))
+    })
+}

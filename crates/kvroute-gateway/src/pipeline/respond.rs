@@ -1,0 +1,153 @@
+//! Stage 6, respond and account: the worker's answer goes back to the client (a stream
+//! byte for byte); the load ticket, the admission permit and the prediction settle when
+//! the body ends, fails, or the client goes away (the guard's drop), and the outcome is
+//! counted once.
+
+use super::dispatch::{Predicted, Sent};
+use crate::error::ApiError;
+use crate::fleet::WorkerEntry;
+use crate::metrics::RequestLabels;
+use crate::state::AppState;
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::Response;
+use futures_util::StreamExt;
+use kvroute_core::admission::Permit;
+use kvroute_core::ledger::LoadTicket;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Counts one request outcome in `kvroute_requests_total`.
+pub fn count(s: &AppState, worker: &str, branch: &str, outcome: &str) {
+    s.metrics
+        .requests
+        .get_or_create(&RequestLabels {
+            worker: worker.to_string(),
+            policy: s.routers.policy_name(),
+            branch: branch.to_string(),
+            outcome: outcome.to_string(),
+        })
+        .inc();
+}
+
+/// Builds the client's response from the worker's answer.
+///
+/// # Errors
+/// 500 when the response cannot be built (a header the client cannot receive).
+pub fn respond(
+    s: &Arc<AppState>,
+    sent: Sent,
+    permit: Permit,
+    decision: &str,
+    branch: &'static str,
+    t0: Instant,
+) -> Result<Response, ApiError> {
+    let Sent { resp, body, worker, mut ticket, predicted } = sent;
+    let status = resp.status();
+    let mut builder = Response::builder().status(status.as_u16());
+    if let Some(c) = resp.headers().get(header::CONTENT_TYPE) {
+        builder = builder.header(header::CONTENT_TYPE, c.clone());
+    }
+    builder = builder
+        .header("x-kvroute-worker", HeaderValue::from_str(&worker.url).unwrap_or(HeaderValue::from_static("?")))
+        .header("x-kvroute-decision", HeaderValue::from_str(decision).unwrap_or(HeaderValue::from_static("?")));
+    let internal = |e: axum::http::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+    let Some(body) = body else {
+        let guard = StreamGuard { state: Arc::clone(s), worker, ticket, predicted, t0, first: false, branch, _permit: permit };
+        return builder.body(Body::from_stream(relay(resp, guard))).map_err(internal);
+    };
+    if let Some(p) = predicted {
+        p.settle(s);
+    }
+    ticket.first_token();
+    ticket.close();
+    worker.record_success();
+    let secs = t0.elapsed().as_secs_f64();
+    s.metrics.ttft_seconds.observe(secs);
+    s.metrics.e2e_seconds.observe(secs);
+    count(s, &worker.url, branch, if status.is_success() { "ok" } else { "client_error" });
+    drop(permit);
+    builder.body(Body::from(body)).map_err(internal)
+}
+
+/// The worker's stream relayed chunk by chunk; an upstream failure after the first byte
+/// ends the stream with an SSE error event (a stream is never retried once bytes left).
+fn relay(
+    resp: reqwest::Response,
+    guard: StreamGuard,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+    let up = Box::pin(resp.bytes_stream());
+    futures_util::stream::unfold(Some((up, guard)), |st| async move {
+        let (mut up, mut guard) = st?;
+        match up.next().await {
+            Some(Ok(b)) => {
+                guard.on_bytes();
+                Some((Ok(b), Some((up, guard))))
+            }
+            Some(Err(e)) => {
+                guard.fail();
+                let ev = serde_json::json!({"error": {
+                    "message": format!("upstream stream failed: {e}"),
+                    "type": "server_error", "param": null, "code": 502}});
+                Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None))
+            }
+            None => {
+                guard.complete();
+                None
+            }
+        }
+    })
+}
+
+/// Accounting of one streamed response: the first byte, completion, failure or the
+/// client's disconnect (drop) each settle the ticket exactly once.
+struct StreamGuard {
+    state: Arc<AppState>,
+    worker: Arc<WorkerEntry>,
+    ticket: LoadTicket,
+    predicted: Option<Predicted>,
+    t0: Instant,
+    first: bool,
+    branch: &'static str,
+    _permit: Permit,
+}
+
+impl StreamGuard {
+    fn on_bytes(&mut self) {
+        if !self.first {
+            self.first = true;
+            if let Some(p) = self.predicted.take() {
+                p.settle(&self.state);
+            }
+            self.state.metrics.ttft_seconds.observe(self.t0.elapsed().as_secs_f64());
+            self.ticket.first_token();
+        }
+    }
+    fn complete(&mut self) {
+        if self.ticket.is_open() {
+            self.ticket.close();
+            self.worker.record_success();
+            self.state.metrics.e2e_seconds.observe(self.t0.elapsed().as_secs_f64());
+            count(&self.state, &self.worker.url, self.branch, "ok");
+        }
+    }
+    fn fail(&mut self) {
+        if self.ticket.is_open() {
+            self.ticket.close();
+            self.state.record_failure(&self.worker);
+            count(&self.state, &self.worker.url, self.branch, "upstream_error");
+        }
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        if let Some(p) = self.predicted.take() {
+            p.settle(&self.state);
+        }
+        if self.ticket.is_open() {
+            self.ticket.close();
+            count(&self.state, &self.worker.url, self.branch, "cancelled");
+        }
+    }
+}

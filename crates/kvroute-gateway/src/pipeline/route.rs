@@ -1,0 +1,164 @@
+//! Stages 3 and 4: admission, then the decision. Admission runs first and a decision
+//! changes nothing, so a request answered 503 — or a `POST /debug/route` dry run — leaves
+//! every prefix index, session table and load counter as it was.
+
+use super::keys::{Precise, precise_view};
+use crate::error::ApiError;
+use crate::fleet::Candidates;
+use crate::request::RoutingInfo;
+use crate::routers::ModelRouter;
+use crate::state::AppState;
+use axum::http::StatusCode;
+use kvroute_core::admission::Permit;
+use kvroute_core::hash::{HashAlgo, hash_token_blocks};
+use kvroute_core::policy::{Decision, MatchUnit, PickCtx, RequestKey};
+use kvroute_core::types::{BlockHash, Role, WorkerId};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The model a request is admitted and routed under: the one it names; for a request that
+/// names none (SGLang `/generate`), the one model the fleet serves; `*` for a fleet whose
+/// workers do not list their models.
+///
+/// # Errors
+/// 400 naming `model` when the request names none and the fleet serves several.
+pub fn model_of(s: &AppState, info: &RoutingInfo) -> Result<String, ApiError> {
+    if !info.model.is_empty() {
+        return Ok(info.model.clone());
+    }
+    let models = s.fleet.models();
+    match models.as_slice() {
+        [] => Ok("*".into()),
+        [one] => Ok(one.clone()),
+        _ => Err(ApiError::bad_field(
+            "model",
+            format!("this router serves several models ({}); name one in `model`", models.join(", ")),
+        )),
+    }
+}
+
+/// A permit for `model`, or 503 with `Retry-After` when its in-flight limit is reached.
+///
+/// # Errors
+/// 503 when the model is at its limit.
+pub fn admit(s: &AppState, model: &str) -> Result<Permit, ApiError> {
+    let permit = {
+        let adm = s.admission.read();
+        match adm.try_admit(model, Role::Both) {
+            Err(rej) if rej.max == 0 => {
+                drop(adm);
+                s.admission.write().ensure_model(model);
+                s.admission.read().try_admit(model, Role::Both)
+            }
+            other => other,
+        }
+    };
+    permit.map_err(|rej| {
+        s.metrics.admission_rejections.get_or_create(&crate::metrics::ModelLabel { model: model.to_string() }).inc();
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("too many requests in flight for model `{model}` (limit {}); retry later", rej.max),
+        )
+        .retry_after(1)
+    })
+}
+
+/// A decision with everything later stages need to commit it.
+#[derive(Debug)]
+pub struct Routed {
+    /// The policy's decision.
+    pub decision: Decision,
+    /// The request's key for the policy (block hashes computed once).
+    pub key: RequestKey,
+    /// The model's router (commits go to it).
+    pub router: Arc<ModelRouter>,
+    /// The candidate workers.
+    pub candidates: Candidates,
+    /// Whether the chosen worker's prefix state was precise (KV events).
+    pub chosen_precise: bool,
+    /// The request's engine block hashes per engine block size (precise workers only), for
+    /// predict-on-route at commit.
+    pub engine_blocks: Vec<(u32, Arc<[BlockHash]>)>,
+}
+
+/// Decides for the request (no side effect): candidates from the fleet snapshot, the
+/// engine-reported cached tokens of precise workers, then the model's router.
+///
+/// # Errors
+/// 404 for a model no worker serves, 503 when no worker is routable.
+pub fn decide(s: &AppState, info: &RoutingInfo, model: &str, precise: &Precise) -> Result<Routed, ApiError> {
+    let lookup = if model == "*" { "" } else { model };
+    let mut candidates = s.fleet.candidates(lookup);
+    if candidates.entries.is_empty() {
+        return Err(if !s.fleet.load().is_empty() && !info.model.is_empty() {
+            ApiError::new(StatusCode::NOT_FOUND, format!("model `{}` is not served by any worker", info.model))
+                .with_param("model")
+        } else {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no worker is registered")
+        });
+    }
+    let engine_blocks = precise_cached_tokens(s, precise, &mut candidates);
+    let req = precise_view(info, model, precise);
+    let router = s.routers.get(model, s.now());
+    let t0 = Instant::now();
+    let mut rng = s.routers.rng();
+    let mut ctx = PickCtx { now: s.now(), rng: &mut rng };
+    let decided = router.decide(&req, &candidates.views, &mut ctx);
+    s.metrics.decision_seconds.observe(t0.elapsed().as_secs_f64());
+    let (decision, key) =
+        decided.map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no healthy worker available").retry_after(1))?;
+    if decision.key_len > 0 {
+        s.metrics.match_rate.observe(decision.match_rate());
+    }
+    let chosen_precise = candidates.views.iter().any(|v| v.id == decision.worker && v.cached_tokens.is_some());
+    Ok(Routed { decision, key, router, candidates, chosen_precise, engine_blocks })
+}
+
+/// Sets each precise worker's `cached_tokens` in its view from the KV-event index and
+/// returns the request's engine block hashes per block size (hashed once per size, outside
+/// the index lock so a long prompt does not hold up the event subscribers).
+fn precise_cached_tokens(s: &AppState, precise: &Precise, c: &mut Candidates) -> Vec<(u32, Arc<[BlockHash]>)> {
+    let Precise::Tokens(tokens) = precise else { return Vec::new() };
+    let sizes: Vec<(Option<u32>, bool)> = {
+        let ix = s.precise.lock();
+        c.views.iter().map(|v| (ix.block_size(v.id), ix.is_tracked(v.id))).collect()
+    };
+    let mut by_size: Vec<(u32, Arc<[BlockHash]>)> = Vec::new();
+    for bs in sizes.iter().filter_map(|x| x.0) {
+        if !by_size.iter().any(|(b, _)| *b == bs) {
+            let mut h = Vec::new();
+            hash_token_blocks(tokens, bs as usize, usize::MAX, HashAlgo::Xxh3, &mut h);
+            by_size.push((bs, h.into()));
+        }
+    }
+    let ix = s.precise.lock();
+    let now = s.now();
+    for (v, (bs, tracked)) in c.views.iter_mut().zip(sizes) {
+        v.cached_tokens = match bs {
+            Some(bs) => {
+                let hashes = by_size.iter().find(|(b, _)| *b == bs).map(|(_, h)| &h[..]).unwrap_or_default();
+                ix.cached_tokens(v.id, hashes, bs, now)
+            }
+            // Tracked but no BlockStored yet: the cache is empty as far as we know.
+            None if tracked => Some(0),
+            None => None,
+        };
+    }
+    by_size
+}
+
+/// The `x-kvroute-decision` header value.
+pub fn decision_header(policy: &str, d: &Decision) -> String {
+    let unit = match d.unit {
+        MatchUnit::Chars => " chars",
+        MatchUnit::Tokens => " tokens",
+        MatchUnit::Blocks => " blocks",
+        MatchUnit::None => "",
+    };
+    format!("policy={policy}; branch={}; matched={}/{}{unit}", d.branch.as_str(), d.matched, d.key_len)
+}
+
+/// The worker ids to try, in order: the chosen worker, then the fallbacks.
+pub fn order(d: &Decision) -> impl Iterator<Item = WorkerId> + '_ {
+    std::iter::once(d.worker).chain(d.fallbacks.iter().copied())
+}

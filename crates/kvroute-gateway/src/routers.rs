@@ -1,0 +1,199 @@
+//! One router per model, each with its own policy state, so one model's traffic never
+//! waits on another's (SGLang router keeps a tree per model the same way).
+//!
+//! A decision ([`ModelRouter::decide`]) takes the policy's read lock: decisions run
+//! concurrently and change nothing. A commit ([`ModelRouter::commit`]) takes the write lock
+//! for the length of one index insert. Eviction runs in slices of [`EVICTION_SLICE`]
+//! entries, releasing the lock between slices.
+
+use arc_swap::ArcSwap;
+use kvroute_core::policy::{Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, commit, decide};
+use kvroute_core::types::{Nanos, RequestView, WorkerId, WorkerView};
+use parking_lot::{Mutex, RwLock};
+use rand_core::SeedableRng;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// Entries (tree leaves, blocks) one maintenance slice evicts before releasing the lock.
+pub const EVICTION_SLICE: usize = 1024;
+
+/// Most distinct models the gateway keeps a router for; requests for further models share
+/// the catch-all router (`*`).
+pub const MAX_MODEL_ROUTERS: usize = 256;
+
+/// The router of one model.
+#[derive(Debug)]
+pub struct ModelRouter {
+    policy: RwLock<Box<dyn Policy>>,
+    /// When its next maintenance is due (gateway clock, ns; `u64::MAX` when never).
+    next_maintain: AtomicU64,
+}
+
+impl ModelRouter {
+    fn new(policy: Box<dyn Policy>, now: Nanos) -> Self {
+        let next = policy.maintenance_interval().map_or(u64::MAX, |i| now.saturating_add(i).0);
+        ModelRouter { policy: RwLock::new(policy), next_maintain: AtomicU64::new(next) }
+    }
+
+    /// Decides (pure: no index, session table or counter changes).
+    ///
+    /// # Errors
+    /// [`RouteError::NoWorker`] when no candidate is routable.
+    pub fn decide(
+        &self,
+        req: &RequestView<'_>,
+        candidates: &[WorkerView],
+        ctx: &mut PickCtx<'_>,
+    ) -> Result<(Decision, RequestKey), RouteError> {
+        decide(self.policy.read().as_ref(), req, candidates, ctx)
+    }
+
+    /// Records that `req` was sent to `worker`.
+    pub fn commit(&self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) {
+        commit(self.policy.write().as_mut(), req, key, worker, now);
+    }
+
+    /// Size of the policy's prefix index.
+    pub fn index_size(&self) -> u64 {
+        self.policy.read().index_size()
+    }
+
+    /// Runs maintenance when it is due, in bounded slices. The interval is read from the
+    /// policy each time, so a knob change (e.g. turning `do_eviction` on, or a new
+    /// `eviction_interval_secs`) takes effect at the next tick.
+    pub fn maintain_if_due(&self, now: Nanos) {
+        if now.0 < self.next_maintain.load(Relaxed) {
+            return;
+        }
+        while self.policy.write().maintain(now, EVICTION_SLICE) {
+            std::thread::yield_now();
+        }
+        let next = self.policy.read().maintenance_interval().map_or(u64::MAX, |i| now.saturating_add(i).0);
+        self.next_maintain.store(next, Relaxed);
+    }
+
+    /// Re-reads the maintenance interval after a knob change: due at `now` + the new
+    /// interval (or never), replacing the old schedule.
+    fn reschedule(&self, now: Nanos) {
+        let next = self.policy.read().maintenance_interval().map_or(u64::MAX, |i| now.saturating_add(i).0);
+        self.next_maintain.store(next, Relaxed);
+    }
+}
+
+/// Every model's router, built on first sight of a model from the live policy setting.
+#[derive(Debug)]
+pub struct Routers {
+    map: ArcSwap<HashMap<String, Arc<ModelRouter>>>,
+    /// Serialises adding routers and changing the policy (never on the request path once a
+    /// model's router exists).
+    writer: Mutex<()>,
+    /// The live policy: name and knobs every model's router runs.
+    setting: ArcSwap<(String, serde_json::Value)>,
+    seed: u64,
+    decisions: AtomicU64,
+}
+
+impl Routers {
+    /// Routers running `policy` with `knobs`.
+    ///
+    /// # Errors
+    /// An unknown policy or invalid knobs.
+    pub fn new(policy: &str, knobs: serde_json::Value, seed: u64) -> anyhow::Result<Self> {
+        kvroute_core::registry::build(policy, &knobs)?;
+        Ok(Routers {
+            map: ArcSwap::from_pointee(HashMap::new()),
+            writer: Mutex::new(()),
+            setting: ArcSwap::from_pointee((policy.to_string(), knobs)),
+            seed,
+            decisions: AtomicU64::new(0),
+        })
+    }
+
+    /// The live policy's name.
+    pub fn policy_name(&self) -> String {
+        self.setting.load().0.clone()
+    }
+
+    /// The router of `model` (created on first use; at most [`MAX_MODEL_ROUTERS`], then
+    /// the catch-all `*`).
+    pub fn get(&self, model: &str, now: Nanos) -> Arc<ModelRouter> {
+        if let Some(r) = self.map.load().get(model) {
+            return Arc::clone(r);
+        }
+        let _w = self.writer.lock();
+        let cur = self.map.load_full();
+        if let Some(r) = cur.get(model) {
+            return Arc::clone(r);
+        }
+        let key = if cur.len() >= MAX_MODEL_ROUTERS { "*" } else { model };
+        if let Some(r) = cur.get(key) {
+            return Arc::clone(r);
+        }
+        let setting = self.setting.load();
+        // The setting was validated when it was stored, so building cannot fail; a round
+        // robin stands in should it ever do.
+        let policy = kvroute_core::registry::build(&setting.0, &setting.1)
+            .unwrap_or_else(|_| Box::new(kvroute_core::policy::basic::RoundRobin::default()));
+        let r = Arc::new(ModelRouter::new(policy, now));
+        let mut next = cur.as_ref().clone();
+        next.insert(key.to_string(), Arc::clone(&r));
+        self.map.store(Arc::new(next));
+        r
+    }
+
+    /// A seeded random source for one decision (the decision counter mixed into the
+    /// configured seed: reproducible for a sequential run, independent across requests).
+    pub fn rng(&self) -> rand_xoshiro::Xoshiro256PlusPlus {
+        let n = self.decisions.fetch_add(1, Relaxed);
+        rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(self.seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    }
+
+    /// Every model's router.
+    pub fn all(&self) -> Vec<Arc<ModelRouter>> {
+        self.map.load().values().cloned().collect()
+    }
+
+    /// Forgets `worker` in every model's router.
+    pub fn worker_removed(&self, worker: WorkerId) {
+        for r in self.all() {
+            r.policy.write().on_worker_removed(worker);
+        }
+    }
+
+    /// Summed index size over the models.
+    pub fn index_size(&self) -> u64 {
+        self.all().iter().map(|r| r.index_size()).sum()
+    }
+
+    /// The live policy's knobs.
+    pub fn knobs(&self) -> serde_json::Value {
+        let setting = self.setting.load();
+        match self.all().first() {
+            Some(r) => r.policy.read().knobs(),
+            None => kvroute_core::registry::build(&setting.0, &setting.1).map(|p| p.knobs()).unwrap_or_default(),
+        }
+    }
+
+    /// Patches the live policy's knobs in every model's router (each one's write lock in
+    /// turn; the others keep routing). Validated first against a fresh policy, so an
+    /// invalid patch changes nothing anywhere.
+    ///
+    /// # Errors
+    /// [`KnobError`] naming the bad knob.
+    pub fn set_knobs(&self, patch: &serde_json::Value, now: Nanos) -> Result<serde_json::Value, KnobError> {
+        let _w = self.writer.lock();
+        let setting = self.setting.load_full();
+        let mut probe = kvroute_core::registry::build(&setting.0, &setting.1)
+            .map_err(|e| KnobError { policy: "?", message: e.to_string() })?;
+        probe.set_knobs(patch)?;
+        let knobs = probe.knobs();
+        for r in self.all() {
+            let res = r.policy.write().set_knobs(patch);
+            res?;
+            r.reschedule(now);
+        }
+        self.setting.store(Arc::new((setting.0.clone(), knobs.clone())));
+        Ok(knobs)
+    }
+}
