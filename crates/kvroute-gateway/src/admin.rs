@@ -156,8 +156,7 @@ pub async fn put_policy(State(s): State<Arc<AppState>>, headers: HeaderMap, body
         let v: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::bad_field("body", format!("not valid JSON: {e}")))?;
         let patch = v.get("knobs").cloned().unwrap_or(v);
-        let knobs =
-            s.routers.set_knobs(&patch, s.now()).map_err(|e| ApiError::bad_field("knobs", e.to_string()))?;
+        let knobs = s.routers.set_knobs(&patch, s.now()).map_err(|e| ApiError::bad_field("knobs", e.to_string()))?;
         Ok::<_, ApiError>(Json(serde_json::json!({"policy": s.routers.policy_name(), "knobs": knobs})))
     }
     .await;

@@ -385,8 +385,13 @@ impl Fleet {
 
     /// Models served by routable workers, sorted and deduplicated.
     pub fn models(&self) -> Vec<String> {
-        let mut m: Vec<String> =
-            self.list.load().iter().filter(|w| w.is_routable()).flat_map(|w| w.models.load().as_ref().clone()).collect();
+        let mut m: Vec<String> = self
+            .list
+            .load()
+            .iter()
+            .filter(|w| w.is_routable())
+            .flat_map(|w| w.models.load().as_ref().clone())
+            .collect();
         m.sort();
         m.dedup();
         m

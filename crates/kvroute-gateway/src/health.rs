@@ -1,11 +1,11 @@
 //! Active health checks, model discovery, engine `/metrics` scraping and policy maintenance.
 
+use crate::fleet::WorkerEntry;
 use crate::metrics::WorkerLabel;
 use crate::state::AppState;
-use crate::fleet::WorkerEntry;
 use kvroute_core::types::Health;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 /// Largest `/metrics` or `/v1/models` body read from a worker.

@@ -150,7 +150,7 @@ impl Metrics {
             admission_rejections.clone(),
         );
         let retries = Counter::default();
-        registry.register("kvroute_retries", "Attempts retried on another worker", retries.clone());
+        registry.register("kvroute_retries", "Attempts retried (on the same worker or the next)", retries.clone());
         let stale_connection_resends = Counter::default();
         registry.register(
             "kvroute_stale_connection_resends",

@@ -174,8 +174,11 @@ pub async fn send(
             }
         }
     }
-    let (blame, status) =
-        if attempts == 0 { (Blame::Router, StatusCode::SERVICE_UNAVAILABLE) } else { (Blame::Worker, StatusCode::BAD_GATEWAY) };
+    let (blame, status) = if attempts == 0 {
+        (Blame::Router, StatusCode::SERVICE_UNAVAILABLE)
+    } else {
+        (Blame::Worker, StatusCode::BAD_GATEWAY)
+    };
     Err(DispatchError {
         blame,
         retryable: blame == Blame::Router,

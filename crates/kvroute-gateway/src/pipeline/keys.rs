@@ -25,7 +25,13 @@ pub enum Precise {
 /// carries none, and resolves the engine's token ids for precise matching. Counts the
 /// outcomes (`kvroute_local_tokenize`). A request that cannot be reproduced exactly keeps
 /// its text key.
-pub async fn resolve(s: &Arc<AppState>, api: Api, body: serde_json::Value, bytes: &[u8], info: &mut RoutingInfo) -> Precise {
+pub async fn resolve(
+    s: &Arc<AppState>,
+    api: Api,
+    body: serde_json::Value,
+    bytes: &[u8],
+    info: &mut RoutingInfo,
+) -> Precise {
     local_tokens(s, api, body, info).await;
     if s.cfg.kv_events.is_empty() {
         return Precise::Off;

@@ -56,7 +56,12 @@ async fn handle(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Body) -> R
 }
 
 /// The stages in order. An error carries the decision's branch once there is one.
-async fn run(s: &Arc<AppState>, api: Api, headers: &HeaderMap, body: Body) -> Result<Response, (ApiError, &'static str)> {
+async fn run(
+    s: &Arc<AppState>,
+    api: Api,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, (ApiError, &'static str)> {
     let t0 = Instant::now();
     let bytes = read_body(s, headers, body).await.map_err(|e| (e, ""))?;
     let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());

@@ -53,7 +53,8 @@ pub fn respond(
         .header("x-kvroute-decision", HeaderValue::from_str(decision).unwrap_or(HeaderValue::from_static("?")));
     let internal = |e: axum::http::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
     let Some(body) = body else {
-        let guard = StreamGuard { state: Arc::clone(s), worker, ticket, predicted, t0, first: false, branch, _permit: permit };
+        let guard =
+            StreamGuard { state: Arc::clone(s), worker, ticket, predicted, t0, first: false, branch, _permit: permit };
         return builder.body(Body::from_stream(relay(resp, guard))).map_err(internal);
     };
     if let Some(p) = predicted {

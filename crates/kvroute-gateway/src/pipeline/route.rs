@@ -105,8 +105,8 @@ pub fn decide(s: &AppState, info: &RoutingInfo, model: &str, precise: &Precise) 
     let mut ctx = PickCtx { now: s.now(), rng: &mut rng };
     let decided = router.decide(&req, &candidates.views, &mut ctx);
     s.metrics.decision_seconds.observe(t0.elapsed().as_secs_f64());
-    let (decision, key) =
-        decided.map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no healthy worker available").retry_after(1))?;
+    let (decision, key) = decided
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no healthy worker available").retry_after(1))?;
     if decision.key_len > 0 {
         s.metrics.match_rate.observe(decision.match_rate());
     }

@@ -1,0 +1,197 @@
+//! The request pipeline's contracts, end to end on 127.0.0.1 with simulated workers:
+//! admission and dry runs record nothing; a client that goes away leaves no load behind;
+//! retries follow SGLang router's rules; an ejected worker needs a real inference request to
+//! come back; a knob change reschedules eviction.
+//!
+//! Waits are bounded polls behind a hang guard (a failure, never a timing assertion).
+
+use kvroute_gateway::GatewayConfig;
+use kvroute_gateway::engine_sim::{self, EngineSimConfig};
+use kvroute_sim::engine::Profile;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+mod common;
+
+async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), f).await.expect("hang guard: no answer within 60 s")
+}
+
+async fn worker(cfg: EngineSimConfig) -> (String, CancellationToken) {
+    let stop = CancellationToken::new();
+    let (url, _sim) = engine_sim::spawn_local(cfg, stop.clone()).await.expect("start a simulated worker");
+    (url, stop)
+}
+
+fn fast() -> EngineSimConfig {
+    let mut profile = Profile::named("h100-llama3-8b").expect("profile");
+    profile.prefill_per_token_s = 1e-4;
+    EngineSimConfig { profile, time_scale: 50.0, ..EngineSimConfig::default() }
+}
+
+fn cfg(urls: &[&str], policy: &str) -> GatewayConfig {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    GatewayConfig {
+        policy: policy.into(),
+        worker_urls: urls.iter().map(|u| u.to_string()).collect(),
+        port: 0,
+        ..GatewayConfig::default()
+    }
+}
+
+fn chat(content: &str) -> serde_json::Value {
+    serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": content}],
+        "max_tokens": 5})
+}
+
+/// An unlabelled sample of `name` on the router's `/metrics` (0 when absent).
+async fn metric(c: &reqwest::Client, router: &str, name: &str) -> f64 {
+    let text = guard(c.get(format!("{router}/metrics")).send()).await.expect("metrics").text().await.expect("text");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0.0)
+}
+
+/// (in_flight, waiting, pending_prefill_tokens) summed over the router's workers.
+async fn ledger(c: &reqwest::Client, router: &str) -> (u64, u64, u64) {
+    let v: serde_json::Value =
+        guard(c.get(format!("{router}/workers")).send()).await.expect("workers").json().await.expect("json");
+    v["workers"].as_array().expect("rows").iter().fold((0, 0, 0), |(a, b, p), w| {
+        let n = |k: &str| w[k].as_u64().unwrap_or(0);
+        (a + n("in_flight"), b + n("waiting"), p + n("pending_prefill_tokens"))
+    })
+}
+
+async fn post(c: &reqwest::Client, url: String, body: &serde_json::Value) -> reqwest::Response {
+    guard(c.post(url).json(body).send()).await.expect("send")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_rejections_and_dry_runs_record_nothing_and_a_gone_client_leaves_no_load() {
+    let (hung, stop_w) = worker(EngineSimConfig { hang_rate: 1.0, ..fast() }).await;
+    let mut config = cfg(&[&hung], "cache_aware");
+    config.max_in_flight_per_model = 1;
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let c = reqwest::Client::new();
+    // One request holds the model's only permit (the worker never answers).
+    let holder = {
+        let (c, url) = (c.clone(), format!("{r}/v1/chat/completions"));
+        tokio::spawn(async move { c.post(url).json(&chat(&"held prompt. ".repeat(50))).send().await })
+    };
+    guard(async {
+        while ledger(&c, &r).await.0 != 1 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let size = metric(&c, &r, "kvroute_index_size").await;
+    let load = ledger(&c, &r).await;
+    assert!(size > 0.0, "the sent request was committed to the index");
+    for i in 0..5 {
+        let resp = post(&c, format!("{r}/v1/chat/completions"), &chat(&format!("rejected {i} ").repeat(40))).await;
+        assert_eq!(resp.status(), 503, "admission limit 1");
+    }
+    // /generate without `model` is admitted under the fleet's one model, so it meets the
+    // same limit (it used to be counted apart, under "*").
+    let resp = post(&c, format!("{r}/generate"), &serde_json::json!({"text": "no model named", "stream": false})).await;
+    assert_eq!(resp.status(), 503, "a request without `model` bypassed the model's admission limit");
+    for i in 0..20 {
+        let mut body = chat(&format!("dry run {i} ").repeat(40));
+        body["user"] = format!("session-{i}").into();
+        let resp = post(&c, format!("{r}/debug/route"), &body).await;
+        assert_eq!(resp.status(), 200);
+    }
+    assert_eq!(metric(&c, &r, "kvroute_index_size").await, size, "a 503 or a dry run changed the prefix index");
+    assert_eq!(ledger(&c, &r).await, load, "a 503 or a dry run changed the load counters");
+    // The client of the held request goes away: its load is settled, not leaked.
+    holder.abort();
+    guard(async {
+        while ledger(&c, &r).await != (0, 0, 0) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    stop.cancel();
+    stop_w.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_passing_health_and_failing_inference_stays_out_after_max_worker_retries() {
+    let (bad, stop_bad) = worker(EngineSimConfig { error_rate: 1.0, ..fast() }).await;
+    let (good, stop_good) = worker(fast()).await;
+    let mut config = cfg(&[&bad, &good], "round_robin");
+    // Health checks pass often: before the fix they brought the worker back every few checks.
+    config.health.interval_secs = 0.05;
+    config.health.success_threshold = 1;
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let c = reqwest::Client::new();
+    for i in 0..40 {
+        let resp = post(&c, format!("{r}/v1/chat/completions"), &chat(&format!("q{i}"))).await;
+        assert_eq!(resp.status(), 200, "request {i}: no client-visible error while a healthy worker exists");
+        assert_eq!(resp.headers()["x-kvroute-worker"].to_str().expect("ascii"), good);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The only failed attempts: the max_worker_retries (3) that ejected it. Its inference
+    // probes (1 s, then 2 s, 4 s, ... up to 60 s apart) are not client requests.
+    let retries = metric(&c, &r, "kvroute_retries_total").await;
+    assert!((1.0..=3.0).contains(&retries), "failed attempts on the bad worker: {retries}");
+    let v: serde_json::Value = guard(c.get(format!("{r}/workers")).send()).await.expect("w").json().await.expect("j");
+    let row = v["workers"].as_array().expect("rows").iter().find(|w| w["url"] == bad.as_str()).cloned().expect("row");
+    assert_eq!(row["ejected"], true, "{v}");
+    stop.cancel();
+    stop_bad.cancel();
+    stop_good.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_are_bounded_by_max_total_retries_exactly() {
+    let (a, stop_a) = worker(EngineSimConfig { error_rate: 1.0, ..fast() }).await;
+    let (b, stop_b) = worker(EngineSimConfig { error_rate: 1.0, ..fast() }).await;
+    let (c3, stop_c) = worker(EngineSimConfig { error_rate: 1.0, ..fast() }).await;
+    let mut config = cfg(&[&a, &b, &c3], "round_robin");
+    config.health.interval_secs = 3600.0;
+    config.max_worker_retries = 3;
+    config.max_total_retries = 6;
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let c = reqwest::Client::new();
+    let resp = post(&c, format!("{r}/v1/chat/completions"), &chat("fails everywhere")).await;
+    assert_eq!(resp.status(), 502);
+    let v: serde_json::Value = guard(resp.json()).await.expect("json error");
+    let msg = v["error"]["message"].as_str().expect("message");
+    assert!(msg.contains("6 made, 6 at most"), "{msg}");
+    // 3 on the chosen worker, 3 on the next, none on the third: 5 retries after the first.
+    assert_eq!(metric(&c, &r, "kvroute_retries_total").await, 5.0);
+    stop.cancel();
+    for s in [stop_a, stop_b, stop_c] {
+        s.cancel();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turning_eviction_on_live_evicts() {
+    let (w, stop_w) = worker(fast()).await;
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(cfg(&[&w], "prefix_affinity"), stop.clone()).await;
+    let c = reqwest::Client::new();
+    for i in 0..10 {
+        let resp = post(&c, format!("{r}/v1/chat/completions"), &chat(&format!("prompt {i} ").repeat(30))).await;
+        assert_eq!(resp.status(), 200);
+    }
+    assert!(metric(&c, &r, "kvroute_index_size").await > 100.0);
+    // Eviction was off at start (Ray Serve's default): turned on live, it must run.
+    let patch = serde_json::json!({"knobs": {"do_eviction": true, "eviction_interval_secs": 0.1,
+        "eviction_threshold_chars": 100, "eviction_target_chars": 50}});
+    let resp = guard(c.put(format!("{r}/policy")).json(&patch).send()).await.expect("put");
+    assert_eq!(resp.status(), 200);
+    guard(async {
+        while metric(&c, &r, "kvroute_index_size").await > 50.0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    stop.cancel();
+    stop_w.cancel();
+}
