@@ -95,7 +95,7 @@ async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, cancel: 
                 break;
             };
             let Some(w) = worker_id(&s, &label.worker) else { continue };
-            s.precise.lock().track(w);
+            s.precise.write().track(w);
             let (seq, payload) = match parse_frames(&msg.into_vec()) {
                 Ok((_, seq, p)) => (seq, p),
                 Err(e) => {
@@ -125,7 +125,7 @@ async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, cancel: 
                     // The publisher restarted: everything it said before is void.
                     s.metrics.kv_restarts.get_or_create(&label).inc();
                     tracing::info!(worker = %label.worker, seq, last = l, "kv events: publisher restarted; state cleared");
-                    s.precise.lock().clear(w);
+                    s.precise.write().clear(w);
                     0
                 }
                 Some(&l) => l + 1,
@@ -148,7 +148,7 @@ fn apply(s: &AppState, w: WorkerId, label: &WorkerLabel, events: &[KvEvent]) {
     let now = s.now();
     let mut skipped = 0u64;
     {
-        let mut ix = s.precise.lock();
+        let mut ix = s.precise.write();
         for e in events {
             match e {
                 KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, group_idx } => {
@@ -332,7 +332,7 @@ async fn probe(s: &Arc<AppState>, worker: &str) -> Parity {
         Ok(t) => t,
         Err(why) => return Parity::Inconclusive(format!("the probe could not be tokenized ({why})")),
     };
-    let stored_before = s.precise.lock().stats().stored;
+    let stored_before = s.precise.read().stats().stored;
     let sent = s.client.post(format!("{worker}/v1/chat/completions")).timeout(PARITY_TIMEOUT).json(&body).send().await;
     match sent {
         Ok(r) if r.status().is_success() => {}
@@ -344,7 +344,7 @@ async fn probe(s: &Arc<AppState>, worker: &str) -> Parity {
     let mut mismatch_since = None;
     loop {
         {
-            let ix = s.precise.lock();
+            let ix = s.precise.read();
             if let Some(bs) = ix.block_size(w).filter(|b| *b > 0) {
                 let mut h = Vec::new();
                 kvroute_core::hash::hash_token_blocks(
@@ -445,7 +445,7 @@ pub async fn request_tokens(
     }
     // Any tracked, healthy worker's tokenizer (they serve the same model).
     let urls: Vec<String> = {
-        let ix = s.precise.lock();
+        let ix = s.precise.read();
         s.fleet
             .load()
             .iter()

@@ -28,7 +28,7 @@ pub struct AppState {
     /// Monotonic origin of [`AppState::now`].
     pub start: Instant,
     /// Engine-reported prefix state of the workers that publish KV events.
-    pub precise: Mutex<kvroute_core::precise::PreciseIndex>,
+    pub precise: RwLock<kvroute_core::precise::PreciseIndex>,
     /// Request token ids from `/tokenize`, for precise matching.
     pub tokens: Mutex<crate::kv_subscriber::TokenCache>,
     /// The local tokenizer (`tokenizer`), when configured.
@@ -74,7 +74,7 @@ impl AppState {
             client,
             metrics: Metrics::new(),
             start: Instant::now(),
-            precise: Mutex::new(kvroute_core::precise::PreciseIndex::new(precise_cfg)),
+            precise: RwLock::new(kvroute_core::precise::PreciseIndex::new(precise_cfg)),
             tokens: Mutex::new(Default::default()),
             tokenizer,
         }))
@@ -129,7 +129,7 @@ impl AppState {
         let url = url.trim_end_matches('/');
         let Some(w) = self.fleet.remove(url) else { return false };
         self.routers.worker_removed(w.id);
-        self.precise.lock().untrack(w.id);
+        self.precise.write().untrack(w.id);
         self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.to_string() }).set(0);
         true
     }

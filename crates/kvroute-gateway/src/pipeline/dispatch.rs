@@ -78,7 +78,7 @@ impl Predicted {
     /// The prefill is over (first token) or the attempt ended: the engine's `BlockStored`
     /// is on its way, so the prediction now lasts only the predict window.
     pub fn settle(&self, s: &AppState) {
-        let mut ix = s.precise.lock();
+        let mut ix = s.precise.write();
         let now = s.now();
         let until = now.saturating_add(ix.predict_window());
         ix.predict(self.worker, &self.hashes, now, until);
@@ -93,7 +93,7 @@ fn commit(s: &AppState, routed: &Routed, req: &RequestView<'_>, worker: WorkerId
     if routed.engine_blocks.is_empty() {
         return None;
     }
-    let mut ix = s.precise.lock();
+    let mut ix = s.precise.write();
     if ix.predict_window().0 == 0 {
         return None;
     }

@@ -120,7 +120,7 @@ pub fn decide(s: &AppState, info: &RoutingInfo, model: &str, precise: &Precise) 
 fn precise_cached_tokens(s: &AppState, precise: &Precise, c: &mut Candidates) -> Vec<(u32, Arc<[BlockHash]>)> {
     let Precise::Tokens(tokens) = precise else { return Vec::new() };
     let sizes: Vec<(Option<u32>, bool)> = {
-        let ix = s.precise.lock();
+        let ix = s.precise.read();
         c.views.iter().map(|v| (ix.block_size(v.id), ix.is_tracked(v.id))).collect()
     };
     let mut by_size: Vec<(u32, Arc<[BlockHash]>)> = Vec::new();
@@ -131,7 +131,7 @@ fn precise_cached_tokens(s: &AppState, precise: &Precise, c: &mut Candidates) ->
             by_size.push((bs, h.into()));
         }
     }
-    let ix = s.precise.lock();
+    let ix = s.precise.read();
     let now = s.now();
     for (v, (bs, tracked)) in c.views.iter_mut().zip(sizes) {
         v.cached_tokens = match bs {
