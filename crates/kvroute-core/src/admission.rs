@@ -1,4 +1,4 @@
-//! Admission control (seed 001): a bounded in-flight counter per (model, role) that hands
+//! Admission control (Cognitora cgn-router): a bounded in-flight counter per (model, role) that hands
 //! out RAII [`Permit`]s. When a counter is full the request is rejected at once — the
 //! gateway answers 503 with `Retry-After` — and never queued: "queueing inflates TTFT and
 //! the client's deadline budget is more useful at the source". The limit is a hard cap on

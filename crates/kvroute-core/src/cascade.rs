@@ -1,4 +1,4 @@
-//! Seed 001's model cascade as a pure state machine (`cgn-router/src/cascade.rs`).
+//! Cognitora cgn-router's model cascade as a pure state machine (`cgn-router/src/cascade.rs`).
 //!
 //! When `[router.cascade].enabled` is true and the request's model has a chain configured,
 //! the request first runs on the chain's first (smallest) model. When the response comes

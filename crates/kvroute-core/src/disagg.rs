@@ -1,4 +1,4 @@
-//! Seed 001's prefill/decode disaggregation plan (`cgn-router/src/disagg.rs`).
+//! Cognitora cgn-router's prefill/decode disaggregation plan (`cgn-router/src/disagg.rs`).
 //!
 //! When `[router.disagg].enabled` is true and the prompt exceeds `colocate_below_tokens`,
 //! the router asks for two workers: a prefill worker ([`Role::Prefill`]) that runs the

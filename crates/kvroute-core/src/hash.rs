@@ -1,4 +1,4 @@
-//! Chained block hashing of prompts (seed 001; vLLM-style prefix caching blocks).
+//! Chained block hashing of prompts (Cognitora cgn-router; vLLM-style prefix caching blocks).
 //!
 //! A prompt is cut into fixed-size blocks: `block_tokens` token ids, or, when no tokenizer
 //! is configured, `block_tokens * CHARS_PER_TOKEN` bytes of UTF-8 text. Each block's hash
@@ -14,7 +14,7 @@
 //! ignored).
 //!
 //! The default algorithm is xxh3-64 (stable across platforms and versions, ~7 ns per
-//! 16-token block here); BLAKE3 (first 8 bytes of the keyed digest) is the option seed 001
+//! 16-token block here); BLAKE3 (first 8 bytes of the keyed digest) is the option Cognitora cgn-router
 //! names, for fleets where a tenant could forge collisions.
 
 use crate::types::{BlockHash, CHARS_PER_TOKEN};
@@ -30,7 +30,7 @@ pub enum HashAlgo {
     /// xxh3-64 seeded with the parent hash (default).
     #[default]
     Xxh3,
-    /// BLAKE3 keyed by the parent hash, first 8 bytes little-endian (seed 001).
+    /// BLAKE3 keyed by the parent hash, first 8 bytes little-endian (Cognitora cgn-router).
     Blake3,
 }
 

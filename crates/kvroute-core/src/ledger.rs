@@ -11,7 +11,7 @@
 //! every ticket is closed (property-tested). Closing a ticket twice is impossible: the
 //! closing transitions take it by value.
 //!
-//! Counters follow seed 002's per-instance state: `num_requests` (in flight),
+//! Counters follow B3 `cache_aware_proxy.py`'s per-instance state: `num_requests` (in flight),
 //! `pending_prefill_tokens` (uncached prompt tokens not yet prefilled) and
 //! `ongoing_decode_tokens`, plus `waiting` (no first token yet).
 

@@ -10,12 +10,12 @@
 //! - [`hash`]: chained block hashing (xxh3-64 default, BLAKE3 option).
 //! - [`radix`]: approximate multi-tenant radix tree (SGLang / Ray Serve semantics).
 //! - [`block_index`]: block hash → workers index with TTL and a block budget.
-//! - [`lru_blocks`]: seed 002's per-worker LRU set of block hashes.
+//! - [`lru_blocks`]: B3 `cache_aware_proxy.py`'s per-worker LRU set of block hashes.
 //! - [`ledger`]: per-worker load counters with explicit request transitions.
-//! - [`admission`]: per-(model, role) admission with RAII permits (seed 001).
+//! - [`admission`]: per-(model, role) admission with RAII permits (Cognitora cgn-router).
 //! - [`policy`]: the [`policy::Policy`] trait and every policy.
 //! - [`registry`]: build a policy by name; list policies with knobs and defaults.
-//! - [`cascade`], [`disagg`]: seed 001's cascade state machine and prefill/decode plan.
+//! - [`cascade`], [`disagg`]: Cognitora cgn-router's cascade state machine and prefill/decode plan.
 //! - [`trace`]: trace transforms shared by the simulator and the load generator.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]

@@ -1,4 +1,4 @@
-//! Seed 002's per-worker LRU set of block hashes (B3 `inst.cached_blocks`).
+//! The per-worker LRU set of block hashes of B3 `cache_aware_proxy.py` (`inst.cached_blocks`).
 //!
 //! Each worker keeps the hashes of the blocks the router believes it has cached, with a
 //! capacity in blocks and least-recently-used eviction. [`LruBlockSet::estimate_cache_hit`]

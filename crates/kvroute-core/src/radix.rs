@@ -1,5 +1,5 @@
-//! Approximate multi-tenant radix tree (SGLang router, seed 003; Ray Serve prefix tree,
-//! seed 000).
+//! Approximate multi-tenant radix tree (SGLang router cache_aware; Ray Serve
+//! PrefixCacheAffinityRouter's prefix tree).
 //!
 //! One tree per model holds the prefixes the router has sent to each worker ("tenant").
 //! Keys are sequences of [`Symbol`]s: UTF-8 bytes of routing text (`u8`), token ids

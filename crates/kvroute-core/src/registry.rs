@@ -30,7 +30,7 @@ pub struct KnobInfo {
 pub struct PolicyInfo {
     /// Registry name.
     pub name: &'static str,
-    /// Where the behaviour comes from (seed file, paper or system).
+    /// Where the behaviour comes from (the system or paper, by its public name).
     pub source: &'static str,
     /// One-line summary.
     pub summary: &'static str,
@@ -136,13 +136,15 @@ fn knobs_of(defaults: serde_json::Value, table: &[Knob]) -> Vec<KnobInfo> {
         .collect()
 }
 
-fn b3_info(name: &'static str, summary: &'static str, prefix_aware: bool) -> PolicyInfo {
+fn b3_info(mode: B3Mode, summary: &'static str, prefix_aware: bool) -> PolicyInfo {
+    // Only the knobs this picker reads (unified reads all of them).
+    let table: Vec<Knob> = B3_KNOBS.iter().copied().filter(|(k, _, _)| mode.knob_names().contains(k)).collect();
     PolicyInfo {
         prefix_aware,
-        name,
-        source: "seed 002 (B3 cache_aware_proxy.py)",
+        name: mode.name(),
+        source: "B3 cache_aware_proxy.py",
         summary,
-        knobs: knobs_of(serde_json::to_value(B3Config::default()).unwrap_or_default(), B3_KNOBS),
+        knobs: knobs_of(serde_json::to_value(B3Config::default()).unwrap_or_default(), &table),
     }
 }
 
@@ -158,14 +160,14 @@ pub fn list() -> Vec<PolicyInfo> {
         PolicyInfo {
             prefix_aware: true,
             name: "cache_aware",
-            source: "seed 003 (SGLang router cache_aware)",
+            source: "SGLang router cache_aware",
             summary: "radix-tree longest match above cache_threshold, else smallest tree; least load when imbalanced",
             knobs: knobs_of(serde_json::to_value(CacheAwareConfig::default()).unwrap_or_default(), CACHE_AWARE_KNOBS),
         },
         PolicyInfo {
             prefix_aware: true,
             name: "prefix_affinity",
-            source: "seed 000 (Ray Serve PrefixCacheAffinityRouter)",
+            source: "Ray Serve PrefixCacheAffinityRouter",
             summary: "P2C when imbalanced; else matched workers above match_rate_threshold, else smallest tenants, then P2C",
             knobs: knobs_of(
                 serde_json::to_value(PrefixAffinityConfig::default()).unwrap_or_default(),
@@ -175,14 +177,18 @@ pub fn list() -> Vec<PolicyInfo> {
         PolicyInfo {
             prefix_aware: true,
             name: "kv_score",
-            source: "seed 001 (cgn-router linear KV score)",
+            source: "Cognitora cgn-router linear KV score",
             summary: "w_kv*overlap + w_load*(1-util) + w_pwr*(1-watts) + w_cap*capacity; stable-hash tie-break",
             knobs: knobs_of(serde_json::to_value(KvScoreConfig::default()).unwrap_or_default(), KV_SCORE_KNOBS),
         },
-        b3_info("lmetric", "min (pending_prefill + uncached prompt) x num_requests", true),
-        b3_info("load_only", "min num_requests, first worker on ties (B3 control)", false),
-        b3_info("sticky", "session bound to its first worker forever (B3 control)", false),
-        b3_info("unified", "stick if hit ratio > 0.5 and load <= 2x mean, else LMetric with 4-key tie-break", true),
+        b3_info(B3Mode::LMetric, "min (pending_prefill + uncached prompt) x num_requests", true),
+        b3_info(B3Mode::LoadOnly, "min num_requests, first worker on ties (B3 control)", false),
+        b3_info(B3Mode::Sticky, "session bound to its first worker forever (B3 control)", false),
+        b3_info(
+            B3Mode::Unified,
+            "stick if hit ratio > 0.5 and load <= 2x mean, else LMetric with 4-key tie-break",
+            true,
+        ),
         PolicyInfo {
             prefix_aware: true,
             name: "prefill_cost",
@@ -242,6 +248,28 @@ mod tests {
             }
             assert_eq!(knobs.as_object().map_or(0, |o| o.len()), info.knobs.len(), "{} knob table complete", info.name);
         }
+    }
+
+    #[test]
+    fn b3_pickers_list_and_accept_only_the_knobs_they_read() {
+        let infos = list();
+        let knobs_of = |name: &str| -> Vec<&str> {
+            infos.iter().find(|i| i.name == name).expect("listed").knobs.iter().map(|k| k.name).collect()
+        };
+        for name in ["lmetric", "load_only", "sticky"] {
+            let listed = knobs_of(name);
+            assert!(
+                !listed.contains(&"overload_factor") && !listed.contains(&"hit_ratio_threshold"),
+                "{name}: {listed:?}"
+            );
+            let e = build(name, &serde_json::json!({"overload_factor": 3.0})).expect_err("ignored knob");
+            assert!(e.to_string().contains("overload_factor"), "{e}");
+        }
+        assert!(!knobs_of("lmetric").contains(&"max_sessions"));
+        assert!(knobs_of("sticky").contains(&"max_sessions"));
+        assert_eq!(knobs_of("unified").len(), 5);
+        build("unified", &serde_json::json!({"overload_factor": 3.0, "hit_ratio_threshold": 0.7}))
+            .expect("unified reads both");
     }
 
     #[test]

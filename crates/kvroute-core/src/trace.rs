@@ -1,12 +1,12 @@
 //! Trace transforms shared by the replay simulator and the load generator.
 //!
-//! - [`cap_turns`]: seed 002's §5 capped transform (`build_capped_trace`, MAX_TURNS 8):
+//! - [`cap_turns`]: B3's capped transform (`build_capped_trace`, MAX_TURNS 8):
 //!   keep each session's first `max_turns` turns, ordered by (turn id, timestamp), then
 //!   restore wall-clock order.
 
 use std::collections::HashMap;
 
-/// Seed 002's default cap on turns per session.
+/// B3 `cache_aware_proxy.py`'s default cap on turns per session.
 pub const MAX_TURNS: usize = 8;
 
 /// The fields [`cap_turns`] needs from a trace record.
@@ -20,7 +20,7 @@ pub struct TurnKey {
     pub timestamp: u64,
 }
 
-/// Seed 002's capped-trace transform: groups `records` by session, keeps each session's
+/// B3 `cache_aware_proxy.py`'s capped-trace transform: groups `records` by session, keeps each session's
 /// first `max_turns` by (turn, timestamp), and returns the survivors in timestamp order
 /// (stable: equal timestamps keep their input order). O(n log n).
 pub fn cap_turns<T>(records: Vec<T>, max_turns: usize, key: impl Fn(&T) -> TurnKey) -> Vec<T> {

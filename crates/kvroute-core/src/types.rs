@@ -59,7 +59,7 @@ impl std::fmt::Display for WorkerId {
     }
 }
 
-/// What part of inference a worker serves (prefill/decode disaggregation, seed 001).
+/// What part of inference a worker serves (prefill/decode disaggregation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
@@ -165,7 +165,7 @@ pub enum Health {
     Unhealthy,
 }
 
-/// Static capacity facts of a worker (seed 001's `capacity(n)` inputs).
+/// Static capacity facts of a worker (Cognitora cgn-router's `capacity(n)` inputs).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Capacity {
     /// Tensor-parallel size (GPUs per worker).
@@ -176,7 +176,7 @@ pub struct Capacity {
     pub vram_gib: f64,
     /// Free model slots (for multi-model hosts).
     pub free_model_slots: u32,
-    /// Maximum concurrent requests the worker accepts (`max_concurrent`, seed 001).
+    /// Maximum concurrent requests the worker accepts (`max_concurrent`).
     pub max_concurrent: u32,
 }
 

@@ -1,4 +1,5 @@
-//! Each seed's stated routing behaviour, reproduced through the public registry API.
+//! Each reference system's stated routing behaviour (SGLang router cache_aware, Ray Serve
+//! PrefixCacheAffinityRouter, Cognitora cgn-router's KV score), reproduced through the public registry API.
 
 use kvroute_core::policy::kv_score::tie_hash;
 use kvroute_core::policy::{Branch, Decision, PickCtx, Policy, route};
@@ -27,7 +28,7 @@ fn go(p: &mut dyn Policy, text: &str, c: &[WorkerView], seed: u64) -> Decision {
 
 const DOC: &str = "You are a helpful assistant. The following document describes the system in detail. ";
 
-// ---- seed 003: cache_aware ----
+// ---- SGLang router: cache_aware ----
 
 #[test]
 fn cache_aware_imbalanced_needs_both_rules() {
@@ -74,7 +75,7 @@ fn cache_aware_misses_rotate_instead_of_pinning_the_first_worker() {
     assert_eq!(seen.len(), 4);
 }
 
-// ---- seed 000: prefix_affinity ----
+// ---- Ray Serve PrefixCacheAffinityRouter: prefix_affinity ----
 
 #[test]
 fn prefix_affinity_three_tiers() {
@@ -119,7 +120,7 @@ fn prefix_affinity_forgets_dead_replicas() {
     assert_eq!(p.index_size() as usize, 0);
 }
 
-// ---- seed 001: kv_score ----
+// ---- Cognitora cgn-router: kv_score ----
 
 #[test]
 fn kv_score_tie_break_is_stable_across_calls_and_processes() {

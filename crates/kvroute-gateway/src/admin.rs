@@ -1,4 +1,4 @@
-//! Read-only endpoints and the admin API (seed 003's `/add_worker`, `/remove_worker`,
+//! Read-only endpoints and the admin API (SGLang router's `/add_worker`, `/remove_worker`,
 //! `/list_workers`), live policy knobs and `/debug/route`.
 
 use crate::error::ApiError;
@@ -108,7 +108,7 @@ pub async fn remove_worker(
     r.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
 }
 
-/// `GET /list_workers`: worker URLs (seed 003).
+/// `GET /list_workers`: worker URLs (SGLang router).
 pub async fn list_workers(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if let Err(e) = authorize(&s, &headers) {
         return e.into_response();

@@ -51,11 +51,11 @@ pub struct GatewayConfig {
     pub connect_timeout_secs: f64,
     /// Total timeout of one proxied request, seconds.
     pub request_timeout_secs: f64,
-    /// Consecutive failures after which a worker is taken out of routing (seed 003).
+    /// Consecutive failures after which a worker is taken out of routing (SGLang router).
     pub max_worker_retries: u32,
-    /// Attempts per request across workers before the client gets an error (seed 003).
+    /// Attempts per request across workers before the client gets an error (SGLang router).
     pub max_total_retries: u32,
-    /// In-flight requests admitted per (model, role); beyond, 503 at once (seed 001).
+    /// In-flight requests admitted per (model, role); beyond, 503 at once (Cognitora cgn-router).
     pub max_in_flight_per_model: u32,
     /// Bearer token required by the admin API (none = open; bind to localhost then).
     pub admin_token: Option<String>,

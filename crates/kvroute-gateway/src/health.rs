@@ -115,7 +115,7 @@ pub fn slot_counts(body: &str) -> Option<(u32, u32)> {
 
 /// Compute utilisation in [0, 1] from a `/metrics` body: NVIDIA DCGM's SM activity
 /// (`DCGM_FI_PROF_SM_ACTIVE`, a ratio) or GPU utilisation (`DCGM_FI_DEV_GPU_UTIL`, percent),
-/// averaged over the GPUs listed. Seed 001's `sm_pct` term of kv_score. `None` when absent.
+/// averaged over the GPUs listed. Cognitora cgn-router's `sm_pct` term of kv_score. `None` when absent.
 pub fn sm_utilisation(body: &str) -> Option<f64> {
     let avg = |name: &str| {
         let n = body.lines().filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{'])).count();

@@ -11,7 +11,7 @@
 //! - **Session JSONL**: `session_id`, `turn_id`, `timestamp` (ms), `input_length`,
 //!   `output_length`, `hash_ids` (optional `block_size`, default 512).
 //!
-//! Transforms: [`scale_rate`], [`spread_seconds`], [`sample`], [`session_slice`], [`cap_sessions`] (seed 002's
+//! Transforms: [`scale_rate`], [`spread_seconds`], [`sample`], [`session_slice`], [`cap_sessions`] (B3 `cache_aware_proxy.py`'s
 //! capped transform), [`truncate`].
 
 use kvroute_core::trace::{TurnKey, cap_turns};
@@ -359,7 +359,7 @@ pub fn sample(trace: Vec<TraceRequest>, fraction: f64, seed: u64) -> Vec<TraceRe
     trace.into_iter().filter(|_| rng.next_u64() <= threshold).collect()
 }
 
-/// Seed 002's capped transform: each session's first `max_turns` turns, in time order
+/// B3 `cache_aware_proxy.py`'s capped transform: each session's first `max_turns` turns, in time order
 /// (requests without a session are kept).
 pub fn cap_sessions(trace: Vec<TraceRequest>, max_turns: usize) -> Vec<TraceRequest> {
     cap_turns(trace, max_turns, |r| TurnKey {

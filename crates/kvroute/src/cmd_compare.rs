@@ -11,7 +11,7 @@
 //!   arrivals likewise; latencies reported in simulated seconds), workers restarted cold for
 //!   every run; prefix-cache hit ratio and request shares from the workers' own `/metrics`.
 //!   kvroute scrapes the workers' `/metrics` (queue, KV usage, SM activity) every simulated
-//!   5 s, seed 001's heartbeat; the peers use their own defaults.
+//!   5 s, Cognitora cgn-router's heartbeat; the peers use their own defaults.
 //!
 //! Peers come from the venvs `scripts/compare-peers.sh` installs (`--peers-dir`); a peer
 //! whose venv is missing is reported as skipped, never silently dropped.
@@ -307,7 +307,7 @@ impl Ctx {
                 a.push("--worker-urls".into());
                 a.push(workers.join(","));
                 // Engine signals as deployed in front of vLLM: /metrics scraped every
-                // simulated 5 s (seed 001's heartbeat).
+                // simulated 5 s (Cognitora cgn-router's heartbeat).
                 a.extend(["--scrape-metrics".to_string(), "true".into()]);
                 a.extend(["--health-interval-secs".to_string(), self.scrape_secs.to_string()]);
                 // In front of llama.cpp: the model's own tokenizer, as deployed (routing keys

@@ -18,7 +18,7 @@ pub struct Args {
     #[arg(long, value_parser = ["mooncake", "azure", "session"])]
     pub format: Option<String>,
     /// Policies: a name, a comma-separated list, `all` (every registered policy) or `b3`
-    /// (seed 002's matrix: lmetric, load_only, sticky, unified and lmetric on the capped trace).
+    /// (B3 `cache_aware_proxy.py`'s matrix: lmetric, load_only, sticky, unified and lmetric on the capped trace).
     #[arg(long, default_value = "all")]
     pub policy: String,
     /// Policy knobs as a JSON object (applied to every policy named; unknown knobs are errors).
@@ -42,7 +42,7 @@ pub struct Args {
     /// Keep only the first N requests.
     #[arg(long)]
     pub limit: Option<usize>,
-    /// Apply seed 002's capped transform with this many turns per session to the trace.
+    /// Apply B3 `cache_aware_proxy.py`'s capped transform with this many turns per session to the trace.
     #[arg(long)]
     pub cap_turns: Option<usize>,
     /// Do not spread requests that share a whole-second timestamp over that second.

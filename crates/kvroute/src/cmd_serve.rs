@@ -76,7 +76,7 @@ pub struct Args {
     /// workers) or a Hugging Face tokenizer.json (tokenizer_config.json beside it).
     #[arg(long, env = "KVROUTE_TOKENIZER")]
     pub tokenizer: Option<String>,
-    /// Start N worker processes with --worker-cmd and route to them (seed 003 co-launch).
+    /// Start N worker processes with --worker-cmd and route to them (SGLang router co-launch).
     #[arg(long, env = "KVROUTE_LAUNCH_WORKERS", default_value_t = 0)]
     pub launch_workers: usize,
     /// Worker command for --launch-workers; `{port}` is replaced by a free port.

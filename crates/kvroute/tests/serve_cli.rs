@@ -1,4 +1,4 @@
-//! `kvroute serve` as a process: co-launched workers (seed 003), config errors naming the
+//! `kvroute serve` as a process: co-launched workers (SGLang router), config errors naming the
 //! key, add/remove of workers under load, and a clean stop that takes the workers with it.
 
 use std::process::{Command, Stdio};

@@ -1,5 +1,5 @@
-//! `cache_aware`: SGLang router's cache-aware load balancing (seed 003,
-//! `shared/seeds/003_*.txt`; sgl-router `policies/cache_aware.rs`).
+//! `cache_aware`: SGLang router's cache-aware load balancing (sgl-router
+//! `policies/cache_aware.rs`, documented in SGLang's "Router for Data Parallelism").
 //!
 //! The router keeps an approximate radix tree of the prompts it sent to each worker
 //! (tenant = worker) and switches between two strategies:
@@ -38,7 +38,7 @@ use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, Ro
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 
-/// Knobs of `cache_aware` (defaults from seed 003).
+/// Knobs of `cache_aware` (defaults from SGLang router).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheAwareConfig {

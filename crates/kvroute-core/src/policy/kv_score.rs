@@ -1,5 +1,5 @@
-//! `kv_score`: cgn-router's four-term linear KV-aware score (seed 001,
-//! `shared/seeds/001_*.txt`).
+//! `kv_score`: cgn-router's four-term linear KV-aware score (Cognitora cgn-router,
+//! "Routing — KV-aware scoring deep dive").
 //!
 //! For every routable worker `n`:
 //!
@@ -10,7 +10,7 @@
 //!
 //! each term in [0, 1], highest score wins:
 //! - `overlap`: the prompt's first `prefix_tokens` (64) tokens are cut into `block_tokens`
-//!   (16) blocks and hashed as a chain (xxh3 by default, BLAKE3 as the seed names); overlap
+//!   (16) blocks and hashed as a chain (xxh3 by default, BLAKE3 as cgn-router names); overlap
 //!   = leading blocks the worker holds / blocks hashed. Holdings come from a
 //!   [`BlockIndex`] fed by this policy's own routing decisions (approximate, expiring after
 //!   `ttl_secs`). Requests carrying precomputed block hashes (traces) use as many of
@@ -51,7 +51,7 @@ use crate::policy::{
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 
-/// The four score weights (seed 001 defaults 0.55 / 0.25 / 0.10 / 0.10).
+/// The four score weights (Cognitora cgn-router defaults 0.55 / 0.25 / 0.10 / 0.10).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct KvWeights {
     /// Weight of the KV prefix overlap.

@@ -9,10 +9,10 @@
 //! | name | source | module |
 //! |---|---|---|
 //! | `round_robin`, `random`, `least_load`, `power_of_two`, `consistent_hash` | classic baselines | [`basic`] |
-//! | `cache_aware` | seed 003, SGLang router | [`cache_aware`] |
-//! | `prefix_affinity` | seed 000, Ray Serve PrefixCacheAffinityRouter | [`prefix_affinity`] |
-//! | `kv_score` | seed 001, cgn-router linear score | [`kv_score`] |
-//! | `lmetric`, `load_only`, `sticky`, `unified` | seed 002, B3 cache_aware_proxy | [`b3`] |
+//! | `cache_aware` | SGLang router cache_aware | [`cache_aware`] |
+//! | `prefix_affinity` | Ray Serve PrefixCacheAffinityRouter | [`prefix_affinity`] |
+//! | `kv_score` | Cognitora cgn-router linear KV score | [`kv_score`] |
+//! | `lmetric`, `load_only`, `sticky`, `unified` | B3 `cache_aware_proxy.py` | [`b3`] (one file per picker) |
 //! | `prefill_cost` | kvroute's own: least predicted prefill work ahead | [`prefill_cost`] |
 
 pub mod b3;

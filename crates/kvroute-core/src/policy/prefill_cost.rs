@@ -22,7 +22,7 @@
 //!   prefill consumes. With weight 1 the policy spreads prompts away from their caches as
 //!   queues grow and loses hits exactly when capacity is scarce. A conversation's next turn
 //!   finds its context on the worker that served the last one, so this term alone keeps
-//!   sessions in place; seed 002's session gate (`session_affinity`) is available but off.
+//!   sessions in place; B3 `cache_aware_proxy.py`'s session gate (`session_affinity`) is available but off.
 //! - `stall(w)`: with chunked prefill (vLLM, SGLang) an uncached prompt is computed in the
 //!   same steps as every request already on the worker, so each of the `load(w)` requests
 //!   there waits through it (decodes stall — Sarathi-Serve's "generation stalls", Agrawal et
@@ -33,7 +33,7 @@
 //!   (short prompts, many requests per worker) the uncapped charge passes 8 — that takes
 //!   `load × (1 + mean_waiting / 10)` > 160 — outweighs the queued work and piles long
 //!   prompts onto the least crowded workers, nearly doubling the p99 TTFT near saturation;
-//!   capped, its p99 there is within 7 % of the best seed policy's.
+//!   capped, its p99 there is within 7 % of the best reference policy's.
 //! - `decode_weight × load(w)`: every running request costs the batch a little time per
 //!   step; a small weight breaks ties towards the emptier worker.
 //!
@@ -41,7 +41,7 @@
 //!
 //! **Why it wins near saturation.** TTFT is queueing time plus prefill time, and both are
 //! proportional to prefill tokens. `cache_aware` and `prefix_affinity` switch between "follow
-//! the cache" and "follow the load" on thresholds over request *counts*; LMetric (seed 002)
+//! the cache" and "follow the load" on thresholds over request *counts*; LMetric (B3 `cache_aware_proxy.py`)
 //! multiplies all the prefill work, queued and new, by the batch size, which over-penalises
 //! a worker busy decoding short requests and under-penalises one queued behind a single
 //! 100k-token prompt. Here the queue counts in tokens, a miss is charged what it costs the
@@ -72,7 +72,7 @@
 //! | `stall_weight` | 0.05 | per uncached token, per request on the worker |
 //! | `stall_queue_scale` | 10 | mean waiting requests per worker at which `stall_weight` doubles (0: fixed) |
 //! | `stall_cap` | 8 | upper bound of the stall charge, per uncached token |
-//! | `session_affinity` | false | seed 002's gate before the cost: stay on the session's last worker while it holds more than half of the prompt and its load is at most `overload_factor` × the mean (branch `sticky`) |
+//! | `session_affinity` | false | B3 `cache_aware_proxy.py`'s gate before the cost: stay on the session's last worker while it holds more than half of the prompt and its load is at most `overload_factor` × the mean (branch `sticky`) |
 //! | `overload_factor` | 1.5 | × mean load, the gate's overload bound |
 //! | `max_sessions` | 1,048,576 | session bindings kept (LRU) |
 //! | `batch_factor` | 0 | cost × (1 + batch_factor × load); 0 keeps the additive cost (an LMetric-like multiplier, kept for comparison in docs/replay.md) |
@@ -100,7 +100,7 @@ pub struct PrefillCostConfig {
     /// paid again by every request queued behind it on that worker.
     pub miss_weight: f64,
     /// Keep a session on its last worker while that worker holds more than half of the
-    /// prompt and its load is at most `overload_factor` × the mean (seed 002's gate).
+    /// prompt and its load is at most `overload_factor` × the mean (B3 `cache_aware_proxy.py`'s gate).
     pub session_affinity: bool,
     /// Affinity gate: overloaded above this × the mean load.
     pub overload_factor: f64,

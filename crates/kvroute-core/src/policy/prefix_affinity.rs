@@ -1,5 +1,5 @@
-//! `prefix_affinity`: Ray Serve's PrefixCacheAffinityRouter (seed 000,
-//! `shared/seeds/000_*.txt`).
+//! `prefix_affinity`: Ray Serve's PrefixCacheAffinityRouter (Ray Serve LLM,
+//! "PrefixCacheAffinityRouter for LLM inference optimization").
 //!
 //! 1. **Load balance check**: if the highest minus the lowest queue length
 //!    ([`WorkerView::load`]) exceeds `imbalanced_threshold`, load wins: Power of Two
@@ -38,7 +38,7 @@ use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
-/// Knobs of `prefix_affinity` (defaults from seed 000).
+/// Knobs of `prefix_affinity` (defaults from Ray Serve PrefixCacheAffinityRouter).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PrefixAffinityConfig {

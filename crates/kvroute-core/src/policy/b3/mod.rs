@@ -1,5 +1,6 @@
-//! Seed 002's B3 policies (`shared/seeds/002_*.txt`, `scripts/cache_aware_proxy.py`):
-//! `lmetric`, `load_only`, `sticky` and `unified`, sharing one per-worker state machine.
+//! The B3 study's routing policies (`scripts/cache_aware_proxy.py`, its `pick_instance_*` functions):
+//! `lmetric`, `load_only`, `sticky` and `unified`, sharing one per-worker state machine. Each
+//! picker lives in the file of its name ([`lmetric`], [`load_only`], [`sticky`], [`unified`]).
 //!
 //! Shared state, per worker: an LRU set of 512-token block hashes
 //! ([`LruBlockSet`], `inst.cached_blocks`) updated when a request is dispatched
@@ -9,25 +10,25 @@
 //! `num_requests` = [`WorkerView::load`] (waiting + running), `pending_prefill_tokens` =
 //! [`WorkerView::pending_prefill_tokens`].
 //!
-//! - **`lmetric`** (§1): `score = (pending_prefill_tokens + max(0, input − cache_hit)) ×
+//! - **`lmetric`** (`pick_lmetric`): `score = (pending_prefill_tokens + max(0, input − cache_hit)) ×
 //!   num_requests`; the first worker with the strictly smallest score wins (Python's
 //!   `<`). Branch `score`.
-//! - **`load_only`** (§2): the first worker with the fewest `num_requests` (Python's `min`
-//!   returns the first seen, so ties pin worker 0 at low load — kept on purpose, the seed
-//!   documents it as part of the B3 result). Branch `least_load`.
-//! - **`sticky`** (§3): a bound session always returns to its worker, whatever its load;
+//! - **`load_only`** (`pick_load_only`): the first worker with the fewest `num_requests` (Python's `min`
+//!   returns the first seen, so ties pin worker 0 at low load — kept on purpose: the study
+//!   reports it as part of its result). Branch `least_load`.
+//! - **`sticky`** (`pick_sticky`): a bound session always returns to its worker, whatever its load;
 //!   an unbound one is bound to the least-loaded worker. A binding is only replaced when
 //!   its worker is unhealthy or gone — kvroute never routes to an unhealthy worker. A
 //!   request without a session id is routed as `load_only` and binds nothing. Branches
 //!   `sticky`, `new_binding`, `least_load`.
-//! - **`unified`** (§4): sticks to the session's worker only when its hit ratio
+//! - **`unified`** (`pick_unified`): sticks to the session's worker only when its hit ratio
 //!   `cache_hit / max(input, 1) > hit_ratio_threshold` (0.5) *and* its `num_requests ≤
 //!   max(mean num_requests, 1) × overload_factor` (2.0); otherwise LMetric with the 4-key
 //!   tie-break (score, new prefill, num_requests, then a global round-robin counter among
 //!   workers tied on the first three). The session is (re)bound to the worker chosen.
 //!   Branches `sticky`, `affinity_broken` (bound but the gate failed), `tie_break`, `score`.
 //!
-//! §5 `capped` is not a picker: it is `lmetric` on a trace passed through
+//! `capped` is not a picker: it is `lmetric` on a trace passed through
 //! [`crate::trace::cap_turns`].
 //!
 //! Session bindings live in a bounded LRU map (`max_sessions`), so a trace with millions of
@@ -48,22 +49,41 @@ use crate::policy::util::{Rotation, SessionTable, mean_load};
 use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
+
+mod lmetric;
+mod load_only;
+mod sticky;
+mod unified;
 use std::collections::HashMap;
 
-/// Which of seed 002's pickers a [`B3`] runs.
+/// Which of B3 `cache_aware_proxy.py`'s pickers a [`B3`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum B3Mode {
-    /// §1 `pick_lmetric`.
+    /// `pick_lmetric`.
     LMetric,
-    /// §2 `pick_load_only`.
+    /// `pick_load_only`.
     LoadOnly,
-    /// §3 `pick_sticky`.
+    /// `pick_sticky`.
     Sticky,
-    /// §4 `pick_unified`.
+    /// `pick_unified`.
     Unified,
 }
 
 impl B3Mode {
+    /// The knobs this picker reads, a subset of [`B3Config`]'s fields. `lmetric` and
+    /// `load_only` never look at sessions or the overload gate; `sticky` binds sessions but
+    /// has no gate; only `unified` reads all five. (`load_only` picks on load alone; its
+    /// block knobs size the LRU sets behind the cached-token estimate it reports.)
+    pub const fn knob_names(self) -> &'static [&'static str] {
+        match self {
+            B3Mode::LMetric | B3Mode::LoadOnly => &["block_tokens", "cache_blocks"],
+            B3Mode::Sticky => &["block_tokens", "cache_blocks", "max_sessions"],
+            B3Mode::Unified => {
+                &["block_tokens", "cache_blocks", "overload_factor", "hit_ratio_threshold", "max_sessions"]
+            }
+        }
+    }
+
     /// Registry name.
     pub const fn name(self) -> &'static str {
         match self {
@@ -75,7 +95,7 @@ impl B3Mode {
     }
 }
 
-/// Knobs of the B3 policies (defaults from seed 002).
+/// Knobs of the B3 policies (defaults from B3 `cache_aware_proxy.py`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct B3Config {
@@ -125,7 +145,7 @@ fn validate(c: &B3Config) -> Result<(), String> {
 /// Upper bound on blocks hashed per request (512 × 512 = 262,144 tokens).
 const MAX_BLOCKS: usize = 512;
 
-/// One of seed 002's B3 pickers with its shared per-worker state. See the module docs.
+/// One of B3 `cache_aware_proxy.py`'s pickers with its shared per-worker state. See the module docs.
 #[derive(Debug)]
 pub struct B3 {
     mode: B3Mode,
@@ -189,71 +209,6 @@ impl B3 {
         Decision::new(t.id, branch).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score as f64)
     }
 
-    fn pick_lmetric(&self, req: &RequestView<'_>, blocks: &[BlockHash], c: &[WorkerView]) -> Option<Decision> {
-        let mut best: Option<Terms> = None;
-        for w in c.iter().filter(|w| w.is_routable()) {
-            let t = self.terms(w, req, blocks);
-            if best.is_none_or(|b| t.score < b.score) {
-                best = Some(t);
-            }
-        }
-        best.map(|t| self.decision(&t, Branch::Score))
-    }
-
-    fn pick_load_only(&self, req: &RequestView<'_>, blocks: &[BlockHash], c: &[WorkerView]) -> Option<Decision> {
-        let w = c.iter().filter(|w| w.is_routable()).min_by_key(|w| w.load())?;
-        let t = self.terms(w, req, blocks);
-        Some(self.decision(&t, Branch::LeastLoad))
-    }
-
-    fn pick_sticky(&self, req: &RequestView<'_>, blocks: &[BlockHash], c: &[WorkerView]) -> Option<Decision> {
-        let Some(sid) = req.session_id else {
-            return self.pick_load_only(req, blocks, c);
-        };
-        if let Some(bound) = self.affinity.get(sid)
-            && let Some(w) = c.iter().find(|w| w.id == bound && w.is_routable())
-        {
-            let t = self.terms(w, req, blocks);
-            return Some(self.decision(&t, Branch::Sticky));
-        }
-        // The binding is made when the request is committed (`on_routed`).
-        let mut d = self.pick_load_only(req, blocks, c)?;
-        d.branch = Branch::NewBinding;
-        Some(d)
-    }
-
-    fn pick_unified(&self, req: &RequestView<'_>, blocks: &[BlockHash], c: &[WorkerView]) -> Option<Decision> {
-        let routable = || c.iter().filter(|w| w.is_routable());
-        let avg_reqs = mean_load(c)?.max(1.0);
-        let mut was_bound = false;
-        if let Some(sid) = req.session_id
-            && let Some(bound) = self.affinity.get(sid)
-        {
-            was_bound = true;
-            if let Some(a) = routable().find(|w| w.id == bound) {
-                let t = self.terms(a, req, blocks);
-                let hit_ratio = t.cache_hit as f64 / (req.input_tokens.max(1)) as f64;
-                if hit_ratio > self.cfg.hit_ratio_threshold && t.bs as f64 <= avg_reqs * self.cfg.overload_factor {
-                    return Some(self.decision(&t, Branch::Sticky));
-                }
-            }
-        }
-        // LMetric fallback with the 4-key tie-break.
-        let all: smallvec::SmallVec<[Terms; 16]> = routable().map(|w| self.terms(w, req, blocks)).collect();
-        let best = all.iter().map(|t| (t.score, t.new_prefill, t.bs)).min()?;
-        let tied: smallvec::SmallVec<[&Terms; 16]> =
-            all.iter().filter(|t| (t.score, t.new_prefill, t.bs) == best).collect();
-        let (winner, branch) = if tied.len() > 1 {
-            let w = tied[(self.rr_counter.next() % tied.len() as u64) as usize];
-            (*w, Branch::TieBreak)
-        } else {
-            (*tied[0], Branch::Score)
-        };
-        // The session is (re)bound to the worker it is sent to when it is committed.
-        let branch = if was_bound { Branch::AffinityBroken } else { branch };
-        Some(self.decision(&winner, branch))
-    }
-
     /// Session bindings currently held.
     pub fn sessions(&self) -> usize {
         self.affinity.len()
@@ -312,10 +267,27 @@ impl Policy for B3 {
     }
 
     fn knobs(&self) -> serde_json::Value {
-        serde_json::to_value(&self.cfg).unwrap_or_default()
+        let mut all = serde_json::to_value(&self.cfg).unwrap_or_default();
+        if let Some(o) = all.as_object_mut() {
+            o.retain(|k, _| self.mode.knob_names().contains(&k.as_str()));
+        }
+        all
     }
 
     fn set_knobs(&mut self, patch: &serde_json::Value) -> Result<(), KnobError> {
+        // A knob this picker never reads is an error naming it, not a silent no-op.
+        if let Some(k) =
+            patch.as_object().and_then(|p| p.keys().find(|k| !self.mode.knob_names().contains(&k.as_str())))
+        {
+            return Err(KnobError {
+                policy: self.mode.name(),
+                message: format!(
+                    "{} does not use knob `{k}`; its knobs: {}",
+                    self.mode.name(),
+                    self.mode.knob_names().join(", ")
+                ),
+            });
+        }
         let next = patch_knobs(self.mode.name(), &self.cfg, patch, validate)?;
         if next.cache_blocks != self.cfg.cache_blocks || next.block_tokens != self.cfg.block_tokens {
             // Block sets are sized and keyed by these: start afresh.
