@@ -1,4 +1,4 @@
-//! Fuzzes the KV-event decoder (`kvroute_gateway::kv_events`): any payload, and any split
+//! Fuzzes the KV-event decoder (`kvroute_protocol::kv_events`): any payload, and any split
 //! of the input into ZeroMQ frames, must decode or fail with an error — never panic, hang
 //! or allocate without bound. Decoded batches are also fed to a precise index, which must
 //! accept whatever the decoder lets through.
@@ -7,7 +7,7 @@
 use bytes::Bytes;
 use kvroute_core::precise::{PreciseConfig, PreciseIndex, StoredBlocks, Tier};
 use kvroute_core::types::{Nanos, WorkerId};
-use kvroute_gateway::kv_events::{KvEvent, decode, parse_frames};
+use kvroute_protocol::kv_events::{KvEvent, decode, parse_frames};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -10,10 +10,15 @@
 //!   (`cached_tokens`), the status and the serving worker (`x-kvroute-worker`).
 //! - [`summary`]: percentiles, throughput, goodput at an SLO, errors and rejections
 //!   (429/503/529 counted apart, never hidden), per-worker shares, a terminal table.
+//! - [`compare`]: `kvroute bench compare` — kvroute and the peer routers (sglang-router,
+//!   vllm-router, SMG) started in turn in front of the same workers, one table.
+//! - [`cli`]: the flags and helpers `kvroute bench` and `kvroute bench compare` share.
 //!
 //! Everything is bounded: in-flight requests by a semaphore, each request by a timeout, the
 //! run by a request count and an optional duration.
 
+pub mod cli;
+pub mod compare;
 pub mod runner;
 pub mod summary;
 pub mod workload;

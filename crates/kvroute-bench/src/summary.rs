@@ -1,19 +1,12 @@
 //! Percentiles, throughput, goodput, errors and worker shares of a run.
 
 use crate::runner::{Outcome, RequestResult};
-use hdrhistogram::Histogram;
+/// The SLO of goodput (shared with `kvroute replay`): a request is good when it succeeded
+/// and both its TTFT and its TPOT (reported units, after the latency scale) are within it.
+pub use kvroute_sim::latency::Slo;
+use kvroute_sim::latency::{Latencies, LatencySummary, histogram as hist, quantile as q, record as rec};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-
-/// Service-level objective of goodput: a request is good when it succeeded and both its TTFT
-/// and its TPOT (reported units, after the latency scale) are within these.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
-pub struct Slo {
-    /// Maximum TTFT, seconds.
-    pub ttft_s: f64,
-    /// Maximum TPOT, seconds.
-    pub tpot_s: f64,
-}
 
 /// Summary of one run. Latencies are in seconds multiplied by `latency_scale` (1 = wall
 /// clock; with engine simulators running N× faster than real time, N gives simulated seconds).
@@ -44,28 +37,14 @@ pub struct Summary {
     pub goodput_rps: f64,
     /// The SLO of `goodput_rps`.
     pub slo: Slo,
-    /// TTFT mean / p50 / p90 / p99 (streaming runs; 0 otherwise).
-    pub ttft_mean_s: f64,
-    /// TTFT p50.
-    pub ttft_p50_s: f64,
-    /// TTFT p90.
-    pub ttft_p90_s: f64,
-    /// TTFT p99.
-    pub ttft_p99_s: f64,
-    /// TPOT p50: per request `(e2e − ttft) / (output tokens − 1)`.
-    pub tpot_p50_s: f64,
-    /// TPOT p99.
-    pub tpot_p99_s: f64,
+    /// TTFT (streaming runs; 0 otherwise), TPOT and E2E, scaled seconds; serialised as
+    /// flat `ttft_p50_s`, … fields.
+    #[serde(flatten)]
+    pub latency: LatencySummary,
     /// Inter-token latency p50 over every gap between content chunks.
     pub itl_p50_s: f64,
     /// Inter-token latency p99.
     pub itl_p99_s: f64,
-    /// E2E mean.
-    pub e2e_mean_s: f64,
-    /// E2E p50.
-    pub e2e_p50_s: f64,
-    /// E2E p99.
-    pub e2e_p99_s: f64,
     /// Σ cached / Σ prompt tokens over answers that report `cached_tokens`; `None` when none do.
     pub cached_token_ratio: Option<f64>,
     /// p99 of send time − scheduled time, wall seconds (open loop: > 0 means the client or
@@ -78,31 +57,15 @@ pub struct Summary {
     pub ttft_cdf: Vec<(f64, f64)>,
 }
 
-fn hist() -> Histogram<u64> {
-    // Microseconds, 1 µs to ~3 h, 3 significant digits: constant, valid bounds.
-    #[allow(clippy::expect_used)]
-    Histogram::new_with_bounds(1, 10_000_000_000, 3).expect("valid histogram bounds")
-}
-
-fn rec(h: &mut Histogram<u64>, secs: f64) {
-    let _ = h.record(((secs * 1e6).round() as u64).clamp(1, 10_000_000_000));
-}
-
-fn q(h: &Histogram<u64>, quantile: f64) -> f64 {
-    if h.is_empty() { 0.0 } else { h.value_at_quantile(quantile) as f64 / 1e6 }
-}
-
 /// Summarises `results` of a run labelled `label`. `latency_scale` multiplies every latency
 /// (and the SLO is compared with scaled values).
 pub fn summarise(label: &str, results: &[RequestResult], latency_scale: f64, slo: Slo) -> Summary {
     let k = if latency_scale.is_finite() && latency_scale > 0.0 { latency_scale } else { 1.0 };
-    let (mut ttft, mut tpot, mut itl, mut e2e, mut lag) = (hist(), hist(), hist(), hist(), hist());
+    let (mut lat, mut itl, mut lag) = (Latencies::default(), hist(), hist());
     let (mut ok, mut rejected, mut errors, mut good, mut out_tok) = (0u64, 0u64, 0u64, 0u64, 0u64);
     let (mut cached, mut prompt, mut reported) = (0u64, 0u64, false);
-    let (mut ttft_sum, mut ttft_n, mut e2e_sum) = (0.0, 0u64, 0.0);
     let mut failures = BTreeMap::new();
     let mut workers: BTreeMap<String, u64> = BTreeMap::new();
-    let mut ttfts = Vec::new();
     let (mut first, mut last) = (f64::INFINITY, 0.0f64);
     for r in results {
         first = first.min(r.sent_s);
@@ -123,8 +86,6 @@ pub fn summarise(label: &str, results: &[RequestResult], latency_scale: f64, slo
         }
         ok += 1;
         out_tok += u64::from(r.output_tokens);
-        e2e_sum += r.e2e_s * k;
-        rec(&mut e2e, r.e2e_s * k);
         if let Some(w) = &r.worker {
             *workers.entry(w.clone()).or_insert(0) += 1;
         }
@@ -141,30 +102,15 @@ pub fn summarise(label: &str, results: &[RequestResult], latency_scale: f64, slo
             Some(t) if r.output_tokens > 1 => Some((r.e2e_s * k - t).max(0.0) / f64::from(r.output_tokens - 1)),
             _ => None,
         };
-        if let Some(t) = t {
-            rec(&mut ttft, t);
-            ttfts.push(t);
-            ttft_sum += t;
-            ttft_n += 1;
-        }
-        if let Some(tp) = tp {
-            rec(&mut tpot, tp);
-        }
+        lat.record(t, tp, r.e2e_s * k);
         // Without a streamed first token, E2E stands in for TTFT in the SLO check.
-        if t.unwrap_or(r.e2e_s * k) <= slo.ttft_s && tp.unwrap_or(0.0) <= slo.tpot_s {
+        if slo.met(t.unwrap_or(r.e2e_s * k), tp) {
             good += 1;
         }
     }
     let wall = if results.is_empty() { 0.0 } else { (last - first).max(1e-9) };
     // Rates are per second of the same clock as the latencies (wall × latency scale).
     let per_s = |x: u64| if wall > 0.0 { x as f64 / (wall * k) } else { 0.0 };
-    ttfts.sort_by(f64::total_cmp);
-    let step = (ttfts.len() / 400).max(1);
-    let mut ttft_cdf: Vec<(f64, f64)> =
-        ttfts.iter().enumerate().step_by(step).map(|(i, &x)| (x, (i + 1) as f64 / ttfts.len() as f64)).collect();
-    if let Some(&x) = ttfts.last() {
-        ttft_cdf.push((x, 1.0));
-    }
     let total_served: u64 = workers.values().sum();
     Summary {
         label: label.to_string(),
@@ -179,21 +125,13 @@ pub fn summarise(label: &str, results: &[RequestResult], latency_scale: f64, slo
         output_tok_s: per_s(out_tok),
         goodput_rps: per_s(good),
         slo,
-        ttft_mean_s: if ttft_n > 0 { ttft_sum / ttft_n as f64 } else { 0.0 },
-        ttft_p50_s: q(&ttft, 0.5),
-        ttft_p90_s: q(&ttft, 0.9),
-        ttft_p99_s: q(&ttft, 0.99),
-        tpot_p50_s: q(&tpot, 0.5),
-        tpot_p99_s: q(&tpot, 0.99),
+        latency: lat.summary(),
         itl_p50_s: q(&itl, 0.5),
         itl_p99_s: q(&itl, 0.99),
-        e2e_mean_s: if ok > 0 { e2e_sum / ok as f64 } else { 0.0 },
-        e2e_p50_s: q(&e2e, 0.5),
-        e2e_p99_s: q(&e2e, 0.99),
         cached_token_ratio: reported.then(|| cached as f64 / prompt.max(1) as f64),
         send_lag_p99_s: q(&lag, 0.99),
         worker_share: workers.into_iter().map(|(w, n)| (w, n as f64 / total_served.max(1) as f64)).collect(),
-        ttft_cdf,
+        ttft_cdf: lat.ttft_cdf(),
     }
 }
 
@@ -226,11 +164,11 @@ pub fn table(rows: &[Summary]) -> String {
             r.errors,
             r.throughput_rps,
             r.goodput_rps,
-            r.ttft_mean_s,
-            r.ttft_p50_s,
-            r.ttft_p99_s,
-            r.tpot_p50_s,
-            r.e2e_p99_s,
+            r.latency.ttft_mean_s,
+            r.latency.ttft_p50_s,
+            r.latency.ttft_p99_s,
+            r.latency.tpot_p50_s,
+            r.latency.e2e_p99_s,
             r.cached_token_ratio.map_or_else(|| "-".into(), |c| format!("{:.1}%", c * 100.0)),
         );
     }
@@ -271,9 +209,9 @@ mod tests {
         assert_eq!((s.requests, s.ok, s.rejected, s.errors), (4, 2, 1, 1));
         assert_eq!(s.failures.get("rejected 503"), Some(&1));
         assert_eq!(s.failures.get("timeout"), Some(&1));
-        assert!((s.ttft_mean_s - 2.0).abs() < 1e-9, "×10: 1 s and 3 s, mean {}", s.ttft_mean_s);
+        assert!((s.latency.ttft_mean_s - 2.0).abs() < 1e-9, "×10: 1 s and 3 s, mean {}", s.latency.ttft_mean_s);
         // TPOT of request 0: (2 − 1) / 10 = 0.1 s; request 1: (4 − 3) / 10.
-        assert!((s.tpot_p50_s - 0.1).abs() < 1e-3, "{}", s.tpot_p50_s);
+        assert!((s.latency.tpot_p50_s - 0.1).abs() < 1e-3, "{}", s.latency.tpot_p50_s);
         // Goodput: only request 0 meets TTFT ≤ 2 s.
         assert_eq!(s.cached_token_ratio, Some(0.5));
         assert_eq!(s.worker_share.get("w0"), Some(&0.5));

@@ -4,7 +4,7 @@
 use kvroute_bench::runner::{Api, Mode, Outcome, RunConfig, run, run_conversations};
 use kvroute_bench::summary::{Slo, summarise};
 use kvroute_bench::workload::{Arrivals, BenchRequest, Conversation, SharedPrefix, independent, shared_prefix};
-use kvroute_gateway::engine_sim::{self, EngineSimConfig};
+use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -56,7 +56,7 @@ async fn open_loop_honours_timestamps_and_records_streams() {
         let s = summarise("sim", &res, 20.0, Slo { ttft_s: 100.0, tpot_s: 100.0 });
         assert_eq!((s.ok, s.rejected, s.errors), (12, 0, 0));
         assert!(s.cached_token_ratio.is_some_and(|c| c > 0.3));
-        assert!(s.ttft_p50_s > 0.0 && s.ttft_p99_s >= s.ttft_p50_s);
+        assert!(s.latency.ttft_p50_s > 0.0 && s.latency.ttft_p99_s >= s.latency.ttft_p50_s);
         assert_eq!(s.goodput_rps, s.throughput_rps);
     }
     stop.cancel();

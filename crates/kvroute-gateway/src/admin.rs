@@ -1,12 +1,10 @@
 //! Read-only endpoints and the admin API (SGLang router's `/add_worker`, `/remove_worker`,
 //! `/list_workers`), live policy knobs and `/debug/route`.
 
-use crate::error::ApiError;
 use crate::metrics::WorkerLabel;
 use crate::pipeline::keys;
 use crate::pipeline::read_body;
 use crate::pipeline::route::{decide, decision_header, model_of};
-use crate::request::{Api, parse};
 use crate::state::AppState;
 use axum::Json;
 use axum::body::Body;
@@ -14,6 +12,8 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use kvroute_core::types::WorkerId;
+use kvroute_protocol::api_error::ApiError;
+use kvroute_protocol::openai::{Api, parse};
 use std::collections::HashMap;
 use std::sync::Arc;
 

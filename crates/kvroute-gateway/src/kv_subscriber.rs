@@ -13,12 +13,12 @@
 //! replay exchange has a timeout and a batch limit, reconnects back off, the token cache
 //! holds at most [`TOKEN_CACHE_TOKENS`] tokens.
 
-use crate::kv_events::{KvEvent, REPLAY_END, decode, parse_frames};
 use crate::metrics::WorkerLabel;
 use crate::state::AppState;
 use bytes::Bytes;
 use kvroute_core::precise::{StoredBlocks, Tier};
 use kvroute_core::types::WorkerId;
+use kvroute_protocol::kv_events::{KvEvent, REPLAY_END, decode, parse_frames};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -323,7 +323,7 @@ async fn probe(s: &Arc<AppState>, worker: &str) -> Parity {
         "max_tokens": 1,
     });
     let bytes = serde_json::to_vec(&body).unwrap_or_default();
-    let info = match crate::request::parse(crate::request::Api::Chat, &bytes, None) {
+    let info = match kvroute_protocol::openai::parse(kvroute_protocol::openai::Api::Chat, &bytes, None) {
         Ok((_, info)) => info,
         Err(e) => return Parity::Inconclusive(format!("probe request: {}", e.message)),
     };
@@ -425,7 +425,7 @@ pub type NotTokenized = &'static str;
 pub async fn request_tokens(
     s: &AppState,
     body: &[u8],
-    info: &crate::request::RoutingInfo,
+    info: &kvroute_protocol::openai::RoutingInfo,
 ) -> Result<Arc<[u32]>, NotTokenized> {
     if let Some(t) = &info.token_ids {
         return Ok(t.as_slice().into());

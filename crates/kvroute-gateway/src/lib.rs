@@ -6,25 +6,27 @@
 //! unchanged and the response is streamed back byte for byte. See `docs/gateway.md`.
 //!
 //! - [`config`]: TOML/flags/env configuration.
-//! - [`request`]: routing-key extraction and input validation.
-//! - [`proxy`]: forwarding, streaming, retries, ledger and metrics.
-//! - [`health`]: active health checks, model discovery and `/metrics` scraping.
+//! - [`pipeline`]: one request's stages — parse, routing key, admit, decide, dispatch
+//!   (retries), respond and account — one module each.
+//! - [`fleet`]: the workers, swapped whole; health, engine signals and load in atomics.
+//! - [`routers`]: one router (policy state) per model; eviction in bounded slices.
+//! - [`health`]: active health checks, inference probes, model discovery, `/metrics` scraping.
 //! - [`admin`]: worker management, `/policy`, `/debug/route`.
-//! - [`kv_events`], [`kv_subscriber`]: engine KV events (codec, subscribers, precise index).
+//! - [`kv_subscriber`]: engine KV events (subscribers feeding the precise index).
+//! - [`tokenizer`]: the model's own tokenizer, loaded locally.
+//!
+//! Wire formats (request parsing, errors, the KV-event codec, engine metrics) live in
+//! `kvroute-protocol`; the simulated worker in `kvroute-engine-sim`.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod admin;
 pub mod config;
-pub mod engine_sim;
-pub mod error;
 pub mod fleet;
 pub mod health;
-pub mod kv_events;
 pub mod kv_subscriber;
 pub mod metrics;
 pub mod pipeline;
-pub mod request;
 pub mod routers;
 pub mod state;
 pub mod tokenizer;

@@ -328,8 +328,12 @@ impl LocalTokenizer {
     /// # Errors
     /// As [`LocalTokenizer::render_chat`] and [`LocalTokenizer::encode`];
     /// `"unsupported_request"` for prompts that are not one string.
-    pub fn request_tokens(&self, api: crate::request::Api, body: &serde_json::Value) -> Result<Vec<u32>, NotTokenized> {
-        use crate::request::Api;
+    pub fn request_tokens(
+        &self,
+        api: kvroute_protocol::openai::Api,
+        body: &serde_json::Value,
+    ) -> Result<Vec<u32>, NotTokenized> {
+        use kvroute_protocol::openai::Api;
         match api {
             Api::Chat => {
                 let text = self.render_chat(body)?;
@@ -403,10 +407,13 @@ mod tests {
         // pycompat's `.strip()` ran; the template's special tokens encode as themselves.
         assert_eq!(t.render_chat(&body).unwrap(), "<|im_start|>user\nhi<|im_end|><|im_start|>");
         // <|im_start|> u s e r \n hi <|im_end|> <|im_start|>; no BOS for chat (vLLM's default).
-        assert_eq!(t.request_tokens(crate::request::Api::Chat, &body).unwrap(), vec![1, 13, 8, 9, 5, 12, 2, 1]);
+        assert_eq!(
+            t.request_tokens(kvroute_protocol::openai::Api::Chat, &body).unwrap(),
+            vec![1, 13, 8, 9, 5, 12, 2, 1]
+        );
         // Completions get the post-processor's BOS.
         let c = serde_json::json!({"model": "m", "prompt": "hi"});
-        assert_eq!(t.request_tokens(crate::request::Api::Completions, &c).unwrap(), vec![0, 12]);
+        assert_eq!(t.request_tokens(kvroute_protocol::openai::Api::Completions, &c).unwrap(), vec![0, 12]);
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -414,14 +421,14 @@ mod tests {
     fn requests_it_cannot_reproduce_are_refused_not_guessed() {
         let dir = tempdir("refuse");
         let t = LocalTokenizer::load(&tiny_hf(&dir)).unwrap();
-        let api = crate::request::Api::Chat;
+        let api = kvroute_protocol::openai::Api::Chat;
         let parts = serde_json::json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]});
         assert_eq!(t.request_tokens(api, &parts), Err("unsupported_request"));
         let tools =
             serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]});
         assert_eq!(t.request_tokens(api, &tools), Err("unsupported_request"));
         let many = serde_json::json!({"prompt": ["a", "b"]});
-        assert_eq!(t.request_tokens(crate::request::Api::Completions, &many), Err("unsupported_request"));
+        assert_eq!(t.request_tokens(kvroute_protocol::openai::Api::Completions, &many), Err("unsupported_request"));
         let _ = std::fs::remove_dir_all(dir);
     }
 

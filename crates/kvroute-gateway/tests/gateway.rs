@@ -4,9 +4,9 @@
 //! assertion): the property tested is "answers at all", never "answers fast".
 
 use futures_util::StreamExt;
+use kvroute_engine_sim::Profile;
+use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use kvroute_gateway::GatewayConfig;
-use kvroute_gateway::engine_sim::{self, EngineSimConfig};
-use kvroute_sim::engine::Profile;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -146,7 +146,7 @@ async fn cache_aware_keeps_a_long_prefix_on_one_worker_and_its_cache_hits() {
     // The engine's own metrics agree with what it reported per request.
     let holder = ws.iter().find(|w| Some(&w.url) == first.as_ref()).expect("holder");
     let text = guard(c.get(format!("{}/metrics", holder.url)).send()).await.expect("m").text().await.expect("t");
-    let hits: f64 = kvroute_gateway::health::metric_sum(&text, "vllm:prefix_cache_hits_total").expect("hits");
+    let hits: f64 = kvroute_protocol::engine_metrics::metric_sum(&text, "vllm:prefix_cache_hits_total").expect("hits");
     assert_eq!(hits as u64, holder.sim.stats().prefix_hit_tokens);
     r.stop.cancel();
     for w in &ws {

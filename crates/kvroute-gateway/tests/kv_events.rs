@@ -3,9 +3,9 @@
 
 use bytes::Bytes;
 use kvroute_core::hash::{HashAlgo, hash_text_blocks};
-use kvroute_gateway::engine_sim::{self, EngineSimConfig, pseudo_tokens};
-use kvroute_gateway::kv_events::{Encoding, KvEvent, REPLAY_END, decode, parse_frames};
-use kvroute_sim::engine::Profile;
+use kvroute_engine_sim::Profile;
+use kvroute_engine_sim::{self as engine_sim, EngineSimConfig, pseudo_tokens};
+use kvroute_protocol::kv_events::{Encoding, KvEvent, REPLAY_END, decode, parse_frames};
 use std::time::Duration;
 use zeromq::{Socket, SocketRecv, SocketSend};
 
@@ -155,7 +155,7 @@ async fn bind_publisher() -> (zeromq::PubSocket, String) {
 
 /// Publishes one batch of `events` with sequence `seq` in `enc`, as engines do.
 async fn publish(publisher: &mut zeromq::PubSocket, seq: u64, events: Vec<KvEvent>, enc: Encoding) {
-    use kvroute_gateway::kv_events::{EventBatch, encode, frames};
+    use kvroute_protocol::kv_events::{EventBatch, encode, frames};
     let batch = EventBatch { ts: 0.0, events, dp_rank: None };
     let msg = zeromq::ZmqMessage::try_from(frames("", seq, encode(&batch, enc).into())).expect("msg");
     publisher.send(msg).await.expect("publish");

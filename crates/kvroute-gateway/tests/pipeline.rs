@@ -5,9 +5,9 @@
 //!
 //! Waits are bounded polls behind a hang guard (a failure, never a timing assertion).
 
+use kvroute_engine_sim::Profile;
+use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use kvroute_gateway::GatewayConfig;
-use kvroute_gateway::engine_sim::{self, EngineSimConfig};
-use kvroute_sim::engine::Profile;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 

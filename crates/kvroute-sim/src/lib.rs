@@ -8,10 +8,12 @@
 //!   file/line/field errors, and transforms (rate scaling, spreading, sampling, capping).
 //! - [`replay`]: replays a trace through a routing policy onto N engines on a logical clock.
 //! - [`report`]: per-policy results, tables, JSON/CSV and plots.
+//! - [`latency`]: the one latency summary (TTFT, TPOT, E2E) and SLO shared with `kvroute bench`.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod engine;
+pub mod latency;
 pub mod replay;
 pub mod report;
 pub mod trace;

@@ -1,19 +1,11 @@
 //! Per-policy results of a replay: metrics, terminal table, JSON/CSV and plots.
 
+pub use crate::latency::Slo;
+use crate::latency::{Latencies, LatencySummary};
 use crate::replay::ReplayResult;
-use hdrhistogram::Histogram;
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::Path;
-
-/// Service-level objective for goodput.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct Slo {
-    /// Maximum TTFT, seconds.
-    pub ttft_s: f64,
-    /// Maximum TPOT, seconds.
-    pub tpot_s: f64,
-}
 
 /// Summary of one replay.
 #[derive(Debug, Clone, Serialize)]
@@ -34,22 +26,9 @@ pub struct PolicyReport {
     pub hit_ratio: f64,
     /// One shared never-evicting cache's hit ratio on the same trace (upper bound).
     pub infinite_cache_hit_ratio: f64,
-    /// TTFT mean, seconds.
-    pub ttft_mean_s: f64,
-    /// TTFT p50, seconds.
-    pub ttft_p50_s: f64,
-    /// TTFT p90, seconds.
-    pub ttft_p90_s: f64,
-    /// TTFT p99, seconds.
-    pub ttft_p99_s: f64,
-    /// TPOT p50, seconds.
-    pub tpot_p50_s: f64,
-    /// TPOT p99, seconds.
-    pub tpot_p99_s: f64,
-    /// End-to-end latency p50, seconds.
-    pub e2e_p50_s: f64,
-    /// End-to-end latency p99, seconds.
-    pub e2e_p99_s: f64,
+    /// TTFT, TPOT and E2E (simulated seconds); serialised as flat `ttft_p50_s`, … fields.
+    #[serde(flatten)]
+    pub latency: LatencySummary,
     /// Output tokens per second over the makespan.
     pub throughput_tok_s: f64,
     /// Completed requests per second over the makespan.
@@ -69,24 +48,11 @@ pub struct PolicyReport {
     pub ttft_cdf: Vec<(f64, f64)>,
 }
 
-fn hist() -> Histogram<u64> {
-    // Microseconds, 1 µs to ~3 h, 3 significant digits: constant, valid bounds.
-    #[allow(clippy::expect_used)]
-    Histogram::new_with_bounds(1, 10_000_000_000, 3).expect("valid histogram bounds")
-}
-
-fn q(h: &Histogram<u64>, quantile: f64) -> f64 {
-    if h.is_empty() { 0.0 } else { h.value_at_quantile(quantile) as f64 / 1e6 }
-}
-
 /// Summarises `r`. `infinite` is the trace's infinite-cache `(hit, total)` tokens.
 pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: Slo) -> PolicyReport {
-    let mut ttft = hist();
-    let mut tpot = hist();
-    let mut e2e = hist();
+    let mut lat = Latencies::default();
     let (mut completed, mut rejected, mut good) = (0u64, 0u64, 0u64);
     let (mut hit, mut queried, mut out_tokens) = (0u64, 0u64, 0u64);
-    let mut ttft_sum = 0.0;
     let n_workers = r.busy_ns.len();
     let mut per_worker = vec![0u64; n_workers];
     let mut branches = std::collections::BTreeMap::new();
@@ -110,15 +76,11 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
         queried += o.input_tokens as u64;
         out_tokens += o.output_tokens as u64;
         last_finish = last_finish.max(fin.0);
-        let t = ft.0.saturating_sub(o.arrival.0);
-        ttft_sum += t as f64 / 1e9;
-        let _ = ttft.record((t / 1000).max(1));
-        let tp = if o.output_tokens > 1 { fin.0.saturating_sub(ft.0) / (o.output_tokens as u64 - 1) } else { 0 };
-        if o.output_tokens > 1 {
-            let _ = tpot.record((tp / 1000).max(1));
-        }
-        let _ = e2e.record((fin.0.saturating_sub(o.arrival.0) / 1000).max(1));
-        if t as f64 / 1e9 <= slo.ttft_s && tp as f64 / 1e9 <= slo.tpot_s {
+        let t = ft.0.saturating_sub(o.arrival.0) as f64 / 1e9;
+        let tp =
+            (o.output_tokens > 1).then(|| fin.0.saturating_sub(ft.0) as f64 / 1e9 / f64::from(o.output_tokens - 1));
+        lat.record(Some(t), tp, fin.0.saturating_sub(o.arrival.0) as f64 / 1e9);
+        if slo.met(t, tp) {
             good += 1;
         }
     }
@@ -127,13 +89,6 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
     let total = r.outcomes.len() as u64;
     let mean_busy = r.busy_ns.iter().sum::<u64>() as f64 / n_workers.max(1) as f64;
     let max_busy = r.busy_ns.iter().copied().max().unwrap_or(0) as f64;
-    let mut cdf = Vec::new();
-    if !ttft.is_empty() {
-        for i in 0..=200 {
-            let f = i as f64 / 200.0;
-            cdf.push((ttft.value_at_quantile(f) as f64 / 1e6, f));
-        }
-    }
     PolicyReport {
         policy: r.policy.clone(),
         rate_scale,
@@ -143,14 +98,7 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
         rejection_rate: rejected as f64 / total.max(1) as f64,
         hit_ratio: hit as f64 / queried.max(1) as f64,
         infinite_cache_hit_ratio: infinite.0 as f64 / infinite.1.max(1) as f64,
-        ttft_mean_s: ttft_sum / completed.max(1) as f64,
-        ttft_p50_s: q(&ttft, 0.5),
-        ttft_p90_s: q(&ttft, 0.9),
-        ttft_p99_s: q(&ttft, 0.99),
-        tpot_p50_s: q(&tpot, 0.5),
-        tpot_p99_s: q(&tpot, 0.99),
-        e2e_p50_s: q(&e2e, 0.5),
-        e2e_p99_s: q(&e2e, 0.99),
+        latency: lat.summary(),
         throughput_tok_s: out_tokens as f64 / makespan,
         throughput_rps: completed as f64 / makespan,
         goodput_rps: good as f64 / makespan,
@@ -158,7 +106,7 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
         load_imbalance: if mean_busy > 0.0 { max_busy / mean_busy } else { 1.0 },
         worker_share: per_worker.iter().map(|&n| n as f64 / total.max(1) as f64).collect(),
         branches,
-        ttft_cdf: cdf,
+        ttft_cdf: lat.ttft_cdf(),
     }
 }
 
@@ -190,12 +138,12 @@ pub fn table(reports: &[PolicyReport]) -> String {
             r.rate_scale,
             r.hit_ratio * 100.0,
             r.rejection_rate * 100.0,
-            r.ttft_mean_s,
-            r.ttft_p50_s,
-            r.ttft_p99_s,
-            r.tpot_p50_s,
-            r.tpot_p99_s,
-            r.e2e_p99_s,
+            r.latency.ttft_mean_s,
+            r.latency.ttft_p50_s,
+            r.latency.ttft_p99_s,
+            r.latency.tpot_p50_s,
+            r.latency.tpot_p99_s,
+            r.latency.e2e_p99_s,
             r.throughput_tok_s,
             r.goodput_rps,
             r.load_imbalance
@@ -250,14 +198,14 @@ pub fn write_csv(path: &Path, reports: &[PolicyReport]) -> Result<(), csv::Error
             f(r.rejection_rate),
             f(r.hit_ratio),
             f(r.infinite_cache_hit_ratio),
-            f(r.ttft_mean_s),
-            f(r.ttft_p50_s),
-            f(r.ttft_p90_s),
-            f(r.ttft_p99_s),
-            f(r.tpot_p50_s),
-            f(r.tpot_p99_s),
-            f(r.e2e_p50_s),
-            f(r.e2e_p99_s),
+            f(r.latency.ttft_mean_s),
+            f(r.latency.ttft_p50_s),
+            f(r.latency.ttft_p90_s),
+            f(r.latency.ttft_p99_s),
+            f(r.latency.tpot_p50_s),
+            f(r.latency.tpot_p99_s),
+            f(r.latency.e2e_p50_s),
+            f(r.latency.e2e_p99_s),
             f(r.throughput_tok_s),
             f(r.throughput_rps),
             f(r.goodput_rps),
@@ -387,7 +335,7 @@ pub fn plot_cdf_series(stem: &Path, series: &[CdfSeries<'_>], max_x: f64, title:
 /// # Errors
 /// Plotting or I/O errors; "no font" when none is available.
 pub fn plot_ttft_cdf(stem: &Path, reports: &[PolicyReport], title: &str) -> PlotResult {
-    let max_x = reports.iter().map(|r| r.ttft_p99_s).fold(0.1_f64, f64::max) * 1.2;
+    let max_x = reports.iter().map(|r| r.latency.ttft_p99_s).fold(0.1_f64, f64::max) * 1.2;
     let series: Vec<CdfSeries<'_>> = reports.iter().map(|r| (r.policy.as_str(), r.ttft_cdf.as_slice())).collect();
     plot_cdf_series(stem, &series, max_x, title)
 }
@@ -476,8 +424,9 @@ where
     names.sort_unstable();
     names.dedup();
     let max_rate = reports.iter().map(|r| r.offered_rps).fold(0.1, f64::max) * 1.05;
-    let max_p99 = reports.iter().map(|r| r.ttft_p99_s).fold(0.1, f64::max) * 1.1;
-    let min_p99 = (reports.iter().map(|r| r.ttft_p99_s).filter(|v| *v > 0.0).fold(max_p99, f64::min) * 0.5).max(1e-3);
+    let max_p99 = reports.iter().map(|r| r.latency.ttft_p99_s).fold(0.1, f64::max) * 1.1;
+    let min_p99 =
+        (reports.iter().map(|r| r.latency.ttft_p99_s).filter(|v| *v > 0.0).fold(max_p99, f64::min) * 0.5).max(1e-3);
     // Hit ratios of real traces sit far below 1: scale the axis to the data.
     let max_hit = (reports.iter().map(|r| r.hit_ratio).fold(0.0, f64::max) * 1.25).clamp(0.05, 1.0);
     let mut hit = ChartBuilder::on(&left)
@@ -501,7 +450,7 @@ where
         hit.draw_series(LineSeries::new(pts.iter().map(|r| (r.offered_rps, r.hit_ratio)), style))?
             .label(name.to_string())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
-        lat.draw_series(LineSeries::new(pts.iter().map(|r| (r.offered_rps, r.ttft_p99_s.max(0.001))), style))?;
+        lat.draw_series(LineSeries::new(pts.iter().map(|r| (r.offered_rps, r.latency.ttft_p99_s.max(0.001))), style))?;
     }
     hit.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
     root.present()?;

@@ -69,6 +69,30 @@ pub enum TraceError {
         /// File.
         file: PathBuf,
     },
+    /// No trace was given and the shared Mooncake trace is not where it is looked for.
+    #[error("cannot find the Mooncake trace; pass --trace PATH (shared/data/traces/mooncake_conversation_trace.jsonl)")]
+    NotFound,
+}
+
+/// The Mooncake conversation trace: `given`, else `shared/data/traces/` found from the
+/// current directory (the repository root, a crate directory, or beside the checkout).
+///
+/// # Errors
+/// [`TraceError::NotFound`] when nothing is given and no copy is found.
+pub fn find_default(given: Option<&Path>) -> Result<PathBuf, TraceError> {
+    if let Some(p) = given {
+        return Ok(p.to_path_buf());
+    }
+    [
+        "../shared/data/traces/mooncake_conversation_trace.jsonl",
+        "shared/data/traces/mooncake_conversation_trace.jsonl",
+        "../../shared/data/traces/mooncake_conversation_trace.jsonl",
+        "../../../shared/data/traces/mooncake_conversation_trace.jsonl",
+    ]
+    .into_iter()
+    .map(PathBuf::from)
+    .find(|p| p.exists())
+    .ok_or(TraceError::NotFound)
 }
 
 /// Trace formats.

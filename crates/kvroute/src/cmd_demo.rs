@@ -10,8 +10,8 @@ use anyhow::{Context, bail};
 use kvroute_bench::runner::{self, Api, Mode, RunConfig};
 use kvroute_bench::summary::{self, Slo};
 use kvroute_bench::workload::{self, BenchRequest};
+use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use kvroute_gateway::GatewayConfig;
-use kvroute_gateway::engine_sim::{self, EngineSimConfig};
 use kvroute_sim::engine::Profile;
 use kvroute_sim::trace;
 use std::path::PathBuf;
@@ -46,28 +46,6 @@ pub struct Args {
     /// Port of the router with --serve.
     #[arg(long, default_value_t = 30000)]
     pub port: u16,
-}
-
-/// The Mooncake trace: `given`, else the shared conversation trace found from the current
-/// directory.
-///
-/// # Errors
-/// No trace found.
-pub fn find_trace(given: Option<&std::path::Path>) -> anyhow::Result<PathBuf> {
-    if let Some(p) = given {
-        return Ok(p.to_path_buf());
-    }
-    for c in [
-        "../shared/data/traces/mooncake_conversation_trace.jsonl",
-        "shared/data/traces/mooncake_conversation_trace.jsonl",
-        "../../shared/data/traces/mooncake_conversation_trace.jsonl",
-        "../../../shared/data/traces/mooncake_conversation_trace.jsonl",
-    ] {
-        if std::path::Path::new(c).exists() {
-            return Ok(c.into());
-        }
-    }
-    bail!("cannot find the Mooncake trace; pass --trace PATH (shared/data/traces/mooncake_conversation_trace.jsonl)")
 }
 
 /// Result of one policy run.
@@ -175,9 +153,9 @@ async fn run_policy(
         sent: reqs.len(),
         ok: s.ok as usize,
         hit_ratio: hit as f64 / q.max(1) as f64,
-        ttft_p50: s.ttft_p50_s,
-        ttft_p99: s.ttft_p99_s,
-        ttft_mean: s.ttft_mean_s,
+        ttft_p50: s.latency.ttft_p50_s,
+        ttft_p99: s.latency.ttft_p99_s,
+        ttft_mean: s.latency.ttft_mean_s,
         throughput: s.throughput_rps,
     })
 }
@@ -192,7 +170,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     kvroute_core::registry::build(&a.policy, &serde_json::Value::Null).context("--policy")?;
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let path = find_trace(a.trace.as_deref())?;
+    let path = kvroute_sim::trace::find_default(a.trace.as_deref())?;
     let mut reqs = trace::read(&path, None)?;
     trace::spread_seconds(&mut reqs);
     reqs.truncate(a.requests);

@@ -1,7 +1,7 @@
 //! `kvroute engine-sim`: one simulated inference worker over HTTP (vLLM-like).
 
 use anyhow::Context;
-use kvroute_gateway::engine_sim::{EngineSimConfig, serve};
+use kvroute_engine_sim::{EngineSimConfig, serve};
 
 /// Flags of `kvroute engine-sim`.
 #[derive(Debug, clap::Args)]
@@ -82,9 +82,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         kv_events: a.kv_events,
         kv_replay: a.kv_replay,
         kv_encoding: if a.kv_encoding == "legacy" {
-            kvroute_gateway::kv_events::Encoding::Legacy
+            kvroute_protocol::kv_events::Encoding::Legacy
         } else {
-            kvroute_gateway::kv_events::Encoding::Map
+            kvroute_protocol::kv_events::Encoding::Map
         },
         kv_topic: a.kv_topic,
         kv_hash_salt: a.kv_hash_salt.unwrap_or_else(|| {

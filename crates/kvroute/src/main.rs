@@ -6,7 +6,6 @@
 use clap::{Parser, Subcommand};
 
 mod cmd_bench;
-mod cmd_compare;
 mod cmd_demo;
 mod cmd_engine_sim;
 mod cmd_policies;

@@ -269,7 +269,7 @@ async fn local_gguf_tokenizer_gives_llama_servers_tokens_for_every_mtbench_conve
             {"role": "user", "content": q2}]);
         for messages in [t1, t2] {
             let local = tk
-                .request_tokens(kvroute_gateway::request::Api::Chat, &json!({"model": "smollm2", "messages": messages}))
+                .request_tokens(kvroute_protocol::openai::Api::Chat, &json!({"model": "smollm2", "messages": messages}))
                 .expect("local tokens");
             let server = server_tokens(&client, &url, &messages).await;
             assert_eq!(local, server, "question {i}: local and llama-server tokens differ");
@@ -279,7 +279,7 @@ async fn local_gguf_tokenizer_gives_llama_servers_tokens_for_every_mtbench_conve
     // And the count the engine itself reports for a real chat request.
     let messages = json!([{"role": "user", "content": questions[0].0}]);
     let local = tk
-        .request_tokens(kvroute_gateway::request::Api::Chat, &json!({"model": "smollm2", "messages": messages}))
+        .request_tokens(kvroute_protocol::openai::Api::Chat, &json!({"model": "smollm2", "messages": messages}))
         .expect("local tokens");
     let r: Value = client
         .post(format!("{url}/v1/chat/completions"))

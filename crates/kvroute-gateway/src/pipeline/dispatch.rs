@@ -8,12 +8,12 @@
 use super::keys::Precise;
 use super::route::{Routed, order};
 use crate::fleet::WorkerEntry;
-use crate::request::{Api, RoutingInfo};
 use crate::state::AppState;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
 use kvroute_core::ledger::LoadTicket;
 use kvroute_core::types::{BlockHash, Nanos, RequestView, WorkerId};
+use kvroute_protocol::openai::{Api, RoutingInfo};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,9 +43,9 @@ pub struct DispatchError {
     pub message: String,
 }
 
-impl From<DispatchError> for crate::error::ApiError {
+impl From<DispatchError> for kvroute_protocol::api_error::ApiError {
     fn from(e: DispatchError) -> Self {
-        let err = crate::error::ApiError::new(e.status, e.message);
+        let err = kvroute_protocol::api_error::ApiError::new(e.status, e.message);
         if e.retryable { err.retry_after(1) } else { err }
     }
 }

@@ -1,9 +1,9 @@
 //! Stage 2, the routing key: token ids from the local tokenizer when one is configured, the
 //! engine's own token ids when workers publish KV events, else the routing text.
 
-use crate::request::{Api, RoutingInfo};
 use crate::state::AppState;
 use kvroute_core::types::{RequestView, Role, estimate_tokens};
+use kvroute_protocol::openai::{Api, RoutingInfo};
 use std::sync::Arc;
 
 /// Bodies up to this size are tokenized on the request's task; longer ones on the blocking

@@ -15,13 +15,13 @@ pub mod keys;
 pub mod respond;
 pub mod route;
 
-use crate::error::ApiError;
-use crate::request::{Api, parse};
 use crate::state::AppState;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use kvroute_protocol::api_error::ApiError;
+use kvroute_protocol::openai::{Api, parse};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -91,7 +91,7 @@ async fn run(
 
 /// The per-request decision log (`KVROUTE_LOG=kvroute::decision=debug`): enough to line up
 /// one router's choices with another's or with the engines' logs.
-fn log_decision(routed: &route::Routed, info: &crate::request::RoutingInfo, decision: &str) {
+fn log_decision(routed: &route::Routed, info: &kvroute_protocol::openai::RoutingInfo, decision: &str) {
     tracing::debug!(
         target: "kvroute::decision",
         worker = routed.candidates.entry(routed.decision.worker).map_or("?", |w| &*w.url),

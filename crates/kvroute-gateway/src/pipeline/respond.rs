@@ -4,7 +4,6 @@
 //! counted once.
 
 use super::dispatch::{Predicted, Sent};
-use crate::error::ApiError;
 use crate::fleet::WorkerEntry;
 use crate::metrics::RequestLabels;
 use crate::state::AppState;
@@ -14,6 +13,7 @@ use axum::response::Response;
 use futures_util::StreamExt;
 use kvroute_core::admission::Permit;
 use kvroute_core::ledger::LoadTicket;
+use kvroute_protocol::api_error::ApiError;
 use std::sync::Arc;
 use std::time::Instant;
 

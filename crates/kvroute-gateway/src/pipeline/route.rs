@@ -3,9 +3,7 @@
 //! every prefix index, session table and load counter as it was.
 
 use super::keys::{Precise, precise_view};
-use crate::error::ApiError;
 use crate::fleet::Candidates;
-use crate::request::RoutingInfo;
 use crate::routers::ModelRouter;
 use crate::state::AppState;
 use axum::http::StatusCode;
@@ -13,6 +11,8 @@ use kvroute_core::admission::Permit;
 use kvroute_core::hash::{HashAlgo, hash_token_blocks};
 use kvroute_core::policy::{Decision, MatchUnit, PickCtx, RequestKey};
 use kvroute_core::types::{BlockHash, Role, WorkerId};
+use kvroute_protocol::api_error::ApiError;
+use kvroute_protocol::openai::RoutingInfo;
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -45,7 +45,7 @@
 
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, LruBlockSet};
-use crate::policy::util::{Rotation, SessionTable, mean_load};
+use crate::policy::util::{Rotation, SessionTable};
 use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};

@@ -1,7 +1,8 @@
-//! OpenAI-style JSON errors: `{"error": {"message", "type", "param", "code"}}`.
+//! OpenAI-style JSON errors: `{"error": {"message", "type", "param", "code"}}`, as the
+//! OpenAI API and vLLM/SGLang servers answer them. With the `axum` feature, an [`ApiError`]
+//! is an axum response (status, JSON body, `Retry-After` when set).
 
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use http::StatusCode;
 
 /// An error answered to the client.
 #[derive(Debug, Clone)]
@@ -54,8 +55,10 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for ApiError {
+    fn into_response(self) -> axum::response::Response {
+        use axum::http::{HeaderValue, header};
         let mut r = (self.status, axum::Json(self.body())).into_response();
         if let Some(s) = self.retry_after {
             r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));

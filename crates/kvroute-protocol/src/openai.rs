@@ -5,7 +5,7 @@
 //! completion prompts, `/generate` text), token ids when present, the session (`user`
 //! field or `x-session-id` header), `stream` and `max_tokens`.
 
-use crate::error::ApiError;
+use crate::api_error::ApiError;
 
 /// Which API the request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

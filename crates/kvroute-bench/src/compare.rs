@@ -1,4 +1,4 @@
-//! `kvroute bench compare`: kvroute and the peer routers people run today (sglang-router,
+//! The engine of `kvroute bench compare`: kvroute and the peer routers people run today (sglang-router,
 //! vllm-router, SMG), one after another in front of the same simulated workers, with the same
 //! load generator, in one run and one table.
 //!
@@ -16,11 +16,11 @@
 //! Peers come from the venvs `scripts/compare-peers.sh` installs (`--peers-dir`); a peer
 //! whose venv is missing is reported as skipped, never silently dropped.
 
-use crate::cmd_bench::{self, WorkloadArgs};
+use crate::cli::{self as cmd_bench, WorkloadArgs};
+use crate::runner::{self, Api, Mode, RunConfig};
+use crate::summary::{self, Slo, Summary};
+use crate::workload::{self, Arrivals};
 use anyhow::{Context, bail};
-use kvroute_bench::runner::{self, Api, Mode, RunConfig};
-use kvroute_bench::summary::{self, Slo, Summary};
-use kvroute_bench::workload::{self, Arrivals};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -70,7 +70,7 @@ pub struct Args {
     pub block_tokens: Option<u32>,
     /// Routing quality: the part of the trace to send.
     #[command(flatten)]
-    pub slice: crate::cmd_bench::TraceSliceArgs,
+    pub slice: crate::cli::TraceSliceArgs,
     /// Routing quality: a workload instead of the Mooncake trace. `shared-prefix`: groups
     /// of prompts sharing a system prompt, Poisson arrivals at --rate. `mtbench`: the real
     /// MT-bench questions as two-turn conversations started at --rate per second, turn 2
@@ -454,7 +454,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
     // The quality workload: a Mooncake slice by its timestamps, time_scale × faster.
     let trace = match &a.trace {
         Some(t) => t.clone(),
-        None => crate::cmd_demo::find_trace(None)?,
+        None => kvroute_sim::trace::find_default(None)?,
     };
     let conversations = match a.workload.as_deref() {
         Some("mtbench") => {
@@ -581,7 +581,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                 }
             };
             let d = measure(urls[0].clone(), "direct".into()).await?;
-            eprintln!("  direct: c=1 p50 {:.3} ms, c=32 {:.0} req/s", d.0.e2e_p50_s * 1e3, d.1.throughput_rps);
+            eprintln!("  direct: c=1 p50 {:.3} ms, c=32 {:.0} req/s", d.0.latency.e2e_p50_s * 1e3, d.1.throughput_rps);
             direct = Some(d);
             for (t, row) in targets.iter().zip(rows.iter_mut()) {
                 match ctx.router(t, &urls).await {
@@ -593,7 +593,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                                 eprintln!(
                                     "  {}: c=1 p50 {:.3} ms, c=32 {:.0} req/s",
                                     t.label(),
-                                    c1.e2e_p50_s * 1e3,
+                                    c1.latency.e2e_p50_s * 1e3,
                                     c32.throughput_rps
                                 );
                                 row.overhead_c1 = Some(c1);
@@ -677,8 +677,8 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                     eprintln!(
                         "  {}: later turns TTFT mean {:.3} s p90 {:.3} s ({} requests)",
                         t.label(),
-                        l.ttft_mean_s,
-                        l.ttft_p90_s,
+                        l.latency.ttft_mean_s,
+                        l.latency.ttft_p90_s,
                         later.len()
                     );
                     row.later_turns = Some(l);
@@ -693,8 +693,8 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                     "  {}: hit {:.1}%, TTFT mean {:.3} s p99 {:.3} s, {} ok / {} rejected / {} errors",
                     t.label(),
                     hit * 100.0,
-                    s.ttft_mean_s,
-                    s.ttft_p99_s,
+                    s.latency.ttft_mean_s,
+                    s.latency.ttft_p99_s,
                     s.ok,
                     s.rejected,
                     s.errors
@@ -745,8 +745,8 @@ fn print_table(rows: &[Row], direct: Option<&(Summary, Summary)>, a: &Args) {
     if let Some((d1, d32)) = direct {
         println!(
             "direct to one instant worker: c=1 p50 {:.3} ms p99 {:.3} ms; c=32 {:.0} req/s",
-            d1.e2e_p50_s * 1e3,
-            d1.e2e_p99_s * 1e3,
+            d1.latency.e2e_p50_s * 1e3,
+            d1.latency.e2e_p99_s * 1e3,
             d32.throughput_rps
         );
     }
@@ -760,9 +760,11 @@ fn print_table(rows: &[Row], direct: Option<&(Summary, Summary)>, a: &Args) {
             continue;
         }
         let (o1, o99, rps) = match (&r.overhead_c1, &r.overhead_c32, direct) {
-            (Some(c1), Some(c32), Some((d1, _))) => {
-                (ms(c1.e2e_p50_s - d1.e2e_p50_s), ms(c1.e2e_p99_s - d1.e2e_p99_s), format!("{:.0}", c32.throughput_rps))
-            }
+            (Some(c1), Some(c32), Some((d1, _))) => (
+                ms(c1.latency.e2e_p50_s - d1.latency.e2e_p50_s),
+                ms(c1.latency.e2e_p99_s - d1.latency.e2e_p99_s),
+                format!("{:.0}", c32.throughput_rps),
+            ),
             _ => ("-".into(), "-".into(), "-".into()),
         };
         let q = r.quality.as_ref();
@@ -772,10 +774,10 @@ fn print_table(rows: &[Row], direct: Option<&(Summary, Summary)>, a: &Args) {
             r.router,
             r.policy,
             r.hit_ratio.map_or_else(|| "-".into(), |h| format!("{:.1}", h * 100.0)),
-            f(&|s| format!("{:.3}", s.ttft_mean_s)),
-            f(&|s| format!("{:.3}", s.ttft_p50_s)),
-            f(&|s| format!("{:.3}", s.ttft_p99_s)),
-            r.later_turns.as_ref().map_or_else(|| "-".into(), |s| format!("{:.3}", s.ttft_mean_s)),
+            f(&|s| format!("{:.3}", s.latency.ttft_mean_s)),
+            f(&|s| format!("{:.3}", s.latency.ttft_p50_s)),
+            f(&|s| format!("{:.3}", s.latency.ttft_p99_s)),
+            r.later_turns.as_ref().map_or_else(|| "-".into(), |s| format!("{:.3}", s.latency.ttft_mean_s)),
             f(&|s| format!("{:.2}", s.goodput_rps)),
             f(&|s| format!("{}", s.rejected + s.errors)),
         );

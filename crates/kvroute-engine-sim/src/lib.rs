@@ -1,3 +1,5 @@
+//! # kvroute-engine-sim
+//!
 //! `kvroute engine-sim`: one simulated inference worker over HTTP, driven by the same
 //! engine model as `kvroute replay` ([`kvroute_sim::engine`]) on a wall clock scaled by
 //! `time_scale` (10 = ten times faster than the profile).
@@ -10,7 +12,6 @@
 //! `/tokenize`, `/metrics` with vLLM names, and what peer routers probe (`/server_info`,
 //! `/model_info`, `/get_load`, `/loads`, `/v1/loads`, `/version`, `*/render`).
 
-use crate::request::{Api, parse};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{StatusCode, header};
@@ -19,7 +20,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvroute_core::hash::{HashAlgo, hash_text_blocks, stable_hash};
 use kvroute_core::types::{BlockHash, Nanos, estimate_tokens};
-use kvroute_sim::engine::{Engine, EngineEvent, EngineRequest, Profile};
+use kvroute_protocol::openai::{Api, parse};
+/// The engine profile a simulated worker runs (re-exported from `kvroute_sim::engine`).
+pub use kvroute_sim::engine::Profile;
+use kvroute_sim::engine::{Engine, EngineEvent, EngineRequest};
 use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -55,7 +59,7 @@ pub struct EngineSimConfig {
     /// ZeroMQ endpoint of the replay ROUTER socket; none = no replay.
     pub kv_replay: Option<String>,
     /// Event encoding: legacy positional arrays or current vLLM maps.
-    pub kv_encoding: crate::kv_events::Encoding,
+    pub kv_encoding: kvroute_protocol::kv_events::Encoding,
     /// Topic frame of published batches.
     pub kv_topic: String,
     /// XORed into every published block hash, like vLLM's per-process hash seed: a router
@@ -79,7 +83,7 @@ impl Default for EngineSimConfig {
             max_waiting: 4096,
             kv_events: None,
             kv_replay: None,
-            kv_encoding: crate::kv_events::Encoding::Map,
+            kv_encoding: kvroute_protocol::kv_events::Encoding::Map,
             kv_topic: "kv-events".into(),
             kv_hash_salt: 0,
             instant: false,
@@ -279,10 +283,10 @@ fn flush_kv(
     buf: &mut Vec<kvroute_sim::engine::CacheEvent>,
     tx: &mpsc::Sender<Vec<u8>>,
     now: Nanos,
-    enc: crate::kv_events::Encoding,
+    enc: kvroute_protocol::kv_events::Encoding,
     salt: u64,
 ) {
-    use crate::kv_events::{EventBatch, KvEvent, encode};
+    use kvroute_protocol::kv_events::{EventBatch, KvEvent, encode};
     use kvroute_sim::engine::CacheEvent;
     engine.drain_cache_events(buf);
     if buf.is_empty() {
@@ -340,7 +344,7 @@ async fn publish(endpoint: String, replay: Option<String>, topic: String, mut rx
                 g.pop_front();
             }
         }
-        if let Ok(msg) = zeromq::ZmqMessage::try_from(crate::kv_events::frames(&topic, seq, payload))
+        if let Ok(msg) = zeromq::ZmqMessage::try_from(kvroute_protocol::kv_events::frames(&topic, seq, payload))
             && let Err(e) = sock.send(msg).await
         {
             tracing::warn!("kv events: send failed: {e}");
@@ -370,7 +374,8 @@ async fn replay_server(endpoint: String, ring: Arc<Mutex<std::collections::VecDe
                 break;
             }
         }
-        let end = vec![id, Bytes::new(), Bytes::copy_from_slice(&crate::kv_events::REPLAY_END), Bytes::new()];
+        let end =
+            vec![id, Bytes::new(), Bytes::copy_from_slice(&kvroute_protocol::kv_events::REPLAY_END), Bytes::new()];
         if let Ok(m) = zeromq::ZmqMessage::try_from(end) {
             let _ = sock.send(m).await;
         }
@@ -431,7 +436,7 @@ pub async fn spawn_local(
 }
 
 fn err(status: StatusCode, msg: &str) -> Response {
-    crate::error::ApiError::new(status, msg).into_response()
+    kvroute_protocol::api_error::ApiError::new(status, msg).into_response()
 }
 
 async fn health(State(s): State<Arc<EngineSim>>) -> Response {
@@ -543,9 +548,12 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         Err(e) => return e.into_response(),
     };
     if !info.model.is_empty() && info.model != s.cfg.model {
-        return crate::error::ApiError::new(StatusCode::NOT_FOUND, format!("model `{}` does not exist", info.model))
-            .with_param("model")
-            .into_response();
+        return kvroute_protocol::api_error::ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("model `{}` does not exist", info.model),
+        )
+        .with_param("model")
+        .into_response();
     }
     let n = s.served.fetch_add(1, Ordering::Relaxed) + 1;
     if s.cfg.crash_after.is_some_and(|c| n > c) {
