@@ -12,6 +12,8 @@
 //!   (429/503/529 counted apart, never hidden), per-worker shares, a terminal table.
 //! - [`compare`]: `kvroute bench compare` — kvroute and the peer routers (sglang-router,
 //!   vllm-router, SMG) started in turn in front of the same workers, one table.
+//! - [`overhead`]: proxy overhead measured by `wrk`, an external C client, against instant
+//!   workers directly and through each router (`kvroute bench overhead`).
 //! - [`cli`]: the flags and helpers `kvroute bench` and `kvroute bench compare` share.
 //!
 //! Everything is bounded: in-flight requests by a semaphore, each request by a timeout, the
@@ -19,6 +21,7 @@
 
 pub mod cli;
 pub mod compare;
+pub mod overhead;
 pub mod runner;
 pub mod summary;
 pub mod workload;

@@ -10,7 +10,8 @@ use kvroute_bench::{runner, summary};
 #[derive(Debug, clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct Args {
-    /// `kvroute bench compare`: kvroute against sglang-router, vllm-router and SMG.
+    /// `kvroute bench compare`: kvroute against sglang-router, vllm-router and SMG;
+    /// `kvroute bench overhead`: proxy overhead with wrk.
     #[command(subcommand)]
     pub command: Option<BenchCommand>,
     #[command(flatten)]
@@ -21,13 +22,18 @@ pub struct Args {
 #[derive(Debug, clap::Subcommand)]
 pub enum BenchCommand {
     /// Start workers, then kvroute and each peer router in turn, and compare them.
-    Compare(kvroute_bench::compare::Args),
+    Compare(Box<kvroute_bench::compare::Args>),
+    /// Proxy overhead with wrk (an external C client): two instant workers, directly and
+    /// through kvroute and each peer router, at concurrency 1 and 32.
+    Overhead(kvroute_bench::compare::overhead::Args),
 }
 
 /// Runs `kvroute bench`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if let Some(BenchCommand::Compare(c)) = a.command {
-        return kvroute_bench::compare::run(c);
+    match a.command {
+        Some(BenchCommand::Compare(c)) => return kvroute_bench::compare::run(*c),
+        Some(BenchCommand::Overhead(o)) => return kvroute_bench::compare::overhead::run(o),
+        None => {}
     }
     let a = a.load;
     let Some(url) = a.url.clone() else { bail!("--url is required (or use `kvroute bench compare`)") };

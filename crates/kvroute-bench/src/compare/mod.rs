@@ -16,6 +16,8 @@
 //! Peers come from the venvs `scripts/compare-peers.sh` installs (`--peers-dir`); a peer
 //! whose venv is missing is reported as skipped, never silently dropped.
 
+pub mod overhead;
+
 use crate::cli::{self as cmd_bench, WorkloadArgs};
 use crate::runner::{self, Api, Mode, RunConfig};
 use crate::summary::{self, Slo, Summary};
