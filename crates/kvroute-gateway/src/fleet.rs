@@ -9,6 +9,7 @@
 use arc_swap::ArcSwap;
 use kvroute_core::ledger::AtomicLoad;
 use kvroute_core::types::{Health, Nanos, WorkerId, WorkerView};
+use kvroute_protocol::openai::Api;
 use parking_lot::Mutex;
 use serde::Serialize;
 use std::sync::Arc;
@@ -89,6 +90,9 @@ pub struct WorkerEntry {
     pub id: WorkerId,
     /// Base URL (normalised, no trailing slash).
     pub url: Arc<str>,
+    /// The worker's inference endpoints, parsed once (chat, completions, generate): the
+    /// request path clones one instead of formatting and parsing a URL per attempt.
+    endpoints: Option<[reqwest::Url; 3]>,
     /// Models served (empty = unknown: serves any model); replaced when rediscovered.
     pub models: ArcSwap<Vec<String>>,
     health: AtomicU8,
@@ -136,9 +140,15 @@ pub const PROBE_BACKOFF_MAX: Nanos = Nanos::from_secs(60);
 
 impl WorkerEntry {
     fn new(id: WorkerId, url: &str, models: Vec<String>, health: Health) -> Self {
+        let parse = |api: Api| reqwest::Url::parse(&format!("{url}{}", api.path())).ok();
+        let endpoints = match (parse(Api::Chat), parse(Api::Completions), parse(Api::Generate)) {
+            (Some(c), Some(p), Some(g)) => Some([c, p, g]),
+            _ => None,
+        };
         WorkerEntry {
             id,
             url: Arc::from(url),
+            endpoints,
             models: ArcSwap::from_pointee(models),
             health: AtomicU8::new(health_code(health)),
             ejected: AtomicBool::new(false),
@@ -150,6 +160,20 @@ impl WorkerEntry {
             signals: EngineSignals::default(),
             load: Arc::default(),
         }
+    }
+
+    /// The URL of `api`'s endpoint on this worker.
+    ///
+    /// # Errors
+    /// The base URL does not parse (admission of the worker validates it, so only a URL
+    /// that `reqwest` rejects gets here); the message names it.
+    pub fn endpoint(&self, api: Api) -> Result<reqwest::Url, String> {
+        let i = match api {
+            Api::Chat => 0,
+            Api::Completions => 1,
+            Api::Generate => 2,
+        };
+        self.endpoints.as_ref().map(|e| e[i].clone()).ok_or_else(|| format!("{}: not a valid URL", self.url))
     }
 
     /// Health as the active checks see it.

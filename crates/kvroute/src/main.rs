@@ -50,6 +50,12 @@ fn init_logging(cmd: &Command) {
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
 }
 
+/// mimalloc (Microsoft's allocator, small C library): the proxy allocates and frees many
+/// small buffers per request across threads; glibc malloc showed ~10 % of the router's CPU
+/// in `perf` at concurrency 32 (docs/benchmarks.md, "Proxy overhead").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.command);

@@ -219,7 +219,8 @@ async fn attempt(
     headers: &HeaderMap,
     timeout: Duration,
 ) -> Result<reqwest::Response, Failure> {
-    let mut rb = s.client.post(format!("{}{}", w.url, api.path())).timeout(timeout).body(bytes.clone());
+    let url = w.endpoint(api).map_err(Failure::Retry)?;
+    let mut rb = s.client.post(url).timeout(timeout).body(bytes.clone());
     rb = rb.header(header::CONTENT_TYPE, "application/json");
     if let Some(a) = headers.get(header::AUTHORIZATION) {
         rb = rb.header(header::AUTHORIZATION, a.clone());
