@@ -500,7 +500,7 @@ async fn tokenize(body: Bytes) -> Response {
     let tokens = if v.get("messages").is_some() || v.get("prompt").is_some_and(|p| !p.is_string()) {
         let api = if v.get("messages").is_some() { Api::Chat } else { Api::Completions };
         match parse(api, &body, None) {
-            Ok((_, info)) => info.token_ids.unwrap_or_else(|| pseudo_tokens(&info.text)),
+            Ok(info) => info.token_ids.unwrap_or_else(|| pseudo_tokens(&info.text)),
             Err(e) => return e.into_response(),
         }
     } else {
@@ -514,7 +514,7 @@ async fn render(body: Bytes) -> Response {
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let api = if v.get("messages").is_some() { Api::Chat } else { Api::Completions };
     match parse(api, &body, None) {
-        Ok((_, info)) => Json(serde_json::json!({"prompt": info.text, "prompt_token_ids": pseudo_tokens(&info.text)}))
+        Ok(info) => Json(serde_json::json!({"prompt": info.text, "prompt_token_ids": pseudo_tokens(&info.text)}))
             .into_response(),
         Err(e) => e.into_response(),
     }
@@ -543,7 +543,7 @@ async fn generate(State(s): State<Arc<EngineSim>>, body: Bytes) -> Response {
 
 async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
     let t0 = Instant::now();
-    let (v, info) = match parse(api, &body, None) {
+    let info = match parse(api, &body, None) {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
@@ -597,7 +597,16 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         output
     };
     let seed = stable_hash(info.text.as_bytes());
-    let logprobs = v.get("logprobs").is_some_and(|l| l.as_bool().unwrap_or(!l.is_null()));
+    // The one option routing does not read; only this simulator needs the whole body.
+    #[derive(serde::Deserialize)]
+    struct Options {
+        #[serde(default)]
+        logprobs: Option<serde_json::Value>,
+    }
+    let logprobs = serde_json::from_slice::<Options>(&body)
+        .ok()
+        .and_then(|o| o.logprobs)
+        .is_some_and(|l| l.as_bool().unwrap_or(!l.is_null()));
     let created = 1_700_000_000u64;
     let rid = format!("kvsim-{id}");
     let model = s.cfg.model.clone();

@@ -188,8 +188,8 @@ pub async fn debug_route(
             }
             Some(other) => return Err(ApiError::bad_field("api", format!("unknown api `{other}`"))),
         };
-        let (json, mut info) = parse(api, &bytes, headers.get("x-session-id").and_then(|v| v.to_str().ok()))?;
-        let precise = keys::resolve(&s, api, json, &bytes, &mut info).await;
+        let mut info = parse(api, &bytes, headers.get("x-session-id").and_then(|v| v.to_str().ok()))?;
+        let precise = keys::resolve(&s, api, &bytes, &mut info).await;
         let model = model_of(&s, &info)?;
         let routed = decide(&s, &info, &model, &precise)?;
         let d = &routed.decision;

@@ -324,7 +324,7 @@ async fn probe(s: &Arc<AppState>, worker: &str) -> Parity {
     });
     let bytes = serde_json::to_vec(&body).unwrap_or_default();
     let info = match kvroute_protocol::openai::parse(kvroute_protocol::openai::Api::Chat, &bytes, None) {
-        Ok((_, info)) => info,
+        Ok(info) => info,
         Err(e) => return Parity::Inconclusive(format!("probe request: {}", e.message)),
     };
     let Some(w) = worker_id(s, worker) else { return Parity::Inconclusive("the worker is not registered".into()) };

@@ -6,6 +6,9 @@
 //! field or `x-session-id` header), `stream` and `max_tokens`.
 
 use crate::api_error::ApiError;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::borrow::Cow;
 
 /// Which API the request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,13 +63,79 @@ fn push_text(out: &mut String, s: &str) {
     }
 }
 
-fn token_ids(v: &serde_json::Value, field: &str) -> Result<Vec<u32>, ApiError> {
-    let arr =
-        v.as_array().ok_or_else(|| ApiError::bad_field(field, format!("`{field}` must be an array of token ids")))?;
-    arr.iter()
+/// The fields routing reads, each kept as its raw JSON text (borrowed from the body):
+/// every other field (tools, sampling settings, images…) is skipped without being built,
+/// and each routing field is then typed on its own so an error can name it.
+#[derive(Deserialize)]
+struct Wire<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    max_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    max_completion_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    user: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    input_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    sampling_params: Option<&'a RawValue>,
+}
+
+/// One chat message: its role and content, raw.
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    role: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+}
+
+/// One content part (`{"type": "text", "text": …}`; other parts carry no routing text).
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, default)]
+    text: Option<&'a RawValue>,
+}
+
+/// `{"max_new_tokens": n}` of SGLang's `sampling_params`.
+#[derive(Deserialize)]
+struct Sampling<'a> {
+    #[serde(borrow, default)]
+    max_new_tokens: Option<&'a RawValue>,
+}
+
+/// A raw field that is JSON `null` counts as absent.
+fn present(v: Option<&RawValue>) -> Option<&RawValue> {
+    v.filter(|r| r.get() != "null")
+}
+
+/// `raw` as a string: borrowed from the body when it has no escapes, else unescaped.
+fn string(raw: &RawValue) -> Option<Cow<'_, str>> {
+    typed::<&str>(raw).map(Cow::Borrowed).or_else(|| typed::<String>(raw).map(Cow::Owned))
+}
+
+/// `raw` as a `T`, or `None` when it is another JSON type.
+fn typed<'a, T: Deserialize<'a>>(raw: &'a RawValue) -> Option<T> {
+    serde_json::from_str(raw.get()).ok()
+}
+
+fn token_ids(raw: &RawValue, field: &str) -> Result<Vec<u32>, ApiError> {
+    let items: Vec<&RawValue> =
+        typed(raw).ok_or_else(|| ApiError::bad_field(field, format!("`{field}` must be an array of token ids")))?;
+    items
+        .iter()
         .enumerate()
         .map(|(i, x)| {
-            x.as_u64()
+            typed::<u64>(x)
                 .filter(|t| *t <= u32::MAX as u64)
                 .map(|t| t as u32)
                 .ok_or_else(|| ApiError::bad_field(field, format!("`{field}[{i}]` is not a token id")))
@@ -74,128 +143,131 @@ fn token_ids(v: &serde_json::Value, field: &str) -> Result<Vec<u32>, ApiError> {
         .collect()
 }
 
-/// Parses and validates `body` for `api`.
+/// The body as a JSON value, for the rare consumer that needs all of it (the local chat
+/// template, the engine simulator's options).
+///
+/// # Errors
+/// 400 naming `body` when it is not UTF-8 JSON.
+pub fn parse_value(body: &[u8]) -> Result<serde_json::Value, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_field("body", format!("request body is not valid JSON: {e}")))
+}
+
+/// Parses and validates `body` for `api`: one pass over the bytes into borrowed raw fields
+/// (only the ones routing reads), then each typed with an error naming it. The body itself
+/// is forwarded untouched by the caller.
 ///
 /// # Errors
 /// 400 naming the field for invalid UTF-8, malformed JSON, or missing/mistyped fields.
-pub fn parse(
-    api: Api,
-    body: &[u8],
-    session_header: Option<&str>,
-) -> Result<(serde_json::Value, RoutingInfo), ApiError> {
+pub fn parse(api: Api, body: &[u8], session_header: Option<&str>) -> Result<RoutingInfo, ApiError> {
     let text = std::str::from_utf8(body)
         .map_err(|e| ApiError::bad_field("body", format!("request body is not valid UTF-8: {e}")))?;
-    let v: serde_json::Value = serde_json::from_str(text)
+    if !text.trim_start().starts_with('{') {
+        // Checked first so that an array or a scalar gets this message, not serde's.
+        if serde_json::from_str::<serde::de::IgnoredAny>(text).is_err() {
+            return Err(parse_value(body)
+                .err()
+                .unwrap_or_else(|| ApiError::bad_field("body", "request body is not valid JSON")));
+        }
+        return Err(ApiError::bad_field("body", "request body must be a JSON object"));
+    }
+    let w: Wire<'_> = serde_json::from_str(text)
         .map_err(|e| ApiError::bad_field("body", format!("request body is not valid JSON: {e}")))?;
-    let obj = v.as_object().ok_or_else(|| ApiError::bad_field("body", "request body must be a JSON object"))?;
     let mut info = RoutingInfo::default();
-    match obj.get("model") {
-        Some(serde_json::Value::String(m)) if !m.is_empty() => info.model = m.clone(),
-        Some(serde_json::Value::String(_)) | None if api == Api::Generate => {}
+    match w.model.map(|m| (m, string(m))) {
+        Some((_, Some(m))) if !m.is_empty() => info.model = m.into_owned(),
+        Some((_, Some(_))) | None if api == Api::Generate => {}
         None => return Err(ApiError::bad_field("model", "missing required field `model`")),
         Some(_) => return Err(ApiError::bad_field("model", "`model` must be a non-empty string")),
     }
-    match obj.get("stream") {
-        None | Some(serde_json::Value::Null) => {}
-        Some(serde_json::Value::Bool(b)) => info.stream = *b,
-        Some(_) => return Err(ApiError::bad_field("stream", "`stream` must be a boolean")),
+    if let Some(raw) = present(w.stream) {
+        info.stream = typed::<bool>(raw).ok_or_else(|| ApiError::bad_field("stream", "`stream` must be a boolean"))?;
     }
-    for key in ["max_tokens", "max_completion_tokens"] {
-        match obj.get(key) {
-            None | Some(serde_json::Value::Null) => {}
-            Some(x) => {
-                let n = x
-                    .as_u64()
-                    .ok_or_else(|| ApiError::bad_field(key, format!("`{key}` must be a non-negative integer")))?;
-                info.max_tokens = Some(n.min(u32::MAX as u64) as u32);
-            }
+    for (key, raw) in [("max_tokens", w.max_tokens), ("max_completion_tokens", w.max_completion_tokens)] {
+        if let Some(raw) = present(raw) {
+            let n = typed::<u64>(raw)
+                .ok_or_else(|| ApiError::bad_field(key, format!("`{key}` must be a non-negative integer")))?;
+            info.max_tokens = Some(n.min(u32::MAX as u64) as u32);
         }
     }
-    match obj.get("user") {
-        None | Some(serde_json::Value::Null) => {}
-        Some(serde_json::Value::String(s)) => info.session = Some(s.clone()),
-        Some(_) => return Err(ApiError::bad_field("user", "`user` must be a string")),
+    if let Some(raw) = present(w.user) {
+        let u = string(raw).ok_or_else(|| ApiError::bad_field("user", "`user` must be a string"))?;
+        info.session = Some(u.into_owned());
     }
     if let Some(h) = session_header.filter(|h| !h.is_empty()) {
         info.session = Some(h.to_string());
     }
     match api {
         Api::Chat => {
-            let msgs = obj
-                .get("messages")
-                .ok_or_else(|| ApiError::bad_field("messages", "missing required field `messages`"))?
-                .as_array()
-                .ok_or_else(|| ApiError::bad_field("messages", "`messages` must be an array"))?;
+            let raw = w.messages.ok_or_else(|| ApiError::bad_field("messages", "missing required field `messages`"))?;
+            let msgs: Vec<&RawValue> =
+                typed(raw).ok_or_else(|| ApiError::bad_field("messages", "`messages` must be an array"))?;
             if msgs.is_empty() {
                 return Err(ApiError::bad_field("messages", "`messages` must not be empty"));
             }
             for (i, m) in msgs.iter().enumerate() {
-                let mo = m
-                    .as_object()
+                let m: Message<'_> = typed(m)
                     .ok_or_else(|| ApiError::bad_field("messages", format!("`messages[{i}]` must be an object")))?;
-                if !mo.get("role").is_some_and(serde_json::Value::is_string) {
+                if m.role.and_then(string).is_none() {
                     return Err(ApiError::bad_field("messages", format!("`messages[{i}].role` must be a string")));
                 }
-                match mo.get("content") {
-                    None | Some(serde_json::Value::Null) => {}
-                    Some(serde_json::Value::String(s)) => push_text(&mut info.text, s),
-                    Some(serde_json::Value::Array(parts)) => {
-                        for p in parts {
-                            if let Some(t) = p.get("text").and_then(serde_json::Value::as_str) {
-                                push_text(&mut info.text, t);
-                            }
+                let Some(content) = present(m.content) else { continue };
+                if let Some(s) = string(content) {
+                    push_text(&mut info.text, &s);
+                } else if let Some(parts) = typed::<Vec<&RawValue>>(content) {
+                    for p in parts {
+                        if let Some(t) = typed::<Part<'_>>(p).and_then(|p| p.text).and_then(string) {
+                            push_text(&mut info.text, &t);
                         }
                     }
-                    Some(_) => {
-                        return Err(ApiError::bad_field(
-                            "messages",
-                            format!("`messages[{i}].content` must be a string or an array of parts"),
-                        ));
-                    }
-                }
-            }
-        }
-        Api::Completions => {
-            let p =
-                obj.get("prompt").ok_or_else(|| ApiError::bad_field("prompt", "missing required field `prompt`"))?;
-            match p {
-                serde_json::Value::String(s) => push_text(&mut info.text, s),
-                serde_json::Value::Array(a) if a.iter().all(serde_json::Value::is_string) && !a.is_empty() => {
-                    for s in a.iter().filter_map(serde_json::Value::as_str) {
-                        push_text(&mut info.text, s);
-                    }
-                }
-                serde_json::Value::Array(a) if a.iter().all(serde_json::Value::is_number) => {
-                    info.token_ids = Some(token_ids(p, "prompt")?);
-                }
-                _ => {
+                } else {
                     return Err(ApiError::bad_field(
-                        "prompt",
-                        "`prompt` must be a string, an array of strings or an array of token ids",
+                        "messages",
+                        format!("`messages[{i}].content` must be a string or an array of parts"),
                     ));
                 }
             }
         }
-        Api::Generate => {
-            match obj.get("text") {
-                None | Some(serde_json::Value::Null) => {}
-                Some(serde_json::Value::String(s)) => push_text(&mut info.text, s),
-                Some(_) => return Err(ApiError::bad_field("text", "`text` must be a string")),
+        Api::Completions => {
+            let p = w.prompt.ok_or_else(|| ApiError::bad_field("prompt", "missing required field `prompt`"))?;
+            let bad = || {
+                ApiError::bad_field("prompt", "`prompt` must be a string, an array of strings or an array of token ids")
+            };
+            if let Some(s) = string(p) {
+                push_text(&mut info.text, &s);
+            } else {
+                let items: Vec<&RawValue> = typed(p).ok_or_else(bad)?;
+                let strings: Option<Vec<Cow<'_, str>>> = items.iter().map(|x| string(x)).collect();
+                match strings {
+                    Some(ss) if !ss.is_empty() => ss.iter().for_each(|s| push_text(&mut info.text, s)),
+                    _ if items.iter().all(|x| typed::<serde_json::Number>(x).is_some()) => {
+                        info.token_ids = Some(token_ids(p, "prompt")?);
+                    }
+                    _ => return Err(bad()),
+                }
             }
-            if let Some(ids) = obj.get("input_ids").filter(|x| !x.is_null()) {
+        }
+        Api::Generate => {
+            if let Some(raw) = present(w.text) {
+                let t = string(raw).ok_or_else(|| ApiError::bad_field("text", "`text` must be a string"))?;
+                push_text(&mut info.text, &t);
+            }
+            if let Some(ids) = present(w.input_ids) {
                 info.token_ids = Some(token_ids(ids, "input_ids")?);
             }
             if info.text.is_empty() && info.token_ids.is_none() {
                 return Err(ApiError::bad_field("text", "`/generate` needs `text` or `input_ids`"));
             }
-            if let Some(n) =
-                obj.get("sampling_params").and_then(|s| s.get("max_new_tokens")).and_then(serde_json::Value::as_u64)
+            if let Some(n) = present(w.sampling_params)
+                .and_then(typed::<Sampling<'_>>)
+                .and_then(|s| s.max_new_tokens)
+                .and_then(typed::<u64>)
             {
                 info.max_tokens = Some(n.min(u32::MAX as u64) as u32);
             }
         }
     }
-    Ok((v, info))
+    Ok(info)
 }
 
 #[cfg(test)]
@@ -205,14 +277,17 @@ mod tests {
     #[test]
     fn chat_text_is_contents_in_order() {
         let body = br#"{"model":"m","messages":[{"role":"system","content":"A"},{"role":"user","content":[{"type":"text","text":"B"},{"type":"image_url","image_url":{}}]}],"user":"s1"}"#;
-        let (_, i) = parse(Api::Chat, body, None).expect("ok");
+        let i = parse(Api::Chat, body, None).expect("ok");
         assert_eq!((i.model.as_str(), i.text.as_str(), i.session.as_deref()), ("m", "AB", Some("s1")));
     }
 
     #[test]
     fn bad_inputs_name_the_field() {
-        let cases: [(Api, &[u8], &str); 8] = [
+        let cases: [(Api, &[u8], &str); 11] = [
             (Api::Chat, b"{", "body"),
+            (Api::Chat, b"[1]", "body"),
+            (Api::Chat, br#"{"model":"m","messages":[{"content":"x"}]}"#, "messages"),
+            (Api::Chat, br#"{"model":"m","messages":[{"role":"user"}],"max_tokens":-1}"#, "max_tokens"),
             (Api::Chat, b"\xff\xfe", "body"),
             (Api::Chat, br#"{"messages":[]}"#, "model"),
             (Api::Chat, br#"{"model":"m"}"#, "messages"),
@@ -230,10 +305,22 @@ mod tests {
 
     #[test]
     fn token_prompts_and_generate() {
-        let (_, i) = parse(Api::Completions, br#"{"model":"m","prompt":[1,2,3]}"#, Some("h")).expect("ok");
+        let i = parse(Api::Completions, br#"{"model":"m","prompt":[1,2,3]}"#, Some("h")).expect("ok");
         assert_eq!((i.token_ids, i.session.as_deref()), (Some(vec![1, 2, 3]), Some("h")));
-        let (_, i) =
-            parse(Api::Generate, br#"{"text":"hi","sampling_params":{"max_new_tokens":9}}"#, None).expect("ok");
+        let i = parse(Api::Generate, br#"{"text":"hi","sampling_params":{"max_new_tokens":9}}"#, None).expect("ok");
         assert_eq!((i.text.as_str(), i.max_tokens), ("hi", Some(9)));
+    }
+
+    #[test]
+    fn only_routing_fields_are_read_escapes_are_undone_and_null_is_absent() {
+        let body = br#"{"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}],
+            "model":"m","stream":null,"user":null,"max_tokens":null,"logprobs":true,
+            "messages":[{"role":"user","content":"a\"b\u00e9"},{"role":"assistant","content":null}]}"#;
+        let i = parse(Api::Chat, body, None).expect("ok");
+        assert_eq!((i.text.as_str(), i.stream, i.session, i.max_tokens), ("a\"bé", false, None, None));
+        let i = parse(Api::Completions, br#"{"model":"m","prompt":["x","y"],"max_completion_tokens":7}"#, None)
+            .expect("ok");
+        assert_eq!((i.text.as_str(), i.max_tokens), ("xy", Some(7)));
+        assert!(parse_value(br#"{"a":1}"#).is_ok() && parse_value(b"{").is_err());
     }
 }

@@ -25,14 +25,8 @@ pub enum Precise {
 /// carries none, and resolves the engine's token ids for precise matching. Counts the
 /// outcomes (`kvroute_local_tokenize`). A request that cannot be reproduced exactly keeps
 /// its text key.
-pub async fn resolve(
-    s: &Arc<AppState>,
-    api: Api,
-    body: serde_json::Value,
-    bytes: &[u8],
-    info: &mut RoutingInfo,
-) -> Precise {
-    local_tokens(s, api, body, info).await;
+pub async fn resolve(s: &Arc<AppState>, api: Api, bytes: &[u8], info: &mut RoutingInfo) -> Precise {
+    local_tokens(s, api, bytes, info).await;
     if s.cfg.kv_events.is_empty() {
         return Precise::Off;
     }
@@ -42,8 +36,11 @@ pub async fn resolve(
     }
 }
 
-async fn local_tokens(s: &Arc<AppState>, api: Api, body: serde_json::Value, info: &mut RoutingInfo) {
+async fn local_tokens(s: &Arc<AppState>, api: Api, bytes: &[u8], info: &mut RoutingInfo) {
     let Some(tk) = s.tokenizer.as_ref().filter(|_| info.token_ids.is_none()) else { return };
+    // The chat template needs the whole request (roles, tools, parts): only this path
+    // builds a JSON value of the body; the body already parsed, so this cannot fail.
+    let Ok(body) = kvroute_protocol::openai::parse_value(bytes) else { return };
     let r = if info.text.len() <= INLINE_TOKENIZE_BYTES {
         tk.request_tokens(api, &body)
     } else {

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! read     body within the size limit                              read_body (here)
-//! parse    body → routing info (model, text or token ids, session) request::parse
+//! parse    body → routing info (model, text or token ids, session) kvroute_protocol::openai::parse
 //! key      local tokenizer / engine tokens for precise matching    keys::resolve
 //! admit    per-model permit; full → 503, nothing recorded          route::admit
 //! decide   pure: the model's router picks, changes nothing         route::decide
@@ -65,8 +65,8 @@ async fn run(
     let t0 = Instant::now();
     let bytes = read_body(s, headers, body).await.map_err(|e| (e, ""))?;
     let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
-    let (json, mut info) = parse(api, &bytes, session).map_err(|e| (e, ""))?;
-    let precise = keys::resolve(s, api, json, &bytes, &mut info).await;
+    let mut info = parse(api, &bytes, session).map_err(|e| (e, ""))?;
+    let precise = keys::resolve(s, api, &bytes, &mut info).await;
     let model = route::model_of(s, &info).map_err(|e| (e, ""))?;
     let permit = route::admit(s, &model).map_err(|e| (e, ""))?;
     let routed = route::decide(s, &info, &model, &precise).map_err(|e| (e, ""))?;
