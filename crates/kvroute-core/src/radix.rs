@@ -189,6 +189,11 @@ pub struct RadixTree<S: Symbol> {
     total: usize,
     node_count: usize,
     tenant_sizes: Vec<usize>,
+    /// The eviction order of a pass in progress: (last use, node, tenant) of (tenant, leaf)
+    /// pairs, oldest first, kept between [`RadixTree::evict_toward`] slices so a pass scans
+    /// the tree once, not once per slice. Entries are re-checked when popped (still a leaf
+    /// for that tenant, last use unchanged); emptied when the tree is within budget.
+    evict_queue: BinaryHeap<Reverse<(Nanos, u32, WorkerId)>>,
 }
 
 impl<S: Symbol> Default for RadixTree<S> {
@@ -206,6 +211,7 @@ impl<S: Symbol> RadixTree<S> {
             total: 0,
             node_count: 0,
             tenant_sizes: Vec::new(),
+            evict_queue: BinaryHeap::new(),
         }
     }
 
@@ -388,28 +394,39 @@ impl<S: Symbol> RadixTree<S> {
 
     /// [`RadixTree::evict_to`] in a bounded slice: evicts at most `max_pairs` (tenant, leaf)
     /// pairs, so a caller holding a lock can release it between slices. Returns the symbols
-    /// freed; the tree may still be over budget afterwards.
+    /// freed; the tree may still be over budget afterwards. The pass's eviction order is
+    /// kept between slices (one O(n) scan per pass, not per slice); a pair used or split
+    /// since is skipped, and the order is rebuilt once when it runs out.
     pub fn evict_toward(&mut self, budget_symbols: usize, max_pairs: usize) -> usize {
-        if self.total <= budget_symbols || max_pairs == 0 {
+        if self.total <= budget_symbols {
+            self.evict_queue = BinaryHeap::new();
             return 0;
         }
-        let mut heap: BinaryHeap<Reverse<(Nanos, u32, WorkerId)>> = BinaryHeap::new();
-        for n in 1..self.nodes.len() as u32 {
-            if !self.nodes[n as usize].live {
-                continue;
-            }
-            for &(t, at) in &self.nodes[n as usize].tenants {
-                if self.is_leaf_for(n, t) {
-                    heap.push(Reverse((at, n, t)));
-                }
-            }
+        if max_pairs == 0 {
+            return 0;
         }
+        let mut heap = std::mem::take(&mut self.evict_queue);
+        let mut rescanned = false;
         let mut freed = 0;
         let mut evicted = 0;
         while self.total > budget_symbols && evicted < max_pairs {
-            let Some(Reverse((_, n, t))) = heap.pop() else { break };
-            if !self.is_leaf_for(n, t) {
-                continue; // stale: already evicted
+            let Some(Reverse((at, n, t))) = heap.pop() else {
+                if rescanned {
+                    break;
+                }
+                // A new pass, or the previous slices' order ran out (pairs touched or
+                // split since): one scan collects every (tenant, leaf) pair.
+                self.collect_leaves(&mut heap);
+                rescanned = true;
+                continue;
+            };
+            // Stale: already evicted, no longer a leaf for `t` (split, or a child added),
+            // or used since the order was taken (then it is newer than everything left).
+            let current = self.nodes.get(n as usize).filter(|x| x.live).and_then(|x| {
+                x.tenant_pos(t).ok().map(|p| x.tenants[p].1)
+            });
+            if current != Some(at) || !self.is_leaf_for(n, t) {
+                continue;
             }
             evicted += 1;
             let parent = self.nodes[n as usize].parent;
@@ -421,7 +438,25 @@ impl<S: Symbol> RadixTree<S> {
                 heap.push(Reverse((self.nodes[parent as usize].tenants[p].1, parent, t)));
             }
         }
+        if self.total > budget_symbols {
+            self.evict_queue = heap;
+        }
         freed
+    }
+
+    /// Pushes every live (tenant, leaf) pair with its last use. O(n log n).
+    fn collect_leaves(&self, heap: &mut BinaryHeap<Reverse<(Nanos, u32, WorkerId)>>) {
+        heap.clear();
+        for n in 1..self.nodes.len() as u32 {
+            if !self.nodes[n as usize].live {
+                continue;
+            }
+            for &(t, at) in &self.nodes[n as usize].tenants {
+                if self.is_leaf_for(n, t) {
+                    heap.push(Reverse((at, n, t)));
+                }
+            }
+        }
     }
 
     /// Removes `tenant` from every node, deleting nodes left with no tenant. O(n).
@@ -546,6 +581,52 @@ mod tests {
         assert_eq!(tree.tenant_size(A), 11);
         assert_eq!(tree.tenant_size(B), 11);
         assert_eq!(tree.tenant_size(C), 18);
+    }
+
+    /// 40 distinct keys over three tenants, last use = insertion order.
+    fn forty_keys() -> RadixTree<u8> {
+        let mut tree = RadixTree::<u8>::new();
+        for i in 0..40u64 {
+            let key = format!("prefix-{}-{i:03}-tail", i % 4);
+            tree.insert(key.as_bytes(), [A, B, C][(i % 3) as usize], t(i + 1));
+        }
+        tree
+    }
+
+    #[test]
+    fn sliced_eviction_evicts_what_one_pass_evicts() {
+        let mut whole = forty_keys();
+        let budget = whole.total_size() / 3;
+        whole.evict_to(budget);
+        let mut sliced = forty_keys();
+        let mut slices = 0;
+        while sliced.total_size() > budget {
+            sliced.evict_toward(budget, 2);
+            sliced.check_invariants().unwrap();
+            slices += 1;
+            assert!(slices < 100, "sliced eviction made no progress");
+        }
+        assert!(slices > 1);
+        assert_eq!(sliced.total_size(), whole.total_size());
+        for i in 0..40u64 {
+            let key = format!("prefix-{}-{i:03}-tail", i % 4);
+            assert_eq!(sliced.prefix_match(key.as_bytes(), None), whole.prefix_match(key.as_bytes(), None), "{key}");
+        }
+        assert!(sliced.evict_queue.is_empty(), "the pass's order is dropped once within budget");
+    }
+
+    #[test]
+    fn a_key_used_between_slices_outlives_the_older_ones() {
+        let mut tree = forty_keys();
+        let budget = tree.total_size() / 2;
+        tree.evict_toward(budget, 1); // evicts key 000, keeps the pass's order
+        tree.insert(b"prefix-1-001-tail", B, t(100)); // the next oldest, used again
+        while tree.total_size() > budget {
+            tree.evict_toward(budget, 1);
+            tree.check_invariants().unwrap();
+        }
+        assert_eq!(tree.prefix_match(b"prefix-1-001-tail", None).matched, "prefix-1-001-tail".len());
+        assert!(tree.prefix_match(b"prefix-2-002-tail", None).matched < "prefix-2-002-tail".len());
     }
 
     #[test]
