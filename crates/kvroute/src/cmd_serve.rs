@@ -137,8 +137,7 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         cfg.kv_events.push(src);
     }
     if let Some(k) = &a.policy_knobs {
-        let v: toml::Table = serde_json::from_str(k).context("--policy-knobs: expected a JSON object")?;
-        cfg.policy_knobs = v;
+        cfg.policy_knobs = knobs_from_json(k).context("--policy-knobs")?;
     }
     cfg.validate()?;
     Ok(cfg)
@@ -152,6 +151,39 @@ impl Drop for Launched {
         for c in &mut self.0 {
             let _ = c.start_kill();
         }
+    }
+}
+
+/// `--policy-knobs` (a JSON object) as the TOML table the configuration file would hold.
+///
+/// Converted value by value rather than by `serde_json::from_str::<toml::Table>`: serde_json's
+/// `arbitrary_precision` feature (switched on for the whole build by the `gguf-rs` crate)
+/// hands a float to a foreign `deserialize_any` as a map, so `{"eviction_interval_secs": 1.0}`
+/// was refused with "invalid type: map, expected f64".
+///
+/// # Errors
+/// Not JSON, not an object, or a `null` value (TOML has no null).
+fn knobs_from_json(s: &str) -> anyhow::Result<toml::Table> {
+    fn conv(key: &str, v: serde_json::Value) -> anyhow::Result<toml::Value> {
+        use serde_json::Value as J;
+        Ok(match v {
+            J::Null => bail!("`{key}`: null is not a knob value"),
+            J::Bool(b) => toml::Value::Boolean(b),
+            J::Number(n) => match (n.as_i64(), n.as_f64()) {
+                (Some(i), _) => toml::Value::Integer(i),
+                (None, Some(f)) => toml::Value::Float(f),
+                (None, None) => bail!("`{key}`: {n} is not a representable number"),
+            },
+            J::String(s) => toml::Value::String(s),
+            J::Array(a) => toml::Value::Array(a.into_iter().map(|x| conv(key, x)).collect::<Result<_, _>>()?),
+            J::Object(o) => toml::Value::Table(
+                o.into_iter().map(|(k, x)| Ok((k.clone(), conv(&k, x)?))).collect::<anyhow::Result<_>>()?,
+            ),
+        })
+    }
+    match serde_json::from_str::<serde_json::Value>(s).context("expected a JSON object")? {
+        serde_json::Value::Object(o) => o.into_iter().map(|(k, v)| Ok((k.clone(), conv(&k, v)?))).collect(),
+        other => bail!("expected a JSON object, got {other}"),
     }
 }
 
@@ -257,4 +289,28 @@ pub async fn shutdown_signal() {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(serve_until_signal(a))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::knobs_from_json;
+
+    #[test]
+    fn policy_knobs_from_json_keep_floats_integers_and_strings() {
+        let t = knobs_from_json(
+            r#"{"eviction_interval_secs": 1.0, "max_tree_size": 2000000, "cache_threshold": 0.25, "x": "y"}"#,
+        )
+        .expect("valid knobs");
+        assert_eq!(t["eviction_interval_secs"], toml::Value::Float(1.0));
+        assert_eq!(t["max_tree_size"], toml::Value::Integer(2_000_000));
+        assert_eq!(t["cache_threshold"], toml::Value::Float(0.25));
+        assert_eq!(t["x"], toml::Value::String("y".into()));
+    }
+
+    #[test]
+    fn policy_knobs_that_are_not_an_object_or_hold_null_are_refused() {
+        assert!(format!("{:#}", knobs_from_json("[1]").unwrap_err()).contains("expected a JSON object"));
+        assert!(format!("{:#}", knobs_from_json("{").unwrap_err()).contains("expected a JSON object"));
+        assert!(format!("{:#}", knobs_from_json(r#"{"a": null}"#).unwrap_err()).contains("`a`"));
+    }
 }
