@@ -26,7 +26,7 @@ done
 for u in "${urls[@]}"; do wait_up "$u"; done
 rp=$(free_port)
 "$bin" serve --port "$rp" --policy cache_aware \
-  --policy-knobs '{"max_tree_size": 2000000, "eviction_interval_secs": 1.0}' \
+  --policy-knobs '{"max_tree_size": 2000000, "eviction_interval_secs": 1}' \
   --worker-urls "$(IFS=,; echo "${urls[*]}")" >"$tmp/router.log" 2>&1 & pids+=($!)
 router="http://127.0.0.1:$rp"
 wait_up "$router"
@@ -61,6 +61,9 @@ for le, c in buckets:
     prev = c
 fmt = lambda s: "inf" if s == float('inf') else f"{s*1e6:.1f} us"
 rps = re.search(r'Requests/sec:\s+([\d.]+)', open(sys.argv[2]).read())
-print(f"decisions {total}  p50 <= {fmt(q(0.5))}  p99 <= {fmt(q(0.99))}  max <= {fmt(top)}  req/s {rps.group(1) if rps else '?'}")
+def above(t):
+    return total - max((c for le, c in buckets if le <= t), default=0)
+print(f"decisions {total}  p50 <= {fmt(q(0.5))}  p99 <= {fmt(q(0.99))}  p99.9 <= {fmt(q(0.999))}  max <= {fmt(top)}  "
+      f"> 1 ms: {above(1.1e-3)}  > 50 ms: {above(5.3e-2)}  req/s {rps.group(1) if rps else '?'}")
 PY
 echo "index size after: $(grep '^kvroute_index_size ' "$tmp/metrics.txt" | awk '{print $2}')"
