@@ -422,9 +422,11 @@ impl<S: Symbol> RadixTree<S> {
             };
             // Stale: already evicted, no longer a leaf for `t` (split, or a child added),
             // or used since the order was taken (then it is newer than everything left).
-            let current = self.nodes.get(n as usize).filter(|x| x.live).and_then(|x| {
-                x.tenant_pos(t).ok().map(|p| x.tenants[p].1)
-            });
+            let current = self
+                .nodes
+                .get(n as usize)
+                .filter(|x| x.live)
+                .and_then(|x| x.tenant_pos(t).ok().map(|p| x.tenants[p].1));
             if current != Some(at) || !self.is_leaf_for(n, t) {
                 continue;
             }

@@ -50,6 +50,10 @@ pub struct EngineSimConfig {
     pub hang_rate: f64,
     /// Exit the process after this many requests (failure injection).
     pub crash_after: Option<u64>,
+    /// Seed of the failure-injection rolls (`error_rate`, `hang_rate`): request n fails
+    /// when hash(seed, n) falls under the rate. Workers given the same seed fail on the
+    /// same request numbers, so fleets under test need distinct seeds.
+    pub fault_seed: u64,
     /// `/health` answers 503 for this many seconds after start.
     pub slow_start_secs: f64,
     /// Waiting-queue bound of the engine.
@@ -79,6 +83,7 @@ impl Default for EngineSimConfig {
             error_rate: 0.0,
             hang_rate: 0.0,
             crash_after: None,
+            fault_seed: 0,
             slow_start_secs: 0.0,
             max_waiting: 4096,
             kv_events: None,
@@ -560,7 +565,7 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         tracing::error!("engine-sim: crash injected after {} requests", n - 1);
         std::process::exit(3);
     }
-    let roll = (stable_hash(&n.to_le_bytes()) % 1_000_000) as f64 / 1e6;
+    let roll = (stable_hash(&[s.cfg.fault_seed.to_le_bytes(), n.to_le_bytes()].concat()) % 1_000_000) as f64 / 1e6;
     if roll < s.cfg.error_rate {
         return err(StatusCode::INTERNAL_SERVER_ERROR, "injected failure");
     }

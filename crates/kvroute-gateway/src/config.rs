@@ -55,6 +55,10 @@ pub struct GatewayConfig {
     pub max_worker_retries: u32,
     /// Attempts per request across workers before the client gets an error (SGLang router).
     pub max_total_retries: u32,
+    /// Largest share of the workers that failed requests may eject at once, in [0, 1]
+    /// (rounded down: 0.5 of 3 workers is 1). Beyond it a failing worker stays in routing,
+    /// so a fleet-wide problem degrades service instead of taking every worker out.
+    pub max_ejection_share: f64,
     /// In-flight requests admitted per (model, role); beyond, 503 at once (Cognitora cgn-router).
     pub max_in_flight_per_model: u32,
     /// Bearer token required by the admin API (none = open; bind to localhost then).
@@ -144,6 +148,7 @@ impl Default for GatewayConfig {
             request_timeout_secs: 600.0,
             max_worker_retries: 3,
             max_total_retries: 6,
+            max_ejection_share: 0.5,
             max_in_flight_per_model: 4096,
             admin_token: None,
             scrape_metrics: false,
@@ -223,6 +228,9 @@ impl GatewayConfig {
         }
         if self.max_worker_retries == 0 {
             return Err(err("max_worker_retries", "must be at least 1"));
+        }
+        if !(0.0..=1.0).contains(&self.max_ejection_share) {
+            return Err(err("max_ejection_share", format!("must be in [0, 1], got {}", self.max_ejection_share)));
         }
         if self.max_in_flight_per_model == 0 {
             return Err(err("max_in_flight_per_model", "must be at least 1"));

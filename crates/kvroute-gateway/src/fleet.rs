@@ -110,6 +110,9 @@ pub struct WorkerEntry {
     ejections: AtomicU32,
     /// When the next inference probe of an ejected worker is due (gateway clock, ns).
     probe_at: AtomicU64,
+    /// The last failed request (gateway clock, ns; 0 = never): with every worker out, the
+    /// least recently failed one is still tried.
+    last_failure_at: AtomicU64,
     /// Engine signals.
     pub signals: EngineSignals,
     /// The router's own load counters for this worker.
@@ -157,6 +160,7 @@ impl WorkerEntry {
             check_successes: AtomicU32::new(0),
             ejections: AtomicU32::new(0),
             probe_at: AtomicU64::new(0),
+            last_failure_at: AtomicU64::new(0),
             signals: EngineSignals::default(),
             load: Arc::default(),
         }
@@ -202,12 +206,19 @@ impl WorkerEntry {
         model.is_empty() || models.is_empty() || models.iter().any(|m| m == model)
     }
 
-    /// A failed request on this worker. Returns `true` when this failure ejects it (the
-    /// `max_worker_retries`-th in a row); its first inference probe is then due after the
-    /// backoff, which doubles with each ejection in a row.
+    /// A failed request on this worker. Returns `true` when it has now failed
+    /// `max_in_a_row` requests in a row and is not already ejected: the caller decides
+    /// whether to eject it ([`Fleet::try_eject`], which caps how many may be out).
     pub fn record_failure(&self, max_in_a_row: u32, now: Nanos) -> bool {
+        self.last_failure_at.store(now.0.max(1), Relaxed);
         let n = self.consecutive_failures.fetch_add(1, Relaxed) + 1;
-        if n < max_in_a_row.max(1) || self.ejected.swap(true, Relaxed) {
+        n >= max_in_a_row.max(1) && !self.is_ejected()
+    }
+
+    /// Takes the worker out of routing; its first inference probe is due after the
+    /// backoff, which doubles with each ejection in a row. `false` if it already was out.
+    fn eject(&self, now: Nanos) -> bool {
+        if self.ejected.swap(true, Relaxed) {
             return false;
         }
         let k = self.ejections.fetch_add(1, Relaxed).min(16);
@@ -216,12 +227,16 @@ impl WorkerEntry {
         true
     }
 
-    /// A request succeeded on this worker.
+    /// A request succeeded on this worker. An ejected worker that served a request (one
+    /// sent before its ejection, or the last-resort try when every worker is out) is back
+    /// in routing: a real answer is the evidence the inference probe looks for.
     pub fn record_success(&self) {
         if self.consecutive_failures.load(Relaxed) != 0 {
             self.consecutive_failures.store(0, Relaxed);
         }
-        if self.ejections.load(Relaxed) != 0 && !self.is_ejected() {
+        if self.is_ejected() {
+            self.ejected.store(false, Relaxed);
+        } else if self.ejections.load(Relaxed) != 0 {
             self.ejections.store(0, Relaxed);
         }
     }
@@ -342,7 +357,8 @@ impl Candidates {
 #[derive(Debug, Default)]
 pub struct Fleet {
     list: ArcSwap<Vec<Arc<WorkerEntry>>>,
-    /// Serialises membership changes (never taken on the request path).
+    /// Serialises membership changes and ejections (never taken on a request's way to a
+    /// worker; only when a worker reaches its failure threshold).
     writer: Mutex<()>,
     next_id: AtomicU32,
 }
@@ -395,7 +411,21 @@ impl Fleet {
         Some(gone)
     }
 
-    /// The workers serving `model` and their views.
+    /// Ejects `w` unless that would put more than `max_share` of the fleet's workers out
+    /// (rounded down; Envoy's outlier detection caps ejections the same way,
+    /// `max_ejection_percent`). Returns whether `w` was ejected.
+    pub fn try_eject(&self, w: &WorkerEntry, max_share: f64, now: Nanos) -> bool {
+        let _w = self.writer.lock();
+        let list = self.list.load();
+        let out = list.iter().filter(|x| x.is_ejected()).count();
+        let cap = (max_share.clamp(0.0, 1.0) * list.len() as f64 + 1e-9).floor() as usize;
+        out < cap && w.eject(now)
+    }
+
+    /// The workers serving `model` and their views. When none of them is routable but some
+    /// were only ejected (their health checks pass), the least recently failed of those is
+    /// offered as routable: the router keeps trying one worker instead of answering 503 to
+    /// everyone, and a success there brings it back.
     pub fn candidates(&self, model: &str) -> Candidates {
         let list = self.list.load();
         let mut views = Vec::with_capacity(list.len());
@@ -403,6 +433,17 @@ impl Fleet {
         for w in list.iter().filter(|w| w.serves(model)) {
             views.push(w.view());
             entries.push(Arc::clone(w));
+        }
+        if !entries.iter().any(|w| w.is_routable()) {
+            let last_resort = entries
+                .iter()
+                .enumerate()
+                .filter(|(_, w)| w.is_ejected() && w.health() == Health::Healthy)
+                .min_by_key(|(_, w)| w.last_failure_at.load(Relaxed))
+                .map(|(i, _)| i);
+            if let Some(i) = last_resort {
+                views[i].health = Health::Healthy;
+            }
         }
         Candidates { views, entries }
     }
@@ -435,7 +476,9 @@ mod tests {
         w.record_success();
         assert!(!w.record_failure(3, t(0)));
         assert!(!w.record_failure(3, t(0)));
-        assert!(w.record_failure(3, t(0)), "the third failure in a row ejects");
+        assert!(w.record_failure(3, t(0)), "the third failure in a row reaches the threshold");
+        assert!(f.try_eject(&w, 1.0, t(0)), "and ejects");
+        assert!(!w.record_failure(3, t(0)), "an ejected worker is not ejected twice");
         assert!(!w.is_routable());
         assert!(!w.probe_due(t(0)));
         assert!(w.probe_due(t(1)), "first probe after 1 s");
@@ -449,5 +492,65 @@ mod tests {
         w.probe_result(true, t(2000));
         assert!(w.is_routable());
         assert_eq!(w.health(), Health::Healthy);
+    }
+
+    /// Fails `w` `n` times at second `at` and tries to eject it with the default share.
+    fn fail(f: &Fleet, w: &WorkerEntry, n: u32, at: u64) -> bool {
+        let mut ejected = false;
+        for _ in 0..n {
+            if w.record_failure(3, Nanos::from_secs(at)) {
+                ejected |= f.try_eject(w, 0.5, Nanos::from_secs(at));
+            }
+        }
+        ejected
+    }
+
+    #[test]
+    fn at_most_the_configured_share_of_workers_is_ejected() {
+        let f = Fleet::default();
+        let ws: Vec<_> =
+            (0..4).map(|i| f.add(&format!("http://w{i}"), vec![], Health::Healthy).expect("add").0).collect();
+        assert!(fail(&f, &ws[0], 3, 1));
+        assert!(fail(&f, &ws[1], 3, 2));
+        assert!(!fail(&f, &ws[2], 10, 3), "a third ejection of four workers exceeds 0.5");
+        assert!(!fail(&f, &ws[3], 10, 4));
+        assert!(ws[2].is_routable() && ws[3].is_routable());
+        assert_eq!(f.candidates("m").views.iter().filter(|v| v.is_routable()).count(), 2);
+        // One comes back: the next worker over the threshold may take its place.
+        ws[0].probe_result(true, Nanos::from_secs(5));
+        assert!(fail(&f, &ws[2], 1, 6), "already over the threshold, ejected at its next failure");
+        // One worker alone is never ejected by the default share (0.5 of 1 rounds to 0).
+        let solo = Fleet::default();
+        let (w, _) = solo.add("http://solo", vec![], Health::Healthy).expect("add");
+        assert!(!fail(&solo, &w, 10, 1));
+    }
+
+    #[test]
+    fn with_every_worker_out_the_least_recently_failed_is_still_offered() {
+        let f = Fleet::default();
+        let ws: Vec<_> =
+            (0..3).map(|i| f.add(&format!("http://w{i}"), vec![], Health::Healthy).expect("add").0).collect();
+        for (i, w) in ws.iter().enumerate() {
+            for _ in 0..3 {
+                if w.record_failure(3, Nanos::from_secs(10 + i as u64)) {
+                    assert!(f.try_eject(w, 1.0, Nanos::from_secs(10 + i as u64)));
+                }
+            }
+        }
+        assert!(ws.iter().all(|w| w.is_ejected()));
+        let routable = |f: &Fleet| -> Vec<u32> {
+            f.candidates("m").views.iter().filter(|v| v.is_routable()).map(|v| v.id.0).collect()
+        };
+        assert_eq!(routable(&f), vec![ws[0].id.0], "w0 failed longest ago");
+        // It fails again: now w1 is the least recently failed.
+        ws[0].record_failure(3, Nanos::from_secs(20));
+        assert_eq!(routable(&f), vec![ws[1].id.0]);
+        // A worker whose health checks fail is not offered.
+        ws[1].set_health(Health::Unhealthy);
+        assert_eq!(routable(&f), vec![ws[2].id.0]);
+        // A success readmits the worker it reached.
+        ws[2].record_success();
+        assert!(ws[2].is_routable() && !ws[2].is_ejected());
+        assert_eq!(routable(&f), vec![ws[2].id.0]);
     }
 }

@@ -45,11 +45,13 @@ pub struct SourceLabels {
     pub reason: String,
 }
 
-/// Labels of `kvroute_local_tokenize`.
+/// Labels of `kvroute_local_tokenize` and `kvroute_worker_ejections` (a fixed set of values).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
-    /// `ok`, or why the request was routed on its text instead (`unsupported_request`,
-    /// `template_error`, `no_chat_template`, `tokenizer_error`).
+    /// `kvroute_local_tokenize`: `ok`, or why the request was routed on its text instead
+    /// (`unsupported_request`, `template_error`, `no_chat_template`, `tokenizer_error`).
+    /// `kvroute_worker_ejections`: `ejected`, or `capped` (`max_ejection_share` of the
+    /// workers were out already).
     pub outcome: String,
 }
 
@@ -102,6 +104,9 @@ pub struct Metrics {
     pub prefix_source: Family<SourceLabels, Counter>,
     /// Requests tokenized by the local tokenizer, by outcome.
     pub local_tokenize: Family<OutcomeLabel, Counter>,
+    /// Workers reaching `max_worker_retries` failures in a row: ejected, or kept in
+    /// routing because `max_ejection_share` of the fleet was out.
+    pub ejections: Family<OutcomeLabel, Counter>,
     /// Startup tokenizer parity per worker: 1 the local tokenizer gives the worker's
     /// tokens, 0 mismatch, −1 inconclusive.
     pub tokenizer_parity: Family<WorkerLabel, Gauge>,
@@ -193,6 +198,12 @@ impl Metrics {
             "Decisions by the source of the chosen worker's prefix state",
             prefix_source.clone(),
         );
+        let ejections = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "kvroute_worker_ejections",
+            "Workers reaching max_worker_retries failures in a row: ejected, or capped by max_ejection_share",
+            ejections.clone(),
+        );
         let local_tokenize = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "kvroute_local_tokenize",
@@ -215,6 +226,7 @@ impl Metrics {
         registry.register("kvroute_worker_slots", "Decode slots of a worker (llama.cpp /slots)", worker_slots.clone());
         Metrics {
             local_tokenize,
+            ejections,
             tokenizer_parity,
             engine_prefix_hit_ratio,
             worker_slots,

@@ -2,7 +2,7 @@
 
 use crate::config::GatewayConfig;
 use crate::fleet::Fleet;
-use crate::metrics::{Metrics, WorkerLabel};
+use crate::metrics::{Metrics, OutcomeLabel, WorkerLabel};
 use crate::routers::Routers;
 use kvroute_core::admission::Admission;
 use kvroute_core::types::{Health, Nanos};
@@ -136,16 +136,25 @@ impl AppState {
 
     /// Records a failed attempt on `worker`; the `max_worker_retries`-th failure in a row
     /// ejects it (out of routing until an inference probe passes) and drops it from every
-    /// router's index.
+    /// router's index — unless `max_ejection_share` of the fleet is out already, then it
+    /// stays in routing (and is tried again at its next failure).
     pub fn record_failure(&self, worker: &crate::fleet::WorkerEntry) {
-        if worker.record_failure(self.cfg.max_worker_retries, self.now()) {
+        let now = self.now();
+        if !worker.record_failure(self.cfg.max_worker_retries, now) {
+            return;
+        }
+        if self.fleet.try_eject(worker, self.cfg.max_ejection_share, now) {
             tracing::warn!(
                 worker = %worker.url,
                 "worker failed {} requests in a row: out of routing until an inference probe passes",
                 self.cfg.max_worker_retries
             );
+            self.metrics.ejections.get_or_create(&OutcomeLabel { outcome: "ejected".into() }).inc();
             self.routers.worker_removed(worker.id);
             self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: worker.url.to_string() }).set(0);
+        } else {
+            tracing::debug!(worker = %worker.url, "not ejected: max_ejection_share of the workers are out already");
+            self.metrics.ejections.get_or_create(&OutcomeLabel { outcome: "capped".into() }).inc();
         }
     }
 }

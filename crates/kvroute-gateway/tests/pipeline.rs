@@ -1,7 +1,8 @@
 //! The request pipeline's contracts, end to end on 127.0.0.1 with simulated workers:
 //! admission and dry runs record nothing; a client that goes away leaves no load behind;
 //! retries follow SGLang router's rules; an ejected worker needs a real inference request to
-//! come back; a knob change reschedules eviction.
+//! come back, and at most `max_ejection_share` of the workers are out at once; a knob change
+//! reschedules eviction.
 //!
 //! Waits are bounded polls behind a hang guard (a failure, never a timing assertion).
 
@@ -194,4 +195,44 @@ async fn turning_eviction_on_live_evicts() {
     .await;
     stop.cancel();
     stop_w.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_failing_half_their_requests_are_not_all_ejected_and_retries_hide_the_failures() {
+    let mut workers = Vec::new();
+    for seed in 0..4 {
+        workers.push(worker(EngineSimConfig { error_rate: 0.5, fault_seed: seed, ..fast() }).await);
+    }
+    let urls: Vec<&str> = workers.iter().map(|(u, _)| u.as_str()).collect();
+    let config = cfg(&urls, "round_robin");
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let c = reqwest::Client::new();
+    let mut ok = 0;
+    let mut most_out = 0;
+    for i in 0..200 {
+        let resp = post(&c, format!("{r}/v1/chat/completions"), &chat(&format!("half {i}"))).await;
+        if resp.status() == 200 {
+            ok += 1;
+        } else {
+            eprintln!("request {i}: {} {}", resp.status(), resp.text().await.unwrap_or_default());
+        }
+        if i % 10 == 0 {
+            let v: serde_json::Value =
+                guard(c.get(format!("{r}/workers")).send()).await.expect("w").json().await.expect("j");
+            let out = v["workers"].as_array().expect("rows").iter().filter(|w| w["ejected"] == true).count();
+            most_out = most_out.max(out);
+        }
+    }
+    // Each request may try 6 times (3 on a worker, then 3 on the next): with every attempt
+    // failing with probability 0.5, 1 in 64 requests fails on average (≈ 3 of 200). Before
+    // the ejection cap all four workers were out within seconds and ~10 % succeeded.
+    assert!(ok >= 190, "{ok} of 200 requests succeeded");
+    assert!(most_out <= 2, "{most_out} of 4 workers were ejected at once (max_ejection_share 0.5)");
+    let text = guard(c.get(format!("{r}/metrics")).send()).await.expect("metrics").text().await.expect("text");
+    assert!(text.contains("kvroute_worker_ejections_total{outcome="), "ejection outcomes are counted:\n{text}");
+    stop.cancel();
+    for (_, s) in workers {
+        s.cancel();
+    }
 }

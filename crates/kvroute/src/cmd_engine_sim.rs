@@ -33,6 +33,10 @@ pub struct Args {
     /// Exit after this many requests (failure injection).
     #[arg(long)]
     pub crash_after: Option<u64>,
+    /// Seed of the --error-rate/--hang-rate rolls (default: the listening port, or the process id
+    /// with `--port 0`: workers fail independently, and a rerun on the same port the same way).
+    #[arg(long)]
+    pub fault_seed: Option<u64>,
     /// /health answers 503 for this many seconds after start.
     #[arg(long, default_value_t = 0.0)]
     pub slow_start_secs: f64,
@@ -77,6 +81,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         error_rate: a.error_rate,
         hang_rate: a.hang_rate,
         crash_after: a.crash_after,
+        fault_seed: a.fault_seed.unwrap_or(if a.port != 0 { u64::from(a.port) } else { u64::from(std::process::id()) }),
         slow_start_secs: a.slow_start_secs,
         max_waiting: 4096,
         kv_events: a.kv_events,

@@ -44,6 +44,9 @@ pub struct Args {
     /// Attempts per request across workers.
     #[arg(long, env = "KVROUTE_MAX_TOTAL_RETRIES")]
     pub max_total_retries: Option<u32>,
+    /// Largest share of the workers failed requests may eject at once, in [0, 1].
+    #[arg(long, env = "KVROUTE_MAX_EJECTION_SHARE")]
+    pub max_ejection_share: Option<f64>,
     /// Admission limit per (model, role).
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_MODEL")]
     pub max_in_flight_per_model: Option<u32>,
@@ -111,6 +114,7 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         request_timeout_secs,
         max_worker_retries,
         max_total_retries,
+        max_ejection_share,
         max_in_flight_per_model,
         scrape_metrics,
         seed,
