@@ -8,23 +8,61 @@ use crate::pipeline::route::{decide, decision_header, model_of};
 use crate::state::AppState;
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{Query, State};
+use axum::extract::{ConnectInfo, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use kvroute_core::types::WorkerId;
 use kvroute_protocol::api_error::ApiError;
 use kvroute_protocol::openai::{Api, parse};
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
+use subtle::ConstantTimeEq;
 
-fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(token) = &s.cfg.admin_token else { return Ok(()) };
-    let given =
-        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(token.as_str()) {
-        Ok(())
-    } else {
-        Err(ApiError::new(StatusCode::UNAUTHORIZED, "the admin API needs `Authorization: Bearer <admin_token>`"))
+/// Who may use the admin API: with `admin_token` set, a client presenting
+/// `Authorization: Bearer <admin_token>` (compared in constant time), from anywhere; without
+/// one, loopback clients only. `peer` is the client's address (`None` when the server was
+/// not built with connect info: treated as remote).
+///
+/// # Errors
+/// 401 for a missing or wrong token, 403 for a remote client when no token is configured.
+pub fn admin_access(token: Option<&str>, headers: &HeaderMap, peer: Option<SocketAddr>) -> Result<(), ApiError> {
+    match token {
+        Some(token) => {
+            let given = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .unwrap_or_default();
+            if bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
+                Ok(())
+            } else {
+                Err(ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "the admin API needs `Authorization: Bearer <admin_token>`",
+                ))
+            }
+        }
+        None if peer.is_some_and(|p| p.ip().to_canonical().is_loopback()) => Ok(()),
+        None => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "the admin API answers only loopback clients when no `admin_token` is configured",
+        )),
+    }
+}
+
+/// Middleware in front of every admin endpoint ([`admin_access`]).
+pub async fn require_admin(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    // `MockConnectInfo` is how tests (and embedders without a TCP listener) name the peer.
+    let ext = req.extensions();
+    let peer = ext
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0)
+        .or_else(|| ext.get::<axum::extract::connect_info::MockConnectInfo<SocketAddr>>().map(|m| m.0));
+    match admin_access(s.cfg.admin_token.as_deref(), req.headers(), peer) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
     }
 }
 
@@ -75,29 +113,20 @@ fn url_param(q: &HashMap<String, String>) -> Result<String, ApiError> {
 }
 
 /// `POST /add_worker?url=`.
-pub async fn add_worker(
-    State(s): State<Arc<AppState>>,
-    headers: HeaderMap,
-    Query(q): Query<HashMap<String, String>>,
-) -> Response {
+pub async fn add_worker(State(s): State<Arc<AppState>>, Query(q): Query<HashMap<String, String>>) -> Response {
     let r = async {
-        authorize(&s, &headers)?;
         let url = url_param(&q)?;
         let id = s.add_worker(&url).await.map_err(|m| ApiError::bad_field("url", m))?;
-        Ok::<_, ApiError>(Json(serde_json::json!({"status": "added", "url": url.trim_end_matches('/'), "id": id})))
+        let url = s.fleet.by_id(WorkerId(id)).map_or(url, |w| w.url.to_string());
+        Ok::<_, ApiError>(Json(serde_json::json!({"status": "added", "url": url, "id": id})))
     }
     .await;
     r.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
 }
 
 /// `POST /remove_worker?url=`.
-pub async fn remove_worker(
-    State(s): State<Arc<AppState>>,
-    headers: HeaderMap,
-    Query(q): Query<HashMap<String, String>>,
-) -> Response {
+pub async fn remove_worker(State(s): State<Arc<AppState>>, Query(q): Query<HashMap<String, String>>) -> Response {
     let r = (|| {
-        authorize(&s, &headers)?;
         let url = url_param(&q)?;
         if s.remove_worker(&url) {
             Ok(Json(serde_json::json!({"status": "removed", "url": url})))
@@ -109,19 +138,13 @@ pub async fn remove_worker(
 }
 
 /// `GET /list_workers`: worker URLs (SGLang router).
-pub async fn list_workers(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return e.into_response();
-    }
+pub async fn list_workers(State(s): State<Arc<AppState>>) -> Response {
     let urls: Vec<String> = s.fleet.load().iter().map(|w| w.url.to_string()).collect();
     Json(serde_json::json!({"urls": urls})).into_response()
 }
 
 /// `GET /workers`: the worker table with health, models, load and engine signals.
-pub async fn workers(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return e.into_response();
-    }
+pub async fn workers(State(s): State<Arc<AppState>>) -> Response {
     let rows: Vec<serde_json::Value> = s
         .fleet
         .load()
@@ -141,17 +164,13 @@ pub async fn workers(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Resp
 }
 
 /// `GET /policy`: name and knobs.
-pub async fn get_policy(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return e.into_response();
-    }
+pub async fn get_policy(State(s): State<Arc<AppState>>) -> Response {
     Json(serde_json::json!({"policy": s.routers.policy_name(), "knobs": s.routers.knobs()})).into_response()
 }
 
 /// `PUT /policy`: `{"knobs": {...}}` (or the knobs object itself) patches knobs live.
 pub async fn put_policy(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let r = async {
-        authorize(&s, &headers)?;
         let bytes = read_body(&s, &headers, body).await?;
         let v: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::bad_field("body", format!("not valid JSON: {e}")))?;
@@ -174,7 +193,6 @@ pub async fn debug_route(
     body: Body,
 ) -> Response {
     let r = async {
-        authorize(&s, &headers)?;
         let bytes = read_body(&s, &headers, body).await?;
         let api = match q.get("api").map(String::as_str) {
             Some("generate") => Api::Generate,

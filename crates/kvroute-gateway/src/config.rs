@@ -61,8 +61,19 @@ pub struct GatewayConfig {
     pub max_ejection_share: f64,
     /// In-flight requests admitted per (model, role); beyond, 503 at once (Cognitora cgn-router).
     pub max_in_flight_per_model: u32,
-    /// Bearer token required by the admin API (none = open; bind to localhost then).
+    /// Bearer token required by the admin API. Without one the admin API answers only
+    /// loopback clients (403 to everyone else).
     pub admin_token: Option<String>,
+    /// A separate listener (`HOST:PORT`) for the admin API; when set, the main port serves
+    /// no admin endpoint (404), so the two can face different networks.
+    pub admin_listen: Option<String>,
+    /// Client request headers forwarded to workers (case-insensitive names; at most 32).
+    /// `Content-Type` is always set to JSON. Default: `authorization` only, as vLLM and
+    /// SGLang servers started with `--api-key` expect.
+    pub forward_headers: Vec<String>,
+    /// Hosts or CIDRs worker URLs may point at (`/add_worker` and the configuration);
+    /// empty = any. Host names match by name, IP literals by network.
+    pub worker_allow: Vec<String>,
     /// Scrape each worker's `/metrics` for engine load signals.
     pub scrape_metrics: bool,
     /// Prometheus gauge read as the worker's power draw in watts (e.g. `DCGM_FI_DEV_POWER_USAGE`).
@@ -151,6 +162,9 @@ impl Default for GatewayConfig {
             max_ejection_share: 0.5,
             max_in_flight_per_model: 4096,
             admin_token: None,
+            admin_listen: None,
+            forward_headers: vec!["authorization".into()],
+            worker_allow: Vec::new(),
             scrape_metrics: false,
             power_metric: None,
             seed: 0,
@@ -203,8 +217,26 @@ impl GatewayConfig {
     /// # Errors
     /// [`ConfigError`] naming the key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        for a in &self.worker_allow {
+            parse_allow(a).map_err(|m| err("worker_allow", m))?;
+        }
         for u in &self.worker_urls {
-            check_worker_url(u).map_err(|m| err("worker_urls", m))?;
+            let u = check_worker_url(u).map_err(|m| err("worker_urls", m))?;
+            self.check_worker_allowed(&u).map_err(|m| err("worker_urls", m))?;
+        }
+        if self.forward_headers.len() > MAX_FORWARD_HEADERS {
+            return Err(err("forward_headers", format!("at most {MAX_FORWARD_HEADERS} names")));
+        }
+        for h in &self.forward_headers {
+            http::HeaderName::from_bytes(h.as_bytes())
+                .map_err(|_| err("forward_headers", format!("`{h}` is not a header name")))?;
+        }
+        if let Some(a) = &self.admin_listen {
+            a.parse::<std::net::SocketAddr>()
+                .map_err(|_| err("admin_listen", format!("`{a}`: expected HOST:PORT with an IP host")))?;
+        }
+        if self.admin_token.as_deref().is_some_and(str::is_empty) {
+            return Err(err("admin_token", "must not be empty"));
         }
         kvroute_core::registry::build(&self.policy, &self.knobs_json()).map_err(|e| match e {
             kvroute_core::registry::BuildError::Unknown { .. } => err("policy", e.to_string()),
@@ -263,22 +295,127 @@ impl GatewayConfig {
 /// # Errors
 /// A message saying what is wrong.
 pub fn check_worker_url(u: &str) -> Result<String, String> {
+    let u = u.trim();
     let parsed = url::Url::parse(u).map_err(|e| format!("`{u}` is not a URL: {e}"))?;
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err(format!("`{u}`: only http and https worker URLs are accepted"));
     }
-    if parsed.host_str().is_none_or(str::is_empty) {
+    // The URL standard reads `http:///x` as host `x`; a worker URL must name its host.
+    let authority = u.split_once("://").map_or("", |(_, rest)| rest);
+    if parsed.host_str().is_none_or(str::is_empty) || authority.starts_with('/') || authority.is_empty() {
         return Err(format!("`{u}`: no host"));
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(format!(
+            "`{}`: credentials in a worker URL are refused (they would show in metrics, logs and \
+             `/workers`); workers receive the client's `Authorization` header (`forward_headers`)",
+            redact_userinfo(u)
+        ));
     }
     if parsed.query().is_some() || parsed.fragment().is_some() {
         return Err(format!("`{u}`: a worker URL has no query or fragment"));
     }
-    Ok(u.trim_end_matches('/').to_string())
+    // Lower-case scheme and host, default port dropped (the parser does both), no trailing '/'.
+    Ok(parsed.as_str().trim_end_matches('/').to_string())
+}
+
+/// Most names in `forward_headers`.
+pub const MAX_FORWARD_HEADERS: usize = 32;
+
+/// One `worker_allow` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Allow {
+    Net(ipnet::IpNet),
+    Host(String),
+}
+
+fn parse_allow(a: &str) -> Result<Allow, String> {
+    let a = a.trim();
+    if let Ok(n) = a.parse::<ipnet::IpNet>() {
+        return Ok(Allow::Net(n));
+    }
+    if let Ok(ip) = a.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>() {
+        return Ok(Allow::Net(ipnet::IpNet::from(ip)));
+    }
+    if a.is_empty() || a.contains(['/', ':', '@', ' ']) {
+        return Err(format!("`{a}`: expected a host name, an IP address or a CIDR"));
+    }
+    Ok(Allow::Host(a.to_ascii_lowercase()))
+}
+
+impl GatewayConfig {
+    /// Whether the normalised worker URL `u` points at a host `worker_allow` permits.
+    ///
+    /// # Errors
+    /// A message naming the host when it is not allowed.
+    pub fn check_worker_allowed(&self, u: &str) -> Result<(), String> {
+        if self.worker_allow.is_empty() {
+            return Ok(());
+        }
+        let parsed = url::Url::parse(u).map_err(|e| format!("`{u}`: {e}"))?;
+        let ip = match parsed.host() {
+            Some(url::Host::Ipv4(a)) => Some(std::net::IpAddr::V4(a)),
+            Some(url::Host::Ipv6(a)) => Some(std::net::IpAddr::V6(a)),
+            _ => None,
+        };
+        let host = parsed.host_str().unwrap_or_default();
+        let ok = self.worker_allow.iter().filter_map(|a| parse_allow(a).ok()).any(|a| match (&a, ip) {
+            (Allow::Net(n), Some(ip)) => n.contains(&ip),
+            (Allow::Host(h), None) => h == host,
+            _ => false,
+        });
+        if ok { Ok(()) } else { Err(format!("`{u}`: host `{host}` is not in `worker_allow`")) }
+    }
+}
+
+/// `u` with any `user:password@` replaced by `***@`, for error messages.
+fn redact_userinfo(u: &str) -> String {
+    match u.split_once("://") {
+        Some((scheme, rest)) => {
+            let end = rest.find('/').unwrap_or(rest.len());
+            match rest[..end].rfind('@') {
+                Some(at) => format!("{scheme}://***@{}", &rest[at + 1..]),
+                None => u.to_string(),
+            }
+        }
+        None => u.to_string(),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn worker_allow_matches_networks_and_host_names() {
+        let cfg = GatewayConfig {
+            worker_allow: vec!["10.0.0.0/8".into(), "::1".into(), "gpu-node-1".into()],
+            ..GatewayConfig::default()
+        };
+        cfg.validate().expect("valid allow-list");
+        assert!(cfg.check_worker_allowed("http://10.1.2.3:8000").is_ok());
+        assert!(cfg.check_worker_allowed("http://[::1]:8000").is_ok());
+        assert!(cfg.check_worker_allowed("http://gpu-node-1:8000").is_ok());
+        assert!(cfg.check_worker_allowed("http://11.0.0.1:8000").unwrap_err().contains("11.0.0.1"));
+        assert!(cfg.check_worker_allowed("http://evil.example:8000").is_err());
+        let bad = GatewayConfig { worker_allow: vec!["10.0.0.0/99".into()], ..GatewayConfig::default() };
+        assert_eq!(bad.validate().unwrap_err().key, "worker_allow");
+        let bad = GatewayConfig { forward_headers: vec!["bad header".into()], ..GatewayConfig::default() };
+        assert_eq!(bad.validate().unwrap_err().key, "forward_headers");
+        let bad = GatewayConfig { admin_listen: Some("localhost".into()), ..GatewayConfig::default() };
+        assert_eq!(bad.validate().unwrap_err().key, "admin_listen");
+    }
+
+    #[test]
+    fn worker_urls_are_normalised_and_hostless_or_credentialed_ones_refused() {
+        assert_eq!(check_worker_url("HTTP://LocalHost:80/").unwrap(), "http://localhost");
+        assert_eq!(check_worker_url(" http://127.0.0.1:8000// ").unwrap(), "http://127.0.0.1:8000");
+        assert_eq!(check_worker_url("https://[::1]:443/v").unwrap(), "https://[::1]/v");
+        assert!(check_worker_url("http:///x").unwrap_err().contains("no host"));
+        assert!(check_worker_url("ftp://x").unwrap_err().contains("http and https"));
+        let e = check_worker_url("http://user:secret@w1:8000").unwrap_err();
+        assert!(e.contains("credentials") && !e.contains("secret") && e.contains("***@w1:8000"), "{e}");
+    }
 
     #[test]
     fn unknown_keys_and_bad_values_name_the_key() {

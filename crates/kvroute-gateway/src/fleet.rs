@@ -135,6 +135,12 @@ fn health_of(c: u8) -> Health {
     }
 }
 
+/// `url` as the fleet stores it ([`crate::config::check_worker_url`]'s form), or trimmed
+/// of trailing slashes when it is not a valid worker URL (then it matches nothing).
+fn normalised(url: &str) -> String {
+    crate::config::check_worker_url(url).unwrap_or_else(|_| url.trim().trim_end_matches('/').to_string())
+}
+
 /// First probe of an ejected worker after this long; doubling per failed probe up to
 /// [`PROBE_BACKOFF_MAX`].
 pub const PROBE_BACKOFF_START: Nanos = Nanos::from_secs(1);
@@ -371,7 +377,8 @@ impl Fleet {
 
     /// The worker with `url`.
     pub fn by_url(&self, url: &str) -> Option<Arc<WorkerEntry>> {
-        self.list.load().iter().find(|w| &*w.url == url).cloned()
+        let url = normalised(url);
+        self.list.load().iter().find(|w| *w.url == *url).cloned()
     }
 
     /// The worker with `id`.
@@ -405,7 +412,8 @@ impl Fleet {
     pub fn remove(&self, url: &str) -> Option<Arc<WorkerEntry>> {
         let _w = self.writer.lock();
         let cur = self.list.load_full();
-        let gone = cur.iter().find(|w| &*w.url == url).cloned()?;
+        let url = normalised(url);
+        let gone = cur.iter().find(|w| *w.url == *url).cloned()?;
         let next: Vec<Arc<WorkerEntry>> = cur.iter().filter(|w| w.id != gone.id).cloned().collect();
         self.list.store(Arc::new(next));
         Some(gone)

@@ -61,7 +61,10 @@ fn worker_id(s: &AppState, url: &str) -> Option<WorkerId> {
 }
 
 async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, cancel: CancellationToken) {
-    let label = WorkerLabel { worker: src.worker.trim_end_matches('/').to_string() };
+    let label = WorkerLabel {
+        worker: crate::config::check_worker_url(&src.worker)
+            .unwrap_or_else(|_| src.worker.trim_end_matches('/').to_string()),
+    };
     let mut backoff = Duration::from_millis(100);
     loop {
         let mut sock = zeromq::SubSocket::new();

@@ -36,10 +36,11 @@ use axum::routing::{get, post};
 pub use config::GatewayConfig;
 use state::AppState;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
-/// Builds the router (all endpoints) over `state`.
-pub fn app(state: Arc<AppState>) -> Router {
+/// The endpoints clients use: inference, models, health, readiness and metrics.
+pub fn public_routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/chat/completions", post(pipeline::chat_completions))
         .route("/v1/completions", post(pipeline::completions))
@@ -48,14 +49,27 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/health", get(admin::health))
         .route("/readiness", get(admin::readiness))
         .route("/metrics", get(admin::metrics))
+}
+
+/// The admin endpoints (SGLang router's worker management, the worker table, live policy,
+/// dry-run routing), each behind [`admin::require_admin`]: a bearer token when
+/// `admin_token` is set, else loopback clients only.
+pub fn admin_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
+    Router::new()
         .route("/add_worker", post(admin::add_worker))
         .route("/remove_worker", post(admin::remove_worker))
         .route("/list_workers", get(admin::list_workers))
         .route("/workers", get(admin::workers))
         .route("/policy", get(admin::get_policy).put(admin::put_policy))
         .route("/debug/route", post(admin::debug_route))
-        .fallback(admin::not_found)
-        .with_state(state)
+        .route_layer(axum::middleware::from_fn_with_state(Arc::clone(state), admin::require_admin))
+}
+
+/// Builds the router (all endpoints) over `state`. Serve it with connect info
+/// (`into_make_service_with_connect_info::<SocketAddr>`) so the admin API can tell
+/// loopback clients apart; without it every client counts as remote.
+pub fn app(state: Arc<AppState>) -> Router {
+    public_routes().merge(admin_routes(&state)).fallback(admin::not_found).with_state(state)
 }
 
 /// Serves the gateway on `listener` until `shutdown` resolves, then drains in-flight
@@ -74,19 +88,42 @@ pub async fn serve(
     state.add_initial_workers().await;
     let bg = tokio::spawn(health::run_background(Arc::clone(&state), cancel.clone()));
     let kv = tokio::spawn(kv_subscriber::run(Arc::clone(&state), cancel.clone()));
-    let app = app(Arc::clone(&state));
+    // With `admin_listen`, the admin API moves to its own listener and the main port
+    // serves only the public endpoints.
+    let (main_app, admin) = match &state.cfg.admin_listen {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr.as_str())
+                .await
+                .map_err(|e| anyhow::anyhow!("admin_listen {addr}: {e}"))?;
+            tracing::info!(addr = %l.local_addr()?, "admin API listening");
+            let admin_app = admin_routes(&state).fallback(admin::not_found).with_state(Arc::clone(&state));
+            (public_routes().fallback(admin::not_found).with_state(Arc::clone(&state)), Some((l, admin_app)))
+        }
+        None => (app(Arc::clone(&state)), None),
+    };
     let c2 = cancel.clone();
     // Small request/response exchanges: do not let Nagle's algorithm hold segments back.
     use axum::serve::ListenerExt;
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    let res = axum::serve(listener, app)
+    let admin_task = admin.map(|(l, a)| {
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            axum::serve(l, a.into_make_service_with_connect_info::<SocketAddr>())
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await
+        })
+    });
+    let res = axum::serve(listener, main_app.into_make_service_with_connect_info::<SocketAddr>())
         .with_graceful_shutdown(async move {
             shutdown.await;
             c2.cancel();
         })
         .await;
+    if let Some(t) = admin_task {
+        let _ = t.await;
+    }
     cancel.cancel();
     let _ = bg.await;
     let _ = kv.await;

@@ -33,6 +33,8 @@ pub struct AppState {
     pub tokens: Mutex<crate::kv_subscriber::TokenCache>,
     /// The local tokenizer (`tokenizer`), when configured.
     pub tokenizer: Option<Arc<crate::tokenizer::LocalTokenizer>>,
+    /// Client headers forwarded to workers (`forward_headers`, parsed once).
+    pub forward_headers: Vec<http::HeaderName>,
 }
 
 impl AppState {
@@ -66,7 +68,14 @@ impl AppState {
             .pool_max_idle_per_host(256)
             .pool_idle_timeout(Duration::from_secs(4))
             .build()?;
+        let forward_headers = cfg
+            .forward_headers
+            .iter()
+            .map(|h| http::HeaderName::from_bytes(h.as_bytes()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| anyhow::anyhow!("forward_headers: {e}"))?;
         Ok(Arc::new(AppState {
+            forward_headers,
             admission: RwLock::new(Admission::new(cfg.max_in_flight_per_model)),
             routers,
             cfg,
@@ -99,6 +108,7 @@ impl AppState {
     /// A message for a bad URL or a full table.
     pub async fn add_worker(self: &Arc<Self>, url: &str) -> Result<u32, String> {
         let url = crate::config::check_worker_url(url)?;
+        self.cfg.check_worker_allowed(&url)?;
         if let Some(w) = self.fleet.by_url(&url) {
             return Ok(w.id.0);
         }
@@ -126,8 +136,8 @@ impl AppState {
     /// Removes a worker by URL and forgets it in every router's index. Returns whether it
     /// existed.
     pub fn remove_worker(&self, url: &str) -> bool {
-        let url = url.trim_end_matches('/');
         let Some(w) = self.fleet.remove(url) else { return false };
+        let url = w.url.to_string();
         self.routers.worker_removed(w.id);
         self.precise.write().untrack(w.id);
         self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.to_string() }).set(0);

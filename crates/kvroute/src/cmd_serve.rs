@@ -50,9 +50,18 @@ pub struct Args {
     /// Admission limit per (model, role).
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_MODEL")]
     pub max_in_flight_per_model: Option<u32>,
-    /// Bearer token for the admin API.
+    /// Bearer token for the admin API (without one it answers loopback clients only).
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
     pub admin_token: Option<String>,
+    /// Serve the admin API on this separate HOST:PORT (the main port then has none).
+    #[arg(long, env = "KVROUTE_ADMIN_LISTEN")]
+    pub admin_listen: Option<String>,
+    /// Client headers forwarded to workers (default: authorization; `""` for none).
+    #[arg(long, env = "KVROUTE_FORWARD_HEADERS", num_args = 0.., value_delimiter = ',')]
+    pub forward_headers: Option<Vec<String>>,
+    /// Hosts or CIDRs worker URLs may point at (default: any).
+    #[arg(long, env = "KVROUTE_WORKER_ALLOW", num_args = 1.., value_delimiter = ',')]
+    pub worker_allow: Vec<String>,
     /// Scrape each worker's /metrics for engine load signals.
     #[arg(long, env = "KVROUTE_SCRAPE_METRICS")]
     pub scrape_metrics: Option<bool>,
@@ -123,6 +132,15 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
     );
     if a.admin_token.is_some() {
         cfg.admin_token = a.admin_token.clone();
+    }
+    if a.admin_listen.is_some() {
+        cfg.admin_listen = a.admin_listen.clone();
+    }
+    if let Some(h) = &a.forward_headers {
+        cfg.forward_headers = h.iter().filter(|n| !n.trim().is_empty()).map(|n| n.trim().to_string()).collect();
+    }
+    if !a.worker_allow.is_empty() {
+        cfg.worker_allow = a.worker_allow.clone();
     }
     if a.tokenizer.is_some() {
         cfg.tokenizer = a.tokenizer.clone();

@@ -222,8 +222,10 @@ async fn attempt(
     let url = w.endpoint(api).map_err(Failure::Retry)?;
     let mut rb = s.client.post(url).timeout(timeout).body(bytes.clone());
     rb = rb.header(header::CONTENT_TYPE, "application/json");
-    if let Some(a) = headers.get(header::AUTHORIZATION) {
-        rb = rb.header(header::AUTHORIZATION, a.clone());
+    for name in &s.forward_headers {
+        for v in headers.get_all(name) {
+            rb = rb.header(name, v.clone());
+        }
     }
     let again = rb.try_clone();
     let sent = match (rb.send().await, again) {
