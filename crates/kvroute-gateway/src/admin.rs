@@ -14,7 +14,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use kvroute_core::types::WorkerId;
 use kvroute_protocol::api_error::ApiError;
-use kvroute_protocol::openai::{Api, parse};
+use kvroute_protocol::openai::{Api, parse_limited};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -206,7 +206,8 @@ pub async fn debug_route(
             }
             Some(other) => return Err(ApiError::bad_field("api", format!("unknown api `{other}`"))),
         };
-        let mut info = parse(api, &bytes, headers.get("x-session-id").and_then(|v| v.to_str().ok()))?;
+        let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
+        let mut info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens)?;
         let precise = keys::resolve(&s, api, &bytes, &mut info).await;
         let model = model_of(&s, &info)?;
         let routed = decide(&s, &info, &model, &precise)?;

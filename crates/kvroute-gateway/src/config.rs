@@ -47,6 +47,9 @@ pub struct GatewayConfig {
     pub worker_urls: Vec<String>,
     /// Largest accepted request body, bytes (413 beyond).
     pub max_body_bytes: usize,
+    /// Most token ids a prompt may carry (`prompt` as ids, `input_ids`); beyond, 400 before
+    /// the ids are held in memory.
+    pub max_prompt_tokens: usize,
     /// Timeout of one upstream attempt until response headers, seconds.
     pub connect_timeout_secs: f64,
     /// Total timeout of one proxied request, seconds.
@@ -155,6 +158,7 @@ impl Default for GatewayConfig {
             policy_knobs: toml::Table::new(),
             worker_urls: Vec::new(),
             max_body_bytes: 32 << 20,
+            max_prompt_tokens: kvroute_protocol::openai::DEFAULT_MAX_PROMPT_TOKENS,
             connect_timeout_secs: 30.0,
             request_timeout_secs: 600.0,
             max_worker_retries: 3,
@@ -242,6 +246,9 @@ impl GatewayConfig {
             kvroute_core::registry::BuildError::Unknown { .. } => err("policy", e.to_string()),
             kvroute_core::registry::BuildError::Knobs(k) => err("policy_knobs", k.message),
         })?;
+        if self.max_prompt_tokens == 0 {
+            return Err(err("max_prompt_tokens", "must be at least 1"));
+        }
         if self.max_body_bytes == 0 {
             return Err(err("max_body_bytes", "must be at least 1"));
         }

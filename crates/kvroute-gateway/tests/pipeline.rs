@@ -236,3 +236,28 @@ async fn workers_failing_half_their_requests_are_not_all_ejected_and_retries_hid
         s.cancel();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_id_prompt_over_max_prompt_tokens_is_refused_naming_the_field() {
+    let (w, stop_w) = worker(fast()).await;
+    let mut config = cfg(&[&w], "cache_aware");
+    config.max_prompt_tokens = 1000;
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let c = reqwest::Client::new();
+    let ids = |n: u32| (0..n).collect::<Vec<u32>>();
+    let at_limit = serde_json::json!({"model": "sim-llama-3-8b", "prompt": ids(1000), "max_tokens": 1});
+    assert_eq!(post(&c, format!("{r}/v1/completions"), &at_limit).await.status(), 200);
+    for (path, body) in [
+        ("/v1/completions", serde_json::json!({"model": "sim-llama-3-8b", "prompt": ids(1001)})),
+        ("/generate", serde_json::json!({"input_ids": ids(5000)})),
+    ] {
+        let resp = post(&c, format!("{r}{path}"), &body).await;
+        assert_eq!(resp.status(), 400, "{path}");
+        let v: serde_json::Value = guard(resp.json()).await.expect("json");
+        assert!(v["error"]["message"].as_str().expect("message").contains("more than 1000 token ids"), "{v}");
+    }
+    assert_eq!(ledger(&c, &r).await, (0, 0, 0));
+    stop.cancel();
+    stop_w.cancel();
+}

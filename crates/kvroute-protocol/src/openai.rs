@@ -128,19 +128,79 @@ fn typed<'a, T: Deserialize<'a>>(raw: &'a RawValue) -> Option<T> {
     serde_json::from_str(raw.get()).ok()
 }
 
-fn token_ids(raw: &RawValue, field: &str) -> Result<Vec<u32>, ApiError> {
-    let items: Vec<&RawValue> =
-        typed(raw).ok_or_else(|| ApiError::bad_field(field, format!("`{field}` must be an array of token ids")))?;
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, x)| {
-            typed::<u64>(x)
-                .filter(|t| *t <= u32::MAX as u64)
-                .map(|t| t as u32)
-                .ok_or_else(|| ApiError::bad_field(field, format!("`{field}[{i}]` is not a token id")))
-        })
-        .collect()
+/// Default most token ids a prompt may carry ([`parse_limited`]).
+pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 1 << 20;
+
+/// Why an array of token ids was refused.
+enum IdsError {
+    NotAnArray,
+    NotAnId(usize),
+    TooMany,
+}
+
+/// Reads a JSON array of token ids straight into `out`, one element at a time: no value per
+/// element is built (a 28 MB array of 15 M ids used to cost ~1 GB), and reading stops at the
+/// first id past `max`.
+struct IdSeq<'o> {
+    out: &'o mut Vec<u32>,
+    max: usize,
+    why: &'o mut Option<IdsError>,
+}
+
+impl<'de> serde::de::Visitor<'de> for IdSeq<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an array of token ids")
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        use serde::de::Error;
+        loop {
+            let i = self.out.len();
+            if i == self.max {
+                if seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                    *self.why = Some(IdsError::TooMany);
+                    return Err(A::Error::custom("too many token ids"));
+                }
+                return Ok(());
+            }
+            match seq.next_element::<u32>() {
+                Ok(Some(t)) => self.out.push(t),
+                Ok(None) => return Ok(()),
+                Err(e) => {
+                    *self.why = Some(IdsError::NotAnId(i));
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+fn token_ids(raw: &RawValue, field: &str, max: usize) -> Result<Vec<u32>, ApiError> {
+    use serde::Deserializer as _;
+    let mut out = Vec::new();
+    let mut why = None;
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    let read = de.deserialize_seq(IdSeq { out: &mut out, max, why: &mut why });
+    match (read, why.unwrap_or(IdsError::NotAnArray)) {
+        (Ok(()), _) => Ok(out),
+        (Err(_), IdsError::TooMany) => Err(ApiError::bad_field(
+            field,
+            format!("`{field}` has more than {max} token ids (the router's `max_prompt_tokens`)"),
+        )),
+        (Err(_), IdsError::NotAnId(i)) => Err(ApiError::bad_field(field, format!("`{field}[{i}]` is not a token id"))),
+        (Err(_), IdsError::NotAnArray) => {
+            Err(ApiError::bad_field(field, format!("`{field}` must be an array of token ids")))
+        }
+    }
+}
+
+/// Whether a raw JSON array's first element is a number (token ids rather than strings).
+fn starts_with_number(raw: &RawValue) -> bool {
+    raw.get()
+        .trim_start()
+        .strip_prefix('[')
+        .and_then(|r| r.trim_start().chars().next())
+        .is_some_and(|c| c == '-' || c.is_ascii_digit())
 }
 
 /// The body as a JSON value, for the rare consumer that needs all of it (the local chat
@@ -153,13 +213,29 @@ pub fn parse_value(body: &[u8]) -> Result<serde_json::Value, ApiError> {
         .map_err(|e| ApiError::bad_field("body", format!("request body is not valid JSON: {e}")))
 }
 
-/// Parses and validates `body` for `api`: one pass over the bytes into borrowed raw fields
-/// (only the ones routing reads), then each typed with an error naming it. The body itself
-/// is forwarded untouched by the caller.
+/// [`parse_limited`] with [`DEFAULT_MAX_PROMPT_TOKENS`].
 ///
 /// # Errors
-/// 400 naming the field for invalid UTF-8, malformed JSON, or missing/mistyped fields.
+/// As [`parse_limited`].
 pub fn parse(api: Api, body: &[u8], session_header: Option<&str>) -> Result<RoutingInfo, ApiError> {
+    parse_limited(api, body, session_header, DEFAULT_MAX_PROMPT_TOKENS)
+}
+
+/// Parses and validates `body` for `api`: one pass over the bytes into borrowed raw fields
+/// (only the ones routing reads), then each typed with an error naming it. The body itself
+/// is forwarded untouched by the caller. A prompt of token ids (`prompt`, `input_ids`) may
+/// hold at most `max_prompt_tokens` ids; they are read one by one and refused at the first
+/// id past the limit, so memory stays proportional to the limit, not to the body.
+///
+/// # Errors
+/// 400 naming the field for invalid UTF-8, malformed JSON, missing/mistyped fields, or a
+/// token-id prompt over `max_prompt_tokens`.
+pub fn parse_limited(
+    api: Api,
+    body: &[u8],
+    session_header: Option<&str>,
+    max_prompt_tokens: usize,
+) -> Result<RoutingInfo, ApiError> {
     let text = std::str::from_utf8(body)
         .map_err(|e| ApiError::bad_field("body", format!("request body is not valid UTF-8: {e}")))?;
     if !text.trim_start().starts_with('{') {
@@ -235,14 +311,13 @@ pub fn parse(api: Api, body: &[u8], session_header: Option<&str>) -> Result<Rout
             };
             if let Some(s) = string(p) {
                 push_text(&mut info.text, &s);
+            } else if starts_with_number(p) {
+                info.token_ids = Some(token_ids(p, "prompt", max_prompt_tokens)?);
             } else {
                 let items: Vec<&RawValue> = typed(p).ok_or_else(bad)?;
                 let strings: Option<Vec<Cow<'_, str>>> = items.iter().map(|x| string(x)).collect();
                 match strings {
                     Some(ss) if !ss.is_empty() => ss.iter().for_each(|s| push_text(&mut info.text, s)),
-                    _ if items.iter().all(|x| typed::<serde_json::Number>(x).is_some()) => {
-                        info.token_ids = Some(token_ids(p, "prompt")?);
-                    }
                     _ => return Err(bad()),
                 }
             }
@@ -253,7 +328,7 @@ pub fn parse(api: Api, body: &[u8], session_header: Option<&str>) -> Result<Rout
                 push_text(&mut info.text, &t);
             }
             if let Some(ids) = present(w.input_ids) {
-                info.token_ids = Some(token_ids(ids, "input_ids")?);
+                info.token_ids = Some(token_ids(ids, "input_ids", max_prompt_tokens)?);
             }
             if info.text.is_empty() && info.token_ids.is_none() {
                 return Err(ApiError::bad_field("text", "`/generate` needs `text` or `input_ids`"));
@@ -309,6 +384,28 @@ mod tests {
         assert_eq!((i.token_ids, i.session.as_deref()), (Some(vec![1, 2, 3]), Some("h")));
         let i = parse(Api::Generate, br#"{"text":"hi","sampling_params":{"max_new_tokens":9}}"#, None).expect("ok");
         assert_eq!((i.text.as_str(), i.max_tokens), ("hi", Some(9)));
+    }
+
+    #[test]
+    fn token_id_prompts_are_bounded_and_every_id_is_checked() {
+        let ids = |n: usize| (0..n).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+        for (api, field) in [(Api::Completions, "prompt"), (Api::Generate, "input_ids")] {
+            let body = |n: usize| format!(r#"{{"model":"m","{field}":[{}]}}"#, ids(n)).into_bytes();
+            let i = parse_limited(api, &body(100), None, 100).expect("exactly at the limit");
+            assert_eq!(i.token_ids.map(|t| t.len()), Some(100));
+            let e = parse_limited(api, &body(101), None, 100).expect_err("over the limit");
+            assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some(field)));
+            assert!(e.message.contains("more than 100 token ids"), "{}", e.message);
+            for (bad, at) in [("[1, 2.5]", 1), ("[4294967296]", 0), ("[1,-1]", 1), ("[0, \"x\"]", 1)] {
+                let b = format!(r#"{{"model":"m","{field}":{bad}}}"#);
+                let e = parse(api, b.as_bytes(), None).expect_err(bad);
+                assert!(e.message.contains(&format!("`{field}[{at}]` is not a token id")), "{bad}: {}", e.message);
+            }
+        }
+        let e = parse(Api::Generate, br#"{"input_ids":{"a":1}}"#, None).expect_err("not an array");
+        assert!(e.message.contains("must be an array of token ids"), "{}", e.message);
+        let i = parse(Api::Completions, br#"{"model":"m","prompt":[" x","y"]}"#, None).expect("strings");
+        assert_eq!(i.text, " xy");
     }
 
     #[test]

@@ -29,6 +29,9 @@ pub struct Args {
     /// Worker base URLs.
     #[arg(long, env = "KVROUTE_WORKER_URLS", num_args = 1.., value_delimiter = ',')]
     pub worker_urls: Vec<String>,
+    /// Most token ids a prompt may carry.
+    #[arg(long, env = "KVROUTE_MAX_PROMPT_TOKENS")]
+    pub max_prompt_tokens: Option<usize>,
     /// Largest request body, bytes.
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -119,6 +122,7 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         port,
         policy,
         max_body_bytes,
+        max_prompt_tokens,
         connect_timeout_secs,
         request_timeout_secs,
         max_worker_retries,

@@ -21,7 +21,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use kvroute_protocol::api_error::ApiError;
-use kvroute_protocol::openai::{Api, parse};
+use kvroute_protocol::openai::{Api, parse_limited};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -65,7 +65,7 @@ async fn run(
     let t0 = Instant::now();
     let bytes = read_body(s, headers, body).await.map_err(|e| (e, ""))?;
     let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
-    let mut info = parse(api, &bytes, session).map_err(|e| (e, ""))?;
+    let mut info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens).map_err(|e| (e, ""))?;
     let precise = keys::resolve(s, api, &bytes, &mut info).await;
     let model = route::model_of(s, &info).map_err(|e| (e, ""))?;
     let permit = route::admit(s, &model).map_err(|e| (e, ""))?;
