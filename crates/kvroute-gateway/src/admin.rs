@@ -82,11 +82,15 @@ pub async fn health() -> Response {
     Json(serde_json::json!({"status": "ok"})).into_response()
 }
 
-/// `GET /readiness`: 200 when at least one worker is routable, else 503.
+/// `GET /readiness`: 200 when at least one worker is routable and the router is not
+/// shutting down, else 503.
 pub async fn readiness(State(s): State<Arc<AppState>>) -> Response {
     let healthy = s.fleet.load().iter().filter(|w| w.is_routable()).count();
-    let status = if healthy > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(serde_json::json!({"ready": healthy > 0, "healthy_workers": healthy}))).into_response()
+    let draining = s.draining.load(std::sync::atomic::Ordering::Relaxed);
+    let ready = healthy > 0 && !draining;
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(serde_json::json!({"ready": ready, "healthy_workers": healthy, "draining": draining})))
+        .into_response()
 }
 
 /// `GET /metrics`: Prometheus text.

@@ -50,6 +50,16 @@ pub struct GatewayConfig {
     /// Most token ids a prompt may carry (`prompt` as ids, `input_ids`); beyond, 400 before
     /// the ids are held in memory.
     pub max_prompt_tokens: usize,
+    /// A client request's headers must arrive within this long, seconds; also closes a
+    /// keep-alive connection idle for this long.
+    pub header_read_timeout_secs: f64,
+    /// A client request's body must arrive within this long of its headers, seconds (408).
+    pub body_read_timeout_secs: f64,
+    /// Open client connections at most (further ones wait in the listen backlog).
+    pub max_connections: usize,
+    /// On SIGTERM/Ctrl-C, how long in-flight requests may still run, seconds; a second
+    /// signal exits at once.
+    pub drain_timeout_secs: f64,
     /// Timeout of one upstream attempt until response headers, seconds.
     pub connect_timeout_secs: f64,
     /// Total timeout of one proxied request, seconds.
@@ -159,6 +169,10 @@ impl Default for GatewayConfig {
             worker_urls: Vec::new(),
             max_body_bytes: 32 << 20,
             max_prompt_tokens: kvroute_protocol::openai::DEFAULT_MAX_PROMPT_TOKENS,
+            header_read_timeout_secs: 30.0,
+            body_read_timeout_secs: 30.0,
+            max_connections: 8192,
+            drain_timeout_secs: 30.0,
             connect_timeout_secs: 30.0,
             request_timeout_secs: 600.0,
             max_worker_retries: 3,
@@ -252,14 +266,21 @@ impl GatewayConfig {
         if self.max_body_bytes == 0 {
             return Err(err("max_body_bytes", "must be at least 1"));
         }
+        if self.max_connections == 0 {
+            return Err(err("max_connections", "must be at least 1"));
+        }
         for (k, v) in [
+            ("header_read_timeout_secs", self.header_read_timeout_secs),
+            ("body_read_timeout_secs", self.body_read_timeout_secs),
+            ("drain_timeout_secs", self.drain_timeout_secs),
             ("connect_timeout_secs", self.connect_timeout_secs),
             ("request_timeout_secs", self.request_timeout_secs),
             ("health.interval_secs", self.health.interval_secs),
             ("health.timeout_secs", self.health.timeout_secs),
         ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(err(k, format!("must be a positive number of seconds, got {v}")));
+            // Bounded above too: `Duration::from_secs_f64` panics on absurd values.
+            if !(v.is_finite() && v > 0.0 && v <= MAX_TIMEOUT_SECS) {
+                return Err(err(k, format!("must be a positive number of seconds up to {MAX_TIMEOUT_SECS}, got {v}")));
             }
         }
         if self.max_total_retries == 0 {
@@ -325,6 +346,9 @@ pub fn check_worker_url(u: &str) -> Result<String, String> {
     // Lower-case scheme and host, default port dropped (the parser does both), no trailing '/'.
     Ok(parsed.as_str().trim_end_matches('/').to_string())
 }
+
+/// Longest accepted timeout or interval (one year), seconds.
+pub const MAX_TIMEOUT_SECS: f64 = 31_536_000.0;
 
 /// Most names in `forward_headers`.
 pub const MAX_FORWARD_HEADERS: usize = 32;

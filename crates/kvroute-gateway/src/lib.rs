@@ -28,6 +28,7 @@ pub mod kv_subscriber;
 pub mod metrics;
 pub mod pipeline;
 pub mod routers;
+pub mod server;
 pub mod state;
 pub mod tokenizer;
 
@@ -36,8 +37,8 @@ use axum::routing::{get, post};
 pub use config::GatewayConfig;
 use state::AppState;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The endpoints clients use: inference, models, health, readiness and metrics.
 pub fn public_routes() -> Router<Arc<AppState>> {
@@ -101,31 +102,27 @@ pub async fn serve(
         }
         None => (app(Arc::clone(&state)), None),
     };
-    let c2 = cancel.clone();
-    // Small request/response exchanges: do not let Nagle's algorithm hold segments back.
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
+    let limits = server::Limits {
+        header_read_timeout: Duration::from_secs_f64(state.cfg.header_read_timeout_secs),
+        max_connections: state.cfg.max_connections,
+        drain_timeout: Duration::from_secs_f64(state.cfg.drain_timeout_secs),
+    };
     let admin_task = admin.map(|(l, a)| {
         let stop = cancel.clone();
-        tokio::spawn(async move {
-            axum::serve(l, a.into_make_service_with_connect_info::<SocketAddr>())
-                .with_graceful_shutdown(async move { stop.cancelled().await })
-                .await
-        })
+        tokio::spawn(async move { server::serve(l, a, limits, async move { stop.cancelled().await }, || {}).await })
     });
-    let res = axum::serve(listener, main_app.into_make_service_with_connect_info::<SocketAddr>())
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            c2.cancel();
-        })
-        .await;
+    let draining = Arc::clone(&state);
+    server::serve(listener, main_app, limits, shutdown, move || {
+        // `/readiness` answers 503 from here on, so a load balancer stops sending.
+        draining.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!("shutting down: no new connections, draining in-flight requests");
+    })
+    .await;
+    cancel.cancel();
     if let Some(t) = admin_task {
         let _ = t.await;
     }
-    cancel.cancel();
     let _ = bg.await;
     let _ = kv.await;
-    res.map_err(Into::into)
+    Ok(())
 }

@@ -35,6 +35,8 @@ pub struct AppState {
     pub tokenizer: Option<Arc<crate::tokenizer::LocalTokenizer>>,
     /// Client headers forwarded to workers (`forward_headers`, parsed once).
     pub forward_headers: Vec<http::HeaderName>,
+    /// Shutdown has begun: `/readiness` answers 503 while in-flight requests drain.
+    pub draining: std::sync::atomic::AtomicBool,
 }
 
 impl AppState {
@@ -76,6 +78,7 @@ impl AppState {
             .map_err(|e| anyhow::anyhow!("forward_headers: {e}"))?;
         Ok(Arc::new(AppState {
             forward_headers,
+            draining: std::sync::atomic::AtomicBool::new(false),
             admission: RwLock::new(Admission::new(cfg.max_in_flight_per_model)),
             routers,
             cfg,

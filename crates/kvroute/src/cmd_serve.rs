@@ -35,6 +35,18 @@ pub struct Args {
     /// Largest request body, bytes.
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Seconds a client has to send a request's headers (also the idle keep-alive limit).
+    #[arg(long, env = "KVROUTE_HEADER_READ_TIMEOUT_SECS")]
+    pub header_read_timeout_secs: Option<f64>,
+    /// Seconds a client has to send a request's body.
+    #[arg(long, env = "KVROUTE_BODY_READ_TIMEOUT_SECS")]
+    pub body_read_timeout_secs: Option<f64>,
+    /// Open client connections at most.
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Seconds in-flight requests may run after SIGTERM/Ctrl-C (a second signal exits at once).
+    #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT_SECS")]
+    pub drain_timeout_secs: Option<f64>,
     /// Per-attempt connect timeout, seconds.
     #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_SECS")]
     pub connect_timeout_secs: Option<f64>,
@@ -123,6 +135,10 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         policy,
         max_body_bytes,
         max_prompt_tokens,
+        header_read_timeout_secs,
+        body_read_timeout_secs,
+        max_connections,
+        drain_timeout_secs,
         connect_timeout_secs,
         request_timeout_secs,
         max_worker_retries,
@@ -288,8 +304,8 @@ pub async fn serve_until_signal(a: Args) -> anyhow::Result<()> {
     kvroute_gateway::serve(listener, cfg, shutdown_signal()).await
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
+/// Resolves on the next Ctrl-C or SIGTERM.
+async fn next_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -308,7 +324,18 @@ pub async fn shutdown_signal() {
         () = ctrl_c => {},
         () = term => {},
     }
-    eprintln!("kvroute: shutting down, draining in-flight requests");
+}
+
+/// Resolves on Ctrl-C or SIGTERM; from then on a second signal exits the process at once
+/// (status 130) instead of waiting for the drain.
+pub async fn shutdown_signal() {
+    next_signal().await;
+    eprintln!("kvroute: shutting down, draining in-flight requests (a second signal exits at once)");
+    tokio::spawn(async {
+        next_signal().await;
+        eprintln!("kvroute: second signal, exiting without draining");
+        std::process::exit(130);
+    });
 }
 
 /// Runs `kvroute serve`.

@@ -117,7 +117,14 @@ pub async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<
     {
         return Err(too_large());
     }
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
+    let timeout = std::time::Duration::from_secs_f64(s.cfg.body_read_timeout_secs);
+    let Ok(read) = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await else {
+        return Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the request body did not arrive within {} s", s.cfg.body_read_timeout_secs),
+        ));
+    };
+    read.map_err(|e| {
         let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
         while let Some(x) = src {
             if x.is::<http_body_util::LengthLimitError>() {
