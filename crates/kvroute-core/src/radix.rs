@@ -399,7 +399,6 @@ impl<S: Symbol> RadixTree<S> {
     /// since is skipped, and the order is rebuilt once when it runs out.
     pub fn evict_toward(&mut self, budget_symbols: usize, max_pairs: usize) -> usize {
         if self.total <= budget_symbols {
-            self.evict_queue = BinaryHeap::new();
             return 0;
         }
         if max_pairs == 0 {
@@ -440,9 +439,9 @@ impl<S: Symbol> RadixTree<S> {
                 heap.push(Reverse((self.nodes[parent as usize].tenants[p].1, parent, t)));
             }
         }
-        if self.total > budget_symbols {
-            self.evict_queue = heap;
-        }
+        // Kept even when the budget is met: a tree held at its budget by evictions on
+        // insert then pops a few pairs per insert instead of scanning every leaf each time.
+        self.evict_queue = heap;
         freed
     }
 
@@ -614,7 +613,22 @@ mod tests {
             let key = format!("prefix-{}-{i:03}-tail", i % 4);
             assert_eq!(sliced.prefix_match(key.as_bytes(), None), whole.prefix_match(key.as_bytes(), None), "{key}");
         }
-        assert!(sliced.evict_queue.is_empty(), "the pass's order is dropped once within budget");
+        // The order is kept once within budget: a tree held there by evictions on insert
+        // pops the next oldest pairs, and a key inserted since (newer than all of them)
+        // stays.
+        assert!(!sliced.evict_queue.is_empty(), "the pass's order was dropped");
+        sliced.insert(b"fresh-key", A, t(200));
+        while sliced.total_size() > budget {
+            sliced.evict_toward(budget, 1);
+            sliced.check_invariants().unwrap();
+        }
+        assert_eq!(sliced.prefix_match(b"fresh-key", None).matched, "fresh-key".len());
+        whole.insert(b"fresh-key", A, t(200));
+        whole.evict_to(budget);
+        for i in 0..40u64 {
+            let key = format!("prefix-{}-{i:03}-tail", i % 4);
+            assert_eq!(sliced.prefix_match(key.as_bytes(), None), whole.prefix_match(key.as_bytes(), None), "{key}");
+        }
     }
 
     #[test]

@@ -75,6 +75,29 @@ fn cache_aware_misses_rotate_instead_of_pinning_the_first_worker() {
     assert_eq!(seen.len(), 4);
 }
 
+#[test]
+fn cache_aware_tree_stays_within_max_tree_size_between_eviction_passes() {
+    // SGLang router trims the tree every `eviction_interval_secs` (60 s); kvroute also holds
+    // the budget on insert, so distinct prompts cannot grow it without bound in between.
+    let budget = 2_000;
+    let mut p = build("cache_aware", &serde_json::json!({"max_tree_size": budget})).expect("build");
+    let mut most = 0;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
+    for i in 0..300 {
+        let prompt = format!("{i:05} distinct prompt {}", "x".repeat(80));
+        let mut ctx = PickCtx { now: Nanos::from_secs(i + 1), rng: &mut rng };
+        route(p.as_mut(), &RequestView::from_text("m", &prompt), &fleet(&[0, 0, 0]), &mut ctx).expect("routable");
+        most = most.max(p.index_size() as usize);
+        assert!(p.index_size() as usize <= budget + prompt.len(), "prompt {i}: tree {} > budget", p.index_size());
+    }
+    assert!(most > budget / 2, "the tree was used ({most})");
+    // The most recent prompt is still there in full.
+    let last = format!("{:05} distinct prompt {}", 299, "x".repeat(80));
+    let mut ctx = PickCtx { now: Nanos::from_secs(400), rng: &mut rng };
+    let d = route(p.as_mut(), &RequestView::from_text("m", &last), &fleet(&[0, 0, 0]), &mut ctx).expect("routable");
+    assert_eq!((d.branch, d.matched as usize), (Branch::HighMatch, last.len()));
+}
+
 // ---- Ray Serve PrefixCacheAffinityRouter: prefix_affinity ----
 
 #[test]

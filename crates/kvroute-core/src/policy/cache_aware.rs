@@ -38,6 +38,10 @@ use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, Ro
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 
+/// Most (tenant, leaf) pairs one insert evicts when the tree is over `max_tree_size`; the
+/// periodic pass finishes what is left.
+pub const INSERT_EVICTION_SLICE: usize = 64;
+
 /// Knobs of `cache_aware` (defaults from SGLang router).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -143,6 +147,13 @@ impl Policy for CacheAware {
     fn on_routed(&mut self, req: &RequestView<'_>, _: &RequestKey, worker: WorkerId, now: Nanos) {
         if let Some(key) = PrefixKey::of(req) {
             self.trees.insert(key, worker, now);
+            // The budget holds on insert, not only at the periodic pass (SGLang router
+            // trims every `eviction_interval_secs`; 20 s of distinct prompts grew its tree
+            // to 21x the budget in between): a bounded slice of least recently used
+            // leaves goes now, in the order the pass would take them.
+            if self.trees.total_size() > self.cfg.max_tree_size {
+                self.trees.evict_to(self.cfg.max_tree_size, INSERT_EVICTION_SLICE);
+            }
         }
     }
 
