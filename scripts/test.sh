@@ -4,8 +4,12 @@
 #      runtime or do I/O; the gateway must not depend on the simulators;
 #   2. every unit, property and integration test with cargo-nextest;
 #   3. doctests (nextest skips them).
-# Optional inputs: KVROUTE_PYTHON (a python with the `openai` SDK) enables the SDK client
-# test; KVROUTE_REQUIRE_PYTHON=1 makes its absence a failure (CI sets both).
+#   4. the tests that need outside pieces (marked #[ignore] with the reason), each group when
+#      its piece is given, and a closing list of what was skipped and why:
+#        KVROUTE_PYTHON (a python with the `openai` SDK): the SDK client test;
+#        KVROUTE_LLAMA_SERVER + KVROUTE_LLAMA_MODEL (scripts/llama-workers.sh): llama.cpp e2e;
+#        KVROUTE_PEERS_DIR (scripts/compare-peers.sh): peers in the compare test.
+#      KVROUTE_REQUIRE_PYTHON / _LLAMA / _PEERS = 1 make a missing piece a failure (CI sets them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,8 +32,43 @@ if cargo tree -p kvroute-gateway -e normal --prefix none --format '{p}' | grep -
 fi
 echo "ok"
 
-echo "== tests (cargo nextest)"
+echo "== tests (cargo nextest; the ignored ones need outside pieces, run below)"
 cargo nextest run --workspace --no-fail-fast
 
 echo "== doctests"
 cargo test --workspace --doc --quiet
+
+skipped=()
+# run_ignored NAME FILTERSET AVAILABLE REQUIRE WHY: runs the ignored tests matching FILTERSET
+# when AVAILABLE is 1; otherwise fails when REQUIRE is 1, else records the skip.
+run_ignored() {
+  local name=$1 filter=$2 available=$3 require=$4 why=$5
+  if [ "$available" = 1 ]; then
+    echo "== $name (ignored by default: needs $why)"
+    cargo nextest run --workspace --no-fail-fast --run-ignored only -E "$filter"
+  elif [ "$require" = 1 ]; then
+    echo "$name is required here but $why is missing" >&2
+    exit 1
+  else
+    skipped+=("$name: needs $why")
+  fi
+}
+have_python=0; [ -n "${KVROUTE_PYTHON:-}" ] && [ -x "${KVROUTE_PYTHON}" ] && have_python=1
+have_llama=0
+[ -n "${KVROUTE_LLAMA_SERVER:-}" ] && [ -f "${KVROUTE_LLAMA_SERVER}" ] \
+  && [ -n "${KVROUTE_LLAMA_MODEL:-}" ] && [ -f "${KVROUTE_LLAMA_MODEL}" ] && have_llama=1
+run_ignored "openai SDK client test" 'test(=openai_python_sdk_as_client)' "$have_python" \
+  "${KVROUTE_REQUIRE_PYTHON:-0}" "KVROUTE_PYTHON, a python with the openai package"
+run_ignored "llama.cpp end-to-end tests" 'binary(llama_e2e)' "$have_llama" \
+  "${KVROUTE_REQUIRE_LLAMA:-0}" "KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"
+if [ -z "${KVROUTE_PEERS_DIR:-}" ]; then
+  # compare_runs_to_completion itself fails when KVROUTE_REQUIRE_PEERS=1.
+  skipped+=("peer routers in compare_runs_to_completion (it ran kvroute alone): needs KVROUTE_PEERS_DIR (bash scripts/compare-peers.sh install)")
+fi
+
+echo "== skipped"
+if [ ${#skipped[@]} -eq 0 ]; then
+  echo "nothing: every test ran"
+else
+  printf '  %s\n' "${skipped[@]}"
+fi

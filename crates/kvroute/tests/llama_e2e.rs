@@ -28,20 +28,19 @@ const MAX_TOKENS: u32 = 12;
 mod common;
 use common::{Proc, free_port};
 
-fn llama_env() -> Option<(PathBuf, PathBuf)> {
+/// Why the tests of this file are ignored by default (`scripts/test.sh` runs them when the
+/// variables are set, and lists them as skipped when they are not).
+const NEEDS: &str =
+    "needs llama.cpp: KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)";
+
+/// The llama-server binary and model; a test of this file run without them fails (it was
+/// asked for explicitly, so passing without running would be a lie).
+fn llama_env() -> (PathBuf, PathBuf) {
     let bin = std::env::var_os("KVROUTE_LLAMA_SERVER").map(PathBuf::from);
     let model = std::env::var_os("KVROUTE_LLAMA_MODEL").map(PathBuf::from);
     match (bin, model) {
-        (Some(b), Some(m)) if b.exists() && m.exists() => Some((b, m)),
-        _ => {
-            if std::env::var("KVROUTE_REQUIRE_LLAMA").as_deref() == Ok("1") {
-                panic!(
-                    "KVROUTE_REQUIRE_LLAMA=1 but KVROUTE_LLAMA_SERVER/KVROUTE_LLAMA_MODEL are not set to existing files"
-                );
-            }
-            eprintln!("skipped: set KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (scripts/llama-workers.sh paths)");
-            None
-        }
+        (Some(b), Some(m)) if b.exists() && m.exists() => (b, m),
+        _ => panic!("{NEEDS}: they are not set to existing files"),
     }
 }
 
@@ -169,8 +168,9 @@ fn sample(metrics: &str, name: &str, label: &str) -> Option<f64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama.cpp: KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"]
 async fn cache_aware_keeps_conversations_on_their_worker_and_round_robin_does_not() {
-    let Some((bin, model)) = llama_env() else { return };
+    let (bin, model) = llama_env();
     // reqwest is built without a default TLS provider (ring is chosen explicitly).
     let _ = rustls::crypto::ring::default_provider().install_default();
     let ports = [free_port(), free_port()];
@@ -248,8 +248,9 @@ async fn server_tokens(client: &reqwest::Client, url: &str, messages: &Value) ->
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama.cpp: KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"]
 async fn local_gguf_tokenizer_gives_llama_servers_tokens_for_every_mtbench_conversation() {
-    let Some((bin, model)) = llama_env() else { return };
+    let (bin, model) = llama_env();
     let _ = rustls::crypto::ring::default_provider().install_default();
     let port = free_port();
     let _w = start_worker(&bin, &model, port);
