@@ -42,7 +42,8 @@ pub struct EngineSimConfig {
     pub profile: Profile,
     /// Speed-up of simulated time over wall time (1 = real time).
     pub time_scale: f64,
-    /// Model name served.
+    /// Model name served; empty: any name is served and `/v1/models` answers 404, like an
+    /// engine that does not list its models.
     pub model: String,
     /// Share of requests answered with a 500 (failure injection).
     pub error_rate: f64,
@@ -452,6 +453,10 @@ async fn health(State(s): State<Arc<EngineSim>>) -> Response {
 }
 
 async fn models(State(s): State<Arc<EngineSim>>) -> Response {
+    if s.cfg.model.is_empty() {
+        // An engine that does not list its models (a router then sends it any name).
+        return (StatusCode::NOT_FOUND, Json(serde_json::json!({"error": "no model list"}))).into_response();
+    }
     Json(serde_json::json!({"object": "list", "data": [{"id": s.cfg.model, "object": "model", "created": 0, "owned_by": "kvroute-engine-sim", "max_model_len": 131072}]}))
         .into_response()
 }
@@ -552,7 +557,7 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
-    if !info.model.is_empty() && info.model != s.cfg.model {
+    if !s.cfg.model.is_empty() && !info.model.is_empty() && info.model != s.cfg.model {
         return kvroute_protocol::api_error::ApiError::new(
             StatusCode::NOT_FOUND,
             format!("model `{}` does not exist", info.model),
@@ -614,7 +619,7 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         .is_some_and(|l| l.as_bool().unwrap_or(!l.is_null()));
     let created = 1_700_000_000u64;
     let rid = format!("kvsim-{id}");
-    let model = s.cfg.model.clone();
+    let model = if s.cfg.model.is_empty() { info.model.clone() } else { s.cfg.model.clone() };
     let step = Duration::from_secs_f64(
         (s.cfg.profile.step_overhead_s + s.cfg.profile.decode_per_seq_s) / s.cfg.time_scale.max(1e-6),
     );

@@ -112,6 +112,11 @@ pub async fn not_found() -> Response {
     ApiError::new(StatusCode::NOT_FOUND, "no such endpoint").into_response()
 }
 
+/// 405 for a known path asked with a method it does not take.
+pub async fn method_not_allowed(method: axum::http::Method) -> Response {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, format!("this endpoint does not accept {method}")).into_response()
+}
+
 fn url_param(q: &HashMap<String, String>) -> Result<String, ApiError> {
     q.get("url").cloned().ok_or_else(|| ApiError::bad_field("url", "missing query parameter `url`"))
 }

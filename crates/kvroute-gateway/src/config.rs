@@ -64,6 +64,14 @@ pub struct GatewayConfig {
     pub connect_timeout_secs: f64,
     /// Total timeout of one proxied request, seconds.
     pub request_timeout_secs: f64,
+    /// A streamed request's first bytes (response headers and first chunk) must come from
+    /// the worker within this long of the request's arrival, seconds: queueing plus prefill.
+    /// Beyond: 504 before the response began, else an SSE error event ends the stream.
+    pub stream_first_byte_timeout_secs: f64,
+    /// Longest silence between two chunks of a streamed response, seconds (nginx's
+    /// `proxy_read_timeout` is 60 s); beyond, an SSE error event ends the stream and the
+    /// attempt counts as a failure of the worker.
+    pub stream_idle_timeout_secs: f64,
     /// Consecutive failures after which a worker is taken out of routing (SGLang router).
     pub max_worker_retries: u32,
     /// Attempts per request across workers before the client gets an error (SGLang router).
@@ -175,6 +183,8 @@ impl Default for GatewayConfig {
             drain_timeout_secs: 30.0,
             connect_timeout_secs: 30.0,
             request_timeout_secs: 600.0,
+            stream_first_byte_timeout_secs: 300.0,
+            stream_idle_timeout_secs: 60.0,
             max_worker_retries: 3,
             max_total_retries: 6,
             max_ejection_share: 0.5,
@@ -275,6 +285,8 @@ impl GatewayConfig {
             ("drain_timeout_secs", self.drain_timeout_secs),
             ("connect_timeout_secs", self.connect_timeout_secs),
             ("request_timeout_secs", self.request_timeout_secs),
+            ("stream_first_byte_timeout_secs", self.stream_first_byte_timeout_secs),
+            ("stream_idle_timeout_secs", self.stream_idle_timeout_secs),
             ("health.interval_secs", self.health.interval_secs),
             ("health.timeout_secs", self.health.timeout_secs),
         ] {

@@ -70,7 +70,13 @@ pub fn admin_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
 /// (`into_make_service_with_connect_info::<SocketAddr>`) so the admin API can tell
 /// loopback clients apart; without it every client counts as remote.
 pub fn app(state: Arc<AppState>) -> Router {
-    public_routes().merge(admin_routes(&state)).fallback(admin::not_found).with_state(state)
+    with_fallbacks(public_routes().merge(admin_routes(&state))).with_state(state)
+}
+
+/// JSON errors for an unknown path (404) and a known path with the wrong method (405; axum
+/// answers it with an empty body otherwise).
+fn with_fallbacks(r: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
+    r.fallback(admin::not_found).method_not_allowed_fallback(admin::method_not_allowed)
 }
 
 /// Serves the gateway on `listener` until `shutdown` resolves, then drains in-flight
@@ -97,8 +103,8 @@ pub async fn serve(
                 .await
                 .map_err(|e| anyhow::anyhow!("admin_listen {addr}: {e}"))?;
             tracing::info!(addr = %l.local_addr()?, "admin API listening");
-            let admin_app = admin_routes(&state).fallback(admin::not_found).with_state(Arc::clone(&state));
-            (public_routes().fallback(admin::not_found).with_state(Arc::clone(&state)), Some((l, admin_app)))
+            let admin_app = with_fallbacks(admin_routes(&state)).with_state(Arc::clone(&state));
+            (with_fallbacks(public_routes()).with_state(Arc::clone(&state)), Some((l, admin_app)))
         }
         None => (app(Arc::clone(&state)), None),
     };

@@ -118,6 +118,57 @@ async fn admission_rejections_and_dry_runs_record_nothing_and_a_gone_client_leav
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn made_up_model_names_share_one_admission_limit_and_unserved_ones_are_refused_first() {
+    // Workers that list no models serve any name: every name is admitted under one limit.
+    let (hung, stop_w) = worker(EngineSimConfig { hang_rate: 1.0, model: String::new(), ..fast() }).await;
+    let mut config = cfg(&[&hung], "cache_aware");
+    config.max_in_flight_per_model = 1;
+    config.request_timeout_secs = 5.0;
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let c = reqwest::Client::new();
+    let named = |model: &str| serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5});
+    let holder = {
+        let (c, url, body) = (c.clone(), format!("{r}/v1/chat/completions"), named("model-a"));
+        tokio::spawn(async move { c.post(url).json(&body).send().await })
+    };
+    guard(async {
+        while ledger(&c, &r).await.0 != 1 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    for i in 0..20 {
+        let resp = post(&c, format!("{r}/v1/chat/completions"), &named(&format!("made-up-{i}"))).await;
+        // Before: each new name got a limit of its own, was sent to the hung worker and
+        // timed out (504).
+        assert_eq!(resp.status(), 503, "a new model name opened a fresh admission limit");
+    }
+    let text = guard(c.get(format!("{r}/metrics")).send()).await.expect("metrics").text().await.expect("text");
+    assert!(!text.contains("made-up-"), "a made-up model name became a metric series");
+    assert!(text.contains("kvroute_admission_rejections_total{model=\"*\"} 20"), "{text}");
+    holder.abort();
+    stop.cancel();
+    stop_w.cancel();
+
+    // Workers that list their models: a name none of them lists is a 404 before admission,
+    // so it neither takes a permit nor creates a series.
+    let (w, stop_w) = worker(fast()).await;
+    let mut config = cfg(&[&w], "cache_aware");
+    config.max_in_flight_per_model = 1;
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let resp = post(&c, format!("{r}/v1/chat/completions"), &named("not-served")).await;
+    assert_eq!(resp.status(), 404);
+    let err: serde_json::Value = resp.json().await.expect("json");
+    assert_eq!(err["error"]["param"], "model", "{err}");
+    let resp = post(&c, format!("{r}/v1/chat/completions"), &named("sim-llama-3-8b")).await;
+    assert_eq!(resp.status(), 200, "the served model is admitted");
+    stop.cancel();
+    stop_w.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_with_passing_health_and_failing_inference_stays_out_after_max_worker_retries() {
     let (bad, stop_bad) = worker(EngineSimConfig { error_rate: 1.0, ..fast() }).await;
     let (good, stop_good) = worker(fast()).await;
@@ -258,6 +309,71 @@ async fn a_token_id_prompt_over_max_prompt_tokens_is_refused_naming_the_field() 
         assert!(v["error"]["message"].as_str().expect("message").contains("more than 1000 token ids"), "{v}");
     }
     assert_eq!(ledger(&c, &r).await, (0, 0, 0));
+    stop.cancel();
+    stop_w.cancel();
+}
+
+/// A worker that answers `/health`, lists no models and, for a chat request, sends the
+/// stream's headers and one chunk and then nothing more (a stalled decode).
+async fn stalling_worker() -> (String, CancellationToken) {
+    use axum::routing::{get, post};
+    let app = axum::Router::new().route("/health", get(|| async { "ok" })).route(
+        "/v1/chat/completions",
+        post(|| async {
+            let first = futures_util::stream::once(async {
+                Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"data: {\"choices\":[]}\n\n"))
+            });
+            let body =
+                axum::body::Body::from_stream(futures_util::StreamExt::chain(first, futures_util::stream::pending()));
+            axum::response::Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(body)
+                .expect("response")
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", l.local_addr().expect("addr"));
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    tokio::spawn(async move { axum::serve(l, app).with_graceful_shutdown(async move { s.cancelled().await }).await });
+    (url, stop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stream_ends_with_an_error_event_and_a_worker_that_never_answers_gets_504() {
+    let (stalling, stop_s) = stalling_worker().await;
+    let mut config = cfg(&[&stalling], "round_robin");
+    config.stream_idle_timeout_secs = 0.3;
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let c = reqwest::Client::new();
+    let mut body = chat("hello");
+    body["stream"] = true.into();
+    // Before: the client waited for request_timeout_secs (600 s) with the stream open.
+    let resp = post(&c, format!("{r}/v1/chat/completions"), &body).await;
+    assert_eq!(resp.status(), 200);
+    let text = guard(resp.text()).await.expect("the stream ends");
+    assert!(text.starts_with("data: {\"choices\":[]}"), "{text}");
+    assert!(text.contains("stream_idle_timeout_secs") && text.contains("\"code\":504"), "{text}");
+    guard(async {
+        while ledger(&c, &r).await != (0, 0, 0) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    stop.cancel();
+    stop_s.cancel();
+
+    // A worker that never sends headers: 504 JSON once the first-byte deadline passes.
+    let (hung, stop_w) = worker(EngineSimConfig { hang_rate: 1.0, ..fast() }).await;
+    let mut config = cfg(&[&hung], "round_robin");
+    config.stream_first_byte_timeout_secs = 0.3;
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let resp = post(&c, format!("{r}/v1/chat/completions"), &body).await;
+    assert_eq!(resp.status(), 504);
+    let v: serde_json::Value = resp.json().await.expect("json");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("sent no response")), "{v}");
     stop.cancel();
     stop_w.cancel();
 }

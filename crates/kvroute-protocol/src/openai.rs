@@ -182,6 +182,7 @@ fn token_ids(raw: &RawValue, field: &str, max: usize) -> Result<Vec<u32>, ApiErr
     let mut de = serde_json::Deserializer::from_str(raw.get());
     let read = de.deserialize_seq(IdSeq { out: &mut out, max, why: &mut why });
     match (read, why.unwrap_or(IdsError::NotAnArray)) {
+        (Ok(()), _) if out.is_empty() => Err(ApiError::bad_field(field, format!("`{field}` must not be empty"))),
         (Ok(()), _) => Ok(out),
         (Err(_), IdsError::TooMany) => Err(ApiError::bad_field(
             field,
@@ -333,12 +334,20 @@ pub fn parse_limited(
             if info.text.is_empty() && info.token_ids.is_none() {
                 return Err(ApiError::bad_field("text", "`/generate` needs `text` or `input_ids`"));
             }
-            if let Some(n) = present(w.sampling_params)
-                .and_then(typed::<Sampling<'_>>)
-                .and_then(|s| s.max_new_tokens)
-                .and_then(typed::<u64>)
-            {
-                info.max_tokens = Some(n.min(u32::MAX as u64) as u32);
+            if let Some(raw) = present(w.sampling_params) {
+                let sp = Some(raw)
+                    .filter(|r| r.get().starts_with('{'))
+                    .and_then(typed::<Sampling<'_>>)
+                    .ok_or_else(|| ApiError::bad_field("sampling_params", "`sampling_params` must be an object"))?;
+                if let Some(raw) = present(sp.max_new_tokens) {
+                    let n = typed::<u64>(raw).ok_or_else(|| {
+                        ApiError::bad_field(
+                            "sampling_params.max_new_tokens",
+                            "`sampling_params.max_new_tokens` must be a non-negative integer",
+                        )
+                    })?;
+                    info.max_tokens = Some(n.min(u32::MAX as u64) as u32);
+                }
             }
         }
     }
@@ -358,7 +367,7 @@ mod tests {
 
     #[test]
     fn bad_inputs_name_the_field() {
-        let cases: [(Api, &[u8], &str); 11] = [
+        let cases: [(Api, &[u8], &str); 15] = [
             (Api::Chat, b"{", "body"),
             (Api::Chat, b"[1]", "body"),
             (Api::Chat, br#"{"model":"m","messages":[{"content":"x"}]}"#, "messages"),
@@ -370,6 +379,18 @@ mod tests {
             (Api::Completions, br#"{"model":"m","prompt":{"a":1}}"#, "prompt"),
             (Api::Completions, br#"{"model":"m","prompt":"x","stream":"yes"}"#, "stream"),
             (Api::Generate, br#"{"input_ids":[1,-2]}"#, "input_ids"),
+            (Api::Generate, br#"{"text":"x","sampling_params":[5]}"#, "sampling_params"),
+            (Api::Generate, br#"{"input_ids":[]}"#, "input_ids"),
+            (
+                Api::Generate,
+                br#"{"text":"x","sampling_params":{"max_new_tokens":-1}}"#,
+                "sampling_params.max_new_tokens",
+            ),
+            (
+                Api::Generate,
+                br#"{"text":"x","sampling_params":{"max_new_tokens":"9"}}"#,
+                "sampling_params.max_new_tokens",
+            ),
         ];
         for (api, body, field) in cases {
             let e = parse(api, body, None).expect_err("bad");

@@ -53,6 +53,12 @@ pub struct Args {
     /// Whole-request timeout, seconds.
     #[arg(long, env = "KVROUTE_REQUEST_TIMEOUT_SECS")]
     pub request_timeout_secs: Option<f64>,
+    /// Seconds a streamed request's first bytes may take to come from the worker.
+    #[arg(long, env = "KVROUTE_STREAM_FIRST_BYTE_TIMEOUT_SECS")]
+    pub stream_first_byte_timeout_secs: Option<f64>,
+    /// Longest silence between two chunks of a streamed response, seconds.
+    #[arg(long, env = "KVROUTE_STREAM_IDLE_TIMEOUT_SECS")]
+    pub stream_idle_timeout_secs: Option<f64>,
     /// Consecutive failures before a worker leaves routing.
     #[arg(long, env = "KVROUTE_MAX_WORKER_RETRIES")]
     pub max_worker_retries: Option<u32>,
@@ -141,6 +147,8 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         drain_timeout_secs,
         connect_timeout_secs,
         request_timeout_secs,
+        stream_first_byte_timeout_secs,
+        stream_idle_timeout_secs,
         max_worker_retries,
         max_total_retries,
         max_ejection_share,

@@ -64,6 +64,9 @@ pub struct Sent {
     pub ticket: LoadTicket,
     /// The request's engine blocks predicted on that worker (settled at the first token).
     pub predicted: Option<Predicted>,
+    /// For a stream, when its first chunk must have come (`stream_first_byte_timeout_secs`
+    /// after dispatch began).
+    pub first_byte_by: Option<tokio::time::Instant>,
 }
 
 /// A request's own block hashes predicted on its worker until its deadline
@@ -128,6 +131,11 @@ pub async fn send(
     let per_worker = s.cfg.max_worker_retries.max(1);
     let total = s.cfg.max_total_retries.max(1);
     let timeout = Duration::from_secs_f64(s.cfg.request_timeout_secs);
+    // A stream's first bytes must come within `stream_first_byte_timeout_secs` of dispatch
+    // (headers here, the first chunk in the relay), whichever attempt serves it.
+    let first_byte_by = info
+        .stream
+        .then(|| tokio::time::Instant::now() + Duration::from_secs_f64(s.cfg.stream_first_byte_timeout_secs));
     let mut attempts = 0u32;
     let mut last_err = String::from("no routable worker was left to try");
     'workers: for id in order(d) {
@@ -145,22 +153,38 @@ pub async fn send(
             let predicted = if committed { None } else { commit(s, routed, &req, w.id) };
             committed = true;
             let ticket = w.load.dispatched(uncached, output);
-            let answer = match attempt(s, api, w, bytes, headers, timeout).await {
+            let answer = match attempt(s, api, w, bytes, headers, timeout, first_byte_by).await {
                 Ok(resp) if info.stream && resp.status().is_success() => Ok((resp, None)),
                 // Non-streaming: the whole body is read before anything reaches the client.
                 Ok(resp) => read_whole(resp).await,
                 Err(f) => Err(f),
             };
             match answer {
-                Ok((resp, body)) => return Ok(Sent { resp, body, worker: Arc::clone(w), ticket, predicted }),
-                Err(Failure::Timeout) => {
+                Ok((resp, body)) => {
+                    return Ok(Sent { resp, body, worker: Arc::clone(w), ticket, predicted, first_byte_by });
+                }
+                Err(Failure::Timeout { first_byte }) => {
                     s.record_failure(w);
+                    let (what, secs) = if first_byte {
+                        ("sent no response", s.cfg.stream_first_byte_timeout_secs)
+                    } else {
+                        ("did not answer", s.cfg.request_timeout_secs)
+                    };
                     return Err(DispatchError {
                         blame: Blame::Worker,
                         retryable: false,
                         bytes_sent: false,
                         status: StatusCode::GATEWAY_TIMEOUT,
-                        message: format!("{} did not answer within {} s", w.url, s.cfg.request_timeout_secs),
+                        message: format!("{} {what} within {secs} s", w.url),
+                    });
+                }
+                Err(Failure::TooLarge(e)) => {
+                    return Err(DispatchError {
+                        blame: Blame::Worker,
+                        retryable: false,
+                        bytes_sent: false,
+                        status: StatusCode::BAD_GATEWAY,
+                        message: format!("{}: {e}", w.url),
                     });
                 }
                 Err(Failure::Retry(e)) => {
@@ -189,18 +213,32 @@ pub async fn send(
 }
 
 enum Failure {
-    Timeout,
+    /// `request_timeout_secs` passed, or (`first_byte`) a stream's first-byte deadline.
+    Timeout {
+        first_byte: bool,
+    },
+    /// A non-streamed answer over [`MAX_RESPONSE_BYTES`] (not retried: it would be again).
+    TooLarge(String),
     Retry(String),
 }
 
-/// Reads a whole body; the response keeps its status and headers (its body is drained).
+/// Largest non-streamed answer the router holds before passing it on, bytes (a stream is
+/// relayed chunk by chunk and not bounded). 256 MiB is far above any chat completion,
+/// logprobs included.
+pub const MAX_RESPONSE_BYTES: usize = 256 << 20;
+
+/// Reads a whole body, at most [`MAX_RESPONSE_BYTES`]; the response keeps its status and
+/// headers (its body is drained).
 async fn read_whole(mut resp: reqwest::Response) -> Result<(reqwest::Response, Option<Bytes>), Failure> {
     let mut out = Vec::new();
     loop {
         match resp.chunk().await {
+            Ok(Some(c)) if out.len() + c.len() > MAX_RESPONSE_BYTES => {
+                return Err(Failure::TooLarge(format!("the answer is larger than {MAX_RESPONSE_BYTES} bytes")));
+            }
             Ok(Some(c)) => out.extend_from_slice(&c),
             Ok(None) => return Ok((resp, Some(Bytes::from(out)))),
-            Err(e) if e.is_timeout() => return Err(Failure::Timeout),
+            Err(e) if e.is_timeout() => return Err(Failure::Timeout { first_byte: false }),
             Err(e) => return Err(Failure::Retry(format!("reading the response failed: {e}"))),
         }
     }
@@ -218,6 +256,7 @@ async fn attempt(
     bytes: &Bytes,
     headers: &HeaderMap,
     timeout: Duration,
+    first_byte_by: Option<tokio::time::Instant>,
 ) -> Result<reqwest::Response, Failure> {
     let url = w.endpoint(api).map_err(Failure::Retry)?;
     let mut rb = s.client.post(url).timeout(timeout).body(bytes.clone());
@@ -228,16 +267,25 @@ async fn attempt(
         }
     }
     let again = rb.try_clone();
-    let sent = match (rb.send().await, again) {
-        (Err(e), Some(again)) if !e.is_timeout() && !e.is_connect() => {
-            tracing::debug!(worker = %w.url, error = ?e, "stale connection; sending again to the same worker");
-            s.metrics.stale_connection_resends.inc();
-            again.send().await
+    let send = async {
+        match (rb.send().await, again) {
+            (Err(e), Some(again)) if !e.is_timeout() && !e.is_connect() => {
+                tracing::debug!(worker = %w.url, error = ?e, "stale connection; sending again to the same worker");
+                s.metrics.stale_connection_resends.inc();
+                again.send().await
+            }
+            (r, _) => r,
         }
-        (r, _) => r,
+    };
+    let sent = match first_byte_by {
+        Some(by) => match tokio::time::timeout_at(by, send).await {
+            Ok(r) => r,
+            Err(_) => return Err(Failure::Timeout { first_byte: true }),
+        },
+        None => send.await,
     };
     match sent {
-        Err(e) if e.is_timeout() => Err(Failure::Timeout),
+        Err(e) if e.is_timeout() => Err(Failure::Timeout { first_byte: false }),
         Err(e) => Err(Failure::Retry(format!("{}: {e}", w.url))),
         Ok(r) if r.status().is_server_error() || r.status() == StatusCode::TOO_MANY_REQUESTS => {
             Err(Failure::Retry(format!("{}: upstream answered {}", w.url, r.status())))

@@ -15,7 +15,7 @@ use kvroute_core::admission::Permit;
 use kvroute_core::ledger::LoadTicket;
 use kvroute_protocol::api_error::ApiError;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Counts one request outcome in `kvroute_requests_total`.
 pub fn count(s: &AppState, worker: &str, branch: &str, outcome: &str) {
@@ -42,7 +42,7 @@ pub fn respond(
     branch: &'static str,
     t0: Instant,
 ) -> Result<Response, ApiError> {
-    let Sent { resp, body, worker, mut ticket, predicted } = sent;
+    let Sent { resp, body, worker, mut ticket, predicted, first_byte_by } = sent;
     let status = resp.status();
     let mut builder = Response::builder().status(status.as_u16());
     if let Some(c) = resp.headers().get(header::CONTENT_TYPE) {
@@ -55,7 +55,14 @@ pub fn respond(
     let Some(body) = body else {
         let guard =
             StreamGuard { state: Arc::clone(s), worker, ticket, predicted, t0, first: false, branch, _permit: permit };
-        return builder.body(Body::from_stream(relay(resp, guard))).map_err(internal);
+        let limits = Silence {
+            first_byte_by: first_byte_by.unwrap_or_else(|| {
+                tokio::time::Instant::now() + Duration::from_secs_f64(s.cfg.stream_first_byte_timeout_secs)
+            }),
+            first_byte_secs: s.cfg.stream_first_byte_timeout_secs,
+            idle: Duration::from_secs_f64(s.cfg.stream_idle_timeout_secs),
+        };
+        return builder.body(Body::from_stream(relay(resp, guard, limits))).map_err(internal);
     };
     if let Some(p) = predicted {
         p.settle(s);
@@ -71,31 +78,55 @@ pub fn respond(
     builder.body(Body::from(body)).map_err(internal)
 }
 
-/// The worker's stream relayed chunk by chunk; an upstream failure after the first byte
-/// ends the stream with an SSE error event (a stream is never retried once bytes left).
+/// How long a stream may stay silent: until its first chunk, then between two chunks.
+#[derive(Debug, Clone, Copy)]
+struct Silence {
+    first_byte_by: tokio::time::Instant,
+    first_byte_secs: f64,
+    idle: Duration,
+}
+
+/// The worker's stream relayed chunk by chunk; an upstream failure after the first byte,
+/// or a worker silent past [`Silence`], ends the stream with an SSE error event (a stream
+/// is never retried once bytes left).
 fn relay(
     resp: reqwest::Response,
     guard: StreamGuard,
+    limits: Silence,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
     let up = Box::pin(resp.bytes_stream());
-    futures_util::stream::unfold(Some((up, guard)), |st| async move {
+    futures_util::stream::unfold(Some((up, guard)), move |st| async move {
         let (mut up, mut guard) = st?;
-        match up.next().await {
-            Some(Ok(b)) => {
+        let by = if guard.first { tokio::time::Instant::now() + limits.idle } else { limits.first_byte_by };
+        let error = |guard: &mut StreamGuard, message: String, code: u16| {
+            guard.fail();
+            let ev = serde_json::json!({"error": {
+                "message": message, "type": "server_error", "param": null, "code": code}});
+            Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None))
+        };
+        match tokio::time::timeout_at(by, up.next()).await {
+            Ok(Some(Ok(b))) => {
                 guard.on_bytes();
                 Some((Ok(b), Some((up, guard))))
             }
-            Some(Err(e)) => {
-                guard.fail();
-                let ev = serde_json::json!({"error": {
-                    "message": format!("upstream stream failed: {e}"),
-                    "type": "server_error", "param": null, "code": 502}});
-                Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None))
-            }
-            None => {
+            Ok(Some(Err(e))) => error(&mut guard, format!("upstream stream failed: {e}"), 502),
+            Ok(None) => {
                 guard.complete();
                 None
             }
+            Err(_) if guard.first => error(
+                &mut guard,
+                format!("the worker sent nothing for {} s (stream_idle_timeout_secs)", limits.idle.as_secs_f64()),
+                504,
+            ),
+            Err(_) => error(
+                &mut guard,
+                format!(
+                    "the worker sent no token within {} s (stream_first_byte_timeout_secs)",
+                    limits.first_byte_secs
+                ),
+                504,
+            ),
         }
     })
 }

@@ -16,15 +16,31 @@ use kvroute_protocol::openai::RoutingInfo;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// The model a request is admitted and routed under: the one it names; for a request that
-/// names none (SGLang `/generate`), the one model the fleet serves; `*` for a fleet whose
-/// workers do not list their models.
+/// The model a request is admitted and routed under (the key of its admission limit, its
+/// router and their metric series): the model it names when a worker lists that model;
+/// `*` when only workers that list no models (they serve any name) can take it; for a
+/// request that names none (SGLang `/generate`), the one model the fleet serves, else `*`.
+/// So a client cannot open a fresh admission limit, router and metric series per made-up
+/// model name, and a request that no worker can serve is refused before any of them is
+/// touched.
 ///
 /// # Errors
-/// 400 naming `model` when the request names none and the fleet serves several.
+/// 404 naming `model` when no worker serves the named model; 400 naming `model` when the
+/// request names none and the fleet serves several.
 pub fn model_of(s: &AppState, info: &RoutingInfo) -> Result<String, ApiError> {
     if !info.model.is_empty() {
-        return Ok(info.model.clone());
+        let workers = s.fleet.load();
+        if workers.iter().any(|w| w.models.load().contains(&info.model)) {
+            return Ok(info.model.clone());
+        }
+        if workers.is_empty() || workers.iter().any(|w| w.models.load().is_empty()) {
+            return Ok("*".into());
+        }
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("model `{}` is not served by any worker", info.model),
+        )
+        .with_param("model"));
     }
     let models = s.fleet.models();
     match models.as_slice() {
@@ -87,7 +103,14 @@ pub struct Routed {
 /// # Errors
 /// 404 for a model no worker serves, 503 when no worker is routable.
 pub fn decide(s: &AppState, info: &RoutingInfo, model: &str, precise: &Precise) -> Result<Routed, ApiError> {
-    let lookup = if model == "*" { "" } else { model };
+    // Candidates serve the model the request names (workers listing no models serve any).
+    let lookup = if !info.model.is_empty() {
+        info.model.as_str()
+    } else if model == "*" {
+        ""
+    } else {
+        model
+    };
     let mut candidates = s.fleet.candidates(lookup);
     if candidates.entries.is_empty() {
         return Err(if !s.fleet.load().is_empty() && !info.model.is_empty() {
