@@ -67,7 +67,12 @@ pub async fn require_admin(State(s): State<Arc<AppState>>, req: Request, next: N
 }
 
 /// `GET /v1/models`: models of the healthy workers (never fails because one is down).
-pub async fn models(State(s): State<Arc<AppState>>) -> Response {
+pub async fn models(State(s): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Response {
+    if let Some(keys) = &s.api_keys
+        && let Err(e) = keys.authenticate(&headers)
+    {
+        return e.into_response();
+    }
     let data: Vec<serde_json::Value> = s
         .fleet
         .models()

@@ -92,6 +92,15 @@ pub struct GatewayConfig {
     /// `Content-Type` is always set to JSON. Default: `authorization` only, as vLLM and
     /// SGLang servers started with `--api-key` expect.
     pub forward_headers: Vec<String>,
+    /// Client API keys: a file of `KEY [TENANT] [rpm=N] [tpm=N]` lines
+    /// ([`crate::api_keys`]). When set, inference and `/v1/models` need
+    /// `Authorization: Bearer KEY` (401 otherwise) and each key is rate limited (429).
+    pub api_key_file: Option<String>,
+    /// Requests per minute per API key unless its line sets `rpm` (0 = unlimited).
+    pub api_key_rpm: u32,
+    /// Tokens (prompt plus `max_tokens`) per minute per API key unless its line sets `tpm`
+    /// (0 = unlimited).
+    pub api_key_tpm: u32,
     /// Hosts or CIDRs worker URLs may point at (`/add_worker` and the configuration);
     /// empty = any. Host names match by name, IP literals by network.
     pub worker_allow: Vec<String>,
@@ -192,6 +201,9 @@ impl Default for GatewayConfig {
             admin_token: None,
             admin_listen: None,
             forward_headers: vec!["authorization".into()],
+            api_key_file: None,
+            api_key_rpm: 0,
+            api_key_tpm: 0,
             worker_allow: Vec::new(),
             scrape_metrics: false,
             power_metric: None,

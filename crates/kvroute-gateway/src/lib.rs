@@ -21,6 +21,7 @@
 #![warn(missing_docs)]
 
 pub mod admin;
+pub mod api_keys;
 pub mod config;
 pub mod fleet;
 pub mod health;

@@ -34,6 +34,15 @@ pub struct ModelLabel {
     pub model: String,
 }
 
+/// Labels of `kvroute_tenant_requests_total` (tenants come from the API key file only).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabels {
+    /// The key's tenant (`-` for a key without one).
+    pub tenant: String,
+    /// `admitted`, `rate_limited_requests` or `rate_limited_tokens`.
+    pub outcome: String,
+}
+
 /// Labels of `kvroute_prefix_source`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabels {
@@ -65,6 +74,8 @@ pub struct Metrics {
     pub registry: Registry,
     /// Requests by worker, policy, branch and outcome.
     pub requests: Family<RequestLabels, Counter>,
+    /// Requests per API-key tenant and outcome.
+    pub tenant_requests: Family<TenantLabels, Counter>,
     /// Time to decide, seconds.
     pub decision_seconds: Histogram,
     /// Matched prefix / routing key per decision.
@@ -133,6 +144,12 @@ impl Metrics {
             "kvroute_requests",
             "Requests by worker, policy, decision branch and outcome",
             requests.clone(),
+        );
+        let tenant_requests = Family::<TenantLabels, Counter>::default();
+        registry.register(
+            "kvroute_tenant_requests",
+            "Requests by API-key tenant and outcome (admitted, rate_limited_requests, rate_limited_tokens)",
+            tenant_requests.clone(),
         );
         let decision_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
         registry.register("kvroute_decision_seconds", "Routing decision time", decision_seconds.clone());
@@ -240,6 +257,7 @@ impl Metrics {
             prefix_source,
             registry,
             requests,
+            tenant_requests,
             decision_seconds,
             match_rate,
             ttft_seconds,

@@ -37,6 +37,8 @@ pub struct AppState {
     pub forward_headers: Vec<http::HeaderName>,
     /// Shutdown has begun: `/readiness` answers 503 while in-flight requests drain.
     pub draining: std::sync::atomic::AtomicBool,
+    /// Client API keys (`api_key_file`); `None`: every client is served.
+    pub api_keys: Option<crate::api_keys::ApiKeys>,
 }
 
 impl AppState {
@@ -76,7 +78,12 @@ impl AppState {
             .map(|h| http::HeaderName::from_bytes(h.as_bytes()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| anyhow::anyhow!("forward_headers: {e}"))?;
+        let api_keys = match &cfg.api_key_file {
+            Some(p) => Some(crate::api_keys::ApiKeys::load(p, cfg.api_key_rpm, cfg.api_key_tpm)?),
+            None => None,
+        };
         Ok(Arc::new(AppState {
+            api_keys,
             forward_headers,
             draining: std::sync::atomic::AtomicBool::new(false),
             admission: RwLock::new(Admission::new(cfg.max_in_flight_per_model)),

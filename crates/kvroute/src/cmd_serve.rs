@@ -77,6 +77,15 @@ pub struct Args {
     /// Serve the admin API on this separate HOST:PORT (the main port then has none).
     #[arg(long, env = "KVROUTE_ADMIN_LISTEN")]
     pub admin_listen: Option<String>,
+    /// File of client API keys, one `KEY [TENANT] [rpm=N] [tpm=N]` per line.
+    #[arg(long, env = "KVROUTE_API_KEY_FILE")]
+    pub api_key_file: Option<String>,
+    /// Requests per minute per API key (0 = unlimited; a key's `rpm=` overrides).
+    #[arg(long, env = "KVROUTE_API_KEY_RPM")]
+    pub api_key_rpm: Option<u32>,
+    /// Tokens (prompt plus max_tokens) per minute per API key (0 = unlimited; `tpm=` overrides).
+    #[arg(long, env = "KVROUTE_API_KEY_TPM")]
+    pub api_key_tpm: Option<u32>,
     /// Client headers forwarded to workers (default: authorization; `""` for none).
     #[arg(long, env = "KVROUTE_FORWARD_HEADERS", num_args = 0.., value_delimiter = ',')]
     pub forward_headers: Option<Vec<String>>,
@@ -156,8 +165,13 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         scrape_metrics,
         seed,
         kv_predict_window_secs,
-        kv_parity_check
+        kv_parity_check,
+        api_key_rpm,
+        api_key_tpm
     );
+    if a.api_key_file.is_some() {
+        cfg.api_key_file = a.api_key_file.clone();
+    }
     if a.admin_token.is_some() {
         cfg.admin_token = a.admin_token.clone();
     }

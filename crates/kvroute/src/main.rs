@@ -27,7 +27,7 @@ enum Command {
     /// One simulated inference worker over HTTP (vLLM-like metrics and endpoints).
     EngineSim(cmd_engine_sim::Args),
     /// Run the router gateway in front of inference workers.
-    Serve(cmd_serve::Args),
+    Serve(Box<cmd_serve::Args>),
     /// Replay a request trace through every policy on simulated engines.
     Replay(cmd_replay::Args),
     /// Load generator (trace or synthetic, open or closed loop), and `bench compare` with peer routers.
@@ -62,7 +62,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Demo(a) => cmd_demo::run(a),
         Command::EngineSim(a) => cmd_engine_sim::run(a),
-        Command::Serve(a) => cmd_serve::run(a),
+        Command::Serve(a) => cmd_serve::run(*a),
         Command::Replay(a) => cmd_replay::run(a),
         Command::Policies(a) => cmd_policies::run(a),
         Command::Bench(a) => cmd_bench::run(*a),

@@ -3,6 +3,8 @@
 //! ```text
 //! read     body within the size limit                              read_body (here)
 //! parse    body → routing info (model, text or token ids, session) kvroute_protocol::openai::parse
+//!          (with API keys: the key is checked and its request bucket taken before the body
+//!          is read, its token bucket after the parse — `authenticate`, 401/429)
 //! key      local tokenizer / engine tokens for precise matching    keys::resolve
 //! admit    per-model permit; full → 503, nothing recorded          route::admit
 //! decide   pure: the model's router picks, changes nothing         route::decide
@@ -15,6 +17,7 @@ pub mod keys;
 pub mod respond;
 pub mod route;
 
+use crate::api_keys::KeyEntry;
 use crate::state::AppState;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -63,9 +66,13 @@ async fn run(
     body: Body,
 ) -> Result<Response, (ApiError, &'static str)> {
     let t0 = Instant::now();
+    let key = authenticate(s, headers).map_err(|e| (e, ""))?;
     let bytes = read_body(s, headers, body).await.map_err(|e| (e, ""))?;
     let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
     let mut info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens).map_err(|e| (e, ""))?;
+    if let Some(key) = &key {
+        admit_tokens(s, key, &info).map_err(|e| (e, ""))?;
+    }
     let precise = keys::resolve(s, api, &bytes, &mut info).await;
     let model = route::model_of(s, &info).map_err(|e| (e, ""))?;
     let permit = route::admit(s, &model).map_err(|e| (e, ""))?;
@@ -87,6 +94,48 @@ async fn run(
         .await
         .map_err(|e| (ApiError::from(e), branch))?;
     respond::respond(s, sent, permit, &decision, branch, t0).map_err(|e| (e, branch))
+}
+
+/// The client's API key, with one request taken from its bucket; `None` when the router
+/// has no API keys (every client is served).
+///
+/// # Errors
+/// 401 for a missing or unknown key, 429 with `Retry-After` over its requests per minute.
+pub fn authenticate(s: &AppState, headers: &HeaderMap) -> Result<Option<Arc<KeyEntry>>, ApiError> {
+    let Some(keys) = &s.api_keys else { return Ok(None) };
+    let key = keys.authenticate(headers)?;
+    if let Err(e) = key.admit_request() {
+        tenant_outcome(s, &key, "rate_limited_requests");
+        return Err(e);
+    }
+    Ok(Some(key))
+}
+
+/// Takes the request's tokens — its prompt (ids counted, text estimated) plus `max_tokens`
+/// when given — from the key's token bucket.
+fn admit_tokens(s: &AppState, key: &KeyEntry, info: &kvroute_protocol::openai::RoutingInfo) -> Result<(), ApiError> {
+    let prompt = info
+        .token_ids
+        .as_ref()
+        .map_or_else(|| u64::from(kvroute_core::types::estimate_tokens(&info.text)), |t| t.len() as u64);
+    let tokens = prompt + u64::from(info.max_tokens.unwrap_or(0));
+    match key.admit_tokens(tokens) {
+        Ok(()) => {
+            tenant_outcome(s, key, "admitted");
+            Ok(())
+        }
+        Err(e) => {
+            tenant_outcome(s, key, "rate_limited_tokens");
+            Err(e)
+        }
+    }
+}
+
+fn tenant_outcome(s: &AppState, key: &KeyEntry, outcome: &str) {
+    s.metrics
+        .tenant_requests
+        .get_or_create(&crate::metrics::TenantLabels { tenant: key.tenant.clone(), outcome: outcome.into() })
+        .inc();
 }
 
 /// The per-request decision log (`KVROUTE_LOG=kvroute::decision=debug`): enough to line up
