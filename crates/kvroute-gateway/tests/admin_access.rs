@@ -15,10 +15,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 mod common;
-
-async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(60), f).await.expect("hang guard: no answer within 60 s")
-}
+use common::guard;
 
 fn cfg(urls: &[&str]) -> GatewayConfig {
     let _ = rustls::crypto::ring::default_provider().install_default();

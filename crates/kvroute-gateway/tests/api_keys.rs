@@ -4,14 +4,10 @@
 
 use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use kvroute_gateway::GatewayConfig;
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 mod common;
-
-async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(60), f).await.expect("hang guard: no answer within 60 s")
-}
+use common::guard;
 
 fn chat(max_tokens: u32) -> serde_json::Value {
     serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": "hello there"}],

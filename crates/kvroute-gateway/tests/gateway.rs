@@ -12,12 +12,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 mod common;
-
-const GUARD: Duration = Duration::from_secs(60);
-
-async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(GUARD, f).await.expect("hang guard: no answer within 60 s")
-}
+use common::guard;
 
 struct Worker {
     url: String,

@@ -5,16 +5,12 @@
 
 use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use kvroute_gateway::GatewayConfig;
-use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 mod common;
-
-async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(60), f).await.expect("hang guard: no answer within 60 s")
-}
+use common::guard;
 
 fn cfg(urls: &[&str]) -> GatewayConfig {
     let _ = rustls::crypto::ring::default_provider().install_default();

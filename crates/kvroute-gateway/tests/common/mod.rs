@@ -20,3 +20,10 @@ pub async fn start_router(
     }
     (router, task)
 }
+
+/// `f`, or a failure after 60 s: the hang guard of every wait in these tests (a failure
+/// message, never a timing assertion).
+#[allow(dead_code)] // not every test binary waits
+pub async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), f).await.expect("hang guard: no answer within 60 s")
+}
