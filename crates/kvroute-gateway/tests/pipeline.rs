@@ -312,11 +312,12 @@ async fn a_token_id_prompt_over_max_prompt_tokens_is_refused_naming_the_field() 
 
 /// A worker that answers `/health`, lists no models and, for a chat request, sends the
 /// stream's headers and one chunk and then nothing more (a stalled decode).
-async fn stalling_worker() -> (String, CancellationToken) {
+async fn stalling_worker(requests: std::sync::Arc<std::sync::atomic::AtomicUsize>) -> (String, CancellationToken) {
     use axum::routing::{get, post};
     let app = axum::Router::new().route("/health", get(|| async { "ok" })).route(
         "/v1/chat/completions",
-        post(|| async {
+        post(move || async move {
+            requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let first = futures_util::stream::once(async {
                 Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"data: {\"choices\":[]}\n\n"))
             });
@@ -338,7 +339,8 @@ async fn stalling_worker() -> (String, CancellationToken) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_stream_ends_with_an_error_event_and_a_worker_that_never_answers_gets_504() {
-    let (stalling, stop_s) = stalling_worker().await;
+    let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (stalling, stop_s) = stalling_worker(std::sync::Arc::clone(&requests)).await;
     let mut config = cfg(&[&stalling], "round_robin");
     config.stream_idle_timeout_secs = 0.3;
     let stop = CancellationToken::new();
@@ -352,6 +354,8 @@ async fn a_silent_stream_ends_with_an_error_event_and_a_worker_that_never_answer
     let text = guard(resp.text()).await.expect("the stream ends");
     assert!(text.starts_with("data: {\"choices\":[]}"), "{text}");
     assert!(text.contains("stream_idle_timeout_secs") && text.contains("\"code\":504"), "{text}");
+    // A stream is never retried once bytes reached the client.
+    assert_eq!(requests.load(std::sync::atomic::Ordering::Relaxed), 1, "the stream was sent again");
     guard(async {
         while ledger(&c, &r).await != (0, 0, 0) {
             tokio::time::sleep(Duration::from_millis(20)).await;
