@@ -18,13 +18,7 @@ mod common;
 use common::guard;
 
 fn cfg(urls: &[&str]) -> GatewayConfig {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    GatewayConfig {
-        policy: "round_robin".into(),
-        worker_urls: urls.iter().map(|u| u.to_string()).collect(),
-        port: 0,
-        ..GatewayConfig::default()
-    }
+    common::config(urls, "round_robin")
 }
 
 /// Serves `kvroute_gateway::app` as if every client connected from `peer`.

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 mod common;
-use common::guard;
+use common::{config as cfg, guard};
 
 struct Worker {
     url: String,
@@ -43,15 +43,6 @@ async fn router(mut cfg: GatewayConfig) -> Router {
     let stop = CancellationToken::new();
     let (url, task) = common::start_router(cfg, stop.clone()).await;
     Router { url, stop, task }
-}
-
-fn cfg(urls: &[&str], policy: &str) -> GatewayConfig {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    GatewayConfig {
-        policy: policy.into(),
-        worker_urls: urls.iter().map(|u| u.to_string()).collect(),
-        ..GatewayConfig::default()
-    }
 }
 
 fn chat(content: &str, stream: bool) -> serde_json::Value {

@@ -8,12 +8,11 @@
 
 use kvroute_engine_sim::Profile;
 use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
-use kvroute_gateway::GatewayConfig;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 mod common;
-use common::guard;
+use common::{config as cfg, guard};
 
 async fn worker(cfg: EngineSimConfig) -> (String, CancellationToken) {
     let stop = CancellationToken::new();
@@ -25,16 +24,6 @@ fn fast() -> EngineSimConfig {
     let mut profile = Profile::named("h100-llama3-8b").expect("profile");
     profile.prefill_per_token_s = 1e-4;
     EngineSimConfig { profile, time_scale: 50.0, ..EngineSimConfig::default() }
-}
-
-fn cfg(urls: &[&str], policy: &str) -> GatewayConfig {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    GatewayConfig {
-        policy: policy.into(),
-        worker_urls: urls.iter().map(|u| u.to_string()).collect(),
-        port: 0,
-        ..GatewayConfig::default()
-    }
 }
 
 fn chat(content: &str) -> serde_json::Value {

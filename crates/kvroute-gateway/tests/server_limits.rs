@@ -13,15 +13,7 @@ mod common;
 use common::guard;
 
 fn cfg(urls: &[&str]) -> GatewayConfig {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    GatewayConfig {
-        policy: "round_robin".into(),
-        worker_urls: urls.iter().map(|u| u.to_string()).collect(),
-        port: 0,
-        header_read_timeout_secs: 0.3,
-        body_read_timeout_secs: 0.3,
-        ..GatewayConfig::default()
-    }
+    GatewayConfig { header_read_timeout_secs: 0.3, body_read_timeout_secs: 0.3, ..common::config(urls, "round_robin") }
 }
 
 /// Reads until the server closes the connection; returns what it sent.
