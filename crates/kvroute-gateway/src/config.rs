@@ -104,6 +104,15 @@ pub struct GatewayConfig {
     /// Hosts or CIDRs worker URLs may point at (`/add_worker` and the configuration);
     /// empty = any. Host names match by name, IP literals by network.
     pub worker_allow: Vec<String>,
+    /// PEM certificate chain (leaf first) served to clients over HTTPS, on the main and the
+    /// admin listener; with `tls_key`. Both files are read again on SIGHUP (a file that
+    /// fails to load keeps the certificate in use). Unset: plain HTTP.
+    pub tls_cert: Option<String>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of `tls_cert`.
+    pub tls_key: Option<String>,
+    /// PEM bundle of CA certificates trusted for `https://` workers, besides the system's
+    /// roots (a private CA of the inference fleet).
+    pub worker_ca_file: Option<String>,
     /// Scrape each worker's `/metrics` for engine load signals.
     pub scrape_metrics: bool,
     /// Prometheus gauge read as the worker's power draw in watts (e.g. `DCGM_FI_DEV_POWER_USAGE`).
@@ -205,6 +214,9 @@ impl Default for GatewayConfig {
             api_key_rpm: 0,
             api_key_tpm: 0,
             worker_allow: Vec::new(),
+            tls_cert: None,
+            tls_key: None,
+            worker_ca_file: None,
             scrape_metrics: false,
             power_metric: None,
             seed: 0,
@@ -274,6 +286,11 @@ impl GatewayConfig {
         if let Some(a) = &self.admin_listen {
             a.parse::<std::net::SocketAddr>()
                 .map_err(|_| err("admin_listen", format!("`{a}`: expected HOST:PORT with an IP host")))?;
+        }
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) => return Err(err("tls_key", "`tls_cert` is set but `tls_key` is not")),
+            (None, Some(_)) => return Err(err("tls_cert", "`tls_key` is set but `tls_cert` is not")),
+            _ => {}
         }
         if self.admin_token.as_deref().is_some_and(str::is_empty) {
             return Err(err("admin_token", "must not be empty"));

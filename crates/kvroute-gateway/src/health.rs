@@ -13,16 +13,35 @@ use std::time::Duration;
 const MAX_SCRAPE_BYTES: usize = 4 << 20;
 
 async fn get_text(client: &reqwest::Client, url: &str, timeout_secs: f64) -> Option<(u16, String)> {
-    let resp = client.get(url).timeout(Duration::from_secs_f64(timeout_secs)).send().await.ok()?;
+    try_get_text(client, url, timeout_secs).await.ok()
+}
+
+/// `GET url`: the status and body (empty when over [`MAX_SCRAPE_BYTES`]), or the error with
+/// its causes (a refused connection, an untrusted certificate, a timeout).
+async fn try_get_text(client: &reqwest::Client, url: &str, timeout_secs: f64) -> Result<(u16, String), String> {
+    let resp = client.get(url).timeout(Duration::from_secs_f64(timeout_secs)).send().await.map_err(|e| causes(&e))?;
     let status = resp.status().as_u16();
     if resp.content_length().is_some_and(|n| n > MAX_SCRAPE_BYTES as u64) {
-        return Some((status, String::new()));
+        return Ok((status, String::new()));
     }
-    let body = resp.bytes().await.ok()?;
+    let body = resp.bytes().await.map_err(|e| causes(&e))?;
     if body.len() > MAX_SCRAPE_BYTES {
-        return Some((status, String::new()));
+        return Ok((status, String::new()));
     }
-    Some((status, String::from_utf8_lossy(&body).into_owned()))
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// An error and its sources, `a: b: c` (reqwest's own message alone says only "error
+/// sending request").
+fn causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cur = c.source();
+    }
+    out
 }
 
 /// The models a worker serves from its `GET /v1/models`; `Some(vec![])` (any model) when it
@@ -49,7 +68,8 @@ pub async fn fetch_models(client: &reqwest::Client, base: &str, timeout_secs: f6
 async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
     let h = &s.cfg.health;
     let url = w.url.to_string();
-    let ok = matches!(get_text(&s.client, &format!("{url}{}", h.path), h.timeout_secs).await, Some((200, _)));
+    let checked = try_get_text(&s.client, &format!("{url}{}", h.path), h.timeout_secs).await;
+    let ok = matches!(checked, Ok((200, _)));
     let mut refresh_models = false;
     let mut healthy_now = None;
     if ok {
@@ -66,6 +86,14 @@ async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
     } else {
         w.check_successes.store(0, Relaxed);
         let n = w.check_failures.fetch_add(1, Relaxed) + 1;
+        if n == h.failure_threshold {
+            // Once per run of failures: why (a worker that never passed logs nothing else).
+            let why = match &checked {
+                Ok((status, _)) => format!("status {status}"),
+                Err(e) => e.clone(),
+            };
+            tracing::warn!(worker = %url, reason = %why, failures = n, "health check failing");
+        }
         if n >= h.failure_threshold && w.health() == Health::Healthy {
             w.set_health(Health::Unhealthy);
             healthy_now = Some(false);

@@ -31,6 +31,7 @@ pub mod pipeline;
 pub mod routers;
 pub mod server;
 pub mod state;
+pub mod tls;
 pub mod tokenizer;
 
 use axum::Router;
@@ -91,6 +92,13 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     cfg.validate()?;
+    let tls = match (&cfg.tls_cert, &cfg.tls_key) {
+        (Some(c), Some(k)) => Some(tls::ServerTls::load(c.as_ref(), k.as_ref())?),
+        _ => None,
+    };
+    // Registered before the first connection is accepted, so a SIGHUP reloads rather than
+    // ending the process.
+    let reload = tls.as_ref().map(|t| reload_on_sighup(Arc::clone(t))).transpose()?;
     let state = AppState::new(cfg)?;
     let cancel = tokio_util::sync::CancellationToken::new();
     state.add_initial_workers().await;
@@ -116,20 +124,54 @@ pub async fn serve(
     };
     let admin_task = admin.map(|(l, a)| {
         let stop = cancel.clone();
-        tokio::spawn(async move { server::serve(l, a, limits, async move { stop.cancelled().await }, || {}).await })
+        let tls = tls.clone();
+        tokio::spawn(
+            async move { server::serve(l, a, limits, tls, async move { stop.cancelled().await }, || {}).await },
+        )
     });
     let draining = Arc::clone(&state);
-    server::serve(listener, main_app, limits, shutdown, move || {
+    server::serve(listener, main_app, limits, tls, shutdown, move || {
         // `/readiness` answers 503 from here on, so a load balancer stops sending.
         draining.draining.store(true, std::sync::atomic::Ordering::Relaxed);
         tracing::info!("shutting down: no new connections, draining in-flight requests");
     })
     .await;
     cancel.cancel();
+    if let Some(r) = reload {
+        r.abort();
+    }
     if let Some(t) = admin_task {
         let _ = t.await;
     }
     let _ = bg.await;
     let _ = kv.await;
     Ok(())
+}
+
+/// Reads the TLS certificate and key again on every SIGHUP (a reload that fails is logged
+/// and keeps the certificate in use). The signal handler is installed before this returns.
+///
+/// # Errors
+/// The SIGHUP handler cannot be installed.
+#[cfg(unix)]
+fn reload_on_sighup(tls: Arc<tls::ServerTls>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .map_err(|e| anyhow::anyhow!("cannot install the SIGHUP handler for TLS reloads: {e}"))?;
+    Ok(tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            match tls.reload() {
+                Ok(()) => tracing::info!("SIGHUP: TLS certificate reloaded"),
+                Err(e) => tracing::error!(
+                    error = format!("{e:#}"),
+                    "SIGHUP: TLS reload failed; keeping the certificate in use"
+                ),
+            }
+        }
+    }))
+}
+
+/// Without Unix signals there is no reload: the certificate is read once.
+#[cfg(not(unix))]
+fn reload_on_sighup(_tls: Arc<tls::ServerTls>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    Ok(tokio::spawn(async {}))
 }

@@ -3,8 +3,10 @@
 //! and on shutdown stops accepting, lets in-flight requests finish up to a drain deadline,
 //! then drops what is left. `axum::serve` has none of these: a client sending headers one
 //! byte a minute, or an idle keep-alive socket, was held forever and kept the router from
-//! exiting after SIGTERM.
+//! exiting after SIGTERM. With TLS ([`crate::tls::ServerTls`]) each connection's handshake
+//! runs in its own task, bounded by the header-read timeout.
 
+use crate::tls::ServerTls;
 use axum::Router;
 use axum::extract::ConnectInfo;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -50,10 +52,15 @@ impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for WithPeer
 /// Serves `app` on `listener` until `shutdown` resolves; then calls `on_drain`, stops
 /// accepting and waits for open connections to finish their requests, at most
 /// `limits.drain_timeout`. Returns once every connection is closed or the deadline passed.
+///
+/// With `tls`, every connection is a TLS connection: a client that does not complete its
+/// handshake within `limits.header_read_timeout` is dropped, and each handshake uses the
+/// certificate current at its start (so a reload applies to new connections).
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: Limits,
+    tls: Option<Arc<ServerTls>>,
     shutdown: impl Future<Output = ()>,
     on_drain: impl FnOnce(),
 ) {
@@ -93,9 +100,26 @@ pub async fn serve(
         let svc = WithPeer { app: app.clone(), peer };
         let builder = Arc::clone(&builder);
         let watcher = graceful.watcher();
+        let acceptor = tls.as_ref().map(|t| t.acceptor());
+        let handshake_timeout = limits.header_read_timeout;
         conns.spawn(async move {
-            let conn = builder.serve_connection(TokioIo::new(tcp), svc);
-            if let Err(e) = watcher.watch(conn.into_owned()).await {
+            let result = match acceptor {
+                None => watcher.watch(builder.serve_connection(TokioIo::new(tcp), svc).into_owned()).await,
+                Some(acceptor) => match tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => {
+                        watcher.watch(builder.serve_connection(TokioIo::new(stream), svc).into_owned()).await
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                        Ok(())
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "TLS handshake not done within header_read_timeout_secs");
+                        Ok(())
+                    }
+                },
+            };
+            if let Err(e) = result {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             drop(permit);

@@ -67,11 +67,14 @@ impl AppState {
         // written to one as the worker closes it fails (a request to llama-server after
         // 5.02 s idle did, in a scratch test). The proxy also sends a request whose pooled
         // connection closed under it once more to the same worker (`proxy`).
-        let client = reqwest::Client::builder()
+        let mut client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout_secs))
             .pool_max_idle_per_host(256)
-            .pool_idle_timeout(Duration::from_secs(4))
-            .build()?;
+            .pool_idle_timeout(Duration::from_secs(4));
+        if let Some(ca) = &cfg.worker_ca_file {
+            client = client.tls_certs_merge(crate::tls::worker_roots(std::path::Path::new(ca))?);
+        }
+        let client = client.build()?;
         let forward_headers = cfg
             .forward_headers
             .iter()

@@ -92,6 +92,15 @@ pub struct Args {
     /// Hosts or CIDRs worker URLs may point at (default: any).
     #[arg(long, env = "KVROUTE_WORKER_ALLOW", num_args = 1.., value_delimiter = ',')]
     pub worker_allow: Vec<String>,
+    /// PEM certificate chain served to clients over HTTPS (with --tls-key; reread on SIGHUP).
+    #[arg(long, env = "KVROUTE_TLS_CERT")]
+    pub tls_cert: Option<String>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "KVROUTE_TLS_KEY")]
+    pub tls_key: Option<String>,
+    /// PEM bundle of CA certificates trusted for https:// workers (besides the system roots).
+    #[arg(long, env = "KVROUTE_WORKER_CA_FILE")]
+    pub worker_ca_file: Option<String>,
     /// Scrape each worker's /metrics for engine load signals.
     #[arg(long, env = "KVROUTE_SCRAPE_METRICS")]
     pub scrape_metrics: Option<bool>,
@@ -177,6 +186,13 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
     }
     if a.admin_listen.is_some() {
         cfg.admin_listen = a.admin_listen.clone();
+    }
+    for (flag, field) in
+        [(&a.tls_cert, &mut cfg.tls_cert), (&a.tls_key, &mut cfg.tls_key), (&a.worker_ca_file, &mut cfg.worker_ca_file)]
+    {
+        if flag.is_some() {
+            field.clone_from(flag);
+        }
     }
     if let Some(h) = &a.forward_headers {
         cfg.forward_headers = h.iter().filter(|n| !n.trim().is_empty()).map(|n| n.trim().to_string()).collect();
@@ -318,7 +334,8 @@ pub async fn serve_until_signal(a: Args) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}:{}", cfg.host, cfg.port))?;
     eprintln!(
-        "kvroute: serving on http://{} with policy {} and {} worker(s)",
+        "kvroute: serving on {}://{} with policy {} and {} worker(s)",
+        if cfg.tls_cert.is_some() { "https" } else { "http" },
         listener.local_addr()?,
         cfg.policy,
         cfg.worker_urls.len()

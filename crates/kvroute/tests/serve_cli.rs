@@ -6,6 +6,8 @@ use std::time::Duration;
 
 mod common;
 use common::{Proc, free_port};
+#[path = "../../kvroute-gateway/tests/common/pki.rs"]
+mod pki;
 
 async fn wait_ready(c: &reqwest::Client, url: &str) -> bool {
     for _ in 0..600 {
@@ -34,6 +36,63 @@ fn invalid_config_is_refused_naming_the_key() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("policy_knobs") && err.contains("cache_treshold"), "{err}");
+}
+
+/// `kvroute serve --tls-cert --tls-key`: HTTPS from the start; a certificate renewed in
+/// place is served after SIGHUP, to new connections, and the process keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_certificate_is_reloaded_on_sighup() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = pki::TempDir::new("serve-tls");
+    let (ca1, ca2) = (pki::TestCa::new("first CA"), pki::TestCa::new("second CA"));
+    let (crt, key) = ca1.server_cert(&dir.0, "router");
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["serve", "--port", &port.to_string(), "--tls-cert", crt.to_str().expect("utf8")])
+        .args(["--tls-key", key.to_str().expect("utf8")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let mut router = Proc(child);
+    let url = format!("https://127.0.0.1:{port}");
+    // One new client (so one new connection and handshake) per check.
+    let answers = |ca: &pki::TestCa| {
+        let c = pki::client_trusting(ca, true);
+        let url = url.clone();
+        async move {
+            tokio::time::timeout(Duration::from_secs(10), c.get(format!("{url}/health")).send())
+                .await
+                .is_ok_and(|r| r.is_ok_and(|r| r.status() == 200))
+        }
+    };
+    let mut up = false;
+    for _ in 0..600 {
+        if answers(&ca1).await {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(up, "kvroute serve never answered over HTTPS");
+    assert!(!answers(&ca2).await);
+
+    let (crt2, key2) = ca2.server_cert(&dir.0, "renewed");
+    std::fs::rename(&crt2, &crt).expect("replace certificate");
+    std::fs::rename(&key2, &key).expect("replace key");
+    let pid = router.0.id().to_string();
+    assert!(Command::new("kill").args(["-HUP", &pid]).status().expect("kill").success());
+    let mut renewed = false;
+    for _ in 0..200 {
+        if answers(&ca2).await {
+            renewed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(renewed, "the renewed certificate was not served after SIGHUP");
+    assert!(!answers(&ca1).await, "the old certificate is still served to new connections");
+    assert!(router.0.try_wait().expect("wait").is_none(), "SIGHUP ended the process");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
