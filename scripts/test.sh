@@ -8,8 +8,11 @@
 #      its piece is given, and a closing list of what was skipped and why:
 #        KVROUTE_PYTHON (a python with the `openai` SDK): the SDK client test;
 #        KVROUTE_LLAMA_SERVER + KVROUTE_LLAMA_MODEL (scripts/llama-workers.sh): llama.cpp e2e;
-#        KVROUTE_PEERS_DIR (scripts/compare-peers.sh): peers in the compare test.
-#      KVROUTE_REQUIRE_PYTHON / _LLAMA / _PEERS = 1 make a missing piece a failure (CI sets them).
+#        KVROUTE_PEERS_DIR (scripts/compare-peers.sh): peers in the compare test;
+#        KVROUTE_ETCD (the etcd binary, Debian etcd-server): the cluster registry and
+#        live-policy tests and `kvroute register`.
+#      KVROUTE_REQUIRE_PYTHON / _LLAMA / _PEERS / _ETCD = 1 make a missing piece a failure
+#      (CI sets them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,6 +64,9 @@ run_ignored "openai SDK client test" 'test(=openai_python_sdk_as_client)' "$have
   "${KVROUTE_REQUIRE_PYTHON:-0}" "KVROUTE_PYTHON, a python with the openai package"
 run_ignored "llama.cpp end-to-end tests" 'binary(llama_e2e)' "$have_llama" \
   "${KVROUTE_REQUIRE_LLAMA:-0}" "KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"
+have_etcd=0; [ -n "${KVROUTE_ETCD:-}" ] && [ -x "${KVROUTE_ETCD}" ] && have_etcd=1
+run_ignored "etcd cluster tests" 'binary(etcd) | test(the_sidecar_registers)' "$have_etcd" \
+  "${KVROUTE_REQUIRE_ETCD:-0}" "KVROUTE_ETCD, the etcd binary (Debian etcd-server)"
 if [ -z "${KVROUTE_PEERS_DIR:-}" ]; then
   # compare_runs_to_completion itself fails when KVROUTE_REQUIRE_PEERS=1.
   skipped+=("peer routers in compare_runs_to_completion (it ran kvroute alone): needs KVROUTE_PEERS_DIR (bash scripts/compare-peers.sh install)")

@@ -182,14 +182,48 @@ pub async fn get_policy(State(s): State<Arc<AppState>>) -> Response {
     Json(serde_json::json!({"policy": s.routers.policy_name(), "knobs": s.routers.knobs()})).into_response()
 }
 
-/// `PUT /policy`: `{"knobs": {...}}` (or the knobs object itself) patches knobs live.
+/// Applies a policy setting (from `PUT /policy` or the cluster's policy key):
+/// - `{"policy": NAME, "knobs": {...}}` switches every model to NAME (a fresh prefix index)
+///   unless NAME is already running, in which case only the knobs named change;
+/// - `{"knobs": {...}}` or a bare object of knobs patches the running policy's knobs;
+/// - with `cognitora_form`, an object of `w_*` weights without `policy` is Cognitora
+///   cgn-router's `/cognitora/routing/policy` value and means kv_score with those weights.
+///
+/// Validated before anything changes. Returns the running policy's knobs.
+///
+/// # Errors
+/// The field at fault (`policy` or `knobs`) and why.
+pub fn apply_policy(
+    s: &AppState,
+    v: &serde_json::Value,
+    cognitora_form: bool,
+) -> Result<serde_json::Value, (&'static str, String)> {
+    let Some(obj) = v.as_object() else { return Err(("knobs", "expected a JSON object".into())) };
+    let empty = serde_json::json!({});
+    let knobs = obj.get("knobs").unwrap_or(&empty);
+    match obj.get("policy") {
+        Some(serde_json::Value::String(name)) => {
+            s.routers.set_policy(name, knobs, s.now()).map_err(|e| ("policy", format!("{e:#}")))
+        }
+        Some(_) => Err(("policy", "expected a policy name (a string)".into())),
+        None if cognitora_form && !obj.contains_key("knobs") && obj.keys().any(|k| k.starts_with("w_")) => {
+            s.routers.set_policy("kv_score", v, s.now()).map_err(|e| ("knobs", format!("{e:#}")))
+        }
+        None => {
+            let patch = obj.get("knobs").unwrap_or(v);
+            s.routers.set_knobs(patch, s.now()).map_err(|e| ("knobs", e.to_string()))
+        }
+    }
+}
+
+/// `PUT /policy`: `{"knobs": {...}}` (or the knobs object itself) patches knobs live;
+/// `{"policy": NAME, "knobs": {...}}` switches policy ([`apply_policy`]).
 pub async fn put_policy(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let r = async {
         let bytes = read_body(&s, &headers, body).await?;
         let v: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::bad_field("body", format!("not valid JSON: {e}")))?;
-        let patch = v.get("knobs").cloned().unwrap_or(v);
-        let knobs = s.routers.set_knobs(&patch, s.now()).map_err(|e| ApiError::bad_field("knobs", e.to_string()))?;
+        let knobs = apply_policy(&s, &v, false).map_err(|(field, e)| ApiError::bad_field(field, e))?;
         Ok::<_, ApiError>(Json(serde_json::json!({"policy": s.routers.policy_name(), "knobs": knobs})))
     }
     .await;

@@ -113,6 +113,16 @@ pub struct GatewayConfig {
     /// PEM bundle of CA certificates trusted for `https://` workers, besides the system's
     /// roots (a private CA of the inference fleet).
     pub worker_ca_file: Option<String>,
+    /// etcd endpoints (`http://HOST:PORT`) of the cluster registry and live policy
+    /// ([`crate::cluster`]); empty = no etcd.
+    pub etcd: Vec<String>,
+    /// Key prefix in etcd: workers under `PREFIX/workers/`, the policy at
+    /// `PREFIX/routing/policy` unless `etcd_policy_key` says otherwise.
+    pub etcd_prefix: String,
+    /// The etcd key holding the live policy (`{"policy": NAME, "knobs": {...}}`, or
+    /// Cognitora cgn-router's `{"w_kv":..,"w_load":..,"w_pwr":..,"w_cap":..}` at
+    /// `/cognitora/routing/policy`); default `PREFIX/routing/policy`.
+    pub etcd_policy_key: Option<String>,
     /// Scrape each worker's `/metrics` for engine load signals.
     pub scrape_metrics: bool,
     /// Prometheus gauge read as the worker's power draw in watts (e.g. `DCGM_FI_DEV_POWER_USAGE`).
@@ -217,6 +227,9 @@ impl Default for GatewayConfig {
             tls_cert: None,
             tls_key: None,
             worker_ca_file: None,
+            etcd: Vec::new(),
+            etcd_prefix: "/kvroute".into(),
+            etcd_policy_key: None,
             scrape_metrics: false,
             power_metric: None,
             seed: 0,
@@ -245,6 +258,11 @@ fn err(key: &str, message: impl Into<String>) -> ConfigError {
 }
 
 impl GatewayConfig {
+    /// The etcd key of the live policy.
+    pub fn policy_key(&self) -> String {
+        self.etcd_policy_key.clone().unwrap_or_else(|| format!("{}/routing/policy", self.etcd_prefix))
+    }
+
     /// Parses TOML text (unknown keys are errors naming the key).
     ///
     /// # Errors
@@ -286,6 +304,18 @@ impl GatewayConfig {
         if let Some(a) = &self.admin_listen {
             a.parse::<std::net::SocketAddr>()
                 .map_err(|_| err("admin_listen", format!("`{a}`: expected HOST:PORT with an IP host")))?;
+        }
+        for e in &self.etcd {
+            let ok = url::Url::parse(e).is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
+            if !ok {
+                return Err(err("etcd", format!("`{e}`: expected http://HOST:PORT")));
+            }
+        }
+        if !self.etcd_prefix.starts_with('/') || self.etcd_prefix.ends_with('/') || self.etcd_prefix.len() > 256 {
+            return Err(err("etcd_prefix", "expected a key prefix like `/kvroute` (leading `/`, no trailing `/`)"));
+        }
+        if self.etcd_policy_key.as_deref().is_some_and(|k| k.is_empty() || k.len() > 512) {
+            return Err(err("etcd_policy_key", "expected a key of 1 to 512 bytes"));
         }
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => return Err(err("tls_key", "`tls_cert` is set but `tls_key` is not")),

@@ -117,6 +117,9 @@ pub struct WorkerEntry {
     pub signals: EngineSignals,
     /// The router's own load counters for this worker.
     pub load: Arc<AtomicLoad>,
+    /// Its registration in the cluster registry (role, capacity, labels), when it came
+    /// from etcd.
+    pub registration: arc_swap::ArcSwapOption<crate::cluster::WorkerRecord>,
 }
 
 fn health_code(h: Health) -> u8 {
@@ -169,6 +172,7 @@ impl WorkerEntry {
             last_failure_at: AtomicU64::new(0),
             signals: EngineSignals::default(),
             load: Arc::default(),
+            registration: arc_swap::ArcSwapOption::empty(),
         }
     }
 
@@ -270,6 +274,9 @@ impl WorkerEntry {
         let mut v = WorkerView::idle(self.id);
         v.health = if self.is_ejected() { Health::Unhealthy } else { self.health() };
         self.load.fill(&mut v);
+        if let Some(r) = self.registration.load().as_deref() {
+            v.capacity = r.core_capacity();
+        }
         let s = &self.signals;
         v.engine_queue = s.queue.get();
         v.engine_running = s.running.get();
@@ -302,6 +309,7 @@ impl WorkerEntry {
             slots: s.slots.get(),
             engine_hit_ratio: s.hit_ratio.get(),
             in_flight: self.load.get().in_flight,
+            registration: self.registration.load_full().map(|r| r.as_ref().clone()),
         }
     }
 }
@@ -341,6 +349,9 @@ pub struct WorkerInfo {
     pub engine_hit_ratio: Option<f64>,
     /// Requests the router has in flight on this worker.
     pub in_flight: u32,
+    /// Its cluster registration (etcd), when it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub registration: Option<crate::cluster::WorkerRecord>,
 }
 
 /// The candidates of one request: the workers serving its model, with their views.

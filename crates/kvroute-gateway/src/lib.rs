@@ -14,6 +14,8 @@
 //! - [`admin`]: worker management, `/policy`, `/debug/route`.
 //! - [`kv_subscriber`]: engine KV events (subscribers feeding the precise index).
 //! - [`tokenizer`]: the model's own tokenizer, loaded locally.
+//! - [`cluster`]: the worker registry and live policy in etcd, shared by router replicas.
+//! - [`tls`]: HTTPS for clients and the trust roots for `https://` workers.
 //!
 //! Wire formats (request parsing, errors, the KV-event codec, engine metrics) live in
 //! `kvroute-protocol`; the simulated worker in `kvroute-engine-sim`.
@@ -22,6 +24,7 @@
 
 pub mod admin;
 pub mod api_keys;
+pub mod cluster;
 pub mod config;
 pub mod fleet;
 pub mod health;
@@ -104,6 +107,7 @@ pub async fn serve(
     state.add_initial_workers().await;
     let bg = tokio::spawn(health::run_background(Arc::clone(&state), cancel.clone()));
     let kv = tokio::spawn(kv_subscriber::run(Arc::clone(&state), cancel.clone()));
+    let etcd = tokio::spawn(cluster::etcd::run(Arc::clone(&state), cancel.clone()));
     // With `admin_listen`, the admin API moves to its own listener and the main port
     // serves only the public endpoints.
     let (main_app, admin) = match &state.cfg.admin_listen {
@@ -145,6 +149,7 @@ pub async fn serve(
     }
     let _ = bg.await;
     let _ = kv.await;
+    let _ = etcd.await;
     Ok(())
 }
 

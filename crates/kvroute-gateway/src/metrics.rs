@@ -64,6 +64,16 @@ pub struct OutcomeLabel {
     pub outcome: String,
 }
 
+/// Labels of `kvroute_policy_updates`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyUpdateLabels {
+    /// Where the setting came from: `etcd`.
+    pub source: String,
+    /// `applied`, or `rejected` (invalid JSON, unknown policy or bad knob: the last good
+    /// policy stays).
+    pub outcome: String,
+}
+
 /// An `f64` gauge.
 pub type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 
@@ -127,6 +137,12 @@ pub struct Metrics {
     pub engine_prefix_hit_ratio: Family<WorkerLabel, FloatGauge>,
     /// Decode slots of a worker (llama.cpp `/slots`: parallel sequences).
     pub worker_slots: Family<WorkerLabel, Gauge>,
+    /// 1 while the cluster registry's etcd connection (watches included) is up, else 0.
+    pub etcd_connected: Gauge,
+    /// Workers currently registered through etcd.
+    pub etcd_workers: Gauge,
+    /// Live policy settings received, by source and outcome.
+    pub policy_updates: Family<PolicyUpdateLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -241,7 +257,24 @@ impl Metrics {
         );
         let worker_slots = Family::<WorkerLabel, Gauge>::default();
         registry.register("kvroute_worker_slots", "Decode slots of a worker (llama.cpp /slots)", worker_slots.clone());
+        let etcd_connected = Gauge::default();
+        registry.register(
+            "kvroute_etcd_connected",
+            "1 while the etcd connection of the cluster registry and live policy is up",
+            etcd_connected.clone(),
+        );
+        let etcd_workers = Gauge::default();
+        registry.register("kvroute_etcd_workers", "Workers currently registered through etcd", etcd_workers.clone());
+        let policy_updates = Family::<PolicyUpdateLabels, Counter>::default();
+        registry.register(
+            "kvroute_policy_updates",
+            "Live policy settings received, by source and outcome (rejected: the last good policy stays)",
+            policy_updates.clone(),
+        );
         Metrics {
+            etcd_connected,
+            etcd_workers,
+            policy_updates,
             local_tokenize,
             ejections,
             tokenizer_parity,

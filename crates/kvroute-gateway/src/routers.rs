@@ -25,15 +25,17 @@ pub const MAX_MODEL_ROUTERS: usize = 256;
 /// The router of one model.
 #[derive(Debug)]
 pub struct ModelRouter {
+    /// The registry name of the policy it runs (`kvroute policies`).
+    pub policy_name: Arc<str>,
     policy: RwLock<Box<dyn Policy>>,
     /// When its next maintenance is due (gateway clock, ns; `u64::MAX` when never).
     next_maintain: AtomicU64,
 }
 
 impl ModelRouter {
-    fn new(policy: Box<dyn Policy>, now: Nanos) -> Self {
+    fn new(name: &str, policy: Box<dyn Policy>, now: Nanos) -> Self {
         let next = policy.maintenance_interval().map_or(u64::MAX, |i| now.saturating_add(i).0);
-        ModelRouter { policy: RwLock::new(policy), next_maintain: AtomicU64::new(next) }
+        ModelRouter { policy_name: name.into(), policy: RwLock::new(policy), next_maintain: AtomicU64::new(next) }
     }
 
     /// Decides (pure: no index, session table or counter changes).
@@ -135,7 +137,7 @@ impl Routers {
         // robin stands in should it ever do.
         let policy = kvroute_core::registry::build(&setting.0, &setting.1)
             .unwrap_or_else(|_| Box::new(kvroute_core::policy::basic::RoundRobin::default()));
-        let r = Arc::new(ModelRouter::new(policy, now));
+        let r = Arc::new(ModelRouter::new(&setting.0, policy, now));
         let mut next = cur.as_ref().clone();
         next.insert(key.to_string(), Arc::clone(&r));
         self.map.store(Arc::new(next));
@@ -195,5 +197,31 @@ impl Routers {
         }
         self.setting.store(Arc::new((setting.0.clone(), knobs.clone())));
         Ok(knobs)
+    }
+
+    /// Switches every model to `policy` with `knobs` (validated first: an unknown policy
+    /// or a bad knob changes nothing). Each model's router is replaced by a fresh one, so
+    /// the new policy starts with an empty prefix index; requests already deciding finish
+    /// on the old router. Switching to the running policy only patches its knobs
+    /// ([`Routers::set_knobs`]) and keeps the index.
+    ///
+    /// # Errors
+    /// The registry's message for an unknown policy or invalid knobs.
+    pub fn set_policy(&self, policy: &str, knobs: &serde_json::Value, now: Nanos) -> anyhow::Result<serde_json::Value> {
+        if policy == self.setting.load().0 {
+            return Ok(self.set_knobs(knobs, now)?);
+        }
+        let _w = self.writer.lock();
+        let probe = kvroute_core::registry::build(policy, knobs)?;
+        let full = probe.knobs();
+        let cur = self.map.load_full();
+        let mut next = HashMap::with_capacity(cur.len());
+        for model in cur.keys() {
+            let p = kvroute_core::registry::build(policy, knobs)?;
+            next.insert(model.clone(), Arc::new(ModelRouter::new(policy, p, now)));
+        }
+        self.setting.store(Arc::new((policy.to_string(), full.clone())));
+        self.map.store(Arc::new(next));
+        Ok(full)
     }
 }

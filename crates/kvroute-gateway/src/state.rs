@@ -146,6 +146,27 @@ impl AppState {
         Ok(w.id.0)
     }
 
+    /// Adds (or updates) a worker from its cluster registration: the record's models, when
+    /// it names some, replace discovery; its role, capacity and labels are kept with it.
+    ///
+    /// # Errors
+    /// As [`AppState::add_worker`].
+    pub async fn add_registered_worker(self: &Arc<Self>, record: crate::cluster::WorkerRecord) -> Result<(), String> {
+        self.add_worker(&record.url).await?;
+        let w = self.fleet.by_url(&record.url).ok_or_else(|| format!("`{}` was removed meanwhile", record.url))?;
+        if !record.models.is_empty() {
+            {
+                let mut adm = self.admission.write();
+                for m in &record.models {
+                    adm.ensure_model(m);
+                }
+            }
+            w.models.store(Arc::new(record.models.clone()));
+        }
+        w.registration.store(Some(Arc::new(record)));
+        Ok(())
+    }
+
     /// Removes a worker by URL and forgets it in every router's index. Returns whether it
     /// existed.
     pub fn remove_worker(&self, url: &str) -> bool {

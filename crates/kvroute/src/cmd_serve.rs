@@ -92,6 +92,15 @@ pub struct Args {
     /// Hosts or CIDRs worker URLs may point at (default: any).
     #[arg(long, env = "KVROUTE_WORKER_ALLOW", num_args = 1.., value_delimiter = ',')]
     pub worker_allow: Vec<String>,
+    /// etcd endpoints of the cluster registry and live policy (comma separated).
+    #[arg(long, env = "KVROUTE_ETCD", num_args = 1.., value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Key prefix in etcd (workers under PREFIX/workers/, policy at PREFIX/routing/policy).
+    #[arg(long, env = "KVROUTE_ETCD_PREFIX")]
+    pub etcd_prefix: Option<String>,
+    /// The etcd key of the live policy (e.g. Cognitora's /cognitora/routing/policy).
+    #[arg(long, env = "KVROUTE_ETCD_POLICY_KEY")]
+    pub etcd_policy_key: Option<String>,
     /// PEM certificate chain served to clients over HTTPS (with --tls-key; reread on SIGHUP).
     #[arg(long, env = "KVROUTE_TLS_CERT")]
     pub tls_cert: Option<String>,
@@ -344,7 +353,7 @@ pub async fn serve_until_signal(a: Args) -> anyhow::Result<()> {
 }
 
 /// Resolves on the next Ctrl-C or SIGTERM.
-async fn next_signal() {
+pub async fn next_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

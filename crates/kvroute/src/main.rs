@@ -9,6 +9,7 @@ mod cmd_bench;
 mod cmd_demo;
 mod cmd_engine_sim;
 mod cmd_policies;
+mod cmd_register;
 mod cmd_replay;
 mod cmd_serve;
 
@@ -34,6 +35,8 @@ enum Command {
     Bench(Box<cmd_bench::Args>),
     /// List every routing policy with its knobs, defaults and source.
     Policies(cmd_policies::Args),
+    /// Keep a worker registered in the cluster registry (etcd) while its /health passes.
+    Register(cmd_register::Args),
 }
 
 /// Logs to stderr: `KVROUTE_LOG` (an `EnvFilter` directive such as `debug` or
@@ -41,7 +44,7 @@ enum Command {
 /// for the one-shot commands, whose output is their report.
 fn init_logging(cmd: &Command) {
     let default = match cmd {
-        Command::Serve(_) | Command::EngineSim(_) => "info",
+        Command::Serve(_) | Command::EngineSim(_) | Command::Register(_) => "info",
         _ => "warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
@@ -66,6 +69,7 @@ fn main() -> std::process::ExitCode {
         Command::Replay(a) => cmd_replay::run(a),
         Command::Policies(a) => cmd_policies::run(a),
         Command::Bench(a) => cmd_bench::run(*a),
+        Command::Register(a) => cmd_register::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

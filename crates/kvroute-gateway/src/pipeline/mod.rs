@@ -83,7 +83,7 @@ async fn run(
         .prefix_source
         .get_or_create(&crate::metrics::SourceLabels { source: source.into(), reason: reason.into() })
         .inc();
-    let mut decision = route::decision_header(&s.routers.policy_name(), &routed.decision);
+    let mut decision = route::decision_header(&routed.router.policy_name, &routed.decision);
     decision.push_str("; prefix=");
     decision.push_str(source);
     if !reason.is_empty() {

@@ -1,0 +1,224 @@
+//! The etcd side of cluster mode: list and watch the worker registry and the policy key,
+//! apply what changes, and ride out etcd being down.
+//!
+//! One task per router ([`run`]). A session connects, lists `PREFIX/workers/` and reads the
+//! policy key at one revision, reconciles the fleet with the list (adds what is new,
+//! updates what changed, removes registered workers that are gone), then watches both
+//! from the next revision, so nothing between the list and the watch is missed. When
+//! etcd is unreachable or a watch ends, `kvroute_etcd_connected` drops to 0, the router
+//! keeps routing on the last known registry and policy (and the static configuration),
+//! and the session starts again after a capped exponential backoff (0.1 s to 5 s).
+
+use super::WorkerRecord;
+use crate::metrics::PolicyUpdateLabels;
+use crate::state::AppState;
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, WatchOptions};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// First wait before reconnecting to etcd; doubled per failed session up to
+/// [`BACKOFF_MAX`].
+pub const BACKOFF_START: Duration = Duration::from_millis(100);
+/// Longest wait between two connection attempts.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// The client's options: bounded connects and calls, and HTTP/2 keep-alives so a dead etcd
+/// ends the watch within a few seconds even when nothing changes.
+fn options() -> ConnectOptions {
+    ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(2))
+        .with_timeout(Duration::from_secs(5))
+        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+        .with_keep_alive_while_idle(true)
+}
+
+/// What this router learnt from etcd: the registered workers by key, and the revision of
+/// the last policy value applied.
+#[derive(Debug, Default)]
+struct Known {
+    /// etcd key → the worker's normalised URL.
+    workers: HashMap<String, String>,
+    policy_revision: i64,
+}
+
+/// Follows the registry and the policy key in `state.cfg.etcd` until `cancel`; returns at
+/// once when no etcd endpoint is configured.
+pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
+    if state.cfg.etcd.is_empty() {
+        return;
+    }
+    let mut known = Known::default();
+    let mut backoff = BACKOFF_START;
+    loop {
+        let started = tokio::time::Instant::now();
+        let ended = tokio::select! {
+            r = session(&state, &mut known) => r,
+            () = cancel.cancelled() => break,
+        };
+        state.metrics.etcd_connected.set(0);
+        if let Err(e) = ended {
+            tracing::warn!(
+                endpoints = ?state.cfg.etcd,
+                error = format!("{e:#}"),
+                retry_in_secs = backoff.as_secs_f64(),
+                "etcd unavailable: routing on the last known registry and policy"
+            );
+        }
+        // A session that ran a while was a working connection: start the backoff afresh.
+        if started.elapsed() > BACKOFF_MAX * 2 {
+            backoff = BACKOFF_START;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            () = cancel.cancelled() => break,
+        }
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+    state.metrics.etcd_connected.set(0);
+}
+
+/// One connection: list, reconcile, watch. Returns only with an error (etcd gone, a watch
+/// cancelled or compacted).
+async fn session(state: &Arc<AppState>, known: &mut Known) -> anyhow::Result<()> {
+    let workers_prefix = format!("{}/workers/", state.cfg.etcd_prefix);
+    let policy_key = state.cfg.policy_key();
+    let mut client = Client::connect(&state.cfg.etcd, Some(options())).await?;
+    let listed = client.get(workers_prefix.as_str(), Some(GetOptions::new().with_prefix())).await?;
+    let revision = listed.header().map_or(0, |h| h.revision());
+    let mut now_registered = HashMap::new();
+    for kv in listed.kvs().iter().take(crate::fleet::MAX_WORKERS) {
+        now_registered.insert(String::from_utf8_lossy(kv.key()).into_owned(), kv.value().to_vec());
+    }
+    reconcile(state, known, now_registered).await;
+    let policy = client.get(policy_key.as_str(), None).await?;
+    if let Some(kv) = policy.kvs().first() {
+        apply_policy(state, known, kv.value(), kv.mod_revision());
+    }
+    let from = WatchOptions::new().with_start_revision(revision + 1);
+    let mut workers = client.watch(workers_prefix.as_str(), Some(from.clone().with_prefix())).await?;
+    let mut policy_watch = client.watch(policy_key.as_str(), Some(from)).await?;
+    state.metrics.etcd_connected.set(1);
+    tracing::info!(endpoints = ?state.cfg.etcd, workers = known.workers.len(), revision, "etcd connected");
+    loop {
+        tokio::select! {
+            m = workers.message() => {
+                let resp = m?.ok_or_else(|| anyhow::anyhow!("the worker watch ended"))?;
+                if resp.canceled() {
+                    anyhow::bail!("the worker watch was cancelled: {}", resp.cancel_reason());
+                }
+                for ev in resp.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    let key = String::from_utf8_lossy(kv.key()).into_owned();
+                    match ev.event_type() {
+                        EventType::Put => put_worker(state, known, key, kv.value()).await,
+                        EventType::Delete => delete_worker(state, known, &key),
+                    }
+                }
+            }
+            m = policy_watch.message() => {
+                let resp = m?.ok_or_else(|| anyhow::anyhow!("the policy watch ended"))?;
+                if resp.canceled() {
+                    anyhow::bail!("the policy watch was cancelled: {}", resp.cancel_reason());
+                }
+                for ev in resp.events() {
+                    if let (EventType::Put, Some(kv)) = (ev.event_type(), ev.kv()) {
+                        apply_policy(state, known, kv.value(), kv.mod_revision());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Makes the fleet's registered workers those of `listed` (key → value).
+async fn reconcile(state: &Arc<AppState>, known: &mut Known, listed: HashMap<String, Vec<u8>>) {
+    let gone: Vec<String> = known.workers.keys().filter(|k| !listed.contains_key(*k)).cloned().collect();
+    for k in gone {
+        delete_worker(state, known, &k);
+    }
+    for (k, v) in listed {
+        put_worker(state, known, k, &v).await;
+    }
+}
+
+/// A worker key was written: add or update the worker (an invalid record is logged and
+/// changes nothing).
+async fn put_worker(state: &Arc<AppState>, known: &mut Known, key: String, value: &[u8]) {
+    let record = match WorkerRecord::parse(value) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(key, error = e, "etcd: ignoring an invalid worker record");
+            return;
+        }
+    };
+    let url = record.url.clone();
+    if let Some(old) = known.workers.get(&key)
+        && *old != url
+    {
+        // The key now names another worker: the old one leaves unless another key holds it.
+        let old = old.clone();
+        known.workers.remove(&key);
+        release(state, known, &old);
+    }
+    match state.add_registered_worker(record).await {
+        Ok(()) => {
+            if known.workers.insert(key.clone(), url.clone()).is_none() {
+                tracing::info!(key, worker = url, "etcd: worker registered");
+            }
+        }
+        Err(e) => tracing::warn!(key, worker = url, error = e, "etcd: worker not added"),
+    }
+    state.metrics.etcd_workers.set(known.workers.len() as i64);
+}
+
+/// A worker key was deleted or its lease expired.
+fn delete_worker(state: &AppState, known: &mut Known, key: &str) {
+    if let Some(url) = known.workers.remove(key) {
+        tracing::info!(key, worker = url, "etcd: worker deregistered");
+        release(state, known, &url);
+    }
+    state.metrics.etcd_workers.set(known.workers.len() as i64);
+}
+
+/// Removes the worker at `url` unless another key still registers it or it is one of the
+/// configuration's `worker_urls`.
+fn release(state: &AppState, known: &Known, url: &str) {
+    let still_registered = known.workers.values().any(|u| u == url);
+    let static_worker =
+        state.cfg.worker_urls.iter().any(|u| crate::config::check_worker_url(u).is_ok_and(|n| n == url));
+    if !still_registered && !static_worker {
+        state.remove_worker(url);
+    }
+}
+
+/// Applies the policy key's value written at `revision` (once per revision).
+fn apply_policy(state: &AppState, known: &mut Known, value: &[u8], revision: i64) {
+    if revision != 0 && revision == known.policy_revision {
+        return;
+    }
+    known.policy_revision = revision;
+    let result = if value.len() > super::MAX_VALUE_BYTES {
+        Err(format!("value of {} bytes (at most {})", value.len(), super::MAX_VALUE_BYTES))
+    } else {
+        serde_json::from_slice::<serde_json::Value>(value)
+            .map_err(|e| format!("not JSON: {e}"))
+            .and_then(|v| crate::admin::apply_policy(state, &v, true).map_err(|(field, e)| format!("{field}: {e}")))
+    };
+    let outcome = match result {
+        Ok(knobs) => {
+            tracing::info!(policy = state.routers.policy_name(), %knobs, revision, "etcd: policy applied");
+            "applied"
+        }
+        Err(e) => {
+            tracing::error!(error = e, revision, "etcd: policy value refused; the last good policy stays");
+            "rejected"
+        }
+    };
+    state
+        .metrics
+        .policy_updates
+        .get_or_create(&PolicyUpdateLabels { source: "etcd".into(), outcome: outcome.into() })
+        .inc();
+}

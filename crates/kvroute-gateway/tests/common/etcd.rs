@@ -1,0 +1,83 @@
+//! A real etcd server for the cluster tests: the Debian `etcd-server` binary, given by
+//! `KVROUTE_ETCD`, started on free 127.0.0.1 ports with its data in a temporary directory
+//! and killed on drop.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// The etcd binary from `KVROUTE_ETCD`; fails the test, naming the package, without it.
+pub fn etcd_binary() -> String {
+    match std::env::var("KVROUTE_ETCD") {
+        Ok(p) if std::path::Path::new(&p).is_file() => p,
+        _ => panic!(
+            "this test needs a real etcd: install the Debian package etcd-server and run it with \
+             KVROUTE_ETCD=$(command -v etcd) (scripts/test.sh does when it is set)"
+        ),
+    }
+}
+
+/// An ephemeral loopback port, released for a child process to bind.
+#[allow(dead_code)] // the process-level tests have their own
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
+}
+
+/// A running etcd; killed and its data removed on drop.
+pub struct Etcd {
+    child: Child,
+    dir: std::path::PathBuf,
+    /// Its client URL, `http://127.0.0.1:PORT`.
+    pub url: String,
+}
+
+impl Etcd {
+    /// Starts etcd with its client API on `client_port` and waits (bounded) until its
+    /// `/health` answers.
+    pub async fn start(client_port: u16) -> Etcd {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let bin = etcd_binary();
+        let peer = free_port();
+        let dir = std::env::temp_dir().join(format!("kvroute-etcd-{}-{client_port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let url = format!("http://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let child = Command::new(bin)
+            .args(["--name", "kvroute-test", "--data-dir", dir.to_str().expect("utf8")])
+            .args(["--listen-client-urls", &url, "--advertise-client-urls", &url])
+            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("kvroute-test={peer_url}")])
+            .args(["--logger", "zap", "--log-level", "error"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start etcd");
+        let etcd = Etcd { child, dir, url };
+        let c = reqwest::Client::new();
+        for _ in 0..400 {
+            let ok = c
+                .get(format!("{}/health", etcd.url))
+                .timeout(Duration::from_secs(1))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if ok {
+                return etcd;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("etcd on {} not healthy within 20 s", etcd.url);
+    }
+
+    /// An etcd client connected to this server.
+    pub async fn client(&self) -> etcd_client::Client {
+        etcd_client::Client::connect([self.url.as_str()], None).await.expect("etcd client")
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,209 @@
+//! Cluster mode on a real etcd (Debian `etcd-server`, given by `KVROUTE_ETCD`): the worker
+//! registry (put, delete, lease expiry), the live policy key (a swap under load, Cognitora
+//! cgn-router's weights, invalid values keeping the last good policy), and etcd down at
+//! startup and mid-run with no failed request. Ignored by default; `scripts/test.sh` runs
+//! them when `KVROUTE_ETCD` is set, and CI requires them.
+
+use etcd_client::PutOptions;
+use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
+use kvroute_gateway::GatewayConfig;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+mod common;
+use common::guard;
+#[path = "common/etcd.rs"]
+mod etcd;
+use etcd::{Etcd, free_port};
+
+fn chat(i: usize) -> serde_json::Value {
+    serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": format!("question {i}")}],
+        "max_tokens": 2})
+}
+
+async fn worker(stop: &CancellationToken) -> String {
+    let cfg = EngineSimConfig { time_scale: 50.0, ..EngineSimConfig::default() };
+    engine_sim::spawn_local(cfg, stop.clone()).await.expect("worker").0
+}
+
+fn cluster_config(etcd_url: &str, static_workers: &[&str]) -> GatewayConfig {
+    GatewayConfig { etcd: vec![etcd_url.to_string()], ..common::config(static_workers, "cache_aware") }
+}
+
+async fn worker_urls(c: &reqwest::Client, r: &str) -> Vec<String> {
+    let v: serde_json::Value =
+        c.get(format!("{r}/list_workers")).send().await.expect("list").json().await.expect("json");
+    let mut urls: Vec<String> =
+        v["urls"].as_array().expect("urls").iter().filter_map(|u| u.as_str().map(String::from)).collect();
+    urls.sort();
+    urls
+}
+
+/// Polls `cond` every 50 ms until it holds; fails with `what` after 30 s (a hang guard,
+/// not a timing assertion).
+async fn eventually<F: AsyncFnMut() -> bool>(what: &str, mut cond: F) {
+    for _ in 0..600 {
+        if cond().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("not within 30 s: {what}");
+}
+
+async fn metric(c: &reqwest::Client, r: &str, series: &str) -> f64 {
+    let text = c.get(format!("{r}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    text.lines()
+        .filter(|l| l.starts_with(series) && l[series.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD=$(command -v etcd) scripts/test.sh"]
+async fn registry_follows_puts_deletes_and_lease_expiry() {
+    let e = Etcd::start(free_port()).await;
+    let mut ec = e.client().await;
+    let stop_w = CancellationToken::new();
+    let (w1, w2, w3) = (worker(&stop_w).await, worker(&stop_w).await, worker(&stop_w).await);
+    let stop = CancellationToken::new();
+    // w3 is a static worker: etcd may add it too, but never removes it.
+    let (r, _t) = common::start_router(cluster_config(&e.url, &[&w3]), stop.clone()).await;
+    let c = reqwest::Client::new();
+    eventually("etcd connected", async || metric(&c, &r, "kvroute_etcd_connected").await == 1.0).await;
+
+    // A put registers the worker with its role, capacity and labels.
+    let rec1 = serde_json::json!({"url": w1, "role": "decode", "models": ["sim-llama-3-8b"],
+        "capacity": {"tp_size": 2, "dtype": "bf16", "vram_gb": 80, "max_concurrent": 32}, "labels": {"zone": "a"}});
+    ec.put("/kvroute/workers/w1", rec1.to_string(), None).await.expect("put");
+    eventually("w1 registered", async || worker_urls(&c, &r).await.contains(&w1)).await;
+    let table: serde_json::Value =
+        c.get(format!("{r}/workers")).send().await.expect("workers").json().await.expect("json");
+    let row = table["workers"].as_array().expect("rows").iter().find(|w| w["url"] == w1.as_str()).expect("w1 row");
+    assert_eq!(row["registration"]["role"], "decode", "{row}");
+    assert_eq!(row["registration"]["capacity"]["tp_size"], 2, "{row}");
+    assert_eq!(row["registration"]["labels"]["zone"], "a", "{row}");
+    assert_eq!(metric(&c, &r, "kvroute_etcd_workers").await, 1.0);
+    // Requests reach it.
+    for i in 0..4 {
+        let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&chat(i)).send()).await.expect("send");
+        assert_eq!(resp.status(), 200);
+    }
+
+    // A lease with no keep-alive: registered, then gone when the lease expires.
+    let lease = ec.lease_grant(2, None).await.expect("lease").id();
+    let rec2 = serde_json::json!({"url": w2});
+    ec.put("/kvroute/workers/w2", rec2.to_string(), Some(PutOptions::new().with_lease(lease))).await.expect("put");
+    eventually("w2 registered", async || worker_urls(&c, &r).await.contains(&w2)).await;
+    eventually("w2 gone after its lease expired", async || !worker_urls(&c, &r).await.contains(&w2)).await;
+
+    // An invalid record changes nothing; a delete removes the worker; the static worker stays
+    // even when a registration of it is deleted.
+    ec.put("/kvroute/workers/bad", r#"{"url": "ftp://nowhere"}"#, None).await.expect("put");
+    ec.put("/kvroute/workers/w3", serde_json::json!({"url": w3}).to_string(), None).await.expect("put");
+    eventually("etcd_workers counts w1 and w3", async || metric(&c, &r, "kvroute_etcd_workers").await == 2.0).await;
+    ec.delete("/kvroute/workers/w1", None).await.expect("delete");
+    ec.delete("/kvroute/workers/w3", None).await.expect("delete");
+    eventually("w1 deregistered", async || !worker_urls(&c, &r).await.contains(&w1)).await;
+    assert_eq!(worker_urls(&c, &r).await, vec![w3.clone()], "only the static worker is left");
+    stop.cancel();
+    stop_w.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD=$(command -v etcd) scripts/test.sh"]
+async fn the_policy_key_swaps_the_policy_under_load_and_an_invalid_value_keeps_the_last_good_one() {
+    let e = Etcd::start(free_port()).await;
+    let mut ec = e.client().await;
+    let stop_w = CancellationToken::new();
+    let (w1, w2) = (worker(&stop_w).await, worker(&stop_w).await);
+    let stop = CancellationToken::new();
+    let (r, _t) = common::start_router(cluster_config(&e.url, &[&w1, &w2]), stop.clone()).await;
+    let c = reqwest::Client::new();
+    eventually("etcd connected", async || metric(&c, &r, "kvroute_etcd_connected").await == 1.0).await;
+
+    // Load runs through every swap; each response must be a 200.
+    let done = CancellationToken::new();
+    let load = tokio::spawn({
+        let (c, r, done) = (c.clone(), r.clone(), done.clone());
+        async move {
+            let mut statuses = Vec::new();
+            let mut i = 0;
+            while !done.is_cancelled() && i < 5000 {
+                let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&chat(i)).send()).await.expect("send");
+                statuses.push(resp.status().as_u16());
+                i += 1;
+            }
+            statuses
+        }
+    });
+    let decision = async |c: &reqwest::Client| {
+        let resp = c.post(format!("{r}/v1/chat/completions")).json(&chat(0)).send().await.expect("send");
+        resp.headers().get("x-kvroute-decision").and_then(|v| v.to_str().ok()).unwrap_or("").to_string()
+    };
+    assert!(decision(&c).await.starts_with("policy=cache_aware;"));
+    ec.put("/kvroute/routing/policy", r#"{"policy": "round_robin"}"#, None).await.expect("put");
+    eventually("round_robin routes", async || decision(&c).await.starts_with("policy=round_robin;")).await;
+    // Cognitora cgn-router's value: kv_score with those weights.
+    ec.put("/kvroute/routing/policy", r#"{"w_kv": 0.7, "w_load": 0.3, "w_pwr": 0.0, "w_cap": 0.0}"#, None)
+        .await
+        .expect("put");
+    eventually("kv_score routes", async || decision(&c).await.starts_with("policy=kv_score;")).await;
+    let p: serde_json::Value = c.get(format!("{r}/policy")).send().await.expect("policy").json().await.expect("json");
+    assert_eq!(p["knobs"]["w_kv"], 0.7, "{p}");
+    let applied = metric(&c, &r, "kvroute_policy_updates_total{source=\"etcd\",outcome=\"applied\"}").await;
+    // Invalid values: an unknown policy, a bad knob, not JSON. Each is refused and counted.
+    for bad in [r#"{"policy": "no_such_policy"}"#, r#"{"policy": "cache_aware", "knobs": {"cache_threshold": 7}}"#, "{"]
+    {
+        let before = metric(&c, &r, "kvroute_policy_updates_total{source=\"etcd\",outcome=\"rejected\"}").await;
+        ec.put("/kvroute/routing/policy", bad, None).await.expect("put");
+        eventually("the bad value is counted as rejected", async || {
+            metric(&c, &r, "kvroute_policy_updates_total{source=\"etcd\",outcome=\"rejected\"}").await == before + 1.0
+        })
+        .await;
+        assert!(decision(&c).await.starts_with("policy=kv_score;"), "a rejected value changed the policy");
+    }
+    assert_eq!(metric(&c, &r, "kvroute_policy_updates_total{source=\"etcd\",outcome=\"applied\"}").await, applied);
+    done.cancel();
+    let statuses = load.await.expect("load");
+    assert!(!statuses.is_empty() && statuses.iter().all(|s| *s == 200), "a request failed during a swap");
+    stop.cancel();
+    stop_w.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD=$(command -v etcd) scripts/test.sh"]
+async fn etcd_down_at_startup_and_mid_run_fails_no_request() {
+    let port = free_port();
+    let etcd_url = format!("http://127.0.0.1:{port}");
+    let stop_w = CancellationToken::new();
+    let (w1, w2) = (worker(&stop_w).await, worker(&stop_w).await);
+    let stop = CancellationToken::new();
+    // etcd is not running yet: the router serves its static worker meanwhile.
+    let (r, _t) = common::start_router(cluster_config(&etcd_url, &[&w1]), stop.clone()).await;
+    let c = reqwest::Client::new();
+    let send_ok = async |from: usize, n: usize| {
+        for i in from..from + n {
+            let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&chat(i)).send()).await.expect("send");
+            assert_eq!(resp.status(), 200, "request {i}");
+        }
+    };
+    send_ok(0, 10).await;
+    assert_eq!(metric(&c, &r, "kvroute_etcd_connected").await, 0.0);
+
+    // etcd comes up: the router connects (backoff) and picks up a registration.
+    let e = Etcd::start(port).await;
+    e.client().await.put("/kvroute/workers/w2", serde_json::json!({"url": w2}).to_string(), None).await.expect("put");
+    eventually("connected and w2 registered", async || worker_urls(&c, &r).await.contains(&w2)).await;
+    assert_eq!(metric(&c, &r, "kvroute_etcd_connected").await, 1.0);
+
+    // etcd dies mid-run: the last known registry stays and no request fails.
+    drop(e);
+    eventually("etcd_connected drops to 0", async || metric(&c, &r, "kvroute_etcd_connected").await == 0.0).await;
+    send_ok(10, 20).await;
+    let mut both = vec![w1.clone(), w2.clone()];
+    both.sort();
+    assert_eq!(worker_urls(&c, &r).await, both, "the registry survives etcd going away");
+    stop.cancel();
+    stop_w.cancel();
+}
