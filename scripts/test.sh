@@ -10,8 +10,10 @@
 #        KVROUTE_LLAMA_SERVER + KVROUTE_LLAMA_MODEL (scripts/llama-workers.sh): llama.cpp e2e;
 #        KVROUTE_PEERS_DIR (scripts/compare-peers.sh): peers in the compare test;
 #        KVROUTE_ETCD (the etcd binary, Debian etcd-server): the cluster registry and
-#        live-policy tests and `kvroute register`.
-#      KVROUTE_REQUIRE_PYTHON / _LLAMA / _PEERS / _ETCD = 1 make a missing piece a failure
+#        live-policy tests and `kvroute register`;
+#        KVROUTE_PROMETHEUS (the prometheus binary, Debian prometheus): the scrape and
+#        Grafana-dashboard test.
+#      KVROUTE_REQUIRE_PYTHON / _LLAMA / _PEERS / _ETCD / _PROMETHEUS = 1 make a missing piece a failure
 #      (CI sets them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +69,9 @@ run_ignored "llama.cpp end-to-end tests" 'binary(llama_e2e)' "$have_llama" \
 have_etcd=0; [ -n "${KVROUTE_ETCD:-}" ] && [ -x "${KVROUTE_ETCD}" ] && have_etcd=1
 run_ignored "etcd cluster tests" 'binary(etcd) | test(the_sidecar_registers)' "$have_etcd" \
   "${KVROUTE_REQUIRE_ETCD:-0}" "KVROUTE_ETCD, the etcd binary (Debian etcd-server)"
+have_prometheus=0; [ -n "${KVROUTE_PROMETHEUS:-}" ] && [ -x "${KVROUTE_PROMETHEUS}" ] && have_prometheus=1
+run_ignored "Prometheus scrape test" 'binary(prometheus)' "$have_prometheus" \
+  "${KVROUTE_REQUIRE_PROMETHEUS:-0}" "KVROUTE_PROMETHEUS, the prometheus binary (Debian prometheus)"
 if [ -z "${KVROUTE_PEERS_DIR:-}" ]; then
   # compare_runs_to_completion itself fails when KVROUTE_REQUIRE_PEERS=1.
   skipped+=("peer routers in compare_runs_to_completion (it ran kvroute alone): needs KVROUTE_PEERS_DIR (bash scripts/compare-peers.sh install)")
