@@ -327,26 +327,24 @@ async fn exchange(sh: &Shared, body: bytes::Bytes, start: Instant, r: &mut Reque
         return Outcome::Ok;
     }
     let mut stream = resp.bytes_stream();
-    let mut buf: Vec<u8> = Vec::new();
+    let mut tap = SseTap::default();
+    let mut events = Vec::new();
     let mut last: Option<Instant> = None;
     let mut chunks = 0u32;
     let mut done = false;
     while let Some(piece) = stream.next().await {
         let Ok(piece) = piece else { return Outcome::Error("stream broken".into()) };
         let now = Instant::now();
-        buf.extend_from_slice(&piece);
-        // Every complete line.
-        while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = buf.drain(..=nl).collect();
-            let line = line.trim_ascii();
-            let Some(data) = line.strip_prefix(b"data:") else { continue };
-            let data = data.trim_ascii();
-            if data == b"[DONE]" {
-                done = true;
-                continue;
-            }
-            let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else {
-                return Outcome::Error("bad sse json".into());
+        if let Err(e) = tap.feed(&piece, &mut events) {
+            return Outcome::Error(e.into());
+        }
+        for ev in events.drain(..) {
+            let v = match ev {
+                SseEvent::Done => {
+                    done = true;
+                    continue;
+                }
+                SseEvent::Data(v) => v,
             };
             if v.get("error").is_some_and(|e| !e.is_null()) {
                 return Outcome::Error("error in stream".into());
@@ -364,9 +362,6 @@ async fn exchange(sh: &Shared, body: bytes::Bytes, start: Instant, r: &mut Reque
                 last = Some(now);
             }
         }
-        if buf.len() > 1 << 20 {
-            return Outcome::Error("sse line over 1 MiB".into());
-        }
     }
     if r.output_tokens == 0 {
         r.output_tokens = chunks;
@@ -375,6 +370,57 @@ async fn exchange(sh: &Shared, body: bytes::Bytes, start: Instant, r: &mut Reque
         return Outcome::Error("stream ended without [DONE]".into());
     }
     Outcome::Ok
+}
+
+/// One event of an OpenAI-compatible stream ([`SseTap`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum SseEvent {
+    /// `data: [DONE]`: the stream's end marker.
+    Done,
+    /// `data: {...}`: one chunk (or an `{"error": ...}` event).
+    Data(serde_json::Value),
+}
+
+/// Longest line [`SseTap`] holds while waiting for its end, bytes.
+pub const MAX_SSE_LINE_BYTES: usize = 1 << 20;
+
+/// Splits a streamed response (server-sent events, as vLLM, SGLang and llama.cpp send
+/// them) into its `data:` events as the bytes arrive, in pieces cut anywhere. Lines that
+/// are not `data:` (comments, `event:`, blank separators) are skipped.
+#[derive(Debug, Default)]
+pub struct SseTap {
+    buf: Vec<u8>,
+}
+
+impl SseTap {
+    /// Feeds the next `piece` of the body and appends every event it completes to `out`.
+    ///
+    /// # Errors
+    /// `"bad sse json"` for a `data:` line that is neither `[DONE]` nor JSON;
+    /// `"sse line over 1 MiB"` when a line grows past [`MAX_SSE_LINE_BYTES`] unfinished.
+    pub fn feed(&mut self, piece: &[u8], out: &mut Vec<SseEvent>) -> Result<(), &'static str> {
+        self.buf.extend_from_slice(piece);
+        let mut start = 0;
+        while let Some(nl) = self.buf[start..].iter().position(|&b| b == b'\n') {
+            let line = self.buf[start..start + nl].trim_ascii();
+            start += nl + 1;
+            let Some(data) = line.strip_prefix(b"data:") else { continue };
+            let data = data.trim_ascii();
+            if data == b"[DONE]" {
+                out.push(SseEvent::Done);
+                continue;
+            }
+            match serde_json::from_slice::<serde_json::Value>(data) {
+                Ok(v) => out.push(SseEvent::Data(v)),
+                Err(_) => return Err("bad sse json"),
+            }
+        }
+        self.buf.drain(..start);
+        if self.buf.len() > MAX_SSE_LINE_BYTES {
+            return Err("sse line over 1 MiB");
+        }
+        Ok(())
+    }
 }
 
 /// Appends `piece` to `answer` up to [`MAX_ANSWER_BYTES`] (cut at a character boundary).

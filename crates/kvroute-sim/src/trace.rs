@@ -131,13 +131,24 @@ pub fn read(path: &Path, format: Option<TraceFormat>) -> Result<Vec<TraceRequest
         Some(f) => f,
         None => TraceFormat::detect(path)?,
     };
+    let f = std::fs::File::open(path).map_err(|source| TraceError::Io { file: path.into(), source })?;
+    read_from(std::io::BufReader::new(f), path, format)
+}
+
+/// Reads a trace of `format` from `reader` (`name` is the file errors name), sorted by
+/// arrival (stable).
+///
+/// # Errors
+/// [`TraceError`] naming `name`, the line and the field of the first problem; an empty
+/// trace is an error.
+pub fn read_from(reader: impl BufRead, name: &Path, format: TraceFormat) -> Result<Vec<TraceRequest>, TraceError> {
     let mut out = match format {
-        TraceFormat::Mooncake => read_jsonl(path, false)?,
-        TraceFormat::Session => read_jsonl(path, true)?,
-        TraceFormat::Azure => read_azure(path)?,
+        TraceFormat::Mooncake => read_jsonl(reader, name, false)?,
+        TraceFormat::Session => read_jsonl(reader, name, true)?,
+        TraceFormat::Azure => read_azure(reader, name)?,
     };
     if out.is_empty() {
-        return Err(TraceError::Empty { file: path.into() });
+        return Err(TraceError::Empty { file: name.into() });
     }
     out.sort_by_key(|r| r.arrival);
     Ok(out)
@@ -171,10 +182,9 @@ fn uint(path: &Path, line: usize, field: &str, v: Option<&serde_json::Value>, ma
 /// Largest prompt or output length accepted (tokens).
 pub const MAX_TOKENS: u64 = 10_000_000;
 
-fn read_jsonl(path: &Path, sessions: bool) -> Result<Vec<TraceRequest>, TraceError> {
-    let f = std::fs::File::open(path).map_err(|source| TraceError::Io { file: path.into(), source })?;
+fn read_jsonl(reader: impl BufRead, path: &Path, sessions: bool) -> Result<Vec<TraceRequest>, TraceError> {
     let mut out = Vec::new();
-    for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
+    for (i, line) in reader.lines().enumerate() {
         let n = i + 1;
         let line = line.map_err(|e| field_err(path, n, "line", format!("not valid UTF-8 text: {e}")))?;
         if line.trim().is_empty() {
@@ -231,7 +241,9 @@ fn read_jsonl(path: &Path, sessions: bool) -> Result<Vec<TraceRequest>, TraceErr
             (blocks.get(1).map(|b| format!("{}-{}", blocks[0].0, b.0)), 0)
         };
         out.push(TraceRequest {
-            arrival: Nanos::from_secs_f64(ts_ms / 1000.0),
+            // Rounded to the nanosecond: milliseconds / 1000 as seconds lost 1 ns on some
+            // stamps (4264637 ms read back as 4264636999999 ns).
+            arrival: Nanos((ts_ms * 1e6).round() as u64),
             input_tokens: input.max(1) as u32,
             output_tokens: output.max(1) as u32,
             blocks,
@@ -254,11 +266,8 @@ fn read_jsonl(path: &Path, sessions: bool) -> Result<Vec<TraceRequest>, TraceErr
     Ok(out)
 }
 
-fn read_azure(path: &Path) -> Result<Vec<TraceRequest>, TraceError> {
-    let mut rdr = csv::ReaderBuilder::new()
-        .has_headers(true)
-        .from_path(path)
-        .map_err(|e| TraceError::Io { file: path.into(), source: std::io::Error::other(e.to_string()) })?;
+fn read_azure(reader: impl std::io::Read, path: &Path) -> Result<Vec<TraceRequest>, TraceError> {
+    let mut rdr = csv::ReaderBuilder::new().has_headers(true).from_reader(reader);
     let headers = rdr.headers().map_err(|e| field_err(path, 1, "header", e.to_string()))?.clone();
     let col = |name: &str| -> Result<usize, TraceError> {
         headers.iter().position(|h| h.trim() == name).ok_or_else(|| field_err(path, 1, name, "missing column"))
