@@ -60,7 +60,9 @@ pub struct GatewayConfig {
     /// On SIGTERM/Ctrl-C, how long in-flight requests may still run, seconds; a second
     /// signal exits at once.
     pub drain_timeout_secs: f64,
-    /// Timeout of one upstream attempt until response headers, seconds.
+    /// Timeout of the TCP (and TLS) connect of one upstream attempt, seconds. A worker that
+    /// accepts the connection and then never answers is bounded by `request_timeout_secs`
+    /// (and, for a stream, `stream_first_byte_timeout_secs`).
     pub connect_timeout_secs: f64,
     /// Total timeout of one proxied request, seconds.
     pub request_timeout_secs: f64,

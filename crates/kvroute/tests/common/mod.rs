@@ -17,3 +17,60 @@ impl Drop for Proc {
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("ephemeral port")
 }
+
+/// Starts `kvroute ARGS...` with its output discarded (killed on drop).
+#[allow(dead_code)] // not every test binary starts kvroute processes this way
+pub fn spawn_kvroute(args: &[String]) -> Proc {
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn kvroute");
+    Proc(child)
+}
+
+/// Waits until `url` + `path` answers 200; fails the test after 30 s.
+#[allow(dead_code)]
+pub async fn wait_ok(url: &str, path: &str) {
+    let c = reqwest::Client::new();
+    for _ in 0..600 {
+        let ok = c
+            .get(format!("{url}{path}"))
+            .timeout(std::time::Duration::from_secs(2))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if ok {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("{url}{path} did not answer 200 within 30 s");
+}
+
+/// (in_flight, waiting, pending_prefill_tokens) summed over a router's workers (its
+/// ledger, from `GET /workers`).
+#[allow(dead_code)]
+pub async fn ledger(c: &reqwest::Client, router: &str) -> (u64, u64, u64) {
+    let v: serde_json::Value =
+        c.get(format!("{router}/workers")).send().await.expect("workers").json().await.expect("json");
+    v["workers"].as_array().expect("rows").iter().fold((0, 0, 0), |(a, b, p), w| {
+        let n = |k: &str| w[k].as_u64().unwrap_or(0);
+        (a + n("in_flight"), b + n("waiting"), p + n("pending_prefill_tokens"))
+    })
+}
+
+/// Polls the router's ledger until it is all zeros; fails the test after 30 s.
+#[allow(dead_code)]
+pub async fn ledger_drains(c: &reqwest::Client, router: &str) {
+    let mut last = (0, 0, 0);
+    for _ in 0..600 {
+        last = ledger(c, router).await;
+        if last == (0, 0, 0) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("the ledger did not return to zero: (in_flight, waiting, pending_prefill_tokens) = {last:?}");
+}
