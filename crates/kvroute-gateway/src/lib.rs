@@ -101,7 +101,7 @@ pub async fn serve(
     };
     // Registered before the first connection is accepted, so a SIGHUP reloads rather than
     // ending the process.
-    let reload = tls.as_ref().map(|t| reload_on_sighup(Arc::clone(t))).transpose()?;
+    let reload = reload_on_sighup(tls.clone())?;
     let state = AppState::new(cfg)?;
     let cancel = tokio_util::sync::CancellationToken::new();
     state.add_initial_workers().await;
@@ -141,9 +141,7 @@ pub async fn serve(
     })
     .await;
     cancel.cancel();
-    if let Some(r) = reload {
-        r.abort();
-    }
+    reload.abort();
     if let Some(t) = admin_task {
         let _ = t.await;
     }
@@ -153,23 +151,26 @@ pub async fn serve(
     Ok(())
 }
 
-/// Reads the TLS certificate and key again on every SIGHUP (a reload that fails is logged
-/// and keeps the certificate in use). The signal handler is installed before this returns.
+/// Handles SIGHUP: reads the TLS certificate and key again (a reload that fails is logged
+/// and keeps the certificate in use); without TLS it logs that there is nothing to reload
+/// (instead of the default action, which would end the process). The handler is installed
+/// before this returns.
 ///
 /// # Errors
 /// The SIGHUP handler cannot be installed.
 #[cfg(unix)]
-fn reload_on_sighup(tls: Arc<tls::ServerTls>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+fn reload_on_sighup(tls: Option<Arc<tls::ServerTls>>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        .map_err(|e| anyhow::anyhow!("cannot install the SIGHUP handler for TLS reloads: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("cannot install the SIGHUP handler: {e}"))?;
     Ok(tokio::spawn(async move {
         while hup.recv().await.is_some() {
-            match tls.reload() {
-                Ok(()) => tracing::info!("SIGHUP: TLS certificate reloaded"),
-                Err(e) => tracing::error!(
+            match tls.as_ref().map(|t| t.reload()) {
+                Some(Ok(())) => tracing::info!("SIGHUP: TLS certificate reloaded"),
+                Some(Err(e)) => tracing::error!(
                     error = format!("{e:#}"),
                     "SIGHUP: TLS reload failed; keeping the certificate in use"
                 ),
+                None => tracing::info!("SIGHUP: nothing to reload (no tls_cert)"),
             }
         }
     }))
@@ -177,6 +178,6 @@ fn reload_on_sighup(tls: Arc<tls::ServerTls>) -> anyhow::Result<tokio::task::Joi
 
 /// Without Unix signals there is no reload: the certificate is read once.
 #[cfg(not(unix))]
-fn reload_on_sighup(_tls: Arc<tls::ServerTls>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+fn reload_on_sighup(_tls: Option<Arc<tls::ServerTls>>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     Ok(tokio::spawn(async {}))
 }

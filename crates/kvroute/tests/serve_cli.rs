@@ -159,8 +159,14 @@ async fn co_launched_workers_serve_and_stop_with_the_router() {
     let statuses = load.await.expect("join");
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
 
-    // SIGTERM: the router drains and its launched workers go away with it.
+    // SIGHUP without TLS: logged and ignored, the router keeps serving.
     let pid = router.0.id();
+    assert!(Command::new("kill").args(["-HUP", &pid.to_string()]).status().expect("kill").success());
+    let r = c.post(format!("{url}/v1/chat/completions")).json(&chat(0)).send().await.expect("served after SIGHUP");
+    assert_eq!(r.status(), 200);
+    assert!(router.0.try_wait().expect("wait").is_none(), "SIGHUP ended the router");
+
+    // SIGTERM: the router drains and its launched workers go away with it.
     let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
     let status = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
