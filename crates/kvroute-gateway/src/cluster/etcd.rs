@@ -26,7 +26,7 @@ pub const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// The client's options: bounded connects and calls, and HTTP/2 keep-alives so a dead etcd
 /// ends the watch within a few seconds even when nothing changes.
-fn options() -> ConnectOptions {
+pub(crate) fn options() -> ConnectOptions {
     ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
         .with_timeout(Duration::from_secs(5))

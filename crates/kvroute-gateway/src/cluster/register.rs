@@ -56,7 +56,7 @@ pub async fn run(cfg: RegisterConfig, shutdown: impl Future<Output = ()>) -> any
         let step = async {
             let c = match &mut client {
                 Some(c) => c,
-                None => client.insert(Client::connect(&cfg.etcd, None).await?),
+                None => client.insert(Client::connect(&cfg.etcd, Some(super::etcd::options())).await?),
             };
             match (healthy, lease.as_mut()) {
                 (true, None) => {
@@ -87,7 +87,13 @@ pub async fn run(cfg: RegisterConfig, shutdown: impl Future<Output = ()>) -> any
             }
             Ok::<_, etcd_client::Error>(())
         };
-        let wait = match step.await {
+        // A bound on the whole step: an etcd that accepts and never answers (a keep-alive
+        // response that never comes) must not stop the checks.
+        let limit = cfg.check_interval.max(Duration::from_secs(5));
+        let result = tokio::time::timeout(limit, step).await.unwrap_or_else(|_| {
+            Err(etcd_client::Error::IoError(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer from etcd")))
+        });
+        let wait = match result {
             Ok(()) => {
                 backoff = Duration::from_millis(200);
                 cfg.check_interval
