@@ -237,6 +237,11 @@ impl Metrics {
             "Workers reaching max_worker_retries failures in a row: ejected, or capped by max_ejection_share",
             ejections.clone(),
         );
+        // Both outcomes are exposed from the start at 0: a series born at 1 shows no
+        // increase()/rate() in Prometheus, so a router's first ejection would not show.
+        for outcome in ["ejected", "capped"] {
+            drop(ejections.get_or_create(&OutcomeLabel { outcome: outcome.into() }));
+        }
         let local_tokenize = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "kvroute_local_tokenize",
