@@ -9,8 +9,10 @@
 #        KVROUTE_PYTHON (a python with the `openai` SDK): the SDK client test;
 #        KVROUTE_LLAMA_SERVER + KVROUTE_LLAMA_MODEL (scripts/llama-workers.sh): llama.cpp e2e;
 #        KVROUTE_PEERS_DIR (scripts/compare-peers.sh): peers in the compare test;
-#        KVROUTE_ETCD (the etcd binary, Debian etcd-server): the cluster registry and
+#        KVROUTE_ETCD_BIN (the etcd binary, Debian etcd-server): the cluster registry and
 #        live-policy tests and `kvroute register`;
+#        KVROUTE_NATS_BIN (the nats-server binary, Debian nats-server): the replica-sync
+#        tests (prefix state and load shared, snapshots, NATS or a replica dying);
 #        KVROUTE_PROMETHEUS (the prometheus binary, Debian prometheus): the scrape and
 #        Grafana-dashboard test.
 #      KVROUTE_REQUIRE_PYTHON / _LLAMA / _PEERS / _ETCD / _PROMETHEUS = 1 make a missing piece a failure
@@ -66,9 +68,12 @@ run_ignored "openai SDK client test" 'test(=openai_python_sdk_as_client)' "$have
   "${KVROUTE_REQUIRE_PYTHON:-0}" "KVROUTE_PYTHON, a python with the openai package"
 run_ignored "llama.cpp end-to-end tests" 'binary(llama_e2e)' "$have_llama" \
   "${KVROUTE_REQUIRE_LLAMA:-0}" "KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"
-have_etcd=0; [ -n "${KVROUTE_ETCD:-}" ] && [ -x "${KVROUTE_ETCD}" ] && have_etcd=1
+have_etcd=0; [ -n "${KVROUTE_ETCD_BIN:-}" ] && [ -x "${KVROUTE_ETCD_BIN}" ] && have_etcd=1
 run_ignored "etcd cluster tests" 'binary(etcd) | test(the_sidecar_registers)' "$have_etcd" \
-  "${KVROUTE_REQUIRE_ETCD:-0}" "KVROUTE_ETCD, the etcd binary (Debian etcd-server)"
+  "${KVROUTE_REQUIRE_ETCD:-0}" "KVROUTE_ETCD_BIN, the etcd binary (Debian etcd-server)"
+have_nats=0; [ -n "${KVROUTE_NATS_BIN:-}" ] && [ -x "${KVROUTE_NATS_BIN}" ] && have_nats=1
+run_ignored "NATS cluster-sync tests" 'binary(nats) | binary(cluster_cli)' "$have_nats" \
+  "${KVROUTE_REQUIRE_NATS:-0}" "KVROUTE_NATS_BIN, the nats-server binary (Debian nats-server)"
 have_prometheus=0; [ -n "${KVROUTE_PROMETHEUS:-}" ] && [ -x "${KVROUTE_PROMETHEUS}" ] && have_prometheus=1
 run_ignored "Prometheus scrape test" 'binary(prometheus)' "$have_prometheus" \
   "${KVROUTE_REQUIRE_PROMETHEUS:-0}" "KVROUTE_PROMETHEUS, the prometheus binary (Debian prometheus)"

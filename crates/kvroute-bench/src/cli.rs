@@ -121,7 +121,9 @@ impl TraceSliceArgs {
 /// Flags of a load run.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LoadArgs {
-    /// Base URL of the router or worker, e.g. http://127.0.0.1:30000.
+    /// Base URL of the router or worker, e.g. http://127.0.0.1:30000; several, comma
+    /// separated, are a client-side round robin (request i to the (i mod n)-th), as in front
+    /// of router replicas with no load balancer.
     #[arg(long)]
     pub url: Option<String>,
     /// What to send.
@@ -258,7 +260,7 @@ impl LoadArgs {
             bail!("--max-concurrency must be at least 1");
         }
         Ok(RunConfig {
-            url: url.trim_end_matches('/').to_string(),
+            url: crate::runner::base_urls(url).collect::<Vec<_>>().join(","),
             model: model.to_string(),
             api: if self.api == "completions" { Api::Completions } else { Api::Chat },
             stream: !self.no_stream,

@@ -30,7 +30,9 @@ pub enum Mode {
 /// Settings of one run.
 #[derive(Debug, Clone)]
 pub struct RunConfig {
-    /// Base URL of the router or worker, e.g. `http://127.0.0.1:30000`.
+    /// Base URL of the router or worker, e.g. `http://127.0.0.1:30000`; several, separated
+    /// by commas, are a client-side round robin: request `i` goes to the `(i mod n)`-th (the
+    /// replicas of a router cluster behind no load balancer).
     pub url: String,
     /// `model` of every request.
     pub model: String,
@@ -131,7 +133,8 @@ pub async fn run(
 
 struct Shared {
     client: reqwest::Client,
-    endpoint: String,
+    /// The endpoint under each base URL; request `i` goes to `endpoints[i % len]`.
+    endpoints: Vec<String>,
     timeout: Duration,
     /// Closed loop: every request's body, serialised once.
     bodies: Vec<bytes::Bytes>,
@@ -155,8 +158,8 @@ impl Shared {
             Api::Chat => "/v1/chat/completions",
             Api::Completions => "/v1/completions",
         };
-        let endpoint = format!("{}{path}", cfg.url.trim_end_matches('/'));
-        Ok(Shared { client, endpoint, timeout: cfg.timeout, bodies, t0: Instant::now(), keep_answers })
+        let endpoints = base_urls(&cfg.url).map(|u| format!("{u}{path}")).collect();
+        Ok(Shared { client, endpoints, timeout: cfg.timeout, bodies, t0: Instant::now(), keep_answers })
     }
 }
 
@@ -277,6 +280,15 @@ fn failed(index: usize, why: String) -> RequestResult {
     }
 }
 
+/// The base URLs of a comma-separated list (`RunConfig::url`), without trailing slashes;
+/// at least one (an empty string gives one empty base).
+pub fn base_urls(list: &str) -> impl Iterator<Item = &str> {
+    list.split(',').map(|u| u.trim().trim_end_matches('/')).filter(|u| !u.is_empty()).chain(
+        // An empty list still yields one (empty) base so a run has an endpoint to fail on.
+        list.split(',').all(|u| u.trim().is_empty()).then_some(""),
+    )
+}
+
 /// Sends request `i` now and follows its answer to the end.
 async fn one(sh: &Shared, i: usize, scheduled: Duration, body: bytes::Bytes) -> RequestResult {
     let sent = sh.t0.elapsed();
@@ -284,7 +296,8 @@ async fn one(sh: &Shared, i: usize, scheduled: Duration, body: bytes::Bytes) -> 
     let mut r = failed(i, String::new());
     r.scheduled_s = scheduled.as_secs_f64();
     r.sent_s = sent.as_secs_f64();
-    let fut = exchange(sh, body, start, &mut r);
+    let endpoint = &sh.endpoints[i % sh.endpoints.len().max(1)];
+    let fut = exchange(sh, endpoint, body, start, &mut r);
     r.outcome = match tokio::time::timeout(sh.timeout, fut).await {
         Ok(o) => o,
         Err(_) => Outcome::Error("timeout".into()),
@@ -293,8 +306,8 @@ async fn one(sh: &Shared, i: usize, scheduled: Duration, body: bytes::Bytes) -> 
     r
 }
 
-async fn exchange(sh: &Shared, body: bytes::Bytes, start: Instant, r: &mut RequestResult) -> Outcome {
-    let resp = match sh.client.post(&sh.endpoint).header("content-type", "application/json").body(body).send().await {
+async fn exchange(sh: &Shared, endpoint: &str, body: bytes::Bytes, start: Instant, r: &mut RequestResult) -> Outcome {
+    let resp = match sh.client.post(endpoint).header("content-type", "application/json").body(body).send().await {
         Ok(x) => x,
         Err(e) => return Outcome::Error(if e.is_connect() { "connect".into() } else { "send".into() }),
     };

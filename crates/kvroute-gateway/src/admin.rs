@@ -92,10 +92,15 @@ pub async fn health() -> Response {
 pub async fn readiness(State(s): State<Arc<AppState>>) -> Response {
     let healthy = s.fleet.load().iter().filter(|w| w.is_routable()).count();
     let draining = s.draining.load(std::sync::atomic::Ordering::Relaxed);
-    let ready = healthy > 0 && !draining;
+    // With cluster sync, ready once the start-up snapshot is in (or its wait ended).
+    let synced = s.sync.as_ref().is_none_or(|x| x.is_ready());
+    let ready = healthy > 0 && !draining && synced;
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(serde_json::json!({"ready": ready, "healthy_workers": healthy, "draining": draining})))
-        .into_response()
+    let mut body = serde_json::json!({"ready": ready, "healthy_workers": healthy, "draining": draining});
+    if s.sync.is_some() {
+        body["cluster_synced"] = synced.into();
+    }
+    (status, Json(body)).into_response()
 }
 
 /// `GET /metrics`: Prometheus text.

@@ -125,6 +125,20 @@ pub struct GatewayConfig {
     /// Cognitora cgn-router's `{"w_kv":..,"w_load":..,"w_pwr":..,"w_cap":..}` at
     /// `/cognitora/routing/policy`); default `PREFIX/routing/policy`.
     pub etcd_policy_key: Option<String>,
+    /// NATS server (`nats://HOST:PORT`) over which the router replicas of `cluster` share
+    /// their routing events and index snapshots ([`crate::cluster::sync`]); unset = this
+    /// replica routes on its own state only.
+    pub nats: Option<String>,
+    /// Name of the replica group sharing state over NATS (a subject token: letters,
+    /// digits, `-`, `_`; at most 64 bytes). Replicas of different clusters on one NATS
+    /// server ignore each other.
+    pub cluster: String,
+    /// This replica's id in the cluster (default: a random id per start, so a restarted
+    /// replica never reuses an old event sequence).
+    pub replica_id: Option<String>,
+    /// How long a starting replica waits for a peer's index snapshot before it reports
+    /// ready on local state alone, seconds.
+    pub sync_snapshot_timeout_secs: f64,
     /// Scrape each worker's `/metrics` for engine load signals.
     pub scrape_metrics: bool,
     /// Prometheus gauge read as the worker's power draw in watts (e.g. `DCGM_FI_DEV_POWER_USAGE`).
@@ -232,6 +246,10 @@ impl Default for GatewayConfig {
             etcd: Vec::new(),
             etcd_prefix: "/kvroute".into(),
             etcd_policy_key: None,
+            nats: None,
+            cluster: "default".into(),
+            replica_id: None,
+            sync_snapshot_timeout_secs: 5.0,
             scrape_metrics: false,
             power_metric: None,
             seed: 0,
@@ -318,6 +336,24 @@ impl GatewayConfig {
         }
         if self.etcd_policy_key.as_deref().is_some_and(|k| k.is_empty() || k.len() > 512) {
             return Err(err("etcd_policy_key", "expected a key of 1 to 512 bytes"));
+        }
+        if let Some(n) = &self.nats {
+            let ok = url::Url::parse(n).is_ok_and(|u| matches!(u.scheme(), "nats" | "tls") && u.host().is_some());
+            if !ok {
+                return Err(err("nats", format!("`{n}`: expected nats://HOST:PORT")));
+            }
+        }
+        let token = |t: &str| {
+            !t.is_empty() && t.len() <= 64 && t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        };
+        if !token(&self.cluster) {
+            return Err(err("cluster", format!("`{}`: expected 1 to 64 letters, digits, `-` or `_`", self.cluster)));
+        }
+        if let Some(r) = self.replica_id.as_deref().filter(|r| !token(r)) {
+            return Err(err("replica_id", format!("`{r}`: expected 1 to 64 letters, digits, `-` or `_`")));
+        }
+        if !(self.sync_snapshot_timeout_secs.is_finite() && (0.0..=600.0).contains(&self.sync_snapshot_timeout_secs)) {
+            return Err(err("sync_snapshot_timeout_secs", "expected 0 to 600 seconds"));
         }
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => return Err(err("tls_key", "`tls_cert` is set but `tls_key` is not")),

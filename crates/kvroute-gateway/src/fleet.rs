@@ -117,6 +117,10 @@ pub struct WorkerEntry {
     pub signals: EngineSignals,
     /// The router's own load counters for this worker.
     pub load: Arc<AtomicLoad>,
+    /// Requests other router replicas of the cluster have in flight on this worker, as
+    /// their routing events over NATS report them ([`crate::cluster::sync`]); zero without
+    /// `nats`. The routing view adds them to [`WorkerEntry::load`].
+    pub remote_load: Arc<AtomicLoad>,
     /// Its registration in the cluster registry (role, capacity, labels), when it came
     /// from etcd.
     pub registration: arc_swap::ArcSwapOption<crate::cluster::WorkerRecord>,
@@ -172,6 +176,7 @@ impl WorkerEntry {
             last_failure_at: AtomicU64::new(0),
             signals: EngineSignals::default(),
             load: Arc::default(),
+            remote_load: Arc::default(),
             registration: arc_swap::ArcSwapOption::empty(),
         }
     }
@@ -274,6 +279,11 @@ impl WorkerEntry {
         let mut v = WorkerView::idle(self.id);
         v.health = if self.is_ejected() { Health::Unhealthy } else { self.health() };
         self.load.fill(&mut v);
+        let remote = self.remote_load.get();
+        v.in_flight = v.in_flight.saturating_add(remote.in_flight);
+        v.waiting = v.waiting.saturating_add(remote.waiting);
+        v.pending_prefill_tokens = v.pending_prefill_tokens.saturating_add(remote.pending_prefill_tokens);
+        v.decode_tokens = v.decode_tokens.saturating_add(remote.decode_tokens);
         if let Some(r) = self.registration.load().as_deref() {
             v.capacity = r.core_capacity();
         }
@@ -309,6 +319,7 @@ impl WorkerEntry {
             slots: s.slots.get(),
             engine_hit_ratio: s.hit_ratio.get(),
             in_flight: self.load.get().in_flight,
+            remote_in_flight: self.remote_load.get().in_flight,
             registration: self.registration.load_full().map(|r| r.as_ref().clone()),
         }
     }
@@ -347,8 +358,10 @@ pub struct WorkerInfo {
     pub slots: Option<u32>,
     /// Engine-reported prefix-cache hit ratio.
     pub engine_hit_ratio: Option<f64>,
-    /// Requests the router has in flight on this worker.
+    /// Requests this router replica has in flight on this worker.
     pub in_flight: u32,
+    /// Requests the other replicas of the cluster report in flight on it (NATS sync).
+    pub remote_in_flight: u32,
     /// Its cluster registration (etcd), when it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub registration: Option<crate::cluster::WorkerRecord>,

@@ -16,6 +16,7 @@
 //! - [`tokenizer`]: the model's own tokenizer, loaded locally.
 //! - [`cluster`]: the worker registry and live policy in etcd, shared by router replicas.
 //! - [`tls`]: HTTPS for clients and the trust roots for `https://` workers.
+//! - [`reload`]: SIGHUP: the TLS certificate and the configuration file, read again.
 //!
 //! Wire formats (request parsing, errors, the KV-event codec, engine metrics) live in
 //! `kvroute-protocol`; the simulated worker in `kvroute-engine-sim`.
@@ -31,6 +32,7 @@ pub mod health;
 pub mod kv_subscriber;
 pub mod metrics;
 pub mod pipeline;
+pub mod reload;
 pub mod routers;
 pub mod server;
 pub mod state;
@@ -40,6 +42,7 @@ pub mod tokenizer;
 use axum::Router;
 use axum::routing::{get, post};
 pub use config::GatewayConfig;
+pub use reload::ConfigSource;
 use state::AppState;
 use std::future::Future;
 use std::sync::Arc;
@@ -85,7 +88,8 @@ fn with_fallbacks(r: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
 }
 
 /// Serves the gateway on `listener` until `shutdown` resolves, then drains in-flight
-/// requests. Background tasks (health checks, policy maintenance) stop with it.
+/// requests. Background tasks (health checks, policy maintenance) stop with it. A SIGHUP
+/// reloads the TLS certificate only: [`serve_with_reload`] with no [`ConfigSource`].
 ///
 /// # Errors
 /// Invalid configuration, or an I/O error of the listener.
@@ -94,20 +98,40 @@ pub async fn serve(
     cfg: GatewayConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    serve_with_reload(listener, cfg, None, shutdown).await
+}
+
+/// [`serve`], with `reload` read again on each SIGHUP (besides the TLS certificate): the
+/// policy, its knobs and `worker_urls` change live, other changed keys are logged as
+/// needing a restart, and a configuration that fails to read or validate changes nothing
+/// ([`reload`]; `kvroute_config_reloads_total{outcome}`). `cfg` is the configuration to
+/// start with, normally `reload`'s own first result.
+///
+/// # Errors
+/// Invalid configuration, the SIGHUP handler cannot be installed, or an I/O error of the
+/// listener. A failed reload is never an error here.
+pub async fn serve_with_reload(
+    listener: tokio::net::TcpListener,
+    cfg: GatewayConfig,
+    reload: Option<ConfigSource>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
     cfg.validate()?;
     let tls = match (&cfg.tls_cert, &cfg.tls_key) {
         (Some(c), Some(k)) => Some(tls::ServerTls::load(c.as_ref(), k.as_ref())?),
         _ => None,
     };
     // Registered before the first connection is accepted, so a SIGHUP reloads rather than
-    // ending the process.
-    let reload = reload_on_sighup(tls.clone())?;
+    // ending the process; one arriving before the handler task starts waits for it.
+    let hup = reload::Hangup::install()?;
     let state = AppState::new(cfg)?;
     let cancel = tokio_util::sync::CancellationToken::new();
     state.add_initial_workers().await;
+    let reloader = tokio::spawn(reload::run(hup, tls.clone(), reload, Arc::clone(&state)));
     let bg = tokio::spawn(health::run_background(Arc::clone(&state), cancel.clone()));
     let kv = tokio::spawn(kv_subscriber::run(Arc::clone(&state), cancel.clone()));
     let etcd = tokio::spawn(cluster::etcd::run(Arc::clone(&state), cancel.clone()));
+    let nats = tokio::spawn(cluster::sync::run(Arc::clone(&state), cancel.clone()));
     // With `admin_listen`, the admin API moves to its own listener and the main port
     // serves only the public endpoints.
     let (main_app, admin) = match &state.cfg.admin_listen {
@@ -141,43 +165,13 @@ pub async fn serve(
     })
     .await;
     cancel.cancel();
-    reload.abort();
+    reloader.abort();
     if let Some(t) = admin_task {
         let _ = t.await;
     }
     let _ = bg.await;
     let _ = kv.await;
     let _ = etcd.await;
+    let _ = nats.await;
     Ok(())
-}
-
-/// Handles SIGHUP: reads the TLS certificate and key again (a reload that fails is logged
-/// and keeps the certificate in use); without TLS it logs that there is nothing to reload
-/// (instead of the default action, which would end the process). The handler is installed
-/// before this returns.
-///
-/// # Errors
-/// The SIGHUP handler cannot be installed.
-#[cfg(unix)]
-fn reload_on_sighup(tls: Option<Arc<tls::ServerTls>>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        .map_err(|e| anyhow::anyhow!("cannot install the SIGHUP handler: {e}"))?;
-    Ok(tokio::spawn(async move {
-        while hup.recv().await.is_some() {
-            match tls.as_ref().map(|t| t.reload()) {
-                Some(Ok(())) => tracing::info!("SIGHUP: TLS certificate reloaded"),
-                Some(Err(e)) => tracing::error!(
-                    error = format!("{e:#}"),
-                    "SIGHUP: TLS reload failed; keeping the certificate in use"
-                ),
-                None => tracing::info!("SIGHUP: nothing to reload (no tls_cert)"),
-            }
-        }
-    }))
-}
-
-/// Without Unix signals there is no reload: the certificate is read once.
-#[cfg(not(unix))]
-fn reload_on_sighup(_tls: Option<Arc<tls::ServerTls>>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    Ok(tokio::spawn(async {}))
 }

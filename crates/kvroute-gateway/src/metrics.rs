@@ -143,6 +143,23 @@ pub struct Metrics {
     pub etcd_workers: Gauge,
     /// Live policy settings received, by source and outcome.
     pub policy_updates: Family<PolicyUpdateLabels, Counter>,
+    /// 1 while this replica's NATS connection (cluster sync) is up, else 0.
+    pub nats_connected: Gauge,
+    /// Routing events of the cluster sync, by outcome: `published`, `dropped` (the queue
+    /// was full or NATS refused them), `applied` (another replica's), `unknown_worker`,
+    /// `policy_mismatch` (applied to the load view only), `snapshot` (applied from a
+    /// peer's snapshot at start).
+    pub sync_events: Family<OutcomeLabel, Counter>,
+    /// Event batches of other replicas that never arrived (sequence gaps).
+    pub sync_gaps: Counter,
+    /// Time from a batch's publication by another replica to its application here, seconds.
+    pub sync_lag_seconds: Histogram,
+    /// Requests other replicas report in flight (their open load tickets held here).
+    pub sync_remote_in_flight: Gauge,
+    /// Other replicas heard from in the last 10 s.
+    pub sync_peers: Gauge,
+    /// Configuration reloads on SIGHUP, by outcome (`applied`, `unchanged`, `invalid`).
+    pub config_reloads: Family<OutcomeLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -276,10 +293,48 @@ impl Metrics {
             "Live policy settings received, by source and outcome (rejected: the last good policy stays)",
             policy_updates.clone(),
         );
+
+        let nats_connected = Gauge::default();
+        registry.register(
+            "kvroute_nats_connected",
+            "1 while the cluster sync's NATS connection is up, else 0",
+            nats_connected.clone(),
+        );
+        let sync_events = Family::<OutcomeLabel, Counter>::default();
+        registry.register("kvroute_sync_events", "Cluster sync routing events, by outcome", sync_events.clone());
+        let sync_gaps = Counter::default();
+        registry.register("kvroute_sync_gaps", "Event batches of other replicas that never arrived", sync_gaps.clone());
+        let sync_lag_seconds = Histogram::new(exponential_buckets(1e-4, 2.0, 18));
+        registry.register(
+            "kvroute_sync_lag_seconds",
+            "Time from another replica publishing an event batch to its application here",
+            sync_lag_seconds.clone(),
+        );
+        let sync_remote_in_flight = Gauge::default();
+        registry.register(
+            "kvroute_sync_remote_in_flight",
+            "Requests other replicas report in flight",
+            sync_remote_in_flight.clone(),
+        );
+        let sync_peers = Gauge::default();
+        registry.register("kvroute_sync_peers", "Other replicas heard from in the last 10 s", sync_peers.clone());
+        let config_reloads = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "kvroute_config_reloads",
+            "Configuration reloads on SIGHUP, by outcome",
+            config_reloads.clone(),
+        );
         Metrics {
             etcd_connected,
             etcd_workers,
             policy_updates,
+            nats_connected,
+            sync_events,
+            sync_gaps,
+            sync_lag_seconds,
+            sync_remote_in_flight,
+            sync_peers,
+            config_reloads,
             local_tokenize,
             ejections,
             tokenizer_parity,

@@ -27,6 +27,9 @@ pub const MAX_MODEL_ROUTERS: usize = 256;
 pub struct ModelRouter {
     /// The registry name of the policy it runs (`kvroute policies`).
     pub policy_name: Arc<str>,
+    /// Whether its policy records the request's own prefix ([`Policy::records_request_prefix`]):
+    /// the cluster sync then carries the prompt's prefix, else only the key's block hashes.
+    pub records_request_prefix: bool,
     policy: RwLock<Box<dyn Policy>>,
     /// When its next maintenance is due (gateway clock, ns; `u64::MAX` when never).
     next_maintain: AtomicU64,
@@ -35,7 +38,12 @@ pub struct ModelRouter {
 impl ModelRouter {
     fn new(name: &str, policy: Box<dyn Policy>, now: Nanos) -> Self {
         let next = policy.maintenance_interval().map_or(u64::MAX, |i| now.saturating_add(i).0);
-        ModelRouter { policy_name: name.into(), policy: RwLock::new(policy), next_maintain: AtomicU64::new(next) }
+        ModelRouter {
+            policy_name: name.into(),
+            records_request_prefix: policy.records_request_prefix(),
+            policy: RwLock::new(policy),
+            next_maintain: AtomicU64::new(next),
+        }
     }
 
     /// Decides (pure: no index, session table or counter changes).

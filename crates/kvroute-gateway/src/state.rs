@@ -39,6 +39,12 @@ pub struct AppState {
     pub draining: std::sync::atomic::AtomicBool,
     /// Client API keys (`api_key_file`); `None`: every client is served.
     pub api_keys: Option<crate::api_keys::ApiKeys>,
+    /// The cluster sync over NATS (`nats`), when configured.
+    pub sync: Option<Arc<crate::cluster::sync::ReplicaSync>>,
+    /// The static workers: `worker_urls` of the configuration in effect, normalised
+    /// ([`crate::reload::static_set`]) — the startup list, then each reload's. A reload
+    /// removes only these; etcd never removes them. Swapped whole by a reload.
+    pub static_workers: arc_swap::ArcSwap<Vec<String>>,
 }
 
 impl AppState {
@@ -85,7 +91,14 @@ impl AppState {
             Some(p) => Some(crate::api_keys::ApiKeys::load(p, cfg.api_key_rpm, cfg.api_key_tpm)?),
             None => None,
         };
+        let metrics = Metrics::new();
+        let sync = cfg
+            .nats
+            .as_ref()
+            .map(|_| crate::cluster::sync::ReplicaSync::new(&cfg.cluster, cfg.replica_id.as_deref(), &metrics));
         Ok(Arc::new(AppState {
+            static_workers: arc_swap::ArcSwap::from_pointee(crate::reload::static_set(&cfg.worker_urls)),
+            sync,
             api_keys,
             forward_headers,
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -94,7 +107,7 @@ impl AppState {
             cfg,
             fleet: Fleet::default(),
             client,
-            metrics: Metrics::new(),
+            metrics,
             start: Instant::now(),
             precise: RwLock::new(kvroute_core::precise::PreciseIndex::new(precise_cfg)),
             tokens: Mutex::new(Default::default()),
@@ -110,8 +123,8 @@ impl AppState {
     /// Adds the configured workers (discovering their models; unreachable ones are added
     /// and left to the health checker).
     pub async fn add_initial_workers(self: &Arc<Self>) {
-        for u in self.cfg.worker_urls.clone() {
-            let _ = self.add_worker(&u).await;
+        for u in self.static_workers.load_full().iter() {
+            let _ = self.add_worker(u).await;
         }
     }
 

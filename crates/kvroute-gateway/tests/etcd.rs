@@ -1,8 +1,8 @@
-//! Cluster mode on a real etcd (Debian `etcd-server`, given by `KVROUTE_ETCD`): the worker
+//! Cluster mode on a real etcd (Debian `etcd-server`, given by `KVROUTE_ETCD_BIN`): the worker
 //! registry (put, delete, lease expiry), the live policy key (a swap under load, Cognitora
 //! cgn-router's weights, invalid values keeping the last good policy), and etcd down at
 //! startup and mid-run with no failed request. Ignored by default; `scripts/test.sh` runs
-//! them when `KVROUTE_ETCD` is set, and CI requires them.
+//! them when `KVROUTE_ETCD_BIN` is set, and CI requires them.
 
 use etcd_client::PutOptions;
 use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
@@ -60,7 +60,7 @@ async fn metric(c: &reqwest::Client, r: &str, series: &str) -> f64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD=$(command -v etcd) scripts/test.sh"]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD_BIN=$(command -v etcd) scripts/test.sh"]
 async fn registry_follows_puts_deletes_and_lease_expiry() {
     let e = Etcd::start(free_port()).await;
     let mut ec = e.client().await;
@@ -111,7 +111,7 @@ async fn registry_follows_puts_deletes_and_lease_expiry() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD=$(command -v etcd) scripts/test.sh"]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD_BIN=$(command -v etcd) scripts/test.sh"]
 async fn the_policy_key_swaps_the_policy_under_load_and_an_invalid_value_keeps_the_last_good_one() {
     let e = Etcd::start(free_port()).await;
     let mut ec = e.client().await;
@@ -172,7 +172,7 @@ async fn the_policy_key_swaps_the_policy_under_load_and_an_invalid_value_keeps_t
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD=$(command -v etcd) scripts/test.sh"]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD_BIN=$(command -v etcd) scripts/test.sh"]
 async fn etcd_down_at_startup_and_mid_run_fails_no_request() {
     let port = free_port();
     let etcd_url = format!("http://127.0.0.1:{port}");

@@ -42,7 +42,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     rt.block_on(async {
         let model = match &a.model {
             Some(m) => m.clone(),
-            None => first_model(&url).await?,
+            None => first_model(kvroute_bench::runner::base_urls(&url).next().unwrap_or_default()).await?,
         };
         let cfg = a.run_config(&url, &model)?;
         let label = a.label.clone().unwrap_or_else(|| url.clone());

@@ -1,7 +1,9 @@
 //! `kvroute serve`: the router gateway in front of inference workers.
 //!
 //! Settings come from `--config FILE` (TOML), then `KVROUTE_*` environment variables, then
-//! flags (each flag has the environment variable of the same name; a flag wins).
+//! flags (each flag has the environment variable of the same name; a flag wins). SIGHUP
+//! reads the file again, with the same environment and flags on top
+//! ([`kvroute_gateway::reload`]).
 
 use anyhow::{Context, bail};
 use kvroute_gateway::GatewayConfig;
@@ -11,7 +13,7 @@ use std::time::Duration;
 /// Flags of `kvroute serve`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
-    /// TOML configuration file (see kvroute.example.toml).
+    /// TOML configuration file (see kvroute.example.toml); read again on SIGHUP.
     #[arg(long, env = "KVROUTE_CONFIG")]
     pub config: Option<PathBuf>,
     /// Listen address.
@@ -101,6 +103,15 @@ pub struct Args {
     /// The etcd key of the live policy (e.g. Cognitora's /cognitora/routing/policy).
     #[arg(long, env = "KVROUTE_ETCD_POLICY_KEY")]
     pub etcd_policy_key: Option<String>,
+    /// NATS server over which the router replicas of --cluster share routing state.
+    #[arg(long, env = "KVROUTE_NATS")]
+    pub nats: Option<String>,
+    /// Name of the replica group sharing state over NATS (default `default`).
+    #[arg(long, env = "KVROUTE_CLUSTER")]
+    pub cluster: Option<String>,
+    /// This replica's id in the cluster (default: random per start).
+    #[arg(long, env = "KVROUTE_REPLICA_ID")]
+    pub replica_id: Option<String>,
     /// PEM certificate chain served to clients over HTTPS (with --tls-key; reread on SIGHUP).
     #[arg(long, env = "KVROUTE_TLS_CERT")]
     pub tls_cert: Option<String>,
@@ -187,6 +198,22 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         api_key_rpm,
         api_key_tpm
     );
+    if !a.etcd.is_empty() {
+        cfg.etcd = a.etcd.clone();
+    }
+    for (flag, field) in
+        [(&a.etcd_policy_key, &mut cfg.etcd_policy_key), (&a.nats, &mut cfg.nats), (&a.replica_id, &mut cfg.replica_id)]
+    {
+        if flag.is_some() {
+            field.clone_from(flag);
+        }
+    }
+    if let Some(p) = &a.etcd_prefix {
+        cfg.etcd_prefix.clone_from(p);
+    }
+    if let Some(c) = &a.cluster {
+        cfg.cluster.clone_from(c);
+    }
     if a.api_key_file.is_some() {
         cfg.api_key_file = a.api_key_file.clone();
     }
@@ -338,7 +365,9 @@ async fn launch(a: &Args, cfg: &mut GatewayConfig) -> anyhow::Result<Launched> {
 pub async fn serve_until_signal(a: Args) -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut cfg = build_config(&a)?;
+    let started = cfg.worker_urls.len();
     let _children = launch(&a, &mut cfg).await?;
+    let reload = reload_source(&a, cfg.worker_urls[started..].to_vec());
     let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", cfg.host, cfg.port))?;
@@ -349,7 +378,21 @@ pub async fn serve_until_signal(a: Args) -> anyhow::Result<()> {
         cfg.policy,
         cfg.worker_urls.len()
     );
-    kvroute_gateway::serve(listener, cfg, shutdown_signal()).await
+    kvroute_gateway::serve_with_reload(listener, cfg, reload, shutdown_signal()).await
+}
+
+/// With `--config`, what SIGHUP reads again: the file, then the environment and flags, as
+/// at startup ([`build_config`]), plus the co-launched workers' URLs (`launched`), which
+/// no file lists. Without a file nothing could change (the process's environment and
+/// flags are fixed), so SIGHUP reloads only the TLS certificate.
+fn reload_source(a: &Args, launched: Vec<String>) -> Option<kvroute_gateway::ConfigSource> {
+    a.config.as_ref()?;
+    let a = a.clone();
+    Some(std::sync::Arc::new(move || {
+        let mut cfg = build_config(&a)?;
+        cfg.worker_urls.extend(launched.iter().cloned());
+        Ok(cfg)
+    }))
 }
 
 /// Resolves on the next Ctrl-C or SIGTERM.

@@ -1,4 +1,4 @@
-//! `kvroute register` against a real etcd (Debian `etcd-server`, given by `KVROUTE_ETCD`):
+//! `kvroute register` against a real etcd (Debian `etcd-server`, given by `KVROUTE_ETCD_BIN`):
 //! the worker's key exists while its `/health` passes, lapses with its lease when the worker
 //! goes away, comes back with it, and is revoked at once when the sidecar stops.
 
@@ -37,7 +37,7 @@ async fn serve_worker(listener: tokio::net::TcpListener, stop: CancellationToken
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD=$(command -v etcd) scripts/test.sh"]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD_BIN=$(command -v etcd) scripts/test.sh"]
 async fn the_sidecar_registers_while_healthy_lets_the_lease_lapse_and_revokes_on_exit() {
     let e = etcd::Etcd::start(free_port()).await;
     let mut ec = e.client().await;

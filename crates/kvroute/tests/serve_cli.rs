@@ -95,6 +95,77 @@ async fn https_certificate_is_reloaded_on_sighup() {
     assert!(router.0.try_wait().expect("wait").is_none(), "SIGHUP ended the process");
 }
 
+/// `GET /policy`'s policy name, `None` while the router does not answer.
+async fn policy_name(c: &reqwest::Client, url: &str) -> Option<String> {
+    let v: serde_json::Value = c.get(format!("{url}/policy")).send().await.ok()?.json().await.ok()?;
+    v["policy"].as_str().map(String::from)
+}
+
+/// `kvroute serve --config FILE`: SIGHUP reads the file again with the flags on top — a new
+/// policy applies live, `--port` still wins over the file (so no key is reported as needing
+/// a restart), and an invalid file is refused naming the key while the policy stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_config_file_with_the_flags_on_top() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = pki::TempDir::new("serve-reload");
+    let cfg = dir.0.join("kvroute.toml");
+    let log = dir.0.join("stderr.log");
+    std::fs::write(&cfg, "policy = \"round_robin\"\n").expect("write");
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["serve", "--config", cfg.to_str().expect("utf8"), "--port", &port.to_string()])
+        .env("KVROUTE_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("spawn");
+    let mut router = Proc(child);
+    let url = format!("http://127.0.0.1:{port}");
+    let c = reqwest::Client::new();
+    let hup = |router: &Proc| {
+        let pid = router.0.id().to_string();
+        assert!(Command::new("kill").args(["-HUP", &pid]).status().expect("kill").success());
+    };
+    // Each wait is bounded (30 s), a failure rather than a timing assertion.
+    let mut up = None;
+    for _ in 0..600 {
+        up = policy_name(&c, &url).await;
+        if up.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(up.as_deref(), Some("round_robin"));
+
+    std::fs::write(&cfg, "policy = \"least_load\"\n").expect("write");
+    hup(&router);
+    let mut switched = false;
+    for _ in 0..600 {
+        if policy_name(&c, &url).await.as_deref() == Some("least_load") {
+            switched = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(switched, "the new policy was not applied after SIGHUP");
+
+    std::fs::write(&cfg, "policy = \"no_such_policy\"\n").expect("write");
+    hup(&router);
+    let read = || std::fs::read_to_string(&log).unwrap_or_default();
+    for _ in 0..600 {
+        if read().contains("configuration not reloaded") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let text = read();
+    assert!(text.contains("configuration not reloaded"), "no error logged for the invalid file: {text}");
+    assert!(text.contains("`policy`") && text.contains("no_such_policy"), "{text}");
+    assert!(!text.contains("need a restart"), "the --port flag was not applied again: {text}");
+    assert_eq!(policy_name(&c, &url).await.as_deref(), Some("least_load"), "an invalid file changed the policy");
+    assert!(router.0.try_wait().expect("wait").is_none(), "SIGHUP ended the router");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn co_launched_workers_serve_and_stop_with_the_router() {
     let _ = rustls::crypto::ring::default_provider().install_default();

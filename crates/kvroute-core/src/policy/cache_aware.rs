@@ -144,6 +144,10 @@ impl Policy for CacheAware {
         Ok(Decision::new(w, branch).with_match(matched, total, unit))
     }
 
+    fn records_request_prefix(&self) -> bool {
+        true
+    }
+
     fn on_routed(&mut self, req: &RequestView<'_>, _: &RequestKey, worker: WorkerId, now: Nanos) {
         if let Some(key) = PrefixKey::of(req) {
             self.trees.insert(key, worker, now);

@@ -268,6 +268,14 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     /// each retry target.
     fn on_routed(&mut self, _req: &RequestView<'_>, _key: &RequestKey, _worker: WorkerId, _now: Nanos) {}
 
+    /// Whether [`Policy::on_routed`] reads the request's own prefix (its text, token ids or
+    /// engine blocks, [`util::PrefixKey`]) rather than only [`RequestKey`] and the request's
+    /// scalar fields. A router that shares what it routed with other replicas must then
+    /// send the prefix itself (cluster sync), not just the key's block hashes.
+    fn records_request_prefix(&self) -> bool {
+        false
+    }
+
     /// A worker left the fleet (removed, or dead after retries): forget all its state
     /// (Ray Serve PrefixCacheAffinityRouter's `on_replica_actor_died`; SGLang router
     /// removes the worker's tenant from its tree).

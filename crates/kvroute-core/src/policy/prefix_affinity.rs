@@ -148,6 +148,10 @@ impl Policy for PrefixAffinity {
         })
     }
 
+    fn records_request_prefix(&self) -> bool {
+        true
+    }
+
     fn on_routed(&mut self, req: &RequestView<'_>, _: &RequestKey, worker: WorkerId, now: Nanos) {
         if let Some(key) = PrefixKey::of(req) {
             self.trees.insert(key, worker, now);

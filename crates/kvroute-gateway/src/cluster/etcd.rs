@@ -183,13 +183,16 @@ fn delete_worker(state: &AppState, known: &mut Known, key: &str) {
 }
 
 /// Removes the worker at `url` unless another key still registers it or it is one of the
-/// configuration's `worker_urls`.
+/// static workers (`worker_urls`, as last loaded); a static worker that stays loses its
+/// registration, so a reload dropping it from `worker_urls` removes it.
 fn release(state: &AppState, known: &Known, url: &str) {
-    let still_registered = known.workers.values().any(|u| u == url);
-    let static_worker =
-        state.cfg.worker_urls.iter().any(|u| crate::config::check_worker_url(u).is_ok_and(|n| n == url));
-    if !still_registered && !static_worker {
+    if known.workers.values().any(|u| u == url) {
+        return;
+    }
+    if !state.static_workers.load().iter().any(|u| u == url) {
         state.remove_worker(url);
+    } else if let Some(w) = state.fleet.by_url(url) {
+        w.registration.store(None);
     }
 }
 

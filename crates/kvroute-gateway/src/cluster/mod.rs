@@ -16,6 +16,7 @@
 
 pub mod etcd;
 pub mod register;
+pub mod sync;
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

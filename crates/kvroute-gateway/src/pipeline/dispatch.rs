@@ -62,6 +62,9 @@ pub struct Sent {
     pub worker: Arc<WorkerEntry>,
     /// Its open load ticket (settles on drop).
     pub ticket: LoadTicket,
+    /// The same dispatch as the other cluster replicas see it (NATS sync): `done` is
+    /// announced when it drops.
+    pub shared: Option<crate::cluster::sync::SharedTicket>,
     /// The request's engine blocks predicted on that worker (settled at the first token).
     pub predicted: Option<Predicted>,
     /// For a stream, when its first chunk must have come (`stream_first_byte_timeout_secs`
@@ -153,6 +156,7 @@ pub async fn send(
             let predicted = if committed { None } else { commit(s, routed, &req, w.id) };
             committed = true;
             let ticket = w.load.dispatched(uncached, output);
+            let shared = s.sync.as_ref().map(|sync| sync.routed(routed, &req, &w.url, uncached, output));
             let answer = match attempt(s, api, w, bytes, headers, timeout, first_byte_by).await {
                 Ok(resp) if info.stream && resp.status().is_success() => Ok((resp, None)),
                 // Non-streaming: the whole body is read before anything reaches the client.
@@ -161,7 +165,7 @@ pub async fn send(
             };
             match answer {
                 Ok((resp, body)) => {
-                    return Ok(Sent { resp, body, worker: Arc::clone(w), ticket, predicted, first_byte_by });
+                    return Ok(Sent { resp, body, worker: Arc::clone(w), ticket, shared, predicted, first_byte_by });
                 }
                 Err(Failure::Timeout { first_byte }) => {
                     s.record_failure(w);

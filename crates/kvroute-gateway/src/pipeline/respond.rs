@@ -42,7 +42,7 @@ pub fn respond(
     branch: &'static str,
     t0: Instant,
 ) -> Result<Response, ApiError> {
-    let Sent { resp, body, worker, mut ticket, predicted, first_byte_by } = sent;
+    let Sent { resp, body, worker, mut ticket, shared, predicted, first_byte_by } = sent;
     let status = resp.status();
     let mut builder = Response::builder().status(status.as_u16());
     if let Some(c) = resp.headers().get(header::CONTENT_TYPE) {
@@ -53,8 +53,17 @@ pub fn respond(
         .header("x-kvroute-decision", HeaderValue::from_str(decision).unwrap_or(HeaderValue::from_static("?")));
     let internal = |e: axum::http::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
     let Some(body) = body else {
-        let guard =
-            StreamGuard { state: Arc::clone(s), worker, ticket, predicted, t0, first: false, branch, _permit: permit };
+        let guard = StreamGuard {
+            state: Arc::clone(s),
+            worker,
+            ticket,
+            shared,
+            predicted,
+            t0,
+            first: false,
+            branch,
+            _permit: permit,
+        };
         let limits = Silence {
             first_byte_by: first_byte_by.unwrap_or_else(|| {
                 tokio::time::Instant::now() + Duration::from_secs_f64(s.cfg.stream_first_byte_timeout_secs)
@@ -69,6 +78,7 @@ pub fn respond(
     }
     ticket.first_token();
     ticket.close();
+    drop(shared);
     worker.record_success();
     let secs = t0.elapsed().as_secs_f64();
     s.metrics.ttft_seconds.observe(secs);
@@ -137,6 +147,7 @@ struct StreamGuard {
     state: Arc<AppState>,
     worker: Arc<WorkerEntry>,
     ticket: LoadTicket,
+    shared: Option<crate::cluster::sync::SharedTicket>,
     predicted: Option<Predicted>,
     t0: Instant,
     first: bool,
@@ -153,11 +164,15 @@ impl StreamGuard {
             }
             self.state.metrics.ttft_seconds.observe(self.t0.elapsed().as_secs_f64());
             self.ticket.first_token();
+            if let Some(t) = &mut self.shared {
+                t.first_token();
+            }
         }
     }
     fn complete(&mut self) {
         if self.ticket.is_open() {
             self.ticket.close();
+            self.shared = None;
             self.worker.record_success();
             self.state.metrics.e2e_seconds.observe(self.t0.elapsed().as_secs_f64());
             count(&self.state, &self.worker.url, self.branch, "ok");
@@ -166,6 +181,7 @@ impl StreamGuard {
     fn fail(&mut self) {
         if self.ticket.is_open() {
             self.ticket.close();
+            self.shared = None;
             self.state.record_failure(&self.worker);
             count(&self.state, &self.worker.url, self.branch, "upstream_error");
         }

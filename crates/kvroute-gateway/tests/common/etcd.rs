@@ -1,17 +1,17 @@
 //! A real etcd server for the cluster tests: the Debian `etcd-server` binary, given by
-//! `KVROUTE_ETCD`, started on free 127.0.0.1 ports with its data in a temporary directory
+//! `KVROUTE_ETCD_BIN`, started on free 127.0.0.1 ports with its data in a temporary directory
 //! and killed on drop.
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-/// The etcd binary from `KVROUTE_ETCD`; fails the test, naming the package, without it.
+/// The etcd binary from `KVROUTE_ETCD_BIN`; fails the test, naming the package, without it.
 pub fn etcd_binary() -> String {
-    match std::env::var("KVROUTE_ETCD") {
+    match std::env::var("KVROUTE_ETCD_BIN") {
         Ok(p) if std::path::Path::new(&p).is_file() => p,
         _ => panic!(
             "this test needs a real etcd: install the Debian package etcd-server and run it with \
-             KVROUTE_ETCD=$(command -v etcd) (scripts/test.sh does when it is set)"
+             KVROUTE_ETCD_BIN=$(command -v etcd) (scripts/test.sh does when it is set)"
         ),
     }
 }

@@ -4,13 +4,25 @@ use std::time::Duration;
 
 /// Starts the gateway with `cfg` on an ephemeral port until `stop`; returns its URL once it
 /// answers `/health` (or after 4 s of trying) and the serving task.
+#[allow(dead_code)] // not every test binary starts the gateway this way
 pub async fn start_router(
     cfg: kvroute_gateway::GatewayConfig,
     stop: tokio_util::sync::CancellationToken,
 ) -> (String, tokio::task::JoinHandle<anyhow::Result<()>>) {
+    start_router_with_reload(cfg, None, stop).await
+}
+
+/// [`start_router`], with `reload` read again on each SIGHUP
+/// (`kvroute_gateway::serve_with_reload`).
+pub async fn start_router_with_reload(
+    cfg: kvroute_gateway::GatewayConfig,
+    reload: Option<kvroute_gateway::ConfigSource>,
+    stop: tokio_util::sync::CancellationToken,
+) -> (String, tokio::task::JoinHandle<anyhow::Result<()>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let router = format!("http://{}", listener.local_addr().expect("addr"));
-    let task = tokio::spawn(kvroute_gateway::serve(listener, cfg, async move { stop.cancelled().await }));
+    let task =
+        tokio::spawn(kvroute_gateway::serve_with_reload(listener, cfg, reload, async move { stop.cancelled().await }));
     let c = reqwest::Client::new();
     for _ in 0..200 {
         if c.get(format!("{router}/health")).send().await.is_ok() {

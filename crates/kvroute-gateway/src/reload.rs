@@ -1,0 +1,315 @@
+//! Configuration reload on SIGHUP: the TLS certificate ([`crate::tls`]) and, when the
+//! server was given a [`ConfigSource`], the whole configuration file.
+//!
+//! A reload reads the configuration again (for `kvroute serve`: the `--config` file, then
+//! the environment and flags, exactly as at startup) and compares it with the one in
+//! effect. A file that does not parse or holds an invalid value changes nothing: an error
+//! naming the key is logged and `kvroute_config_reloads_total{outcome="invalid"}` counts
+//! it. A valid one is applied part by part, each part validated before it changes and
+//! swapped whole, so requests never wait on a reload:
+//!
+//! - `policy` and `policy_knobs` through the live policy API ([`crate::routers::Routers`]):
+//!   a new policy name switches every model's router (fresh prefix indexes); the same name
+//!   with other knobs patches them in place (the index is kept). The file's knobs are set
+//!   in full, so a knob removed from the file goes back to its default.
+//! - `worker_urls`: URLs new in the list are added, URLs gone from it removed — only workers
+//!   that came from the list ([`AppState::static_workers`]); workers added through the
+//!   admin API or registered in etcd are never removed by a reload.
+//!
+//! Only what changed in the file since the last load is applied: a policy set through
+//! `PUT /policy` or etcd, or a worker removed through `/remove_worker`, stays as it is
+//! while the file's policy or list does not change. Every other key needs a restart: a
+//! reload that finds one changed logs the keys at warn and leaves them (each reload names
+//! them again until the restart).
+
+use crate::GatewayConfig;
+use crate::metrics::OutcomeLabel;
+use crate::state::AppState;
+use std::collections::HashSet;
+use std::sync::Arc;
+
+/// Reads the configuration again: called on each SIGHUP, off the async runtime (it may
+/// read files). An error (unreadable file, bad TOML, invalid value naming the key) keeps
+/// the configuration in effect.
+pub type ConfigSource = Arc<dyn Fn() -> anyhow::Result<GatewayConfig> + Send + Sync>;
+
+/// Keys a reload applies live; every other key needs a restart.
+pub const LIVE_KEYS: [&str; 3] = ["policy", "policy_knobs", "worker_urls"];
+
+/// What one reload did (the `outcome` label of `kvroute_config_reloads_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// A live part (policy, knobs, workers) changed.
+    Applied,
+    /// Nothing live changed (keys that need a restart may differ: they are logged).
+    Unchanged,
+    /// The configuration could not be read or is invalid, or a part failed to apply;
+    /// what was in effect stays.
+    Invalid,
+}
+
+impl Outcome {
+    /// The metric label value: `applied`, `unchanged` or `invalid`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Applied => "applied",
+            Outcome::Unchanged => "unchanged",
+            Outcome::Invalid => "invalid",
+        }
+    }
+}
+
+/// Applies reloaded configurations to a running gateway, remembering the configuration in
+/// effect (the startup one, then each reload's live parts).
+#[derive(Debug)]
+pub struct Reloader {
+    state: Arc<AppState>,
+    running: GatewayConfig,
+}
+
+impl Reloader {
+    /// A reloader for `state`, starting from the configuration it was built with.
+    pub fn new(state: Arc<AppState>) -> Reloader {
+        expose_outcomes(&state);
+        let running = state.cfg.clone();
+        Reloader { state, running }
+    }
+
+    /// Applies `next` (the result of reading the configuration again), logs what changed
+    /// and counts the outcome. Never fails: an invalid configuration is logged and changes
+    /// nothing.
+    pub async fn apply(&mut self, next: anyhow::Result<GatewayConfig>) -> Outcome {
+        let outcome = match next.and_then(|c| c.validate().map(|()| c).map_err(anyhow::Error::from)) {
+            Ok(next) => self.apply_valid(next).await,
+            Err(e) => {
+                tracing::error!(
+                    error = format!("{e:#}"),
+                    "SIGHUP: configuration not reloaded; the one in effect stays"
+                );
+                Outcome::Invalid
+            }
+        };
+        self.state.metrics.config_reloads.get_or_create(&OutcomeLabel { outcome: outcome.as_str().into() }).inc();
+        outcome
+    }
+
+    async fn apply_valid(&mut self, next: GatewayConfig) -> Outcome {
+        let mut changed = false;
+        let mut failed = false;
+        if next.policy != self.running.policy || next.policy_knobs != self.running.policy_knobs {
+            match self.apply_policy(&next) {
+                Ok(()) => {
+                    self.running.policy.clone_from(&next.policy);
+                    self.running.policy_knobs.clone_from(&next.policy_knobs);
+                    changed = true;
+                }
+                Err(e) => {
+                    tracing::error!(error = format!("{e:#}"), "SIGHUP: policy not applied; the policy in effect stays");
+                    failed = true;
+                }
+            }
+        }
+        if next.worker_urls != self.running.worker_urls {
+            changed |= self.apply_workers(&next.worker_urls).await;
+            self.running.worker_urls.clone_from(&next.worker_urls);
+        }
+        let restart = restart_keys(&self.running, &next);
+        if !restart.is_empty() {
+            tracing::warn!(
+                keys = restart.join(", "),
+                "SIGHUP: changed in the file but need a restart; left as they are"
+            );
+        }
+        match (failed, changed) {
+            (true, _) => Outcome::Invalid,
+            (false, true) => {
+                tracing::info!("SIGHUP: configuration reloaded");
+                Outcome::Applied
+            }
+            (false, false) => {
+                tracing::info!("SIGHUP: configuration reloaded, no live change");
+                Outcome::Unchanged
+            }
+        }
+    }
+
+    /// Sets the file's policy with its knobs in full (defaults for the knobs it does not
+    /// name): a switch when the name differs from the running policy, else a knob patch.
+    fn apply_policy(&self, next: &GatewayConfig) -> anyhow::Result<()> {
+        let full = kvroute_core::registry::build(&next.policy, &next.knobs_json())?.knobs();
+        let before = self.state.routers.policy_name();
+        let knobs = self.state.routers.set_policy(&next.policy, &full, self.state.now())?;
+        if before == next.policy {
+            tracing::info!(policy = next.policy, %knobs, "SIGHUP: policy knobs applied");
+        } else {
+            tracing::info!(policy = next.policy, previous = before, %knobs, "SIGHUP: policy switched");
+        }
+        Ok(())
+    }
+
+    /// Adds the listed workers not yet in the static set and removes the static workers
+    /// no longer listed. Returns whether the static set changed.
+    async fn apply_workers(&self, urls: &[String]) -> bool {
+        let next = static_set(urls);
+        let old = self.state.static_workers.load_full();
+        let (old_set, next_set): (HashSet<&String>, HashSet<&String>) = (old.iter().collect(), next.iter().collect());
+        let added: Vec<String> = next.iter().filter(|u| !old_set.contains(u)).cloned().collect();
+        let removed: Vec<String> = old.iter().filter(|u| !next_set.contains(u)).cloned().collect();
+        if added.is_empty() && removed.is_empty() {
+            return false;
+        }
+        // The new set first, so etcd (which never removes a static worker) sees it.
+        self.state.static_workers.store(Arc::new(next));
+        for u in &added {
+            match self.state.add_worker(u).await {
+                Ok(_) => tracing::info!(worker = u, "SIGHUP: worker added"),
+                Err(e) => tracing::warn!(worker = u, error = e, "SIGHUP: worker not added"),
+            }
+        }
+        for u in &removed {
+            match self.state.fleet.by_url(u) {
+                Some(w) if w.registration.load().is_some() => {
+                    tracing::info!(worker = u, "SIGHUP: worker left the list but stays: it is registered in etcd");
+                }
+                Some(_) => {
+                    self.state.remove_worker(u);
+                    tracing::info!(worker = u, "SIGHUP: worker removed");
+                }
+                None => {}
+            }
+        }
+        true
+    }
+}
+
+/// Exposes the three outcomes of `kvroute_config_reloads_total` at 0 (a series born at 1
+/// shows no `increase()` in Prometheus, so a first reload would not show).
+fn expose_outcomes(state: &AppState) {
+    for o in [Outcome::Applied, Outcome::Unchanged, Outcome::Invalid] {
+        drop(state.metrics.config_reloads.get_or_create(&OutcomeLabel { outcome: o.as_str().into() }));
+    }
+}
+
+/// `worker_urls` normalised ([`crate::config::check_worker_url`]), without duplicates, in
+/// order: the static set of [`AppState::static_workers`].
+pub fn static_set(urls: &[String]) -> Vec<String> {
+    let mut seen = HashSet::new();
+    urls.iter().filter_map(|u| crate::config::check_worker_url(u).ok()).filter(|u| seen.insert(u.clone())).collect()
+}
+
+/// The keys, other than [`LIVE_KEYS`], whose values differ between `a` and `b`; a table
+/// (`health`) is compared key by key (`health.interval_secs`).
+pub fn restart_keys(a: &GatewayConfig, b: &GatewayConfig) -> Vec<String> {
+    use serde_json::Value;
+    let (Ok(Value::Object(a)), Ok(Value::Object(b))) = (serde_json::to_value(a), serde_json::to_value(b)) else {
+        return vec!["(configuration)".into()];
+    };
+    let mut keys = Vec::new();
+    for (k, va) in a.iter().filter(|(k, _)| !LIVE_KEYS.contains(&k.as_str())) {
+        match (va, b.get(k)) {
+            (va, Some(vb)) if va == vb => {}
+            (Value::Object(ta), Some(Value::Object(tb))) => {
+                keys.extend(ta.iter().filter(|(s, v)| tb.get(*s) != Some(*v)).map(|(s, _)| format!("{k}.{s}")));
+            }
+            _ => keys.push(k.clone()),
+        }
+    }
+    keys
+}
+
+/// The SIGHUP handler, installed before the server accepts its first connection so a
+/// SIGHUP reloads rather than ending the process (the default action). Without Unix
+/// signals it never fires.
+#[derive(Debug)]
+pub struct Hangup {
+    #[cfg(unix)]
+    signal: tokio::signal::unix::Signal,
+}
+
+impl Hangup {
+    /// Installs the handler (SIGHUPs from now on are queued for [`run`]).
+    ///
+    /// # Errors
+    /// The handler cannot be installed.
+    pub fn install() -> anyhow::Result<Hangup> {
+        #[cfg(unix)]
+        {
+            let signal = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+                .map_err(|e| anyhow::anyhow!("cannot install the SIGHUP handler: {e}"))?;
+            Ok(Hangup { signal })
+        }
+        #[cfg(not(unix))]
+        Ok(Hangup {})
+    }
+
+    /// The next SIGHUP (several received meanwhile count as one); `false` once no more
+    /// can come.
+    async fn recv(&mut self) -> bool {
+        #[cfg(unix)]
+        {
+            self.signal.recv().await.is_some()
+        }
+        #[cfg(not(unix))]
+        {
+            std::future::pending::<bool>().await
+        }
+    }
+}
+
+/// Handles each SIGHUP: reads the TLS certificate and key again (a reload that fails is
+/// logged and keeps the certificate in use), then, with a `source`, the configuration
+/// ([`Reloader`]). With neither it logs that there is nothing to reload.
+pub async fn run(
+    mut hup: Hangup,
+    tls: Option<Arc<crate::tls::ServerTls>>,
+    source: Option<ConfigSource>,
+    state: Arc<AppState>,
+) {
+    expose_outcomes(&state);
+    let mut reloader = source.as_ref().map(|_| Reloader::new(state));
+    while hup.recv().await {
+        match tls.as_ref().map(|t| t.reload()) {
+            Some(Ok(())) => tracing::info!("SIGHUP: TLS certificate reloaded"),
+            Some(Err(e)) => {
+                tracing::error!(error = format!("{e:#}"), "SIGHUP: TLS reload failed; keeping the certificate in use");
+            }
+            None if source.is_none() => tracing::info!("SIGHUP: nothing to reload (no tls_cert, no config file)"),
+            None => {}
+        }
+        if let (Some(source), Some(reloader)) = (&source, reloader.as_mut()) {
+            let read = Arc::clone(source);
+            let next = tokio::task::spawn_blocking(move || read())
+                .await
+                .unwrap_or_else(|e| Err(anyhow::anyhow!("reading the configuration panicked: {e}")));
+            reloader.apply(next).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restart_keys_name_changed_keys_and_table_entries_but_not_live_ones() {
+        let a = GatewayConfig::default();
+        let mut b = GatewayConfig {
+            policy: "round_robin".into(),
+            worker_urls: vec!["http://w1:8000".into()],
+            port: 1,
+            nats: Some("nats://n:4222".into()),
+            ..GatewayConfig::default()
+        };
+        b.health.interval_secs = 1.0;
+        assert_eq!(restart_keys(&a, &a), Vec::<String>::new());
+        let mut keys = restart_keys(&a, &b);
+        keys.sort();
+        assert_eq!(keys, ["health.interval_secs", "nats", "port"]);
+    }
+
+    #[test]
+    fn the_static_set_is_normalised_and_deduplicated_in_order() {
+        let urls = ["http://B:80/".to_string(), "http://a:1".into(), "http://b".into(), "ftp://x".into()];
+        assert_eq!(static_set(&urls), ["http://b", "http://a:1"]);
+    }
+}

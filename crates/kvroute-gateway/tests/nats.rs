@@ -1,0 +1,310 @@
+//! Cluster sync on a real NATS server (Debian `nats-server`, given by `KVROUTE_NATS_BIN`):
+//! replicas share prefix state and in-flight load, a starting replica takes a peer's
+//! snapshot, three synced replicas hit the engines' caches like one router, and NATS or a
+//! replica dying fails no request. Ignored by default; `scripts/test.sh` runs them when
+//! `KVROUTE_NATS_BIN` is set, and CI requires them.
+
+use futures_util::StreamExt;
+use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
+use kvroute_gateway::GatewayConfig;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+mod common;
+use common::guard;
+#[path = "common/nats.rs"]
+mod nats;
+use nats::{Nats, fleet_hit_ratio, metric};
+
+const MODEL: &str = "sim-llama-3-8b";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
+}
+
+async fn workers(n: usize, time_scale: f64, stop: &CancellationToken) -> Vec<String> {
+    let mut urls = Vec::new();
+    for _ in 0..n {
+        let cfg = EngineSimConfig { time_scale, ..EngineSimConfig::default() };
+        urls.push(engine_sim::spawn_local(cfg, stop.clone()).await.expect("worker").0);
+    }
+    urls
+}
+
+fn synced(nats: Option<&str>, workers: &[String]) -> GatewayConfig {
+    synced_with(nats, workers, "cache_aware")
+}
+
+fn synced_with(nats: Option<&str>, workers: &[String], policy: &str) -> GatewayConfig {
+    let urls: Vec<&str> = workers.iter().map(String::as_str).collect();
+    GatewayConfig {
+        nats: nats.map(str::to_string),
+        cluster: "test".into(),
+        sync_snapshot_timeout_secs: 2.0,
+        ..common::config(&urls, policy)
+    }
+}
+
+/// A document of about `chars` characters, distinct from its first word on.
+fn document(d: usize, chars: usize) -> String {
+    let mut x = (d as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut s = format!("Document {d}.");
+    while s.len() < chars {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        s.push_str(&format!(" w{}", x % 5000));
+    }
+    s
+}
+
+fn ask(doc: &str, question: &str, max_tokens: u32, stream: bool) -> serde_json::Value {
+    serde_json::json!({"model": MODEL, "max_tokens": max_tokens, "stream": stream, "messages": [
+        {"role": "system", "content": doc}, {"role": "user", "content": question}]})
+}
+
+/// Polls `cond` every 50 ms until it holds; fails with `what` after 30 s (a hang guard,
+/// not a timing assertion).
+async fn eventually<F: AsyncFnMut() -> bool>(what: &str, mut cond: F) {
+    for _ in 0..600 {
+        if cond().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("not within 30 s: {what}");
+}
+
+/// Waits (bounded) until `router`'s `/readiness` answers 200: healthy workers and, with
+/// NATS, its start-up snapshot in (so its subscription to the cluster's events is active).
+async fn ready(c: &reqwest::Client, router: &str) {
+    eventually("replica ready", async || {
+        c.get(format!("{router}/readiness")).send().await.is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+}
+
+async fn dry_run(c: &reqwest::Client, router: &str, body: &serde_json::Value) -> serde_json::Value {
+    guard(c.post(format!("{router}/debug/route")).json(body).send()).await.expect("dry run").json().await.expect("json")
+}
+
+async fn remote_in_flight(c: &reqwest::Client, router: &str, worker: &str) -> u64 {
+    let v: serde_json::Value =
+        guard(c.get(format!("{router}/workers")).send()).await.expect("workers").json().await.expect("json");
+    v["workers"].as_array().expect("rows").iter().find(|w| w["url"] == worker).expect("worker row")["remote_in_flight"]
+        .as_u64()
+        .expect("remote_in_flight")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs NATS (Debian nats-server): KVROUTE_NATS_BIN=$(command -v nats-server) scripts/test.sh"]
+async fn replicas_share_prefix_state_and_load_and_a_new_replica_starts_from_a_snapshot() {
+    let nats = Nats::start(free_port()).await;
+    let stop = CancellationToken::new();
+    let ws = workers(4, 1.0, &stop).await;
+    let (a, _) = common::start_router(synced(Some(&nats.url), &ws), stop.clone()).await;
+    let (b, _) = common::start_router(synced(Some(&nats.url), &ws), stop.clone()).await;
+    let c = reqwest::Client::new();
+    ready(&c, &a).await;
+    ready(&c, &b).await;
+
+    // Prefix state: a document routed through A is matched by B on the same worker.
+    let doc = document(0, 4000);
+    let r = guard(c.post(format!("{a}/v1/chat/completions")).json(&ask(&doc, "first question?", 2, false)).send())
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let on = r.headers()["x-kvroute-worker"].to_str().expect("header").to_string();
+    let next = ask(&doc, "second question?", 2, false);
+    eventually("B matches A's document on A's worker", async || {
+        let v = dry_run(&c, &b, &next).await;
+        v["worker"] == on.as_str() && v["matched"].as_u64().unwrap_or(0) > 3000
+    })
+    .await;
+    assert_eq!(metric(&c, &b, "kvroute_sync_events_total{outcome=\"applied\"}").await, 1.0, "B applied A's one event");
+
+    // Load: a stream open through A counts on its worker in B's view until it ends.
+    let long = guard(
+        c.post(format!("{a}/v1/chat/completions"))
+            .json(&ask(&document(1, 400), "write a long answer", 4000, true))
+            .send(),
+    )
+    .await
+    .expect("stream");
+    assert_eq!(long.status(), 200);
+    let busy = long.headers()["x-kvroute-worker"].to_str().expect("header").to_string();
+    let mut body = long.bytes_stream();
+    let first = guard(body.next()).await.expect("a first chunk").expect("bytes");
+    assert!(!first.is_empty());
+    eventually("B sees A's open stream on its worker", async || remote_in_flight(&c, &b, &busy).await == 1).await;
+    assert_eq!(remote_in_flight(&c, &a, &busy).await, 0, "A counts its own stream once, as its own");
+    drop(body);
+    eventually("the stream's load leaves B's view when A's client goes away", async || {
+        remote_in_flight(&c, &b, &busy).await == 0
+    })
+    .await;
+
+    // A replica starting later takes a peer's snapshot: ready only once it has it, and its
+    // first decision already matches the document.
+    let (n, _) = common::start_router(synced(Some(&nats.url), &ws), stop.clone()).await;
+    ready(&c, &n).await;
+    let v = dry_run(&c, &n, &next).await;
+    assert_eq!(v["worker"], on.as_str(), "the new replica routes with the cluster's prefix state: {v}");
+    assert!(v["matched"].as_u64().unwrap_or(0) > 3000, "{v}");
+    assert!(metric(&c, &n, "kvroute_sync_events_total{outcome=\"snapshot\"}").await >= 1.0);
+    stop.cancel();
+}
+
+/// Sends `docs` × `per_doc` questions, each document's questions spread over the rounds,
+/// to `routers` in turn (a client-side round robin), 3 at a time; returns the failures.
+async fn shared_prefix_workload(routers: &[String], docs: usize, per_doc: usize) -> usize {
+    let c = reqwest::Client::new();
+    let texts: Vec<String> = (0..docs).map(|d| document(100 + d, 3000)).collect();
+    let mut order = Vec::new();
+    for round in 0..per_doc {
+        for d in 0..docs {
+            order.push((d, round));
+        }
+    }
+    let sends = order.into_iter().enumerate().map(|(i, (d, round))| {
+        let router = routers[i % routers.len()].clone();
+        let body = ask(&texts[d], &format!("question {round} about document {d}?"), 2, false);
+        let c = c.clone();
+        async move {
+            match guard(c.post(format!("{router}/v1/chat/completions")).json(&body).send()).await {
+                Ok(r) if r.status() == 200 => 0,
+                Ok(r) => {
+                    eprintln!("{} {}", r.status(), r.text().await.unwrap_or_default());
+                    1
+                }
+                Err(e) => {
+                    eprintln!("{e}");
+                    1
+                }
+            }
+        }
+    });
+    futures_util::stream::iter(sends).buffer_unordered(3).collect::<Vec<usize>>().await.iter().sum()
+}
+
+/// One run of the workload: `replicas` routers running `policy` (synced over `nats` or
+/// not) in front of 4 fresh engines; the engines' hit ratio.
+async fn hit_ratio(replicas: usize, nats: Option<&str>, policy: &str) -> f64 {
+    let stop = CancellationToken::new();
+    let ws = workers(4, 50.0, &stop).await;
+    let mut routers = Vec::new();
+    for _ in 0..replicas {
+        routers.push(common::start_router(synced_with(nats, &ws, policy), stop.clone()).await.0);
+    }
+    let c = reqwest::Client::new();
+    for r in &routers {
+        ready(&c, r).await;
+    }
+    let failed = shared_prefix_workload(&routers, 16, 4).await;
+    assert_eq!(failed, 0, "failed requests");
+    let ratio = fleet_hit_ratio(&ws).await;
+    stop.cancel();
+    ratio
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs NATS (Debian nats-server): KVROUTE_NATS_BIN=$(command -v nats-server) scripts/test.sh"]
+async fn three_synced_replicas_hit_the_cache_like_one_router() {
+    let nats = Nats::start(free_port()).await;
+    // cache_aware's events carry the prompt (its tree indexes text); prefill_cost's carry
+    // only block hashes.
+    for policy in ["cache_aware", "prefill_cost"] {
+        let one = hit_ratio(1, None, policy).await;
+        let three_synced = hit_ratio(3, Some(&nats.url), policy).await;
+        let three_alone = hit_ratio(3, None, policy).await;
+        eprintln!(
+            "{policy}: fleet prefix-cache hit ratio: one router {one:.3}, 3 synced {three_synced:.3}, 3 alone {three_alone:.3}"
+        );
+        assert!(
+            (one - three_synced).abs() <= 0.05,
+            "{policy}: 3 synced replicas {three_synced:.3} against one router {one:.3}"
+        );
+        assert!(
+            three_synced >= 1.5 * three_alone,
+            "{policy}: 3 synced {three_synced:.3} against 3 without sync {three_alone:.3}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs NATS (Debian nats-server): KVROUTE_NATS_BIN=$(command -v nats-server) scripts/test.sh"]
+async fn nats_or_a_replica_dying_fails_no_request() {
+    let port = free_port();
+    let nats = Nats::start(port).await;
+    let stop = CancellationToken::new();
+    let ws = workers(2, 50.0, &stop).await;
+    let stop_a = CancellationToken::new();
+    let (a, _) = common::start_router(synced(Some(&nats.url), &ws), stop_a.clone()).await;
+    let (b, _) = common::start_router(synced(Some(&nats.url), &ws), stop.clone()).await;
+    let c = reqwest::Client::new();
+    ready(&c, &a).await;
+    ready(&c, &b).await;
+    let send = async |router: &str, i: usize| -> bool {
+        let body = ask(&document(i % 5, 800), &format!("q{i}"), 2, false);
+        let r = guard(c.post(format!("{router}/v1/chat/completions")).json(&body).send()).await;
+        match r {
+            Ok(r) if r.status() == 200 => true,
+            Ok(r) => {
+                eprintln!("request {i} via {router}: {} {}", r.status(), r.text().await.unwrap_or_default());
+                false
+            }
+            Err(e) => {
+                eprintln!("request {i} via {router}: {e}");
+                false
+            }
+        }
+    };
+    let mut failed = 0;
+    let mut i = 0;
+    let mut batch = async |routers: &[&str], n: usize| {
+        for _ in 0..n {
+            if !send(routers[i % routers.len()], i).await {
+                failed += 1;
+            }
+            i += 1;
+        }
+    };
+    batch(&[&a, &b], 20).await;
+    eventually("B applies A's events", async || {
+        metric(&c, &b, "kvroute_sync_events_total{outcome=\"applied\"}").await >= 5.0
+    })
+    .await;
+
+    // NATS killed mid-run: both route on local state.
+    drop(nats);
+    eventually("both replicas notice NATS is down", async || {
+        metric(&c, &a, "kvroute_nats_connected").await == 0.0 && metric(&c, &b, "kvroute_nats_connected").await == 0.0
+    })
+    .await;
+    batch(&[&a, &b], 20).await;
+
+    // NATS back on the same port: both reconnect and events flow again.
+    let _nats = Nats::start(port).await;
+    eventually("both replicas reconnect", async || {
+        metric(&c, &a, "kvroute_nats_connected").await == 1.0 && metric(&c, &b, "kvroute_nats_connected").await == 1.0
+    })
+    .await;
+    let before = metric(&c, &b, "kvroute_sync_events_total{outcome=\"applied\"}").await;
+    batch(&[&a, &b], 20).await;
+    eventually("B applies A's events after the reconnect", async || {
+        metric(&c, &b, "kvroute_sync_events_total{outcome=\"applied\"}").await > before
+    })
+    .await;
+
+    // A replica stopped: the other goes on, and nothing of A's stays in its view. (SIGKILL
+    // of a replica process with a stream in flight: tests/cluster_cli.rs in the kvroute
+    // crate.)
+    stop_a.cancel();
+    batch(&[&b], 20).await;
+    eventually("B releases what A had in flight", async || {
+        metric(&c, &b, "kvroute_sync_remote_in_flight").await == 0.0
+    })
+    .await;
+    assert_eq!(failed, 0, "requests failed");
+    stop.cancel();
+}

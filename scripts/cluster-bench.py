@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""Cluster-sync benchmark: what NATS replica sync costs a router replica.
+
+Starts a nats-server and 4 instant engine-sim workers (they answer at once, so the routers
+are the bottleneck), then, for each setting, N `kvroute serve` replicas in front of them and
+a closed-loop `kvroute bench` round-robin over the replicas (the shared-prefix workload:
+long common system prompts, so every request carries a prefix key). Settings: sync off
+(no --nats) and sync on (--nats, one cluster). From each replica's /metrics and /proc it
+reads:
+
+  - events published and applied per second (kvroute_sync_events_total);
+  - sync lag p50/p99 (kvroute_sync_lag_seconds: publication by a peer -> applied here;
+    bucket upper bounds, so "<=");
+  - decision time p50/p99/p99.9 (kvroute_decision_seconds; bucket upper bounds);
+  - peak and final RSS (VmHWM, VmRSS);
+  - bytes the NATS server took in and sent out (its /varz monitoring endpoint), per
+    request routed;
+  - throughput (req/s) and failures from kvroute bench's JSON.
+
+Standard library only. Usage:
+  python3 scripts/cluster-bench.py --kvroute target/release/kvroute [--replicas 3]
+      [--duration 20] [--concurrency 32] [--rounds 2] [--nats-server nats-server] [--json OUT]
+Every process is on 127.0.0.1 and ends with the script.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url, timeout=5):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+def wait_ok(url, what, secs=30):
+    end = time.time() + secs
+    while time.time() < end:
+        try:
+            if get(url, 2)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    sys.exit(f"{what} ({url}) did not answer 200 within {secs} s")
+
+
+def metrics(url):
+    """Prometheus text -> {series_with_labels: value}."""
+    out = {}
+    for line in get(f"{url}/metrics")[1].splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            pass
+    return out
+
+
+def histogram(m, name):
+    """Cumulative buckets [(le, count)] of histogram `name` (no labels)."""
+    buckets = []
+    for k, v in m.items():
+        mm = re.fullmatch(re.escape(name) + r'_bucket\{le="([^"]+)"\}', k)
+        if mm:
+            le = float("inf") if mm.group(1) == "+Inf" else float(mm.group(1))
+            buckets.append((le, v))
+    return sorted(buckets)
+
+
+def minus(a, b):
+    """Bucket counts of a minus those of b (the same bounds)."""
+    bb = dict(b)
+    return [(le, c - bb.get(le, 0.0)) for le, c in a]
+
+
+def quantile(buckets, q):
+    """The upper bound of the bucket holding quantile q (None when empty)."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    target = q * buckets[-1][1]
+    for le, c in buckets:
+        if c >= target:
+            return le
+    return buckets[-1][0]
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        s = f.read()
+    grab = lambda k: int(re.search(rf"{k}:\s+(\d+) kB", s).group(1))
+    return grab("VmRSS"), grab("VmHWM")
+
+
+def fmt_s(x):
+    if x is None:
+        return "-"
+    if x == float("inf"):
+        return "inf"
+    if x < 1e-3:
+        return f"{x * 1e6:.1f} us"
+    return f"{x * 1e3:.2f} ms"
+
+
+def varz(port):
+    return json.loads(get(f"http://127.0.0.1:{port}/varz")[1])
+
+
+def run_setting(a, workers, nats_url, sync, round_no, monitor):
+    procs, urls = [], []
+    cluster = f"bench{round_no}{'s' if sync else 'n'}"
+    for _ in range(a.replicas):
+        port = free_port()
+        cmd = [a.kvroute, "serve", "--port", str(port), "--worker-urls", ",".join(workers), "--policy", a.policy]
+        if sync:
+            cmd += ["--nats", nats_url, "--cluster", cluster]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for u in urls:
+            wait_ok(f"{u}/readiness", "replica")
+        before = [metrics(u) for u in urls]
+        v0 = varz(monitor)
+        out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+        t0 = time.time()
+        subprocess.run(
+            [a.kvroute, "bench", "--url", ",".join(urls), "--workload", "shared-prefix", "--groups", "32",
+             "--prompts-per-group", "64", "--system-tokens", "1024", "--question-tokens", "64",
+             "--output-tokens", "1", "--closed-loop", "--max-concurrency", str(a.concurrency), "--duration",
+             str(a.duration), "--no-stream", "--quiet", "--json", out],
+            check=True, stdout=subprocess.DEVNULL)
+        wall = time.time() - t0
+        time.sleep(1.5)  # the last batches and heartbeats arrive
+        after = [metrics(u) for u in urls]
+        v1 = varz(monitor)
+        summary = json.load(open(out))["summary"]
+        os.unlink(out)
+        rows = []
+        for i, (b, m) in enumerate(zip(before, after)):
+            d = lambda k: m.get(k, 0.0) - b.get(k, 0.0)
+            dec = minus(histogram(m, "kvroute_decision_seconds"), histogram(b, "kvroute_decision_seconds"))
+            lag = minus(histogram(m, "kvroute_sync_lag_seconds"), histogram(b, "kvroute_sync_lag_seconds"))
+            rss, hwm = rss_kib(procs[i].pid)
+            rows.append({
+                "replica": i,
+                "decisions": dec[-1][1] if dec else 0,
+                "decision_p50_s": quantile(dec, 0.5),
+                "decision_p99_s": quantile(dec, 0.99),
+                "decision_p999_s": quantile(dec, 0.999),
+                "published_per_s": d('kvroute_sync_events_total{outcome="published"}') / wall,
+                "applied_per_s": d('kvroute_sync_events_total{outcome="applied"}') / wall,
+                "dropped": d('kvroute_sync_events_total{outcome="dropped"}'),
+                "gaps": d("kvroute_sync_gaps_total"),
+                "lag_p50_s": quantile(lag, 0.5),
+                "lag_p99_s": quantile(lag, 0.99),
+                "rss_mib": rss / 1024,
+                "peak_rss_mib": hwm / 1024,
+            })
+        routed = max(summary["requests"], 1)
+        return {"sync": sync, "round": round_no, "wall_s": wall, "requests": summary["requests"],
+                "ok": summary["ok"], "req_per_s": summary["ok"] / wall, "replicas": rows,
+                "nats_in_bytes_per_request": (v1["in_bytes"] - v0["in_bytes"]) / routed,
+                "nats_out_bytes_per_request": (v1["out_bytes"] - v0["out_bytes"]) / routed,
+                "nats_in_msgs": v1["in_msgs"] - v0["in_msgs"]}
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kvroute", required=True, help="the kvroute binary (a release build)")
+    ap.add_argument("--nats-server", default=shutil.which("nats-server") or "nats-server")
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--duration", type=float, default=20)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--policy", default="cache_aware")
+    ap.add_argument("--json", help="write every result here")
+    a = ap.parse_args()
+    if not (1 <= a.replicas <= 16 and 1 <= a.workers <= 64 and 0 < a.duration <= 600 and 1 <= a.concurrency <= 1024):
+        sys.exit("--replicas 1..16, --workers 1..64, --duration 0..600, --concurrency 1..1024")
+    if not shutil.which(a.nats_server) and not os.path.isfile(a.nats_server):
+        sys.exit(f"no nats-server at {a.nats_server}: install the Debian package nats-server")
+    nats_port, monitor = free_port(), free_port()
+    nats = subprocess.Popen([a.nats_server, "-a", "127.0.0.1", "-p", str(nats_port), "-m", str(monitor)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers, wprocs = [], []
+    try:
+        for _ in range(a.workers):
+            port = free_port()
+            wprocs.append(subprocess.Popen([a.kvroute, "engine-sim", "--port", str(port), "--instant"],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            workers.append(f"http://127.0.0.1:{port}")
+        for w in workers:
+            wait_ok(f"{w}/health", "worker")
+        wait_ok(f"http://127.0.0.1:{monitor}/varz", "nats-server monitoring")
+        results = []
+        for r in range(a.rounds):
+            for sync in (False, True):
+                res = run_setting(a, workers, f"nats://127.0.0.1:{nats_port}", sync, r, monitor)
+                results.append(res)
+                print(f"round {r} sync {'on ' if sync else 'off'}: {res['ok']}/{res['requests']} ok, "
+                      f"{res['req_per_s']:.0f} req/s over {a.replicas} replicas; NATS in "
+                      f"{res['nats_in_bytes_per_request']:.0f} B, out {res['nats_out_bytes_per_request']:.0f} B "
+                      f"per request", flush=True)
+                for x in res["replicas"]:
+                    print(f"  replica {x['replica']}: decision p50 <= {fmt_s(x['decision_p50_s'])}, "
+                          f"p99 <= {fmt_s(x['decision_p99_s'])}, p99.9 <= {fmt_s(x['decision_p999_s'])}; "
+                          f"events out {x['published_per_s']:.0f}/s, in {x['applied_per_s']:.0f}/s, "
+                          f"dropped {x['dropped']:.0f}, gaps {x['gaps']:.0f}; lag p50 <= {fmt_s(x['lag_p50_s'])}, "
+                          f"p99 <= {fmt_s(x['lag_p99_s'])}; RSS {x['rss_mib']:.1f} MiB (peak {x['peak_rss_mib']:.1f})",
+                          flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"args": vars(a), "results": results}, f, indent=1)
+    finally:
+        for p in wprocs + [nats]:
+            p.terminate()
+        for p in wprocs + [nats]:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    main()
