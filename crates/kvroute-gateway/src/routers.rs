@@ -64,6 +64,20 @@ impl ModelRouter {
         commit(self.policy.write().as_mut(), req, key, worker, now);
     }
 
+    /// [`ModelRouter::commit`] if the policy's lock is free now; `false` (nothing recorded)
+    /// when a decision or another commit holds it. For work that can wait, such as other
+    /// replicas' routing events: a writer that queues for the lock would hold up every
+    /// decision arriving after it (the lock lets no new reader past a waiting writer).
+    pub fn try_commit(&self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) -> bool {
+        match self.policy.try_write() {
+            Some(mut p) => {
+                commit(p.as_mut(), req, key, worker, now);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Size of the policy's prefix index.
     pub fn index_size(&self) -> u64 {
         self.policy.read().index_size()

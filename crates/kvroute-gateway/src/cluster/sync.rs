@@ -353,6 +353,8 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
         .name(format!("kvroute {}", sync.replica))
         .connection_timeout(timeout)
         .retry_on_initial_connect()
+        // The server does not send a replica its own batches back (it would skip them).
+        .no_echo()
         .max_reconnects(None)
         .reconnect_delay_callback(|n| match n {
             // The first attempt at once (as async-nats's default), then 100 ms doubling to 2 s.
@@ -575,7 +577,8 @@ async fn apply_events(
                             tickets += 1;
                         }
                     }
-                    let outcome = if commit(state, &r, w.id) { "applied" } else { "policy_mismatch" };
+                    let outcome =
+                        if commit(state, &r, w.id, Wait::Yield).await { "applied" } else { "policy_mismatch" };
                     sync.count(outcome, 1);
                     sync.recent.lock().push(Arc::new(r));
                 }
@@ -595,9 +598,22 @@ async fn apply_events(
     }
 }
 
+/// How [`commit`] takes the router's lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Take it when free, yielding to the runtime between tries ([`COMMIT_TRIES`], then
+    /// wait for it): live events never queue ahead of this replica's own decisions.
+    Yield,
+    /// Wait for it (the start-up snapshot, before the replica is ready).
+    Block,
+}
+
+/// Tries of a live event's commit before it waits for the lock like a local commit.
+const COMMIT_TRIES: usize = 64;
+
 /// Commits another replica's routed request to this replica's router of its model when it
 /// runs the same policy; `false` when it does not (the event's keys would not match).
-fn commit(state: &AppState, r: &RoutedEvent, worker: WorkerId) -> bool {
+async fn commit(state: &AppState, r: &RoutedEvent, worker: WorkerId, wait: Wait) -> bool {
     let now = state.now();
     let router = state.routers.get(&r.model, now);
     if *router.policy_name != *r.policy {
@@ -624,6 +640,14 @@ fn commit(state: &AppState, r: &RoutedEvent, worker: WorkerId) -> bool {
         }
     }
     let key = RequestKey { blocks: r.blocks.iter().map(|&h| BlockHash(h)).collect(), block_tokens: r.block_tokens };
+    if wait == Wait::Yield {
+        for _ in 0..COMMIT_TRIES {
+            if router.try_commit(&view, &key, worker, now) {
+                return true;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
     router.commit(&view, &key, worker, now);
     true
 }
@@ -665,7 +689,7 @@ async fn fetch_snapshot(state: &AppState, sync: &ReplicaSync, client: &async_nat
         next_part += 1;
         for r in chunk.events {
             if let Some(w) = state.fleet.by_url(&r.worker) {
-                commit(state, &r, w.id);
+                commit(state, &r, w.id, Wait::Block).await;
                 applied += 1;
                 sync.recent.lock().push(Arc::new(r));
             }
