@@ -19,7 +19,10 @@ reads:
 
 Standard library only. Usage:
   python3 scripts/cluster-bench.py --kvroute target/release/kvroute [--replicas 3]
-      [--duration 20] [--concurrency 32] [--rounds 2] [--nats-server nats-server] [--json OUT]
+      [--duration 20] [--concurrency 32] [--rounds 2] [--policy cache_aware] [--rate R]
+      [--nats-server nats-server] [--json OUT]
+The closed loop saturates the machine (the routers' throughput); --rate R sends an open
+loop of R requests/s in all, below saturation (decision time without CPU contention).
 Every process is on 127.0.0.1 and ends with the script.
 """
 
@@ -141,9 +144,11 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
         t0 = time.time()
         subprocess.run(
             [a.kvroute, "bench", "--url", ",".join(urls), "--workload", "shared-prefix", "--groups", "32",
-             "--prompts-per-group", "64", "--system-tokens", "1024", "--question-tokens", "64",
-             "--output-tokens", "1", "--closed-loop", "--max-concurrency", str(a.concurrency), "--duration",
-             str(a.duration), "--no-stream", "--quiet", "--json", out],
+             # Open loop: enough requests for the whole duration (the workload is finite).
+             "--prompts-per-group", str(max(64, int(a.rate * a.duration / 32) + 1) if a.rate else 64), "--system-tokens", "1024", "--question-tokens", "64",
+             "--output-tokens", "1", "--max-concurrency", str(a.concurrency), "--duration",
+             str(a.duration), "--no-stream", "--quiet", "--json", out]
+            + (["--rate", str(a.rate)] if a.rate else ["--closed-loop"]),
             check=True, stdout=subprocess.DEVNULL)
         wall = time.time() - t0
         time.sleep(1.5)  # the last batches and heartbeats arrive
@@ -198,6 +203,8 @@ def main():
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--policy", default="cache_aware")
+    ap.add_argument("--rate", type=float, help="open loop at this many requests/s (Poisson) instead of the "
+                    "closed loop, to measure below saturation")
     ap.add_argument("--json", help="write every result here")
     a = ap.parse_args()
     if not (1 <= a.replicas <= 16 and 1 <= a.workers <= 64 and 0 < a.duration <= 600 and 1 <= a.concurrency <= 1024):
