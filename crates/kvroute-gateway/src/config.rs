@@ -139,6 +139,17 @@ pub struct GatewayConfig {
     /// How long a starting replica waits for a peer's index snapshot before it reports
     /// ready on local state alone, seconds.
     pub sync_snapshot_timeout_secs: f64,
+    /// Record every dispatched request as a line of a privacy-safe trace in this file
+    /// (session-JSONL Mooncake form: timestamp, token counts, salted block ids, session;
+    /// no text) that `kvroute replay --trace` reads ([`crate::record`]); unset = off.
+    pub record: Option<String>,
+    /// Size at which the trace file rotates to `FILE.1`, bytes (at least 4,096).
+    pub record_max_bytes: u64,
+    /// Trace files kept in all, the current one included (1 to 100).
+    pub record_files: u32,
+    /// Tokens per block of the trace's `hash_ids` (1 to 65,536; vLLM's default block size
+    /// is 16, Mooncake's trace uses 512).
+    pub record_block_tokens: u32,
     /// Scrape each worker's `/metrics` for engine load signals.
     pub scrape_metrics: bool,
     /// Prometheus gauge read as the worker's power draw in watts (e.g. `DCGM_FI_DEV_POWER_USAGE`).
@@ -250,6 +261,10 @@ impl Default for GatewayConfig {
             cluster: "default".into(),
             replica_id: None,
             sync_snapshot_timeout_secs: 5.0,
+            record: None,
+            record_max_bytes: 256 << 20,
+            record_files: 4,
+            record_block_tokens: 16,
             scrape_metrics: false,
             power_metric: None,
             seed: 0,
@@ -354,6 +369,18 @@ impl GatewayConfig {
         }
         if !(self.sync_snapshot_timeout_secs.is_finite() && (0.0..=600.0).contains(&self.sync_snapshot_timeout_secs)) {
             return Err(err("sync_snapshot_timeout_secs", "expected 0 to 600 seconds"));
+        }
+        if self.record.as_deref().is_some_and(str::is_empty) {
+            return Err(err("record", "expected a file path"));
+        }
+        if self.record_max_bytes < 4096 {
+            return Err(err("record_max_bytes", "expected at least 4096 bytes"));
+        }
+        if !(1..=100).contains(&self.record_files) {
+            return Err(err("record_files", "expected 1 to 100 files"));
+        }
+        if !(1..=65_536).contains(&self.record_block_tokens) {
+            return Err(err("record_block_tokens", "expected 1 to 65536 tokens"));
         }
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => return Err(err("tls_key", "`tls_cert` is set but `tls_key` is not")),

@@ -16,6 +16,7 @@
 //! - [`tokenizer`]: the model's own tokenizer, loaded locally.
 //! - [`cluster`]: the worker registry and live policy in etcd, shared by router replicas.
 //! - [`tls`]: HTTPS for clients and the trust roots for `https://` workers.
+//! - [`record`]: live traffic written as a privacy-safe trace (`record`).
 //! - [`reload`]: SIGHUP: the TLS certificate and the configuration file, read again.
 //!
 //! Wire formats (request parsing, errors, the KV-event codec, engine metrics) live in
@@ -32,6 +33,7 @@ pub mod health;
 pub mod kv_subscriber;
 pub mod metrics;
 pub mod pipeline;
+pub mod record;
 pub mod reload;
 pub mod routers;
 pub mod server;

@@ -160,6 +160,9 @@ pub struct Metrics {
     pub sync_peers: Gauge,
     /// Configuration reloads on SIGHUP, by outcome (`applied`, `unchanged`, `invalid`).
     pub config_reloads: Family<OutcomeLabel, Counter>,
+    /// Trace lines of the traffic recorder (`record`), by outcome: `written`, `dropped`
+    /// (its queue was full), `error` (the write failed).
+    pub record_lines: Family<OutcomeLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -324,7 +327,14 @@ impl Metrics {
             "Configuration reloads on SIGHUP, by outcome",
             config_reloads.clone(),
         );
+        let record_lines = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "kvroute_record_lines",
+            "Trace lines of the traffic recorder (record), by outcome",
+            record_lines.clone(),
+        );
         Metrics {
+            record_lines,
             etcd_connected,
             etcd_workers,
             policy_updates,

@@ -39,6 +39,8 @@ pub struct AppState {
     pub draining: std::sync::atomic::AtomicBool,
     /// Client API keys (`api_key_file`); `None`: every client is served.
     pub api_keys: Option<crate::api_keys::ApiKeys>,
+    /// The traffic recorder (`record`), when configured.
+    pub recorder: Option<crate::record::Recorder>,
     /// The cluster sync over NATS (`nats`), when configured.
     pub sync: Option<Arc<crate::cluster::sync::ReplicaSync>>,
     /// The static workers: `worker_urls` of the configuration in effect, normalised
@@ -92,11 +94,24 @@ impl AppState {
             None => None,
         };
         let metrics = Metrics::new();
+        let recorder = match &cfg.record {
+            Some(path) => Some(crate::record::Recorder::start(
+                &crate::record::RecordConfig {
+                    path: path.into(),
+                    max_bytes: cfg.record_max_bytes,
+                    files: cfg.record_files,
+                    block_tokens: cfg.record_block_tokens,
+                },
+                &metrics,
+            )?),
+            None => None,
+        };
         let sync = cfg
             .nats
             .as_ref()
             .map(|_| crate::cluster::sync::ReplicaSync::new(&cfg.cluster, cfg.replica_id.as_deref(), &metrics));
         Ok(Arc::new(AppState {
+            recorder,
             static_workers: arc_swap::ArcSwap::from_pointee(crate::reload::static_set(&cfg.worker_urls)),
             sync,
             api_keys,

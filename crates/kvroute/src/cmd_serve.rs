@@ -103,6 +103,19 @@ pub struct Args {
     /// The etcd key of the live policy (e.g. Cognitora's /cognitora/routing/policy).
     #[arg(long, env = "KVROUTE_ETCD_POLICY_KEY")]
     pub etcd_policy_key: Option<String>,
+    /// Record every dispatched request as a privacy-safe trace line in FILE (no text: token
+    /// counts, salted block ids, session; `kvroute replay --trace FILE` reads it).
+    #[arg(long, env = "KVROUTE_RECORD", value_name = "FILE")]
+    pub record: Option<String>,
+    /// Size at which the --record file rotates to FILE.1, bytes (default 256 MiB).
+    #[arg(long)]
+    pub record_max_bytes: Option<u64>,
+    /// --record files kept in all, the current one included (default 4).
+    #[arg(long)]
+    pub record_files: Option<u32>,
+    /// Tokens per block of the recorded hash ids (default 16).
+    #[arg(long)]
+    pub record_block_tokens: Option<u32>,
     /// NATS server over which the router replicas of --cluster share routing state.
     #[arg(long, env = "KVROUTE_NATS")]
     pub nats: Option<String>,
@@ -196,14 +209,20 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         kv_predict_window_secs,
         kv_parity_check,
         api_key_rpm,
-        api_key_tpm
+        api_key_tpm,
+        record_max_bytes,
+        record_files,
+        record_block_tokens
     );
     if !a.etcd.is_empty() {
         cfg.etcd = a.etcd.clone();
     }
-    for (flag, field) in
-        [(&a.etcd_policy_key, &mut cfg.etcd_policy_key), (&a.nats, &mut cfg.nats), (&a.replica_id, &mut cfg.replica_id)]
-    {
+    for (flag, field) in [
+        (&a.etcd_policy_key, &mut cfg.etcd_policy_key),
+        (&a.nats, &mut cfg.nats),
+        (&a.replica_id, &mut cfg.replica_id),
+        (&a.record, &mut cfg.record),
+    ] {
         if flag.is_some() {
             field.clone_from(flag);
         }

@@ -10,6 +10,7 @@
 //! decide   pure: the model's router picks, changes nothing         route::decide
 //! dispatch send, retry; commit each worker really written to       dispatch::send
 //! respond  relay (streamed or whole); settle ticket, permit, count respond::respond
+//!          (with `record`, each dispatched request is a trace line)      crate::record
 //! ```
 
 pub mod dispatch;
@@ -90,10 +91,15 @@ async fn run(
         decision.push_str(&format!("({reason})"));
     }
     log_decision(&routed, &info, &decision);
+    // Recorded from here on: every request dispatched, whatever its outcome.
+    let record = s
+        .recorder
+        .as_ref()
+        .map(|r| r.begin(t0, &info.text, info.token_ids.as_deref(), info.session.as_deref(), info.max_tokens));
     let sent = dispatch::send(s, api, &routed, &info, &precise, &model, &bytes, headers)
         .await
         .map_err(|e| (ApiError::from(e), branch))?;
-    respond::respond(s, sent, permit, &decision, branch, t0).map_err(|e| (e, branch))
+    respond::respond(s, sent, permit, &decision, branch, t0, record).map_err(|e| (e, branch))
 }
 
 /// The client's API key, with one request taken from its bucket; `None` when the router

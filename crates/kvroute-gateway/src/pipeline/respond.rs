@@ -41,6 +41,7 @@ pub fn respond(
     decision: &str,
     branch: &'static str,
     t0: Instant,
+    record: Option<crate::record::Pending>,
 ) -> Result<Response, ApiError> {
     let Sent { resp, body, worker, mut ticket, shared, predicted, first_byte_by } = sent;
     let status = resp.status();
@@ -62,6 +63,7 @@ pub fn respond(
             t0,
             first: false,
             branch,
+            record: record.map(|r| (r, StreamTokens::default())),
             _permit: permit,
         };
         let limits = Silence {
@@ -75,6 +77,12 @@ pub fn respond(
     };
     if let Some(p) = predicted {
         p.settle(s);
+    }
+    if let Some(r) = record {
+        match completion_tokens(&body) {
+            Some(n) => r.finish(n),
+            None => drop(r),
+        }
     }
     ticket.first_token();
     ticket.close();
@@ -116,7 +124,7 @@ fn relay(
         };
         match tokio::time::timeout_at(by, up.next()).await {
             Ok(Some(Ok(b))) => {
-                guard.on_bytes();
+                guard.on_bytes(&b);
                 Some((Ok(b), Some((up, guard))))
             }
             Ok(Some(Err(e))) => error(&mut guard, format!("upstream stream failed: {e}"), 502),
@@ -152,11 +160,82 @@ struct StreamGuard {
     t0: Instant,
     first: bool,
     branch: &'static str,
+    /// The request being recorded (`record`) and what its stream reported so far.
+    record: Option<(crate::record::Pending, StreamTokens)>,
     _permit: Permit,
 }
 
+/// Output tokens of a relayed stream, for the recorder: the last `completion_tokens` a
+/// usage chunk reported, else one per SSE data event (engines send a token a chunk).
+#[derive(Debug, Default)]
+struct StreamTokens {
+    events: u32,
+    usage: Option<u32>,
+}
+
+impl StreamTokens {
+    fn scan(&mut self, b: &[u8]) {
+        const DATA: &[u8] = b"data:";
+        const USAGE: &[u8] = b"\"completion_tokens\":";
+        let mut i = 0;
+        while let Some(k) = find(&b[i..], DATA) {
+            let rest = b[i + k + DATA.len()..].trim_ascii_start();
+            if !rest.starts_with(b"[DONE]") {
+                self.events = self.events.saturating_add(1);
+            }
+            i += k + DATA.len();
+        }
+        if let Some(k) = rfind(b, USAGE) {
+            let digits: Vec<u8> =
+                b[k + USAGE.len()..].trim_ascii_start().iter().copied().take_while(u8::is_ascii_digit).collect();
+            if let Some(n) = std::str::from_utf8(&digits).ok().and_then(|d| d.parse().ok()) {
+                self.usage = Some(n);
+            }
+        }
+    }
+
+    fn tokens(&self) -> u32 {
+        self.usage.unwrap_or(self.events)
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn rfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).rposition(|w| w == needle)
+}
+
+/// `usage.completion_tokens` (OpenAI) or `meta_info.completion_tokens` (SGLang
+/// `/generate`) of a whole answer.
+fn completion_tokens(body: &[u8]) -> Option<u32> {
+    #[derive(serde::Deserialize)]
+    struct Counted {
+        completion_tokens: Option<u64>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        usage: Option<Counted>,
+        meta_info: Option<Counted>,
+    }
+    let a: Answer = serde_json::from_slice(body).ok()?;
+    let n = a.usage.and_then(|u| u.completion_tokens).or_else(|| a.meta_info.and_then(|m| m.completion_tokens))?;
+    Some(n.min(u64::from(u32::MAX)) as u32)
+}
+
 impl StreamGuard {
-    fn on_bytes(&mut self) {
+    /// The request's recorded line, with the tokens its stream carried.
+    fn finish_record(&mut self) {
+        if let Some((r, t)) = self.record.take() {
+            r.finish(t.tokens());
+        }
+    }
+
+    fn on_bytes(&mut self, b: &[u8]) {
+        if let Some((_, t)) = &mut self.record {
+            t.scan(b);
+        }
         if !self.first {
             self.first = true;
             if let Some(p) = self.predicted.take() {
@@ -170,6 +249,7 @@ impl StreamGuard {
         }
     }
     fn complete(&mut self) {
+        self.finish_record();
         if self.ticket.is_open() {
             self.ticket.close();
             self.shared = None;
@@ -179,6 +259,7 @@ impl StreamGuard {
         }
     }
     fn fail(&mut self) {
+        self.finish_record();
         if self.ticket.is_open() {
             self.ticket.close();
             self.shared = None;
@@ -190,6 +271,7 @@ impl StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
+        self.finish_record();
         if let Some(p) = self.predicted.take() {
             p.settle(&self.state);
         }
