@@ -5,6 +5,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod cmd_advise;
 mod cmd_bench;
 mod cmd_demo;
 mod cmd_engine_sim;
@@ -31,6 +32,9 @@ enum Command {
     Serve(Box<cmd_serve::Args>),
     /// Replay a request trace through every policy on simulated engines.
     Replay(cmd_replay::Args),
+    /// Which policy and knobs fit a trace (e.g. one recorded with `serve --record`), from
+    /// replays over several arrival realisations.
+    Advise(cmd_advise::Args),
     /// Load generator (trace or synthetic, open or closed loop), and `bench compare` with peer routers.
     Bench(Box<cmd_bench::Args>),
     /// List every routing policy with its knobs, defaults and source.
@@ -67,6 +71,7 @@ fn main() -> std::process::ExitCode {
         Command::EngineSim(a) => cmd_engine_sim::run(a),
         Command::Serve(a) => cmd_serve::run(*a),
         Command::Replay(a) => cmd_replay::run(a),
+        Command::Advise(a) => cmd_advise::run(a),
         Command::Policies(a) => cmd_policies::run(a),
         Command::Bench(a) => cmd_bench::run(*a),
         Command::Register(a) => cmd_register::run(a),

@@ -1,7 +1,7 @@
 //! `kvroute serve --record FILE`: live traffic through the gateway written as a trace that
 //! keeps no text, shares leading block ids exactly where prompts share a prefix, counts the
-//! worker's output tokens, keeps sessions, rotates at its size limit, and replays with
-//! `kvroute replay --trace`. Real processes on 127.0.0.1; every wait has a hang guard.
+//! worker's output tokens, keeps sessions, rotates at its size limit, replays with
+//! `kvroute replay --trace`, and gets advice from `kvroute advise`. Real processes on 127.0.0.1; every wait has a hang guard.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -129,6 +129,24 @@ async fn recorded_traffic_keeps_no_text_shares_prefix_ids_and_replays() {
     assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("cache_aware"), "{stdout}");
+
+    // And advice from it: on documents shared by several requests, a prefix-aware policy
+    // beats round robin (which sends each document's requests to both engines).
+    let advice = dir.join("advice.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["advise", "--trace", file.to_str().expect("utf-8"), "--engines", "2", "--realisations", "2"])
+        .args(["--policies", "round_robin,cache_aware", "--current", "round_robin", "--no-knob-search"])
+        .args(["--json", advice.to_str().expect("utf-8")])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run advise");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&advice).expect("advice written")).expect("json");
+    assert_eq!(v["recommended"]["policy"], "cache_aware", "{stdout}");
+    assert_eq!(v["ranking"].as_array().expect("ranking").len(), 2);
+    assert!(v["mean_ttft_change_pct"].as_f64().expect("change") < 0.0, "{stdout}");
+    assert!(stdout.contains("kvroute serve --policy cache_aware"), "{stdout}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -164,4 +182,32 @@ async fn the_trace_rotates_at_its_size_limit_and_keeps_its_file_count() {
         assert!(len <= 4096, "{} is {len} bytes", f.display());
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn advise_refuses_bad_input_naming_the_flag() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/traces/mooncake_conversation_trace.jsonl");
+    for (extra, says) in [
+        (vec!["--policies", "no_such_policy"], "--policies: unknown policy `no_such_policy`"),
+        (vec!["--realisations", "0"], "--realisations"),
+        (vec!["--engines", "0"], "--engines"),
+        (vec!["--current", "nope"], "--current"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["advise", "--trace", trace, "--limit", "50"])
+            .args(&extra)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run advise");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        assert!(stderr.contains(says), "{extra:?}: {stderr}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["advise", "--trace", "/nonexistent/trace.jsonl"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run advise");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--trace /nonexistent/trace.jsonl"));
 }

@@ -1,0 +1,446 @@
+//! `kvroute advise`: which policy (and knobs) fits a trace — typically one recorded with
+//! `kvroute serve --record` — judged by replaying it through every candidate on simulated
+//! engines over several arrival realisations.
+//!
+//! 1. Every candidate policy is replayed on each realisation of the trace: for traces with
+//!    whole-second timestamps (Mooncake), each second's requests at seeded random instants
+//!    ([`trace::spread_seconds_random`]); for traces with finer timestamps (recorded ones),
+//!    each arrival moved by a seeded uniform jitter of up to `--jitter-ms`, order kept.
+//! 2. Policies are ranked by rejections, then mean TTFT averaged over the realisations.
+//! 3. Unless `--no-knob-search`, the best `--search-top` policies are tried again with each
+//!    numeric knob halved and doubled, one knob at a time (one pass of a coordinate search,
+//!    the knob's documented range permitting); a variant is kept when its mean TTFT is lower
+//!    in every realisation.
+//! 4. The recommendation is printed with its expected change against `--current` (mean and
+//!    p99 TTFT, averaged, and the spread of the mean's change over the realisations), and the
+//!    `kvroute serve` flags that select it.
+
+use crate::cmd_replay::load_profile;
+use anyhow::{Context, bail};
+use kvroute_sim::engine::Profile;
+use kvroute_sim::replay::{PrefixState, ReplayConfig, replay};
+use kvroute_sim::report::{Slo, summarise};
+use kvroute_sim::trace::{self, TraceRequest};
+use rand_core::{Rng, SeedableRng};
+use serde::Serialize;
+use std::path::PathBuf;
+
+/// Flags of `kvroute advise`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Trace file (a `kvroute serve --record` file, Mooncake JSONL, session JSONL or Azure CSV).
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Number of simulated engines (the fleet the advice is for).
+    #[arg(long, default_value_t = 8)]
+    pub engines: usize,
+    /// Engine profile (h100-llama3-8b, a100-llama3-8b, cpu-smollm2-135m).
+    #[arg(long, default_value = "h100-llama3-8b")]
+    pub profile: String,
+    /// Overrides of profile constants as a JSON object, e.g. '{"kv_tokens": 200000}'.
+    #[arg(long)]
+    pub profile_set: Option<String>,
+    /// Arrival-rate multiplier (1 = the trace's own load; 1.5 = the same traffic 50 % busier).
+    #[arg(long, default_value_t = 1.0)]
+    pub rate_scale: f64,
+    /// Candidate policies, comma-separated, or `all`.
+    #[arg(long, default_value = "all")]
+    pub policies: String,
+    /// The policy running now, the baseline of the expected gain.
+    #[arg(long, default_value = "cache_aware")]
+    pub current: String,
+    /// Arrival realisations each candidate is replayed on (1 to 32).
+    #[arg(long, default_value_t = 3)]
+    pub realisations: u64,
+    /// Traces with sub-second timestamps: the largest shift of an arrival in a realisation, ms.
+    #[arg(long, default_value_t = 100.0)]
+    pub jitter_ms: f64,
+    /// Knob search: how many of the best policies get one (0 = none).
+    #[arg(long, default_value_t = 2)]
+    pub search_top: usize,
+    /// No knob search.
+    #[arg(long)]
+    pub no_knob_search: bool,
+    /// Keep only the first N requests of the trace.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Write the ranking and the recommendation as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Parallel replays (default: available cores).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+}
+
+/// One candidate (a policy with knobs) over every realisation.
+#[derive(Debug, Clone, Serialize)]
+pub struct Candidate {
+    /// Policy name.
+    pub policy: String,
+    /// Knobs changed from the policy's defaults (an empty object for the defaults).
+    pub knobs: serde_json::Value,
+    /// Mean TTFT per realisation, seconds.
+    pub ttft_mean_s: Vec<f64>,
+    /// p99 TTFT per realisation, seconds.
+    pub ttft_p99_s: Vec<f64>,
+    /// Rejected share per realisation.
+    pub rejection_rate: Vec<f64>,
+    /// Prefix-cache hit ratio per realisation.
+    pub hit_ratio: Vec<f64>,
+}
+
+impl Candidate {
+    fn avg(v: &[f64]) -> f64 {
+        if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 }
+    }
+    /// Mean TTFT averaged over the realisations, seconds.
+    pub fn mean(&self) -> f64 {
+        Self::avg(&self.ttft_mean_s)
+    }
+    /// p99 TTFT averaged over the realisations, seconds.
+    pub fn p99(&self) -> f64 {
+        Self::avg(&self.ttft_p99_s)
+    }
+    /// Rejected share averaged over the realisations.
+    pub fn rejections(&self) -> f64 {
+        Self::avg(&self.rejection_rate)
+    }
+    fn label(&self) -> String {
+        match self.knobs.as_object() {
+            Some(o) if !o.is_empty() => format!("{} {}", self.policy, self.knobs),
+            _ => self.policy.clone(),
+        }
+    }
+    /// Ordering: fewer rejections first, then lower mean TTFT.
+    fn better_than(&self, o: &Candidate) -> bool {
+        let (a, b) = (self.rejections(), o.rejections());
+        if (a - b).abs() > 1e-9 {
+            return a < b;
+        }
+        self.mean() < o.mean()
+    }
+}
+
+/// Realisation `k` of `base`.
+fn realisation(base: &[TraceRequest], k: u64, jitter_ms: f64, rate: f64) -> Vec<TraceRequest> {
+    let mut t = base.to_vec();
+    let whole = t.iter().all(|r| r.arrival.0.is_multiple_of(1_000_000_000));
+    if whole {
+        trace::spread_seconds_random(&mut t, k);
+    } else if jitter_ms > 0.0 {
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(k);
+        let span = (jitter_ms * 1e6) as u64;
+        for r in &mut t {
+            let shift = rng.next_u64() % (2 * span + 1);
+            r.arrival.0 = (r.arrival.0 + shift).saturating_sub(span);
+        }
+        t.sort_by_key(|r| r.arrival);
+    }
+    trace::scale_rate(&mut t, rate);
+    t
+}
+
+/// Replays `(policy, knobs)` on every realisation (in parallel over `jobs` threads).
+fn evaluate(
+    runs: &[(String, serde_json::Value)],
+    traces: &[Vec<TraceRequest>],
+    engines: usize,
+    profile: &Profile,
+    jobs: usize,
+) -> anyhow::Result<Vec<Candidate>> {
+    let infinite = trace::infinite_cache_hit(&traces[0]);
+    let slo = Slo { ttft_s: 2.0, tpot_s: 0.1 };
+    let work: Vec<(usize, usize)> = (0..runs.len()).flat_map(|i| (0..traces.len()).map(move |k| (i, k))).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let out = std::sync::Mutex::new(vec![vec![None; traces.len()]; runs.len()]);
+    std::thread::scope(|s| {
+        for _ in 0..jobs.max(1).min(work.len()) {
+            s.spawn(|| {
+                loop {
+                    let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(&(i, k)) = work.get(n) else { break };
+                    let cfg = ReplayConfig {
+                        engines,
+                        profile: profile.clone(),
+                        policy: runs[i].0.clone(),
+                        knobs: runs[i].1.clone(),
+                        seed: k as u64,
+                        max_waiting: 4096,
+                        engine_signals: true,
+                        prefix_state: PrefixState::Approximate,
+                    };
+                    let r = replay(&traces[k], &cfg, &mut |_| {})
+                        .map(|res| summarise(&res, 1.0, infinite, slo))
+                        .map_err(|e| e.to_string());
+                    if let Ok(mut g) = out.lock() {
+                        g[i][k] = Some(r);
+                    }
+                }
+            });
+        }
+    });
+    let out = out.into_inner().map_err(|_| anyhow::anyhow!("a replay thread panicked"))?;
+    let mut cands = Vec::new();
+    for ((policy, knobs), rs) in runs.iter().zip(out) {
+        let mut c = Candidate {
+            policy: policy.clone(),
+            knobs: knobs.clone(),
+            ttft_mean_s: Vec::new(),
+            ttft_p99_s: Vec::new(),
+            rejection_rate: Vec::new(),
+            hit_ratio: Vec::new(),
+        };
+        for r in rs {
+            let r = match r {
+                Some(Ok(r)) => r,
+                Some(Err(e)) => bail!("replay of `{policy}` failed: {e}"),
+                None => bail!("replay of `{policy}` did not run"),
+            };
+            c.ttft_mean_s.push(r.latency.ttft_mean_s);
+            c.ttft_p99_s.push(r.latency.ttft_p99_s);
+            c.rejection_rate.push(r.rejection_rate);
+            c.hit_ratio.push(r.hit_ratio);
+        }
+        cands.push(c);
+    }
+    Ok(cands)
+}
+
+/// Knob variants of `policy` for one pass of a coordinate search: each numeric knob halved
+/// and doubled (integers stay integers and at least 1), one at a time; variants the policy
+/// refuses (out of range) are left out.
+fn knob_variants(policy: &str) -> Vec<serde_json::Value> {
+    let Some(info) = kvroute_core::registry::list().into_iter().find(|i| i.name == policy) else { return Vec::new() };
+    let mut out = Vec::new();
+    for k in &info.knobs {
+        let variants: Vec<serde_json::Value> = match &k.default {
+            serde_json::Value::Number(n) if n.is_u64() || n.is_i64() => {
+                let v = n.as_i64().unwrap_or(0);
+                if v <= 0 {
+                    continue;
+                }
+                vec![(v / 2).max(1).into(), v.saturating_mul(2).into()]
+            }
+            serde_json::Value::Number(n) => {
+                let v = n.as_f64().unwrap_or(0.0);
+                if v == 0.0 || !v.is_finite() {
+                    continue;
+                }
+                vec![(v / 2.0).into(), (v * 2.0).into()]
+            }
+            _ => continue,
+        };
+        for v in variants {
+            if v == k.default {
+                continue;
+            }
+            let knobs = serde_json::json!({ k.name: v });
+            if kvroute_core::registry::build(policy, &knobs).is_ok() {
+                out.push(knobs);
+            }
+        }
+    }
+    out
+}
+
+/// Runs `kvroute advise`.
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.engines == 0 {
+        bail!("--engines must be at least 1");
+    }
+    if !(1..=32).contains(&a.realisations) {
+        bail!("--realisations: expected 1 to 32");
+    }
+    if !(a.rate_scale.is_finite() && a.rate_scale > 0.0) {
+        bail!("--rate-scale: {} must be > 0", a.rate_scale);
+    }
+    if !(a.jitter_ms.is_finite() && (0.0..=60_000.0).contains(&a.jitter_ms)) {
+        bail!("--jitter-ms: expected 0 to 60000");
+    }
+    let names = kvroute_core::registry::names();
+    let mut policies: Vec<String> = Vec::new();
+    for p in a.policies.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        if p == "all" {
+            policies.extend(names.iter().map(|n| n.to_string()));
+        } else if names.contains(&p) {
+            policies.push(p.to_string());
+        } else {
+            bail!("--policies: unknown policy `{p}`; known: all, {}", names.join(", "));
+        }
+    }
+    if !names.contains(&a.current.as_str()) {
+        bail!("--current: unknown policy `{}`", a.current);
+    }
+    if !policies.contains(&a.current) {
+        policies.push(a.current.clone());
+    }
+    policies.dedup();
+    let profile = load_profile(&a.profile, a.profile_set.as_deref())?;
+    let mut base = trace::read(&a.trace, None).with_context(|| format!("--trace {}", a.trace.display()))?;
+    if let Some(n) = a.limit {
+        trace::truncate(&mut base, n);
+    }
+    if base.is_empty() {
+        bail!("{}: no requests", a.trace.display());
+    }
+    let traces: Vec<Vec<TraceRequest>> =
+        (1..=a.realisations).map(|k| realisation(&base, k, a.jitter_ms, a.rate_scale)).collect();
+    let jobs = a.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
+    eprintln!(
+        "kvroute advise: {} requests, {} policies × {} realisations on {} engines ({})",
+        base.len(),
+        policies.len(),
+        a.realisations,
+        a.engines,
+        profile.name
+    );
+    let runs: Vec<(String, serde_json::Value)> = policies.iter().map(|p| (p.clone(), serde_json::json!({}))).collect();
+    let mut cands = evaluate(&runs, &traces, a.engines, &profile, jobs)?;
+    sort(&mut cands);
+
+    // Knob search on the best few.
+    let mut tuned: Vec<Candidate> = Vec::new();
+    if !a.no_knob_search {
+        let mut variants = Vec::new();
+        for c in cands.iter().take(a.search_top) {
+            variants.extend(knob_variants(&c.policy).into_iter().map(|k| (c.policy.clone(), k)));
+        }
+        if !variants.is_empty() {
+            eprintln!("kvroute advise: knob search, {} variants", variants.len());
+            for v in evaluate(&variants, &traces, a.engines, &profile, jobs)? {
+                let Some(plain) = cands.iter().find(|c| c.policy == v.policy) else { continue };
+                let everywhere = v.ttft_mean_s.iter().zip(&plain.ttft_mean_s).all(|(x, y)| x < y)
+                    && v.rejections() <= plain.rejections() + 1e-9;
+                if everywhere {
+                    tuned.push(v);
+                }
+            }
+            sort(&mut tuned);
+        }
+    }
+    let mut all = cands.clone();
+    all.extend(tuned.iter().cloned());
+    sort(&mut all);
+    let best = all.first().context("no candidate")?.clone();
+    let current = cands.iter().find(|c| c.policy == a.current).context("the current policy was not replayed")?;
+
+    println!(
+        "{:<4} {:<48} {:>10} {:>20} {:>10} {:>8} {:>7}",
+        "rank", "policy", "TTFT mean", "(min–max)", "TTFT p99", "hit %", "rej %"
+    );
+    for (i, c) in all.iter().enumerate() {
+        let lo = c.ttft_mean_s.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = c.ttft_mean_s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        println!(
+            "{:<4} {:<48} {:>9.3}s {:>20} {:>9.3}s {:>7.1}% {:>6.2}%",
+            i + 1,
+            c.label(),
+            c.mean(),
+            format!("({lo:.3}–{hi:.3})"),
+            c.p99(),
+            100.0 * Candidate::avg(&c.hit_ratio),
+            100.0 * c.rejections()
+        );
+    }
+    let changes: Vec<f64> =
+        best.ttft_mean_s.iter().zip(&current.ttft_mean_s).map(|(b, c)| 100.0 * (b / c - 1.0)).collect();
+    let (lo, hi) = changes.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), &x| (l.min(x), h.max(x)));
+    let mean_change = 100.0 * (best.mean() / current.mean() - 1.0);
+    let p99_change = 100.0 * (best.p99() / current.p99() - 1.0);
+    println!();
+    if best.policy == current.policy && best.knobs.as_object().is_none_or(|o| o.is_empty()) {
+        println!("Recommended: keep {} (no candidate does better on this trace).", current.policy);
+    } else {
+        println!(
+            "Recommended: {} — mean TTFT {:.3} s against {:.3} s with {} ({:+.1} %; {:+.1} to {:+.1} % over {} realisations), p99 {:+.1} %",
+            best.label(),
+            best.mean(),
+            current.mean(),
+            current.policy,
+            mean_change,
+            lo,
+            hi,
+            a.realisations,
+            p99_change
+        );
+    }
+    let mut flags = format!("--policy {}", best.policy);
+    if best.knobs.as_object().is_some_and(|o| !o.is_empty()) {
+        flags.push_str(&format!(" --policy-knobs '{}'", best.knobs));
+    }
+    println!("kvroute serve {flags}");
+    println!(
+        "(simulated: {} engines of profile {}, the trace at ×{}; a prediction, not a measurement)",
+        a.engines, profile.name, a.rate_scale
+    );
+    if let Some(p) = &a.json {
+        let doc = serde_json::json!({
+            "trace": a.trace.display().to_string(),
+            "requests": base.len(),
+            "engines": a.engines,
+            "profile": profile.name,
+            "rate_scale": a.rate_scale,
+            "realisations": a.realisations,
+            "current": current,
+            "ranking": all,
+            "recommended": best,
+            "mean_ttft_change_pct": mean_change,
+            "mean_ttft_change_pct_range": [lo, hi],
+            "p99_ttft_change_pct": p99_change,
+            "serve_flags": flags,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n").with_context(|| format!("--json {}", p.display()))?;
+    }
+    Ok(())
+}
+
+fn sort(c: &mut [Candidate]) {
+    c.sort_by(|a, b| {
+        if a.better_than(b) {
+            std::cmp::Ordering::Less
+        } else if b.better_than(a) {
+            std::cmp::Ordering::Greater
+        } else {
+            std::cmp::Ordering::Equal
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn knob_variants_halve_and_double_numeric_knobs_within_range() {
+        let v = knob_variants("cache_aware");
+        assert!(!v.is_empty());
+        for k in &v {
+            let o = k.as_object().expect("object");
+            assert_eq!(o.len(), 1, "one knob at a time: {k}");
+            assert!(kvroute_core::registry::build("cache_aware", k).is_ok());
+        }
+        assert!(knob_variants("no_such_policy").is_empty());
+    }
+
+    #[test]
+    fn sub_second_traces_are_jittered_and_whole_second_ones_spread() {
+        let mk = |ns: u64| TraceRequest {
+            arrival: kvroute_core::types::Nanos(ns),
+            input_tokens: 10,
+            output_tokens: 1,
+            blocks: Vec::new(),
+            block_tokens: 16,
+            session: None,
+            turn: 0,
+        };
+        let fine: Vec<TraceRequest> = (0..50).map(|i| mk(1_000_000_000 + i * 3_000_001)).collect();
+        let a = realisation(&fine, 1, 100.0, 1.0);
+        let b = realisation(&fine, 2, 100.0, 1.0);
+        assert_ne!(a.iter().map(|r| r.arrival).collect::<Vec<_>>(), b.iter().map(|r| r.arrival).collect::<Vec<_>>());
+        assert!(a.iter().zip(&fine).all(|(x, y)| x.arrival.0.abs_diff(y.arrival.0) <= 200_000_000));
+        assert!(a.windows(2).all(|w| w[0].arrival <= w[1].arrival));
+        let whole: Vec<TraceRequest> = (0..10).map(|_| mk(2_000_000_000)).collect();
+        let c = realisation(&whole, 1, 100.0, 1.0);
+        assert!(c.iter().any(|r| r.arrival.0 != 2_000_000_000));
+    }
+}
