@@ -19,7 +19,7 @@ struct TraceReq {
 }
 
 fn mooncake() -> Vec<TraceReq> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/traces/mooncake_conversation_trace.jsonl");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
     let text = std::fs::read_to_string(path).unwrap_or_default();
     text.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())

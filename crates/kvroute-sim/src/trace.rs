@@ -74,8 +74,14 @@ pub enum TraceError {
     NotFound,
 }
 
-/// The Mooncake conversation trace: `given`, else `shared/data/traces/` found from the
-/// current directory (the repository root, a crate directory, or beside the checkout).
+/// The Mooncake conversation trace vendored in this repository (`data/traces/`, with its
+/// source, licence and checksum), as built: an absolute path into the source checkout.
+pub const VENDORED_MOONCAKE: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
+
+/// The Mooncake conversation trace: `given`, else the copy vendored in the repository
+/// ([`VENDORED_MOONCAKE`]), else `shared/data/traces/` found from the current directory
+/// (the repository root, a crate directory, or beside the checkout).
 ///
 /// # Errors
 /// [`TraceError::NotFound`] when nothing is given and no copy is found.
@@ -84,6 +90,8 @@ pub fn find_default(given: Option<&Path>) -> Result<PathBuf, TraceError> {
         return Ok(p.to_path_buf());
     }
     [
+        VENDORED_MOONCAKE,
+        "data/traces/mooncake_conversation_trace.jsonl",
         "../shared/data/traces/mooncake_conversation_trace.jsonl",
         "shared/data/traces/mooncake_conversation_trace.jsonl",
         "../../shared/data/traces/mooncake_conversation_trace.jsonl",

@@ -1,6 +1,8 @@
-//! `kvroute demo`: 4 simulated engines, the gateway, and a slice of the Mooncake
-//! conversation trace replayed over real HTTP — first under `round_robin`, then under a
-//! cache-aware policy — with a side-by-side table.
+//! `kvroute demo`: 4 simulated engines, the gateway, and the multi-turn conversations of
+//! a Mooncake trace slice replayed over real HTTP near the fleet's knee — under
+//! `round_robin`, `cache_aware` (SGLang router's) and `prefill_cost` (kvroute's) in turn —
+//! with a side-by-side table and a TTFT plot. The trace is the copy vendored in
+//! `data/traces/`, so the demo needs nothing outside the repository.
 //!
 //! Prompt text is synthesised from the trace's `hash_ids`: each 512-token block becomes
 //! 2,048 deterministic characters derived from its id, so requests sharing block ids share
@@ -21,26 +23,45 @@ use std::time::Duration;
 /// Flags of `kvroute demo`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Mooncake trace (default: ../shared/data/traces/mooncake_conversation_trace.jsonl or
-    /// shared/data/traces/… from the current directory).
+    /// Mooncake trace (default: the copy vendored in the repository, data/traces/).
     #[arg(long, env = "KVROUTE_TRACE")]
     pub trace: Option<PathBuf>,
-    /// Requests replayed per policy (from the start of the trace).
-    #[arg(long, default_value_t = 1000)]
+    /// Start of the trace slice, seconds from the trace start.
+    #[arg(long, default_value_t = 0.0)]
+    pub start_secs: f64,
+    /// Length of the trace slice, seconds of the trace's own time.
+    #[arg(long, default_value_t = 1200.0)]
+    pub window_secs: f64,
+    /// Keep the conversations with at least this many turns in the slice (Mooncake's
+    /// depth-2 prefix groups): the traffic a prefix cache can serve.
+    #[arg(long, default_value_t = 3)]
+    pub min_turns: usize,
+    /// Drop conversations with a prompt longer than this many tokens.
+    #[arg(long, default_value_t = 32_768)]
+    pub max_input_tokens: u32,
+    /// Arrival-rate multiplier of the slice (the default is past round robin's knee on 4
+    /// engines, and below a prefix-aware policy's).
+    #[arg(long, default_value_t = 10.0)]
+    pub rate_scale: f64,
+    /// At most this many requests per policy.
+    #[arg(long, default_value_t = 2000)]
     pub requests: usize,
     /// Simulated engines.
     #[arg(long, default_value_t = 4)]
     pub engines: usize,
-    /// Cache-aware policy compared with round_robin.
-    #[arg(long, default_value = "prefill_cost")]
-    pub policy: String,
+    /// Policies compared, comma-separated (the first is the baseline).
+    #[arg(long, default_value = "round_robin,cache_aware,prefill_cost")]
+    pub policies: String,
     /// Simulated seconds per wall second (engines and arrivals alike).
     #[arg(long, default_value_t = 25.0)]
     pub time_scale: f64,
     /// Cap on output tokens per request.
     #[arg(long, default_value_t = 128)]
     pub max_output: u32,
-    /// Keep the router (with the cache-aware policy) running afterwards.
+    /// Write the TTFT CDF plot as PLOT.png and PLOT.svg ("" for none).
+    #[arg(long, default_value = "kvroute-demo-ttft")]
+    pub plot: String,
+    /// Keep a router (with the last policy) running afterwards.
     #[arg(long)]
     pub serve: bool,
     /// Port of the router with --serve.
@@ -67,6 +88,8 @@ pub struct DemoRow {
     pub ttft_mean: f64,
     /// Completed requests per simulated second.
     pub throughput: f64,
+    /// TTFT CDF points (simulated seconds, share of requests).
+    pub ttft_cdf: Vec<(f64, f64)>,
 }
 
 struct Fleet {
@@ -157,6 +180,7 @@ async fn run_policy(
         ttft_p99: s.latency.ttft_p99_s,
         ttft_mean: s.latency.ttft_mean_s,
         throughput: s.throughput_rps,
+        ttft_cdf: s.ttft_cdf.clone(),
     })
 }
 
@@ -168,26 +192,62 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
         bail!("--time-scale must be > 0");
     }
-    kvroute_core::registry::build(&a.policy, &serde_json::Value::Null).context("--policy")?;
+    if !(a.rate_scale.is_finite() && a.rate_scale > 0.0) {
+        bail!("--rate-scale must be > 0");
+    }
+    if !(a.window_secs.is_finite() && a.window_secs > 0.0 && a.start_secs.is_finite() && a.start_secs >= 0.0) {
+        bail!("--start-secs must be >= 0 and --window-secs > 0");
+    }
+    let policies: Vec<String> =
+        a.policies.split(',').map(str::trim).filter(|p| !p.is_empty()).map(str::to_string).collect();
+    if policies.is_empty() {
+        bail!("--policies: none named");
+    }
+    for p in &policies {
+        kvroute_core::registry::build(p, &serde_json::Value::Null).with_context(|| format!("--policies: `{p}`"))?;
+    }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let path = kvroute_sim::trace::find_default(a.trace.as_deref())?;
     let mut reqs = trace::read(&path, None)?;
     trace::spread_seconds(&mut reqs);
+    let slice = trace::SessionSlice {
+        start_secs: a.start_secs,
+        window_secs: Some(a.window_secs),
+        min_turns: a.min_turns,
+        max_input_tokens: Some(a.max_input_tokens),
+    };
+    let mut reqs = trace::session_slice(reqs, &slice);
+    if let Some(first) = reqs.first().map(|r| r.arrival) {
+        for r in &mut reqs {
+            r.arrival.0 -= first.0;
+        }
+    }
+    trace::scale_rate(&mut reqs, a.rate_scale);
     reqs.truncate(a.requests);
+    if reqs.is_empty() {
+        bail!("no request left in the slice: widen --window-secs or lower --min-turns");
+    }
+    let bound = trace::infinite_cache_hit(&reqs);
     let load = workload::from_trace(&reqs, a.time_scale, a.max_output);
     let span = reqs.last().map_or(0.0, |r| r.arrival.as_secs_f64());
     println!(
-        "kvroute demo: {} Mooncake requests ({:.0} s of traffic, mean prompt {} tokens) on {} simulated H100 engines \
-         (Llama-3-8B profile, {}x faster than real time), over real HTTP through the kvroute gateway",
+        "kvroute demo: {} requests of Mooncake conversations with >= {} turns (trace {}, {:.0}-{:.0} s, x{} rate: \
+         {:.0} s of traffic, mean prompt {} tokens, at most {:.1} % of prompt tokens cacheable) on {} simulated \
+         H100 engines (Llama-3-8B profile, {}x faster than real time), over real HTTP through the kvroute gateway",
         reqs.len(),
+        a.min_turns,
+        path.canonicalize().unwrap_or_else(|_| path.clone()).display(),
+        a.start_secs,
+        a.start_secs + a.window_secs,
+        a.rate_scale,
         span,
         reqs.iter().map(|r| r.input_tokens as u64).sum::<u64>() / reqs.len() as u64,
+        100.0 * bound.0 as f64 / bound.1.max(1) as f64,
         a.engines,
         a.time_scale
     );
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {
-        let policies = ["round_robin".to_string(), a.policy.clone()];
         let bar = indicatif::ProgressBar::new((reqs.len() * policies.len()) as u64);
         bar.set_style(
             indicatif::ProgressStyle::with_template("{spinner} {msg:<12} [{bar:40}] {pos}/{len} requests ({elapsed})")
@@ -214,10 +274,36 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             );
         }
         println!("(TTFT in simulated seconds, measured at the client; hit % = prompt tokens served from the engines' prefix caches)");
+        if let (Some(base), Some(best)) =
+            (rows.first(), rows.iter().skip(1).min_by(|x, y| x.ttft_mean.total_cmp(&y.ttft_mean)))
+            && best.ttft_mean > 0.0
+        {
+            println!(
+                "{} against {}: mean TTFT {:.2}x, p99 {:.2}x, prompt tokens served from cache {:.1} % against {:.1} %",
+                best.policy,
+                base.policy,
+                best.ttft_mean / base.ttft_mean,
+                best.ttft_p99 / base.ttft_p99.max(1e-9),
+                100.0 * best.hit_ratio,
+                100.0 * base.hit_ratio
+            );
+        }
+        if !a.plot.is_empty() {
+            let stem = PathBuf::from(&a.plot);
+            let series: Vec<(&str, &[(f64, f64)])> =
+                rows.iter().map(|r| (r.policy.as_str(), r.ttft_cdf.as_slice())).collect();
+            let max_x = rows.iter().map(|r| r.ttft_p99).fold(0.1_f64, f64::max) * 1.2;
+            let title = format!("kvroute demo: TTFT CDF, {} engines, Mooncake conversations", a.engines);
+            match kvroute_sim::report::plot_cdf_series(&stem, &series, max_x, &title) {
+                Ok(()) => println!("plot: {}", stem.with_extension("png").display()),
+                Err(e) => eprintln!("kvroute: warning: plot skipped: {e}"),
+            }
+        }
         if a.serve {
             let fleet = start_fleet(a.engines, 1.0).await?;
-            let url = start_router(&fleet.urls, &a.policy, a.port, fleet.stop.clone()).await?;
-            println!("\nrouter on {url} (policy {}), {} simulated engines; Ctrl-C to stop. Try:", a.policy, a.engines);
+            let last = policies.last().map_or("prefill_cost", String::as_str);
+            let url = start_router(&fleet.urls, last, a.port, fleet.stop.clone()).await?;
+            println!("\nrouter on {url} (policy {last}), {} simulated engines; Ctrl-C to stop. Try:", a.engines);
             println!(
                 "  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"sim-llama-3-8b\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}],\"max_tokens\":8}}' -D - "
             );

@@ -1,6 +1,6 @@
 //! End to end on real engines: `kvroute serve` in front of two llama.cpp `llama-server`
 //! workers running a real model (SmolLM2-135M), with multi-turn conversations built from
-//! the real MT-bench questions (`shared/data/traces/mtbench_question.jsonl`).
+//! the real MT-bench questions (`data/traces/mtbench_question.jsonl`, vendored).
 //!
 //! Turn 2 of a conversation re-sends turn 1's prompt, the model's answer and the second
 //! question, so it shares turn 1's whole prompt as a prefix. llama.cpp reports how many
@@ -71,7 +71,7 @@ async fn wait_healthy(client: &reqwest::Client, url: &str) {
 }
 
 fn mtbench() -> Vec<(String, String)> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/traces/mtbench_question.jsonl");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mtbench_question.jsonl");
     let text = std::fs::read_to_string(path).expect("read mtbench_question.jsonl");
     text.lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())

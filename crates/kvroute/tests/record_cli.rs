@@ -186,7 +186,7 @@ async fn the_trace_rotates_at_its_size_limit_and_keeps_its_file_count() {
 
 #[test]
 fn advise_refuses_bad_input_naming_the_flag() {
-    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/traces/mooncake_conversation_trace.jsonl");
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
     for (extra, says) in [
         (vec!["--policies", "no_such_policy"], "--policies: unknown policy `no_such_policy`"),
         (vec!["--realisations", "0"], "--realisations"),

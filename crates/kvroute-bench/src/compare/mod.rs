@@ -94,7 +94,7 @@ pub struct Args {
     /// loop; 0: open loop, started at --rate).
     #[arg(long, default_value_t = 0)]
     pub conversation_concurrency: usize,
-    /// mtbench: the questions file (default: shared/data/traces/mtbench_question.jsonl).
+    /// mtbench: the questions file (default: `mtbench_question.jsonl` beside the trace).
     #[arg(long)]
     pub mtbench: Option<PathBuf>,
     /// shared-prefix: groups (distinct system prompts).
