@@ -36,6 +36,13 @@ pub struct Args {
     /// Arrival-rate multipliers, comma-separated (a load sweep when several).
     #[arg(long, default_value = "1")]
     pub rate_scale: String,
+    /// Which sessions of the trace to replay (a time span, conversations of a minimum
+    /// length; the slice's first request becomes time 0).
+    #[command(flatten)]
+    pub slice: kvroute_bench::cli::TraceSliceArgs,
+    /// Cap on every request's output tokens (as `kvroute demo` and `kvroute bench` send).
+    #[arg(long)]
+    pub max_output: Option<u32>,
     /// Keep this fraction of requests (deterministic from --seed).
     #[arg(long, default_value_t = 1.0)]
     pub sample: f64,
@@ -187,6 +194,24 @@ pub fn load_trace(args: &Args) -> anyhow::Result<Vec<TraceRequest>> {
         (true, _) => {}
         (false, Some(seed)) => trace::spread_seconds_random(&mut t, seed),
         (false, None) => trace::spread_seconds(&mut t),
+    }
+    let sliced = args.slice.trace_start > 0.0
+        || args.slice.trace_window.is_some()
+        || args.slice.min_turns > 1
+        || args.slice.max_input_tokens.is_some();
+    t = args.slice.apply(t)?;
+    if sliced && let Some(first) = t.first().map(|r| r.arrival) {
+        for r in &mut t {
+            r.arrival.0 -= first.0;
+        }
+    }
+    if let Some(cap) = args.max_output {
+        if cap == 0 {
+            bail!("--max-output must be at least 1");
+        }
+        for r in &mut t {
+            r.output_tokens = r.output_tokens.min(cap);
+        }
     }
     if args.sample < 1.0 {
         t = trace::sample(t, args.sample, args.seed);
