@@ -389,7 +389,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "p99_ttft_change_pct": p99_change,
             "serve_flags": flags,
         });
-        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n").with_context(|| format!("--json {}", p.display()))?;
+        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("--json {}", p.display()))?;
     }
     Ok(())
 }

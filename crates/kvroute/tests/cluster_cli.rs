@@ -16,8 +16,7 @@ mod nats;
 use nats::{Nats, fleet_hit_ratio, metric};
 
 const MODEL: &str = "sim-llama-3-8b";
-const TRACE: &str =
-    concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
+const TRACE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
 
 fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()

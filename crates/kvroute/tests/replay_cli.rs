@@ -93,3 +93,33 @@ fn an_arrival_seed_with_no_spread_is_refused() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("--arrival-seed") && err.contains("--no-spread"), "{err}");
 }
+
+#[test]
+fn a_trace_slice_replays_only_its_sessions_from_time_zero_and_outputs_are_capped() {
+    let dir = scratch("slice");
+    let t = trace(&dir);
+    let json = dir.join("slice.json");
+    // Seconds 5 to 15 of the trace (60 requests, 15 per group): groups are the sessions.
+    let out =
+        replay(&t, &json, &["--trace-start", "5", "--trace-window", "10", "--min-turns", "15", "--max-output", "7"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).expect("json")).expect("parse");
+    assert_eq!(v["requests"], 60, "{v}");
+    for r in v["reports"].as_array().expect("reports") {
+        assert_eq!(r["requests"], 60);
+        let tok = r["throughput_tok_s"].as_f64().expect("tok/s");
+        assert!(tok > 0.0);
+    }
+    // Longer than any session in the span: nothing left, said so.
+    let out = replay(&t, &json, &["--trace-start", "5", "--trace-window", "10", "--min-turns", "16"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("has no requests"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = replay(&t, &json, &["--max-output", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--max-output"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
