@@ -12,8 +12,9 @@
 //! - `timestamp`: milliseconds since the recording started (the request's arrival).
 //! - `input_length`: prompt tokens (exact with token ids or a local tokenizer, else the
 //!   text estimate of 4 bytes a token); `output_length`: the worker's
-//!   `usage.completion_tokens` for a non-streamed answer, the number of SSE data events
-//!   for a stream, else the request's `max_tokens` (a request that ended early).
+//!   `usage.completion_tokens` for a non-streamed answer; for a stream, its usage chunk's
+//!   count when it sends one, else its SSE data events (what it carried, if it ended
+//!   early); else the request's `max_tokens` (a request that failed before its answer).
 //! - `hash_ids`: one id per full block of `block_size` tokens (`record_block_tokens`;
 //!   without token ids, `4 × block_size` bytes of text), prefix-chained as in
 //!   [`kvroute_core::hash`], so two requests share their first *i* ids exactly when they

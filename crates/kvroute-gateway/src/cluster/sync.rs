@@ -384,7 +384,11 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
         Err(e) => {
             // Only a bad address gets here (connection failures are retried in the
             // background); route on local state.
-            tracing::error!(error = %e, nats = %url, "cluster sync disabled: cannot use the NATS address");
+            let shown = url::Url::parse(&url).map_or_else(
+                |_| "(unparsable)".to_string(),
+                |u| format!("{}://{}:{}", u.scheme(), u.host_str().unwrap_or(""), u.port().unwrap_or(4222)),
+            );
+            tracing::error!(error = %e, nats = %shown, "cluster sync disabled: cannot use the NATS address");
             sync.ready.store(true, Relaxed);
             return;
         }
