@@ -73,6 +73,13 @@ pub struct EngineSimConfig {
     /// Answer every request at once with one token, bypassing the engine model (no prefill,
     /// no decode, no cache): an "instant worker" for measuring a router's own overhead.
     pub instant: bool,
+    /// Modelled power draw when idle, watts (`DCGM_FI_DEV_POWER_USAGE` =
+    /// idle + SM activity × (TDP − idle)). Default 75 W: an assumed idle draw of an H100 SXM
+    /// (NVIDIA publishes no idle figure; ~60–90 W is what operators report).
+    pub power_idle_watts: f64,
+    /// Modelled power draw at full SM activity, watts. Default 700 W: the H100 SXM's TDP
+    /// (NVIDIA H100 datasheet).
+    pub power_tdp_watts: f64,
 }
 
 impl Default for EngineSimConfig {
@@ -93,6 +100,8 @@ impl Default for EngineSimConfig {
             kv_topic: "kv-events".into(),
             kv_hash_salt: 0,
             instant: false,
+            power_idle_watts: 75.0,
+            power_tdp_watts: 700.0,
         }
     }
 }
@@ -110,6 +119,7 @@ struct SimMetrics {
     waiting: Gauge,
     kv_usage: Gauge<f64, std::sync::atomic::AtomicU64>,
     sm_active: Gauge<f64, std::sync::atomic::AtomicU64>,
+    power: Gauge<f64, std::sync::atomic::AtomicU64>,
     hits: Counter,
     queries: Counter,
     prompt_tokens: Counter,
@@ -134,6 +144,12 @@ impl SimMetrics {
             "Simulated SM activity, 0-1: the engine's busy fraction over the last simulated second (named as NVIDIA DCGM exports it)",
             sm_active.clone(),
         );
+        let power = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "DCGM_FI_DEV_POWER_USAGE",
+            "Simulated power draw, watts: idle + SM activity x (TDP - idle) (named as NVIDIA DCGM exports it)",
+            power.clone(),
+        );
         let hits = Counter::default();
         registry.register("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache", hits.clone());
         let queries = Counter::default();
@@ -154,6 +170,7 @@ impl SimMetrics {
             waiting,
             kv_usage,
             sm_active,
+            power,
             hits,
             queries,
             prompt_tokens,
@@ -206,6 +223,7 @@ pub fn start(cfg: EngineSimConfig) -> Arc<EngineSim> {
         stats: Mutex::new(Default::default()),
         cfg,
     });
+    sim.metrics.power.set(sim.cfg.power_idle_watts);
     tokio::spawn(drive(Arc::downgrade(&sim), rx, sim.cfg.clone(), sim.start));
     sim
 }
@@ -245,7 +263,10 @@ async fn drive(sim: std::sync::Weak<EngineSim>, mut rx: mpsc::Receiver<Cmd>, cfg
             s.metrics.running.set(i64::from(engine.num_running()));
             s.metrics.waiting.set(i64::from(engine.num_waiting()));
             s.metrics.kv_usage.set(engine.kv_usage());
-            s.metrics.sm_active.set(util.observe(now, engine.stats().busy_ns, engine.next_event_time().is_some()));
+            let active = util.observe(now, engine.stats().busy_ns, engine.next_event_time().is_some());
+            s.metrics.sm_active.set(active);
+            let (idle, tdp) = (s.cfg.power_idle_watts, s.cfg.power_tdp_watts.max(s.cfg.power_idle_watts));
+            s.metrics.power.set(idle + active.clamp(0.0, 1.0) * (tdp - idle));
             *s.stats.lock() = engine.stats();
         } else {
             return;

@@ -152,8 +152,18 @@ pub struct GatewayConfig {
     pub record_block_tokens: u32,
     /// Scrape each worker's `/metrics` for engine load signals.
     pub scrape_metrics: bool,
-    /// Prometheus gauge read as the worker's power draw in watts (e.g. `DCGM_FI_DEV_POWER_USAGE`).
+    /// Prometheus gauge read as the worker's power draw in watts (kv_score's `w_pwr`), with
+    /// `scrape_metrics`: default NVIDIA DCGM's `DCGM_FI_DEV_POWER_USAGE` (summed over a
+    /// worker's GPUs); Cognitora cgn-router's `cgn_power_watts` works too; `None` or `""`
+    /// reads none.
     pub power_metric: Option<String>,
+    /// Where the power gauge is read: `None`, the worker's own `/metrics`; else a URL
+    /// template whose `{host}` is replaced by the worker's host, e.g.
+    /// `http://{host}:9400/metrics` for NVIDIA's DCGM exporter beside each worker.
+    pub power_exporter: Option<String>,
+    /// The power gauge is averaged over this many seconds of scrapes (Cognitora
+    /// cgn-router's 30 s rolling average), so one reading does not swing routing.
+    pub power_window_secs: f64,
     /// Seed of the policy's random source.
     pub seed: u64,
     /// Active health checks.
@@ -266,7 +276,9 @@ impl Default for GatewayConfig {
             record_files: 4,
             record_block_tokens: 16,
             scrape_metrics: false,
-            power_metric: None,
+            power_metric: Some("DCGM_FI_DEV_POWER_USAGE".into()),
+            power_exporter: None,
+            power_window_secs: 30.0,
             seed: 0,
             health: HealthConfig::default(),
             kv_events: Vec::new(),
@@ -369,6 +381,18 @@ impl GatewayConfig {
         }
         if !(self.sync_snapshot_timeout_secs.is_finite() && (0.0..=600.0).contains(&self.sync_snapshot_timeout_secs)) {
             return Err(err("sync_snapshot_timeout_secs", "expected 0 to 600 seconds"));
+        }
+        if let Some(t) = &self.power_exporter {
+            let probe = t.replace("{host}", "worker.example");
+            if !url::Url::parse(&probe).is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some()) {
+                return Err(err(
+                    "power_exporter",
+                    format!("`{t}`: expected an http(s) URL, `{{host}}` for the worker's host"),
+                ));
+            }
+        }
+        if !(self.power_window_secs.is_finite() && (0.0..=3600.0).contains(&self.power_window_secs)) {
+            return Err(err("power_window_secs", "expected 0 to 3600 seconds"));
         }
         if self.record.as_deref().is_some_and(str::is_empty) {
             return Err(err("record", "expected a file path"));

@@ -124,6 +124,9 @@ pub struct WorkerEntry {
     /// Its registration in the cluster registry (role, capacity, labels), when it came
     /// from etcd.
     pub registration: arc_swap::ArcSwapOption<crate::cluster::WorkerRecord>,
+    /// Recent power readings (`power_metric`), averaged into `signals.power_watts`; only
+    /// the health task touches it.
+    pub power: parking_lot::Mutex<crate::health::PowerWindow>,
 }
 
 fn health_code(h: Health) -> u8 {
@@ -178,6 +181,7 @@ impl WorkerEntry {
             load: Arc::default(),
             remote_load: Arc::default(),
             registration: arc_swap::ArcSwapOption::empty(),
+            power: parking_lot::Mutex::default(),
         }
     }
 

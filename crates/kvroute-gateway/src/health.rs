@@ -7,7 +7,7 @@ use kvroute_core::types::Health;
 use kvroute_protocol::engine_metrics::{engine_hit_ratio, engine_signals, metric_sum, slot_counts, sm_utilisation};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Largest `/metrics` or `/v1/models` body read from a worker.
 const MAX_SCRAPE_BYTES: usize = 4 << 20;
@@ -160,10 +160,55 @@ async fn scrape(s: &AppState, w: &WorkerEntry, body: &str) {
     sig.queue.set(q);
     sig.running.set(r);
     sig.kv_cache_usage.set(u);
-    sig.power_watts.set(s.cfg.power_metric.as_deref().and_then(|name| metric_sum(body, name)));
+    let watts = match (s.cfg.power_metric.as_deref().filter(|m| !m.is_empty()), &s.cfg.power_exporter) {
+        (None, _) => None,
+        (Some(name), None) => metric_sum(body, name),
+        (Some(name), Some(template)) => {
+            let host = url::Url::parse(url).ok().and_then(|u| u.host_str().map(str::to_string)).unwrap_or_default();
+            let exporter = template.replace("{host}", &host);
+            match get_text(&s.client, &exporter, s.cfg.health.timeout_secs).await {
+                Some((200, text)) => metric_sum(&text, name),
+                _ => None,
+            }
+        }
+    };
+    let window = Duration::from_secs_f64(s.cfg.power_window_secs);
+    sig.power_watts.set(w.power.lock().observe(Instant::now(), watts, window));
     sig.sm_util.set(sm_utilisation(body));
     sig.slots.set(slots);
     sig.hit_ratio.set(hit);
+}
+
+/// Most power readings kept per worker (a 30 s window at the fastest health interval).
+pub const POWER_SAMPLES: usize = 1024;
+
+/// A worker's recent power readings: their mean over the window (Cognitora cgn-router's
+/// rolling average), so one scrape's spike moves routing by its share of the window only.
+#[derive(Debug, Default)]
+pub struct PowerWindow {
+    samples: std::collections::VecDeque<(Instant, f64)>,
+}
+
+impl PowerWindow {
+    /// Adds `reading` (watts; `None` when the scrape had none) taken at `now`, forgets
+    /// readings older than `window`, and returns the mean of those left (`None` without
+    /// any). A zero window keeps only the last reading.
+    pub fn observe(&mut self, now: Instant, reading: Option<f64>, window: Duration) -> Option<f64> {
+        if let Some(x) = reading.filter(|x| x.is_finite() && *x >= 0.0) {
+            if self.samples.len() >= POWER_SAMPLES {
+                self.samples.pop_front();
+            }
+            self.samples.push_back((now, x));
+        }
+        while let Some(&(t, _)) = self.samples.front() {
+            let keep = if window.is_zero() { self.samples.len() == 1 } else { now.duration_since(t) <= window };
+            if keep {
+                break;
+            }
+            self.samples.pop_front();
+        }
+        (!self.samples.is_empty()).then(|| self.samples.iter().map(|(_, x)| x).sum::<f64>() / self.samples.len() as f64)
+    }
 }
 
 /// One real inference request (a one-token completion of the worker's first model): what
@@ -279,5 +324,32 @@ pub async fn run_background(s: Arc<AppState>, cancel: tokio_util::sync::Cancella
                 s.metrics.index_size.set(size.min(i64::MAX as u64) as i64);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_power_window_smooths_a_one_scrape_spike_and_forgets_old_readings() {
+        let mut w = PowerWindow::default();
+        let t0 = Instant::now();
+        let win = Duration::from_secs(30);
+        let mut last = None;
+        for i in 0..10u64 {
+            // One reading every 3 s; the fifth is a spike to 700 W over a 100 W baseline.
+            let x = if i == 4 { 700.0 } else { 100.0 };
+            last = w.observe(t0 + Duration::from_secs(3 * i), Some(x), win);
+        }
+        let mean = last.expect("a mean");
+        assert!((mean - 160.0).abs() < 1e-9, "10 readings in the window, one of 700: {mean}");
+        // 40 s later only fresh readings count; a scrape without the gauge adds nothing.
+        assert_eq!(w.observe(t0 + Duration::from_secs(70), Some(300.0), win), Some(300.0));
+        assert_eq!(w.observe(t0 + Duration::from_secs(71), None, win), Some(300.0));
+        assert_eq!(w.observe(t0 + Duration::from_secs(200), None, win), None);
+        // A zero window is the last reading.
+        assert_eq!(w.observe(t0 + Duration::from_secs(201), Some(50.0), Duration::ZERO), Some(50.0));
+        assert_eq!(w.observe(t0 + Duration::from_secs(202), Some(70.0), Duration::ZERO), Some(70.0));
     }
 }

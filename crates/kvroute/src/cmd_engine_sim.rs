@@ -61,6 +61,13 @@ pub struct Args {
     /// measuring router overhead.
     #[arg(long)]
     pub instant: bool,
+    /// Modelled idle power draw, watts (the DCGM_FI_DEV_POWER_USAGE gauge: idle + SM
+    /// activity × (TDP − idle); 75 W, an assumed H100 SXM idle draw).
+    #[arg(long, default_value_t = 75.0)]
+    pub power_idle_watts: f64,
+    /// Modelled power draw at full SM activity, watts (700 W, the H100 SXM's TDP).
+    #[arg(long, default_value_t = 700.0)]
+    pub power_tdp_watts: f64,
 }
 
 /// Runs `kvroute engine-sim`.
@@ -72,6 +79,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
         anyhow::bail!("--time-scale must be > 0, got {}", a.time_scale);
+    }
+    if !(a.power_idle_watts.is_finite()
+        && a.power_tdp_watts.is_finite()
+        && 0.0 <= a.power_idle_watts
+        && a.power_idle_watts <= a.power_tdp_watts)
+    {
+        anyhow::bail!("--power-idle-watts and --power-tdp-watts: expected 0 <= idle <= TDP");
     }
     let profile = crate::cmd_replay::load_profile(&a.profile, a.profile_set.as_deref())?;
     let cfg = EngineSimConfig {
@@ -99,6 +113,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             )
         }),
         instant: a.instant,
+        power_idle_watts: a.power_idle_watts,
+        power_tdp_watts: a.power_tdp_watts,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {
