@@ -81,15 +81,20 @@ const PREFIX_AFFINITY_KNOBS: &[Knob] = &[
 ];
 const KV_SCORE_KNOBS: &[Knob] = &[
     ("w_kv", "weight >= 0", "weight of the prefix overlap (fraction of leading blocks held)"),
-    ("w_load", "weight >= 0", "weight of 1 - util, util = max(in_flight/max_concurrent, sm_util)"),
+    ("w_load", "weight >= 0", "weight of 1 - util (util: see load_signal)"),
     ("w_pwr", "weight >= 0", "weight of 1 - watts/fleet max watts"),
     ("w_cap", "weight >= 0", "weight of static capacity (TP x VRAM / dtype, normalised by fleet max)"),
     ("epsilon", "score", "scores within this of the best are tied; a stable hash breaks the tie"),
-    ("prefix_tokens", "tokens", "leading prompt tokens hashed for the overlap"),
+    ("prefix_tokens", "tokens", "leading prompt tokens hashed for the overlap (Cognitora cgn-router: 64)"),
     ("block_tokens", "tokens", "tokens per hashed block"),
     ("hash", "xxh3 | blake3", "block hash function"),
     ("ttl_secs", "seconds", "index entry lifetime after last use"),
     ("max_entries", "entries", "block index budget in (block, worker) entries"),
+    (
+        "load_signal",
+        "queue | seed",
+        "util: queued prefill tokens + 1,000 per request, over the fleet's most loaded (queue); max(in_flight/max_concurrent, sm_util) (seed, Cognitora cgn-router)",
+    ),
 ];
 const PREFILL_COST_KNOBS: &[Knob] = &[
     ("block_tokens", "tokens", "tokens per hashed block (trace blocks keep their own size)"),

@@ -189,13 +189,19 @@ fn kv_score_overlap_beats_small_load_difference_and_loses_to_saturation() {
     assert_eq!(go(p.as_mut(), &prompt, &c, 1).worker, other);
 }
 
+/// kv_score with Cognitora cgn-router's own defaults (64 leading tokens, the saturating
+/// utilisation); kvroute's defaults differ (the whole prompt, the queue).
+fn kv_score_seed() -> Box<dyn Policy> {
+    build("kv_score", &serde_json::json!({"prefix_tokens": 64, "load_signal": "seed"})).expect("build")
+}
+
 #[test]
-fn kv_score_hashes_the_first_64_tokens_whatever_the_block_size() {
+fn kv_score_with_the_seed_defaults_hashes_the_first_64_tokens_whatever_the_block_size() {
     use kvroute_core::types::{BlockHash, BlockSeq};
     // Two trace requests (512-token blocks) sharing only their first block: 64 tokens lie
     // inside that block, so the holder of block 0 has full overlap for the second request,
     // exactly as with 64 real tokens of a shared system prompt.
-    let mut p = build("kv_score", &serde_json::Value::Null).expect("build");
+    let mut p = kv_score_seed();
     static A: [BlockHash; 4] = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4)];
     static B: [BlockHash; 4] = [BlockHash(1), BlockHash(9), BlockHash(10), BlockHash(11)];
     static E: [BlockHash; 5] = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4), BlockHash(5)];
@@ -212,10 +218,42 @@ fn kv_score_hashes_the_first_64_tokens_whatever_the_block_size() {
     assert_eq!(second.worker, first.worker);
     assert_eq!((second.matched, second.key_len), (1, 1), "one 512-token block covers the 64-token prefix");
     // With 16-token blocks (KV events) the same 64 tokens are four blocks.
-    let mut p = build("kv_score", &serde_json::Value::Null).expect("build");
+    let mut p = kv_score_seed();
     let ev = RequestView { blocks: Some(BlockSeq { block_tokens: 16, hashes: &E }), input_tokens: 80, ..view(&A) };
     let d = route(p.as_mut(), &ev, &c, &mut ctx).expect("routable");
     assert_eq!(d.key_len, 4);
+}
+
+#[test]
+fn kv_score_by_default_weighs_the_whole_prompt_and_spreads_a_shared_system_prompt_by_queue() {
+    use kvroute_core::types::{BlockHash, BlockSeq};
+    // Requests share block 0 (the system prompt) and nothing else. With the seed's
+    // defaults the holder of block 0 has full overlap for every one of them and gets them
+    // all, however long its queue; by default the overlap is over the whole prompt (1 of 4
+    // blocks) and the worker's queued prefill counts against it.
+    static A: [BlockHash; 4] = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4)];
+    static B: [BlockHash; 4] = [BlockHash(1), BlockHash(9), BlockHash(10), BlockHash(11)];
+    let view = |h: &'static [BlockHash]| RequestView {
+        blocks: Some(BlockSeq { block_tokens: 512, hashes: h }),
+        input_tokens: 2048,
+        ..RequestView::from_text("m", "")
+    };
+    for (mut p, spreads) in
+        [(build("kv_score", &serde_json::Value::Null).expect("build"), true), (kv_score_seed(), false)]
+    {
+        let mut c = fleet(&[0, 0, 0, 0]);
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+        let first = route(p.as_mut(), &view(&A), &c, &mut ctx).expect("routable").worker;
+        // The holder now has that request's prefill queued.
+        c[first.index()].in_flight = 1;
+        c[first.index()].pending_prefill_tokens = 2048;
+        let second = route(p.as_mut(), &view(&B), &c, &mut ctx).expect("routable");
+        assert_eq!(second.worker != first, spreads, "{} {:?}", p.knobs(), second);
+        if spreads {
+            assert_eq!(second.key_len, 4, "the whole prompt is the key");
+        }
+    }
 }
 
 #[test]

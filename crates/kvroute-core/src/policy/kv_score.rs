@@ -94,7 +94,29 @@ pub struct KvScoreConfig {
     pub ttl_secs: f64,
     /// Maximum (block, worker) entries in the index.
     pub max_entries: usize,
+    /// What `util` in the load term measures ([`LoadSignal`]).
+    pub load_signal: LoadSignal,
 }
+
+/// What the load term `w_load × (1 − util)` of kv_score measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadSignal {
+    /// Cognitora cgn-router's: `util = max(in_flight / max_concurrent, sm_util)`, clamped to
+    /// 1. It saturates on any busy engine, so with a common system prompt the overlap term
+    /// wins every time and one worker gets everything.
+    Seed,
+    /// The worker's queued work relative to the fleet's most loaded: `util = q / max q`
+    /// with `q` = the prefill tokens it has not started (`pending_prefill_tokens`) plus
+    /// 1,000 tokens per request it runs or queues, so a worker's score falls as its queue
+    /// grows, whatever the engine's size.
+    #[default]
+    Queue,
+}
+
+/// Tokens a running or waiting request counts for in [`LoadSignal::Queue`] (a decode
+/// slot and its share of the batch, in prefill-token terms).
+const QUEUE_TOKENS_PER_REQUEST: f64 = 1000.0;
 
 impl Default for KvScoreConfig {
     fn default() -> Self {
@@ -105,11 +127,12 @@ impl Default for KvScoreConfig {
             w_pwr: w.w_pwr,
             w_cap: w.w_cap,
             epsilon: 0.01,
-            prefix_tokens: 64,
+            prefix_tokens: 1 << 20,
             block_tokens: 16,
             hash: HashAlgo::Xxh3,
             ttl_secs: 120.0,
             max_entries: 1 << 22,
+            load_signal: LoadSignal::Queue,
         }
     }
 }
@@ -210,6 +233,11 @@ impl Policy for KvScore {
         let routable = || c.iter().filter(|w| w.is_routable());
         let max_watts = routable().filter_map(|w| w.power_watts).fold(0.0_f64, f64::max);
         let max_cap = routable().map(capacity_raw).fold(0.0_f64, f64::max);
+        let queued = |v: &WorkerView| {
+            v.pending_prefill_tokens as f64
+                + QUEUE_TOKENS_PER_REQUEST * f64::from(v.in_flight.saturating_add(v.waiting))
+        };
+        let max_queued = routable().map(queued).fold(0.0_f64, f64::max);
         let n_blocks = blocks.len();
         let mut scored: Vec<(f64, WorkerId)> = Vec::with_capacity(c.len());
         for v in routable() {
@@ -224,9 +252,13 @@ impl Policy for KvScore {
                 None if n_blocks == 0 => 0.0,
                 None => held as f64 / n_blocks as f64,
             };
-            let util = (f64::from(v.in_flight) / f64::from(v.capacity.max_concurrent.max(1)))
-                .max(v.sm_util.unwrap_or(0.0))
-                .clamp(0.0, 1.0);
+            let util = match self.cfg.load_signal {
+                LoadSignal::Seed => (f64::from(v.in_flight) / f64::from(v.capacity.max_concurrent.max(1)))
+                    .max(v.sm_util.unwrap_or(0.0))
+                    .clamp(0.0, 1.0),
+                LoadSignal::Queue if max_queued > 0.0 => (queued(v) / max_queued).clamp(0.0, 1.0),
+                LoadSignal::Queue => 0.0,
+            };
             let norm_watts =
                 if max_watts > 0.0 { (v.power_watts.unwrap_or(0.0) / max_watts).clamp(0.0, 1.0) } else { 0.0 };
             let capacity = if max_cap > 0.0 { capacity_raw(v) / max_cap } else { 0.0 };
