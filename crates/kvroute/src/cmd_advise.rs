@@ -274,7 +274,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !policies.contains(&a.current) {
         policies.push(a.current.clone());
     }
-    policies.dedup();
+    let mut seen = std::collections::HashSet::new();
+    policies.retain(|p| seen.insert(p.clone()));
     let profile = load_profile(&a.profile, a.profile_set.as_deref())?;
     let mut base = trace::read(&a.trace, None).with_context(|| format!("--trace {}", a.trace.display()))?;
     if let Some(n) = a.limit {

@@ -102,9 +102,9 @@ pub struct KvScoreConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LoadSignal {
-    /// Cognitora cgn-router's: `util = max(in_flight / max_concurrent, sm_util)`, clamped to
-    /// 1. It saturates on any busy engine, so with a common system prompt the overlap term
-    /// wins every time and one worker gets everything.
+    /// Cognitora cgn-router's: `util = max(in_flight / max_concurrent, sm_util)`, at most
+    /// one. It saturates on any busy engine, so with a common system prompt the overlap
+    /// term wins every time and one worker gets everything.
     Seed,
     /// The worker's queued work relative to the fleet's most loaded: `util = q / max q`
     /// with `q` = the prefill tokens it has not started (`pending_prefill_tokens`) plus
