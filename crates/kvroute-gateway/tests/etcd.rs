@@ -7,11 +7,10 @@
 use etcd_client::PutOptions;
 use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use kvroute_gateway::GatewayConfig;
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 mod common;
-use common::guard;
+use common::{eventually, guard};
 #[path = "common/etcd.rs"]
 mod etcd;
 use etcd::{Etcd, free_port};
@@ -37,18 +36,6 @@ async fn worker_urls(c: &reqwest::Client, r: &str) -> Vec<String> {
         v["urls"].as_array().expect("urls").iter().filter_map(|u| u.as_str().map(String::from)).collect();
     urls.sort();
     urls
-}
-
-/// Polls `cond` every 50 ms until it holds; fails with `what` after 30 s (a hang guard,
-/// not a timing assertion).
-async fn eventually<F: AsyncFnMut() -> bool>(what: &str, mut cond: F) {
-    for _ in 0..600 {
-        if cond().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("not within 30 s: {what}");
 }
 
 async fn metric(c: &reqwest::Client, r: &str, series: &str) -> f64 {

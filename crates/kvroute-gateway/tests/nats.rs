@@ -7,11 +7,10 @@
 use futures_util::StreamExt;
 use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use kvroute_gateway::GatewayConfig;
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 mod common;
-use common::guard;
+use common::{eventually, guard};
 #[path = "common/nats.rs"]
 mod nats;
 use nats::{Nats, fleet_hit_ratio, metric};
@@ -61,18 +60,6 @@ fn document(d: usize, chars: usize) -> String {
 fn ask(doc: &str, question: &str, max_tokens: u32, stream: bool) -> serde_json::Value {
     serde_json::json!({"model": MODEL, "max_tokens": max_tokens, "stream": stream, "messages": [
         {"role": "system", "content": doc}, {"role": "user", "content": question}]})
-}
-
-/// Polls `cond` every 50 ms until it holds; fails with `what` after 30 s (a hang guard,
-/// not a timing assertion).
-async fn eventually<F: AsyncFnMut() -> bool>(what: &str, mut cond: F) {
-    for _ in 0..600 {
-        if cond().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("not within 30 s: {what}");
 }
 
 /// Waits (bounded) until `router`'s `/readiness` answers 200: healthy workers and, with

@@ -52,3 +52,16 @@ pub fn config(urls: &[&str], policy: &str) -> kvroute_gateway::GatewayConfig {
         ..kvroute_gateway::GatewayConfig::default()
     }
 }
+
+/// Polls `cond` every 50 ms until it holds; fails with `what` after 30 s (a hang guard,
+/// not a timing assertion).
+#[allow(dead_code)] // not every test binary polls
+pub async fn eventually<F: AsyncFnMut() -> bool>(what: &str, mut cond: F) {
+    for _ in 0..600 {
+        if cond().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("not within 30 s: {what}");
+}
