@@ -166,29 +166,56 @@ struct StreamGuard {
 }
 
 /// Output tokens of a relayed stream, for the recorder: the last `completion_tokens` a
-/// usage chunk reported, else one per SSE data event (engines send a token a chunk).
+/// usage chunk reported, else one per SSE data event (engines send a token a chunk). Read
+/// line by line, keeping a line cut between two chunks until its end arrives, so the count
+/// is the same wherever the body is cut; a line longer than [`MAX_TAP_LINE`] is skipped.
 #[derive(Debug, Default)]
 struct StreamTokens {
     events: u32,
     usage: Option<u32>,
+    /// The unfinished last line of the chunks so far.
+    partial: Vec<u8>,
+    /// The current line passed [`MAX_TAP_LINE`]: skip it up to its end.
+    skipping: bool,
 }
 
+/// Longest SSE line the recorder's tap keeps while waiting for its end, bytes.
+const MAX_TAP_LINE: usize = 1 << 20;
+
 impl StreamTokens {
-    fn scan(&mut self, b: &[u8]) {
-        const DATA: &[u8] = b"data:";
-        const USAGE: &[u8] = b"\"completion_tokens\":";
-        let mut i = 0;
-        while let Some(k) = find(&b[i..], DATA) {
-            let rest = b[i + k + DATA.len()..].trim_ascii_start();
-            if !rest.starts_with(b"[DONE]") {
-                self.events = self.events.saturating_add(1);
+    fn scan(&mut self, mut b: &[u8]) {
+        while let Some(nl) = b.iter().position(|&c| c == b'\n') {
+            if self.skipping {
+                self.skipping = false;
+            } else if self.partial.is_empty() {
+                self.line(&b[..nl]);
+            } else {
+                let mut line = std::mem::take(&mut self.partial);
+                line.extend_from_slice(&b[..nl]);
+                self.line(&line);
             }
-            i += k + DATA.len();
+            b = &b[nl + 1..];
         }
-        if let Some(k) = rfind(b, USAGE) {
-            let digits: Vec<u8> =
-                b[k + USAGE.len()..].trim_ascii_start().iter().copied().take_while(u8::is_ascii_digit).collect();
-            if let Some(n) = std::str::from_utf8(&digits).ok().and_then(|d| d.parse().ok()) {
+        if !self.skipping {
+            self.partial.extend_from_slice(b);
+            if self.partial.len() > MAX_TAP_LINE {
+                self.partial = Vec::new();
+                self.skipping = true;
+            }
+        }
+    }
+
+    fn line(&mut self, line: &[u8]) {
+        const USAGE: &[u8] = b"\"completion_tokens\":";
+        let Some(data) = line.trim_ascii().strip_prefix(b"data:") else { return };
+        if data.trim_ascii_start().starts_with(b"[DONE]") {
+            return;
+        }
+        self.events = self.events.saturating_add(1);
+        if let Some(k) = data.windows(USAGE.len()).rposition(|w| w == USAGE) {
+            let digits = data[k + USAGE.len()..].trim_ascii_start();
+            let end = digits.iter().position(|c| !c.is_ascii_digit()).unwrap_or(digits.len());
+            if let Some(n) = std::str::from_utf8(&digits[..end]).ok().and_then(|d| d.parse().ok()) {
                 self.usage = Some(n);
             }
         }
@@ -197,14 +224,6 @@ impl StreamTokens {
     fn tokens(&self) -> u32 {
         self.usage.unwrap_or(self.events)
     }
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
-fn rfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).rposition(|w| w == needle)
 }
 
 /// `usage.completion_tokens` (OpenAI) or `meta_info.completion_tokens` (SGLang
@@ -279,5 +298,40 @@ impl Drop for StreamGuard {
             self.ticket.close();
             count(&self.state, &self.worker.url, self.branch, "cancelled");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_tokens_are_counted_the_same_wherever_the_body_is_cut() {
+        let plain =
+            b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[{\"text\":\"b\"}]}\n\ndata: [DONE]\n\n";
+        let usage = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":17}}\n\ndata: [DONE]\n\n";
+        for (body, want) in [(&plain[..], 2), (&usage[..], 17)] {
+            for cut in 0..=body.len() {
+                let mut t = StreamTokens::default();
+                t.scan(&body[..cut]);
+                t.scan(&body[cut..]);
+                assert_eq!(t.tokens(), want, "cut at {cut}");
+            }
+            let mut t = StreamTokens::default();
+            for b in body.chunks(1) {
+                t.scan(b);
+            }
+            assert_eq!(t.tokens(), want, "byte by byte");
+        }
+    }
+
+    #[test]
+    fn an_overlong_stream_line_is_skipped_without_holding_it() {
+        let mut t = StreamTokens::default();
+        t.scan(b"data: {\"x\":\"");
+        t.scan(&vec![b'y'; MAX_TAP_LINE + 10]);
+        assert!(t.partial.is_empty() && t.skipping);
+        t.scan(b"\"}\n\ndata: {\"choices\":[]}\n\n");
+        assert_eq!(t.tokens(), 1, "only the line after the overlong one counts");
     }
 }
