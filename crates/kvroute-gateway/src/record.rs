@@ -152,7 +152,13 @@ impl Recorder {
             .name("kvroute-record".into())
             .spawn(move || writer.run(rx))
             .map_err(|e| anyhow::anyhow!("record: cannot start the writer thread: {e}"))?;
-        Ok(Recorder { start: Instant::now(), salt: salt(), block_tokens: cfg.block_tokens, tx, outcomes })
+        Ok(Recorder {
+            start: Instant::now(),
+            salt: crate::state::os_random_u64(),
+            block_tokens: cfg.block_tokens,
+            tx,
+            outcomes,
+        })
     }
 
     /// Starts recording a request that arrived at `arrived` with `token_ids` (else `text`),
@@ -198,13 +204,6 @@ impl Recorder {
     fn id(&self, h: u64) -> u64 {
         HashAlgo::Xxh3.chain(self.salt, &h.to_le_bytes()) & ID_MASK
     }
-}
-
-/// A salt from the operating system's randomness (the standard library's `RandomState`
-/// keys are drawn from it).
-fn salt() -> u64 {
-    use std::hash::BuildHasher;
-    std::collections::hash_map::RandomState::new().hash_one(0x6b76_726f_7574_6552_u64)
 }
 
 fn open_append(path: &Path) -> anyhow::Result<std::fs::File> {

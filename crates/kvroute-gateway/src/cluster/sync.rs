@@ -238,14 +238,7 @@ impl Drop for SharedTicket {
 }
 
 fn cut_text(t: &str) -> String {
-    if t.len() <= MAX_EVENT_TEXT {
-        return t.to_string();
-    }
-    let mut end = MAX_EVENT_TEXT;
-    while !t.is_char_boundary(end) {
-        end -= 1;
-    }
-    t[..end].to_string()
+    t[..t.floor_char_boundary(MAX_EVENT_TEXT)].to_string()
 }
 
 impl ReplicaSync {
@@ -330,11 +323,7 @@ impl ReplicaSync {
 }
 
 fn random_id() -> String {
-    use rand_core::{Rng, SeedableRng};
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-        ^ u64::from(std::process::id()).rotate_left(32);
-    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
-    format!("r{:016x}", rng.next_u64())
+    format!("r{:016x}", crate::state::os_random_u64())
 }
 
 fn unix_ns() -> u64 {
