@@ -82,6 +82,11 @@ pub struct TraceSliceArgs {
 }
 
 impl TraceSliceArgs {
+    /// Whether any flag cuts the trace (else [`TraceSliceArgs::apply`] returns it whole).
+    pub fn is_set(&self) -> bool {
+        self.trace_start != 0.0 || self.trace_window.is_some() || self.min_turns > 1 || self.max_input_tokens.is_some()
+    }
+
     /// `trace` cut to the slice ([`kvroute_sim::trace::session_slice`]); unchanged when no
     /// flag is set.
     ///
@@ -91,11 +96,7 @@ impl TraceSliceArgs {
         &self,
         trace: Vec<kvroute_sim::trace::TraceRequest>,
     ) -> anyhow::Result<Vec<kvroute_sim::trace::TraceRequest>> {
-        if self.trace_start == 0.0
-            && self.trace_window.is_none()
-            && self.min_turns <= 1
-            && self.max_input_tokens.is_none()
-        {
+        if !self.is_set() {
             return Ok(trace);
         }
         if !(self.trace_start.is_finite() && self.trace_start >= 0.0) {

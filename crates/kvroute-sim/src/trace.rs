@@ -467,6 +467,16 @@ pub fn session_slice(trace: Vec<TraceRequest>, slice: &SessionSlice) -> Vec<Trac
     span.into_iter().zip(kept).filter_map(|(r, k)| k.then_some(r)).collect()
 }
 
+/// Moves every arrival back by the first one's, so the trace starts at time 0 (a slice cut
+/// from the middle of a trace, replayed as it would be sent).
+pub fn rebase(trace: &mut [TraceRequest]) {
+    if let Some(first) = trace.first().map(|r| r.arrival) {
+        for r in trace {
+            r.arrival.0 = r.arrival.0.saturating_sub(first.0);
+        }
+    }
+}
+
 /// Keeps the first `n` requests.
 pub fn truncate(trace: &mut Vec<TraceRequest>, n: usize) {
     trace.truncate(n);

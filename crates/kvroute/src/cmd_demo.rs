@@ -217,11 +217,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         max_input_tokens: Some(a.max_input_tokens),
     };
     let mut reqs = trace::session_slice(reqs, &slice);
-    if let Some(first) = reqs.first().map(|r| r.arrival) {
-        for r in &mut reqs {
-            r.arrival.0 -= first.0;
-        }
-    }
+    trace::rebase(&mut reqs);
     trace::scale_rate(&mut reqs, a.rate_scale);
     reqs.truncate(a.requests);
     if reqs.is_empty() {

@@ -195,15 +195,9 @@ pub fn load_trace(args: &Args) -> anyhow::Result<Vec<TraceRequest>> {
         (false, Some(seed)) => trace::spread_seconds_random(&mut t, seed),
         (false, None) => trace::spread_seconds(&mut t),
     }
-    let sliced = args.slice.trace_start > 0.0
-        || args.slice.trace_window.is_some()
-        || args.slice.min_turns > 1
-        || args.slice.max_input_tokens.is_some();
-    t = args.slice.apply(t)?;
-    if sliced && let Some(first) = t.first().map(|r| r.arrival) {
-        for r in &mut t {
-            r.arrival.0 -= first.0;
-        }
+    if args.slice.is_set() {
+        t = args.slice.apply(t)?;
+        trace::rebase(&mut t);
     }
     if let Some(cap) = args.max_output {
         if cap == 0 {
