@@ -11,6 +11,17 @@
 //! `usage` and optional `logprobs`), `/v1/models`, SGLang `/generate`, `/health`,
 //! `/tokenize`, `/metrics` with vLLM names, and what peer routers probe (`/server_info`,
 //! `/model_info`, `/get_load`, `/loads`, `/v1/loads`, `/version`, `*/render`).
+//!
+//! Also, each off by default: log-probabilities from a quality knob ([`prompt_mean_logprob`],
+//! for model cascades), LoRA adapters loaded at runtime with vLLM's and SGLang's endpoints
+//! and least-recently-used eviction (for model multiplexing), and capacity facts
+//! (`tp_size`, `dtype`, slots, KV tokens, VRAM) on `/server_info`.
+
+mod lora;
+mod quality;
+
+pub use lora::LoraCounters;
+pub use quality::prompt_mean_logprob;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -80,6 +91,115 @@ pub struct EngineSimConfig {
     /// Modelled power draw at full SM activity, watts. Default 700 W: the H100 SXM's TDP
     /// (NVIDIA H100 datasheet).
     pub power_tdp_watts: f64,
+    /// Mean log-probability per emitted token, nats (≤ 0, finite; default -0.1, the constant
+    /// the simulator always reported). Returned only when a request asks (chat
+    /// `"logprobs": true`, completions `"logprobs": N`, SGLang `"return_logprob": true`), in
+    /// the shape of vLLM/OpenAI or SGLang; see [`prompt_mean_logprob`]. With
+    /// `quality_spread` 0 every token gets exactly this value.
+    pub quality: f64,
+    /// Spread of the per-prompt mean around `quality`, nats (≥ 0, finite; default 0): a
+    /// prompt's mean is `quality + quality_spread × u`, u in [-1, 1] from a stable hash of
+    /// the prompt text, clamped to ≤ 0 ([`prompt_mean_logprob`]). With a spread, per-token
+    /// values also vary around the prompt's mean (each ≤ 0, mean over the output exact).
+    pub quality_spread: f64,
+    /// LoRA adapter slots (vLLM `--max-loras`, SGLang `--max-loras-per-batch`); 0 (default)
+    /// = LoRA off, like an engine started without `--enable-lora`: the load/unload
+    /// endpoints answer 400. Loading into full slots evicts the least recently used adapter.
+    pub lora_slots: usize,
+    /// Simulated seconds one adapter load takes (default 0.5); the wall wait is
+    /// `lora_load_secs / time_scale`. Finite, ≥ 0.
+    pub lora_load_secs: f64,
+    /// Adapters `(name, path)` loaded at start, in order, without delay (vLLM
+    /// `--lora-modules name=path`, SGLang `--lora-paths`). They count against `lora_slots`
+    /// ([`EngineSimConfig::validate`] refuses more than the slots, duplicate or empty names,
+    /// and the base model's name).
+    pub loras: Vec<(String, String)>,
+    /// Adapter names whose loads always fail (failure injection): vLLM's 400 `Loading lora N
+    /// failed: No adapter found for P`, counted in `kvroute_sim_lora_load_failures`.
+    pub lora_fail: Vec<String>,
+    /// Tensor-parallel size reported by `/server_info` (SGLang `tp_size`; default 1). Only
+    /// reported: the engine profile alone sets the speed.
+    pub tp_size: u32,
+    /// Weight dtype reported by `/server_info` (SGLang `dtype`; default "bfloat16"): one of
+    /// [`DTYPES`]. Only reported.
+    pub dtype: String,
+    /// GPU memory per device, GB, reported by `/server_info` as `vram_gb` (kvroute's own
+    /// field, not SGLang's; default 80, the H100 SXM's memory). Finite, > 0. Only reported.
+    pub vram_gb: f64,
+}
+
+/// Weight dtypes [`EngineSimConfig::dtype`] accepts.
+pub const DTYPES: [&str; 6] = ["float32", "float16", "bfloat16", "fp8", "int8", "int4"];
+
+/// A setting of [`EngineSimConfig`] out of range ([`EngineSimConfig::validate`]); the
+/// message names the field and the `kvroute engine-sim` flag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl EngineSimConfig {
+    /// Checks the quality, LoRA and capacity settings: `quality` finite and ≤ 0,
+    /// `quality_spread` finite and ≥ 0, `lora_load_secs` finite and ≥ 0, `loras` at most
+    /// `lora_slots` with distinct non-empty names other than the base model's and non-empty
+    /// paths, `tp_size` ≥ 1, `dtype` one of [`DTYPES`], `vram_gb` finite and > 0.
+    /// [`serve`] and [`spawn_local`] call it; [`start`] does not.
+    ///
+    /// # Errors
+    /// The first setting out of range, named.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError(m));
+        if !(self.quality.is_finite() && self.quality <= 0.0) {
+            return bad(format!("quality (--quality) must be a finite log-probability <= 0, got {}", self.quality));
+        }
+        if !(self.quality_spread.is_finite() && self.quality_spread >= 0.0) {
+            return bad(format!(
+                "quality_spread (--quality-spread) must be finite and >= 0, got {}",
+                self.quality_spread
+            ));
+        }
+        if !(self.lora_load_secs.is_finite() && self.lora_load_secs >= 0.0) {
+            return bad(format!(
+                "lora_load_secs (--lora-load-secs) must be finite and >= 0, got {}",
+                self.lora_load_secs
+            ));
+        }
+        if self.loras.len() > self.lora_slots {
+            return bad(format!(
+                "{} preloaded LoRA adapters (--lora) but only {} slots (--lora-slots)",
+                self.loras.len(),
+                self.lora_slots
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (name, path) in &self.loras {
+            if name.is_empty() || path.is_empty() {
+                return bad(format!("LoRA adapter (--lora NAME=PATH) needs a name and a path, got '{name}={path}'"));
+            }
+            if name == &self.model {
+                return bad(format!("LoRA adapter name '{name}' (--lora) is the base model's name"));
+            }
+            if !seen.insert(name) {
+                return bad(format!("LoRA adapter '{name}' (--lora) given twice"));
+            }
+        }
+        if self.tp_size == 0 {
+            return bad("tp_size (--tp-size) must be >= 1".into());
+        }
+        if !DTYPES.contains(&self.dtype.as_str()) {
+            return bad(format!("dtype (--dtype) must be one of {}, got '{}'", DTYPES.join(", "), self.dtype));
+        }
+        if !(self.vram_gb.is_finite() && self.vram_gb > 0.0) {
+            return bad(format!("vram_gb (--vram-gb) must be finite and > 0, got {}", self.vram_gb));
+        }
+        Ok(())
+    }
 }
 
 impl Default for EngineSimConfig {
@@ -102,6 +222,15 @@ impl Default for EngineSimConfig {
             instant: false,
             power_idle_watts: 75.0,
             power_tdp_watts: 700.0,
+            quality: -0.1,
+            quality_spread: 0.0,
+            lora_slots: 0,
+            lora_load_secs: 0.5,
+            loras: Vec::new(),
+            lora_fail: Vec::new(),
+            tp_size: 1,
+            dtype: "bfloat16".into(),
+            vram_gb: 80.0,
         }
     }
 }
@@ -191,6 +320,7 @@ pub struct EngineSim {
     next_id: AtomicU64,
     served: AtomicU64,
     stats: Mutex<kvroute_sim::engine::EngineStats>,
+    lora: Arc<lora::Lora>,
 }
 
 impl std::fmt::Debug for EngineSim {
@@ -208,15 +338,30 @@ impl EngineSim {
     pub fn stats(&self) -> kvroute_sim::engine::EngineStats {
         *self.stats.lock()
     }
+
+    /// Names of the LoRA adapters loaded now, in load order (empty with LoRA off).
+    pub fn loaded_adapters(&self) -> Vec<String> {
+        self.lora.list().into_iter().map(|(name, _)| name).collect()
+    }
+
+    /// LoRA counters (loads, failures, evictions, requests, loaded), the values of the
+    /// `kvroute_sim_lora_*` metrics.
+    pub fn lora_counters(&self) -> LoraCounters {
+        self.lora.counters()
+    }
 }
 
 /// Starts the engine driver task and returns the shared state. The driver stops when the
-/// returned state (and every handler holding it) is dropped.
+/// returned state (and every handler holding it) is dropped. `cfg` is not validated
+/// ([`EngineSimConfig::validate`]); the preloaded `loras` are loaded at once.
 pub fn start(cfg: EngineSimConfig) -> Arc<EngineSim> {
     let (tx, rx) = mpsc::channel::<Cmd>(1024);
+    let mut metrics = SimMetrics::new();
+    let lora = Arc::new(lora::Lora::new(&cfg, &mut metrics.registry));
     let sim = Arc::new(EngineSim {
         tx,
-        metrics: SimMetrics::new(),
+        metrics,
+        lora,
         start: Instant::now(),
         next_id: AtomicU64::new(0),
         served: AtomicU64::new(0),
@@ -427,18 +572,24 @@ pub fn app(sim: Arc<EngineSim>) -> Router {
         .route("/loads", get(get_load))
         .route("/v1/loads", get(get_load))
         .route("/version", get(version))
+        .route("/v1/load_lora_adapter", post(lora::vllm_load))
+        .route("/v1/unload_lora_adapter", post(lora::vllm_unload))
+        .route("/load_lora_adapter", post(lora::sglang_load))
+        .route("/unload_lora_adapter", post(lora::sglang_unload))
         .with_state(sim)
 }
 
 /// Serves a simulated worker on `listener` until `shutdown`.
 ///
 /// # Errors
-/// Listener I/O errors.
+/// Listener I/O errors; `InvalidInput` when `cfg` is out of range
+/// ([`EngineSimConfig::validate`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     cfg: EngineSimConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    cfg.validate().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
     let sim = start(cfg);
     axum::serve(listener, app(sim)).with_graceful_shutdown(shutdown).await
 }
@@ -447,11 +598,13 @@ pub async fn serve(
 /// `stop` is cancelled. Returns its base URL and its shared state (for its counters).
 ///
 /// # Errors
-/// Binding the listener.
+/// Binding the listener; `InvalidInput` when `cfg` is out of range
+/// ([`EngineSimConfig::validate`]).
 pub async fn spawn_local(
     cfg: EngineSimConfig,
     stop: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<(String, Arc<EngineSim>)> {
+    cfg.validate().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
     let sim = start(cfg);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
@@ -478,9 +631,18 @@ async fn models(State(s): State<Arc<EngineSim>>) -> Response {
         // An engine that does not list its models (a router then sends it any name).
         return (StatusCode::NOT_FOUND, Json(serde_json::json!({"error": "no model list"}))).into_response();
     }
-    Json(serde_json::json!({"object": "list", "data": [{"id": s.cfg.model, "object": "model", "created": 0, "owned_by": "kvroute-engine-sim", "max_model_len": 131072}]}))
-        .into_response()
+    let base = &s.cfg.model;
+    let mut data = vec![serde_json::json!({"id": base, "object": "model", "created": 0,
+        "owned_by": "kvroute-engine-sim", "root": base, "parent": null, "max_model_len": MAX_MODEL_LEN})];
+    data.extend(s.lora.list().into_iter().map(|(name, path)| {
+        serde_json::json!({"id": name, "object": "model", "created": 0, "owned_by": "kvroute-engine-sim",
+            "root": path, "parent": base, "max_model_len": MAX_MODEL_LEN})
+    }));
+    Json(serde_json::json!({"object": "list", "data": data})).into_response()
 }
+
+/// `max_model_len` reported by `/v1/models` and `/tokenize`.
+const MAX_MODEL_LEN: u32 = 131_072;
 
 async fn metrics(State(s): State<Arc<EngineSim>>) -> Response {
     let mut out = String::new();
@@ -489,8 +651,12 @@ async fn metrics(State(s): State<Arc<EngineSim>>) -> Response {
 }
 
 async fn server_info(State(s): State<Arc<EngineSim>>) -> Response {
-    Json(serde_json::json!({"model_path": s.cfg.model, "served_model_name": s.cfg.model, "tp_size": 1, "dp_size": 1,
-        "version": env!("CARGO_PKG_VERSION"), "engine": "kvroute-engine-sim", "profile": s.cfg.profile.name}))
+    let c = &s.cfg;
+    Json(serde_json::json!({"model_path": c.model, "served_model_name": c.model, "tp_size": c.tp_size, "dp_size": 1,
+        "version": env!("CARGO_PKG_VERSION"), "engine": "kvroute-engine-sim", "profile": c.profile.name,
+        "dtype": c.dtype, "max_running_requests": c.profile.max_batch, "max_total_num_tokens": c.profile.kv_tokens,
+        "max_loras_per_batch": c.lora_slots, "enable_lora": c.lora_slots > 0, "mem_fraction_static": 0.9,
+        "vram_gb": c.vram_gb}))
     .into_response()
 }
 
@@ -538,7 +704,7 @@ async fn tokenize(body: Bytes) -> Response {
         let text = v.get("prompt").or_else(|| v.get("text")).and_then(serde_json::Value::as_str).unwrap_or("");
         pseudo_tokens(text)
     };
-    Json(serde_json::json!({"count": tokens.len(), "max_model_len": 131072, "tokens": tokens})).into_response()
+    Json(serde_json::json!({"count": tokens.len(), "max_model_len": MAX_MODEL_LEN, "tokens": tokens})).into_response()
 }
 
 async fn render(body: Bytes) -> Response {
@@ -551,17 +717,6 @@ async fn render(body: Bytes) -> Response {
     }
 }
 
-const WORDS: [&str; 16] = [
-    "the", "cache", "router", "sends", "each", "request", "to", "a", "worker", "that", "already", "holds", "its",
-    "prefix", "and", "answers",
-];
-
-/// Deterministic output token `i` for a prompt hash.
-fn word(seed: u64, i: u32) -> &'static str {
-    let h = stable_hash(&[seed.to_le_bytes(), u64::from(i).to_le_bytes()].concat());
-    WORDS[(h % WORDS.len() as u64) as usize]
-}
-
 async fn chat(State(s): State<Arc<EngineSim>>, body: Bytes) -> Response {
     complete(s, Api::Chat, body).await
 }
@@ -572,20 +727,110 @@ async fn generate(State(s): State<Arc<EngineSim>>, body: Bytes) -> Response {
     complete(s, Api::Generate, body).await
 }
 
+/// The options of a request that routing does not read; only this simulator needs them.
+#[derive(serde::Deserialize, Default)]
+struct Options {
+    /// Chat: `true` asks for logprobs; completions: `N` (OpenAI legacy) asks.
+    #[serde(default)]
+    logprobs: Option<serde_json::Value>,
+    /// SGLang `/generate`: `true` asks for logprobs.
+    #[serde(default)]
+    return_logprob: Option<serde_json::Value>,
+    /// SGLang `/generate`: the LoRA adapter's name.
+    #[serde(default)]
+    lora_path: Option<serde_json::Value>,
+}
+
+impl Options {
+    /// The logprobs shape asked for, if any.
+    ///
+    /// # Errors
+    /// 400 naming `logprobs` when a completions request's value is neither a non-negative
+    /// integer nor a boolean.
+    fn ask(&self, api: Api) -> Result<Option<quality::Ask>, kvroute_protocol::api_error::ApiError> {
+        use serde_json::Value;
+        Ok(match (api, &self.logprobs) {
+            // As before: any value but `false` and null asks.
+            (Api::Chat, Some(l)) => l.as_bool().unwrap_or(!l.is_null()).then_some(quality::Ask::Chat),
+            (Api::Completions, Some(Value::Number(n))) => match n.as_u64() {
+                Some(n) => Some(quality::Ask::Completions { top: n > 0 }),
+                None => {
+                    return Err(kvroute_protocol::api_error::ApiError::bad_field(
+                        "logprobs",
+                        "`logprobs` must be a non-negative integer",
+                    ));
+                }
+            },
+            (Api::Completions, Some(Value::Bool(b))) => b.then_some(quality::Ask::Completions { top: true }),
+            (Api::Completions, Some(Value::Null) | None) => None,
+            (Api::Completions, Some(_)) => {
+                return Err(kvroute_protocol::api_error::ApiError::bad_field(
+                    "logprobs",
+                    "`logprobs` must be a non-negative integer",
+                ));
+            }
+            (Api::Generate, _) => {
+                self.return_logprob.as_ref().and_then(Value::as_bool).unwrap_or(false).then_some(quality::Ask::Generate)
+            }
+            (Api::Chat, None) => None,
+        })
+    }
+}
+
+/// The LoRA adapter a request is served with (`None`: the base model).
+///
+/// # Errors
+/// 404 (vLLM's `The model \`X\` does not exist.`, param `model`) for a model that is neither
+/// the base model nor a loaded adapter; 400 (param `lora_path`) for a `/generate`
+/// `lora_path` that is not a loaded adapter's name.
+fn resolve_model(
+    s: &EngineSim,
+    api: Api,
+    model: &str,
+    lora_path: Option<&serde_json::Value>,
+) -> Result<Option<String>, kvroute_protocol::api_error::ApiError> {
+    use kvroute_protocol::api_error::ApiError;
+    if api == Api::Generate
+        && let Some(v) = lora_path.filter(|v| !v.is_null())
+    {
+        let Some(name) = v.as_str() else {
+            return Err(ApiError::bad_field("lora_path", "`lora_path` must be a string (a loaded adapter's name)"));
+        };
+        if !s.lora.enabled() {
+            return Err(ApiError::bad_field("lora_path", "LoRA is not enabled on this worker (--lora-slots N)"));
+        }
+        if s.lora.touch(name) {
+            return Ok(Some(name.to_string()));
+        }
+        return Err(ApiError::bad_field("lora_path", format!("LoRA adapter '{name}' is not loaded")));
+    }
+    if model.is_empty() || model == s.cfg.model {
+        return Ok(None);
+    }
+    if s.lora.touch(model) {
+        return Ok(Some(model.to_string()));
+    }
+    if s.cfg.model.is_empty() {
+        return Ok(None);
+    }
+    Err(ApiError::new(StatusCode::NOT_FOUND, format!("The model `{model}` does not exist.")).with_param("model"))
+}
+
 async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
     let t0 = Instant::now();
     let info = match parse(api, &body, None) {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
-    if !s.cfg.model.is_empty() && !info.model.is_empty() && info.model != s.cfg.model {
-        return kvroute_protocol::api_error::ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("model `{}` does not exist", info.model),
-        )
-        .with_param("model")
-        .into_response();
-    }
+    let opts = serde_json::from_slice::<Options>(&body).unwrap_or_default();
+    let ask = match opts.ask(api) {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    let adapter = match resolve_model(&s, api, &info.model, opts.lora_path.as_ref()) {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
     let n = s.served.fetch_add(1, Ordering::Relaxed) + 1;
     if s.cfg.crash_after.is_some_and(|c| n > c) {
         tracing::error!("engine-sim: crash injected after {} requests", n - 1);
@@ -598,15 +843,31 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
     if roll < s.cfg.error_rate + s.cfg.hang_rate {
         std::future::pending::<()>().await;
     }
+    // An adapter's blocks hash on a chain seeded by its name: never shared with the base
+    // model's or another adapter's (vLLM keys prefix-cache blocks by LoRA id).
+    let chain_seed = adapter.as_deref().map(lora::adapter_seed);
+    if adapter.is_some() {
+        s.lora.count_request();
+    }
     let (input_tokens, blocks, ids) = match &info.token_ids {
         Some(t) => {
             let mut b = Vec::new();
-            kvroute_core::hash::hash_token_blocks(t, BLOCK_TOKENS as usize, usize::MAX, HashAlgo::Xxh3, &mut b);
+            match chain_seed {
+                None => {
+                    kvroute_core::hash::hash_token_blocks(t, BLOCK_TOKENS as usize, usize::MAX, HashAlgo::Xxh3, &mut b);
+                }
+                Some(seed) => lora::token_blocks(t, BLOCK_TOKENS as usize, seed, &mut b),
+            }
             (t.len() as u32, b, t.clone())
         }
         None => {
             let mut b: Vec<BlockHash> = Vec::new();
-            hash_text_blocks(&info.text, BLOCK_TOKENS as usize, usize::MAX, HashAlgo::Xxh3, &mut b);
+            match chain_seed {
+                None => {
+                    hash_text_blocks(&info.text, BLOCK_TOKENS as usize, usize::MAX, HashAlgo::Xxh3, &mut b);
+                }
+                Some(seed) => lora::text_blocks(&info.text, BLOCK_TOKENS as usize, seed, &mut b),
+            }
             (estimate_tokens(&info.text).max(1), b, pseudo_tokens(&info.text))
         }
     };
@@ -628,19 +889,20 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         output
     };
     let seed = stable_hash(info.text.as_bytes());
-    // The one option routing does not read; only this simulator needs the whole body.
-    #[derive(serde::Deserialize)]
-    struct Options {
-        #[serde(default)]
-        logprobs: Option<serde_json::Value>,
-    }
-    let logprobs = serde_json::from_slice::<Options>(&body)
-        .ok()
-        .and_then(|o| o.logprobs)
-        .is_some_and(|l| l.as_bool().unwrap_or(!l.is_null()));
+    let toks = Arc::new(quality::Tokens::new(
+        seed,
+        prompt_mean_logprob(&s.cfg, &info.text),
+        output,
+        s.cfg.quality_spread > 0.0,
+        matches!(ask, Some(quality::Ask::Completions { .. })),
+    ));
     let created = 1_700_000_000u64;
     let rid = format!("kvsim-{id}");
-    let model = if s.cfg.model.is_empty() { info.model.clone() } else { s.cfg.model.clone() };
+    let model = match &adapter {
+        Some(a) => a.clone(),
+        None if s.cfg.model.is_empty() => info.model.clone(),
+        None => s.cfg.model.clone(),
+    };
     let step = Duration::from_secs_f64(
         (s.cfg.profile.step_overhead_s + s.cfg.profile.decode_per_seq_s) / s.cfg.time_scale.max(1e-6),
     );
@@ -665,11 +927,11 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         s2.metrics.requests.inc();
         s2.metrics.e2e.observe(t0.elapsed().as_secs_f64());
     };
-    let (rid_c, model_c) = (rid.clone(), model.clone());
+    let (rid_c, model_c, toks_c) = (rid.clone(), model.clone(), Arc::clone(&toks));
     let chunk = move |i: u32| -> serde_json::Value {
-        let (rid, model) = (&rid_c, &model_c);
-        let w = format!("{}{}", if i == 0 { "" } else { " " }, word(seed, i));
-        let lp = logprobs.then(|| serde_json::json!({"content": [{"token": w, "logprob": -0.1, "top_logprobs": []}]}));
+        let (rid, model, toks) = (&rid_c, &model_c, &toks_c);
+        let w = toks.text(i);
+        let lp = ask.map(|a| quality::logprobs_json(a, toks, i..i + 1));
         match api {
             Api::Chat => {
                 serde_json::json!({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -679,7 +941,13 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
                 serde_json::json!({"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": 0, "text": w, "logprobs": lp, "finish_reason": null}]})
             }
-            Api::Generate => serde_json::json!({"text": w, "meta_info": {"id": rid, "completion_tokens": i + 1}}),
+            Api::Generate => {
+                let mut c = serde_json::json!({"text": w, "meta_info": {"id": rid, "completion_tokens": i + 1}});
+                if let Some(lp) = lp {
+                    c["meta_info"]["output_token_logprobs"] = lp;
+                }
+                c
+            }
         }
     };
     if info.stream {
@@ -700,9 +968,8 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         }
     }
     finish(&mut rx);
-    let text: Vec<&str> = (0..output).map(|i| word(seed, i)).collect();
-    let text = text.join(" ");
-    let lp = logprobs.then(|| serde_json::json!({"content": (0..output).map(|i| serde_json::json!({"token": word(seed, i), "logprob": -0.1, "top_logprobs": []})).collect::<Vec<_>>()}));
+    let text = toks.full_text();
+    let lp = ask.map(|a| quality::logprobs_json(a, &toks, 0..output));
     let body = match api {
         Api::Chat => serde_json::json!({"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": "length"}],
@@ -711,8 +978,14 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
             serde_json::json!({"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": "length"}], "usage": usage})
         }
-        Api::Generate => serde_json::json!({"text": text, "meta_info": {"id": rid, "prompt_tokens": input_tokens,
-            "completion_tokens": output, "cached_tokens": first, "finish_reason": {"type": "length"}}}),
+        Api::Generate => {
+            let mut b = serde_json::json!({"text": text, "meta_info": {"id": rid, "prompt_tokens": input_tokens,
+                "completion_tokens": output, "cached_tokens": first, "finish_reason": {"type": "length"}}});
+            if let Some(lp) = lp {
+                b["meta_info"]["output_token_logprobs"] = lp;
+            }
+            b
+        }
     };
     Json(body).into_response()
 }

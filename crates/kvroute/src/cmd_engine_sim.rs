@@ -68,6 +68,44 @@ pub struct Args {
     /// Modelled power draw at full SM activity, watts (700 W, the H100 SXM's TDP).
     #[arg(long, default_value_t = 700.0)]
     pub power_tdp_watts: f64,
+    /// Mean log-probability per output token, nats (<= 0): returned when a request asks for
+    /// logprobs (chat `logprobs: true`, completions `logprobs: N`, SGLang `return_logprob`).
+    #[arg(long, default_value_t = -0.1, allow_hyphen_values = true, value_name = "Q")]
+    pub quality: f64,
+    /// Per-prompt spread of the mean log-probability, nats (>= 0): a prompt's mean is
+    /// quality + spread × u, u in [-1, 1] from a hash of the prompt text (clamped to <= 0).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_name = "S")]
+    pub quality_spread: f64,
+    /// LoRA adapter slots (0 = LoRA off, like vLLM without --enable-lora); loading into full
+    /// slots evicts the least recently used adapter.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub lora_slots: usize,
+    /// Simulated seconds one LoRA adapter load takes (wall: divided by --time-scale).
+    #[arg(long, default_value_t = 0.5, allow_hyphen_values = true, value_name = "S")]
+    pub lora_load_secs: f64,
+    /// A LoRA adapter loaded at start (repeatable; counts against --lora-slots).
+    #[arg(long = "lora", value_name = "NAME=PATH", value_parser = parse_lora)]
+    pub lora: Vec<(String, String)>,
+    /// An adapter name whose loads always fail with vLLM's 400 (repeatable; failure injection).
+    #[arg(long = "lora-fail", value_name = "NAME")]
+    pub lora_fail: Vec<String>,
+    /// Tensor-parallel size reported by /server_info (the profile alone sets the speed).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub tp_size: u32,
+    /// Weight dtype reported by /server_info.
+    #[arg(long, default_value = "bfloat16", value_parser = kvroute_engine_sim::DTYPES)]
+    pub dtype: String,
+    /// GPU memory per device, GB, reported by /server_info as `vram_gb` (80, the H100 SXM's).
+    #[arg(long, default_value_t = 80.0, allow_hyphen_values = true, value_name = "GB")]
+    pub vram_gb: f64,
+}
+
+/// `NAME=PATH` of `--lora`.
+fn parse_lora(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok((name.to_string(), path.to_string())),
+        _ => Err(format!("expected NAME=PATH, got '{s}'")),
+    }
 }
 
 /// Runs `kvroute engine-sim`.
@@ -86,6 +124,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         && a.power_idle_watts <= a.power_tdp_watts)
     {
         anyhow::bail!("--power-idle-watts and --power-tdp-watts: expected 0 <= idle <= TDP");
+    }
+    if !a.lora.is_empty() && a.lora_slots == 0 {
+        anyhow::bail!("--lora needs --lora-slots N (LoRA is off with 0 slots)");
+    }
+    if a.lora.len() > a.lora_slots {
+        anyhow::bail!("{} adapters given with --lora but --lora-slots is {}", a.lora.len(), a.lora_slots);
     }
     let profile = crate::cmd_replay::load_profile(&a.profile, a.profile_set.as_deref())?;
     let cfg = EngineSimConfig {
@@ -115,7 +159,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         instant: a.instant,
         power_idle_watts: a.power_idle_watts,
         power_tdp_watts: a.power_tdp_watts,
+        quality: a.quality,
+        quality_spread: a.quality_spread,
+        lora_slots: a.lora_slots,
+        lora_load_secs: a.lora_load_secs,
+        loras: a.lora,
+        lora_fail: a.lora_fail,
+        tp_size: a.tp_size,
+        dtype: a.dtype,
+        vram_gb: a.vram_gb,
     };
+    cfg.validate().map_err(|e| anyhow::anyhow!("kvroute engine-sim: {e}"))?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
