@@ -184,7 +184,9 @@ pub async fn workers(State(s): State<Arc<AppState>>) -> Response {
 
 /// `GET /policy`: name and knobs.
 pub async fn get_policy(State(s): State<Arc<AppState>>) -> Response {
-    Json(serde_json::json!({"policy": s.routers.policy_name(), "knobs": s.routers.knobs()})).into_response()
+    Json(serde_json::json!({"policy": s.routers.policy_name(), "knobs": s.routers.knobs(),
+        "cascade": *s.cascade.load_full()}))
+    .into_response()
 }
 
 /// Applies a policy setting (from `PUT /policy` or the cluster's policy key):
@@ -192,7 +194,9 @@ pub async fn get_policy(State(s): State<Arc<AppState>>) -> Response {
 ///   unless NAME is already running, in which case only the knobs named change;
 /// - `{"knobs": {...}}` or a bare object of knobs patches the running policy's knobs;
 /// - with `cognitora_form`, an object of `w_*` weights without `policy` is Cognitora
-///   cgn-router's `/cognitora/routing/policy` value and means kv_score with those weights.
+///   cgn-router's `/cognitora/routing/policy` value and means kv_score with those weights;
+/// - a `cascade` field (`{"chain": [{"model", "models", "confidence_threshold",
+///   "max_tokens"}, …]}`) replaces the model cascades; alone, it changes nothing else.
 ///
 /// Validated before anything changes. Returns the running policy's knobs.
 ///
@@ -204,21 +208,41 @@ pub fn apply_policy(
     cognitora_form: bool,
 ) -> Result<serde_json::Value, (&'static str, String)> {
     let Some(obj) = v.as_object() else { return Err(("knobs", "expected a JSON object".into())) };
-    let empty = serde_json::json!({});
-    let knobs = obj.get("knobs").unwrap_or(&empty);
-    match obj.get("policy") {
-        Some(serde_json::Value::String(name)) => {
-            s.routers.set_policy(name, knobs, s.now()).map_err(|e| ("policy", format!("{e:#}")))
+    let cascade = match obj.get("cascade") {
+        Some(c) => {
+            let c: kvroute_core::cascade::CascadeConfig =
+                serde_json::from_value(c.clone()).map_err(|e| ("cascade", e.to_string()))?;
+            c.validate().map_err(|e| ("cascade", e))?;
+            Some(c)
         }
-        Some(_) => Err(("policy", "expected a policy name (a string)".into())),
-        None if cognitora_form && !obj.contains_key("knobs") && obj.keys().any(|k| k.starts_with("w_")) => {
-            s.routers.set_policy("kv_score", v, s.now()).map_err(|e| ("knobs", format!("{e:#}")))
-        }
-        None => {
-            let patch = obj.get("knobs").unwrap_or(v);
-            s.routers.set_knobs(patch, s.now()).map_err(|e| ("knobs", e.to_string()))
-        }
+        None => None,
+    };
+    let mut rest = obj.clone();
+    rest.remove("cascade");
+    let knobs = if cascade.is_some() && rest.is_empty() {
+        s.routers.knobs()
+    } else {
+        let v = serde_json::Value::Object(rest.clone());
+        let empty = serde_json::json!({});
+        let knobs = rest.get("knobs").unwrap_or(&empty);
+        match rest.get("policy") {
+            Some(serde_json::Value::String(name)) => {
+                s.routers.set_policy(name, knobs, s.now()).map_err(|e| ("policy", format!("{e:#}")))
+            }
+            Some(_) => Err(("policy", "expected a policy name (a string)".into())),
+            None if cognitora_form && !rest.contains_key("knobs") && rest.keys().any(|k| k.starts_with("w_")) => {
+                s.routers.set_policy("kv_score", &v, s.now()).map_err(|e| ("knobs", format!("{e:#}")))
+            }
+            None => {
+                let patch = rest.get("knobs").unwrap_or(&v);
+                s.routers.set_knobs(patch, s.now()).map_err(|e| ("knobs", e.to_string()))
+            }
+        }?
+    };
+    if let Some(c) = cascade {
+        s.cascade.store(Arc::new(c));
     }
+    Ok(knobs)
 }
 
 /// `PUT /policy`: `{"knobs": {...}}` (or the knobs object itself) patches knobs live;
@@ -229,7 +253,9 @@ pub async fn put_policy(State(s): State<Arc<AppState>>, headers: HeaderMap, body
         let v: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::bad_field("body", format!("not valid JSON: {e}")))?;
         let knobs = apply_policy(&s, &v, false).map_err(|(field, e)| ApiError::bad_field(field, e))?;
-        Ok::<_, ApiError>(Json(serde_json::json!({"policy": s.routers.policy_name(), "knobs": knobs})))
+        Ok::<_, ApiError>(Json(
+            serde_json::json!({"policy": s.routers.policy_name(), "knobs": knobs, "cascade": *s.cascade.load_full()}),
+        ))
     }
     .await;
     r.map_or_else(IntoResponse::into_response, IntoResponse::into_response)

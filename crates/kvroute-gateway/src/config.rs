@@ -17,6 +17,9 @@ pub struct HealthConfig {
     pub success_threshold: u32,
     /// Path checked.
     pub path: String,
+    /// Seconds between two reads of a healthy worker's `GET /v1/models` (the models and
+    /// LoRA adapters it has loaded); 0 = only when it is added or recovers.
+    pub models_refresh_secs: f64,
 }
 
 impl Default for HealthConfig {
@@ -27,6 +30,7 @@ impl Default for HealthConfig {
             failure_threshold: 3,
             success_threshold: 2,
             path: "/health".into(),
+            models_refresh_secs: 30.0,
         }
     }
 }
@@ -168,6 +172,15 @@ pub struct GatewayConfig {
     pub seed: u64,
     /// Active health checks.
     pub health: HealthConfig,
+    /// Capacity facts per worker URL (`[capacity."http://gpu-1:8000"]` with `tp_size`,
+    /// `dtype`, `vram_gb`, `free_model_slots`, `max_concurrent`), over what the worker's
+    /// registration and its own `/server_info` or `/props` say. Live on reload.
+    pub capacity: std::collections::BTreeMap<String, crate::cluster::Capacity>,
+    /// Model multiplexing with runtime-loaded LoRA adapters (`[lora]`, `[[lora.adapters]]`).
+    pub lora: crate::lora::LoraConfig,
+    /// Model cascades (Cognitora cgn-router): `[[cascade.chain]]` tables; none = off.
+    /// Live: a SIGHUP reload or the etcd policy key's `cascade` field replaces them.
+    pub cascade: kvroute_core::cascade::CascadeConfig,
     /// Engine KV-event sources, one per worker that publishes them (vLLM, SGLang,
     /// `kvroute engine-sim --kv-events`). Workers without one are routed on the policy's
     /// approximate index.
@@ -281,6 +294,9 @@ impl Default for GatewayConfig {
             power_window_secs: 30.0,
             seed: 0,
             health: HealthConfig::default(),
+            capacity: std::collections::BTreeMap::new(),
+            lora: crate::lora::LoraConfig::default(),
+            cascade: kvroute_core::cascade::CascadeConfig::default(),
             kv_events: Vec::new(),
             kv_lower_tier_weight: 0.5,
             kv_predict_window_secs: 2.0,
@@ -308,6 +324,11 @@ impl GatewayConfig {
     /// The etcd key of the live policy.
     pub fn policy_key(&self) -> String {
         self.etcd_policy_key.clone().unwrap_or_else(|| format!("{}/routing/policy", self.etcd_prefix))
+    }
+
+    /// The `capacity` table's entry for a worker URL (compared normalised).
+    pub fn capacity_of(&self, url: &str) -> Option<crate::cluster::Capacity> {
+        self.capacity.iter().find(|(k, _)| check_worker_url(k).is_ok_and(|k| k == url)).map(|(_, c)| c.clone())
     }
 
     /// Parses TOML text (unknown keys are errors naming the key).
@@ -411,6 +432,21 @@ impl GatewayConfig {
             (None, Some(_)) => return Err(err("tls_cert", "`tls_key` is set but `tls_cert` is not")),
             _ => {}
         }
+        self.cascade.validate().map_err(|m| err("cascade", m))?;
+        self.lora.validate().map_err(|m| err("lora", m))?;
+        if self.capacity.len() > crate::fleet::MAX_WORKERS {
+            return Err(err("capacity", format!("at most {} workers", crate::fleet::MAX_WORKERS)));
+        }
+        for (url, c) in &self.capacity {
+            check_worker_url(url).map_err(|m| err("capacity", m))?;
+            if let Some(k) = c.unknown.keys().next() {
+                return Err(err(
+                    &format!("capacity.{k}"),
+                    "unknown field (tp_size, dtype, vram_gb, free_model_slots, max_concurrent, max_loras, max_model_len)",
+                ));
+            }
+            c.check().map_err(|m| err("capacity", format!("`{url}`: {m}")))?;
+        }
         if self.admin_token.as_deref().is_some_and(str::is_empty) {
             return Err(err("admin_token", "must not be empty"));
         }
@@ -442,6 +478,13 @@ impl GatewayConfig {
             if !(v.is_finite() && v > 0.0 && v <= MAX_TIMEOUT_SECS) {
                 return Err(err(k, format!("must be a positive number of seconds up to {MAX_TIMEOUT_SECS}, got {v}")));
             }
+        }
+        let m = self.health.models_refresh_secs;
+        if !(m.is_finite() && (0.0..=MAX_TIMEOUT_SECS).contains(&m)) {
+            return Err(err(
+                "health.models_refresh_secs",
+                format!("expected 0 to {MAX_TIMEOUT_SECS} seconds, got {m}"),
+            ));
         }
         if self.max_total_retries == 0 {
             return Err(err("max_total_retries", "must be at least 1"));

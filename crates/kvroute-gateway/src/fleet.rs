@@ -127,6 +127,25 @@ pub struct WorkerEntry {
     /// Recent power readings (`power_metric`), averaged into `signals.power_watts`; only
     /// the health task touches it.
     pub power: parking_lot::Mutex<crate::health::PowerWindow>,
+    /// When its `/v1/models` was last read (gateway clock, ns).
+    pub models_read_at: AtomicU64,
+    /// Capacity facts by source ([`CapacitySource`]); written rarely (a worker added,
+    /// registered, probed or a reload), each write resolving [`WorkerEntry::capacity`].
+    capacity_sources: Mutex<[Option<crate::cluster::Capacity>; 3]>,
+    /// The resolved capacity facts: configuration over registration over the worker's
+    /// own report ([`crate::cluster::Capacity`]).
+    capacity: ArcSwap<(crate::cluster::Capacity, kvroute_core::types::Capacity)>,
+}
+
+/// Where a worker's capacity facts come from, highest precedence first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CapacitySource {
+    /// The configuration file's `[capacity."URL"]`.
+    Config = 0,
+    /// The worker's etcd registration.
+    Registry = 1,
+    /// The worker itself (SGLang `/server_info`, llama.cpp `/props`, vLLM `/v1/models`).
+    Probed = 2,
 }
 
 fn health_code(h: Health) -> u8 {
@@ -182,7 +201,28 @@ impl WorkerEntry {
             remote_load: Arc::default(),
             registration: arc_swap::ArcSwapOption::empty(),
             power: parking_lot::Mutex::default(),
+            capacity_sources: Mutex::default(),
+            models_read_at: AtomicU64::new(0),
+            capacity: ArcSwap::from_pointee((
+                crate::cluster::Capacity::default(),
+                kvroute_core::types::Capacity::default(),
+            )),
         }
+    }
+
+    /// Sets (or clears) the capacity facts of one source and resolves the worker's
+    /// capacity: each field from the first source that states it, else the default.
+    pub fn set_capacity(&self, source: CapacitySource, c: Option<crate::cluster::Capacity>) {
+        let mut sources = self.capacity_sources.lock();
+        sources[source as usize] = c;
+        let merged = sources.iter().rev().flatten().fold(crate::cluster::Capacity::default(), |base, c| c.over(&base));
+        let core = merged.core();
+        self.capacity.store(Arc::new((merged, core)));
+    }
+
+    /// The resolved capacity facts as stated (unset fields are the defaults).
+    pub fn capacity(&self) -> crate::cluster::Capacity {
+        self.capacity.load().0.clone()
     }
 
     /// The URL of `api`'s endpoint on this worker.
@@ -288,9 +328,7 @@ impl WorkerEntry {
         v.waiting = v.waiting.saturating_add(remote.waiting);
         v.pending_prefill_tokens = v.pending_prefill_tokens.saturating_add(remote.pending_prefill_tokens);
         v.decode_tokens = v.decode_tokens.saturating_add(remote.decode_tokens);
-        if let Some(r) = self.registration.load().as_deref() {
-            v.capacity = r.core_capacity();
-        }
+        v.capacity = self.capacity.load().1;
         let s = &self.signals;
         v.engine_queue = s.queue.get();
         v.engine_running = s.running.get();
@@ -325,6 +363,7 @@ impl WorkerEntry {
             in_flight: self.load.get().in_flight,
             remote_in_flight: self.remote_load.get().in_flight,
             registration: self.registration.load_full().map(|r| r.as_ref().clone()),
+            capacity: self.capacity(),
         }
     }
 }
@@ -369,6 +408,9 @@ pub struct WorkerInfo {
     /// Its cluster registration (etcd), when it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub registration: Option<crate::cluster::WorkerRecord>,
+    /// Resolved capacity facts (configuration over registration over the worker's own
+    /// report); fields no source states are absent and take their defaults.
+    pub capacity: crate::cluster::Capacity,
 }
 
 /// The candidates of one request: the workers serving its model, with their views.

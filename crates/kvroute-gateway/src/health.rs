@@ -65,6 +65,61 @@ pub async fn fetch_models(client: &reqwest::Client, base: &str, timeout_secs: f6
     }
 }
 
+/// What a worker reports about its capacity, best effort (an endpoint it lacks or an
+/// unknown value leaves the field unset):
+/// - SGLang `GET /server_info`: `tp_size`, `dtype` (unless `auto`), `max_running_requests`
+///   → `max_concurrent`, `context_length` → `max_model_len`, with LoRA on
+///   `max_loras_per_batch` → `max_loras`; kvroute engine-sim adds `vram_gb`;
+/// - llama.cpp `GET /props`: `total_slots` → `max_concurrent`,
+///   `default_generation_settings.n_ctx` → `max_model_len`;
+/// - vLLM `GET /v1/models`: the first model's `max_model_len`.
+pub async fn probe_capacity(client: &reqwest::Client, base: &str, timeout_secs: f64) -> crate::cluster::Capacity {
+    let json = |path: &'static str| async move {
+        match get_text(client, &format!("{base}{path}"), timeout_secs).await {
+            Some((200, body)) => serde_json::from_str::<serde_json::Value>(&body).ok(),
+            _ => None,
+        }
+    };
+    let (info, props, models) = tokio::join!(json("/server_info"), json("/props"), json("/v1/models"));
+    capacity_from(info.as_ref(), props.as_ref(), models.as_ref())
+}
+
+/// [`probe_capacity`]'s reading of the three answers.
+pub fn capacity_from(
+    info: Option<&serde_json::Value>,
+    props: Option<&serde_json::Value>,
+    models: Option<&serde_json::Value>,
+) -> crate::cluster::Capacity {
+    use serde_json::Value;
+    let u32_of = |v: Option<&Value>| v.and_then(Value::as_u64).and_then(|n| u32::try_from(n).ok()).filter(|&n| n > 0);
+    let mut c = crate::cluster::Capacity::default();
+    if let Some(i) = info {
+        c.tp_size = u32_of(i.get("tp_size"));
+        c.dtype = i
+            .get("dtype")
+            .and_then(Value::as_str)
+            .filter(|d| crate::cluster::dtype_bytes(d).is_some())
+            .map(str::to_string);
+        c.max_concurrent = u32_of(i.get("max_running_requests"));
+        c.max_model_len = u32_of(i.get("context_length"));
+        c.vram_gb = i.get("vram_gb").and_then(Value::as_f64).filter(|v| v.is_finite() && *v > 0.0);
+        let lora = i.get("enable_lora").and_then(Value::as_bool).unwrap_or(false)
+            || i.get("lora_paths").is_some_and(|p| p.as_array().is_some_and(|a| !a.is_empty()) || p.is_object());
+        if lora {
+            c.max_loras = u32_of(i.get("max_loras_per_batch"));
+        }
+    }
+    if let Some(p) = props {
+        c.max_concurrent = c.max_concurrent.or(u32_of(p.get("total_slots")));
+        c.max_model_len = c.max_model_len.or(u32_of(p.get("default_generation_settings").and_then(|d| d.get("n_ctx"))));
+    }
+    if let Some(m) = models {
+        let first = m.get("data").and_then(Value::as_array).and_then(|a| a.first());
+        c.max_model_len = c.max_model_len.or(u32_of(first.and_then(|f| f.get("max_model_len"))));
+    }
+    c
+}
+
 async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
     let h = &s.cfg.health;
     let url = w.url.to_string();
@@ -101,6 +156,11 @@ async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
     }
     if let Some(hn) = healthy_now {
         s.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.clone() }).set(i64::from(hn));
+        if hn {
+            // A worker back from an outage may have been restarted with other settings.
+            let probed = probe_capacity(&s.client, &url, h.timeout_secs).await;
+            w.set_capacity(crate::fleet::CapacitySource::Probed, Some(probed));
+        }
         if hn && s.tokenizer.is_some() {
             tokio::spawn(tokenizer_parity(Arc::clone(&s), url.clone()));
         }
@@ -121,7 +181,19 @@ async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
             tracing::warn!(worker = %url, "inference probe failed: stays out of routing");
         }
     }
-    if refresh_models && let Some(models) = fetch_models(&s.client, &url, h.timeout_secs).await {
+    // Loaded models and LoRA adapters change at run time (vLLM and SGLang load adapters on
+    // request): read them again every `models_refresh_secs`.
+    let now = s.now().0;
+    let every = (h.models_refresh_secs * 1e9) as u64;
+    let last = w.models_read_at.load(Relaxed);
+    refresh_models |= ok && every > 0 && now.saturating_sub(last) >= every;
+    if refresh_models
+        && let Some(models) = fetch_models(&s.client, &url, h.timeout_secs).await
+        // A worker that listed models and now lists none (its `/v1/models` failing for a
+        // moment) keeps its list rather than becoming a worker that serves any name.
+        && (!models.is_empty() || w.models.load().is_empty())
+    {
+        w.models_read_at.store(now, Relaxed);
         {
             let mut adm = s.admission.write();
             for m in &models {

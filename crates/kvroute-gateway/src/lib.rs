@@ -31,6 +31,7 @@ pub mod config;
 pub mod fleet;
 pub mod health;
 pub mod kv_subscriber;
+pub mod lora;
 pub mod metrics;
 pub mod pipeline;
 pub mod record;

@@ -74,6 +74,18 @@ pub struct PolicyUpdateLabels {
     pub outcome: String,
 }
 
+/// Labels of `kvroute_cascade_steps` and `kvroute_cascade_tokens`: a step's model (one of
+/// the configured chains' models, a bounded set) and what happened.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CascadeLabels {
+    /// The step's model.
+    pub model: String,
+    /// Steps: `accepted` (confident, or the chain's last model), `escalated` (below the
+    /// threshold), `failed` (the step's workers failed after their retries; the request
+    /// ends there). Tokens: `prompt` or `completion`.
+    pub outcome: String,
+}
+
 /// An `f64` gauge.
 pub type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 
@@ -143,6 +155,15 @@ pub struct Metrics {
     pub etcd_workers: Gauge,
     /// Live policy settings received, by source and outcome.
     pub policy_updates: Family<PolicyUpdateLabels, Counter>,
+    /// Requests for catalogue LoRA adapters, by outcome: `loaded` (a worker had it),
+    /// `load` (one was asked to load it), `unavailable` (loading is off).
+    pub lora_requests: Family<OutcomeLabel, Counter>,
+    /// LoRA adapter loads the router asked for, by outcome: `ok`, `failed`.
+    pub lora_loads: Family<OutcomeLabel, Counter>,
+    /// Cascade steps by model and outcome.
+    pub cascade_steps: Family<CascadeLabels, Counter>,
+    /// Tokens of cascade steps by model and kind (the workers' `usage`).
+    pub cascade_tokens: Family<CascadeLabels, Counter>,
     /// 1 while this replica's NATS connection (cluster sync) is up, else 0.
     pub nats_connected: Gauge,
     /// Routing events of the cluster sync, by outcome: `published`, `dropped` (the queue
@@ -296,6 +317,26 @@ impl Metrics {
             "Live policy settings received, by source and outcome (rejected: the last good policy stays)",
             policy_updates.clone(),
         );
+        let lora_requests = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "kvroute_lora_requests",
+            "Requests for catalogue LoRA adapters, by outcome (loaded, load, unavailable)",
+            lora_requests.clone(),
+        );
+        let lora_loads = Family::<OutcomeLabel, Counter>::default();
+        registry.register("kvroute_lora_loads", "LoRA adapter loads asked of workers, by outcome", lora_loads.clone());
+        let cascade_steps = Family::<CascadeLabels, Counter>::default();
+        registry.register(
+            "kvroute_cascade_steps",
+            "Model cascade steps, by model and outcome (accepted, escalated, failed)",
+            cascade_steps.clone(),
+        );
+        let cascade_tokens = Family::<CascadeLabels, Counter>::default();
+        registry.register(
+            "kvroute_cascade_tokens",
+            "Tokens of model cascade steps, by model and kind (prompt, completion)",
+            cascade_tokens.clone(),
+        );
 
         let nats_connected = Gauge::default();
         registry.register(
@@ -338,6 +379,10 @@ impl Metrics {
             etcd_connected,
             etcd_workers,
             policy_updates,
+            cascade_steps,
+            cascade_tokens,
+            lora_requests,
+            lora_loads,
             nats_connected,
             sync_events,
             sync_gaps,

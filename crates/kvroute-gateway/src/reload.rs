@@ -15,6 +15,9 @@
 //! - `worker_urls`: URLs new in the list are added, URLs gone from it removed — only workers
 //!   that came from the list ([`AppState::static_workers`]); workers added through the
 //!   admin API or registered in etcd are never removed by a reload.
+//! - `capacity`: each worker's configured capacity facts are replaced.
+//! - `cascade`: the chains are swapped whole ([`AppState::cascade`]); a request in a
+//!   cascade finishes on the chain it started with.
 //!
 //! Only what changed in the file since the last load is applied: a policy set through
 //! `PUT /policy` or etcd, or a worker removed through `/remove_worker`, stays as it is
@@ -34,7 +37,7 @@ use std::sync::Arc;
 pub type ConfigSource = Arc<dyn Fn() -> anyhow::Result<GatewayConfig> + Send + Sync>;
 
 /// Keys a reload applies live; every other key needs a restart.
-pub const LIVE_KEYS: [&str; 3] = ["policy", "policy_knobs", "worker_urls"];
+pub const LIVE_KEYS: [&str; 5] = ["policy", "policy_knobs", "worker_urls", "cascade", "capacity"];
 
 /// What one reload did (the `outcome` label of `kvroute_config_reloads_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,6 +115,20 @@ impl Reloader {
         if next.worker_urls != self.running.worker_urls {
             changed |= self.apply_workers(&next.worker_urls).await;
             self.running.worker_urls.clone_from(&next.worker_urls);
+        }
+        if next.cascade != self.running.cascade {
+            self.state.cascade.store(Arc::new(next.cascade.clone()));
+            tracing::info!(chains = next.cascade.chain.len(), "SIGHUP: cascade chains applied");
+            self.running.cascade.clone_from(&next.cascade);
+            changed = true;
+        }
+        if next.capacity != self.running.capacity {
+            for w in self.state.fleet.load().iter() {
+                w.set_capacity(crate::fleet::CapacitySource::Config, next.capacity_of(&w.url));
+            }
+            tracing::info!(workers = next.capacity.len(), "SIGHUP: capacity table applied");
+            self.running.capacity.clone_from(&next.capacity);
+            changed = true;
         }
         let restart = restart_keys(&self.running, &next);
         if !restart.is_empty() {

@@ -47,6 +47,11 @@ pub struct AppState {
     /// ([`crate::reload::static_set`]) — the startup list, then each reload's. A reload
     /// removes only these; etcd never removes them. Swapped whole by a reload.
     pub static_workers: arc_swap::ArcSwap<Vec<String>>,
+    /// The model cascades in effect (`cascade`), swapped whole by a reload or the etcd
+    /// policy key; read once per request without a lock.
+    pub cascade: arc_swap::ArcSwap<kvroute_core::cascade::CascadeConfig>,
+    /// The LoRA multiplexer (`[[lora.adapters]]`), when there is a catalogue.
+    pub lora: Option<crate::lora::Multiplexer>,
 }
 
 impl AppState {
@@ -113,6 +118,8 @@ impl AppState {
         Ok(Arc::new(AppState {
             recorder,
             static_workers: arc_swap::ArcSwap::from_pointee(crate::reload::static_set(&cfg.worker_urls)),
+            cascade: arc_swap::ArcSwap::from_pointee(cfg.cascade.clone()),
+            lora: crate::lora::Multiplexer::new(&cfg.lora),
             sync,
             api_keys,
             forward_headers,
@@ -165,6 +172,12 @@ impl AppState {
         let health = if healthy { Health::Healthy } else { Health::Unhealthy };
         let (w, new) = self.fleet.add(&url, models, health)?;
         if new {
+            w.models_read_at.store(self.now().0, std::sync::atomic::Ordering::Relaxed);
+            w.set_capacity(crate::fleet::CapacitySource::Config, self.cfg.capacity_of(&url));
+            if healthy {
+                let probed = crate::health::probe_capacity(&self.client, &url, self.cfg.health.timeout_secs).await;
+                w.set_capacity(crate::fleet::CapacitySource::Probed, Some(probed));
+            }
             self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.clone() }).set(i64::from(healthy));
             if healthy && self.tokenizer.is_some() {
                 // Later recoveries are checked by the health checker.
@@ -191,6 +204,7 @@ impl AppState {
             }
             w.models.store(Arc::new(record.models.clone()));
         }
+        w.set_capacity(crate::fleet::CapacitySource::Registry, Some(record.capacity.clone()));
         w.registration.store(Some(Arc::new(record)));
         Ok(())
     }

@@ -74,6 +74,7 @@ pub fn build(a: &Args) -> anyhow::Result<RegisterConfig> {
             dtype: a.dtype.clone(),
             vram_gb: a.vram_gb,
             max_concurrent: a.max_concurrent,
+            ..Capacity::default()
         },
         labels,
     };

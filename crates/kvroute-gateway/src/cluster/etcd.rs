@@ -193,6 +193,7 @@ fn release(state: &AppState, known: &Known, url: &str) {
         state.remove_worker(url);
     } else if let Some(w) = state.fleet.by_url(url) {
         w.registration.store(None);
+        w.set_capacity(crate::fleet::CapacitySource::Registry, None);
     }
 }
 

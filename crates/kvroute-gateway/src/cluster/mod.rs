@@ -28,19 +28,106 @@ pub const MAX_LABELS: usize = 32;
 
 pub use kvroute_core::types::Role;
 
-/// A worker's hardware, as its registration states it (Cognitora cgn-router's node
-/// capacity; kv_score's `w_cap` term reads it).
+/// A worker's capacity facts (Cognitora cgn-router's node capacity; kv_score's `w_cap` term
+/// and its `load_signal = "seed"` utilisation read them). Every field is optional: a
+/// worker's capacity is the configuration's fields (`[capacity."URL"]`) over its
+/// registration's (etcd) over what the worker itself reports (SGLang `/server_info`,
+/// llama.cpp `/props`) over the defaults ([`kvroute_core::types::Capacity::default`]:
+/// TP 1, 2-byte dtype, 80 GiB, 1 free model slot, 256 concurrent requests).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Capacity {
     /// Tensor-parallel size (GPUs per worker).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tp_size: Option<u32>,
-    /// Weight data type: `fp32`, `fp16`, `bf16`, `fp8`, `int8`, `int4`.
+    /// Weight data type: `fp32`, `fp16`, `bf16`, `fp8`, `int8`, `int4` (or the long names
+    /// `float32`, `float16`, `bfloat16`).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub dtype: Option<String>,
     /// Accelerator memory, GiB.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub vram_gb: Option<f64>,
-    /// Most concurrent requests the worker accepts.
+    /// Model (or LoRA adapter) slots free for loading another model; 0 takes the worker's
+    /// capacity term to 0.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub free_model_slots: Option<u32>,
+    /// Most concurrent requests the worker accepts (SGLang `max_running_requests`,
+    /// llama.cpp `total_slots`).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_concurrent: Option<u32>,
+    /// LoRA adapters the worker holds at once (SGLang `max_loras_per_batch`, vLLM
+    /// `--max-loras`): the router's multiplexer loads an adapter on a worker with a slot
+    /// free first ([`crate::lora`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_loras: Option<u32>,
+    /// Longest context the worker serves, tokens (vLLM `/v1/models` `max_model_len`, SGLang
+    /// `context_length`, llama.cpp `n_ctx`): shown in `/workers`, not scored.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_model_len: Option<u32>,
+    /// Fields this version does not know: ignored in a registration (a newer sidecar may
+    /// add some), refused in the configuration file.
+    #[serde(flatten, skip_serializing)]
+    pub unknown: BTreeMap<String, serde_json::Value>,
+}
+
+impl Capacity {
+    /// The fields set here, over `base`'s.
+    pub fn over(&self, base: &Capacity) -> Capacity {
+        Capacity {
+            tp_size: self.tp_size.or(base.tp_size),
+            dtype: self.dtype.clone().or_else(|| base.dtype.clone()),
+            vram_gb: self.vram_gb.or(base.vram_gb),
+            free_model_slots: self.free_model_slots.or(base.free_model_slots),
+            max_concurrent: self.max_concurrent.or(base.max_concurrent),
+            max_loras: self.max_loras.or(base.max_loras),
+            max_model_len: self.max_model_len.or(base.max_model_len),
+            unknown: BTreeMap::new(),
+        }
+    }
+
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// A message naming the field.
+    pub fn check(&self) -> Result<(), String> {
+        if let Some(d) = &self.dtype
+            && dtype_bytes(d).is_none()
+        {
+            return Err(format!("dtype: unknown `{d}` (fp32, fp16, bf16, fp8, int8, int4)"));
+        }
+        if self.tp_size == Some(0) {
+            return Err("tp_size: expected at least 1".into());
+        }
+        if self.max_concurrent == Some(0) {
+            return Err("max_concurrent: expected at least 1".into());
+        }
+        if self.vram_gb.is_some_and(|v| !(v.is_finite() && v > 0.0 && v <= 1e6)) {
+            return Err("vram_gb: expected a positive number of GiB".into());
+        }
+        Ok(())
+    }
+
+    /// The routing core's capacity: these fields over the defaults (normalisation:
+    /// `dtype` to bytes per element, `tp_size` and `max_concurrent` at least 1).
+    pub fn core(&self) -> kvroute_core::types::Capacity {
+        let mut c = kvroute_core::types::Capacity::default();
+        if let Some(t) = self.tp_size {
+            c.tp_size = t.max(1);
+        }
+        if let Some(b) = self.dtype.as_deref().and_then(dtype_bytes) {
+            c.dtype_bytes = b;
+        }
+        if let Some(v) = self.vram_gb.filter(|v| v.is_finite() && *v > 0.0) {
+            c.vram_gib = v;
+        }
+        if let Some(f) = self.free_model_slots {
+            c.free_model_slots = f;
+        }
+        if let Some(m) = self.max_concurrent {
+            c.max_concurrent = m.max(1);
+        }
+        c
+    }
 }
 
 /// One registered worker: the JSON value of `PREFIX/workers/<id>`. Unknown fields are
@@ -80,36 +167,18 @@ impl WorkerRecord {
         if r.labels.len() > MAX_LABELS || r.labels.iter().any(|(k, v)| k.len() > 128 || v.len() > 256) {
             return Err(format!("labels: at most {MAX_LABELS}, keys up to 128 and values up to 256 bytes"));
         }
-        if let Some(d) = &r.capacity.dtype
-            && dtype_bytes(d).is_none()
-        {
-            return Err(format!("capacity.dtype: unknown `{d}` (fp32, fp16, bf16, fp8, int8, int4)"));
-        }
+        r.capacity.check().map_err(|e| format!("capacity.{e}"))?;
         Ok(r)
     }
 
     /// The routing core's capacity for this worker: the stated fields over the defaults.
     pub fn core_capacity(&self) -> kvroute_core::types::Capacity {
-        let mut c = kvroute_core::types::Capacity::default();
-        let s = &self.capacity;
-        if let Some(t) = s.tp_size {
-            c.tp_size = t.max(1);
-        }
-        if let Some(b) = s.dtype.as_deref().and_then(dtype_bytes) {
-            c.dtype_bytes = b;
-        }
-        if let Some(v) = s.vram_gb.filter(|v| v.is_finite() && *v > 0.0) {
-            c.vram_gib = v;
-        }
-        if let Some(m) = s.max_concurrent {
-            c.max_concurrent = m.max(1);
-        }
-        c
+        self.capacity.core()
     }
 }
 
 /// Bytes per weight element of a data type name (`int4` rounds up to 1).
-fn dtype_bytes(d: &str) -> Option<u32> {
+pub fn dtype_bytes(d: &str) -> Option<u32> {
     match d.to_ascii_lowercase().as_str() {
         "fp32" | "float32" => Some(4),
         "fp16" | "float16" | "bf16" | "bfloat16" => Some(2),

@@ -5,6 +5,7 @@
 //! parse    body → routing info (model, text or token ids, session) kvroute_protocol::openai::parse
 //!          (with API keys: the key is checked and its request bucket taken before the body
 //!          is read, its token bucket after the parse — `authenticate`, 401/429)
+//! load     a catalogue LoRA adapter no worker has: one loads it     crate::lora
 //! key      local tokenizer / engine tokens for precise matching    keys::resolve
 //! admit    per-model permit; full → 503, nothing recorded          route::admit
 //! decide   pure: the model's router picks, changes nothing         route::decide
@@ -12,7 +13,11 @@
 //! respond  relay (streamed or whole); settle ticket, permit, count respond::respond
 //!          (with `record`, each dispatched request is a trace line)      crate::record
 //! ```
+//!
+//! A request for the entry model of a `[[cascade.chain]]` walks key … respond once per
+//! cascade step, each for that step's model ([`cascade`]).
 
+pub mod cascade;
 pub mod dispatch;
 pub mod keys;
 pub mod respond;
@@ -47,16 +52,20 @@ pub async fn generate(State(s): State<Arc<AppState>>, headers: HeaderMap, body: 
 async fn handle(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Body) -> Response {
     match run(&s, api, &headers, body).await {
         Ok(r) => r,
-        Err((e, branch)) => {
-            let outcome = match e.status.as_u16() {
-                503 if branch.is_empty() => "rejected",
-                500..=599 => "upstream_error",
-                _ => "client_error",
-            };
-            respond::count(&s, "", branch, outcome);
-            e.into_response()
-        }
+        Err((e, branch)) => error_response(&s, e, branch),
     }
+}
+
+/// The client's answer for a request that ended in `e` (after the decision's `branch`, if
+/// there was one), counted once in `kvroute_requests_total`.
+pub fn error_response(s: &AppState, e: ApiError, branch: &'static str) -> Response {
+    let outcome = match e.status.as_u16() {
+        503 if branch.is_empty() => "rejected",
+        500..=599 => "upstream_error",
+        _ => "client_error",
+    };
+    respond::count(s, "", branch, outcome);
+    e.into_response()
 }
 
 /// The stages in order. An error carries the decision's branch once there is one.
@@ -70,11 +79,30 @@ async fn run(
     let key = authenticate(s, headers).map_err(|e| (e, ""))?;
     let bytes = read_body(s, headers, body).await.map_err(|e| (e, ""))?;
     let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
-    let mut info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens).map_err(|e| (e, ""))?;
+    let info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens).map_err(|e| (e, ""))?;
     if let Some(key) = &key {
         admit_tokens(s, key, &info).map_err(|e| (e, ""))?;
     }
-    let precise = keys::resolve(s, api, &bytes, &mut info).await;
+    if let Some(c) = cascade::start(s, &info) {
+        return cascade::run(s, api, headers, &bytes, &info, c, t0).await;
+    }
+    route_and_send(s, api, headers, &bytes, info, t0).await
+}
+
+/// The stages from key to respond for one parsed request (once per cascade step).
+///
+/// # Errors
+/// The stage's error, with the decision's branch once there is one.
+pub async fn route_and_send(
+    s: &Arc<AppState>,
+    api: Api,
+    headers: &HeaderMap,
+    bytes: &Bytes,
+    mut info: kvroute_protocol::openai::RoutingInfo,
+    t0: Instant,
+) -> Result<Response, (ApiError, &'static str)> {
+    crate::lora::ensure_loaded(s, &info.model).await.map_err(|e| (e, ""))?;
+    let precise = keys::resolve(s, api, bytes, &mut info).await;
     let model = route::model_of(s, &info).map_err(|e| (e, ""))?;
     let permit = route::admit(s, &model).map_err(|e| (e, ""))?;
     let routed = route::decide(s, &info, &model, &precise).map_err(|e| (e, ""))?;
@@ -96,7 +124,7 @@ async fn run(
         .recorder
         .as_ref()
         .map(|r| r.begin(t0, &info.text, info.token_ids.as_deref(), info.session.as_deref(), info.max_tokens));
-    let sent = dispatch::send(s, api, &routed, &info, &precise, &model, &bytes, headers)
+    let sent = dispatch::send(s, api, &routed, &info, &precise, &model, bytes, headers)
         .await
         .map_err(|e| (ApiError::from(e), branch))?;
     respond::respond(s, sent, permit, &decision, branch, t0, record).map_err(|e| (e, branch))
