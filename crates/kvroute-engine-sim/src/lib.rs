@@ -12,15 +12,27 @@
 //! `/tokenize`, `/metrics` with vLLM names, and what peer routers probe (`/server_info`,
 //! `/model_info`, `/get_load`, `/loads`, `/v1/loads`, `/version`, `*/render`).
 //!
+//! Prefill/decode disaggregation (off by default, `role` both): a worker of role prefill or
+//! decode speaks SGLang's PD protocol (`bootstrap_host`/`bootstrap_port`/`bootstrap_room`)
+//! and vLLM's NIXL one (`kv_transfer_params`), with a bootstrap server for the KV handoff
+//! and the copy timed by [`kvroute_sim::pd::TransferModel`]; see [`EngineSimConfig::role`]
+//! for the protocols, [`EngineSim::bootstrap_port`] and [`PdCounters`] for what a test reads.
+//!
 //! Also, each off by default: log-probabilities from a quality knob ([`prompt_mean_logprob`],
 //! for model cascades), LoRA adapters loaded at runtime with vLLM's and SGLang's endpoints
 //! and least-recently-used eviction (for model multiplexing), and capacity facts
 //! (`tp_size`, `dtype`, slots, KV tokens, VRAM) on `/server_info`.
 
 mod lora;
+mod pd;
 mod quality;
 
+/// The worker roles of prefill/decode disaggregation (re-exported from `kvroute_core`).
+pub use kvroute_core::types::Role;
+/// The KV transfer model of a prefill worker (re-exported from `kvroute_sim::pd`).
+pub use kvroute_sim::pd::TransferModel;
 pub use lora::LoraCounters;
+pub use pd::{KEY_TTL_MIN, MAX_KEYS, PdCounters, SGLANG_DEFAULT_BOOTSTRAP_PORT};
 pub use quality::prompt_mean_logprob;
 
 use axum::body::{Body, Bytes};
@@ -126,6 +138,33 @@ pub struct EngineSimConfig {
     /// GPU memory per device, GB, reported by `/server_info` as `vram_gb` (kvroute's own
     /// field, not SGLang's; default 80, the H100 SXM's memory). Finite, > 0. Only reported.
     pub vram_gb: f64,
+    /// Prefill/decode disaggregation role (default [`Role::Both`]: an ordinary worker that
+    /// ignores every PD field). [`Role::Prefill`] copies SGLang's `--disaggregation-mode
+    /// prefill` and a vLLM NIXL `kv_producer`: a request carrying `bootstrap_room` (SGLang)
+    /// or `kv_transfer_params.do_remote_decode: true` (vLLM) is prefilled with one output
+    /// token and its KV published on the bootstrap server (vLLM: the answer carries
+    /// `kv_transfer_params`); a request with neither is served normally. [`Role::Decode`]
+    /// copies `--disaggregation-mode decode` and a NIXL `kv_consumer`: a request carrying
+    /// `bootstrap_host`/`bootstrap_room` (SGLang) or `kv_transfer_params.do_remote_prefill:
+    /// true` (vLLM) waits for its KV from the prefill worker's bootstrap server and then
+    /// only decodes; a request with neither is prefilled here (a "local prefill"). Both
+    /// roles run a bootstrap server on [`EngineSimConfig::bootstrap_port`].
+    pub role: Role,
+    /// Address the bootstrap server binds (default `127.0.0.1`; the CLI uses `--host`),
+    /// also advertised as vLLM's `remote_host` (an unspecified address such as `0.0.0.0`
+    /// is advertised as `127.0.0.1`).
+    pub bootstrap_host: String,
+    /// Bootstrap port of a prefill or decode worker (SGLang's
+    /// `--disaggregation-bootstrap-port`); `None` or `Some(0)` = any free port (see
+    /// [`EngineSim::bootstrap_port`]). Unused with role both.
+    pub bootstrap_port: Option<u16>,
+    /// Wall seconds a decode request waits for its KV, and a bootstrap server long-polls an
+    /// unknown key, before giving up (default 300, SGLang's bootstrap timeout
+    /// `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`). Finite, > 0.
+    pub bootstrap_timeout_secs: f64,
+    /// How long the KV copy of a prefill takes (simulated seconds; wall = / `time_scale`):
+    /// a prefill worker publishes a prompt's KV as ready that long after its prefill ends.
+    pub kv_transfer: TransferModel,
 }
 
 /// Weight dtypes [`EngineSimConfig::dtype`] accepts.
@@ -145,10 +184,12 @@ impl std::fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 impl EngineSimConfig {
-    /// Checks the quality, LoRA and capacity settings: `quality` finite and ≤ 0,
+    /// Checks the quality, LoRA, capacity and PD settings: `quality` finite and ≤ 0,
     /// `quality_spread` finite and ≥ 0, `lora_load_secs` finite and ≥ 0, `loras` at most
     /// `lora_slots` with distinct non-empty names other than the base model's and non-empty
-    /// paths, `tp_size` ≥ 1, `dtype` one of [`DTYPES`], `vram_gb` finite and > 0.
+    /// paths, `tp_size` ≥ 1, `dtype` one of [`DTYPES`], `vram_gb` finite and > 0,
+    /// `bootstrap_timeout_secs` finite and > 0, a `bootstrap_host` for a prefill or decode
+    /// role, and the transfer knobs ([`TransferModel::validate`]).
     /// [`serve`] and [`spawn_local`] call it; [`start`] does not.
     ///
     /// # Errors
@@ -198,6 +239,16 @@ impl EngineSimConfig {
         if !(self.vram_gb.is_finite() && self.vram_gb > 0.0) {
             return bad(format!("vram_gb (--vram-gb) must be finite and > 0, got {}", self.vram_gb));
         }
+        if !(self.bootstrap_timeout_secs.is_finite() && self.bootstrap_timeout_secs > 0.0) {
+            return bad(format!(
+                "bootstrap_timeout_secs (--bootstrap-timeout-secs) must be finite and > 0, got {}",
+                self.bootstrap_timeout_secs
+            ));
+        }
+        if self.role != Role::Both && self.bootstrap_host.is_empty() {
+            return bad("bootstrap_host must be an address to bind (--host)".into());
+        }
+        self.kv_transfer.validate().map_err(ConfigError)?;
         Ok(())
     }
 }
@@ -231,12 +282,17 @@ impl Default for EngineSimConfig {
             tp_size: 1,
             dtype: "bfloat16".into(),
             vram_gb: 80.0,
+            role: Role::Both,
+            bootstrap_host: "127.0.0.1".into(),
+            bootstrap_port: None,
+            bootstrap_timeout_secs: 300.0,
+            kv_transfer: TransferModel::default(),
         }
     }
 }
 
 /// Tokens per KV block of the simulated worker's prefix hashing.
-const BLOCK_TOKENS: u32 = 16;
+pub(crate) const BLOCK_TOKENS: u32 = 16;
 
 enum Cmd {
     Submit { req: EngineRequest, reply: mpsc::Sender<EngineEvent> },
@@ -321,6 +377,14 @@ pub struct EngineSim {
     served: AtomicU64,
     stats: Mutex<kvroute_sim::engine::EngineStats>,
     lora: Arc<lora::Lora>,
+    pd: pd::Pd,
+}
+
+impl Drop for EngineSim {
+    fn drop(&mut self) {
+        // Stops the bootstrap server with the worker.
+        self.pd.shutdown.cancel();
+    }
 }
 
 impl std::fmt::Debug for EngineSim {
@@ -349,19 +413,59 @@ impl EngineSim {
     pub fn lora_counters(&self) -> LoraCounters {
         self.lora.counters()
     }
+
+    /// The port the bootstrap server is bound to (role prefill or decode; the configured
+    /// [`EngineSimConfig::bootstrap_port`], or the one picked for 0/`None`), `None` with role
+    /// both or when it could not be bound ([`start`] logs that; [`serve`] and
+    /// [`spawn_local`] fail instead).
+    pub fn bootstrap_port(&self) -> Option<u16> {
+        self.pd.bootstrap_port
+    }
+
+    /// This worker's vLLM `remote_engine_id` (`kvsim-` and 16 hex digits, random per start),
+    /// as its prefill answers carry it in `kv_transfer_params`.
+    pub fn engine_id(&self) -> &str {
+        &self.pd.engine_id
+    }
+
+    /// PD counters (transfers, bytes, failures, local prefills, published KV, requests
+    /// waiting for KV), the values of the `kvroute_sim_pd_*` metrics.
+    pub fn pd_counters(&self) -> PdCounters {
+        self.pd.counters()
+    }
 }
 
 /// Starts the engine driver task and returns the shared state. The driver stops when the
 /// returned state (and every handler holding it) is dropped. `cfg` is not validated
-/// ([`EngineSimConfig::validate`]); the preloaded `loras` are loaded at once.
+/// ([`EngineSimConfig::validate`]); the preloaded `loras` are loaded at once. A prefill or
+/// decode worker's bootstrap server is started too (stopped when the state is dropped); if
+/// its port cannot be bound the error is logged and [`EngineSim::bootstrap_port`] is `None`.
+/// Must run inside a tokio runtime.
 pub fn start(cfg: EngineSimConfig) -> Arc<EngineSim> {
+    let listener = pd::bind(&cfg).unwrap_or_else(|e| {
+        tracing::error!("engine-sim: {e}");
+        eprintln!("kvroute engine-sim: {e}");
+        None
+    });
+    start_with(cfg, listener)
+}
+
+/// [`start`], failing when the bootstrap port cannot be bound.
+fn try_start(cfg: EngineSimConfig) -> std::io::Result<Arc<EngineSim>> {
+    let listener = pd::bind(&cfg)?;
+    Ok(start_with(cfg, listener))
+}
+
+fn start_with(cfg: EngineSimConfig, bootstrap: Option<std::net::TcpListener>) -> Arc<EngineSim> {
     let (tx, rx) = mpsc::channel::<Cmd>(1024);
     let mut metrics = SimMetrics::new();
     let lora = Arc::new(lora::Lora::new(&cfg, &mut metrics.registry));
+    let pd = pd::Pd::new(&cfg, &mut metrics.registry, bootstrap);
     let sim = Arc::new(EngineSim {
         tx,
         metrics,
         lora,
+        pd,
         start: Instant::now(),
         next_id: AtomicU64::new(0),
         served: AtomicU64::new(0),
@@ -590,7 +694,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     cfg.validate().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let sim = start(cfg);
+    let sim = try_start(cfg)?;
     axum::serve(listener, app(sim)).with_graceful_shutdown(shutdown).await
 }
 
@@ -605,12 +709,15 @@ pub async fn spawn_local(
     stop: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<(String, Arc<EngineSim>)> {
     cfg.validate().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let sim = start(cfg);
+    let cfg = EngineSimConfig { bootstrap_host: "127.0.0.1".into(), ..cfg };
+    let sim = try_start(cfg)?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     let app = app(Arc::clone(&sim));
+    let bootstrap_stop = sim.pd.shutdown.clone();
     tokio::spawn(async move {
         let _ = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await }).await;
+        bootstrap_stop.cancel();
     });
     Ok((url, sim))
 }
@@ -656,7 +763,9 @@ async fn server_info(State(s): State<Arc<EngineSim>>) -> Response {
         "version": env!("CARGO_PKG_VERSION"), "engine": "kvroute-engine-sim", "profile": c.profile.name,
         "dtype": c.dtype, "max_running_requests": c.profile.max_batch, "max_total_num_tokens": c.profile.kv_tokens,
         "max_loras_per_batch": c.lora_slots, "enable_lora": c.lora_slots > 0, "mem_fraction_static": 0.9,
-        "vram_gb": c.vram_gb}))
+        "vram_gb": c.vram_gb,
+        "disaggregation_mode": if c.role == Role::Both { "null" } else { c.role.as_str() },
+        "disaggregation_bootstrap_port": s.pd.bootstrap_port}))
     .into_response()
 }
 
@@ -831,6 +940,14 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };
+    let mode = match pd::mode(s.pd.role, &serde_json::from_slice::<pd::Fields>(&body).unwrap_or_default()) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let mut handoff = match &mode {
+        pd::Mode::SglangPrefill(room) => Some(pd::Handoff::new(&s.pd, room)),
+        _ => None,
+    };
     let n = s.served.fetch_add(1, Ordering::Relaxed) + 1;
     if s.cfg.crash_after.is_some_and(|c| n > c) {
         tracing::error!("engine-sim: crash injected after {} requests", n - 1);
@@ -838,11 +955,27 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
     }
     let roll = (stable_hash(&[s.cfg.fault_seed.to_le_bytes(), n.to_le_bytes()].concat()) % 1_000_000) as f64 / 1e6;
     if roll < s.cfg.error_rate {
+        if let Some(h) = handoff.take() {
+            h.fail("injected failure");
+        }
         return err(StatusCode::INTERNAL_SERVER_ERROR, "injected failure");
     }
     if roll < s.cfg.error_rate + s.cfg.hang_rate {
         std::future::pending::<()>().await;
     }
+    // A decode waits for its KV before anything is answered (a streamed request's error
+    // comes before any byte).
+    let transferred: Option<u64> = match &mode {
+        pd::Mode::Decode(src) => match s.pd.receive(src, pd::wall_secs(s.cfg.bootstrap_timeout_secs)).await {
+            Ok((tokens, _bytes)) => Some(tokens),
+            Err(e) => return e.into_response(),
+        },
+        pd::Mode::LocalPrefill => {
+            s.pd.count_local_prefill();
+            None
+        }
+        _ => None,
+    };
     // An adapter's blocks hash on a chain seeded by its name: never shared with the base
     // model's or another adapter's (vLLM keys prefix-cache blocks by LoRA id).
     let chain_seed = adapter.as_deref().map(lora::adapter_seed);
@@ -880,9 +1013,17 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         let _ = tx.try_send(EngineEvent::Finished { id, at: Nanos(0) });
         1
     } else {
-        let output = info.max_tokens.unwrap_or(16).clamp(1, 8192);
-        let req =
-            EngineRequest { id, input_tokens, output_tokens: output, blocks, block_tokens: BLOCK_TOKENS, token_ids };
+        // A prefill for a remote decode produces one token.
+        let output = if mode.is_prefill() { 1 } else { info.max_tokens.unwrap_or(16).clamp(1, 8192) };
+        let req = EngineRequest {
+            id,
+            input_tokens,
+            output_tokens: output,
+            blocks,
+            block_tokens: BLOCK_TOKENS,
+            token_ids,
+            kv_transferred: transferred.is_some(),
+        };
         if s.tx.send(Cmd::Submit { req, reply: tx }).await.is_err() {
             return err(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
         }
@@ -910,13 +1051,36 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
     let first = match rx.recv().await {
         Some(EngineEvent::FirstToken { cached_tokens, .. }) => cached_tokens,
         Some(EngineEvent::Rejected { .. }) | None => {
+            if let Some(h) = handoff.take() {
+                h.fail("request does not fit in the KV cache or the queue is full");
+            }
             return err(StatusCode::SERVICE_UNAVAILABLE, "request does not fit in the KV cache or the queue is full");
         }
         Some(EngineEvent::Finished { .. }) => 0,
     };
+    // The prefill is over: its KV is ready on the bootstrap server after the copy time.
+    let kv_delay = Duration::from_secs_f64(
+        s.cfg.kv_transfer.delay(u64::from(input_tokens)).as_secs_f64() / s.cfg.time_scale.max(1e-6),
+    );
+    let kv_bytes = s.cfg.kv_transfer.bytes(u64::from(input_tokens));
+    if let Some(h) = handoff.take() {
+        h.publish(u64::from(input_tokens), kv_bytes, kv_delay);
+    }
+    let kv_params = (mode == pd::Mode::VllmPrefill).then(|| {
+        let (block_ids, key) = s.pd.vllm_transfer(u64::from(input_tokens));
+        s.pd.publish(&key, u64::from(input_tokens), kv_bytes, kv_delay);
+        s.pd.vllm_params(&block_ids)
+    });
     s.metrics.ttft.observe(t0.elapsed().as_secs_f64());
-    s.metrics.hits.inc_by(u64::from(first));
-    s.metrics.queries.inc_by(u64::from(input_tokens));
+    // Transferred KV is not a prefix-cache lookup; its tokens are reported as cached.
+    let first = match transferred {
+        Some(t) => u32::try_from(t).unwrap_or(u32::MAX),
+        None => {
+            s.metrics.hits.inc_by(u64::from(first));
+            s.metrics.queries.inc_by(u64::from(input_tokens));
+            first
+        }
+    };
     s.metrics.prompt_tokens.inc_by(u64::from(input_tokens));
     let usage = serde_json::json!({"prompt_tokens": input_tokens, "completion_tokens": output,
         "total_tokens": input_tokens + output, "prompt_tokens_details": {"cached_tokens": first}});
@@ -950,7 +1114,9 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
             }
         }
     };
-    if info.stream {
+    // vLLM's prefill for a remote decode always answers in one piece (with its
+    // `kv_transfer_params`).
+    if info.stream && kv_params.is_none() {
         let stream =
             async_stream(rx, output, step, chunk, finish, usage.clone(), api, rid.clone(), model.clone(), created);
         return Response::builder()
@@ -970,7 +1136,7 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
     finish(&mut rx);
     let text = toks.full_text();
     let lp = ask.map(|a| quality::logprobs_json(a, &toks, 0..output));
-    let body = match api {
+    let mut body = match api {
         Api::Chat => serde_json::json!({"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": "length"}],
             "usage": usage}),
@@ -987,6 +1153,9 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
             b
         }
     };
+    if let Some(p) = kv_params {
+        body["kv_transfer_params"] = p;
+    }
     Json(body).into_response()
 }
 

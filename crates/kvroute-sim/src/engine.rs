@@ -21,6 +21,14 @@
 //! than `max_batch` requests and the KV cache can hold the request's blocks. A request whose
 //! blocks exceed the whole cache is rejected.
 //!
+//! ## Transferred KV (prefill/decode disaggregation)
+//! A request submitted with [`EngineRequest::kv_transferred`] is the decode half of a
+//! split request: its prompt's KV was computed by a prefill engine and copied here (see
+//! [`crate::pd`]). It is admitted like any other (FIFO, batch and KV space), its blocks are
+//! written into the cache whole (a leading run already cached is shared), it does no
+//! prefill work, and its first token is sampled by its first decode step — what SGLang's
+//! decode workers and vLLM's NIXL connector (`do_remote_prefill`) do.
+//!
 //! ## Step time
 //! `step = step_overhead + prefill_tokens × prefill_per_token + decode_seqs × decode_per_seq
 //!        + context_tokens × context_per_token` — a linear roofline: prefill is compute
@@ -364,6 +372,14 @@ pub struct EngineRequest {
     pub block_tokens: u32,
     /// Prompt token ids, when known (for `BlockStored` events).
     pub token_ids: Option<std::sync::Arc<[u32]>>,
+    /// The prompt's KV was computed elsewhere and transferred here (the decode side of
+    /// prefill/decode disaggregation, as SGLang's decode workers and vLLM's NIXL
+    /// `do_remote_prefill` requests are served): on admission the whole prompt's blocks are
+    /// written into the cache (they count as `cached_tokens` = `input_tokens`, and in
+    /// [`EngineStats::transferred_tokens`], not in the prefix-cache counters), no prefill
+    /// work is done, and the first token comes from the request's first decode step.
+    /// `false` (every colocated request) = today's behaviour.
+    pub kv_transferred: bool,
 }
 
 /// Something that happened inside an engine.
@@ -441,6 +457,9 @@ pub struct EngineStats {
     pub busy_ns: u64,
     /// Steps executed.
     pub steps: u64,
+    /// Prompt tokens of requests admitted with their KV transferred in
+    /// ([`EngineRequest::kv_transferred`]): present without prefill work.
+    pub transferred_tokens: u64,
 }
 
 /// One simulated engine. See the module docs.
@@ -526,8 +545,12 @@ impl Engine {
 
     /// Submits a request at `now`. It joins the batch at the next step boundary. Events
     /// already due before `now` must have been collected with [`Engine::advance`] first.
-    pub fn submit(&mut self, req: EngineRequest, now: Nanos, events: &mut Vec<EngineEvent>) {
+    pub fn submit(&mut self, mut req: EngineRequest, now: Nanos, events: &mut Vec<EngineEvent>) {
         self.stats.submitted += 1;
+        if req.kv_transferred {
+            // Its first token comes from a decode step: at least one to generate.
+            req.output_tokens = req.output_tokens.max(1);
+        }
         let need =
             (req.input_tokens as u64 + req.output_tokens.max(1) as u64).div_ceil(self.profile.block_tokens as u64);
         if need > self.cache.capacity() || self.waiting.len() >= self.max_waiting {
@@ -584,8 +607,15 @@ impl Engine {
         for (i, r) in self.running.iter_mut().enumerate() {
             if r.prefill_left == 0 && !in_prefill[i] {
                 let n = step.count.min((r.req.output_tokens - r.decoded) as u64) as u32;
+                // Only a request whose KV was transferred in decodes from zero tokens: its
+                // first decode step samples its first token.
+                let first = r.decoded == 0 && n > 0;
                 r.decoded += n;
                 self.stats.decode_tokens += n as u64;
+                if first {
+                    let at = Nanos(step.start.0 + step.dt.0);
+                    events.push(EngineEvent::FirstToken { id: r.req.id, at, cached_tokens: r.cached_tokens });
+                }
             }
         }
         // Prefill chunks.
@@ -637,7 +667,7 @@ impl Engine {
     fn plan(&mut self, now: Nanos) {
         let p = &self.profile;
         let mut budget = p.max_batched_tokens as u64;
-        let decode_seqs = self.running.iter().filter(|r| r.prefill_left == 0).count() as u64;
+        let mut decode_seqs = self.running.iter().filter(|r| r.prefill_left == 0).count() as u64;
         budget = budget.saturating_sub(decode_seqs);
         let mut chunks: Vec<(usize, u32)> = Vec::new();
         for (i, r) in self.running.iter().enumerate() {
@@ -661,6 +691,24 @@ impl Engine {
                 break;
             }
             let Some(req) = self.waiting.pop_front() else { break };
+            if req.kv_transferred {
+                // The prompt's KV arrived whole: it joins the batch in decode, one token of
+                // the step's budget, no prefill chunk.
+                self.stats.transferred_tokens += req.input_tokens as u64;
+                budget -= 1;
+                decode_seqs += 1;
+                self.running.push(Running {
+                    cached_tokens: req.input_tokens,
+                    hit_blocks,
+                    prefill_left: 0,
+                    decoded: 0,
+                    reserved_blocks: need,
+                    anon_blocks: 0,
+                    committed: false,
+                    req,
+                });
+                continue;
+            }
             self.stats.prefix_queries_tokens += req.input_tokens as u64;
             self.stats.prefix_hit_tokens += hit_tokens;
             let prefill = (req.input_tokens as u64 - hit_tokens).max(1) as u32;
@@ -689,7 +737,12 @@ impl Engine {
         if chunks.is_empty() {
             // Decode-only: coalesce identical steps until the first completion. A new
             // arrival cuts the span (see `submit`).
-            let count = self.running.iter().map(|r| (r.req.output_tokens - r.decoded) as u64).min().unwrap_or(1).max(1);
+            let mut count =
+                self.running.iter().map(|r| (r.req.output_tokens - r.decoded) as u64).min().unwrap_or(1).max(1);
+            if self.running.iter().any(|r| r.prefill_left == 0 && r.decoded == 0) {
+                // A transferred request's first token ends the first step: no span over it.
+                count = 1;
+            }
             let mean_context = context + decode_seqs * (count - 1) / 2;
             let dt = p.step_time(0, decode_seqs, mean_context);
             self.step = Some(Step { start: now, dt, count });
@@ -727,6 +780,7 @@ mod tests {
             blocks: blocks.iter().map(|b| BlockHash(*b)).collect(),
             block_tokens: 16,
             token_ids: None,
+            kv_transferred: false,
         }
     }
 
@@ -821,6 +875,41 @@ mod tests {
         assert!(first(2) > Nanos::from_millis(33));
         assert_eq!(e.stats().finished, 3);
         assert_eq!(e.cache().active(), 0, "all blocks released");
+    }
+
+    #[test]
+    fn transferred_kv_costs_no_prefill_and_the_first_decode_step_samples_the_first_token() {
+        let mut e = Engine::new(profile(), 16);
+        let mut ev = Vec::new();
+        let mut r = req(1, &[1, 2, 3, 4], 64, 3);
+        r.kv_transferred = true;
+        e.submit(r, Nanos::ZERO, &mut ev);
+        let ev = run(&mut e);
+        // Decode steps of 1 ms each (no prefill chunk): first token after one, done after three.
+        assert_eq!(ev[0], EngineEvent::FirstToken { id: 1, at: Nanos::from_millis(1), cached_tokens: 64 });
+        assert_eq!(ev[1], EngineEvent::Finished { id: 1, at: Nanos::from_millis(3) });
+        let s = e.stats();
+        assert_eq!((s.prefill_tokens, s.transferred_tokens, s.decode_tokens), (0, 64, 3));
+        assert_eq!((s.prefix_queries_tokens, s.prefix_hit_tokens), (0, 0), "a transfer is not a prefix lookup");
+        // The transferred blocks stay cached: a colocated request on the same prompt hits them.
+        assert_eq!(e.cached_prefix_tokens(&[BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4)], 16, 64), 64);
+        assert_eq!(e.cache().active(), 0, "all blocks released");
+    }
+
+    #[test]
+    fn a_transferred_request_joins_a_running_decode_batch_at_a_step_boundary() {
+        let mut e = Engine::new(profile(), 16);
+        let mut ev = Vec::new();
+        e.submit(req(1, &[1], 16, 100), Nanos::ZERO, &mut ev);
+        e.advance(Nanos::from_millis(17), &mut ev); // prefill done at 17 ms, decode span follows
+        let mut r = req(2, &[2, 3], 32, 2);
+        r.kv_transferred = true;
+        e.submit(r, Nanos(20_500_000), &mut ev);
+        let ev = run(&mut e);
+        // Joins at the 21 ms boundary; its first decode step ends at 22 ms.
+        assert!(ev.contains(&EngineEvent::FirstToken { id: 2, at: Nanos::from_millis(22), cached_tokens: 32 }));
+        assert!(ev.contains(&EngineEvent::Finished { id: 2, at: Nanos::from_millis(23) }));
+        assert_eq!(e.stats().prefill_tokens, 16, "only the colocated request's prompt was computed");
     }
 
     #[test]

@@ -7,6 +7,8 @@
 //! - [`trace`]: trace readers (Mooncake JSONL, Azure CSV, session JSONL) with
 //!   file/line/field errors, and transforms (rate scaling, spreading, sampling, capping).
 //! - [`replay`]: replays a trace through a routing policy onto N engines on a logical clock.
+//! - [`pd`]: prefill/decode disaggregation: the KV transfer model shared with
+//!   `kvroute engine-sim`, and the replay of a trace onto P prefill and D decode engines.
 //! - [`report`]: per-policy results, tables, JSON/CSV and plots.
 //! - [`latency`]: the one latency summary (TTFT, TPOT, E2E) and SLO shared with `kvroute bench`.
 #![forbid(unsafe_code)]
@@ -14,6 +16,7 @@
 
 pub mod engine;
 pub mod latency;
+pub mod pd;
 pub mod replay;
 pub mod report;
 pub mod trace;

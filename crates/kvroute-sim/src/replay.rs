@@ -89,6 +89,32 @@ pub struct Outcome {
     pub rejected: bool,
     /// Decision branch label.
     pub branch: &'static str,
+    /// Prefill engine of a split request ([`crate::pd::replay_pd`]; `worker` is then its
+    /// decode engine and `cached_tokens` the prefill engine's prefix hit); `None` when the
+    /// request ran colocated on one engine.
+    pub prefill_worker: Option<u32>,
+    /// KV bytes copied from the prefill to the decode engine (0 unless split and its
+    /// prefill finished).
+    pub transfer_bytes: u64,
+}
+
+impl Outcome {
+    /// A request of the trace before it is routed.
+    pub fn pending(r: &TraceRequest) -> Outcome {
+        Outcome {
+            worker: None,
+            arrival: r.arrival,
+            first_token: None,
+            finished: None,
+            input_tokens: r.input_tokens,
+            output_tokens: r.output_tokens,
+            cached_tokens: 0,
+            rejected: false,
+            branch: "",
+            prefill_worker: None,
+            transfer_bytes: 0,
+        }
+    }
 }
 
 /// Raw results of one replay, summarised by [`crate::report`].
@@ -102,6 +128,9 @@ pub struct ReplayResult {
     pub busy_ns: Vec<u64>,
     /// Blocks evicted per engine.
     pub evictions: Vec<u64>,
+    /// The disaggregation settings of a [`crate::pd::replay_pd`] run (engines
+    /// `0..prefill_engines` prefill, the rest decode); `None` for a colocated replay.
+    pub pd: Option<crate::pd::PdConfig>,
 }
 
 /// Why a replay could not run.
@@ -168,20 +197,7 @@ pub fn replay(
         (0..cfg.engines).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect();
     let mut ledger = LoadLedger::new();
     let mut tickets: Vec<Option<Ticket>> = (0..trace.len()).map(|_| None).collect();
-    let mut outcomes: Vec<Outcome> = trace
-        .iter()
-        .map(|r| Outcome {
-            worker: None,
-            arrival: r.arrival,
-            first_token: None,
-            finished: None,
-            input_tokens: r.input_tokens,
-            output_tokens: r.output_tokens,
-            cached_tokens: 0,
-            rejected: false,
-            branch: "",
-        })
-        .collect();
+    let mut outcomes: Vec<Outcome> = trace.iter().map(Outcome::pending).collect();
     let mut events = Vec::new();
     let interval = policy.maintenance_interval();
     let mut next_maintain = interval.unwrap_or(Nanos(u64::MAX));
@@ -288,6 +304,7 @@ pub fn replay(
                         blocks: r.blocks.clone(),
                         block_tokens: r.block_tokens,
                         token_ids: None,
+                        kv_transferred: false,
                     },
                     now,
                     &mut events,
@@ -310,5 +327,6 @@ pub fn replay(
         outcomes,
         busy_ns: engines.iter().map(|e| e.stats().busy_ns).collect(),
         evictions: engines.iter().map(|e| e.cache().evictions()).collect(),
+        pd: None,
     })
 }

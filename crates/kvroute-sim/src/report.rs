@@ -46,6 +46,42 @@ pub struct PolicyReport {
     /// TTFT CDF points (seconds, fraction) for plots.
     #[serde(skip)]
     pub ttft_cdf: Vec<(f64, f64)>,
+    /// Prefill/decode disaggregation figures of a `--pd` run (absent otherwise, and then
+    /// not serialised: colocated reports keep their shape).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pd: Option<PdSummary>,
+}
+
+/// What disaggregation did in one replay ([`crate::pd::replay_pd`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PdSummary {
+    /// Prefill engines (engines `0..P` in `worker_share`).
+    pub prefill_engines: usize,
+    /// Decode engines (engines `P..P+D`).
+    pub decode_engines: usize,
+    /// Prompts of at most this many tokens ran colocated.
+    pub colocate_below_tokens: u32,
+    /// Decode policy (the prefill policy is the report's `policy`).
+    pub decode_policy: String,
+    /// The transfer model.
+    pub transfer: crate::pd::TransferModel,
+    /// Requests routed split (prefill engine, then decode engine).
+    pub split_requests: u64,
+    /// Requests routed colocated on a decode engine.
+    pub colocated_requests: u64,
+    /// KV bytes copied from prefill to decode engines (split requests whose prefill ended).
+    pub transfer_bytes: u64,
+    /// Mean transfer time of those copies, simulated seconds.
+    pub transfer_mean_s: f64,
+    /// Prefix-cache hit ratio of completed split requests: the prefill engines' hit tokens
+    /// over their prompt tokens.
+    pub split_hit_ratio: f64,
+    /// Prefix-cache hit ratio of completed colocated requests (the decode engines').
+    pub colocated_hit_ratio: f64,
+    /// Mean busy time of the prefill engines over the makespan, 0–1.
+    pub prefill_busy: f64,
+    /// Mean busy time of the decode engines over the makespan, 0–1.
+    pub decode_busy: f64,
 }
 
 /// Summarises `r`. `infinite` is the trace's infinite-cache `(hit, total)` tokens.
@@ -64,6 +100,10 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
             *branches.entry(o.branch.to_string()).or_insert(0) += 1;
         }
         if let Some(w) = o.worker {
+            per_worker[w as usize] += 1;
+        }
+        // A split request counts on its prefill engine too.
+        if let Some(w) = o.prefill_worker {
             per_worker[w as usize] += 1;
         }
         if o.rejected {
@@ -107,6 +147,48 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
         worker_share: per_worker.iter().map(|&n| n as f64 / total.max(1) as f64).collect(),
         branches,
         ttft_cdf: lat.ttft_cdf(),
+        pd: r.pd.as_ref().map(|pd| pd_summary(r, pd, makespan)),
+    }
+}
+
+/// The [`PdSummary`] of a PD replay whose makespan is `makespan` seconds.
+fn pd_summary(r: &ReplayResult, pd: &crate::pd::PdConfig, makespan: f64) -> PdSummary {
+    let (mut split, mut colocated, mut bytes, mut copies, mut delay_s) = (0u64, 0u64, 0u64, 0u64, 0.0f64);
+    let mut hits = [(0u64, 0u64); 2]; // (hit, queried) of split, colocated
+    for o in &r.outcomes {
+        let is_split = o.prefill_worker.is_some();
+        match (is_split, o.worker) {
+            (true, _) => split += 1,
+            (false, Some(_)) => colocated += 1,
+            (false, None) => {}
+        }
+        if o.transfer_bytes > 0 {
+            bytes += o.transfer_bytes;
+            copies += 1;
+            delay_s += pd.transfer.delay(u64::from(o.input_tokens)).as_secs_f64();
+        }
+        if !o.rejected && o.first_token.is_some() && o.finished.is_some() {
+            let h = &mut hits[usize::from(!is_split)];
+            h.0 += u64::from(o.cached_tokens);
+            h.1 += u64::from(o.input_tokens);
+        }
+    }
+    let p = pd.prefill_engines.min(r.busy_ns.len());
+    let busy = |b: &[u64]| b.iter().sum::<u64>() as f64 / 1e9 / b.len().max(1) as f64 / makespan;
+    PdSummary {
+        prefill_engines: pd.prefill_engines,
+        decode_engines: pd.decode_engines,
+        colocate_below_tokens: pd.colocate_below_tokens,
+        decode_policy: pd.decode_policy.clone(),
+        transfer: pd.transfer,
+        split_requests: split,
+        colocated_requests: colocated,
+        transfer_bytes: bytes,
+        transfer_mean_s: if copies > 0 { delay_s / copies as f64 } else { 0.0 },
+        split_hit_ratio: hits[0].0 as f64 / hits[0].1.max(1) as f64,
+        colocated_hit_ratio: hits[1].0 as f64 / hits[1].1.max(1) as f64,
+        prefill_busy: busy(&r.busy_ns[..p]).min(1.0),
+        decode_busy: busy(&r.busy_ns[p..]).min(1.0),
     }
 }
 
@@ -149,6 +231,30 @@ pub fn table(reports: &[PolicyReport]) -> String {
             r.load_imbalance
         );
     }
+    if reports.iter().any(|r| r.pd.is_some()) {
+        let _ = writeln!(
+            s,
+            "{:<18} {:>5} {:>7} {:>9} {:>10} {:>8} {:>8} {:>8} {:>7} {:>7}",
+            "prefill/decode", "rate", "P:D", "split", "xfer_GB", "xfer_ms", "split_h%", "coloc_h%", "P_busy", "D_busy"
+        );
+        for r in reports {
+            let Some(pd) = &r.pd else { continue };
+            let _ = writeln!(
+                s,
+                "{:<18} {:>5.2} {:>7} {:>9} {:>10.2} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2}",
+                r.policy,
+                r.rate_scale,
+                format!("{}:{}", pd.prefill_engines, pd.decode_engines),
+                pd.split_requests,
+                pd.transfer_bytes as f64 / 1e9,
+                pd.transfer_mean_s * 1e3,
+                pd.split_hit_ratio * 100.0,
+                pd.colocated_hit_ratio * 100.0,
+                pd.prefill_busy,
+                pd.decode_busy
+            );
+        }
+    }
     if let Some(r) = reports.first() {
         let _ = writeln!(
             s,
@@ -159,13 +265,18 @@ pub fn table(reports: &[PolicyReport]) -> String {
     s
 }
 
-/// Writes `reports` as CSV (one row per policy and rate).
+/// Writes `reports` as CSV (one row per policy and rate). When any report has
+/// [`PolicyReport::pd`], nine columns follow (`pd_prefill_engines`, `pd_decode_engines`,
+/// `pd_split_requests`, `pd_transfer_bytes`, `pd_transfer_mean_s`, `pd_split_hit_ratio`,
+/// `pd_colocated_hit_ratio`, `pd_prefill_busy`, `pd_decode_busy`; empty for a colocated
+/// report); otherwise the columns are the colocated ones only.
 ///
 /// # Errors
 /// I/O or CSV errors.
 pub fn write_csv(path: &Path, reports: &[PolicyReport]) -> Result<(), csv::Error> {
     let mut w = csv::Writer::from_path(path)?;
-    w.write_record([
+    let with_pd = reports.iter().any(|r| r.pd.is_some());
+    let mut header = vec![
         "policy",
         "rate_scale",
         "offered_rps",
@@ -186,10 +297,24 @@ pub fn write_csv(path: &Path, reports: &[PolicyReport]) -> Result<(), csv::Error
         "throughput_rps",
         "goodput_rps",
         "load_imbalance",
-    ])?;
+    ];
+    if with_pd {
+        header.extend([
+            "pd_prefill_engines",
+            "pd_decode_engines",
+            "pd_split_requests",
+            "pd_transfer_bytes",
+            "pd_transfer_mean_s",
+            "pd_split_hit_ratio",
+            "pd_colocated_hit_ratio",
+            "pd_prefill_busy",
+            "pd_decode_busy",
+        ]);
+    }
+    w.write_record(&header)?;
     for r in reports {
         let f = |x: f64| format!("{x:.6}");
-        w.write_record([
+        let mut row = vec![
             r.policy.clone(),
             f(r.rate_scale),
             f(r.offered_rps),
@@ -210,7 +335,24 @@ pub fn write_csv(path: &Path, reports: &[PolicyReport]) -> Result<(), csv::Error
             f(r.throughput_rps),
             f(r.goodput_rps),
             f(r.load_imbalance),
-        ])?;
+        ];
+        if with_pd {
+            match &r.pd {
+                Some(pd) => row.extend([
+                    pd.prefill_engines.to_string(),
+                    pd.decode_engines.to_string(),
+                    pd.split_requests.to_string(),
+                    pd.transfer_bytes.to_string(),
+                    f(pd.transfer_mean_s),
+                    f(pd.split_hit_ratio),
+                    f(pd.colocated_hit_ratio),
+                    f(pd.prefill_busy),
+                    f(pd.decode_busy),
+                ]),
+                None => row.extend(std::iter::repeat_n(String::new(), 9)),
+            }
+        }
+        w.write_record(&row)?;
     }
     w.flush()?;
     Ok(())

@@ -93,3 +93,52 @@ fn precise_views_carry_the_engines_real_cache_and_predictions_cover_bursts() {
     assert_eq!(r.outcomes[0].worker, r.outcomes[1].worker);
     assert_eq!(r.outcomes[1].cached_tokens, 20 * 512);
 }
+
+/// Disaggregated replay: long prompts are split (prefill engine, KV transfer, decode
+/// engine), short ones run colocated on a decode engine, and the outcomes say so.
+#[test]
+fn pd_replay_splits_long_prompts_and_charges_the_transfer() {
+    use kvroute_sim::pd::{PdConfig, TransferModel, replay_pd};
+    // 40 requests: even ones 6 blocks (3072 tokens, split), odd ones 2 blocks (colocated).
+    let trace: Vec<TraceRequest> = (0..40u64)
+        .map(|i| {
+            let n = if i % 2 == 0 { 6 } else { 2 };
+            let b: Vec<u64> = (0..n).map(|k| 100 * (i % 4) + k).collect();
+            req(i * 50, &b)
+        })
+        .collect();
+    let mut pd = PdConfig::new(1, 2);
+    pd.transfer = TransferModel { kv_bytes_per_token: 131_072, link_gbytes_per_s: 25.0, latency_secs: 0.01 };
+    let c = cfg("prefill_cost", 3, PrefixState::Approximate);
+    let r = replay_pd(&trace, &c, &pd, &mut |_| {}).expect("pd replay");
+    assert_eq!(r.pd.as_ref(), Some(&pd));
+    let delay = pd.transfer.delay(3072);
+    for (i, o) in r.outcomes.iter().enumerate() {
+        assert!(!o.rejected, "request {i} rejected");
+        let (ft, fin) = (o.first_token.expect("first token"), o.finished.expect("finished"));
+        assert!(fin >= ft && ft > o.arrival);
+        if i % 2 == 0 {
+            assert_eq!(o.prefill_worker, Some(0), "request {i}: split onto the prefill engine");
+            assert!(matches!(o.worker, Some(1 | 2)), "request {i}: decoded on a decode engine");
+            assert_eq!(o.transfer_bytes, 3072 * 131_072);
+            // The decode engine's first token comes after the prefill and the transfer.
+            assert!(ft.0 - o.arrival.0 > delay.0, "request {i}: TTFT includes the transfer");
+        } else {
+            assert_eq!(o.prefill_worker, None, "request {i}: colocated");
+            assert!(matches!(o.worker, Some(1 | 2)));
+            assert_eq!(o.transfer_bytes, 0);
+        }
+    }
+    // Repeated prefixes hit the prefill engine's cache (requests 0/4/8/... share blocks).
+    assert!(r.outcomes.iter().step_by(2).skip(4).any(|o| o.cached_tokens > 0));
+    let rep = kvroute_sim::report::summarise(&r, 1.0, (0, 1), kvroute_sim::report::Slo { ttft_s: 2.0, tpot_s: 0.1 });
+    let s = rep.pd.expect("pd summary");
+    assert_eq!((s.split_requests, s.colocated_requests), (20, 20));
+    assert_eq!(s.transfer_bytes, 20 * 3072 * 131_072);
+    assert!(s.split_hit_ratio > 0.0 && s.prefill_busy > 0.0 && s.decode_busy > 0.0);
+    // Same seed, same outcomes.
+    let again = replay_pd(&trace, &c, &pd, &mut |_| {}).expect("pd replay");
+    assert_eq!(serde_json::to_string(&r.outcomes).ok(), serde_json::to_string(&again.outcomes).ok());
+    // P + D must match the engine count.
+    assert!(replay_pd(&trace, &cfg("prefill_cost", 4, PrefixState::Approximate), &pd, &mut |_| {}).is_err());
+}

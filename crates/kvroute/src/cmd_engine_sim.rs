@@ -1,7 +1,7 @@
 //! `kvroute engine-sim`: one simulated inference worker over HTTP (vLLM-like).
 
 use anyhow::Context;
-use kvroute_engine_sim::{EngineSimConfig, serve};
+use kvroute_engine_sim::{EngineSimConfig, Role, SGLANG_DEFAULT_BOOTSTRAP_PORT, TransferModel, serve};
 
 /// Flags of `kvroute engine-sim`.
 #[derive(Debug, clap::Args)]
@@ -98,6 +98,28 @@ pub struct Args {
     /// GPU memory per device, GB, reported by /server_info as `vram_gb` (80, the H100 SXM's).
     #[arg(long, default_value_t = 80.0, allow_hyphen_values = true, value_name = "GB")]
     pub vram_gb: f64,
+    /// Prefill/decode disaggregation role (SGLang --disaggregation-mode; vLLM NIXL
+    /// kv_producer/kv_consumer): `prefill` publishes a prompt's KV on its bootstrap port,
+    /// `decode` fetches it from the prefill worker's and only decodes, `both` is an ordinary worker.
+    #[arg(long, default_value = "both", value_parser = ["prefill", "decode", "both"])]
+    pub role: String,
+    /// Bootstrap port of a prefill or decode worker, on --host (SGLang
+    /// --disaggregation-bootstrap-port; default 8998 for prefill like SGLang, any free port for decode).
+    #[arg(long, value_name = "P")]
+    pub bootstrap_port: Option<u16>,
+    /// Wall seconds a decode request waits for its KV before failing (SGLang's bootstrap timeout).
+    #[arg(long, default_value_t = 300.0, allow_hyphen_values = true, value_name = "S")]
+    pub bootstrap_timeout_secs: f64,
+    /// KV cache bytes per prompt token copied from prefill to decode (131072 = 128 KiB,
+    /// Llama-3-8B fp16: 32 layers x 8 KV heads x 128 dims x 2 x 2 bytes).
+    #[arg(long, default_value_t = kvroute_sim::pd::DEFAULT_KV_BYTES_PER_TOKEN, value_name = "N")]
+    pub kv_bytes_per_token: u64,
+    /// Prefill-to-decode link bandwidth, GB/s (25, a 200 Gb/s RDMA NIC).
+    #[arg(long, default_value_t = kvroute_sim::pd::DEFAULT_LINK_GBYTES_PER_S, allow_hyphen_values = true, value_name = "X")]
+    pub kv_link_gbytes_per_s: f64,
+    /// Fixed cost of one KV transfer, simulated seconds.
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_name = "S")]
+    pub kv_transfer_latency_secs: f64,
 }
 
 /// `NAME=PATH` of `--lora`.
@@ -132,6 +154,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         anyhow::bail!("{} adapters given with --lora but --lora-slots is {}", a.lora.len(), a.lora_slots);
     }
     let profile = crate::cmd_replay::load_profile(&a.profile, a.profile_set.as_deref())?;
+    let role = match a.role.as_str() {
+        "prefill" => Role::Prefill,
+        "decode" => Role::Decode,
+        _ => Role::Both,
+    };
+    if role == Role::Both && a.bootstrap_port.is_some() {
+        anyhow::bail!("--bootstrap-port needs --role prefill or decode");
+    }
+    let bootstrap_port = match (role, a.bootstrap_port) {
+        (_, Some(p)) => Some(p),
+        (Role::Prefill, None) => Some(SGLANG_DEFAULT_BOOTSTRAP_PORT),
+        _ => None,
+    };
     let cfg = EngineSimConfig {
         profile,
         time_scale: a.time_scale,
@@ -168,6 +203,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         tp_size: a.tp_size,
         dtype: a.dtype,
         vram_gb: a.vram_gb,
+        role,
+        bootstrap_host: a.host.clone(),
+        bootstrap_port,
+        bootstrap_timeout_secs: a.bootstrap_timeout_secs,
+        kv_transfer: TransferModel {
+            kv_bytes_per_token: a.kv_bytes_per_token,
+            link_gbytes_per_s: a.kv_link_gbytes_per_s,
+            latency_secs: a.kv_transfer_latency_secs,
+        },
     };
     cfg.validate().map_err(|e| anyhow::anyhow!("kvroute engine-sim: {e}"))?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
@@ -176,6 +220,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
         eprintln!("kvroute engine-sim: model {} on http://{}", cfg.model, listener.local_addr()?);
+        if cfg.role != Role::Both {
+            // The bound port is reported by /server_info (disaggregation_bootstrap_port).
+            eprintln!(
+                "kvroute engine-sim: role {}, bootstrap server on {}:{}",
+                cfg.role.as_str(),
+                cfg.bootstrap_host,
+                cfg.bootstrap_port
+                    .filter(|p| *p != 0)
+                    .map_or("any free port (see /server_info)".to_string(), |p| p.to_string())
+            );
+        }
         serve(listener, cfg, crate::cmd_serve::shutdown_signal()).await?;
         Ok(())
     })

@@ -3,6 +3,7 @@
 use anyhow::{Context, bail};
 use kvroute_core::types::Nanos;
 use kvroute_sim::engine::Profile;
+use kvroute_sim::pd::{PdConfig, TransferModel, replay_pd};
 use kvroute_sim::replay::{PrefixState, ReplayConfig, replay};
 use kvroute_sim::report::{PolicyReport, Slo, plot_sweep, plot_ttft_cdf, summarise, table, write_csv};
 use kvroute_sim::trace::{self, TraceFormat, TraceRequest};
@@ -24,9 +25,37 @@ pub struct Args {
     /// Policy knobs as a JSON object (applied to every policy named; unknown knobs are errors).
     #[arg(long)]
     pub knobs: Option<String>,
-    /// Number of simulated engines.
-    #[arg(long, default_value_t = 8)]
-    pub engines: usize,
+    /// Number of simulated engines (default 8; with --pd, P + D: a different value is an error).
+    #[arg(long)]
+    pub engines: Option<usize>,
+    /// Prefill/decode disaggregation: P prefill engines and D decode engines (`P:D`, both >= 1),
+    /// replacing --engines. Prompts longer than --colocate-below-tokens run their prefill on a
+    /// prefill engine (--prefill-policy), their KV is copied (the --kv-* transfer model) to a
+    /// decode engine (--decode-policy, chosen at routing time) which generates the answer;
+    /// shorter prompts run colocated on a decode engine.
+    #[arg(long, value_name = "P:D")]
+    pub pd: Option<String>,
+    /// With --pd: prompts of at most this many tokens run colocated on a decode engine.
+    #[arg(long, default_value_t = kvroute_sim::pd::DEFAULT_COLOCATE_BELOW_TOKENS, requires = "pd", value_name = "N")]
+    pub colocate_below_tokens: u32,
+    /// With --pd: the policy routing prefills over the prefill engines (default: each --policy
+    /// value; a name, a comma-separated list, `all` or `b3`, as --policy). --knobs apply to it.
+    #[arg(long, requires = "pd", value_name = "NAME")]
+    pub prefill_policy: Option<String>,
+    /// With --pd: the policy routing decode phases and colocated requests over the decode
+    /// engines (default knobs).
+    #[arg(long, default_value = "least_load", requires = "pd", value_name = "NAME")]
+    pub decode_policy: String,
+    /// With --pd: KV cache bytes per prompt token copied from prefill to decode (131072 =
+    /// 128 KiB, Llama-3-8B fp16: 32 layers x 8 KV heads x 128 dims x 2 x 2 bytes).
+    #[arg(long, default_value_t = kvroute_sim::pd::DEFAULT_KV_BYTES_PER_TOKEN, requires = "pd", value_name = "BYTES")]
+    pub kv_bytes_per_token: u64,
+    /// With --pd: prefill-to-decode link bandwidth, GB/s (25, a 200 Gb/s RDMA NIC).
+    #[arg(long, default_value_t = kvroute_sim::pd::DEFAULT_LINK_GBYTES_PER_S, requires = "pd", value_name = "GB/S")]
+    pub kv_link_gbytes_per_s: f64,
+    /// With --pd: fixed cost of one KV transfer, seconds.
+    #[arg(long, default_value_t = 0.0, requires = "pd", value_name = "S", allow_hyphen_values = true)]
+    pub kv_transfer_latency_secs: f64,
     /// Engine profile (h100-llama3-8b, a100-llama3-8b, cpu-smollm2-135m).
     #[arg(long, default_value = "h100-llama3-8b")]
     pub profile: String,
@@ -222,6 +251,35 @@ pub fn load_trace(args: &Args) -> anyhow::Result<Vec<TraceRequest>> {
     Ok(t)
 }
 
+/// The disaggregation settings of `--pd P:D` and its companion flags (`None` without --pd).
+fn parse_pd(args: &Args) -> anyhow::Result<Option<PdConfig>> {
+    let Some(spec) = &args.pd else { return Ok(None) };
+    let parse = |s: &str| s.trim().parse::<usize>().ok();
+    let Some((p, d)) = spec.split_once(':').and_then(|(p, d)| Some((parse(p)?, parse(d)?))) else {
+        bail!("--pd: expected P:D (prefill engines : decode engines), got `{spec}`");
+    };
+    let pd = PdConfig {
+        prefill_engines: p,
+        decode_engines: d,
+        colocate_below_tokens: args.colocate_below_tokens,
+        decode_policy: args.decode_policy.clone(),
+        transfer: TransferModel {
+            kv_bytes_per_token: args.kv_bytes_per_token,
+            link_gbytes_per_s: args.kv_link_gbytes_per_s,
+            latency_secs: args.kv_transfer_latency_secs,
+        },
+    };
+    pd.validate().map_err(|e| anyhow::anyhow!(e))?;
+    if let Some(e) = args.engines
+        && e != p + d
+    {
+        bail!("--engines {e} disagrees with --pd {p}:{d} ({} engines); give one or the other", p + d);
+    }
+    kvroute_core::registry::build(&pd.decode_policy, &serde_json::Value::Null)
+        .with_context(|| format!("--decode-policy `{}`", pd.decode_policy))?;
+    Ok(Some(pd))
+}
+
 /// Runs `kvroute replay`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let profile = load_profile(&args.profile, args.profile_set.as_deref())?;
@@ -230,9 +288,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         None => serde_json::Value::Null,
     };
     let rates = parse_rates(&args.rate_scale)?;
-    let pols = policies(&args.policy)?;
+    let pd = parse_pd(&args)?;
+    let pols = policies(args.prefill_policy.as_deref().unwrap_or(&args.policy))?;
     let states = parse_prefix_states(&args.prefix_state, args.predict_window_secs)?;
-    if args.engines == 0 {
+    let engines = match &pd {
+        Some(pd) => pd.prefill_engines + pd.decode_engines,
+        None => args.engines.unwrap_or(8),
+    };
+    if engines == 0 {
         bail!("--engines must be at least 1");
     }
     let base = load_trace(&args)?;
@@ -280,7 +343,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     let mut t = if run.capped { capped.clone() } else { base.clone() };
                     trace::scale_rate(&mut t, run.rate);
                     let cfg = ReplayConfig {
-                        engines: args.engines,
+                        engines,
                         profile: profile.clone(),
                         policy: run.policy.clone(),
                         knobs: knobs.clone(),
@@ -290,10 +353,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         prefix_state: run.prefix_state,
                     };
                     let mut last = 0usize;
-                    let r = replay(&t, &cfg, &mut |n| {
+                    let mut tick = |n: usize| {
                         bar.inc((n - last) as u64);
                         last = n;
-                    });
+                    };
+                    let r = match &pd {
+                        Some(pd) => replay_pd(&t, &cfg, pd, &mut tick),
+                        None => replay(&t, &cfg, &mut tick),
+                    };
                     let r = r.map(|mut res| {
                         res.policy = run.label.clone();
                         summarise(&res, run.rate, infinite, slo)
@@ -317,16 +384,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.trace.display(),
         base.len(),
         base.last().map_or(0.0, |r| r.arrival.as_secs_f64()),
-        args.engines,
+        engines,
         profile.name,
         args.seed
     );
+    if let Some(pd) = &pd {
+        println!(
+            "prefill/decode {}:{}: prompts over {} tokens split (prefill policy: the policy column; decode policy {}), \
+             KV {} bytes/token over {} GB/s + {} s",
+            pd.prefill_engines,
+            pd.decode_engines,
+            pd.colocate_below_tokens,
+            pd.decode_policy,
+            pd.transfer.kv_bytes_per_token,
+            pd.transfer.link_gbytes_per_s,
+            pd.transfer.latency_secs
+        );
+    }
     print!("{}", table(&reports));
     if let Some(p) = &args.json {
-        let doc = serde_json::json!({
+        let mut doc = serde_json::json!({
             "trace": args.trace.display().to_string(),
             "requests": base.len(),
-            "engines": args.engines,
+            "engines": engines,
             "profile": profile,
             "seed": args.seed,
             "arrivals": match (args.no_spread, args.arrival_seed) {
@@ -336,6 +416,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             },
             "reports": reports,
         });
+        if let (Some(pd), Some(obj)) = (&pd, doc.as_object_mut()) {
+            obj.insert("pd".into(), serde_json::to_value(pd)?);
+        }
         std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("--json {}", p.display()))?;
     }
@@ -345,7 +428,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(dir) = &args.plot_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("--plot-dir {}", dir.display()))?;
         let first_rate: Vec<PolicyReport> = reports.iter().filter(|r| r.rate_scale == rates[0]).cloned().collect();
-        let title = format!("TTFT CDF, {} engines, rate x{}", args.engines, rates[0]);
+        let title = match &pd {
+            Some(pd) => format!("TTFT CDF, PD {}:{}, rate x{}", pd.prefill_engines, pd.decode_engines, rates[0]),
+            None => format!("TTFT CDF, {} engines, rate x{}", engines, rates[0]),
+        };
         if let Err(e) = plot_ttft_cdf(&dir.join("ttft_cdf"), &first_rate, &title) {
             eprintln!("kvroute: warning: plots skipped: {e}");
         } else if rates.len() > 1

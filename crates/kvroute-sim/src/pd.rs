@@ -1,0 +1,504 @@
+//! Prefill/decode (PD) disaggregation: the KV transfer model, shared by `kvroute replay
+//! --pd` and `kvroute engine-sim --role prefill|decode`, and the replay of a trace onto P
+//! prefill engines and D decode engines ([`replay_pd`]).
+//!
+//! In a disaggregated deployment (SGLang `--disaggregation-mode prefill|decode`, vLLM with
+//! the NIXL connector) a long prompt's forward pass runs on a prefill engine; its KV cache
+//! is then copied over the network (RDMA) to a decode engine, which generates the answer
+//! without recomputing the prompt. Short prompts run colocated: the copy would cost more
+//! than the prefill it saves.
+//!
+//! ## Transfer model
+//! [`TransferModel::delay`]: `latency_secs + kv_bytes_per_token × tokens /
+//! (link_gbytes_per_s × 1e9)` simulated seconds, where `tokens` is the prompt's token count
+//! (the whole prompt's KV is copied; the one output token of the prefill is not). Each
+//! transfer is modelled alone: no link contention between concurrent transfers, no
+//! pipelining of the copy with the prefill (the copy starts when the prefill ends).
+
+use crate::engine::{Engine, EngineEvent, EngineRequest};
+use crate::replay::{BusyWindow, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult};
+use crate::trace::TraceRequest;
+use kvroute_core::disagg::{DisaggConfig, DisaggPlan, plan};
+use kvroute_core::ledger::{LoadLedger, Ticket};
+use kvroute_core::policy::{PickCtx, Policy, route};
+use kvroute_core::precise::PredictWindow;
+use kvroute_core::registry;
+use kvroute_core::types::{BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
+use rand_core::SeedableRng;
+use serde::{Deserialize, Serialize};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+/// Default KV bytes per token: 131,072 (128 KiB), Llama-3-8B in fp16/bf16 — 32 layers × 8
+/// KV heads × 128 dims × 2 (K and V) × 2 bytes.
+pub const DEFAULT_KV_BYTES_PER_TOKEN: u64 = 131_072;
+
+/// Default link bandwidth, GB/s (10^9 bytes per second): 25 GB/s, a 200 Gb/s RDMA NIC
+/// (ConnectX-6/7 class), the link SGLang's Mooncake and vLLM's NIXL transfers run over.
+pub const DEFAULT_LINK_GBYTES_PER_S: f64 = 25.0;
+
+/// Default prompt length at or below which a request runs colocated, tokens (the
+/// gateway's `[router.disagg] colocate_below_tokens` default, [`DisaggConfig`]).
+pub const DEFAULT_COLOCATE_BELOW_TOKENS: u32 = 2048;
+
+/// How long copying a prompt's KV cache from a prefill to a decode engine takes.
+/// See the module docs for the formula and what it leaves out.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransferModel {
+    /// KV cache bytes per prompt token (all layers, K and V), ≥ 1. Default
+    /// [`DEFAULT_KV_BYTES_PER_TOKEN`] (Llama-3-8B fp16).
+    pub kv_bytes_per_token: u64,
+    /// Link bandwidth, GB/s (10^9 bytes/s), finite and > 0. Default
+    /// [`DEFAULT_LINK_GBYTES_PER_S`].
+    pub link_gbytes_per_s: f64,
+    /// Fixed cost of one transfer (handshake, completion notification), seconds, finite
+    /// and ≥ 0. Default 0.
+    pub latency_secs: f64,
+}
+
+impl Default for TransferModel {
+    fn default() -> Self {
+        TransferModel {
+            kv_bytes_per_token: DEFAULT_KV_BYTES_PER_TOKEN,
+            link_gbytes_per_s: DEFAULT_LINK_GBYTES_PER_S,
+            latency_secs: 0.0,
+        }
+    }
+}
+
+impl TransferModel {
+    /// Checks the knobs: `kv_bytes_per_token` ≥ 1, `link_gbytes_per_s` finite and > 0,
+    /// `latency_secs` finite and ≥ 0.
+    ///
+    /// # Errors
+    /// A message naming the field and its `--kv-*` flag.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.kv_bytes_per_token == 0 {
+            return Err("kv_bytes_per_token (--kv-bytes-per-token) must be at least 1".into());
+        }
+        if !(self.link_gbytes_per_s.is_finite() && self.link_gbytes_per_s > 0.0) {
+            return Err(format!(
+                "link_gbytes_per_s (--kv-link-gbytes-per-s) must be finite and > 0, got {}",
+                self.link_gbytes_per_s
+            ));
+        }
+        if !(self.latency_secs.is_finite() && self.latency_secs >= 0.0) {
+            return Err(format!(
+                "latency_secs (--kv-transfer-latency-secs) must be finite and >= 0, got {}",
+                self.latency_secs
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes copied for a prompt of `tokens` tokens (saturating at `u64::MAX`).
+    pub fn bytes(&self, tokens: u64) -> u64 {
+        tokens.saturating_mul(self.kv_bytes_per_token)
+    }
+
+    /// Simulated time to copy a prompt of `tokens` tokens: `latency_secs + bytes /
+    /// (link_gbytes_per_s × 1e9)` (assumes valid knobs).
+    pub fn delay(&self, tokens: u64) -> Nanos {
+        Nanos::from_secs_f64(self.latency_secs + self.bytes(tokens) as f64 / (self.link_gbytes_per_s * 1e9))
+    }
+}
+
+/// Disaggregation settings of a replay ([`replay_pd`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PdConfig {
+    /// Prefill engines (P ≥ 1): engines `0..P` of the replay.
+    pub prefill_engines: usize,
+    /// Decode engines (D ≥ 1): engines `P..P+D`.
+    pub decode_engines: usize,
+    /// Prompts of at most this many tokens run colocated on a decode engine; longer ones
+    /// are split (as [`kvroute_core::disagg::plan`] decides for the gateway).
+    pub colocate_below_tokens: u32,
+    /// Policy routing decode phases and colocated requests over the D decode engines
+    /// (default knobs). The prefill policy is [`ReplayConfig::policy`], with its knobs.
+    pub decode_policy: String,
+    /// KV transfer cost.
+    pub transfer: TransferModel,
+}
+
+impl PdConfig {
+    /// P prefill and D decode engines with the defaults: colocated at ≤ 2048 prompt
+    /// tokens, `least_load` for decode, the default [`TransferModel`].
+    pub fn new(prefill_engines: usize, decode_engines: usize) -> Self {
+        PdConfig {
+            prefill_engines,
+            decode_engines,
+            colocate_below_tokens: DEFAULT_COLOCATE_BELOW_TOKENS,
+            decode_policy: "least_load".into(),
+            transfer: TransferModel::default(),
+        }
+    }
+
+    /// Checks P ≥ 1, D ≥ 1 and the transfer knobs.
+    ///
+    /// # Errors
+    /// A message naming the bad setting.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.prefill_engines == 0 || self.decode_engines == 0 {
+            return Err(format!(
+                "--pd {}:{}: at least one prefill and one decode engine are needed",
+                self.prefill_engines, self.decode_engines
+            ));
+        }
+        self.transfer.validate()
+    }
+}
+
+/// Replays `trace` onto `pd.prefill_engines` prefill engines and `pd.decode_engines` decode
+/// engines (`cfg.engines` must be their sum; `cfg.policy` with `cfg.knobs` is the prefill
+/// policy). `progress` is called as by [`crate::replay::replay`].
+///
+/// For each request, in arrival order, every engine and every KV transfer due is run up to
+/// the arrival in time order (a discrete-event loop over the engines' next steps and the
+/// transfers' completion times). Then, as the gateway plans it
+/// ([`kvroute_core::disagg::plan`]):
+/// - a prompt of more than `colocate_below_tokens` tokens is **split**: the prefill policy
+///   picks a prefill engine (views of engines `0..P`, role prefill) and the decode policy a
+///   decode engine (views of engines `P..P+D`, role decode), **both at routing time** — as
+///   the gateway does (SGLang's router sends the request to both at once; vLLM's proxy
+///   picks both before sending). The prefill engine runs the prompt with one output token;
+///   when that token is produced the KV copy starts, and after
+///   [`TransferModel::delay`] of the prompt's tokens the request is submitted to the decode
+///   engine with [`EngineRequest::kv_transferred`] (no prefill work there). Its TTFT is the
+///   decode engine's first token minus arrival, its TPOT the decode engine's; its
+///   `cached_tokens` is the prefill engine's prefix hit.
+/// - shorter prompts run **colocated** on a decode engine picked by the decode policy.
+///
+/// The router's ledger sees a split request as two tickets: the prefill engine's
+/// (uncached prompt tokens, one output token) and the decode engine's (no prefill, the
+/// output), both opened at routing time. With [`PrefixState::Precise`] the prediction
+/// window is kept for the engine that computes the prompt (the prefill engine, or the
+/// decode engine of a colocated request).
+///
+/// # Errors
+/// [`ReplayError`] for an unknown policy, bad knobs, bad PD settings, or `cfg.engines`
+/// other than P + D.
+pub fn replay_pd(
+    trace: &[TraceRequest],
+    cfg: &ReplayConfig,
+    pd: &PdConfig,
+    progress: &mut dyn FnMut(usize),
+) -> Result<ReplayResult, ReplayError> {
+    pd.validate().map_err(ReplayError::Config)?;
+    let p = pd.prefill_engines;
+    let n = p + pd.decode_engines;
+    if cfg.engines != n {
+        return Err(ReplayError::Config(format!(
+            "{} engines given but --pd {}:{} needs {n}",
+            cfg.engines, pd.prefill_engines, pd.decode_engines
+        )));
+    }
+    cfg.profile.validate().map_err(ReplayError::Config)?;
+    let mut prefill_policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
+    let mut decode_policy: Box<dyn Policy> = registry::build(&pd.decode_policy, &serde_json::Value::Null)?;
+    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed);
+    let disagg = disagg_config(pd.colocate_below_tokens);
+    let mut sim = Sim {
+        trace,
+        prefill_engines: p,
+        transfer: pd.transfer,
+        engines: (0..n).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect(),
+        ledger: LoadLedger::new(),
+        prefill_tickets: (0..trace.len()).map(|_| None).collect(),
+        decode_tickets: (0..trace.len()).map(|_| None).collect(),
+        outcomes: trace.iter().map(Outcome::pending).collect(),
+        transfers: BinaryHeap::new(),
+        predicted: match cfg.prefix_state {
+            PrefixState::Precise { predict_window } => PredictWindow::new(predict_window, 1 << 22),
+            PrefixState::Approximate => PredictWindow::new(Nanos(0), 1),
+        },
+    };
+    let mut events = Vec::new();
+    let mut maintain = [prefill_policy.maintenance_interval(), decode_policy.maintenance_interval()]
+        .map(|i| (i, i.unwrap_or(Nanos(u64::MAX))));
+    let mut util: Vec<BusyWindow> = (0..n).map(|_| BusyWindow::default()).collect();
+    let mut prefill_views: Vec<WorkerView> = Vec::with_capacity(p);
+    let mut decode_views: Vec<WorkerView> = Vec::with_capacity(n - p);
+
+    for (i, r) in trace.iter().enumerate() {
+        let now = r.arrival;
+        sim.run_until(now, &mut events);
+        for (k, pol) in [&mut prefill_policy, &mut decode_policy].into_iter().enumerate() {
+            let (interval, next) = &mut maintain[k];
+            while now >= *next {
+                pol.maintain(*next, usize::MAX);
+                *next = next.saturating_add(interval.unwrap_or(Nanos(u64::MAX)));
+            }
+        }
+        let split = plan(&disagg, r.input_tokens, true, true) == DisaggPlan::Split;
+        sim.views(&mut prefill_views, 0..p, Role::Prefill, cfg, &mut util, r, now);
+        sim.views(&mut decode_views, p..n, Role::Decode, cfg, &mut util, r, now);
+        let mut req = RequestView {
+            model: "trace",
+            text: None,
+            token_ids: None,
+            blocks: (!r.blocks.is_empty()).then_some(BlockSeq { block_tokens: r.block_tokens, hashes: &r.blocks }),
+            input_tokens: r.input_tokens,
+            output_tokens: Some(r.output_tokens),
+            session_id: r.session.as_deref(),
+            role: if split { Role::Prefill } else { Role::Both },
+        };
+        if split {
+            let mut ctx = PickCtx { now, rng: &mut rng };
+            let Ok(pre) = route(prefill_policy.as_mut(), &req, &prefill_views, &mut ctx) else {
+                sim.outcomes[i].rejected = true;
+                continue;
+            };
+            req.role = Role::Decode;
+            let mut ctx = PickCtx { now, rng: &mut rng };
+            let Ok(dec) = route(decode_policy.as_mut(), &req, &decode_views, &mut ctx) else {
+                sim.outcomes[i].rejected = true;
+                continue;
+            };
+            sim.predicted.predict(pre.worker, &r.blocks, now, Nanos(u64::MAX));
+            let est = pre.cached_tokens_estimate(r.input_tokens);
+            sim.prefill_tickets[i] = Some(sim.ledger.dispatched(pre.worker, u64::from(r.input_tokens) - est, 1));
+            sim.decode_tickets[i] = Some(sim.ledger.dispatched(dec.worker, 0, u64::from(r.output_tokens)));
+            let o = &mut sim.outcomes[i];
+            o.worker = Some(dec.worker.0);
+            o.prefill_worker = Some(pre.worker.0);
+            o.branch = pre.branch.as_str();
+            sim.submit(pre.worker.index(), i, now, 1, false, &mut events);
+        } else {
+            let mut ctx = PickCtx { now, rng: &mut rng };
+            let Ok(d) = route(decode_policy.as_mut(), &req, &decode_views, &mut ctx) else {
+                sim.outcomes[i].rejected = true;
+                continue;
+            };
+            sim.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
+            let est = d.cached_tokens_estimate(r.input_tokens);
+            sim.decode_tickets[i] =
+                Some(sim.ledger.dispatched(d.worker, u64::from(r.input_tokens) - est, u64::from(r.output_tokens)));
+            let o = &mut sim.outcomes[i];
+            o.worker = Some(d.worker.0);
+            o.branch = d.branch.as_str();
+            sim.submit(d.worker.index(), i, now, r.output_tokens, false, &mut events);
+        }
+        if i % 256 == 255 {
+            progress(i + 1);
+        }
+    }
+    sim.run_until(Nanos(u64::MAX), &mut events);
+    progress(trace.len());
+    Ok(ReplayResult {
+        policy: cfg.policy.clone(),
+        busy_ns: sim.engines.iter().map(|e| e.stats().busy_ns).collect(),
+        evictions: sim.engines.iter().map(|e| e.cache().evictions()).collect(),
+        outcomes: sim.outcomes,
+        pd: Some(pd.clone()),
+    })
+}
+
+/// The gateway's disaggregation config, enabled with `colocate_below_tokens`, field by field
+/// (so fields added to it keep their defaults).
+#[allow(clippy::field_reassign_with_default)]
+fn disagg_config(colocate_below_tokens: u32) -> DisaggConfig {
+    let mut c = DisaggConfig::default();
+    c.enabled = true;
+    c.colocate_below_tokens = colocate_below_tokens;
+    c
+}
+
+/// The state of one PD replay.
+struct Sim<'t> {
+    trace: &'t [TraceRequest],
+    prefill_engines: usize,
+    transfer: TransferModel,
+    engines: Vec<Engine>,
+    ledger: LoadLedger,
+    prefill_tickets: Vec<Option<Ticket>>,
+    decode_tickets: Vec<Option<Ticket>>,
+    outcomes: Vec<Outcome>,
+    /// KV transfers in flight: (completion time, request index), earliest first.
+    transfers: BinaryHeap<Reverse<(Nanos, usize)>>,
+    predicted: PredictWindow,
+}
+
+impl Sim<'_> {
+    /// Fills `out` with the router's views of `engines` (global ids) for request `r`.
+    #[allow(clippy::too_many_arguments)]
+    fn views(
+        &self,
+        out: &mut Vec<WorkerView>,
+        engines: std::ops::Range<usize>,
+        role: Role,
+        cfg: &ReplayConfig,
+        util: &mut [BusyWindow],
+        r: &TraceRequest,
+        now: Nanos,
+    ) {
+        out.clear();
+        for w in engines {
+            let e = &self.engines[w];
+            let mut v = WorkerView::idle(WorkerId(w as u32));
+            v.role = role;
+            self.ledger.fill(&mut v);
+            if cfg.engine_signals {
+                v.engine_queue = Some(e.num_waiting());
+                v.engine_running = Some(e.num_running());
+                v.kv_cache_usage = Some(e.kv_usage());
+                v.sm_util = Some(util[w].observe(now, e.stats().busy_ns, e.next_event_time().is_some()));
+            }
+            if matches!(cfg.prefix_state, PrefixState::Precise { .. }) && !r.blocks.is_empty() {
+                let run = self.predicted.run(v.id, &r.blocks, now, |h| e.cache().contains(h)) as u64;
+                v.cached_tokens = Some((run * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)));
+            }
+            out.push(v);
+        }
+    }
+
+    /// Submits request `i` to engine `k` at `now` (the engine must have run up to `now`).
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &mut self,
+        k: usize,
+        i: usize,
+        now: Nanos,
+        output_tokens: u32,
+        kv_transferred: bool,
+        events: &mut Vec<EngineEvent>,
+    ) {
+        let r = &self.trace[i];
+        let req = EngineRequest {
+            id: i as u64,
+            input_tokens: r.input_tokens,
+            output_tokens,
+            blocks: r.blocks.clone(),
+            block_tokens: r.block_tokens,
+            token_ids: None,
+            kv_transferred,
+        };
+        self.engines[k].submit(req, now, events);
+        self.handle(k, events);
+    }
+
+    /// Runs every engine step and every KV transfer that completes at or before `target`,
+    /// in time order (an engine's steps before a transfer due at the same instant).
+    fn run_until(&mut self, target: Nanos, events: &mut Vec<EngineEvent>) {
+        loop {
+            let step = (0..self.engines.len())
+                .filter_map(|k| self.engines[k].next_event_time().map(|t| (t, k)))
+                .filter(|(t, _)| *t <= target)
+                .min();
+            let transfer = self.transfers.peek().map(|Reverse(x)| *x).filter(|(t, _)| *t <= target);
+            let step = match (step, transfer) {
+                (None, None) => break,
+                (Some(s), Some((tt, _))) if s.0 <= tt => Some(s),
+                (Some(s), None) => Some(s),
+                (_, Some(_)) => None,
+            };
+            if let Some((t, k)) = step {
+                self.engines[k].advance(t, events);
+                self.handle(k, events);
+            } else if let Some(Reverse((t, i))) = self.transfers.pop() {
+                // The KV of request `i` has arrived at its decode engine.
+                let Some(k) = self.outcomes[i].worker.map(|w| w as usize) else { continue };
+                self.engines[k].advance(t, events);
+                self.handle(k, events);
+                self.submit(k, i, t, self.trace[i].output_tokens, true, events);
+            }
+        }
+    }
+
+    /// Settles request `i`'s prediction on engine `k` once its prompt is computed (or never
+    /// will be): it then lasts the predict window only.
+    fn settle(&mut self, k: usize, i: usize, at: Nanos) {
+        let until = at.saturating_add(self.predicted.window());
+        self.predicted.predict(WorkerId(k as u32), &self.trace[i].blocks, at, until);
+    }
+
+    /// Applies the events of engine `k`.
+    fn handle(&mut self, k: usize, events: &mut Vec<EngineEvent>) {
+        let prefill = k < self.prefill_engines;
+        for ev in events.drain(..) {
+            match ev {
+                EngineEvent::FirstToken { id, at, cached_tokens } => {
+                    let i = id as usize;
+                    let split = self.outcomes[i].prefill_worker.is_some();
+                    if prefill {
+                        // The prefill is over: the KV copy to the decode engine starts.
+                        self.settle(k, i, at);
+                        let tokens = u64::from(self.trace[i].input_tokens);
+                        let o = &mut self.outcomes[i];
+                        o.cached_tokens = cached_tokens;
+                        o.transfer_bytes = self.transfer.bytes(tokens);
+                        self.transfers.push(Reverse((at.saturating_add(self.transfer.delay(tokens)), i)));
+                        if let Some(t) = self.prefill_tickets[i].as_mut() {
+                            self.ledger.first_token(t);
+                        }
+                    } else {
+                        if !split {
+                            self.settle(k, i, at);
+                            self.outcomes[i].cached_tokens = cached_tokens;
+                        }
+                        self.outcomes[i].first_token = Some(at);
+                        if let Some(t) = self.decode_tickets[i].as_mut() {
+                            self.ledger.first_token(t);
+                        }
+                    }
+                }
+                EngineEvent::Finished { id, at } => {
+                    let i = id as usize;
+                    if prefill {
+                        if let Some(t) = self.prefill_tickets[i].take() {
+                            self.ledger.completed(t);
+                        }
+                    } else {
+                        self.outcomes[i].finished = Some(at);
+                        if let Some(t) = self.decode_tickets[i].take() {
+                            self.ledger.completed(t);
+                        }
+                    }
+                }
+                EngineEvent::Rejected { id, at } => {
+                    let i = id as usize;
+                    if prefill || self.outcomes[i].prefill_worker.is_none() {
+                        self.settle(k, i, at);
+                    }
+                    self.outcomes[i].rejected = true;
+                    for t in [self.prefill_tickets[i].take(), self.decode_tickets[i].take()].into_iter().flatten() {
+                        self.ledger.failed(t);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transfer_delay_is_latency_plus_bytes_over_bandwidth() {
+        let m = TransferModel::default();
+        // 8192 tokens × 128 KiB = 1 GiB over 25 GB/s ≈ 42.9 ms.
+        assert_eq!(m.bytes(8192), 1 << 30);
+        assert_eq!(m.delay(8192), Nanos::from_secs_f64((1u64 << 30) as f64 / 25e9));
+        let m = TransferModel { kv_bytes_per_token: 1000, link_gbytes_per_s: 1.0, latency_secs: 0.5 };
+        assert_eq!(m.delay(1_000_000), Nanos::from_secs_f64(1.5));
+        assert_eq!(m.delay(0), Nanos::from_secs_f64(0.5));
+    }
+
+    #[test]
+    fn transfer_knobs_are_validated() {
+        assert!(TransferModel::default().validate().is_ok());
+        for (m, field) in [
+            (TransferModel { kv_bytes_per_token: 0, ..Default::default() }, "kv_bytes_per_token"),
+            (TransferModel { link_gbytes_per_s: 0.0, ..Default::default() }, "link_gbytes_per_s"),
+            (TransferModel { link_gbytes_per_s: f64::NAN, ..Default::default() }, "link_gbytes_per_s"),
+            (TransferModel { latency_secs: -1.0, ..Default::default() }, "latency_secs"),
+            (TransferModel { latency_secs: f64::INFINITY, ..Default::default() }, "latency_secs"),
+        ] {
+            let e = m.validate().expect_err(field);
+            assert!(e.contains(field), "{e}");
+        }
+        assert!(PdConfig::new(0, 3).validate().is_err());
+        assert!(PdConfig::new(1, 0).validate().is_err());
+    }
+}
