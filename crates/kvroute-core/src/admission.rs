@@ -28,7 +28,8 @@ struct Counter {
 /// number of models the registry serves, which the front end validates).
 #[derive(Debug, Clone)]
 pub struct Admission {
-    default_max: u32,
+    /// Default limit per role, indexed by [`role_slot`].
+    default_max: [u32; 3],
     /// model -> counters indexed by [`role_slot`]; looked up by `&str` without allocating.
     table: HashMap<String, [Arc<Counter>; 3]>,
 }
@@ -72,7 +73,13 @@ impl Drop for Permit {
 impl Admission {
     /// Admission with `default_max` in-flight requests per (model, role).
     pub fn new(default_max: u32) -> Self {
-        Admission { default_max, table: HashMap::new() }
+        Admission { default_max: [default_max; 3], table: HashMap::new() }
+    }
+
+    /// Admission with its own default limit per role (prefill/decode disaggregation admits
+    /// each phase of a split request against its role's counter).
+    pub fn with_role_limits(both: u32, prefill: u32, decode: u32) -> Self {
+        Admission { default_max: [prefill, decode, both], table: HashMap::new() }
     }
 
     /// Sets the limit of one (model, role). Call before traffic: permits already handed
@@ -84,11 +91,11 @@ impl Admission {
         }
     }
 
-    /// Registers `model` with the default limit for every role if it is new.
+    /// Registers `model` with each role's default limit if it is new.
     pub fn ensure_model(&mut self, model: &str) {
         if !self.table.contains_key(model) {
-            let max = self.default_max;
-            self.table.insert(model.to_owned(), [counter(max), counter(max), counter(max)]);
+            let [p, d, b] = self.default_max;
+            self.table.insert(model.to_owned(), [counter(p), counter(d), counter(b)]);
         }
     }
 
@@ -138,6 +145,12 @@ mod tests {
         drop(p1);
         assert_eq!(a.in_use("m", Role::Both), 1);
         assert!(a.try_admit("m", Role::Both).is_ok());
+        let mut r = Admission::with_role_limits(3, 1, 2);
+        r.ensure_model("m");
+        let _p = r.try_admit("m", Role::Prefill).unwrap();
+        assert_eq!(r.try_admit("m", Role::Prefill).unwrap_err().max, 1, "prefill has its own limit");
+        let _d = (r.try_admit("m", Role::Decode).unwrap(), r.try_admit("m", Role::Decode).unwrap());
+        assert_eq!(r.try_admit("m", Role::Decode).unwrap_err().max, 2);
     }
 
     #[test]

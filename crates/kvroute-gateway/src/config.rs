@@ -176,6 +176,9 @@ pub struct GatewayConfig {
     /// `dtype`, `vram_gb`, `free_model_slots`, `max_concurrent`), over what the worker's
     /// registration and its own `/server_info` or `/props` say. Live on reload.
     pub capacity: std::collections::BTreeMap<String, crate::cluster::Capacity>,
+    /// Prefill/decode disaggregation (`[pd]`, `[[pd.prefill]]`; SGLang router's
+    /// `--pd-disaggregation --prefill URL [PORT] --decode URL`).
+    pub pd: crate::pd::PdConfig,
     /// Model multiplexing with runtime-loaded LoRA adapters (`[lora]`, `[[lora.adapters]]`).
     pub lora: crate::lora::LoraConfig,
     /// Model cascades (Cognitora cgn-router): `[[cascade.chain]]` tables; none = off.
@@ -296,6 +299,7 @@ impl Default for GatewayConfig {
             health: HealthConfig::default(),
             capacity: std::collections::BTreeMap::new(),
             lora: crate::lora::LoraConfig::default(),
+            pd: crate::pd::PdConfig::default(),
             cascade: kvroute_core::cascade::CascadeConfig::default(),
             kv_events: Vec::new(),
             kv_lower_tier_weight: 0.5,
@@ -434,6 +438,11 @@ impl GatewayConfig {
         }
         self.cascade.validate().map_err(|m| err("cascade", m))?;
         self.lora.validate().map_err(|m| err("lora", m))?;
+        self.pd.validate().map_err(|(k, m)| err(&k, m))?;
+        for u in self.pd.urls() {
+            let u = check_worker_url(u).map_err(|m| err("pd", m))?;
+            self.check_worker_allowed(&u).map_err(|m| err("pd", m))?;
+        }
         if self.capacity.len() > crate::fleet::MAX_WORKERS {
             return Err(err("capacity", format!("at most {} workers", crate::fleet::MAX_WORKERS)));
         }

@@ -8,7 +8,7 @@
 
 use arc_swap::ArcSwap;
 use kvroute_core::ledger::AtomicLoad;
-use kvroute_core::types::{Health, Nanos, WorkerId, WorkerView};
+use kvroute_core::types::{Health, Nanos, Role, WorkerId, WorkerView};
 use kvroute_protocol::openai::Api;
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -127,6 +127,10 @@ pub struct WorkerEntry {
     /// Recent power readings (`power_metric`), averaged into `signals.power_watts`; only
     /// the health task touches it.
     pub power: parking_lot::Mutex<crate::health::PowerWindow>,
+    /// Role (prefill, decode or both), as [`role_code`] encodes it.
+    role: AtomicU8,
+    /// Its bootstrap server's port (SGLang prefill workers).
+    pub bootstrap_port: OptU32,
     /// When its `/v1/models` was last read (gateway clock, ns).
     pub models_read_at: AtomicU64,
     /// Capacity facts by source ([`CapacitySource`]); written rarely (a worker added,
@@ -146,6 +150,22 @@ pub enum CapacitySource {
     Registry = 1,
     /// The worker itself (SGLang `/server_info`, llama.cpp `/props`, vLLM `/v1/models`).
     Probed = 2,
+}
+
+fn role_code(r: Role) -> u8 {
+    match r {
+        Role::Both => 0,
+        Role::Prefill => 1,
+        Role::Decode => 2,
+    }
+}
+
+fn role_of(c: u8) -> Role {
+    match c {
+        1 => Role::Prefill,
+        2 => Role::Decode,
+        _ => Role::Both,
+    }
 }
 
 fn health_code(h: Health) -> u8 {
@@ -203,6 +223,8 @@ impl WorkerEntry {
             power: parking_lot::Mutex::default(),
             capacity_sources: Mutex::default(),
             models_read_at: AtomicU64::new(0),
+            role: AtomicU8::new(role_code(Role::Both)),
+            bootstrap_port: OptU32::default(),
             capacity: ArcSwap::from_pointee((
                 crate::cluster::Capacity::default(),
                 kvroute_core::types::Capacity::default(),
@@ -237,6 +259,16 @@ impl WorkerEntry {
             Api::Generate => 2,
         };
         self.endpoints.as_ref().map(|e| e[i].clone()).ok_or_else(|| format!("{}: not a valid URL", self.url))
+    }
+
+    /// Its role.
+    pub fn role(&self) -> Role {
+        role_of(self.role.load(Relaxed))
+    }
+
+    /// Sets its role.
+    pub fn set_role(&self, r: Role) {
+        self.role.store(role_code(r), Relaxed);
     }
 
     /// Health as the active checks see it.
@@ -329,6 +361,7 @@ impl WorkerEntry {
         v.pending_prefill_tokens = v.pending_prefill_tokens.saturating_add(remote.pending_prefill_tokens);
         v.decode_tokens = v.decode_tokens.saturating_add(remote.decode_tokens);
         v.capacity = self.capacity.load().1;
+        v.role = self.role();
         let s = &self.signals;
         v.engine_queue = s.queue.get();
         v.engine_running = s.running.get();
@@ -364,6 +397,8 @@ impl WorkerEntry {
             remote_in_flight: self.remote_load.get().in_flight,
             registration: self.registration.load_full().map(|r| r.as_ref().clone()),
             capacity: self.capacity(),
+            role: self.role(),
+            bootstrap_port: self.bootstrap_port.get(),
         }
     }
 }
@@ -411,6 +446,10 @@ pub struct WorkerInfo {
     /// Resolved capacity facts (configuration over registration over the worker's own
     /// report); fields no source states are absent and take their defaults.
     pub capacity: crate::cluster::Capacity,
+    /// Role: prefill, decode or both.
+    pub role: Role,
+    /// Bootstrap server port (SGLang prefill workers), when known.
+    pub bootstrap_port: Option<u32>,
 }
 
 /// The candidates of one request: the workers serving its model, with their views.
@@ -461,6 +500,21 @@ impl Fleet {
     /// # Errors
     /// The table is full ([`MAX_WORKERS`]).
     pub fn add(&self, url: &str, models: Vec<String>, health: Health) -> Result<(Arc<WorkerEntry>, bool), String> {
+        self.add_with(url, models, health, |_| {})
+    }
+
+    /// [`Fleet::add`], with `setup` run on a new entry before it joins the list (so no
+    /// request sees it half set up).
+    ///
+    /// # Errors
+    /// As [`Fleet::add`].
+    pub fn add_with(
+        &self,
+        url: &str,
+        models: Vec<String>,
+        health: Health,
+        setup: impl FnOnce(&WorkerEntry),
+    ) -> Result<(Arc<WorkerEntry>, bool), String> {
         let _w = self.writer.lock();
         let cur = self.list.load_full();
         if let Some(w) = cur.iter().find(|w| &*w.url == url) {
@@ -470,7 +524,9 @@ impl Fleet {
             return Err(format!("the gateway already has {MAX_WORKERS} workers"));
         }
         let id = WorkerId(self.next_id.fetch_add(1, Relaxed));
-        let entry = Arc::new(WorkerEntry::new(id, url, models, health));
+        let entry = WorkerEntry::new(id, url, models, health);
+        setup(&entry);
+        let entry = Arc::new(entry);
         let mut next = Vec::with_capacity(cur.len() + 1);
         next.extend(cur.iter().cloned());
         next.push(Arc::clone(&entry));
@@ -505,10 +561,15 @@ impl Fleet {
     /// offered as routable: the router keeps trying one worker instead of answering 503 to
     /// everyone, and a success there brings it back.
     pub fn candidates(&self, model: &str) -> Candidates {
+        self.candidates_in(model, None)
+    }
+
+    /// [`Fleet::candidates`] among the workers of one of `roles` (`None`: any role).
+    pub fn candidates_in(&self, model: &str, roles: Option<&[Role]>) -> Candidates {
         let list = self.list.load();
         let mut views = Vec::with_capacity(list.len());
         let mut entries = Vec::with_capacity(list.len());
-        for w in list.iter().filter(|w| w.serves(model)) {
+        for w in list.iter().filter(|w| w.serves(model) && roles.is_none_or(|r| r.contains(&w.role()))) {
             views.push(w.view());
             entries.push(Arc::clone(w));
         }

@@ -73,7 +73,14 @@ pub async fn fetch_models(client: &reqwest::Client, base: &str, timeout_secs: f6
 /// - llama.cpp `GET /props`: `total_slots` → `max_concurrent`,
 ///   `default_generation_settings.n_ctx` → `max_model_len`;
 /// - vLLM `GET /v1/models`: the first model's `max_model_len`.
-pub async fn probe_capacity(client: &reqwest::Client, base: &str, timeout_secs: f64) -> crate::cluster::Capacity {
+///
+/// Also returns the SGLang bootstrap port `/server_info` reports
+/// (`disaggregation_bootstrap_port`), for a prefill worker given none.
+pub async fn probe_capacity(
+    client: &reqwest::Client,
+    base: &str,
+    timeout_secs: f64,
+) -> (crate::cluster::Capacity, Option<u16>) {
     let json = |path: &'static str| async move {
         match get_text(client, &format!("{base}{path}"), timeout_secs).await {
             Some((200, body)) => serde_json::from_str::<serde_json::Value>(&body).ok(),
@@ -81,7 +88,12 @@ pub async fn probe_capacity(client: &reqwest::Client, base: &str, timeout_secs: 
         }
     };
     let (info, props, models) = tokio::join!(json("/server_info"), json("/props"), json("/v1/models"));
-    capacity_from(info.as_ref(), props.as_ref(), models.as_ref())
+    let port = info
+        .as_ref()
+        .and_then(|i| i.get("disaggregation_bootstrap_port"))
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|p| u16::try_from(p).ok());
+    (capacity_from(info.as_ref(), props.as_ref(), models.as_ref()), port)
 }
 
 /// [`probe_capacity`]'s reading of the three answers.
@@ -159,14 +171,14 @@ async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
         if hn {
             // A worker back from an outage may have been restarted with other settings.
             let probed = probe_capacity(&s.client, &url, h.timeout_secs).await;
-            w.set_capacity(crate::fleet::CapacitySource::Probed, Some(probed));
+            w.set_capacity(crate::fleet::CapacitySource::Probed, Some(probed.0));
         }
         if hn && s.tokenizer.is_some() {
             tokio::spawn(tokenizer_parity(Arc::clone(&s), url.clone()));
         }
         if !hn {
             tracing::warn!(worker = %url, "health checks failing: out of routing");
-            s.routers.worker_removed(w.id);
+            s.forget_worker(w.id);
         }
     }
     // A worker ejected by failed requests answers `/health` but may fail every request:
@@ -389,10 +401,10 @@ pub async fn run_background(s: Arc<AppState>, cancel: tokio_util::sync::Cancella
             _ = tick.tick() => {
                 // Each model's router evicts in bounded slices on the blocking pool, so no
                 // decision waits behind a whole pass and the runtime's threads stay free.
-                let routers = s.routers.all();
+                let routers: Vec<_> = s.all_routers().iter().flat_map(|r| r.all()).collect();
                 let now = s.now();
                 let _ = tokio::task::spawn_blocking(move || routers.iter().for_each(|r| r.maintain_if_due(now))).await;
-                let size = s.routers.index_size();
+                let size: u64 = s.all_routers().iter().map(|r| r.index_size()).sum();
                 s.metrics.index_size.set(size.min(i64::MAX as u64) as i64);
             }
         }

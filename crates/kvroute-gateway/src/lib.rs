@@ -33,6 +33,7 @@ pub mod health;
 pub mod kv_subscriber;
 pub mod lora;
 pub mod metrics;
+pub mod pd;
 pub mod pipeline;
 pub mod record;
 pub mod reload;

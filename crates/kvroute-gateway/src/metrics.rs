@@ -160,6 +160,11 @@ pub struct Metrics {
     pub lora_requests: Family<OutcomeLabel, Counter>,
     /// LoRA adapter loads the router asked for, by outcome: `ok`, `failed`.
     pub lora_loads: Family<OutcomeLabel, Counter>,
+    /// Requests of a disaggregated fleet, by placement: `split`, `colocated`.
+    pub pd_requests: Family<OutcomeLabel, Counter>,
+    /// Failed halves of split requests (each retried with the next worker of that pool):
+    /// `prefill`, `decode`.
+    pub pd_failures: Family<OutcomeLabel, Counter>,
     /// Cascade steps by model and outcome.
     pub cascade_steps: Family<CascadeLabels, Counter>,
     /// Tokens of cascade steps by model and kind (the workers' `usage`).
@@ -325,6 +330,18 @@ impl Metrics {
         );
         let lora_loads = Family::<OutcomeLabel, Counter>::default();
         registry.register("kvroute_lora_loads", "LoRA adapter loads asked of workers, by outcome", lora_loads.clone());
+        let pd_requests = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "kvroute_pd_requests",
+            "Requests of a disaggregated fleet, by placement (split, colocated)",
+            pd_requests.clone(),
+        );
+        let pd_failures = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "kvroute_pd_failures",
+            "Failed halves of split requests, by phase (prefill, decode); each is retried with the next worker",
+            pd_failures.clone(),
+        );
         let cascade_steps = Family::<CascadeLabels, Counter>::default();
         registry.register(
             "kvroute_cascade_steps",
@@ -383,6 +400,8 @@ impl Metrics {
             cascade_tokens,
             lora_requests,
             lora_loads,
+            pd_requests,
+            pd_failures,
             nats_connected,
             sync_events,
             sync_gaps,

@@ -52,6 +52,8 @@ pub struct AppState {
     pub cascade: arc_swap::ArcSwap<kvroute_core::cascade::CascadeConfig>,
     /// The LoRA multiplexer (`[[lora.adapters]]`), when there is a catalogue.
     pub lora: Option<crate::lora::Multiplexer>,
+    /// The prefill and decode pools' routers, when disaggregation is on (`[pd]`).
+    pub pd: Option<crate::pd::PdRouters>,
 }
 
 impl AppState {
@@ -120,11 +122,16 @@ impl AppState {
             static_workers: arc_swap::ArcSwap::from_pointee(crate::reload::static_set(&cfg.worker_urls)),
             cascade: arc_swap::ArcSwap::from_pointee(cfg.cascade.clone()),
             lora: crate::lora::Multiplexer::new(&cfg.lora),
+            pd: crate::pd::PdRouters::new(&cfg.pd, cfg.seed)?,
             sync,
             api_keys,
             forward_headers,
             draining: std::sync::atomic::AtomicBool::new(false),
-            admission: RwLock::new(Admission::new(cfg.max_in_flight_per_model)),
+            admission: RwLock::new(Admission::with_role_limits(
+                cfg.max_in_flight_per_model,
+                cfg.pd.max_in_flight_prefill,
+                cfg.pd.max_in_flight_decode,
+            )),
             routers,
             cfg,
             fleet: Fleet::default(),
@@ -148,6 +155,28 @@ impl AppState {
         for u in self.static_workers.load_full().iter() {
             let _ = self.add_worker(u).await;
         }
+        for u in self.cfg.pd.urls() {
+            let _ = self.add_worker(u).await;
+        }
+    }
+
+    /// Forgets `worker` in every router (the main one and, with disaggregation, both
+    /// pools').
+    pub fn forget_worker(&self, worker: kvroute_core::types::WorkerId) {
+        self.routers.worker_removed(worker);
+        if let Some(pd) = &self.pd {
+            pd.worker_removed(worker);
+        }
+    }
+
+    /// Every router set: the main one and, with disaggregation, both pools'.
+    pub fn all_routers(&self) -> Vec<&crate::routers::Routers> {
+        let mut v = vec![&self.routers];
+        if let Some(pd) = &self.pd {
+            v.push(&pd.prefill);
+            v.push(&pd.decode);
+        }
+        v
     }
 
     /// Adds a worker by URL, or returns the existing one's id.
@@ -155,14 +184,31 @@ impl AppState {
     /// # Errors
     /// A message for a bad URL or a full table.
     pub async fn add_worker(self: &Arc<Self>, url: &str) -> Result<u32, String> {
+        self.add_worker_with(url, None).await
+    }
+
+    /// Adds a worker, its facts — configured role and capacity, what the worker reports,
+    /// and its registration when it comes from etcd — set before it joins the fleet, so no
+    /// request sees it without them.
+    async fn add_worker_with(
+        self: &Arc<Self>,
+        url: &str,
+        record: Option<&crate::cluster::WorkerRecord>,
+    ) -> Result<u32, String> {
         let url = crate::config::check_worker_url(url)?;
         self.cfg.check_worker_allowed(&url)?;
         if let Some(w) = self.fleet.by_url(&url) {
             return Ok(w.id.0);
         }
-        let models = crate::health::fetch_models(&self.client, &url, self.cfg.health.timeout_secs).await;
+        let timeout = self.cfg.health.timeout_secs;
+        let models = crate::health::fetch_models(&self.client, &url, timeout).await;
         let healthy = models.is_some();
-        let models = models.unwrap_or_default();
+        let mut models = models.unwrap_or_default();
+        if let Some(r) = record.filter(|r| !r.models.is_empty()) {
+            models.clone_from(&r.models);
+        }
+        let probed =
+            if healthy { Some(crate::health::probe_capacity(&self.client, &url, timeout).await) } else { None };
         {
             let mut adm = self.admission.write();
             for m in &models {
@@ -170,14 +216,25 @@ impl AppState {
             }
         }
         let health = if healthy { Health::Healthy } else { Health::Unhealthy };
-        let (w, new) = self.fleet.add(&url, models, health)?;
-        if new {
-            w.models_read_at.store(self.now().0, std::sync::atomic::Ordering::Relaxed);
+        let now = self.now();
+        let (w, new) = self.fleet.add_with(&url, models, health, |w| {
+            w.models_read_at.store(now.0, std::sync::atomic::Ordering::Relaxed);
             w.set_capacity(crate::fleet::CapacitySource::Config, self.cfg.capacity_of(&url));
-            if healthy {
-                let probed = crate::health::probe_capacity(&self.client, &url, self.cfg.health.timeout_secs).await;
-                w.set_capacity(crate::fleet::CapacitySource::Probed, Some(probed));
+            if let Some((capacity, port)) = &probed {
+                w.set_capacity(crate::fleet::CapacitySource::Probed, Some(capacity.clone()));
+                w.bootstrap_port.set(port.map(u32::from));
             }
+            if let Some(r) = record {
+                self.apply_record(w, r);
+            }
+            if let Some((role, port)) = self.cfg.pd.role_of(&url) {
+                w.set_role(role);
+                if port.is_some() {
+                    w.bootstrap_port.set(port.map(u32::from));
+                }
+            }
+        })?;
+        if new {
             self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.clone() }).set(i64::from(healthy));
             if healthy && self.tokenizer.is_some() {
                 // Later recoveries are checked by the health checker.
@@ -187,13 +244,26 @@ impl AppState {
         Ok(w.id.0)
     }
 
+    /// A registration's role, bootstrap port, capacity and record on `w` (the
+    /// configuration's `[pd]` lists win over the registered role).
+    fn apply_record(&self, w: &crate::fleet::WorkerEntry, record: &crate::cluster::WorkerRecord) {
+        w.set_capacity(crate::fleet::CapacitySource::Registry, Some(record.capacity.clone()));
+        if self.cfg.pd.role_of(&w.url).is_none() {
+            w.set_role(record.role);
+            if record.bootstrap_port.is_some() {
+                w.bootstrap_port.set(record.bootstrap_port.map(u32::from));
+            }
+        }
+        w.registration.store(Some(Arc::new(record.clone())));
+    }
+
     /// Adds (or updates) a worker from its cluster registration: the record's models, when
     /// it names some, replace discovery; its role, capacity and labels are kept with it.
     ///
     /// # Errors
     /// As [`AppState::add_worker`].
     pub async fn add_registered_worker(self: &Arc<Self>, record: crate::cluster::WorkerRecord) -> Result<(), String> {
-        self.add_worker(&record.url).await?;
+        self.add_worker_with(&record.url, Some(&record)).await?;
         let w = self.fleet.by_url(&record.url).ok_or_else(|| format!("`{}` was removed meanwhile", record.url))?;
         if !record.models.is_empty() {
             {
@@ -204,8 +274,7 @@ impl AppState {
             }
             w.models.store(Arc::new(record.models.clone()));
         }
-        w.set_capacity(crate::fleet::CapacitySource::Registry, Some(record.capacity.clone()));
-        w.registration.store(Some(Arc::new(record)));
+        self.apply_record(&w, &record);
         Ok(())
     }
 
@@ -214,7 +283,7 @@ impl AppState {
     pub fn remove_worker(&self, url: &str) -> bool {
         let Some(w) = self.fleet.remove(url) else { return false };
         let url = w.url.to_string();
-        self.routers.worker_removed(w.id);
+        self.forget_worker(w.id);
         self.precise.write().untrack(w.id);
         self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.to_string() }).set(0);
         true
@@ -236,7 +305,7 @@ impl AppState {
                 self.cfg.max_worker_retries
             );
             self.metrics.ejections.get_or_create(&OutcomeLabel { outcome: "ejected".into() }).inc();
-            self.routers.worker_removed(worker.id);
+            self.forget_worker(worker.id);
             self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: worker.url.to_string() }).set(0);
         } else {
             tracing::debug!(worker = %worker.url, "not ejected: max_ejection_share of the workers are out already");

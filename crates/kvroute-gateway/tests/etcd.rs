@@ -151,6 +151,22 @@ async fn the_policy_key_swaps_the_policy_under_load_and_an_invalid_value_keeps_t
         assert!(decision(&c).await.starts_with("policy=kv_score;"), "a rejected value changed the policy");
     }
     assert_eq!(metric(&c, &r, "kvroute_policy_updates_total{source=\"etcd\",outcome=\"applied\"}").await, applied);
+    // A `cascade` field alone sets the model cascades live and leaves the policy as it is.
+    ec.put(
+        "/kvroute/routing/policy",
+        r#"{"cascade": {"chain": [{"model": "auto", "models": ["sim-llama-3-8b"]}]}}"#,
+        None,
+    )
+    .await
+    .expect("put");
+    let cascade = async |c: &reqwest::Client| {
+        let body =
+            serde_json::json!({"model": "auto", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+        let resp = c.post(format!("{r}/v1/chat/completions")).json(&body).send().await.expect("send");
+        resp.headers().get("x-kvroute-cascade").and_then(|v| v.to_str().ok()).unwrap_or("").to_string()
+    };
+    eventually("the cascade applies", async || cascade(&c).await == "sim-llama-3-8b:-0.10").await;
+    assert!(decision(&c).await.starts_with("policy=kv_score;"), "a cascade alone keeps the policy");
     done.cancel();
     let statuses = load.await.expect("load");
     assert!(!statuses.is_empty() && statuses.iter().all(|s| *s == 200), "a request failed during a swap");
@@ -191,6 +207,48 @@ async fn etcd_down_at_startup_and_mid_run_fails_no_request() {
     let mut both = vec![w1.clone(), w2.clone()];
     both.sort();
     assert_eq!(worker_urls(&c, &r).await, both, "the registry survives etcd going away");
+    stop.cancel();
+    stop_w.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD_BIN=$(command -v etcd) scripts/test.sh"]
+async fn registered_roles_make_a_disaggregated_fleet() {
+    use kvroute_core::types::Role;
+    let e = Etcd::start(free_port()).await;
+    let mut ec = e.client().await;
+    let stop_w = CancellationToken::new();
+    let role = |role: Role| EngineSimConfig {
+        time_scale: 50.0,
+        role,
+        bootstrap_port: (role == Role::Prefill).then_some(0),
+        ..EngineSimConfig::default()
+    };
+    let (p, psim) = engine_sim::spawn_local(role(Role::Prefill), stop_w.clone()).await.expect("prefill");
+    let (d, _) = engine_sim::spawn_local(role(Role::Decode), stop_w.clone()).await.expect("decode");
+    let mut cfg = cluster_config(&e.url, &[]);
+    cfg.pd.enabled = true;
+    cfg.pd.colocate_below_tokens = 64;
+    let stop = CancellationToken::new();
+    let (r, _t) = common::start_router(cfg, stop.clone()).await;
+    let c = reqwest::Client::new();
+    eventually("etcd connected", async || metric(&c, &r, "kvroute_etcd_connected").await == 1.0).await;
+    let port = psim.bootstrap_port().expect("bootstrap port");
+    let recs = [
+        ("p", serde_json::json!({"url": p, "role": "prefill", "bootstrap_port": port})),
+        ("d", serde_json::json!({"url": d, "role": "decode"})),
+    ];
+    for (k, rec) in recs {
+        ec.put(format!("/kvroute/workers/{k}"), rec.to_string(), None).await.expect("put");
+    }
+    eventually("both registered", async || worker_urls(&c, &r).await.len() == 2).await;
+    let long = "the cache router sends each request to a worker ".repeat(10);
+    let body = serde_json::json!({"model": "sim-llama-3-8b", "max_tokens": 4,
+        "messages": [{"role": "user", "content": long}]});
+    let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&body).send()).await.expect("send");
+    assert_eq!(resp.status(), 200);
+    let decision = resp.headers()["x-kvroute-decision"].to_str().expect("header").to_string();
+    assert!(decision.starts_with(&format!("pd=prefill:{p},decode:{d};")), "{decision}");
     stop.cancel();
     stop_w.cancel();
 }

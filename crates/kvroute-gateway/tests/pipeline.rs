@@ -305,37 +305,10 @@ async fn a_token_id_prompt_over_max_prompt_tokens_is_refused_naming_the_field() 
     stop_w.cancel();
 }
 
-/// A worker that answers `/health`, lists no models and, for a chat request, sends the
-/// stream's headers and one chunk and then nothing more (a stalled decode).
-async fn stalling_worker(requests: std::sync::Arc<std::sync::atomic::AtomicUsize>) -> (String, CancellationToken) {
-    use axum::routing::{get, post};
-    let app = axum::Router::new().route("/health", get(|| async { "ok" })).route(
-        "/v1/chat/completions",
-        post(move || async move {
-            requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let first = futures_util::stream::once(async {
-                Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"data: {\"choices\":[]}\n\n"))
-            });
-            let body =
-                axum::body::Body::from_stream(futures_util::StreamExt::chain(first, futures_util::stream::pending()));
-            axum::response::Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(body)
-                .expect("response")
-        }),
-    );
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}", l.local_addr().expect("addr"));
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    tokio::spawn(async move { axum::serve(l, app).with_graceful_shutdown(async move { s.cancelled().await }).await });
-    (url, stop)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_stream_ends_with_an_error_event_and_a_worker_that_never_answers_gets_504() {
     let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (stalling, stop_s) = stalling_worker(std::sync::Arc::clone(&requests)).await;
+    let (stalling, stop_s) = common::stalling_worker(std::sync::Arc::clone(&requests)).await;
     let mut config = cfg(&[&stalling], "round_robin");
     config.stream_idle_timeout_secs = 0.3;
     let stop = CancellationToken::new();

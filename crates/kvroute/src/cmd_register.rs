@@ -27,6 +27,9 @@ pub struct Args {
     /// prefill, decode or both.
     #[arg(long, default_value = "both")]
     pub role: String,
+    /// The worker's bootstrap server port (SGLang prefill workers in a disaggregated fleet).
+    #[arg(long)]
+    pub bootstrap_port: Option<u16>,
     /// Lease TTL, seconds: an unhealthy or vanished worker leaves routing within this long.
     #[arg(long, default_value_t = 10)]
     pub ttl_secs: i64,
@@ -77,6 +80,7 @@ pub fn build(a: &Args) -> anyhow::Result<RegisterConfig> {
             ..Capacity::default()
         },
         labels,
+        bootstrap_port: a.bootstrap_port,
     };
     // The same checks a router applies when it reads the record.
     let record = WorkerRecord::parse(serde_json::to_string(&record)?.as_bytes())

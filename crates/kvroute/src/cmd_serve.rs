@@ -160,6 +160,29 @@ pub struct Args {
     /// workers) or a Hugging Face tokenizer.json (tokenizer_config.json beside it).
     #[arg(long, env = "KVROUTE_TOKENIZER")]
     pub tokenizer: Option<String>,
+    /// Prefill/decode disaggregation (SGLang router's flag): split prompts longer than
+    /// --colocate-below-tokens between a --prefill and a --decode worker.
+    #[arg(long, env = "KVROUTE_PD_DISAGGREGATION")]
+    pub pd_disaggregation: bool,
+    /// A prefill worker and, optionally, its bootstrap port (`none` for none), as SGLang's
+    /// router takes it: `--prefill http://p1:8000 8998` (repeat per worker).
+    #[arg(long, num_args = 1..=2, action = clap::ArgAction::Append, value_names = ["URL", "BOOTSTRAP_PORT"])]
+    pub prefill: Vec<String>,
+    /// A decode worker (repeat per worker).
+    #[arg(long, action = clap::ArgAction::Append)]
+    pub decode: Vec<String>,
+    /// The hand-over protocol: `sglang` (bootstrap room) or `vllm` (kv_transfer_params).
+    #[arg(long, env = "KVROUTE_PD_PROTOCOL", value_parser = ["sglang", "vllm"])]
+    pub pd_protocol: Option<String>,
+    /// Policy of the prefill pool (default cache_aware).
+    #[arg(long, env = "KVROUTE_PREFILL_POLICY")]
+    pub prefill_policy: Option<String>,
+    /// Policy of the decode pool (default least_load).
+    #[arg(long, env = "KVROUTE_DECODE_POLICY")]
+    pub decode_policy: Option<String>,
+    /// Prompts of at most this many tokens run on one worker (default 2048).
+    #[arg(long, env = "KVROUTE_COLOCATE_BELOW_TOKENS")]
+    pub colocate_below_tokens: Option<u32>,
     /// Start N worker processes with --worker-cmd and route to them (SGLang router co-launch).
     #[arg(long, env = "KVROUTE_LAUNCH_WORKERS", default_value_t = 0)]
     pub launch_workers: usize,
@@ -274,8 +297,59 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
     if let Some(k) = &a.policy_knobs {
         cfg.policy_knobs = knobs_from_json(k).context("--policy-knobs")?;
     }
+    pd_flags(a, &mut cfg)?;
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// The disaggregation flags over the file's `[pd]`.
+fn pd_flags(a: &Args, cfg: &mut GatewayConfig) -> anyhow::Result<()> {
+    if a.pd_disaggregation {
+        cfg.pd.enabled = true;
+    }
+    if !a.prefill.is_empty() {
+        // The values of every --prefill in order: a URL, optionally followed by its port.
+        cfg.pd.prefill.clear();
+        for v in &a.prefill {
+            let is_port = v == "none" || v.parse::<u16>().is_ok();
+            match cfg.pd.prefill.last_mut() {
+                Some(last) if is_port && last.bootstrap_port.is_none() && !v.contains(':') => {
+                    last.bootstrap_port = if v == "none" { None } else { v.parse().ok() };
+                }
+                _ if is_port => bail!("--prefill {v}: expected a worker URL before its bootstrap port"),
+                _ => {
+                    if v.chars().all(|c| c.is_ascii_digit()) {
+                        bail!("--prefill {v}: expected a bootstrap port (1-65535) or `none`");
+                    }
+                    cfg.pd.prefill.push(kvroute_gateway::pd::PrefillWorker { url: v.clone(), bootstrap_port: None });
+                }
+            }
+        }
+    }
+    if !a.decode.is_empty() {
+        cfg.pd.decode.clone_from(&a.decode);
+    }
+    if let Some(p) = &a.pd_protocol {
+        cfg.pd.protocol =
+            if p == "vllm" { kvroute_gateway::pd::PdProtocol::Vllm } else { kvroute_gateway::pd::PdProtocol::Sglang };
+    }
+    if let Some(p) = &a.prefill_policy {
+        cfg.pd.prefill_policy.clone_from(p);
+        cfg.pd.prefill_policy_knobs = toml::Table::new();
+    }
+    if let Some(p) = &a.decode_policy {
+        cfg.pd.decode_policy.clone_from(p);
+        cfg.pd.decode_policy_knobs = toml::Table::new();
+    }
+    if let Some(n) = a.colocate_below_tokens {
+        cfg.pd.colocate_below_tokens = n;
+    }
+    if cfg.pd.enabled && (cfg.pd.prefill.is_empty() || cfg.pd.decode.is_empty()) && cfg.etcd.is_empty() {
+        bail!(
+            "--pd-disaggregation needs at least one --prefill and one --decode worker (or an etcd registry with roles)"
+        );
+    }
+    Ok(())
 }
 
 /// Worker processes started by --launch-workers; killed on drop.
@@ -475,5 +549,57 @@ mod tests {
         assert!(format!("{:#}", knobs_from_json("[1]").unwrap_err()).contains("expected a JSON object"));
         assert!(format!("{:#}", knobs_from_json("{").unwrap_err()).contains("expected a JSON object"));
         assert!(format!("{:#}", knobs_from_json(r#"{"a": null}"#).unwrap_err()).contains("`a`"));
+    }
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: super::Args,
+    }
+
+    fn parse(args: &[&str]) -> anyhow::Result<kvroute_gateway::GatewayConfig> {
+        use clap::Parser;
+        let cli = Cli::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))?;
+        super::build_config(&cli.a)
+    }
+
+    #[test]
+    fn sglang_router_style_pd_flags_give_each_prefill_worker_its_bootstrap_port() {
+        let cfg = parse(&[
+            "--pd-disaggregation",
+            "--prefill",
+            "http://p1:8000",
+            "8998",
+            "--prefill",
+            "http://p2:8000",
+            "--prefill",
+            "http://p3:8000",
+            "none",
+            "--decode",
+            "http://d1:8000",
+            "--pd-protocol",
+            "vllm",
+            "--colocate-below-tokens",
+            "512",
+        ])
+        .expect("valid flags");
+        let p: Vec<(String, Option<u16>)> = cfg.pd.prefill.iter().map(|p| (p.url.clone(), p.bootstrap_port)).collect();
+        assert_eq!(
+            p,
+            vec![
+                ("http://p1:8000".into(), Some(8998)),
+                ("http://p2:8000".into(), None),
+                ("http://p3:8000".into(), None)
+            ]
+        );
+        assert_eq!(cfg.pd.decode, vec!["http://d1:8000".to_string()]);
+        assert!(cfg.pd.enabled);
+        assert_eq!(cfg.pd.protocol, kvroute_gateway::pd::PdProtocol::Vllm);
+        assert_eq!(cfg.pd.colocate_below_tokens, 512);
+        let e = parse(&["--pd-disaggregation", "--prefill", "http://p1:8000", "99999", "--decode", "http://d1:8000"])
+            .expect_err("bad port");
+        assert!(e.to_string().contains("bootstrap port"), "{e}");
+        let e = parse(&["--pd-disaggregation", "--prefill", "http://p1:8000"]).expect_err("no decode worker");
+        assert!(e.to_string().contains("--decode"), "{e}");
     }
 }

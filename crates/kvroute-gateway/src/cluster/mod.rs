@@ -145,6 +145,9 @@ pub struct WorkerRecord {
     /// Hardware.
     #[serde(default)]
     pub capacity: Capacity,
+    /// Its bootstrap server's port (SGLang prefill workers in a disaggregated fleet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
     /// Free-form labels (at most [`MAX_LABELS`]).
     #[serde(default)]
     pub labels: BTreeMap<String, String>,

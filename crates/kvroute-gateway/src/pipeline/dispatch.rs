@@ -43,6 +43,19 @@ pub struct DispatchError {
     pub message: String,
 }
 
+impl DispatchError {
+    /// The retries ran out: 503 (the router's) when no attempt could be made, else 502
+    /// (the workers').
+    pub fn exhausted(attempts: u32, message: String) -> DispatchError {
+        let (blame, status) = if attempts == 0 {
+            (Blame::Router, StatusCode::SERVICE_UNAVAILABLE)
+        } else {
+            (Blame::Worker, StatusCode::BAD_GATEWAY)
+        };
+        DispatchError { blame, retryable: blame == Blame::Router, bytes_sent: false, status, message }
+    }
+}
+
 impl From<DispatchError> for kvroute_protocol::api_error::ApiError {
     fn from(e: DispatchError) -> Self {
         let err = kvroute_protocol::api_error::ApiError::new(e.status, e.message);
@@ -93,7 +106,7 @@ impl Predicted {
 
 /// Commits the request to `worker`: the router's index and session table, and (for a
 /// worker that publishes KV events) predict-on-route until the request's deadline.
-fn commit(s: &AppState, routed: &Routed, req: &RequestView<'_>, worker: WorkerId) -> Option<Predicted> {
+pub(crate) fn commit(s: &AppState, routed: &Routed, req: &RequestView<'_>, worker: WorkerId) -> Option<Predicted> {
     let now = s.now();
     routed.router.commit(req, &routed.key, worker, now);
     if routed.engine_blocks.is_empty() {
@@ -202,21 +215,13 @@ pub async fn send(
             }
         }
     }
-    let (blame, status) = if attempts == 0 {
-        (Blame::Router, StatusCode::SERVICE_UNAVAILABLE)
-    } else {
-        (Blame::Worker, StatusCode::BAD_GATEWAY)
-    };
-    Err(DispatchError {
-        blame,
-        retryable: blame == Blame::Router,
-        bytes_sent: false,
-        status,
-        message: format!("every attempt failed ({attempts} made, {total} at most); last error: {last_err}"),
-    })
+    Err(DispatchError::exhausted(
+        attempts,
+        format!("every attempt failed ({attempts} made, {total} at most); last error: {last_err}"),
+    ))
 }
 
-enum Failure {
+pub(crate) enum Failure {
     /// `request_timeout_secs` passed, or (`first_byte`) a stream's first-byte deadline.
     Timeout {
         first_byte: bool,
@@ -233,7 +238,7 @@ pub const MAX_RESPONSE_BYTES: usize = 256 << 20;
 
 /// Reads a whole body, at most [`MAX_RESPONSE_BYTES`]; the response keeps its status and
 /// headers (its body is drained).
-async fn read_whole(mut resp: reqwest::Response) -> Result<(reqwest::Response, Option<Bytes>), Failure> {
+pub(crate) async fn read_whole(mut resp: reqwest::Response) -> Result<(reqwest::Response, Option<Bytes>), Failure> {
     let mut out = Vec::new();
     loop {
         match resp.chunk().await {
@@ -253,7 +258,7 @@ async fn read_whole(mut resp: reqwest::Response) -> Result<(reqwest::Response, O
 /// with llama-server, docs/real-engines.md): it is sent once more to the same worker on a
 /// fresh connection — at worst a duplicate generation there, where moving it costs a cold
 /// prefill elsewhere and credits its prefix to the wrong worker.
-async fn attempt(
+pub(crate) async fn attempt(
     s: &AppState,
     api: Api,
     w: &WorkerEntry,

@@ -20,6 +20,7 @@
 pub mod cascade;
 pub mod dispatch;
 pub mod keys;
+pub mod pd;
 pub mod respond;
 pub mod route;
 
@@ -104,27 +105,68 @@ pub async fn route_and_send(
     crate::lora::ensure_loaded(s, &info.model).await.map_err(|e| (e, ""))?;
     let precise = keys::resolve(s, api, bytes, &mut info).await;
     let model = route::model_of(s, &info).map_err(|e| (e, ""))?;
-    let permit = route::admit(s, &model).map_err(|e| (e, ""))?;
-    let routed = route::decide(s, &info, &model, &precise).map_err(|e| (e, ""))?;
+    if let Some(pd) = &s.pd {
+        return match pd::placement(s, pd, &info, &model) {
+            pd::Placement::Split => pd::split(s, pd, api, headers, bytes, &info, &precise, &model, t0).await,
+            pd::Placement::Colocated { routers, roles, role } => {
+                s.metrics
+                    .pd_requests
+                    .get_or_create(&crate::metrics::OutcomeLabel { outcome: "colocated".into() })
+                    .inc();
+                let pool = Pool { routers, roles: Some(roles), role, header: "pd=colocated; " };
+                let bytes = pd::without_handover_fields(bytes);
+                one_worker(s, api, headers, &bytes, &info, &precise, &model, t0, pool).await
+            }
+        };
+    }
+    let pool = Pool { routers: &s.routers, roles: None, role: kvroute_core::types::Role::Both, header: "" };
+    one_worker(s, api, headers, bytes, &info, &precise, &model, t0, pool).await
+}
+
+/// Where a request served by one worker is routed: a pool's routers and roles, the
+/// admission role, and what the decision header starts with.
+struct Pool<'a> {
+    routers: &'a crate::routers::Routers,
+    roles: Option<&'a [kvroute_core::types::Role]>,
+    role: kvroute_core::types::Role,
+    header: &'static str,
+}
+
+/// Admit, decide, dispatch, respond: a request served by one worker.
+#[allow(clippy::too_many_arguments)]
+async fn one_worker(
+    s: &Arc<AppState>,
+    api: Api,
+    headers: &HeaderMap,
+    bytes: &Bytes,
+    info: &kvroute_protocol::openai::RoutingInfo,
+    precise: &keys::Precise,
+    model: &str,
+    t0: Instant,
+    pool: Pool<'_>,
+) -> Result<Response, (ApiError, &'static str)> {
+    let permit = route::admit_as(s, model, pool.role).map_err(|e| (e, ""))?;
+    let routed = route::decide_in(s, info, model, precise, pool.routers, pool.roles).map_err(|e| (e, ""))?;
     let branch = routed.decision.branch.as_str();
-    let (source, reason) = keys::prefix_source(&precise, routed.chosen_precise);
+    let (source, reason) = keys::prefix_source(precise, routed.chosen_precise);
     s.metrics
         .prefix_source
         .get_or_create(&crate::metrics::SourceLabels { source: source.into(), reason: reason.into() })
         .inc();
-    let mut decision = route::decision_header(&routed.router.policy_name, &routed.decision);
+    let mut decision = String::from(pool.header);
+    decision.push_str(&route::decision_header(&routed.router.policy_name, &routed.decision));
     decision.push_str("; prefix=");
     decision.push_str(source);
     if !reason.is_empty() {
         decision.push_str(&format!("({reason})"));
     }
-    log_decision(&routed, &info, &decision);
+    log_decision(&routed, info, &decision);
     // Recorded from here on: every request dispatched, whatever its outcome.
     let record = s
         .recorder
         .as_ref()
         .map(|r| r.begin(t0, &info.text, info.token_ids.as_deref(), info.session.as_deref(), info.max_tokens));
-    let sent = dispatch::send(s, api, &routed, &info, &precise, &model, bytes, headers)
+    let sent = dispatch::send(s, api, &routed, info, precise, model, bytes, headers)
         .await
         .map_err(|e| (ApiError::from(e), branch))?;
     respond::respond(s, sent, permit, &decision, branch, t0, record).map_err(|e| (e, branch))

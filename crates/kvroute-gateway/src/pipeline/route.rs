@@ -58,13 +58,22 @@ pub fn model_of(s: &AppState, info: &RoutingInfo) -> Result<String, ApiError> {
 /// # Errors
 /// 503 when the model is at its limit.
 pub fn admit(s: &AppState, model: &str) -> Result<Permit, ApiError> {
+    admit_as(s, model, Role::Both)
+}
+
+/// A permit for `model` in `role`'s pool (disaggregation admits each phase of a split
+/// request against its own limit), or 503 with `Retry-After`.
+///
+/// # Errors
+/// 503 when (model, role) is at its limit.
+pub fn admit_as(s: &AppState, model: &str, role: Role) -> Result<Permit, ApiError> {
     let permit = {
         let adm = s.admission.read();
-        match adm.try_admit(model, Role::Both) {
+        match adm.try_admit(model, role) {
             Err(rej) if rej.max == 0 => {
                 drop(adm);
                 s.admission.write().ensure_model(model);
-                s.admission.read().try_admit(model, Role::Both)
+                s.admission.read().try_admit(model, role)
             }
             other => other,
         }
@@ -73,7 +82,15 @@ pub fn admit(s: &AppState, model: &str) -> Result<Permit, ApiError> {
         s.metrics.admission_rejections.get_or_create(&crate::metrics::ModelLabel { model: model.to_string() }).inc();
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("too many requests in flight for model `{model}` (limit {}); retry later", rej.max),
+            if role == Role::Both {
+                format!("too many requests in flight for model `{model}` (limit {}); retry later", rej.max)
+            } else {
+                format!(
+                    "too many {} requests in flight for model `{model}` (limit {}); retry later",
+                    role.as_str(),
+                    rej.max
+                )
+            },
         )
         .retry_after(1)
     })
@@ -103,6 +120,22 @@ pub struct Routed {
 /// # Errors
 /// 404 for a model no worker serves, 503 when no worker is routable.
 pub fn decide(s: &AppState, info: &RoutingInfo, model: &str, precise: &Precise) -> Result<Routed, ApiError> {
+    decide_in(s, info, model, precise, &s.routers, None)
+}
+
+/// [`decide`] with `routers` over the workers of `roles` (`None`: every role): one pool of
+/// a disaggregated fleet.
+///
+/// # Errors
+/// As [`decide`].
+pub fn decide_in(
+    s: &AppState,
+    info: &RoutingInfo,
+    model: &str,
+    precise: &Precise,
+    routers: &crate::routers::Routers,
+    roles: Option<&[Role]>,
+) -> Result<Routed, ApiError> {
     // Candidates serve the model the request names (workers listing no models serve any).
     let lookup = if !info.model.is_empty() {
         info.model.as_str()
@@ -111,8 +144,16 @@ pub fn decide(s: &AppState, info: &RoutingInfo, model: &str, precise: &Precise) 
     } else {
         model
     };
-    let mut candidates = s.fleet.candidates(lookup);
+    let mut candidates = s.fleet.candidates_in(lookup, roles);
     if candidates.entries.is_empty() {
+        if let Some(r) = roles {
+            let names: Vec<&str> = r.iter().map(|r| r.as_str()).collect();
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("no {} worker serves model `{}`", names.join(" or "), info.model),
+            )
+            .retry_after(1));
+        }
         return Err(if !s.fleet.load().is_empty() && !info.model.is_empty() {
             ApiError::new(StatusCode::NOT_FOUND, format!("model `{}` is not served by any worker", info.model))
                 .with_param("model")
@@ -122,9 +163,9 @@ pub fn decide(s: &AppState, info: &RoutingInfo, model: &str, precise: &Precise) 
     }
     let engine_blocks = precise_cached_tokens(s, precise, &mut candidates);
     let req = precise_view(info, model, precise);
-    let router = s.routers.get(model, s.now());
+    let router = routers.get(model, s.now());
     let t0 = Instant::now();
-    let mut rng = s.routers.rng();
+    let mut rng = routers.rng();
     let mut ctx = PickCtx { now: s.now(), rng: &mut rng };
     let decided = router.decide(&req, &candidates.views, &mut ctx);
     s.metrics.decision_seconds.observe(t0.elapsed().as_secs_f64());

@@ -65,3 +65,34 @@ pub async fn eventually<F: AsyncFnMut() -> bool>(what: &str, mut cond: F) {
     }
     panic!("not within 30 s: {what}");
 }
+
+/// A worker that answers `/health`, lists no models and, for a chat request, counts it,
+/// sends the stream's headers and one chunk (`data: {"choices":[]}`) and then nothing more
+/// (a stalled decode). Serves until the returned token is cancelled.
+#[allow(dead_code)] // not every test binary needs it
+pub async fn stalling_worker(
+    requests: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> (String, tokio_util::sync::CancellationToken) {
+    use axum::routing::{get, post};
+    let app = axum::Router::new().route("/health", get(|| async { "ok" })).route(
+        "/v1/chat/completions",
+        post(move || async move {
+            requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let first = futures_util::stream::once(async {
+                Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"data: {\"choices\":[]}\n\n"))
+            });
+            let body =
+                axum::body::Body::from_stream(futures_util::StreamExt::chain(first, futures_util::stream::pending()));
+            axum::response::Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(body)
+                .expect("response")
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", l.local_addr().expect("addr"));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let s = stop.clone();
+    tokio::spawn(async move { axum::serve(l, app).with_graceful_shutdown(async move { s.cancelled().await }).await });
+    (url, stop)
+}
