@@ -289,20 +289,41 @@ pub async fn debug_route(
         let mut info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens)?;
         let precise = keys::resolve(&s, api, &bytes, &mut info).await;
         let model = model_of(&s, &info)?;
+        let explain = |routed: &crate::pipeline::route::Routed| {
+            let d = &routed.decision;
+            let url = |id: WorkerId| routed.candidates.entry(id).map(|w| w.url.to_string());
+            serde_json::json!({
+                "worker": url(d.worker),
+                "fallbacks": d.fallbacks.iter().filter_map(|w| url(*w)).collect::<Vec<_>>(),
+                "policy": &*routed.router.policy_name,
+                "branch": d.branch.as_str(),
+                "matched": d.matched,
+                "key_len": d.key_len,
+                "unit": d.unit,
+                "score": d.score,
+                "decision": decision_header(&routed.router.policy_name, d),
+            })
+        };
+        // A disaggregated fleet: the placement, and each pool's decision for a split.
+        if let Some(pd) = &s.pd {
+            use crate::pipeline::pd::{Placement, placement};
+            use crate::pipeline::route::decide_in;
+            use kvroute_core::types::Role;
+            return Ok(Json(match placement(&s, pd, &info, &model) {
+                Placement::Split => serde_json::json!({
+                    "placement": "split",
+                    "prefill": explain(&decide_in(&s, &info, &model, &precise, &pd.prefill, Some(&[Role::Prefill]))?),
+                    "decode": explain(&decide_in(&s, &info, &model, &precise, &pd.decode, Some(&[Role::Decode]))?),
+                }),
+                Placement::Colocated { routers, roles, .. } => {
+                    let mut v = explain(&decide_in(&s, &info, &model, &precise, routers, Some(roles))?);
+                    v["placement"] = "colocated".into();
+                    v
+                }
+            }));
+        }
         let routed = decide(&s, &info, &model, &precise)?;
-        let d = &routed.decision;
-        let url = |id: WorkerId| routed.candidates.entry(id).map(|w| w.url.to_string());
-        Ok::<_, ApiError>(Json(serde_json::json!({
-            "worker": url(d.worker),
-            "fallbacks": d.fallbacks.iter().filter_map(|w| url(*w)).collect::<Vec<_>>(),
-            "policy": s.routers.policy_name(),
-            "branch": d.branch.as_str(),
-            "matched": d.matched,
-            "key_len": d.key_len,
-            "unit": d.unit,
-            "score": d.score,
-            "decision": decision_header(&s.routers.policy_name(), d),
-        })))
+        Ok::<_, ApiError>(Json(explain(&routed)))
     }
     .await;
     r.map_or_else(IntoResponse::into_response, IntoResponse::into_response)

@@ -132,6 +132,20 @@ async fn split_and_colocate(protocol: PdProtocol) {
     assert_eq!(short.status, 200, "{}", short.text);
     assert!(short.decision.starts_with("pd=colocated; policy=least_load"), "{}", short.decision);
     assert!(decode_urls.contains(&short.worker.as_str()));
+    // The dry run shows the placement and, for a split, each pool's decision.
+    let dry = |body: Value| {
+        let (c, router) = (c.clone(), router.clone());
+        async move {
+            let r = guard(c.post(format!("{router}/debug/route")).json(&body).send()).await.expect("dry run");
+            r.json::<Value>().await.expect("json")
+        }
+    };
+    let v = dry(chat(&format!("{long} third question"), false)).await;
+    assert_eq!(v["placement"], "split", "{v}");
+    assert_eq!(v["prefill"]["worker"], first_prefill.as_str(), "the prefix's prefill worker: {v}");
+    assert_eq!(v["decode"]["policy"], "least_load", "{v}");
+    let v = dry(chat("hi", false)).await;
+    assert_eq!((v["placement"].as_str(), v["policy"].as_str()), (Some("colocated"), Some("least_load")), "{v}");
     assert_eq!(counter(&c, &router, "kvroute_pd_requests_total{outcome=\"split\"}").await, 2.0);
     assert_eq!(counter(&c, &router, "kvroute_pd_requests_total{outcome=\"colocated\"}").await, 1.0);
     stop.cancel();
