@@ -295,3 +295,55 @@ async fn nats_or_a_replica_dying_fails_no_request() {
     assert_eq!(failed, 0, "requests failed");
     stop.cancel();
 }
+
+/// A disaggregated fleet behind two synced replicas: a split request through A teaches B's
+/// prefill pool its prefix, so B sends the next request sharing it to the same prefill
+/// worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs nats-server (Debian nats-server): KVROUTE_NATS_BIN=$(command -v nats-server) scripts/test.sh"]
+async fn split_requests_teach_the_other_replicas_prefill_pool() {
+    use kvroute_core::types::Role;
+    use kvroute_gateway::pd::{PdConfig, PrefillWorker};
+    let nats = Nats::start(free_port()).await;
+    let stop = CancellationToken::new();
+    let mut pd = PdConfig { enabled: true, colocate_below_tokens: 64, ..PdConfig::default() };
+    for role in [Role::Prefill, Role::Prefill, Role::Decode, Role::Decode] {
+        let cfg = EngineSimConfig {
+            time_scale: 50.0,
+            role,
+            bootstrap_port: (role == Role::Prefill).then_some(0),
+            ..EngineSimConfig::default()
+        };
+        let (url, sim) = engine_sim::spawn_local(cfg, stop.clone()).await.expect("worker");
+        match role {
+            Role::Prefill => pd.prefill.push(PrefillWorker { url, bootstrap_port: sim.bootstrap_port() }),
+            _ => pd.decode.push(url),
+        }
+    }
+    let replica = || GatewayConfig { pd: pd.clone(), ..synced(Some(&nats.url), &[]) };
+    let (a, _) = common::start_router(replica(), stop.clone()).await;
+    let (b, _) = common::start_router(replica(), stop.clone()).await;
+    let c = reqwest::Client::new();
+    ready(&c, &a).await;
+    ready(&c, &b).await;
+    let doc = document(2, 4000);
+    let r = guard(c.post(format!("{a}/v1/chat/completions")).json(&ask(&doc, "first question?", 2, false)).send())
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    let decision = r.headers()["x-kvroute-decision"].to_str().expect("header").to_string();
+    let prefill = decision
+        .strip_prefix("pd=prefill:")
+        .and_then(|d| d.split(',').next())
+        .unwrap_or_else(|| panic!("split: {decision}"))
+        .to_string();
+    let next = ask(&doc, "second question?", 2, false);
+    eventually("B's prefill pool matches A's document on A's prefill worker", async || {
+        let v = dry_run(&c, &b, &next).await;
+        v["placement"] == "split"
+            && v["prefill"]["worker"] == prefill.as_str()
+            && v["prefill"]["matched"].as_u64().unwrap_or(0) > 3000
+    })
+    .await;
+    stop.cancel();
+}

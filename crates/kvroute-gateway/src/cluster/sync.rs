@@ -117,6 +117,21 @@ pub struct RoutedEvent {
     pub uncached: u64,
     /// Tokens the request weighs once decoding.
     pub decode: u64,
+    /// The router set that decided: 0 the main one, 1 a disaggregated fleet's prefill pool,
+    /// 2 its decode pool ([`Pool`]). Absent in events of older replicas (= 0).
+    #[serde(default)]
+    pub pool: u8,
+}
+
+/// Which of a replica's router sets decided a routed event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pool {
+    /// The main routers (colocated requests).
+    Main = 0,
+    /// The prefill pool of a disaggregated fleet.
+    Prefill = 1,
+    /// The decode pool of a disaggregated fleet.
+    Decode = 2,
 }
 
 impl RoutedEvent {
@@ -289,6 +304,19 @@ impl ReplicaSync {
         uncached: u64,
         decode: u64,
     ) -> SharedTicket {
+        self.routed_in(Pool::Main, routed, req, worker_url, uncached, decode)
+    }
+
+    /// [`ReplicaSync::routed`] for a decision of `pool`'s routers.
+    pub fn routed_in(
+        self: &Arc<Self>,
+        pool: Pool,
+        routed: &Routed,
+        req: &RequestView<'_>,
+        worker_url: &str,
+        uncached: u64,
+        decode: u64,
+    ) -> SharedTicket {
         let id = self.next_id.fetch_add(1, Relaxed);
         // Only a policy that indexes the prompt itself needs it; the others record the key's
         // block hashes (`blocks`), 9 bytes per block instead of the prompt's bytes.
@@ -316,6 +344,7 @@ impl ReplicaSync {
             output_tokens: req.output_tokens,
             uncached,
             decode,
+            pool: pool as u8,
         };
         self.send(Out::Routed(Box::new(ev)));
         SharedTicket { sync: Arc::clone(self), id, first: false }
@@ -608,7 +637,14 @@ const COMMIT_TRIES: usize = 64;
 /// runs the same policy; `false` when it does not (the event's keys would not match).
 async fn commit(state: &AppState, r: &RoutedEvent, worker: WorkerId, wait: Wait) -> bool {
     let now = state.now();
-    let router = state.routers.get(&r.model, now);
+    let routers = match (r.pool, &state.pd) {
+        (0, _) => &state.routers,
+        (1, Some(pd)) => &pd.prefill,
+        (2, Some(pd)) => &pd.decode,
+        // A pool this replica does not have: the load applies, the prefix does not.
+        _ => return false,
+    };
+    let router = routers.get(&r.model, now);
     if *router.policy_name != *r.policy {
         return false;
     }
@@ -773,6 +809,7 @@ mod tests {
                     output_tokens: None,
                     uncached: 2,
                     decode: 258,
+                    pool: 1,
                 }),
                 WireEvent::FirstToken(3),
                 WireEvent::Done(3),
@@ -780,6 +817,42 @@ mod tests {
         };
         let bytes = rmp_serde::to_vec_named(&b).expect("encode");
         assert_eq!(rmp_serde::from_slice::<Batch>(&bytes).expect("decode"), b);
+    }
+
+    #[test]
+    fn an_older_replicas_routed_event_without_a_pool_decodes_as_the_main_pool() {
+        // The event as replicas before the `pool` field encoded it.
+        #[derive(Serialize)]
+        struct Older {
+            id: u64,
+            model: String,
+            worker: String,
+            policy: String,
+            prefix: WirePrefix,
+            blocks: Vec<u64>,
+            block_tokens: u64,
+            session: Option<String>,
+            input_tokens: u32,
+            output_tokens: Option<u32>,
+            uncached: u64,
+            decode: u64,
+        }
+        let old = Older {
+            id: 3,
+            model: "m".into(),
+            worker: "http://w:1".into(),
+            policy: "cache_aware".into(),
+            prefix: WirePrefix::None,
+            blocks: vec![1, 2],
+            block_tokens: 16,
+            session: None,
+            input_tokens: 40,
+            output_tokens: Some(4),
+            uncached: 40,
+            decode: 4,
+        };
+        let ev: RoutedEvent = rmp_serde::from_slice(&rmp_serde::to_vec(&old).expect("encode")).expect("decode");
+        assert_eq!((ev.id, ev.pool, ev.blocks.len()), (3, Pool::Main as u8, 2));
     }
 
     #[test]
@@ -806,6 +879,7 @@ mod tests {
             output_tokens: None,
             uncached: 0,
             decode: 0,
+            pool: 0,
         };
         let e = Arc::new(ev);
         for _ in 0..100 {

@@ -26,6 +26,7 @@
 use super::dispatch::{self, Blame, DispatchError, Failure, Sent};
 use super::keys::{Precise, precise_view};
 use super::route::{self, Routed};
+use crate::cluster::sync::{Pool, SharedTicket};
 use crate::fleet::WorkerEntry;
 use crate::metrics::OutcomeLabel;
 use crate::pd::{PdProtocol, PdRouters};
@@ -221,9 +222,14 @@ impl Pair<'_> {
             }
             let p_ticket = pw.load.dispatched(uncached, 1);
             let d_ticket = dw.load.dispatched(0, output);
+            // The other replicas of the cluster see both halves (their pools' prefix and
+            // load); the prefill half is done when its answer is, the decode half with the
+            // response.
+            let shared_p = s.sync.as_ref().map(|y| y.routed_in(Pool::Prefill, self.rp, &req, &pw.url, uncached, 1));
+            let shared_d = s.sync.as_ref().map(|y| y.routed_in(Pool::Decode, self.rd, &req, &dw.url, 0, output));
             let result = match self.pd.cfg.protocol {
-                PdProtocol::Sglang => self.sglang(pw, dw, p_ticket, Arc::clone(&permit_p)).await,
-                PdProtocol::Vllm => self.vllm(pw, dw, p_ticket).await,
+                PdProtocol::Sglang => self.sglang(pw, dw, p_ticket, Arc::clone(&permit_p), shared_p).await,
+                PdProtocol::Vllm => self.vllm(pw, dw, p_ticket, shared_p).await,
             };
             match result {
                 Ok((resp, body, first_byte_by)) => {
@@ -232,7 +238,7 @@ impl Pair<'_> {
                         body,
                         worker: Arc::clone(dw),
                         ticket: d_ticket,
-                        shared: None,
+                        shared: shared_d,
                         predicted: None,
                         first_byte_by,
                     };
@@ -316,6 +322,7 @@ impl Pair<'_> {
         dw: &Arc<WorkerEntry>,
         mut p_ticket: kvroute_core::ledger::LoadTicket,
         permit_p: Arc<kvroute_core::admission::Permit>,
+        shared_p: Option<SharedTicket>,
     ) -> Result<(reqwest::Response, Option<Bytes>, Option<tokio::time::Instant>), PairError> {
         let s = self.s;
         let room = crate::state::os_random_u64() >> 1;
@@ -333,6 +340,7 @@ impl Pair<'_> {
             let handshake = self.handshake();
             tokio::spawn(async move {
                 let _permit = permit_p;
+                let _shared = shared_p;
                 let drained = tokio::time::timeout(handshake, async {
                     match dispatch::attempt(&s, api, &pw, &bytes, &headers, handshake, None).await {
                         Ok(mut resp) if resp.status().is_success() => {
@@ -401,6 +409,7 @@ impl Pair<'_> {
         pw: &Arc<WorkerEntry>,
         dw: &Arc<WorkerEntry>,
         mut p_ticket: kvroute_core::ledger::LoadTicket,
+        shared_p: Option<SharedTicket>,
     ) -> Result<(reqwest::Response, Option<Bytes>, Option<tokio::time::Instant>), PairError> {
         let s = self.s;
         let mut pbody = self.body.clone();
@@ -436,6 +445,7 @@ impl Pair<'_> {
         .await;
         p_ticket.first_token();
         p_ticket.close();
+        drop(shared_p);
         let (resp, body) = match answer {
             Ok(Ok((resp, body))) => (resp, body.unwrap_or_default()),
             Ok(Err(Failure::Retry(e) | Failure::TooLarge(e))) => {
