@@ -114,6 +114,11 @@ const PREFILL_COST_KNOBS: &[Knob] = &[
     ("max_sessions", "sessions", "session bindings kept (LRU beyond)"),
     ("batch_factor", "x per request", "queue-depth multiplier: cost x (1 + batch_factor x load); 0 = additive"),
     (
+        "decode_queue_scale",
+        "requests",
+        "requests on a worker at which the decode charge per request doubles (0 = linear)",
+    ),
+    (
         "stall_weight",
         "tokens per uncached token per request",
         "a prefill stalls every request on its worker: uncached x stall_weight x load is added (scaled by the queue, capped)",
