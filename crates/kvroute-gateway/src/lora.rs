@@ -218,7 +218,8 @@ pub async fn ensure_loaded(s: &Arc<AppState>, model: &str) -> Result<(), ApiErro
                 count(&s.metrics.lora_loads, "ok");
                 tracing::info!(worker = %w.url, adapter = model, "LoRA adapter loaded");
                 let listed = crate::health::fetch_models(&s.client, &w.url, s.cfg.health.timeout_secs).await;
-                let mut models = listed.unwrap_or_else(|| w.models.load().as_ref().clone());
+                // An empty or failed listing keeps what the router knew (plus the adapter).
+                let mut models = listed.filter(|m| !m.is_empty()).unwrap_or_else(|| w.models.load().as_ref().clone());
                 if !models.iter().any(|m| m == model) {
                     // An engine that does not list adapters: trust its answer.
                     models.push(model.to_string());
