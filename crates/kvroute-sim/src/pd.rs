@@ -23,7 +23,7 @@ use kvroute_core::ledger::{LoadLedger, Ticket};
 use kvroute_core::policy::{PickCtx, Policy, route};
 use kvroute_core::precise::PredictWindow;
 use kvroute_core::registry;
-use kvroute_core::types::{BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
+use kvroute_core::types::{Nanos, Role, WorkerId, WorkerView};
 use rand_core::SeedableRng;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
@@ -233,16 +233,7 @@ pub fn replay_pd(
         let split = plan(&disagg, r.input_tokens, true, true) == DisaggPlan::Split;
         sim.views(&mut prefill_views, 0..p, Role::Prefill, cfg, &mut util, r, now);
         sim.views(&mut decode_views, p..n, Role::Decode, cfg, &mut util, r, now);
-        let mut req = RequestView {
-            model: "trace",
-            text: None,
-            token_ids: None,
-            blocks: (!r.blocks.is_empty()).then_some(BlockSeq { block_tokens: r.block_tokens, hashes: &r.blocks }),
-            input_tokens: r.input_tokens,
-            output_tokens: Some(r.output_tokens),
-            session_id: r.session.as_deref(),
-            role: if split { Role::Prefill } else { Role::Both },
-        };
+        let mut req = crate::replay::request_view(r, if split { Role::Prefill } else { Role::Both });
         if split {
             let mut ctx = PickCtx { now, rng: &mut rng };
             let Ok(pre) = route(prefill_policy.as_mut(), &req, &prefill_views, &mut ctx) else {

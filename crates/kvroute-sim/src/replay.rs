@@ -177,6 +177,21 @@ impl BusyWindow {
     }
 }
 
+/// What a policy sees of a trace request routed as `role`: its block hashes (when the trace
+/// has them), its token counts and its session.
+pub fn request_view(r: &TraceRequest, role: Role) -> RequestView<'_> {
+    RequestView {
+        model: "trace",
+        text: None,
+        token_ids: None,
+        blocks: (!r.blocks.is_empty()).then_some(BlockSeq { block_tokens: r.block_tokens, hashes: &r.blocks }),
+        input_tokens: r.input_tokens,
+        output_tokens: Some(r.output_tokens),
+        session_id: r.session.as_deref(),
+        role,
+    }
+}
+
 /// Replays `trace` under `cfg`. `progress` is called with the number of requests routed so
 /// far (every 256 requests and at the end).
 ///
@@ -275,16 +290,7 @@ pub fn replay(
             }
             views.push(v);
         }
-        let req = RequestView {
-            model: "trace",
-            text: None,
-            token_ids: None,
-            blocks: (!r.blocks.is_empty()).then_some(BlockSeq { block_tokens: r.block_tokens, hashes: &r.blocks }),
-            input_tokens: r.input_tokens,
-            output_tokens: Some(r.output_tokens),
-            session_id: r.session.as_deref(),
-            role: Role::Both,
-        };
+        let req = request_view(r, Role::Both);
         let mut ctx = PickCtx { now, rng: &mut rng };
         match route(policy.as_mut(), &req, &views, &mut ctx) {
             Ok(d) => {
