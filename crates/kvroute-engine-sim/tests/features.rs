@@ -4,69 +4,21 @@
 //! Every client call has a generous hang guard (a failure, not a timing assertion); the
 //! simulated clock runs 1000× faster than the profile so the tests are quick.
 
-use kvroute_engine_sim::{self as engine_sim, EngineSim, EngineSimConfig, LoraCounters, prompt_mean_logprob};
+use kvroute_engine_sim::{self as engine_sim, EngineSimConfig, LoraCounters, prompt_mean_logprob};
 use serde_json::{Value, json};
-use std::sync::Arc;
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 const BASE: &str = "sim-llama-3-8b";
-
-struct Sim {
-    url: String,
-    sim: Arc<EngineSim>,
-    cfg: EngineSimConfig,
-    stop: CancellationToken,
-    c: reqwest::Client,
-}
-
-impl Drop for Sim {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
 
 fn fast() -> EngineSimConfig {
     EngineSimConfig { time_scale: 1000.0, ..EngineSimConfig::default() }
 }
 
-async fn sim(cfg: EngineSimConfig) -> Sim {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let stop = CancellationToken::new();
-    let (url, sim) = engine_sim::spawn_local(cfg.clone(), stop.clone()).await.expect("start a simulated worker");
-    Sim { url, sim, cfg, stop, c: reqwest::Client::new() }
-}
-
-async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(60), f).await.expect("hang guard")
-}
+mod common;
+use common::{Sim, sim};
 
 impl Sim {
-    /// POST `body` to `path`: status and body text.
-    async fn post_text(&self, path: &str, body: &Value) -> (u16, String) {
-        guard(async {
-            let r = self.c.post(format!("{}{path}", self.url)).json(body).send().await.expect("send");
-            (r.status().as_u16(), r.text().await.expect("body"))
-        })
-        .await
-    }
-
-    /// POST `body` to `path`: status and JSON body.
-    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (status, text) = self.post_text(path, body).await;
-        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")))
-    }
-
-    /// GET `path` as text.
-    async fn get_text(&self, path: &str) -> String {
-        guard(async {
-            let r = self.c.get(format!("{}{path}", self.url)).send().await.expect("send");
-            assert_eq!(r.status(), 200, "GET {path}");
-            r.text().await.expect("body")
-        })
-        .await
-    }
-
+    /// GET `path` as JSON.
     async fn get(&self, path: &str) -> Value {
         serde_json::from_str(&self.get_text(path).await).expect("JSON")
     }
