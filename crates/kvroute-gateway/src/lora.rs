@@ -24,7 +24,7 @@
 //! and a request sent there meanwhile gets the worker's 404.
 
 use crate::fleet::WorkerEntry;
-use crate::metrics::OutcomeLabel;
+use crate::metrics::count_outcome;
 use crate::state::AppState;
 use axum::http::StatusCode;
 use kvroute_protocol::api_error::ApiError;
@@ -158,12 +158,6 @@ fn routable_with(s: &AppState, model: &str) -> bool {
     s.fleet.load().iter().any(|w| w.is_routable() && w.models.load().iter().any(|m| m == model))
 }
 
-type Outcomes = prometheus_client::metrics::family::Family<OutcomeLabel, prometheus_client::metrics::counter::Counter>;
-
-fn count(family: &Outcomes, outcome: &str) {
-    family.get_or_create(&OutcomeLabel { outcome: outcome.into() }).inc();
-}
-
 /// Makes sure a routable worker has `model` loaded when it is a catalogue adapter: at once
 /// when one has, else by asking workers to load it (see the module doc). Models outside
 /// the catalogue pass through untouched.
@@ -175,23 +169,23 @@ pub async fn ensure_loaded(s: &Arc<AppState>, model: &str) -> Result<(), ApiErro
     let Some(mux) = s.lora.as_ref() else { return Ok(()) };
     let Some(&i) = mux.by_name.get(model) else { return Ok(()) };
     if routable_with(s, model) {
-        count(&s.metrics.lora_requests, "loaded");
+        count_outcome(&s.metrics.lora_requests, "loaded");
         return Ok(());
     }
     let unavailable = |why: String| {
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, format!("LoRA adapter `{model}`: {why}")).retry_after(1)
     };
     if !mux.cfg.load {
-        count(&s.metrics.lora_requests, "unavailable");
+        count_outcome(&s.metrics.lora_requests, "unavailable");
         return Err(unavailable("no worker has it loaded and loading is off (`lora.load`)".into()));
     }
     let _one_load = mux.loading[i].lock().await;
     if routable_with(s, model) {
         // Loaded by the request this one waited for.
-        count(&s.metrics.lora_requests, "loaded");
+        count_outcome(&s.metrics.lora_requests, "loaded");
         return Ok(());
     }
-    count(&s.metrics.lora_requests, "load");
+    count_outcome(&s.metrics.lora_requests, "load");
     let adapter = &mux.cfg.adapters[i];
     let mut order: Vec<(bool, f64, u32, Arc<WorkerEntry>)> = s
         .fleet
@@ -215,7 +209,7 @@ pub async fn ensure_loaded(s: &Arc<AppState>, model: &str) -> Result<(), ApiErro
     for (_, _, _, w) in order.into_iter().take(MAX_LOAD_ATTEMPTS) {
         match load_on(s, &mux.cfg, &w, adapter).await {
             Ok(()) => {
-                count(&s.metrics.lora_loads, "ok");
+                count_outcome(&s.metrics.lora_loads, "ok");
                 tracing::info!(worker = %w.url, adapter = model, "LoRA adapter loaded");
                 let listed = crate::health::fetch_models(&s.client, &w.url, s.cfg.health.timeout_secs).await;
                 // An empty or failed listing keeps what the router knew (plus the adapter).
@@ -229,7 +223,7 @@ pub async fn ensure_loaded(s: &Arc<AppState>, model: &str) -> Result<(), ApiErro
                 return Ok(());
             }
             Err(e) => {
-                count(&s.metrics.lora_loads, "failed");
+                count_outcome(&s.metrics.lora_loads, "failed");
                 tracing::warn!(worker = %w.url, adapter = model, error = %e, "LoRA adapter load failed; trying the next worker");
                 last = e;
             }

@@ -64,6 +64,11 @@ pub struct OutcomeLabel {
     pub outcome: String,
 }
 
+/// Counts one `outcome` in a counter family labelled by [`OutcomeLabel`].
+pub fn count_outcome(family: &Family<OutcomeLabel, Counter>, outcome: &str) {
+    family.get_or_create(&OutcomeLabel { outcome: outcome.into() }).inc();
+}
+
 /// Labels of `kvroute_policy_updates`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyUpdateLabels {

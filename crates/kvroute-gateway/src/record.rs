@@ -101,7 +101,7 @@ impl Pending {
         if let Some(mut line) = self.line.take() {
             line.output_length = output_tokens.max(1);
             if self.tx.try_send(line).is_err() {
-                self.outcomes.get_or_create(&OutcomeLabel { outcome: "dropped".into() }).inc();
+                crate::metrics::count_outcome(&self.outcomes, "dropped");
             }
         }
     }
@@ -240,7 +240,7 @@ impl Writer {
                     "error"
                 }
             };
-            self.outcomes.get_or_create(&OutcomeLabel { outcome: outcome.into() }).inc();
+            crate::metrics::count_outcome(&self.outcomes, outcome);
             if rx.is_empty() {
                 let _ = self.out.flush();
             }

@@ -92,7 +92,7 @@ impl Reloader {
                 Outcome::Invalid
             }
         };
-        self.state.metrics.config_reloads.get_or_create(&OutcomeLabel { outcome: outcome.as_str().into() }).inc();
+        crate::metrics::count_outcome(&self.state.metrics.config_reloads, outcome.as_str());
         outcome
     }
 

@@ -2,7 +2,7 @@
 
 use crate::config::GatewayConfig;
 use crate::fleet::Fleet;
-use crate::metrics::{Metrics, OutcomeLabel, WorkerLabel};
+use crate::metrics::{Metrics, WorkerLabel};
 use crate::routers::Routers;
 use kvroute_core::admission::Admission;
 use kvroute_core::types::{Health, Nanos};
@@ -304,12 +304,12 @@ impl AppState {
                 "worker failed {} requests in a row: out of routing until an inference probe passes",
                 self.cfg.max_worker_retries
             );
-            self.metrics.ejections.get_or_create(&OutcomeLabel { outcome: "ejected".into() }).inc();
+            crate::metrics::count_outcome(&self.metrics.ejections, "ejected");
             self.forget_worker(worker.id);
             self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: worker.url.to_string() }).set(0);
         } else {
             tracing::debug!(worker = %worker.url, "not ejected: max_ejection_share of the workers are out already");
-            self.metrics.ejections.get_or_create(&OutcomeLabel { outcome: "capped".into() }).inc();
+            crate::metrics::count_outcome(&self.metrics.ejections, "capped");
         }
     }
 }

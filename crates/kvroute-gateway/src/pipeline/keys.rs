@@ -54,7 +54,7 @@ async fn local_tokens(s: &Arc<AppState>, api: Api, bytes: &[u8], info: &mut Rout
         }
         Err(reason) => reason,
     };
-    s.metrics.local_tokenize.get_or_create(&crate::metrics::OutcomeLabel { outcome: outcome.into() }).inc();
+    crate::metrics::count_outcome(&s.metrics.local_tokenize, outcome);
 }
 
 /// The routing view of a request for `model`.

@@ -109,10 +109,7 @@ pub async fn route_and_send(
         return match pd::placement(s, pd, &info, &model) {
             pd::Placement::Split => pd::split(s, pd, api, headers, bytes, &info, &precise, &model, t0).await,
             pd::Placement::Colocated { routers, roles, role } => {
-                s.metrics
-                    .pd_requests
-                    .get_or_create(&crate::metrics::OutcomeLabel { outcome: "colocated".into() })
-                    .inc();
+                crate::metrics::count_outcome(&s.metrics.pd_requests, "colocated");
                 let pool = Pool { routers, roles: Some(roles), role, header: "pd=colocated; " };
                 let bytes = pd::without_handover_fields(bytes);
                 one_worker(s, api, headers, &bytes, &info, &precise, &model, t0, pool).await

@@ -28,7 +28,7 @@ use super::keys::{Precise, precise_view};
 use super::route::{self, Routed};
 use crate::cluster::sync::{Pool, SharedTicket};
 use crate::fleet::WorkerEntry;
-use crate::metrics::OutcomeLabel;
+use crate::metrics::count_outcome;
 use crate::pd::{PdProtocol, PdRouters};
 use crate::routers::Routers;
 use crate::state::AppState;
@@ -102,11 +102,6 @@ pub fn without_handover_fields(bytes: &Bytes) -> Bytes {
     }
 }
 
-fn count(s: &AppState, family: &str, outcome: &str) {
-    let f = if family == "requests" { &s.metrics.pd_requests } else { &s.metrics.pd_failures };
-    f.get_or_create(&OutcomeLabel { outcome: outcome.into() }).inc();
-}
-
 /// Serves a split request: admission in both pools, both decisions, the pair's dispatch
 /// with its retries, then the decode worker's answer to the client.
 ///
@@ -130,7 +125,7 @@ pub async fn split(
     let rp = route::decide_in(s, info, model, precise, &pd.prefill, Some(&[Role::Prefill])).map_err(|e| (e, ""))?;
     let rd = route::decide_in(s, info, model, precise, &pd.decode, Some(&[Role::Decode])).map_err(|e| (e, ""))?;
     let branch = rd.decision.branch.as_str();
-    count(s, "requests", "split");
+    count_outcome(&s.metrics.pd_requests, "split");
     let mut body: Map<String, Value> = serde_json::from_slice(bytes)
         .map_err(|e| (ApiError::bad_field("body", format!("not a JSON object: {e}")), ""))?;
     for f in HANDOVER_FIELDS {
@@ -246,13 +241,13 @@ impl Pair<'_> {
                 }
                 Err(PairError::Prefill(e)) => {
                     tracing::warn!(worker = %pw.url, error = %e, "pd: prefill failed; trying the next prefill worker");
-                    count(s, "failures", "prefill");
+                    count_outcome(&s.metrics.pd_failures, "prefill");
                     last = e;
                     pi += 1;
                 }
                 Err(PairError::Decode(e)) => {
                     tracing::warn!(worker = %dw.url, error = %e, "pd: decode failed before its first byte; trying the next decode worker");
-                    count(s, "failures", "decode");
+                    count_outcome(&s.metrics.pd_failures, "decode");
                     last = e;
                     di += 1;
                 }
