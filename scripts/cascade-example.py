@@ -25,33 +25,13 @@ Every process is on 127.0.0.1 and ends with the script.
 import argparse
 import concurrent.futures
 import json
-import os
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 import urllib.request
 
+from kvroute_procs import free_port, wait_ok
+
 MODELS = [("small", -1.6, 1.2), ("medium", -0.9, 0.6), ("large", -0.3, 0.2)]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ok(url, secs=30):
-    end = time.time() + secs
-    while time.time() < end:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    sys.exit(f"{url} did not answer within {secs} s")
 
 
 def post(url, body):
@@ -79,7 +59,7 @@ def main():
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             urls[name] = f"http://127.0.0.1:{port}"
         for u in urls.values():
-            wait_ok(u + "/health")
+            wait_ok(u + "/health", "engine-sim")
         cfg = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
         cfg.write('policy = "cache_aware"\n')
         cfg.write("worker_urls = [%s]\n" % ", ".join(f'"{u}"' for u in urls.values()))
@@ -90,7 +70,7 @@ def main():
         procs.append(subprocess.Popen([a.kvroute, "serve", "--config", cfg.name, "--port", str(rport)],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         router = f"http://127.0.0.1:{rport}"
-        wait_ok(router + "/readiness")
+        wait_ok(router + "/readiness", "router")
 
         def ask(model, i):
             body = {"model": model, "max_tokens": a.max_tokens,

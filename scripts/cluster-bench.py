@@ -31,35 +31,18 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvroute_procs import free_port, wait_ok
 
 
 def get(url, timeout=5):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.status, r.read().decode()
-
-
-def wait_ok(url, what, secs=30):
-    end = time.time() + secs
-    while time.time() < end:
-        try:
-            if get(url, 2)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    sys.exit(f"{what} ({url}) did not answer 200 within {secs} s")
 
 
 def metrics(url):

@@ -21,30 +21,11 @@ Every process is on 127.0.0.1 and ends with each layout.
 import argparse
 import json
 import os
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 import urllib.request
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ok(url, secs=60):
-    end = time.time() + secs
-    while time.time() < end:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    sys.exit(f"{url} did not answer within {secs} s")
+from kvroute_procs import free_port, wait_ok
 
 
 def metric_sum(text, name):
@@ -77,7 +58,7 @@ def run_layout(a, layout):
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             workers.append((role, f"http://127.0.0.1:{port}", boot))
         for _, u, _ in workers:
-            wait_ok(u + "/health")
+            wait_ok(u + "/health", "engine-sim", 60)
         rport = free_port()
         serve = [a.kvroute, "serve", "--port", str(rport), "--policy", "cache_aware", "--scrape-metrics", "true"]
         if layout == "colocated":
@@ -92,7 +73,7 @@ def run_layout(a, layout):
                     serve += ["--decode", u]
         procs.append(subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         router = f"http://127.0.0.1:{rport}"
-        wait_ok(router + "/readiness")
+        wait_ok(router + "/readiness", "router", 60)
         out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
         bench = [a.kvroute, "bench", "--url", router, "--trace", a.trace, "--rate-scale", str(a.rate_scale),
                  "--latency-scale", str(a.time_scale), "--max-output", str(a.max_output), "--json", out,
