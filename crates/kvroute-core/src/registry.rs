@@ -7,6 +7,7 @@ use crate::policy::b3::{B3, B3Config, B3Mode};
 use crate::policy::basic::{ConsistentHash, LeastLoad, PowerOfTwo, Random, RoundRobin};
 use crate::policy::cache_aware::{CacheAware, CacheAwareConfig};
 use crate::policy::kv_score::{KvScore, KvScoreConfig};
+use crate::policy::least_ttft::{LeastTtft, LeastTtftConfig};
 use crate::policy::prefill_cost::{PrefillCost, PrefillCostConfig};
 use crate::policy::prefix_affinity::{PrefixAffinity, PrefixAffinityConfig};
 use crate::policy::{KnobError, Policy};
@@ -39,7 +40,13 @@ pub struct PolicyInfo {
     /// Whether the policy reads prefix state (its own index, or the engine's cached tokens
     /// from KV events); prefix-blind policies route the same with either.
     pub prefix_aware: bool,
+    /// Whether this is the policy `kvroute serve` runs when no `--policy` is given
+    /// ([`DEFAULT_POLICY`]).
+    pub default: bool,
 }
+
+/// The policy `kvroute serve` (and `kvroute replay`) runs when none is named.
+pub const DEFAULT_POLICY: &str = "least_ttft";
 
 /// Why a policy could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -126,6 +133,16 @@ const PREFILL_COST_KNOBS: &[Knob] = &[
     ("stall_queue_scale", "waiting requests", "mean waiting per worker at which stall_weight doubles; 0 = fixed"),
     ("stall_cap", "tokens per uncached token", "upper bound of the stall charge per uncached token"),
 ];
+const LEAST_TTFT_KNOBS: &[Knob] = &[
+    ("prefill_tokens_per_sec", "tokens/s > 0", "prior prefill throughput per worker (turns work into seconds before calibration)"),
+    (
+        "calibration_rate",
+        "0.0-1.0",
+        "weight of a new observation in a worker's learned profile (TTFT scale, hit ratio); 0 = no calibration",
+    ),
+    ("calibrate_hits", "bool", "discount a worker's predicted hits by the share its engine reports really cached"),
+    ("max_scale", "ratio >= 1", "bound of a worker's learned TTFT scale, both ways"),
+];
 const B3_KNOBS: &[Knob] = &[
     ("block_tokens", "tokens", "tokens per block of the LRU block sets (Mooncake hash_ids are 512)"),
     ("cache_blocks", "blocks", "capacity of each worker's LRU block set"),
@@ -155,12 +172,14 @@ fn b3_info(mode: B3Mode, summary: &'static str, prefix_aware: bool) -> PolicyInf
         source: "B3 cache_aware_proxy.py",
         summary,
         knobs: knobs_of(serde_json::to_value(B3Config::default()).unwrap_or_default(), &table),
+        default: false,
     }
 }
 
 /// Every registered policy with its knobs and defaults.
 pub fn list() -> Vec<PolicyInfo> {
-    let plain = |name, source, summary| PolicyInfo { name, source, summary, knobs: Vec::new(), prefix_aware: false };
+    let plain =
+        |name, source, summary| PolicyInfo { name, source, summary, knobs: Vec::new(), prefix_aware: false, default: false };
     vec![
         plain("round_robin", "classic baseline", "rotation over healthy workers"),
         plain("random", "classic baseline", "uniform random worker (seeded)"),
@@ -173,6 +192,7 @@ pub fn list() -> Vec<PolicyInfo> {
             source: "SGLang router cache_aware",
             summary: "radix-tree longest match above cache_threshold, else smallest tree; least load when imbalanced",
             knobs: knobs_of(serde_json::to_value(CacheAwareConfig::default()).unwrap_or_default(), CACHE_AWARE_KNOBS),
+            default: false,
         },
         PolicyInfo {
             prefix_aware: true,
@@ -183,6 +203,7 @@ pub fn list() -> Vec<PolicyInfo> {
                 serde_json::to_value(PrefixAffinityConfig::default()).unwrap_or_default(),
                 PREFIX_AFFINITY_KNOBS,
             ),
+            default: false,
         },
         PolicyInfo {
             prefix_aware: true,
@@ -190,6 +211,7 @@ pub fn list() -> Vec<PolicyInfo> {
             source: "Cognitora cgn-router linear KV score",
             summary: "w_kv*overlap + w_load*(1-util) + w_pwr*(1-watts) + w_cap*capacity; stable-hash tie-break",
             knobs: knobs_of(serde_json::to_value(KvScoreConfig::default()).unwrap_or_default(), KV_SCORE_KNOBS),
+            default: false,
         },
         b3_info(B3Mode::LMetric, "min (pending_prefill + uncached prompt) x num_requests", true),
         b3_info(B3Mode::LoadOnly, "min num_requests, first worker on ties (B3 control)", false),
@@ -205,6 +227,24 @@ pub fn list() -> Vec<PolicyInfo> {
             source: "kvroute (docs/replay.md)",
             summary: "least pending prefill + uncached x (miss_weight + min(stall_weight x load, stall_cap)) + decode_weight x load",
             knobs: knobs_of(serde_json::to_value(PrefillCostConfig::default()).unwrap_or_default(), PREFILL_COST_KNOBS),
+            default: false,
+        },
+        PolicyInfo {
+            prefix_aware: true,
+            name: "least_ttft",
+            source: "kvroute (docs/replay.md)",
+            summary: "least predicted TTFT (queued prefill + own uncached + decode, over the worker's throughput) plus the delay its miss adds; worker profiles calibrated online from measured TTFT and engine-reported cached tokens",
+            knobs: {
+                let mut defaults = serde_json::to_value(PrefillCostConfig::default()).unwrap_or_default();
+                if let (Some(all), Ok(serde_json::Value::Object(own))) =
+                    (defaults.as_object_mut(), serde_json::to_value(LeastTtftConfig::default()))
+                {
+                    all.extend(own);
+                }
+                let table: Vec<Knob> = LEAST_TTFT_KNOBS.iter().chain(PREFILL_COST_KNOBS).copied().collect();
+                knobs_of(defaults, &table)
+            },
+            default: true,
         },
     ]
 }
@@ -235,6 +275,7 @@ pub fn build(name: &str, knobs: &serde_json::Value) -> Result<Box<dyn Policy>, B
         "sticky" => Box::new(B3::new(B3Mode::Sticky, B3Config::default())),
         "unified" => Box::new(B3::new(B3Mode::Unified, B3Config::default())),
         "prefill_cost" => Box::new(PrefillCost::new(PrefillCostConfig::default())),
+        "least_ttft" => Box::new(LeastTtft::new(LeastTtftConfig::default(), PrefillCostConfig::default())),
         other => return Err(unknown(other)),
     };
     p.set_knobs(knobs)?;
@@ -248,7 +289,9 @@ mod tests {
     #[test]
     fn every_listed_policy_builds_with_defaults_and_names_match() {
         let infos = list();
-        assert_eq!(infos.len(), 13);
+        assert_eq!(infos.len(), 14);
+        let defaults: Vec<&str> = infos.iter().filter(|i| i.default).map(|i| i.name).collect();
+        assert_eq!(defaults, [DEFAULT_POLICY], "exactly one policy is marked the default");
         for info in infos {
             let p = build(info.name, &serde_json::Value::Null).expect("builds");
             assert_eq!(p.name(), info.name);

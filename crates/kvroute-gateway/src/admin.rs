@@ -182,10 +182,26 @@ pub async fn workers(State(s): State<Arc<AppState>>) -> Response {
     Json(serde_json::json!({"workers": rows})).into_response()
 }
 
-/// `GET /policy`: name and knobs.
+/// `GET /policy`: name and knobs, the cascade, and what a calibrating policy
+/// (`least_ttft`) has learned of each worker, by model (`calibration`: each worker's
+/// `ttft_scale`, `hit_ratio` and sample counts, the worker named by its URL).
 pub async fn get_policy(State(s): State<Arc<AppState>>) -> Response {
+    let mut calibration = serde_json::Map::new();
+    for (model, mut c) in s.routers.calibration() {
+        if let Some(workers) = c.get_mut("workers").and_then(serde_json::Value::as_array_mut) {
+            for w in workers {
+                let url = w
+                    .get("worker")
+                    .and_then(serde_json::Value::as_u64)
+                    .and_then(|id| s.fleet.by_id(WorkerId(id as u32)))
+                    .map(|e| e.url.to_string());
+                w["worker"] = url.map_or(serde_json::Value::Null, serde_json::Value::String);
+            }
+        }
+        calibration.insert(model, c);
+    }
     Json(serde_json::json!({"policy": s.routers.policy_name(), "knobs": s.routers.knobs(),
-        "cascade": *s.cascade.load_full()}))
+        "cascade": *s.cascade.load_full(), "calibration": calibration}))
     .into_response()
 }
 

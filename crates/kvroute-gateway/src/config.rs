@@ -253,7 +253,7 @@ impl Default for GatewayConfig {
         GatewayConfig {
             host: "127.0.0.1".into(),
             port: 30000,
-            policy: "cache_aware".into(),
+            policy: kvroute_core::registry::DEFAULT_POLICY.into(),
             policy_knobs: toml::Table::new(),
             worker_urls: Vec::new(),
             max_body_bytes: 32 << 20,

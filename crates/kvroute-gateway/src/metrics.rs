@@ -154,6 +154,15 @@ pub struct Metrics {
     pub engine_prefix_hit_ratio: Family<WorkerLabel, FloatGauge>,
     /// Decode slots of a worker (llama.cpp `/slots`: parallel sequences).
     pub worker_slots: Family<WorkerLabel, Gauge>,
+    /// Measured TTFT over the policy's prediction, per worker (streamed requests routed by a
+    /// predicting policy, `least_ttft`): 1 is exact; the policy's calibration drives it to 1.
+    pub ttft_prediction_ratio: Family<WorkerLabel, Histogram, fn() -> Histogram>,
+    /// Prompt tokens the decision expected cached, per worker, counted for requests whose
+    /// engine reported its cached tokens (the pair with `cached_tokens_reported`).
+    pub cached_tokens_predicted: Family<WorkerLabel, Counter>,
+    /// Prompt tokens the engine reported cached (`usage.prompt_tokens_details.cached_tokens`,
+    /// SGLang `meta_info.cached_tokens`, llama.cpp `timings.cache_n`), per worker.
+    pub cached_tokens_reported: Family<WorkerLabel, Counter>,
     /// 1 while the cluster registry's etcd connection (watches included) is up, else 0.
     pub etcd_connected: Gauge,
     /// Workers currently registered through etcd.
@@ -313,6 +322,25 @@ impl Metrics {
         );
         let worker_slots = Family::<WorkerLabel, Gauge>::default();
         registry.register("kvroute_worker_slots", "Decode slots of a worker (llama.cpp /slots)", worker_slots.clone());
+        let ttft_prediction_ratio: Family<WorkerLabel, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.125, std::f64::consts::SQRT_2, 13)));
+        registry.register(
+            "kvroute_ttft_prediction_ratio",
+            "Measured TTFT over the routing policy's predicted TTFT, per worker (1 = exact)",
+            ttft_prediction_ratio.clone(),
+        );
+        let cached_tokens_predicted = Family::<WorkerLabel, Counter>::default();
+        registry.register(
+            "kvroute_cached_tokens_predicted",
+            "Prompt tokens the router expected cached, for requests whose engine reported its cached tokens",
+            cached_tokens_predicted.clone(),
+        );
+        let cached_tokens_reported = Family::<WorkerLabel, Counter>::default();
+        registry.register(
+            "kvroute_cached_tokens_reported",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens, timings.cache_n)",
+            cached_tokens_reported.clone(),
+        );
         let etcd_connected = Gauge::default();
         registry.register(
             "kvroute_etcd_connected",
@@ -419,6 +447,9 @@ impl Metrics {
             tokenizer_parity,
             engine_prefix_hit_ratio,
             worker_slots,
+            ttft_prediction_ratio,
+            cached_tokens_predicted,
+            cached_tokens_reported,
             kv_batches,
             kv_gaps,
             kv_replayed,

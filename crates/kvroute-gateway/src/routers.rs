@@ -7,7 +7,7 @@
 //! entries, releasing the lock between slices.
 
 use arc_swap::ArcSwap;
-use kvroute_core::policy::{Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, commit, decide};
+use kvroute_core::policy::{Decision, KnobError, Observation, PickCtx, Policy, RequestKey, RouteError, commit, decide};
 use kvroute_core::types::{Nanos, RequestView, WorkerId, WorkerView};
 use parking_lot::{Mutex, RwLock};
 use rand_core::SeedableRng;
@@ -30,6 +30,9 @@ pub struct ModelRouter {
     /// Whether its policy records the request's own prefix ([`Policy::records_request_prefix`]):
     /// the cluster sync then carries the prompt's prefix, else only the key's block hashes.
     pub records_request_prefix: bool,
+    /// Whether its policy learns from observations ([`Policy::calibration`] is not null):
+    /// only then does [`ModelRouter::observe`] take the write lock.
+    calibrates: bool,
     policy: RwLock<Box<dyn Policy>>,
     /// When its next maintenance is due (gateway clock, ns; `u64::MAX` when never).
     next_maintain: AtomicU64,
@@ -41,6 +44,7 @@ impl ModelRouter {
         ModelRouter {
             policy_name: name.into(),
             records_request_prefix: policy.records_request_prefix(),
+            calibrates: !policy.calibration().is_null(),
             policy: RwLock::new(policy),
             next_maintain: AtomicU64::new(next),
         }
@@ -76,6 +80,21 @@ impl ModelRouter {
             }
             None => false,
         }
+    }
+
+    /// Hands what a request routed to `worker` met back to the policy
+    /// ([`Policy::observe`]), under the write lock for the length of one profile update;
+    /// nothing for a policy that does not calibrate.
+    pub fn observe(&self, worker: WorkerId, obs: &Observation) {
+        if self.calibrates {
+            self.policy.write().observe(worker, obs);
+        }
+    }
+
+    /// What the policy has learned of each worker ([`Policy::calibration`]; `null` for a
+    /// policy that does not calibrate).
+    pub fn calibration(&self) -> serde_json::Value {
+        self.policy.read().calibration()
     }
 
     /// Size of the policy's prefix index.
@@ -183,6 +202,20 @@ impl Routers {
         for r in self.all() {
             r.policy.write().on_worker_removed(worker);
         }
+    }
+
+    /// What each model's policy has learned of its workers ([`ModelRouter::calibration`]),
+    /// by model, for the models whose policy calibrates.
+    pub fn calibration(&self) -> Vec<(String, serde_json::Value)> {
+        let mut v: Vec<(String, serde_json::Value)> = self
+            .map
+            .load()
+            .iter()
+            .map(|(m, r)| (m.clone(), r.calibration()))
+            .filter(|(_, c)| !c.is_null())
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
     }
 
     /// Summed index size over the models.

@@ -12,7 +12,7 @@
 use crate::engine::{Engine, EngineEvent, EngineRequest, Profile};
 use crate::trace::TraceRequest;
 use kvroute_core::ledger::{LoadLedger, Ticket};
-use kvroute_core::policy::{PickCtx, Policy, route};
+use kvroute_core::policy::{Observation, PickCtx, Policy, route};
 use kvroute_core::precise::PredictWindow;
 use kvroute_core::registry;
 use kvroute_core::types::{BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
@@ -231,11 +231,16 @@ pub fn replay(
             predicted.predict(WorkerId(w), &trace[id as usize].blocks, at, until);
         }
     };
+    // Each routed request's predictions (TTFT, cached tokens), handed back to the policy
+    // with what the engine reports at its first token (Policy::observe), as the gateway does.
+    let mut expected: Vec<Option<Observation>> = (0..trace.len()).map(|_| None).collect();
     let handle = |events: &mut Vec<EngineEvent>,
                   ledger: &mut LoadLedger,
                   tickets: &mut Vec<Option<Ticket>>,
                   outcomes: &mut Vec<Outcome>,
-                  predicted: &mut PredictWindow| {
+                  predicted: &mut PredictWindow,
+                  expected: &mut Vec<Option<Observation>>,
+                  policy: &mut dyn Policy| {
         for ev in events.drain(..) {
             match ev {
                 EngineEvent::FirstToken { id, at, cached_tokens } => {
@@ -243,6 +248,11 @@ pub fn replay(
                     let o = &mut outcomes[id as usize];
                     o.first_token = Some(at);
                     o.cached_tokens = cached_tokens;
+                    if let (Some(mut obs), Some(w)) = (expected[id as usize].take(), o.worker) {
+                        obs.ttft_secs = Some(at.saturating_sub(trace[id as usize].arrival).as_secs_f64());
+                        obs.cached_tokens = Some(u64::from(cached_tokens));
+                        policy.observe(WorkerId(w), &obs);
+                    }
                     if let Some(t) = tickets[id as usize].as_mut() {
                         ledger.first_token(t);
                     }
@@ -269,7 +279,7 @@ pub fn replay(
         for e in engines.iter_mut() {
             e.advance(now, &mut events);
         }
-        handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted);
+        handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted, &mut expected, policy.as_mut());
         while now >= next_maintain {
             policy.maintain(next_maintain, usize::MAX);
             next_maintain = next_maintain.saturating_add(interval.unwrap_or(Nanos(u64::MAX)));
@@ -302,6 +312,13 @@ pub fn replay(
                 o.branch = d.branch.as_str();
                 let est = d.cached_tokens_estimate(r.input_tokens);
                 tickets[i] = Some(ledger.dispatched(d.worker, r.input_tokens as u64 - est, r.output_tokens as u64));
+                expected[i] = Some(Observation {
+                    input_tokens: r.input_tokens,
+                    predicted: d.predicted_ttft,
+                    predicted_cached_tokens: est,
+                    ttft_secs: None,
+                    cached_tokens: None,
+                });
                 engines[w].submit(
                     EngineRequest {
                         id: i as u64,
@@ -315,7 +332,7 @@ pub fn replay(
                     now,
                     &mut events,
                 );
-                handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted);
+                handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted, &mut expected, policy.as_mut());
             }
             Err(_) => outcomes[i].rejected = true,
         }
@@ -326,7 +343,7 @@ pub fn replay(
     for e in engines.iter_mut() {
         e.advance(Nanos(u64::MAX), &mut events);
     }
-    handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted);
+    handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted, &mut expected, policy.as_mut());
     progress(trace.len());
     Ok(ReplayResult {
         policy: cfg.policy.clone(),

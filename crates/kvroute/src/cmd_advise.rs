@@ -46,8 +46,9 @@ pub struct Args {
     /// Candidate policies, comma-separated, or `all`.
     #[arg(long, default_value = "all")]
     pub policies: String,
-    /// The policy running now, the baseline of the expected gain.
-    #[arg(long, default_value = "cache_aware")]
+    /// The policy running now, the baseline of the expected gain (default: `kvroute
+    /// serve`'s default policy).
+    #[arg(long, default_value = kvroute_core::registry::DEFAULT_POLICY)]
     pub current: String,
     /// Arrival realisations each candidate is replayed on (1 to 32).
     #[arg(long, default_value_t = 3)]

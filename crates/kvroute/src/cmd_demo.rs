@@ -1,6 +1,6 @@
 //! `kvroute demo`: 4 simulated engines, the gateway, and the multi-turn conversations of
 //! a Mooncake trace slice replayed over real HTTP near the fleet's knee — under
-//! `round_robin`, `cache_aware` (SGLang router's) and `prefill_cost` (kvroute's) in turn —
+//! `round_robin`, `cache_aware` (SGLang router's) and `least_ttft` (kvroute's default) in turn —
 //! with a side-by-side table and a TTFT plot. The trace is the copy vendored in
 //! `data/traces/`, so the demo needs nothing outside the repository.
 //!
@@ -50,7 +50,7 @@ pub struct Args {
     #[arg(long, default_value_t = 4)]
     pub engines: usize,
     /// Policies compared, comma-separated (the first is the baseline).
-    #[arg(long, default_value = "round_robin,cache_aware,prefill_cost")]
+    #[arg(long, default_value = "round_robin,cache_aware,least_ttft")]
     pub policies: String,
     /// Simulated seconds per wall second (engines and arrivals alike).
     #[arg(long, default_value_t = 25.0)]
@@ -297,7 +297,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         if a.serve {
             let fleet = start_fleet(a.engines, 1.0).await?;
-            let last = policies.last().map_or("prefill_cost", String::as_str);
+            let last = policies.last().map_or(kvroute_core::registry::DEFAULT_POLICY, String::as_str);
             let url = start_router(&fleet.urls, last, a.port, fleet.stop.clone()).await?;
             println!("\nrouter on {url} (policy {last}), {} simulated engines; Ctrl-C to stop. Try:", a.engines);
             println!(

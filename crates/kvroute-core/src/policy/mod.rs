@@ -14,11 +14,13 @@
 //! | `kv_score` | Cognitora cgn-router linear KV score | [`kv_score`] |
 //! | `lmetric`, `load_only`, `sticky`, `unified` | B3 `cache_aware_proxy.py` | [`b3`] (one file per picker) |
 //! | `prefill_cost` | kvroute's own: least predicted prefill work ahead | [`prefill_cost`] |
+//! | `least_ttft` (the default) | kvroute's own: least predicted TTFT, calibrated online per worker | [`least_ttft`] |
 
 pub mod b3;
 pub mod basic;
 pub mod cache_aware;
 pub mod kv_score;
+pub mod least_ttft;
 pub mod prefill_cost;
 pub mod prefix_affinity;
 pub mod util;
@@ -122,6 +124,39 @@ pub struct Decision {
     /// Tokens per block when `unit` is [`MatchUnit::Blocks`] (set by [`decide`] from the
     /// request's key); 0 otherwise.
     pub block_tokens: u32,
+    /// The request's predicted TTFT on `worker`, for policies that predict one
+    /// (`least_ttft`); the front end hands it back in an [`Observation`] with what it
+    /// measured, and exports the prediction error.
+    pub predicted_ttft: Option<TtftPrediction>,
+}
+
+/// A policy's prediction of a request's time to first token on the chosen worker.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TtftPrediction {
+    /// Predicted TTFT, seconds, with the worker's calibration applied.
+    pub secs: f64,
+    /// The same prediction before calibration (the policy's prior worker profile), seconds.
+    pub uncalibrated_secs: f64,
+}
+
+/// What a front end learned about one request on one worker, handed to
+/// [`Policy::observe`] once it knows it (at the first token, or when the answer ends).
+/// Each field is `None` when the front end did not see it: a non-streamed answer has no
+/// TTFT, an engine that reports no cached tokens has no `cached_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Observation {
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// The decision's prediction ([`Decision::predicted_ttft`]).
+    pub predicted: Option<TtftPrediction>,
+    /// Prompt tokens the decision expected cached ([`Decision::cached_tokens_estimate`]).
+    pub predicted_cached_tokens: u64,
+    /// Measured time from dispatch to the first token, seconds.
+    pub ttft_secs: Option<f64>,
+    /// Prompt tokens the engine reported cached (OpenAI
+    /// `usage.prompt_tokens_details.cached_tokens`, SGLang `meta_info.cached_tokens`,
+    /// llama.cpp `timings.cache_n`, or the simulator's engine).
+    pub cached_tokens: Option<u64>,
 }
 
 impl Decision {
@@ -136,6 +171,7 @@ impl Decision {
             unit: MatchUnit::None,
             score: None,
             block_tokens: 0,
+            predicted_ttft: None,
         }
     }
 
@@ -308,6 +344,18 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     /// Size of the policy's prefix index in its own units (chars, blocks), for metrics.
     fn index_size(&self) -> u64 {
         0
+    }
+
+    /// Learns from what a request routed to `worker` really met (its measured TTFT, the
+    /// cached tokens its engine reported): calibrating policies (`least_ttft`) correct
+    /// their worker profiles here. Called at most once per dispatched request, after
+    /// [`Policy::on_routed`]; the others ignore it.
+    fn observe(&mut self, _worker: WorkerId, _obs: &Observation) {}
+
+    /// The worker profiles a calibrating policy has learned, as JSON (for `GET /policy`
+    /// and `/debug/route`); `null` for the others.
+    fn calibration(&self) -> serde_json::Value {
+        serde_json::Value::Null
     }
 }
 

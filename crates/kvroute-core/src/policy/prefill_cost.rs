@@ -188,15 +188,15 @@ fn validate(c: &PrefillCostConfig) -> Result<(), String> {
 }
 
 /// (matched, key length, unit) of a decision.
-type Match = (u64, u64, MatchUnit);
+pub(crate) type Match = (u64, u64, MatchUnit);
 
 /// The `prefill_cost` policy. See the module docs.
 #[derive(Debug)]
 pub struct PrefillCost {
-    cfg: PrefillCostConfig,
+    pub(crate) cfg: PrefillCostConfig,
     sets: HashMap<WorkerId, LruBlockSet>,
-    rotation: Rotation,
-    sessions: SessionTable,
+    pub(crate) rotation: Rotation,
+    pub(crate) sessions: SessionTable,
 }
 
 impl PrefillCost {
@@ -209,7 +209,7 @@ impl PrefillCost {
     /// Cached prompt tokens of the request on `w`, and the match to report: the engine's
     /// precise count (in tokens) when the worker publishes KV events, else this policy's
     /// own LRU estimate (in blocks).
-    fn cached(&self, w: &WorkerView, key: &RequestKey, input: u64) -> (u64, Match) {
+    pub(crate) fn cached(&self, w: &WorkerView, key: &RequestKey, input: u64) -> (u64, Match) {
         if let Some(t) = w.cached_tokens {
             let t = t.min(input);
             return (t, (t, input, MatchUnit::Tokens));
@@ -220,7 +220,7 @@ impl PrefillCost {
     }
 
     /// `stall_weight × (1 + mean waiting / stall_queue_scale)` over the routable workers.
-    fn stall_weight(&self, c: &[WorkerView]) -> f64 {
+    pub(crate) fn stall_weight(&self, c: &[WorkerView]) -> f64 {
         if self.cfg.stall_weight == 0.0 || self.cfg.stall_queue_scale == 0.0 {
             return self.cfg.stall_weight;
         }

@@ -11,11 +11,14 @@ use crate::fleet::WorkerEntry;
 use crate::state::AppState;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
+use crate::metrics::WorkerLabel;
+use crate::routers::ModelRouter;
 use kvroute_core::ledger::LoadTicket;
+use kvroute_core::policy::Observation;
 use kvroute_core::types::{BlockHash, Nanos, RequestView, WorkerId};
 use kvroute_protocol::openai::{Api, RoutingInfo};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Who a failed dispatch is to blame on (the shape of pingora's error type).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +86,52 @@ pub struct Sent {
     /// For a stream, when its first chunk must have come (`stream_first_byte_timeout_secs`
     /// after dispatch began).
     pub first_byte_by: Option<tokio::time::Instant>,
+    /// The decision's predictions, to hand back to the policy with what the request met
+    /// (`None` when a retry target answered instead of the chosen worker).
+    pub observe: Option<Observe>,
+}
+
+/// What the decision expected of the request on its chosen worker — its TTFT (for a
+/// predicting policy such as `least_ttft`) and its cached prompt tokens — completed with
+/// what it met and handed back to the model's router ([`ModelRouter::observe`]) when the
+/// answer ends; the prediction errors go to `kvroute_ttft_prediction_ratio` and
+/// `kvroute_cached_tokens_{predicted,reported}_total`.
+#[derive(Debug)]
+pub struct Observe {
+    router: Arc<ModelRouter>,
+    worker: WorkerId,
+    url: Arc<str>,
+    obs: Observation,
+    /// When the attempt that answered was sent.
+    started: Instant,
+}
+
+impl Observe {
+    /// The first token (byte) arrived now: the measured TTFT, from the attempt's send.
+    pub fn first_token(&mut self) {
+        if self.obs.ttft_secs.is_none() {
+            self.obs.ttft_secs = Some(self.started.elapsed().as_secs_f64());
+        }
+    }
+
+    /// The answer ended; `cached_tokens` is what its engine reported cached (`None` when
+    /// the answer did not say). Exports the prediction errors and teaches the policy.
+    pub fn finish(mut self, s: &AppState, cached_tokens: Option<u64>) {
+        self.obs.cached_tokens = cached_tokens;
+        let label = WorkerLabel { worker: self.url.to_string() };
+        if let (Some(p), Some(t)) = (self.obs.predicted, self.obs.ttft_secs)
+            && p.secs > 0.0
+        {
+            s.metrics.ttft_prediction_ratio.get_or_create(&label).observe(t / p.secs);
+        }
+        if let Some(c) = cached_tokens {
+            s.metrics.cached_tokens_predicted.get_or_create(&label).inc_by(self.obs.predicted_cached_tokens);
+            s.metrics.cached_tokens_reported.get_or_create(&label).inc_by(c);
+        }
+        if self.obs.ttft_secs.is_some() || cached_tokens.is_some() {
+            self.router.observe(self.worker, &self.obs);
+        }
+    }
 }
 
 /// A request's own block hashes predicted on its worker until its deadline
@@ -170,6 +219,7 @@ pub async fn send(
             committed = true;
             let ticket = w.load.dispatched(uncached, output);
             let shared = s.sync.as_ref().map(|sync| sync.routed(routed, &req, &w.url, uncached, output));
+            let started = Instant::now();
             let answer = match attempt(s, api, w, bytes, headers, timeout, first_byte_by).await {
                 Ok(resp) if info.stream && resp.status().is_success() => Ok((resp, None)),
                 // Non-streaming: the whole body is read before anything reaches the client.
@@ -178,7 +228,21 @@ pub async fn send(
             };
             match answer {
                 Ok((resp, body)) => {
-                    return Ok(Sent { resp, body, worker: Arc::clone(w), ticket, shared, predicted, first_byte_by });
+                    let observe = (w.id == d.worker && resp.status().is_success()).then(|| Observe {
+                        router: Arc::clone(&routed.router),
+                        worker: w.id,
+                        url: Arc::clone(&w.url),
+                        obs: Observation {
+                            input_tokens: req.input_tokens,
+                            predicted: d.predicted_ttft,
+                            predicted_cached_tokens: d.cached_tokens_estimate(req.input_tokens),
+                            ttft_secs: None,
+                            cached_tokens: None,
+                        },
+                        started,
+                    });
+                    let worker = Arc::clone(w);
+                    return Ok(Sent { resp, body, worker, ticket, shared, predicted, first_byte_by, observe });
                 }
                 Err(Failure::Timeout { first_byte }) => {
                     s.record_failure(w);

@@ -236,6 +236,7 @@ impl Pair<'_> {
                         shared: shared_d,
                         predicted: None,
                         first_byte_by,
+                        observe: None,
                     };
                     return Ok((sent, pw.url.to_string()));
                 }

@@ -3,7 +3,7 @@
 //! the body ends, fails, or the client goes away (the guard's drop), and the outcome is
 //! counted once.
 
-use super::dispatch::{Predicted, Sent};
+use super::dispatch::{Observe, Predicted, Sent};
 use crate::fleet::WorkerEntry;
 use crate::metrics::RequestLabels;
 use crate::state::AppState;
@@ -43,7 +43,7 @@ pub fn respond(
     t0: Instant,
     record: Option<crate::record::Pending>,
 ) -> Result<Response, ApiError> {
-    let Sent { resp, body, worker, mut ticket, shared, predicted, first_byte_by } = sent;
+    let Sent { resp, body, worker, mut ticket, shared, predicted, first_byte_by, observe } = sent;
     let status = resp.status();
     let mut builder = Response::builder().status(status.as_u16());
     if let Some(c) = resp.headers().get(header::CONTENT_TYPE) {
@@ -63,7 +63,9 @@ pub fn respond(
             t0,
             first: false,
             branch,
-            record: record.map(|r| (r, StreamTokens::default())),
+            tap: (record.is_some() || observe.is_some()).then(StreamTokens::default),
+            record,
+            observe,
             _permit: permit,
         };
         let limits = Silence {
@@ -78,10 +80,16 @@ pub fn respond(
     if let Some(p) = predicted {
         p.settle(s);
     }
-    if let Some(r) = record {
-        match completion_tokens(&body) {
-            Some(n) => r.finish(n),
-            None => drop(r),
+    if record.is_some() || observe.is_some() {
+        let usage = answer_usage(&body);
+        if let Some(r) = record {
+            match usage.completion_tokens {
+                Some(n) => r.finish(n),
+                None => drop(r),
+            }
+        }
+        if let Some(o) = observe {
+            o.finish(s, usage.cached_tokens);
         }
     }
     ticket.first_token();
@@ -160,19 +168,27 @@ struct StreamGuard {
     t0: Instant,
     first: bool,
     branch: &'static str,
-    /// The request being recorded (`record`) and what its stream reported so far.
-    record: Option<(crate::record::Pending, StreamTokens)>,
+    /// The request being recorded (`record`).
+    record: Option<crate::record::Pending>,
+    /// What the stream reported so far (output tokens, cached prompt tokens), read when
+    /// the request is recorded or observed.
+    tap: Option<StreamTokens>,
+    /// The decision's predictions, handed back with what the request met.
+    observe: Option<Observe>,
     _permit: Permit,
 }
 
 /// Output tokens of a relayed stream, for the recorder: the last `completion_tokens` a
-/// usage chunk reported, else one per SSE data event (engines send a token a chunk). Read
-/// line by line, keeping a line cut between two chunks until its end arrives, so the count
+/// usage chunk reported, else one per SSE data event (engines send a token a chunk); and
+/// the prompt tokens the engine reported cached (the last `cached_tokens` — OpenAI
+/// `usage.prompt_tokens_details`, SGLang `meta_info` — or llama.cpp `timings.cache_n`),
+/// for the policy's calibration. Read line by line, keeping a line cut between two chunks until its end arrives, so the count
 /// is the same wherever the body is cut; a line longer than [`MAX_TAP_LINE`] is skipped.
 #[derive(Debug, Default)]
 struct StreamTokens {
     events: u32,
     usage: Option<u32>,
+    cached: Option<u64>,
     /// The unfinished last line of the chunks so far.
     partial: Vec<u8>,
     /// The current line passed [`MAX_TAP_LINE`]: skip it up to its end.
@@ -206,18 +222,16 @@ impl StreamTokens {
     }
 
     fn line(&mut self, line: &[u8]) {
-        const USAGE: &[u8] = b"\"completion_tokens\":";
         let Some(data) = line.trim_ascii().strip_prefix(b"data:") else { return };
         if data.trim_ascii_start().starts_with(b"[DONE]") {
             return;
         }
         self.events = self.events.saturating_add(1);
-        if let Some(k) = data.windows(USAGE.len()).rposition(|w| w == USAGE) {
-            let digits = data[k + USAGE.len()..].trim_ascii_start();
-            let end = digits.iter().position(|c| !c.is_ascii_digit()).unwrap_or(digits.len());
-            if let Some(n) = std::str::from_utf8(&digits[..end]).ok().and_then(|d| d.parse().ok()) {
-                self.usage = Some(n);
-            }
+        if let Some(n) = number_after(data, b"\"completion_tokens\":") {
+            self.usage = Some(n.min(u64::from(u32::MAX)) as u32);
+        }
+        if let Some(n) = number_after(data, b"\"cached_tokens\":").or_else(|| number_after(data, b"\"cache_n\":")) {
+            self.cached = Some(n);
         }
     }
 
@@ -226,37 +240,86 @@ impl StreamTokens {
     }
 }
 
-/// `usage.completion_tokens` (OpenAI) or `meta_info.completion_tokens` (SGLang
-/// `/generate`) of a whole answer.
-fn completion_tokens(body: &[u8]) -> Option<u32> {
+/// The unsigned integer right after the last `key` in `data` (whitespace allowed before
+/// it); `None` when `key` is absent or not followed by digits (`null`).
+fn number_after(data: &[u8], key: &[u8]) -> Option<u64> {
+    let k = data.windows(key.len()).rposition(|w| w == key)?;
+    let digits = data[k + key.len()..].trim_ascii_start();
+    let end = digits.iter().position(|c| !c.is_ascii_digit()).unwrap_or(digits.len());
+    std::str::from_utf8(&digits[..end]).ok()?.parse().ok()
+}
+
+/// What a whole answer reports of its tokens.
+#[derive(Debug, Default, PartialEq)]
+struct AnswerUsage {
+    /// `usage.completion_tokens` (OpenAI) or `meta_info.completion_tokens` (SGLang
+    /// `/generate`).
+    completion_tokens: Option<u32>,
+    /// Prompt tokens the engine reported cached: `usage.prompt_tokens_details.cached_tokens`
+    /// (OpenAI; vLLM with `--enable-prompt-tokens-details`), `meta_info.cached_tokens`
+    /// (SGLang), `timings.cache_n` (llama.cpp).
+    cached_tokens: Option<u64>,
+}
+
+fn answer_usage(body: &[u8]) -> AnswerUsage {
+    #[derive(serde::Deserialize)]
+    struct Details {
+        cached_tokens: Option<u64>,
+    }
     #[derive(serde::Deserialize)]
     struct Counted {
         completion_tokens: Option<u64>,
+        cached_tokens: Option<u64>,
+        prompt_tokens_details: Option<Details>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Timings {
+        cache_n: Option<u64>,
     }
     #[derive(serde::Deserialize)]
     struct Answer {
         usage: Option<Counted>,
         meta_info: Option<Counted>,
+        timings: Option<Timings>,
     }
-    let a: Answer = serde_json::from_slice(body).ok()?;
-    let n = a.usage.and_then(|u| u.completion_tokens).or_else(|| a.meta_info.and_then(|m| m.completion_tokens))?;
-    Some(n.min(u64::from(u32::MAX)) as u32)
+    let Ok(a) = serde_json::from_slice::<Answer>(body) else { return AnswerUsage::default() };
+    let completion = a
+        .usage
+        .as_ref()
+        .and_then(|u| u.completion_tokens)
+        .or_else(|| a.meta_info.as_ref().and_then(|m| m.completion_tokens));
+    let cached = a
+        .usage
+        .as_ref()
+        .and_then(|u| u.prompt_tokens_details.as_ref().and_then(|d| d.cached_tokens))
+        .or_else(|| a.meta_info.as_ref().and_then(|m| m.cached_tokens))
+        .or_else(|| a.timings.as_ref().and_then(|t| t.cache_n));
+    AnswerUsage { completion_tokens: completion.map(|n| n.min(u64::from(u32::MAX)) as u32), cached_tokens: cached }
 }
 
 impl StreamGuard {
-    /// The request's recorded line, with the tokens its stream carried.
-    fn finish_record(&mut self) {
-        if let Some((r, t)) = self.record.take() {
-            r.finish(t.tokens());
+    /// The request's recorded line, with the tokens its stream carried; and the policy's
+    /// observation, with the cached tokens it reported (only once the stream ended whole:
+    /// `complete`; a failed or cancelled stream still gives its TTFT).
+    fn finish_record(&mut self, whole: bool) {
+        if let Some(r) = self.record.take() {
+            r.finish(self.tap.as_ref().map_or(0, StreamTokens::tokens));
+        }
+        if let Some(o) = self.observe.take() {
+            let cached = if whole { self.tap.as_ref().and_then(|t| t.cached) } else { None };
+            o.finish(&self.state, cached);
         }
     }
 
     fn on_bytes(&mut self, b: &[u8]) {
-        if let Some((_, t)) = &mut self.record {
+        if let Some(t) = &mut self.tap {
             t.scan(b);
         }
         if !self.first {
             self.first = true;
+            if let Some(o) = &mut self.observe {
+                o.first_token();
+            }
             if let Some(p) = self.predicted.take() {
                 p.settle(&self.state);
             }
@@ -268,7 +331,7 @@ impl StreamGuard {
         }
     }
     fn complete(&mut self) {
-        self.finish_record();
+        self.finish_record(true);
         if self.ticket.is_open() {
             self.ticket.close();
             self.shared = None;
@@ -278,7 +341,7 @@ impl StreamGuard {
         }
     }
     fn fail(&mut self) {
-        self.finish_record();
+        self.finish_record(false);
         if self.ticket.is_open() {
             self.ticket.close();
             self.shared = None;
@@ -290,7 +353,7 @@ impl StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        self.finish_record();
+        self.finish_record(false);
         if let Some(p) = self.predicted.take() {
             p.settle(&self.state);
         }
@@ -322,6 +385,36 @@ mod tests {
                 t.scan(b);
             }
             assert_eq!(t.tokens(), want, "byte by byte");
+        }
+    }
+
+    #[test]
+    fn cached_prompt_tokens_are_read_from_each_engine_s_answer() {
+        let whole = |b: &str| answer_usage(b.as_bytes());
+        let openai = r#"{"choices":[],"usage":{"prompt_tokens":900,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":768}}}"#;
+        assert_eq!(whole(openai), AnswerUsage { completion_tokens: Some(5), cached_tokens: Some(768) });
+        let sglang = r#"{"text":"x","meta_info":{"prompt_tokens":900,"completion_tokens":3,"cached_tokens":512}}"#;
+        assert_eq!(whole(sglang), AnswerUsage { completion_tokens: Some(3), cached_tokens: Some(512) });
+        let llama = r#"{"choices":[],"usage":{"completion_tokens":2},"timings":{"cache_n":640,"prompt_n":260}}"#;
+        assert_eq!(whole(llama), AnswerUsage { completion_tokens: Some(2), cached_tokens: Some(640) });
+        let silent = r#"{"choices":[],"usage":{"completion_tokens":2,"prompt_tokens_details":null}}"#;
+        assert_eq!(whole(silent), AnswerUsage { completion_tokens: Some(2), cached_tokens: None });
+        assert_eq!(whole("not json"), AnswerUsage::default());
+        // Streams: the last report wins, wherever the chunks are cut; `null` is no report.
+        let stream = br#"data: {"choices":[{"text":"a"}]}
+
+data: {"choices":[],"usage":{"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":null}}}
+
+data: {"choices":[],"timings":{"cache_n":96}}
+
+data: [DONE]
+
+"#;
+        for cut in 0..=stream.len() {
+            let mut t = StreamTokens::default();
+            t.scan(&stream[..cut]);
+            t.scan(&stream[cut..]);
+            assert_eq!(t.cached, Some(96), "cut at {cut}");
         }
     }
 
