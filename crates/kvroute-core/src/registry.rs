@@ -142,6 +142,11 @@ const LEAST_TTFT_KNOBS: &[Knob] = &[
     ),
     ("calibrate_hits", "bool", "discount a worker's predicted hits by the share its engine reports really cached"),
     ("max_scale", "ratio >= 1", "bound of a worker's learned TTFT scale, both ways"),
+    (
+        "miss_queue_scale",
+        "waiting requests",
+        "mean waiting per worker at which a miss is charged its full miss_weight (from 1 at an empty queue); 0 = always full",
+    ),
 ];
 const B3_KNOBS: &[Knob] = &[
     ("block_tokens", "tokens", "tokens per block of the LRU block sets (Mooncake hash_ids are 512)"),

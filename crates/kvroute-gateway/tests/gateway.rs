@@ -499,3 +499,66 @@ async fn slow_start_worker_is_unhealthy_until_ready() {
     r.stop.cancel();
     w.stop.cancel();
 }
+
+/// The sum of the samples of `series` (a name, or a name with the start of its labels) in
+/// a Prometheus text exposition.
+fn metric_sum(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(series) && l[series.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_policy_predicts_ttft_and_learns_from_what_engines_report() {
+    let (w1, w2) = (worker(fast()).await, worker(fast()).await);
+    let mut config = cfg(&[&w1.url, &w2.url], "least_ttft");
+    config.policy = GatewayConfig::default().policy;
+    assert_eq!(config.policy, "least_ttft", "least_ttft is the default");
+    let r = router(config).await;
+    let c = reqwest::Client::new();
+    // Streamed (TTFT measured at the first byte; the engine's usage chunk reports cached
+    // tokens) and whole answers (cached tokens only), with a shared 2,000-character prefix so
+    // the router predicts hits.
+    let prefix = "x".repeat(2000);
+    for i in 0..24 {
+        let body = chat(&format!("{prefix} question {i}"), i % 2 == 0);
+        let body = if i % 2 == 0 {
+            let mut b = body;
+            b["stream_options"] = serde_json::json!({"include_usage": true});
+            b
+        } else {
+            body
+        };
+        let resp = guard(c.post(format!("{}/v1/chat/completions", r.url)).json(&body).send()).await.expect("send");
+        assert_eq!(resp.status(), 200);
+        let decision = resp.headers()["x-kvroute-decision"].to_str().expect("ascii").to_string();
+        assert!(decision.contains("policy=least_ttft"), "{decision}");
+        guard(resp.bytes()).await.expect("body");
+    }
+    // What the policy learned, per worker URL, and the prediction errors it exports.
+    let mut got = serde_json::Value::Null;
+    common::eventually("24 observations in GET /policy", async || {
+        got = c.get(format!("{}/policy", r.url)).send().await.expect("policy").json().await.expect("json");
+        let workers = got["calibration"]["sim-llama-3-8b"]["workers"].as_array().cloned().unwrap_or_default();
+        workers.iter().map(|w| w["ttft_samples"].as_u64().unwrap_or(0)).sum::<u64>() == 12
+    })
+    .await;
+    let workers = got["calibration"]["sim-llama-3-8b"]["workers"].as_array().expect("workers").clone();
+    for w in &workers {
+        let url = w["worker"].as_str().expect("named by URL");
+        assert!(url == w1.url || url == w2.url, "{url}");
+        let h = w["hit_ratio"].as_f64().expect("hit ratio");
+        assert!((0.0..=1.0).contains(&h), "{w}");
+    }
+    assert!(workers.iter().map(|w| w["hit_samples"].as_u64().unwrap_or(0)).sum::<u64>() > 0, "{got}");
+    let text = c.get(format!("{}/metrics", r.url)).send().await.expect("metrics").text().await.expect("text");
+    assert_eq!(metric_sum(&text, "kvroute_ttft_prediction_ratio_count"), 12.0, "one per streamed request");
+    let predicted = metric_sum(&text, "kvroute_cached_tokens_predicted_total");
+    let reported = metric_sum(&text, "kvroute_cached_tokens_reported_total");
+    assert!(predicted > 0.0 && reported > 0.0, "predicted {predicted}, reported {reported}");
+    r.stop.cancel();
+    let _ = r.task.await;
+    w1.stop.cancel();
+    w2.stop.cancel();
+}

@@ -1,57 +1,77 @@
 //! `least_ttft`: kvroute's default policy — route to the worker where the request's
-//! **predicted time to first token** is least, counting also the delay its own uncached
-//! prefill adds for the requests queued behind it, with each worker's profile **calibrated
-//! online** from what its requests really met.
+//! predicted TTFT, plus the delay its own uncached prefill adds for the requests queued
+//! behind it, is least; each worker's profile is calibrated online from what its requests
+//! really met, and every decision carries its TTFT prediction so the router can export the
+//! prediction error.
 //!
 //! ```text
-//! work(w)      = pending_prefill_tokens(w) + uncached(req, w) + decode_weight × load(w) × (1 + load(w) / decode_queue_scale)
-//! ttft(w)      = scale(w) × work(w) / prefill_tokens_per_sec                      (seconds)
-//! score(w)     = ttft(w) + scale(w) × uncached(req, w) × (miss_weight − 1 + stall(w)) / prefill_tokens_per_sec
 //! uncached(req, w) = input − hit_ratio(w) × cached(req, w)
+//! work(w)          = pending_prefill_tokens(w) + uncached(req, w) + decode_weight × load(w) × (1 + load(w) / decode_queue_scale)
+//! miss(w)          = (miss_weight − 1) × min(1, mean_waiting / miss_queue_scale) + stall(w)
+//! score(w)         = [work(w) + uncached(req, w) × miss(w)] / prefill_tokens_per_sec      (seconds)
+//! predicted TTFT   = overhead(w) + scale(w) × work(w) / prefill_tokens_per_sec
 //! ```
 //!
-//! - **The prediction.** TTFT on a continuous-batching engine is the prefill work queued
+//! - **The ranking.** TTFT on a continuous-batching engine is the prefill work queued
 //!   ahead of the request, plus its own uncached prefill, plus the time the running
-//!   requests' decode steps take from both, over the worker's prefill throughput. The
-//!   queued work and the running requests come from the router's ledger
-//!   ([`WorkerView::pending_prefill_tokens`], [`WorkerView::load`]); `cached(req, w)` is
+//!   requests' decode steps take from both, over the worker's prefill throughput: `work(w)`,
+//!   with the queued work and the running requests from the router's ledger
+//!   ([`WorkerView::pending_prefill_tokens`], [`WorkerView::load`]). `cached(req, w)` is
 //!   the engine's own count when the worker publishes KV events
 //!   ([`WorkerView::cached_tokens`]), else the router's LRU block set sized like the
-//!   engine's cache (the same estimate as `prefill_cost`).
-//! - **The ranking** adds to the request's own TTFT what its miss costs the others: a
-//!   prefill that finds nothing cached is paid again by every request that queues behind it
-//!   and, with chunked prefill, stalls the steps of the requests already running (see
-//!   [`crate::policy::prefill_cost`] for `miss_weight` and `stall(w)`, and why a greedy
-//!   own-TTFT choice spreads prompts away from their caches exactly when capacity is
-//!   scarce). Before any calibration, with `scale = hit_ratio = 1` on every worker, the
-//!   ranking is `prefill_cost`'s exactly (the same cost divided by one throughput).
-//! - **Calibration (closed loop).** Each worker has a profile: `scale(w)`, the ratio of its
-//!   measured TTFT to the uncalibrated prediction (a geometric moving average of
-//!   `measured / predicted`, so a worker twice as slow as the prior converges to 2), and
-//!   `hit_ratio(w)`, the share of the cached tokens the router predicted that the engine
-//!   reported really cached (`usage.prompt_tokens_details.cached_tokens`, llama.cpp
-//!   `timings.cache_n`, SGLang `meta_info.cached_tokens`), in `[0, 1]`. The front end
-//!   hands each request's prediction back with what it measured ([`Policy::observe`]) and
-//!   exports the prediction errors per worker; the policy works on the ledger alone (no
-//!   observations: the prior) and better with engine signals. A worker not yet observed
-//!   takes the mean scale of the observed ones, so a new worker in a fleet of slow ones
-//!   does not look fast. The first observations are averaged (weight `1/n`), later ones
-//!   weigh `calibration_rate`.
+//!   engine's cache. To the request's own TTFT the score adds what its miss costs the
+//!   others, `miss(w)` per uncached token: with chunked prefill it stalls the requests
+//!   already running there (`stall(w)`, see [`crate::policy::prefill_cost`]), and it is
+//!   paid again by every request that will queue behind it — but only when there is a
+//!   queue. `prefill_cost` charges the second part always (`miss_weight` 8); here it grows
+//!   with the fleet's queue (`mean_waiting`, requests without a first token per worker, from
+//!   the ledger) and is full from `miss_queue_scale` (32) waiting requests per worker. In a
+//!   light fleet a request goes where its own TTFT is least, even if that means computing
+//!   a prefix another worker holds (a popular tool prompt, a conversation's history); in a
+//!   queued one, misses are avoided as in `prefill_cost`, which keeps capacity for the
+//!   queue. With `miss_queue_scale = 0` and `hit_ratio = 1` the ranking is `prefill_cost`'s
+//!   exactly.
 //!
-//! Heterogeneous fleets are where calibration decides: a worker half as fast (an A100
-//! among H100s, a llama.cpp worker with fewer threads) gets `scale` ≈ 2 and half the
-//! prefill; a worker whose cache keeps less than the router believes (an engine with a
-//! smaller KV cache, llama.cpp slots that swap prompts) gets `hit_ratio` < 1 and its
-//! predicted hits discounted. docs/replay.md's scoreboard measures it against the seed
-//! policies on six workload families.
+//!   Measured on the scoreboard (docs/replay.md; `miss_queue_scale` chosen on 8 engines,
+//!   arrival seed 1, over the agentic, RAG, MT-bench and Mooncake families at 0.25–1 × the
+//!   knee, then checked on 4 and 16 engines, the other seeds and the Azure families):
+//!   against `prefill_cost`'s fixed charge, in the same scoreboard run, the agentic family's
+//!   worst mean TTFT over the best reference policy is 1.18× instead of 2.00×, RAG's below
+//!   the knee 1.00× instead of 1.16×, MT-bench's at light load 1.02× instead of 1.24×, and
+//!   the goal of docs/replay.md is met at 32 of 72 points instead of 19; with the full
+//!   charge dropped altogether (`miss_weight` 1) RAG past the knee lost 5–13 %.
+//! - **Hit calibration (closed loop, used in the ranking).** `hit_ratio(w)` is the share of
+//!   the cached tokens the router predicted on `w` that its engine reported really cached
+//!   (`usage.prompt_tokens_details.cached_tokens`, SGLang `meta_info.cached_tokens`,
+//!   llama.cpp `timings.cache_n`), a moving average in `[0, 1]`: a worker whose cache keeps
+//!   less than the router believes — a smaller KV cache than `cache_tokens`, llama.cpp
+//!   slots that swap prompts — gets its predicted hits discounted, so they stop attracting
+//!   requests that then miss.
+//! - **TTFT calibration (the prediction).** Per worker, a straight-line fit of the measured
+//!   TTFT against the uncalibrated prediction, `measured ≈ overhead(w) + scale(w) ×
+//!   predicted`, from exponentially weighted sums ([`WorkerProfile::fit`]); a worker not
+//!   fitted yet takes the fleet's fit, so a new worker in a fleet of slow ones is not
+//!   predicted fast. The front end hands each request's prediction back with what it
+//!   measured ([`Policy::observe`]) and exports measured / predicted per worker
+//!   (`kvroute_ttft_prediction_ratio`). **The fit does not enter the ranking**: measured on
+//!   the scoreboard's MT-bench family (8 engines at the knee), the TTFT of mostly cached
+//!   requests hardly depends on the routing work, so the fitted slopes came out between
+//!   0.02 and 0.7 on identical engines and the fitted overheads (13–34 ms) decided instead
+//!   of the caches: mean TTFT 1.99 s against 0.098 s with the ranking kept uncalibrated
+//!   (`kvroute replay --trace mtbench.jsonl --engines 8 --rate-scale 1.297 --policy
+//!   least_ttft`, docs/replay.md). Routing a heterogeneous fleet by calibrated throughput
+//!   needs a throughput signal the fit cannot separate from queueing (llama.cpp's
+//!   `timings.prompt_ms`, engine prefill-time histograms); until then a slower worker is
+//!   given its own `[capacity."URL"]` and served by the load terms.
 //!
 //! | knob | default | unit |
 //! |---|---|---|
 //! | every `prefill_cost` knob | as there | — |
-//! | `prefill_tokens_per_sec` | 20,000 | prior prefill throughput per worker (Llama-3.1-8B on an H100, the simulator's `h100-llama3-8b`) |
-//! | `calibration_rate` | 0.05 | weight of a new observation in a worker's profile once it has `1 / calibration_rate` of them (0: no calibration) |
-//! | `calibrate_hits` | true | learn `hit_ratio(w)` from engine-reported cached tokens |
-//! | `max_scale` | 1,000 | bound of `scale(w)`, both ways (`[1/max_scale, max_scale]`) |
+//! | `prefill_tokens_per_sec` | 20,000 | prior prefill throughput per worker, tokens/s (Llama-3.1-8B on an H100, the simulator's `h100-llama3-8b`): the unit of the score and of the uncalibrated prediction |
+//! | `calibration_rate` | 0.05 | weight of a new observation: the hit ratio's moving average (the first observations averaged), and the decay of the TTFT fit's sums (0: no calibration) |
+//! | `calibrate_hits` | true | learn `hit_ratio(w)` from engine-reported cached tokens and use it in the ranking |
+//! | `max_scale` | 1,000 | bound of the fitted `scale(w)`, both ways (`[1/max_scale, max_scale]`) |
+//! | `miss_queue_scale` | 32 | mean waiting requests per worker at which a miss is charged its full `miss_weight` (0: always, as `prefill_cost`) |
 
 use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig};
 use crate::policy::util::{mean_load, rotate};
@@ -77,16 +97,28 @@ pub struct LeastTtftConfig {
     pub calibrate_hits: bool,
     /// Bound of the learned TTFT scale, both ways (≥ 1).
     pub max_scale: f64,
+    /// Mean waiting requests per worker (the router's ledger) at which a miss is charged
+    /// its full `miss_weight`; below, the charge beyond the request's own prefill grows
+    /// linearly from 0 (a light fleet has no queue for a miss to delay). 0: always full
+    /// (`prefill_cost`'s charge).
+    pub miss_queue_scale: f64,
 }
 
 impl Default for LeastTtftConfig {
     fn default() -> Self {
-        LeastTtftConfig { prefill_tokens_per_sec: 20_000.0, calibration_rate: 0.05, calibrate_hits: true, max_scale: 1000.0 }
+        LeastTtftConfig {
+            prefill_tokens_per_sec: 20_000.0,
+            calibration_rate: 0.05,
+            calibrate_hits: true,
+            max_scale: 1000.0,
+            miss_queue_scale: 32.0,
+        }
     }
 }
 
 /// Names of `least_ttft`'s own knobs (the others are `prefill_cost`'s).
-const OWN_KNOBS: [&str; 4] = ["prefill_tokens_per_sec", "calibration_rate", "calibrate_hits", "max_scale"];
+const OWN_KNOBS: [&str; 5] =
+    ["prefill_tokens_per_sec", "calibration_rate", "calibrate_hits", "max_scale", "miss_queue_scale"];
 
 fn validate(c: &LeastTtftConfig) -> Result<(), String> {
     if !(c.prefill_tokens_per_sec.is_finite() && c.prefill_tokens_per_sec > 0.0) {
@@ -95,33 +127,56 @@ fn validate(c: &LeastTtftConfig) -> Result<(), String> {
     if !(0.0..=1.0).contains(&c.calibration_rate) {
         return Err(format!("calibration_rate must be in [0, 1], got {}", c.calibration_rate));
     }
+    if !(c.miss_queue_scale.is_finite() && c.miss_queue_scale >= 0.0) {
+        return Err(format!("miss_queue_scale must be a finite number >= 0, got {}", c.miss_queue_scale));
+    }
     if !(c.max_scale.is_finite() && c.max_scale >= 1.0) {
         return Err(format!("max_scale must be a finite number >= 1, got {}", c.max_scale));
     }
     Ok(())
 }
 
-/// Predictions shorter than this (seconds, uncalibrated) do not calibrate the TTFT scale:
-/// their measured TTFT is mostly fixed costs (a decode step, the network) the model leaves
-/// out, and their ratio would say nothing about the worker's throughput.
-const MIN_CALIBRATION_SECS: f64 = 1e-3;
+/// TTFT observations a worker needs before its own fit is used (until then it takes the
+/// fleet's).
+const MIN_FIT_SAMPLES: u64 = 8;
 
-/// What `least_ttft` has learned about one worker.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+/// What `least_ttft` has learned about one worker: a straight-line fit of its measured TTFT
+/// against the uncalibrated prediction, `measured ≈ overhead + scale × predicted`, from
+/// exponentially weighted sums (each observation's weight decays by `1 − calibration_rate`
+/// per later one), and the share of predicted hits its engine reported.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
 pub struct WorkerProfile {
-    /// Natural log of the TTFT scale (measured / uncalibrated prediction).
-    pub ln_scale: f64,
-    /// TTFT observations that calibrated `ln_scale`.
+    /// Weighted count, and weighted sums of x (predicted s), y (measured s), x², x·y.
+    sums: [f64; 5],
+    /// TTFT observations received.
     pub ttft_samples: u64,
-    /// Share of predicted cached tokens the engine reported cached, in [0, 1].
+    /// Share of predicted cached tokens the engine reported cached, in [0, 1] (1 before any).
     pub hit_ratio: f64,
     /// Observations that calibrated `hit_ratio`.
     pub hit_samples: u64,
 }
 
-impl Default for WorkerProfile {
-    fn default() -> Self {
-        WorkerProfile { ln_scale: 0.0, ttft_samples: 0, hit_ratio: 1.0, hit_samples: 0 }
+impl WorkerProfile {
+    fn new() -> Self {
+        WorkerProfile { hit_ratio: 1.0, ..WorkerProfile::default() }
+    }
+
+    /// `(scale, overhead_secs)` of the fit, with `scale` in `[1/max_scale, max_scale]` and
+    /// `overhead_secs ≥ 0`; `None` before [`MIN_FIT_SAMPLES`] observations or while the
+    /// predictions seen do not spread enough to fit a slope.
+    pub fn fit(&self, max_scale: f64) -> Option<(f64, f64)> {
+        let [n, sx, sy, sxx, sxy] = self.sums;
+        if self.ttft_samples < MIN_FIT_SAMPLES || n <= 0.0 {
+            return None;
+        }
+        let (mx, my) = (sx / n, sy / n);
+        let var = sxx / n - mx * mx;
+        if !(var > (0.05 * mx).powi(2) && var > 1e-12) {
+            return None;
+        }
+        let scale = ((sxy / n - mx * my) / var).clamp(1.0 / max_scale, max_scale);
+        let overhead = (my - scale * mx).max(0.0);
+        (scale.is_finite() && overhead.is_finite()).then_some((scale, overhead))
     }
 }
 
@@ -154,22 +209,44 @@ impl LeastTtft {
         self.profiles.get(&worker).copied()
     }
 
-    /// Mean `ln_scale` of the workers with TTFT observations (0 when none has any): the
-    /// prior of a worker not observed yet.
-    fn fleet_ln_scale(&self) -> f64 {
-        let (n, sum) = self
+    /// The fleet's fit: geometric mean of the fitted workers' scales and mean of their
+    /// overheads (`(1, 0)`, the prior, when none is fitted): used for a worker not fitted yet,
+    /// so a new worker in a fleet of slow ones does not look fast.
+    fn fleet_fit(&self) -> (f64, f64) {
+        let (n, ln, over) = self
             .profiles
             .values()
-            .filter(|p| p.ttft_samples > 0)
-            .fold((0u32, 0.0), |(n, s), p| (n + 1, s + p.ln_scale));
-        if n == 0 { 0.0 } else { sum / f64::from(n) }
+            .filter_map(|p| p.fit(self.cfg.max_scale))
+            .fold((0u32, 0.0, 0.0), |(n, l, o), (s, a)| (n + 1, l + s.ln(), o + a));
+        if n == 0 { (1.0, 0.0) } else { ((ln / f64::from(n)).exp(), over / f64::from(n)) }
     }
 
-    fn terms(&self, w: &WorkerView, key: &RequestKey, input: u64, stall: f64, fleet_ln: f64) -> Candidate {
+    /// The share of `miss_weight − 1` charged now: `min(1, mean waiting / miss_queue_scale)`
+    /// over the routable workers (1 when `miss_queue_scale` is 0).
+    fn miss_share(&self, c: &[WorkerView]) -> f64 {
+        if self.cfg.miss_queue_scale == 0.0 {
+            return 1.0;
+        }
+        let (n, waiting) =
+            c.iter().filter(|w| w.is_routable()).fold((0u32, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.waiting)));
+        let mean = if n == 0 { 0.0 } else { waiting / f64::from(n) };
+        (mean / self.cfg.miss_queue_scale).min(1.0)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn terms(
+        &self,
+        w: &WorkerView,
+        key: &RequestKey,
+        input: u64,
+        stall: f64,
+        miss_share: f64,
+        fleet: (f64, f64),
+    ) -> Candidate {
         let c = &self.cost.cfg;
         let (cached, hit) = self.cost.cached(w, key, input);
         let profile = self.profiles.get(&w.id);
-        let ln_scale = profile.filter(|p| p.ttft_samples > 0).map_or(fleet_ln, |p| p.ln_scale);
+        let (scale, overhead) = profile.and_then(|p| p.fit(self.cfg.max_scale)).unwrap_or(fleet);
         let hit_ratio =
             if self.cfg.calibrate_hits { profile.filter(|p| p.hit_samples > 0).map_or(1.0, |p| p.hit_ratio) } else { 1.0 };
         let own = input as f64 - cached as f64 * hit_ratio;
@@ -177,17 +254,17 @@ impl LeastTtft {
         let crowding = if c.decode_queue_scale > 0.0 { 1.0 + load / c.decode_queue_scale } else { 1.0 };
         let decode = c.decode_weight as f64 * load * crowding;
         let pending = w.pending_prefill_tokens as f64;
-        let per_token = c.miss_weight + (stall * load).min(c.stall_cap);
+        let miss_weight = if c.miss_weight > 1.0 { 1.0 + (c.miss_weight - 1.0) * miss_share } else { c.miss_weight };
+        let per_token = miss_weight + (stall * load).min(c.stall_cap);
         let charged = (pending + own * per_token + decode) * (1.0 + c.batch_factor * load);
         let tps = self.cfg.prefill_tokens_per_sec;
-        let scale = ln_scale.exp();
         let uncalibrated_secs = (pending + own + decode) / tps;
         Candidate {
             id: w.id,
             cached,
             hit,
-            score: scale * charged / tps,
-            prediction: TtftPrediction { secs: scale * uncalibrated_secs, uncalibrated_secs },
+            score: charged / tps,
+            prediction: TtftPrediction { secs: overhead + scale * uncalibrated_secs, uncalibrated_secs },
         }
     }
 }
@@ -215,7 +292,8 @@ impl Policy for LeastTtft {
     ) -> Result<Decision, RouteError> {
         let input = u64::from(req.input_tokens);
         let stall = self.cost.stall_weight(c);
-        let fleet_ln = self.fleet_ln_scale();
+        let fleet = self.fleet_fit();
+        let miss_share = self.miss_share(c);
         let cc = &self.cost.cfg;
         if cc.session_affinity
             && let Some(sid) = req.session_id
@@ -223,7 +301,7 @@ impl Policy for LeastTtft {
             && let Some(a) = c.iter().find(|w| w.id == bound && w.is_routable())
         {
             let mean = mean_load(c).unwrap_or(0.0).max(1.0);
-            let t = self.terms(a, key, input, stall, fleet_ln);
+            let t = self.terms(a, key, input, stall, miss_share, fleet);
             if t.cached * 2 > input && f64::from(a.load()) <= mean * cc.overload_factor {
                 let mut d = Decision::new(a.id, Branch::Sticky).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score);
                 d.predicted_ttft = Some(t.prediction);
@@ -233,7 +311,7 @@ impl Policy for LeastTtft {
         let mut best: Option<Candidate> = None;
         let mut ties: SmallVec<[Candidate; 8]> = SmallVec::new();
         for w in c.iter().filter(|w| w.is_routable()) {
-            let t = self.terms(w, key, input, stall, fleet_ln);
+            let t = self.terms(w, key, input, stall, miss_share, fleet);
             match &best {
                 Some(b) if tied(t.score, b.score) && t.cached == b.cached => ties.push(t),
                 Some(b) if t.score > b.score || (tied(t.score, b.score) && t.cached < b.cached) => {}
@@ -268,20 +346,20 @@ impl Policy for LeastTtft {
         if rate == 0.0 {
             return;
         }
-        let fleet_ln = self.fleet_ln_scale();
-        let bound = self.cfg.max_scale.ln();
         let calibrate_hits = self.cfg.calibrate_hits;
-        let p = self.profiles.entry(worker).or_insert(WorkerProfile { ln_scale: fleet_ln, ..WorkerProfile::default() });
+        let p = self.profiles.entry(worker).or_insert_with(WorkerProfile::new);
         if let (Some(pred), Some(t)) = (obs.predicted, obs.ttft_secs)
             && pred.uncalibrated_secs.is_finite()
-            && pred.uncalibrated_secs >= MIN_CALIBRATION_SECS
+            && pred.uncalibrated_secs >= 0.0
             && t.is_finite()
             && t > 0.0
         {
-            let target = (t / pred.uncalibrated_secs).ln().clamp(-bound, bound);
+            let (x, y) = (pred.uncalibrated_secs, t);
+            let keep = 1.0 - rate;
+            for (sum, v) in p.sums.iter_mut().zip([1.0, x, y, x * x, x * y]) {
+                *sum = *sum * keep + v;
+            }
             p.ttft_samples += 1;
-            let a = rate.max(1.0 / p.ttft_samples as f64);
-            p.ln_scale += a * (target - p.ln_scale);
         }
         if calibrate_hits
             && obs.predicted_cached_tokens > 0
@@ -299,9 +377,11 @@ impl Policy for LeastTtft {
             .profiles
             .iter()
             .map(|(id, p)| {
+                let fit = p.fit(self.cfg.max_scale);
                 let v = serde_json::json!({
                     "worker": id.0,
-                    "ttft_scale": p.ln_scale.exp(),
+                    "ttft_scale": fit.map(|f| f.0),
+                    "ttft_overhead_secs": fit.map(|f| f.1),
                     "ttft_samples": p.ttft_samples,
                     "hit_ratio": p.hit_ratio,
                     "hit_samples": p.hit_samples,
@@ -386,12 +466,13 @@ mod tests {
     }
 
     #[test]
-    fn before_any_observation_it_ranks_exactly_as_prefill_cost() {
+    fn with_the_full_miss_charge_and_no_observation_it_ranks_exactly_as_prefill_cost() {
         // Random fleets and requests: the same worker, whenever prefill_cost's choice is not
         // a tie (ties rotate, and the two rotations need not agree).
         let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(7);
         use rand_core::Rng;
-        let mut a = fresh();
+        let own = LeastTtftConfig { miss_queue_scale: 0.0, ..LeastTtftConfig::default() };
+        let mut a = LeastTtft::new(own, PrefillCostConfig::default());
         let mut b = PrefillCost::new(PrefillCostConfig::default());
         for round in 0..400u64 {
             let n = 2 + (rng.next_u32() % 6);
@@ -418,54 +499,81 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_worker_measured_slower_gets_a_larger_scale_and_less_work() {
-        let mut p = fresh();
-        let h: Vec<BlockHash> = (0..8).map(BlockHash).collect();
-        let mut c = vec![WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
-        c[0].pending_prefill_tokens = 1000;
-        // Before calibration worker 1 (2,000 tokens queued) loses to worker 0 (1,000).
-        c[1].pending_prefill_tokens = 2000;
-        let d = go(&mut p, &req(&h), &c);
-        assert_eq!(d.worker, WorkerId(0));
-        let pred = d.predicted_ttft.expect("a prediction");
-        // (1,000 pending + 4,096 uncached) / 20,000 tokens/s.
-        assert!((pred.secs - 5096.0 / 20_000.0).abs() < 1e-12, "{pred:?}");
-        // Worker 0 is measured 4× slower than predicted, worker 1 as predicted.
-        for _ in 0..50 {
-            let (w, o) = seen(0, pred, 4.0 * pred.uncalibrated_secs);
-            p.observe(w, &o);
-            let (w, o) = seen(1, pred, pred.uncalibrated_secs);
+    /// Observations of worker `w` whose measured TTFT is `overhead + scale × predicted`,
+    /// over predictions spread from 0.05 to 1 s.
+    fn teach(p: &mut LeastTtft, w: u32, scale: f64, overhead: f64, n: u32) {
+        for i in 0..n {
+            let x = 0.05 + f64::from(i % 20) * 0.05;
+            let (w, o) = seen(w, TtftPrediction { secs: x, uncalibrated_secs: x }, overhead + scale * x);
             p.observe(w, &o);
         }
-        let scale = p.profile(WorkerId(0)).expect("profile").ln_scale.exp();
-        assert!((scale - 4.0).abs() < 1e-9, "scale {scale}");
-        let h2: Vec<BlockHash> = (100..108).map(BlockHash).collect();
-        let d = go(&mut p, &req(&h2), &c);
-        assert_eq!(d.worker, WorkerId(1), "the slow worker's 1,000 queued tokens now cost 4,000");
-        let pred = d.predicted_ttft.expect("a prediction");
-        assert!((pred.secs - pred.uncalibrated_secs).abs() < 1e-12);
     }
 
     #[test]
-    fn an_unobserved_worker_takes_the_fleet_scale() {
+    fn the_ttft_fit_recovers_a_worker_s_scale_and_overhead() {
         let mut p = fresh();
-        let pred = TtftPrediction { secs: 0.1, uncalibrated_secs: 0.1 };
-        let (w, o) = seen(0, pred, 10.0);
-        p.observe(w, &o);
-        let (w, o) = seen(1, pred, 10.0);
-        p.observe(w, &o);
-        // Worker 2 is new, idle, with 1,000 tokens queued; the observed two (100× slower than
-        // the prior) are idle with 1,500 queued. Scaled alike, the queue decides: worker 2.
-        let mut c: Vec<WorkerView> = (0..3).map(|i| WorkerView::idle(WorkerId(i))).collect();
-        c[0].pending_prefill_tokens = 1500;
-        c[1].pending_prefill_tokens = 1500;
-        c[2].pending_prefill_tokens = 1000;
+        teach(&mut p, 0, 4.0, 0.03, 7);
+        assert_eq!(p.profile(WorkerId(0)).expect("profile").fit(1000.0), None, "too few observations to fit");
+        teach(&mut p, 0, 4.0, 0.03, 100);
+        teach(&mut p, 1, 1.0, 0.0, 100);
+        let (scale, overhead) = p.profile(WorkerId(0)).expect("profile").fit(1000.0).expect("fitted");
+        assert!((scale - 4.0).abs() < 1e-6 && (overhead - 0.03).abs() < 1e-6, "{scale} {overhead}");
+        // The predictions: worker 0 four times slower plus its overhead; the ranking is
+        // unchanged (both idle, same queue: a tie, broken by rotation).
+        let h: Vec<BlockHash> = (0..8).map(BlockHash).collect();
+        let c = vec![WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
+        let mut seen_workers = [false; 2];
+        for _ in 0..2 {
+            let d = peek(&p, &req(&h), &c);
+            let pred = d.predicted_ttft.expect("a prediction");
+            let raw = 4096.0 / 20_000.0;
+            assert!((pred.uncalibrated_secs - raw).abs() < 1e-12);
+            let want = if d.worker == WorkerId(0) { 0.03 + 4.0 * raw } else { raw };
+            assert!((pred.secs - want).abs() < 1e-6, "{:?}: {pred:?}", d.worker);
+            assert_eq!(d.branch, Branch::TieBreak);
+            seen_workers[d.worker.index()] = true;
+        }
+        assert_eq!(seen_workers, [true, true], "the fit does not move the ranking");
+    }
+
+    #[test]
+    fn an_unfitted_worker_is_predicted_with_the_fleet_s_fit() {
+        let mut p = fresh();
+        teach(&mut p, 0, 100.0, 0.0, 40);
+        teach(&mut p, 1, 100.0, 0.0, 40);
+        let c = vec![WorkerView::idle(WorkerId(2))];
         let h: Vec<BlockHash> = (0..2).map(BlockHash).collect();
-        let d = go(&mut p, &req(&h), &c);
-        assert_eq!(d.worker, WorkerId(2));
+        let d = peek(&p, &req(&h), &c);
         let secs = d.predicted_ttft.expect("prediction").secs;
-        assert!((secs - 100.0 * (1000.0 + 1024.0) / 20_000.0).abs() < 1e-9, "{secs}");
+        assert!((secs - 100.0 * 1024.0 / 20_000.0).abs() < 1e-6, "{secs}");
+    }
+
+    #[test]
+    fn a_miss_costs_the_others_only_when_there_is_a_queue() {
+        let mut p = fresh();
+        let h: Vec<BlockHash> = (0..8).map(BlockHash).collect();
+        crate::policy::record_routed(&mut p, &req(&h), WorkerId(0), Nanos::ZERO);
+        // Worker 0 holds the 4,096-token prompt behind 5,000 queued tokens; worker 1 is cold.
+        let mut c = vec![WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
+        c[0].pending_prefill_tokens = 5000;
+        c[0].in_flight = 1;
+        c[0].waiting = 1;
+        // Half a request waits per worker: the request's own TTFT nearly alone decides
+        // (4,096 × (1 + 7 × 0.5 / 32) ≈ 4,544 < 5,000 + 68 of decode).
+        assert_eq!(peek(&p, &req(&h), &c).worker, WorkerId(1));
+        // 40 requests wait on each worker: the miss is charged its full weight, 8 × 4,096.
+        for w in c.iter_mut() {
+            w.in_flight += 40;
+            w.waiting += 40;
+        }
+        assert_eq!(peek(&p, &req(&h), &c).worker, WorkerId(0));
+        // With miss_queue_scale 0 the full charge applies at once (prefill_cost's).
+        for w in c.iter_mut() {
+            w.in_flight -= 40;
+            w.waiting -= 40;
+        }
+        p.set_knobs(&serde_json::json!({"miss_queue_scale": 0.0})).expect("knob");
+        assert_eq!(peek(&p, &req(&h), &c).worker, WorkerId(0));
     }
 
     #[test]
@@ -500,16 +608,20 @@ mod tests {
             let (w, o) = seen(0, pred, t);
             p.observe(w, &o);
         }
-        // A prediction too short to say anything about throughput.
-        let tiny = TtftPrediction { secs: 1e-5, uncalibrated_secs: 1e-5 };
-        let (w, o) = seen(0, tiny, 3.0);
+        let bad = TtftPrediction { secs: f64::NAN, uncalibrated_secs: f64::NAN };
+        let (w, o) = seen(0, bad, 3.0);
         p.observe(w, &o);
         assert_eq!(p.profile(WorkerId(0)).expect("profile").ttft_samples, 0);
-        // An absurd ratio is bounded by max_scale.
-        let (w, o) = seen(1, pred, 1e9);
-        p.observe(w, &o);
-        let s = p.profile(WorkerId(1)).expect("profile").ln_scale.exp();
+        // An absurd slope is bounded by max_scale.
+        teach(&mut p, 1, 1e9, 0.0, 40);
+        let (s, _) = p.profile(WorkerId(1)).expect("profile").fit(1000.0).expect("fitted");
         assert!((s - 1000.0).abs() < 1e-6, "{s}");
+        // Every prediction the same: no slope to fit.
+        for _ in 0..40 {
+            let (w, o) = seen(3, pred, 0.7);
+            p.observe(w, &o);
+        }
+        assert_eq!(p.profile(WorkerId(3)).expect("profile").fit(1000.0), None);
         // Calibration off: nothing is learned.
         p.set_knobs(&serde_json::json!({"calibration_rate": 0.0})).expect("knob");
         let (w, o) = seen(2, pred, 5.0);
