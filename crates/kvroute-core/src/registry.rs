@@ -134,7 +134,11 @@ const PREFILL_COST_KNOBS: &[Knob] = &[
     ("stall_cap", "tokens per uncached token", "upper bound of the stall charge per uncached token"),
 ];
 const LEAST_TTFT_KNOBS: &[Knob] = &[
-    ("prefill_tokens_per_sec", "tokens/s > 0", "prior prefill throughput per worker (turns work into seconds before calibration)"),
+    (
+        "prefill_tokens_per_sec",
+        "tokens/s > 0",
+        "prior prefill throughput per worker (turns work into seconds before calibration)",
+    ),
     (
         "calibration_rate",
         "0.0-1.0",
@@ -183,8 +187,14 @@ fn b3_info(mode: B3Mode, summary: &'static str, prefix_aware: bool) -> PolicyInf
 
 /// Every registered policy with its knobs and defaults.
 pub fn list() -> Vec<PolicyInfo> {
-    let plain =
-        |name, source, summary| PolicyInfo { name, source, summary, knobs: Vec::new(), prefix_aware: false, default: false };
+    let plain = |name, source, summary| PolicyInfo {
+        name,
+        source,
+        summary,
+        knobs: Vec::new(),
+        prefix_aware: false,
+        default: false,
+    };
     vec![
         plain("round_robin", "classic baseline", "rotation over healthy workers"),
         plain("random", "classic baseline", "uniform random worker (seeded)"),

@@ -207,13 +207,8 @@ impl Routers {
     /// What each model's policy has learned of its workers ([`ModelRouter::calibration`]),
     /// by model, for the models whose policy calibrates.
     pub fn calibration(&self) -> Vec<(String, serde_json::Value)> {
-        let mut v: Vec<(String, serde_json::Value)> = self
-            .map
-            .load()
-            .iter()
-            .map(|(m, r)| (m.clone(), r.calibration()))
-            .filter(|(_, c)| !c.is_null())
-            .collect();
+        let mut v: Vec<(String, serde_json::Value)> =
+            self.map.load().iter().map(|(m, r)| (m.clone(), r.calibration())).filter(|(_, c)| !c.is_null()).collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }

@@ -332,7 +332,15 @@ pub fn replay(
                     now,
                     &mut events,
                 );
-                handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted, &mut expected, policy.as_mut());
+                handle(
+                    &mut events,
+                    &mut ledger,
+                    &mut tickets,
+                    &mut outcomes,
+                    &mut predicted,
+                    &mut expected,
+                    policy.as_mut(),
+                );
             }
             Err(_) => outcomes[i].rejected = true,
         }

@@ -8,11 +8,11 @@
 use super::keys::Precise;
 use super::route::{Routed, order};
 use crate::fleet::WorkerEntry;
+use crate::metrics::WorkerLabel;
+use crate::routers::ModelRouter;
 use crate::state::AppState;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
-use crate::metrics::WorkerLabel;
-use crate::routers::ModelRouter;
 use kvroute_core::ledger::LoadTicket;
 use kvroute_core::policy::Observation;
 use kvroute_core::types::{BlockHash, Nanos, RequestView, WorkerId};
