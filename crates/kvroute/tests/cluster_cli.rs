@@ -75,13 +75,18 @@ fn mooncake_slice(routers: &[String]) {
 }
 
 /// One run: `replicas` routers (synced over `nats` or not) in front of 4 fresh engines;
-/// the engines' hit ratio after the slice.
+/// the engines' hit ratio after the slice. The routers run `cache_aware` (SGLang
+/// router's), which follows the prefix it knows whatever the load: three replicas that do
+/// not share what they routed then lose hits, which the sync must win back. (The default,
+/// `least_ttft`, does not follow a cached prefix in a fleet without a queue; on this slice
+/// it measured 0.677 with one router, 0.682 with three synced and 0.682 with three alone,
+/// docs/cluster.md.)
 async fn run(replicas: usize, nats: Option<&str>, cluster: &str) -> f64 {
     let (_workers, ws) = workers(4, "50").await;
     let mut procs = Vec::new();
     let mut urls = Vec::new();
     for _ in 0..replicas {
-        let (p, u) = replica(free_port(), &ws, nats, cluster, &[]).await;
+        let (p, u) = replica(free_port(), &ws, nats, cluster, &["--policy", "cache_aware"]).await;
         procs.push(p);
         urls.push(u);
     }
@@ -194,6 +199,9 @@ async fn a_killed_replica_leaves_no_load_behind_and_a_restarted_one_routes_with_
             .await
             .expect("json");
         assert_eq!(v["worker"], worker.as_str(), "document {d}: {v}");
-        assert!(v["matched"].as_u64().unwrap_or(0) > 1000, "document {d} matched: {v}");
+        // Most of the routing key matched (its unit is the policy's: blocks for the default,
+        // characters for cache_aware); the question is the only new part.
+        let (matched, key_len) = (v["matched"].as_u64().unwrap_or(0), v["key_len"].as_u64().unwrap_or(0));
+        assert!(matched * 10 >= key_len * 8 && matched > 0, "document {d} matched: {v}");
     }
 }
