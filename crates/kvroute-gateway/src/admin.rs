@@ -317,6 +317,7 @@ pub async fn debug_route(
                 "key_len": d.key_len,
                 "unit": d.unit,
                 "score": d.score,
+                "predicted_ttft_secs": d.predicted_ttft.map(|p| p.secs),
                 "decision": decision_header(&routed.router.policy_name, d),
             })
         };

@@ -554,6 +554,15 @@ async fn the_default_policy_predicts_ttft_and_learns_from_what_engines_report() 
     assert!(workers.iter().map(|w| w["hit_samples"].as_u64().unwrap_or(0)).sum::<u64>() > 0, "{got}");
     let text = c.get(format!("{}/metrics", r.url)).send().await.expect("metrics").text().await.expect("text");
     assert_eq!(metric_sum(&text, "kvroute_ttft_prediction_ratio_count"), 12.0, "one per streamed request");
+    // A dry run shows the decision's TTFT prediction (seconds, finite and positive).
+    let v: serde_json::Value = guard(c.post(format!("{}/debug/route", r.url)).json(&chat(&prefix, false)).send())
+        .await
+        .expect("dry run")
+        .json()
+        .await
+        .expect("json");
+    let secs = v["predicted_ttft_secs"].as_f64().expect("a predicted TTFT");
+    assert!(secs.is_finite() && secs > 0.0, "{v}");
     let predicted = metric_sum(&text, "kvroute_cached_tokens_predicted_total");
     let reported = metric_sum(&text, "kvroute_cached_tokens_reported_total");
     assert!(predicted > 0.0 && reported > 0.0, "predicted {predicted}, reported {reported}");
