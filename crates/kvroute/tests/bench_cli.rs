@@ -203,7 +203,13 @@ fn compare_runs_to_completion() {
     if peers_dir.is_none() && std::env::var("KVROUTE_REQUIRE_PEERS").is_ok_and(|v| v == "1") {
         panic!("KVROUTE_REQUIRE_PEERS=1 but KVROUTE_PEERS_DIR is not set");
     }
-    let peers = if peers_dir.is_some() { "sglang-router,vllm-router,smg" } else { "" };
+    // Dynamo (NVIDIA's selection service behind scripts/dynamo-shim.py) when its venv is there.
+    let dynamo = peers_dir.as_ref().is_some_and(|d| std::path::Path::new(d).join("dynamo/bin/python").exists());
+    let peers = match (&peers_dir, dynamo) {
+        (Some(_), true) => "sglang-router,vllm-router,smg,dynamo",
+        (Some(_), false) => "sglang-router,vllm-router,smg",
+        (None, _) => "",
+    };
     let json = std::env::temp_dir().join(format!("kvroute-compare-{}.json", std::process::id()));
     let mut args = vec![
         "bench",
@@ -235,7 +241,7 @@ fn compare_runs_to_completion() {
     assert!(stdout.contains("| router | policy |"), "one table: {stdout}");
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("json");
     let rows = v["rows"].as_array().expect("rows");
-    assert_eq!(rows.len(), if peers_dir.is_some() { 5 } else { 2 });
+    assert_eq!(rows.len(), 2 + if peers_dir.is_some() { 3 } else { 0 } + usize::from(dynamo));
     for r in rows {
         assert!(r["skipped"].is_null(), "{} {} skipped: {}", r["router"], r["policy"], r["skipped"]);
         assert_eq!(r["quality"]["requests"], 40, "{r}");

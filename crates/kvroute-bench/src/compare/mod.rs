@@ -15,6 +15,11 @@
 //!
 //! Peers come from the venvs `scripts/compare-peers.sh` installs (`--peers-dir`); a peer
 //! whose venv is missing is reported as skipped, never silently dropped.
+//!
+//! `dynamo` is NVIDIA Dynamo 1.6.1's selection service (its KV router: radix index fed by the
+//! workers' KV events, prefill/decode load cost) behind `scripts/dynamo-shim.py`, a forwarding
+//! shim of this harness (reserve → forward → release); its workers publish KV events over
+//! ZeroMQ. Its one policy is labelled `kv`; its overhead columns include the shim.
 
 pub mod overhead;
 
@@ -31,17 +36,20 @@ use std::time::{Duration, Instant};
 /// Flags of `kvroute bench compare`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Directory of the peer venvs (`peers/` with sglang-router and vllm-router, `smg/`).
+    /// Directory of the peer venvs (`peers/` with sglang-router and vllm-router, `smg/`,
+    /// `dynamo/`).
     #[arg(long, env = "KVROUTE_PEERS_DIR")]
     pub peers_dir: Option<PathBuf>,
-    /// Peers to compare (any of sglang-router, vllm-router, smg).
-    #[arg(long, value_delimiter = ',', default_value = "sglang-router,vllm-router,smg")]
+    /// Peers to compare (any of sglang-router, vllm-router, smg, dynamo). `dynamo` runs once,
+    /// with its KV router (policy `kv`), whatever --peer-policies says, and only in front of
+    /// simulated workers.
+    #[arg(long, value_delimiter = ',', default_value = "sglang-router,vllm-router,smg,dynamo")]
     pub peers: Vec<String>,
     /// kvroute policies to run.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "round_robin,cache_aware,prefix_affinity,kv_score,lmetric,unified,prefill_cost"
+        default_value = "round_robin,cache_aware,prefix_affinity,kv_score,lmetric,unified,prefill_cost,least_ttft"
     )]
     pub policies: Vec<String>,
     /// Peer policies to run.
@@ -206,7 +214,12 @@ struct Ctx {
     llama: Option<(PathBuf, PathBuf)>,
     /// llama-server `--cache-ram`, MiB.
     llama_cache_ram: u32,
+    /// KV-event endpoint (ZeroMQ PUB) of each engine-sim worker started with them, by URL.
+    kv_events: std::sync::Mutex<BTreeMap<String, String>>,
 }
+
+/// The Dynamo forwarding shim, written into the log directory when Dynamo is run.
+const DYNAMO_SHIM: &str = include_str!("../../../../scripts/dynamo-shim.py");
 
 impl Ctx {
     fn spawn(&self, program: &std::path::Path, args: &[String], name: &str) -> anyhow::Result<Child> {
@@ -228,6 +241,13 @@ impl Ctx {
     /// slots, 8192 context, `--cache-ram` from `--llama-cache-ram`, 0 by default as
     /// `scripts/llama-workers.sh` runs them) — and waits until each answers /health.
     async fn workers(&self, n: usize, extra: &[&str]) -> anyhow::Result<(Vec<Child>, Vec<String>)> {
+        self.workers_kv(n, extra, false).await
+    }
+
+    /// [`Ctx::workers`]; with `kv_events`, engine-sim workers also publish their KV events
+    /// (vLLM's positional msgpack, which Dynamo decodes) on a ZeroMQ PUB socket of their own,
+    /// remembered in `self.kv_events`.
+    async fn workers_kv(&self, n: usize, extra: &[&str], kv_events: bool) -> anyhow::Result<(Vec<Child>, Vec<String>)> {
         let (mut kids, mut urls) = (Vec::new(), Vec::new());
         for i in 0..n {
             let port = free_port()?;
@@ -235,6 +255,19 @@ impl Ctx {
                 None => {
                     let mut args = vec!["engine-sim".to_string(), "--port".into(), port.to_string()];
                     args.extend(extra.iter().map(|s| s.to_string()));
+                    if kv_events {
+                        let endpoint = format!("tcp://127.0.0.1:{}", free_port()?);
+                        args.extend([
+                            "--kv-events".to_string(),
+                            endpoint.clone(),
+                            "--kv-encoding".into(),
+                            "legacy".into(),
+                        ]);
+                        self.kv_events
+                            .lock()
+                            .map_err(|_| anyhow::anyhow!("kv_events lock"))?
+                            .insert(format!("http://127.0.0.1:{port}"), endpoint);
+                    }
                     kids.push(self.spawn(&self.exe, &args, &format!("worker{i}"))?);
                 }
                 Some((bin, model)) => {
@@ -344,6 +377,22 @@ impl Ctx {
                 a.extend(["--prometheus-port".to_string(), prom.to_string()]);
                 (self.peers_dir.join("smg/bin/smg"), a)
             }
+            "dynamo" => {
+                if self.llama.is_some() {
+                    bail!("dynamo runs only in front of simulated workers (the shim uses engine-sim's token ids)");
+                }
+                let shim = self.logs.join("dynamo-shim.py");
+                std::fs::write(&shim, DYNAMO_SHIM).with_context(|| format!("writing {}", shim.display()))?;
+                let mut a = vec![shim.display().to_string()];
+                a.extend(["--port".to_string(), port.to_string(), "--select-port".into(), prom.to_string()]);
+                a.extend(["--model".to_string(), self.model.clone()]);
+                let kv = self.kv_events.lock().map_err(|_| anyhow::anyhow!("kv_events lock"))?;
+                for w in workers {
+                    let Some(e) = kv.get(w) else { bail!("worker {w} publishes no KV events, which dynamo needs") };
+                    a.extend(["--worker".to_string(), format!("{w}={e}")]);
+                }
+                (self.peers_dir.join("dynamo/bin/python"), a)
+            }
             other => bail!("unknown router {other}"),
         };
         if !program.exists() {
@@ -389,6 +438,9 @@ impl Ctx {
 }
 
 const MODEL: &str = "sim-llama-3-8b";
+
+/// The peers `--peers` accepts.
+const PEERS: [&str; 4] = ["sglang-router", "vllm-router", "smg", "dynamo"];
 
 /// One row of the comparison.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -438,8 +490,8 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         bail!("--workers must be at least 1");
     }
     for p in &a.peers {
-        if !["sglang-router", "vllm-router", "smg"].contains(&p.as_str()) {
-            bail!("--peers: unknown peer `{p}` (sglang-router, vllm-router, smg)");
+        if !PEERS.contains(&p.as_str()) {
+            bail!("--peers: unknown peer `{p}` ({})", PEERS.join(", "));
         }
     }
     for p in &a.policies {
@@ -506,6 +558,10 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
     let mut targets: Vec<Target> =
         a.policies.iter().map(|p| Target { router: "kvroute".into(), policy: p.clone() }).collect();
     for peer in &a.peers {
+        if peer == "dynamo" {
+            targets.push(Target { router: peer.clone(), policy: "kv".into() });
+            continue;
+        }
         for p in &a.peer_policies {
             targets.push(Target { router: peer.clone(), policy: p.clone() });
         }
@@ -541,6 +597,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         model,
         llama,
         llama_cache_ram: a.llama_cache_ram,
+        kv_events: Default::default(),
     };
     let slo = Slo { ttft_s: a.slo_ttft, tpot_s: a.slo_tpot };
     println!(
@@ -569,7 +626,9 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         let mut direct: Option<(Summary, Summary)> = None;
         if !a.skip_overhead {
             eprintln!("proxy overhead: instant workers, closed loop, {} s per point", a.overhead_secs);
-            let (kids, urls) = ctx.workers(a.workers, &["--instant"]).await?;
+            // Instant workers publish no KV events; Dynamo is registered with their endpoints.
+            let with_kv = targets.iter().any(|t| t.router == "dynamo");
+            let (kids, urls) = ctx.workers_kv(a.workers, &["--instant"], with_kv).await?;
             let measure = |url: String, label: String| {
                 let reqs = &overhead_reqs;
                 async move {
@@ -631,7 +690,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                 if row.skipped.as_deref().is_some_and(|s| s.contains("not installed")) {
                     continue;
                 }
-                let (kids, urls) = ctx.workers(a.workers, &["--time-scale", &ts]).await?;
+                let (kids, urls) = ctx.workers_kv(a.workers, &["--time-scale", &ts], t.router == "dynamo").await?;
                 let started = match ctx.router(t, &urls).await {
                     Ok(x) => x,
                     Err(e) => {
@@ -782,6 +841,11 @@ fn print_table(rows: &[Row], direct: Option<&(Summary, Summary)>, a: &Args) {
             r.later_turns.as_ref().map_or_else(|| "-".into(), |s| format!("{:.3}", s.latency.ttft_mean_s)),
             f(&|s| format!("{:.2}", s.goodput_rps)),
             f(&|s| format!("{}", s.rejected + s.errors)),
+        );
+    }
+    if rows.iter().any(|r| r.router == "dynamo") {
+        println!(
+            "(dynamo: NVIDIA Dynamo 1.6.1's selection service behind scripts/dynamo-shim.py, the harness's Python forwarding shim (reserve → forward → release, one extra HTTP hop); its added latency and req/s measure the shim as much as Dynamo, compare it on hit % and TTFT)"
         );
     }
     if a.engine == "llama" {

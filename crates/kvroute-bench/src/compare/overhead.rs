@@ -113,6 +113,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         model: MODEL.to_string(),
         llama: None,
         llama_cache_ram: 0,
+        kv_events: Default::default(),
     };
     let cfg = Config {
         wrk,
