@@ -82,7 +82,7 @@
 //! | `miss_queue_scale` | 32 | mean waiting requests per worker at which a miss is charged its full `miss_weight` (0: always, as `prefill_cost`) |
 
 use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig};
-use crate::policy::util::{mean_load, rotate};
+use crate::policy::util::{mean_load, mean_waiting, rotate};
 use crate::policy::{
     Branch, Decision, KnobError, Observation, PickCtx, Policy, RequestKey, RouteError, TtftPrediction, patch_knobs,
 };
@@ -248,10 +248,7 @@ impl LeastTtft {
         if self.cfg.miss_queue_scale == 0.0 {
             return 1.0;
         }
-        let (n, waiting) =
-            c.iter().filter(|w| w.is_routable()).fold((0u32, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.waiting)));
-        let mean = if n == 0 { 0.0 } else { waiting / f64::from(n) };
-        (mean / self.cfg.miss_queue_scale).min(1.0)
+        (mean_waiting(c) / self.cfg.miss_queue_scale).min(1.0)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -453,21 +450,9 @@ impl Policy for LeastTtft {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::{BlockHash, BlockSeq};
+    use crate::policy::prefill_cost::tests::req;
+    use crate::types::BlockHash;
     use rand_core::SeedableRng;
-
-    fn req(blocks: &[BlockHash]) -> RequestView<'_> {
-        RequestView {
-            model: "m",
-            text: None,
-            token_ids: None,
-            blocks: Some(BlockSeq { block_tokens: 512, hashes: blocks }),
-            input_tokens: blocks.len() as u32 * 512,
-            output_tokens: None,
-            session_id: None,
-            role: crate::types::Role::Both,
-        }
-    }
 
     fn go(p: &mut dyn Policy, r: &RequestView<'_>, c: &[WorkerView]) -> Decision {
         let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);

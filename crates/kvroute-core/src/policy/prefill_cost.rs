@@ -90,7 +90,7 @@
 
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::LruBlockSet;
-use crate::policy::util::{Rotation, SessionTable, mean_load, rotate};
+use crate::policy::util::{Rotation, SessionTable, mean_load, mean_waiting, rotate};
 use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -224,10 +224,7 @@ impl PrefillCost {
         if self.cfg.stall_weight == 0.0 || self.cfg.stall_queue_scale == 0.0 {
             return self.cfg.stall_weight;
         }
-        let (n, waiting) =
-            c.iter().filter(|w| w.is_routable()).fold((0u32, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.waiting)));
-        let mean = if n == 0 { 0.0 } else { waiting / f64::from(n) };
-        self.cfg.stall_weight * (1.0 + mean / self.cfg.stall_queue_scale)
+        self.cfg.stall_weight * (1.0 + mean_waiting(c) / self.cfg.stall_queue_scale)
     }
 
     fn capacity_blocks(&self, block_tokens: u64) -> usize {
@@ -333,14 +330,15 @@ impl Policy for PrefillCost {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::types::BlockSeq;
     use rand_core::SeedableRng;
 
     use crate::types::BlockHash;
 
-    fn req(blocks: &[BlockHash]) -> RequestView<'_> {
+    /// A request of `blocks` 512-token trace blocks (also `least_ttft`'s tests').
+    pub(crate) fn req(blocks: &[BlockHash]) -> RequestView<'_> {
         RequestView {
             model: "m",
             text: None,

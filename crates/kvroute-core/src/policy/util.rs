@@ -262,6 +262,16 @@ pub fn mean_load(candidates: &[WorkerView]) -> Option<f64> {
     (n > 0).then(|| sum / n as f64)
 }
 
+/// Mean router-side waiting requests (dispatched, no first token yet) over the routable
+/// candidates; 0 when none is routable.
+pub fn mean_waiting(candidates: &[WorkerView]) -> f64 {
+    let (n, sum) = candidates
+        .iter()
+        .filter(|w| w.is_routable())
+        .fold((0u32, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.waiting)));
+    if n == 0 { 0.0 } else { sum / f64::from(n) }
+}
+
 /// Session → worker bindings for session-aware policies: a bounded LRU map keyed by the
 /// stable hash of the session id ([`crate::hash::stable_hash`]), so a trace with millions of
 /// sessions cannot grow the router without bound (an evicted binding behaves as a new
