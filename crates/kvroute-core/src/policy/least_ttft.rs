@@ -272,11 +272,10 @@ impl LeastTtft {
         };
         let own = input as f64 - cached as f64 * hit_factor;
         let load = f64::from(w.load());
-        let crowding = if c.decode_queue_scale > 0.0 { 1.0 + load / c.decode_queue_scale } else { 1.0 };
-        let decode = c.decode_weight as f64 * load * crowding;
+        let decode = self.cost.decode_charge(load);
         let pending = w.pending_prefill_tokens as f64;
         let miss_weight = if c.miss_weight > 1.0 { 1.0 + (c.miss_weight - 1.0) * miss_share } else { c.miss_weight };
-        let per_token = miss_weight + (stall * load).min(c.stall_cap);
+        let per_token = miss_weight + self.cost.stall_charge(stall, load);
         let charged = (pending + own * per_token + decode) * (1.0 + c.batch_factor * load);
         let tps = self.cfg.prefill_tokens_per_sec;
         let uncalibrated_secs = (pending + own + decode) / tps;

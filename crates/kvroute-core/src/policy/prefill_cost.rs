@@ -227,6 +227,19 @@ impl PrefillCost {
         self.cfg.stall_weight * (1.0 + mean_waiting(c) / self.cfg.stall_queue_scale)
     }
 
+    /// `stall(w)`: the stall charge per uncached token on a worker with `load` requests,
+    /// `min(stall × load, stall_cap)` (`stall` from [`PrefillCost::stall_weight`]).
+    pub(crate) fn stall_charge(&self, stall: f64, load: f64) -> f64 {
+        (stall * load).min(self.cfg.stall_cap)
+    }
+
+    /// The decode charge of a worker with `load` requests, in prefill tokens:
+    /// `decode_weight × load × (1 + load / decode_queue_scale)` (linear when the scale is 0).
+    pub(crate) fn decode_charge(&self, load: f64) -> f64 {
+        let crowding = if self.cfg.decode_queue_scale > 0.0 { 1.0 + load / self.cfg.decode_queue_scale } else { 1.0 };
+        self.cfg.decode_weight as f64 * load * crowding
+    }
+
     fn capacity_blocks(&self, block_tokens: u64) -> usize {
         (self.cfg.cache_tokens / block_tokens.max(1)).max(1) as usize
     }
@@ -268,12 +281,10 @@ impl Policy for PrefillCost {
         let mut tied: SmallVec<[(WorkerId, Match); 8]> = SmallVec::new();
         for w in c.iter().filter(|w| w.is_routable()) {
             let (cached, hit) = self.cached(w, key, input);
-            let per_token = self.cfg.miss_weight + (stall * f64::from(w.load())).min(self.cfg.stall_cap);
-            let miss = ((input - cached) as f64 * per_token) as u64;
             let load = f64::from(w.load());
-            let crowding =
-                if self.cfg.decode_queue_scale > 0.0 { 1.0 + load / self.cfg.decode_queue_scale } else { 1.0 };
-            let decode = (self.cfg.decode_weight as f64 * load * crowding) as u64;
+            let per_token = self.cfg.miss_weight + self.stall_charge(stall, load);
+            let miss = ((input - cached) as f64 * per_token) as u64;
+            let decode = self.decode_charge(load) as u64;
             let additive = w.pending_prefill_tokens + miss + decode;
             let cost = (additive as f64 * (1.0 + self.cfg.batch_factor * f64::from(w.load()))) as u64;
             let key = (cost, u64::MAX - cached);
