@@ -16,7 +16,7 @@
 //! pipelining of the copy with the prefill (the copy starts when the prefill ends).
 
 use crate::engine::{Engine, EngineEvent, EngineRequest};
-use crate::replay::{BusyWindow, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult};
+use crate::replay::{BusyWindow, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, RouterView};
 use crate::trace::TraceRequest;
 use kvroute_core::disagg::{DisaggConfig, DisaggPlan, plan};
 use kvroute_core::ledger::{LoadLedger, Ticket};
@@ -324,22 +324,9 @@ impl Sim<'_> {
         now: Nanos,
     ) {
         out.clear();
+        let view = RouterView { ledger: &self.ledger, predicted: &self.predicted, cfg, now };
         for w in engines {
-            let e = &self.engines[w];
-            let mut v = WorkerView::idle(WorkerId(w as u32));
-            v.role = role;
-            self.ledger.fill(&mut v);
-            if cfg.engine_signals {
-                v.engine_queue = Some(e.num_waiting());
-                v.engine_running = Some(e.num_running());
-                v.kv_cache_usage = Some(e.kv_usage());
-                v.sm_util = Some(util[w].observe(now, e.stats().busy_ns, e.next_event_time().is_some()));
-            }
-            if matches!(cfg.prefix_state, PrefixState::Precise { .. }) && !r.blocks.is_empty() {
-                let run = self.predicted.run(v.id, &r.blocks, now, |h| e.cache().contains(h)) as u64;
-                v.cached_tokens = Some((run * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)));
-            }
-            out.push(v);
+            out.push(view.of(w, role, &self.engines[w], &mut util[w], r));
         }
     }
 

@@ -192,6 +192,37 @@ pub fn request_view(r: &TraceRequest, role: Role) -> RequestView<'_> {
     }
 }
 
+/// What the router sees of the engines at one instant: its ledger, its predictions of the
+/// engines' caches (precise prefix state), the replay's settings and the time.
+pub(crate) struct RouterView<'a> {
+    pub(crate) ledger: &'a LoadLedger,
+    pub(crate) predicted: &'a PredictWindow,
+    pub(crate) cfg: &'a ReplayConfig,
+    pub(crate) now: Nanos,
+}
+
+impl RouterView<'_> {
+    /// The router's view of engine `e` (global id `w`, serving `role`) for request `r`: the
+    /// ledger's load, the engine's own signals (`engine_signals`), and with precise prefix
+    /// state the request's cached tokens there (cache or prediction).
+    pub(crate) fn of(&self, w: usize, role: Role, e: &Engine, util: &mut BusyWindow, r: &TraceRequest) -> WorkerView {
+        let mut v = WorkerView::idle(WorkerId(w as u32));
+        v.role = role;
+        self.ledger.fill(&mut v);
+        if self.cfg.engine_signals {
+            v.engine_queue = Some(e.num_waiting());
+            v.engine_running = Some(e.num_running());
+            v.kv_cache_usage = Some(e.kv_usage());
+            v.sm_util = Some(util.observe(self.now, e.stats().busy_ns, e.next_event_time().is_some()));
+        }
+        if matches!(self.cfg.prefix_state, PrefixState::Precise { .. }) && !r.blocks.is_empty() {
+            let run = self.predicted.run(v.id, &r.blocks, self.now, |h| e.cache().contains(h)) as u64;
+            v.cached_tokens = Some((run * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)));
+        }
+        v
+    }
+}
+
 /// Replays `trace` under `cfg`. `progress` is called with the number of requests routed so
 /// far (every 256 requests and at the end).
 ///
@@ -286,19 +317,8 @@ pub fn replay(
         }
         views.clear();
         for (w, e) in engines.iter().enumerate() {
-            let mut v = WorkerView::idle(WorkerId(w as u32));
-            ledger.fill(&mut v);
-            if cfg.engine_signals {
-                v.engine_queue = Some(e.num_waiting());
-                v.engine_running = Some(e.num_running());
-                v.kv_cache_usage = Some(e.kv_usage());
-                v.sm_util = Some(util[w].observe(now, e.stats().busy_ns, e.next_event_time().is_some()));
-            }
-            if matches!(cfg.prefix_state, PrefixState::Precise { .. }) && !r.blocks.is_empty() {
-                let run = predicted.run(v.id, &r.blocks, now, |h| e.cache().contains(h)) as u64;
-                v.cached_tokens = Some((run * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)));
-            }
-            views.push(v);
+            let view = RouterView { ledger: &ledger, predicted: &predicted, cfg, now };
+            views.push(view.of(w, Role::Both, e, &mut util[w], r));
         }
         let req = request_view(r, Role::Both);
         let mut ctx = PickCtx { now, rng: &mut rng };
