@@ -15,6 +15,7 @@
 //! - [`admission`]: per-(model, role) admission with RAII permits (Cognitora cgn-router).
 //! - [`policy`]: the [`policy::Policy`] trait and every policy.
 //! - [`registry`]: build a policy by name; list policies with knobs and defaults.
+//! - [`slots`]: what a llama.cpp worker's slots hold and which slot a request takes.
 //! - [`cascade`], [`disagg`]: Cognitora cgn-router's cascade state machine and prefill/decode plan.
 //! - [`trace`]: trace transforms shared by the simulator and the load generator.
 #![forbid(unsafe_code)]
@@ -31,6 +32,7 @@ pub mod policy;
 pub mod precise;
 pub mod radix;
 pub mod registry;
+pub mod slots;
 pub mod trace;
 pub mod types;
 

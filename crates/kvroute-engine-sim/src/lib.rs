@@ -671,6 +671,8 @@ pub fn app(sim: Arc<EngineSim>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/server_info", get(server_info))
+        .route("/props", get(props))
+        .route("/slots", get(slots))
         .route("/model_info", get(model_info))
         .route("/get_load", get(get_load))
         .route("/loads", get(get_load))
@@ -769,6 +771,31 @@ async fn server_info(State(s): State<Arc<EngineSim>>) -> Response {
     .into_response()
 }
 
+/// llama.cpp `GET /props` (`total_slots`), for a profile with slots; 404 otherwise (vLLM and
+/// SGLang have no such endpoint).
+async fn props(State(s): State<Arc<EngineSim>>) -> Response {
+    if s.cfg.profile.slots == 0 {
+        return err(StatusCode::NOT_FOUND, "File Not Found");
+    }
+    Json(serde_json::json!({"total_slots": s.cfg.profile.slots, "model_path": s.cfg.model,
+        "default_generation_settings": {"n_ctx": s.cfg.profile.kv_tokens / u64::from(s.cfg.profile.slots)},
+        "build_info": concat!("kvroute-engine-sim ", env!("CARGO_PKG_VERSION"))}))
+    .into_response()
+}
+
+/// llama.cpp `GET /slots` (`id`, `is_processing` per slot: the first `running` are busy), for
+/// a profile with slots; 404 otherwise.
+async fn slots(State(s): State<Arc<EngineSim>>) -> Response {
+    let n = s.cfg.profile.slots;
+    if n == 0 {
+        return err(StatusCode::NOT_FOUND, "File Not Found");
+    }
+    let running = u32::try_from(s.metrics.running.get().max(0)).unwrap_or(0);
+    let v: Vec<serde_json::Value> =
+        (0..n).map(|id| serde_json::json!({"id": id, "is_processing": id < running})).collect();
+    Json(v).into_response()
+}
+
 async fn model_info(State(s): State<Arc<EngineSim>>) -> Response {
     Json(serde_json::json!({"model_path": s.cfg.model, "tokenizer_path": null, "is_generation": true})).into_response()
 }
@@ -848,6 +875,9 @@ struct Options {
     /// SGLang `/generate`: the LoRA adapter's name.
     #[serde(default)]
     lora_path: Option<serde_json::Value>,
+    /// llama.cpp: the slot to run in (-1 = the engine picks); used by profiles with slots.
+    #[serde(default)]
+    id_slot: Option<serde_json::Value>,
 }
 
 impl Options {
@@ -932,6 +962,15 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         Err(e) => return e.into_response(),
     };
     let opts = serde_json::from_slice::<Options>(&body).unwrap_or_default();
+    // llama.cpp reads `id_slot` as an integer; -1 (its default) lets the engine pick.
+    let id_slot = match &opts.id_slot {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => match v.as_i64() {
+            Some(n) if n < 0 => None,
+            Some(n) => Some(u32::try_from(n).unwrap_or(u32::MAX)),
+            None => return err(StatusCode::BAD_REQUEST, "`id_slot` must be an integer"),
+        },
+    };
     let ask = match opts.ask(api) {
         Ok(a) => a,
         Err(e) => return e.into_response(),
@@ -1023,6 +1062,7 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
             block_tokens: BLOCK_TOKENS,
             token_ids,
             kv_transferred: transferred.is_some(),
+            slot: id_slot,
         };
         if s.tx.send(Cmd::Submit { req, reply: tx }).await.is_err() {
             return err(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");

@@ -202,6 +202,15 @@ pub struct GatewayConfig {
     /// or a Hugging Face `tokenizer.json` (with `tokenizer_config.json` beside it). Checked
     /// against each worker once at startup (metric `kvroute_tokenizer_parity`).
     pub tokenizer: Option<String>,
+    /// The llama.cpp workers run `--cache-ram 0`: they keep a prompt only in the slot that
+    /// ran it. The router then tracks what each slot of a worker with `llama_slots` (from
+    /// `/props` `total_slots`, or `[capacity."URL"]`) holds, credits the worker with the
+    /// prefix its chosen slot holds (instead of everything the prefix index saw sent
+    /// there), and names the slot in the request (llama.cpp `id_slot`), so two prompts
+    /// sharing a worker stop swapping slots ([`kvroute_core::slots`]). Default false:
+    /// llama.cpp's default host-RAM prompt cache (`--cache-ram 8192`) keeps prompts past
+    /// their slot, and the prefix index models it.
+    pub llama_slot_routing: bool,
 }
 
 /// Where one worker publishes its KV events (`shared/specs/kv-events.md`).
@@ -306,6 +315,7 @@ impl Default for GatewayConfig {
             kv_predict_window_secs: 2.0,
             kv_parity_check: true,
             tokenizer: None,
+            llama_slot_routing: false,
         }
     }
 }

@@ -136,6 +136,11 @@ pub struct WorkerEntry {
     /// Capacity facts by source ([`CapacitySource`]); written rarely (a worker added,
     /// registered, probed or a reload), each write resolving [`WorkerEntry::capacity`].
     capacity_sources: Mutex<[Option<crate::cluster::Capacity>; 3]>,
+    /// What its llama.cpp slots hold, for a worker with a `llama_slots` capacity (`None`
+    /// otherwise); used with `llama_slot_routing`: read when routing, written when a
+    /// request is sent to a slot and when it ends. One lock per worker, held for a scan of
+    /// its slots.
+    pub slots: parking_lot::Mutex<Option<kvroute_core::slots::SlotTable>>,
     /// The resolved capacity facts: configuration over registration over the worker's
     /// own report ([`crate::cluster::Capacity`]).
     capacity: ArcSwap<(crate::cluster::Capacity, kvroute_core::types::Capacity)>,
@@ -222,6 +227,7 @@ impl WorkerEntry {
             registration: arc_swap::ArcSwapOption::empty(),
             power: parking_lot::Mutex::default(),
             capacity_sources: Mutex::default(),
+            slots: parking_lot::Mutex::new(None),
             models_read_at: AtomicU64::new(0),
             role: AtomicU8::new(role_code(Role::Both)),
             bootstrap_port: OptU32::default(),
@@ -238,6 +244,16 @@ impl WorkerEntry {
         let mut sources = self.capacity_sources.lock();
         sources[source as usize] = c;
         let merged = sources.iter().rev().flatten().fold(crate::cluster::Capacity::default(), |base, c| c.over(&base));
+        // A new slot count (a restarted llama-server) starts a fresh record.
+        let mut slots = self.slots.lock();
+        match merged.llama_slots {
+            Some(n) if slots.as_ref().is_none_or(|t| t.len() != n as usize) => {
+                *slots = Some(kvroute_core::slots::SlotTable::new(n));
+            }
+            None => *slots = None,
+            Some(_) => {}
+        }
+        drop(slots);
         let core = merged.core();
         self.capacity.store(Arc::new((merged, core)));
     }

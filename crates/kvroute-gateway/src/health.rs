@@ -70,7 +70,7 @@ pub async fn fetch_models(client: &reqwest::Client, base: &str, timeout_secs: f6
 /// - SGLang `GET /server_info`: `tp_size`, `dtype` (unless `auto`), `max_running_requests`
 ///   → `max_concurrent`, `context_length` → `max_model_len`, with LoRA on
 ///   `max_loras_per_batch` → `max_loras`; kvroute engine-sim adds `vram_gb`;
-/// - llama.cpp `GET /props`: `total_slots` → `max_concurrent`,
+/// - llama.cpp `GET /props`: `total_slots` → `max_concurrent` and `llama_slots`,
 ///   `default_generation_settings.n_ctx` → `max_model_len`;
 /// - vLLM `GET /v1/models`: the first model's `max_model_len`.
 ///
@@ -123,6 +123,7 @@ pub fn capacity_from(
     }
     if let Some(p) = props {
         c.max_concurrent = c.max_concurrent.or(u32_of(p.get("total_slots")));
+        c.llama_slots = u32_of(p.get("total_slots")).map(|n| n.min(kvroute_core::slots::MAX_SLOTS as u32));
         c.max_model_len = c.max_model_len.or(u32_of(p.get("default_generation_settings").and_then(|d| d.get("n_ctx"))));
     }
     if let Some(m) = models {

@@ -120,6 +120,11 @@ pub struct Metrics {
     /// Requests sent again to the same worker after its keep-alive connection closed under
     /// them.
     pub stale_connection_resends: Counter,
+    /// Requests sent to a named llama.cpp slot (`llama_slot_routing`).
+    pub llama_slot_requests: Counter,
+    /// Of those, requests whose slot was busy: they wait for it rather than recompute
+    /// their prefix in another slot.
+    pub llama_slot_waits: Counter,
     /// 1 when the worker is routable.
     pub worker_healthy: Family<WorkerLabel, Gauge>,
     /// Requests in flight per worker (router's ledger).
@@ -254,6 +259,18 @@ impl Metrics {
             "kvroute_stale_connection_resends",
             "Requests sent again to the same worker after its keep-alive connection closed under them",
             stale_connection_resends.clone(),
+        );
+        let llama_slot_requests = Counter::default();
+        registry.register(
+            "kvroute_llama_slot_requests",
+            "Requests sent to a named llama.cpp slot (llama_slot_routing)",
+            llama_slot_requests.clone(),
+        );
+        let llama_slot_waits = Counter::default();
+        registry.register(
+            "kvroute_llama_slot_waits",
+            "Requests sent to a busy llama.cpp slot that holds their prefix (they wait for it)",
+            llama_slot_waits.clone(),
         );
         let worker_healthy = Family::<WorkerLabel, Gauge>::default();
         registry.register("kvroute_worker_healthy", "1 when the worker is routable", worker_healthy.clone());
@@ -469,6 +486,8 @@ impl Metrics {
             admission_rejections,
             retries,
             stale_connection_resends,
+            llama_slot_requests,
+            llama_slot_waits,
             worker_healthy,
             worker_in_flight,
         }

@@ -571,3 +571,64 @@ async fn the_default_policy_predicts_ttft_and_learns_from_what_engines_report() 
     w1.stop.cancel();
     w2.stop.cancel();
 }
+
+/// One llama.cpp-like worker (the engine simulator's `cpu-smollm2-135m` profile: 2 slots,
+/// no host prompt cache) holding document A in one slot and B in the other; a long
+/// streamed request on A is decoding when another request on A arrives, then one on B.
+/// Returns the cached prompt tokens the engine reported for those two, and the router's
+/// `kvroute_llama_slot_waits_total`.
+async fn two_documents_one_llama_worker(slot_routing: bool) -> (u64, u64, f64) {
+    let profile = Profile::named("cpu-smollm2-135m").expect("profile");
+    assert_eq!(profile.slots, 2);
+    let w = worker(EngineSimConfig { profile, time_scale: 20.0, ..EngineSimConfig::default() }).await;
+    let mut config = cfg(&[&w.url], "least_ttft");
+    config.llama_slot_routing = slot_routing;
+    let r = router(config).await;
+    let c = reqwest::Client::new();
+    common::eventually("the worker's slots in /workers", async || {
+        let v: serde_json::Value =
+            c.get(format!("{}/workers", r.url)).send().await.expect("workers").json().await.expect("json");
+        v.to_string().contains("\"llama_slots\":2")
+    })
+    .await;
+    let ask = |content: String, max_tokens: u32, stream: bool| {
+        let c = c.clone();
+        let url = format!("{}/v1/chat/completions", r.url);
+        async move {
+            let body = serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens, "stream": stream});
+            let resp = guard(c.post(url).json(&body).send()).await.expect("send");
+            assert_eq!(resp.status(), 200);
+            resp
+        }
+    };
+    let cached = |v: serde_json::Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached");
+    let (doc_a, doc_b) = ("a".repeat(1600), "b".repeat(1600));
+    guard(ask(format!("{doc_a} question 0"), 4, false).await.bytes()).await.expect("A");
+    guard(ask(format!("{doc_b} question 1"), 4, false).await.bytes()).await.expect("B");
+    // A long answer on A: its slot is busy until the stream ends.
+    let long = ask(format!("{doc_a} question 2"), 120, true).await;
+    let mut chunks = long.bytes_stream();
+    guard(chunks.next()).await.expect("a first chunk").expect("chunk");
+    let second = tokio::spawn(ask(format!("{doc_a} question 3"), 4, false));
+    while guard(chunks.next()).await.is_some() {}
+    let a = cached(guard(guard(second).await.expect("join").json()).await.expect("json"));
+    let b = cached(guard(ask(format!("{doc_b} question 4"), 4, false).await.json()).await.expect("json"));
+    let text = c.get(format!("{}/metrics", r.url)).send().await.expect("metrics").text().await.expect("text");
+    r.stop.cancel();
+    let _ = r.task.await;
+    w.stop.cancel();
+    (a, b, metric_sum(&text, "kvroute_llama_slot_waits_total"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama_slot_routing_keeps_two_documents_in_their_slots() {
+    // Unpinned, the second request on A takes B's idle slot and computes A there, and B's
+    // next request finds neither slot holding B: llama.cpp's slot swap.
+    let (a, b, waits) = two_documents_one_llama_worker(false).await;
+    assert_eq!((a, b, waits), (0, 0, 0.0), "without slot routing");
+    // Pinned (`id_slot`), it waits for A's slot and finds A there; B stays in its slot.
+    let (a, b, waits) = two_documents_one_llama_worker(true).await;
+    assert!(a >= 384 && b >= 384, "with slot routing: A {a}, B {b} cached tokens of ~405");
+    assert_eq!(waits, 1.0);
+}

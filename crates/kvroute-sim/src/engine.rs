@@ -29,6 +29,17 @@
 //! prefill work, and its first token is sampled by its first decode step — what SGLang's
 //! decode workers and vLLM's NIXL connector (`do_remote_prefill`) do.
 //!
+//! ## Slots (llama.cpp without a host prompt cache)
+//! A profile with `slots` > 0 models `llama-server --parallel N --cache-ram 0` instead of the
+//! paged cache: at most N requests run, each in a slot, and a slot keeps the blocks of the
+//! last prompt it ran, nothing else. A request's hit is the longest common leading run of
+//! its blocks with its slot's. Its slot is the one it names ([`EngineRequest::slot`],
+//! llama.cpp's `id_slot`; it waits while that slot is busy, and requests behind it that
+//! can run elsewhere go first), else, among idle slots, the one sharing the largest
+//! fraction of the prompt above llama.cpp's `--slot-prompt-similarity` default (0.1), else
+//! the least recently used (llama.cpp `get_available_slot`). Slots publish no KV events
+//! (llama.cpp has none).
+//!
 //! ## Step time
 //! `step = step_overhead + prefill_tokens × prefill_per_token + decode_seqs × decode_per_seq
 //!        + context_tokens × context_per_token` — a linear roofline: prefill is compute
@@ -64,6 +75,12 @@ pub struct Profile {
     pub decode_per_seq_s: f64,
     /// Attention/KV read cost per context token in the batch per step, seconds.
     pub context_per_token_s: f64,
+    /// llama.cpp slots without a host prompt cache (`llama-server --parallel N --cache-ram
+    /// 0`): the engine runs at most this many requests, each in a slot, and a prompt's KV is
+    /// kept only in the slot that ran it (see the module docs, "Slots"). 0 (the default) =
+    /// the paged prefix cache of vLLM and SGLang.
+    #[serde(default)]
+    pub slots: u32,
 }
 
 impl Profile {
@@ -85,7 +102,7 @@ impl Profile {
     /// - `cpu-smollm2-135m`: the llama.cpp worker measured on this 2-core machine
     ///   (`scripts/llama-workers.sh`, `shared/tools/prefix_cache_probe.py`): ≈70 prompt
     ///   tokens/s (14 ms/token), ≈30 ms per decode step, 2 slots, 8192-token context per
-    ///   slot.
+    ///   slot, started with `--cache-ram 0` as `scripts/llama-workers.sh` does: `slots` 2.
     pub fn named(name: &str) -> Option<Profile> {
         let p = match name {
             "h100-llama3-8b" => Profile::h100_llama3_8b(),
@@ -99,6 +116,7 @@ impl Profile {
                 prefill_per_token_s: 160e-6,
                 decode_per_seq_s: 40e-6,
                 context_per_token_s: 0.065e-6,
+                slots: 0,
             },
             "cpu-smollm2-135m" => Profile {
                 name: name.into(),
@@ -110,6 +128,7 @@ impl Profile {
                 prefill_per_token_s: 14e-3,
                 decode_per_seq_s: 1e-3,
                 context_per_token_s: 0.0,
+                slots: 2,
             },
             _ => return None,
         };
@@ -128,6 +147,7 @@ impl Profile {
             prefill_per_token_s: 50e-6,
             decode_per_seq_s: 30e-6,
             context_per_token_s: 0.04e-6,
+            slots: 0,
         }
     }
 
@@ -380,6 +400,9 @@ pub struct EngineRequest {
     /// work is done, and the first token comes from the request's first decode step.
     /// `false` (every colocated request) = today's behaviour.
     pub kv_transferred: bool,
+    /// The slot the request asks for (llama.cpp `id_slot`, taken modulo the slots), for a
+    /// profile with `slots`; ignored otherwise. `None`: the engine picks.
+    pub slot: Option<u32>,
 }
 
 /// Something that happened inside an engine.
@@ -420,7 +443,21 @@ struct Running {
     reserved_blocks: u64,
     anon_blocks: u64,
     committed: bool,
+    /// Its slot (profiles with `slots`): no paged-cache pins to release.
+    slot: Option<usize>,
 }
+
+/// One llama.cpp slot of a profile with `slots`.
+#[derive(Debug, Clone, Default)]
+struct SlotState {
+    /// Full blocks of the last prompt it ran.
+    blocks: Vec<BlockHash>,
+    busy: bool,
+    last_used: Nanos,
+}
+
+/// llama.cpp's `--slot-prompt-similarity` default.
+const SLOT_PROMPT_SIMILARITY: f64 = 0.1;
 
 /// Full (complete) prompt blocks of `req`: the partial tail block is never cached.
 fn full_blocks(req: &EngineRequest) -> usize {
@@ -476,6 +513,8 @@ pub struct Engine {
     max_waiting: usize,
     /// An idle engine's pending planning time after a submit.
     wake: Option<Nanos>,
+    /// Slots of a profile with `slots` (empty otherwise).
+    slots: Vec<SlotState>,
 }
 
 impl Engine {
@@ -483,6 +522,7 @@ impl Engine {
     /// `max_waiting` requests (beyond it, requests are rejected).
     pub fn new(profile: Profile, max_waiting: usize) -> Self {
         let blocks = profile.kv_tokens.div_ceil(profile.block_tokens as u64);
+        let slots = vec![SlotState::default(); profile.slots as usize];
         Engine {
             cache: KvCache::new(blocks),
             profile,
@@ -493,6 +533,7 @@ impl Engine {
             stats: EngineStats::default(),
             max_waiting: max_waiting.max(1),
             wake: None,
+            slots,
         }
     }
 
@@ -539,8 +580,19 @@ impl Engine {
     }
 
     /// Prompt tokens a request with `blocks` (of `block_tokens`) would find cached now.
+    /// With `slots`, the longest run any slot holds.
     pub fn cached_prefix_tokens(&self, blocks: &[BlockHash], block_tokens: u32, input_tokens: u32) -> u32 {
-        ((self.cache.lookup(blocks) as u64 * block_tokens as u64).min(input_tokens as u64)) as u32
+        let hit = if self.slots.is_empty() {
+            self.cache.lookup(blocks)
+        } else {
+            self.slots.iter().map(|s| common_prefix(&s.blocks, blocks)).max().unwrap_or(0)
+        };
+        ((hit as u64 * block_tokens as u64).min(input_tokens as u64)) as u32
+    }
+
+    /// Slots (profiles with `slots`): `(slots, busy slots)`; `None` for a paged-cache engine.
+    pub fn slot_counts(&self) -> Option<(u32, u32)> {
+        (!self.slots.is_empty()).then(|| (self.slots.len() as u32, self.slots.iter().filter(|s| s.busy).count() as u32))
     }
 
     /// Submits a request at `now`. It joins the batch at the next step boundary. Events
@@ -553,7 +605,9 @@ impl Engine {
         }
         let need =
             (req.input_tokens as u64 + req.output_tokens.max(1) as u64).div_ceil(self.profile.block_tokens as u64);
-        if need > self.cache.capacity() || self.waiting.len() >= self.max_waiting {
+        // A slot's context is the cache split evenly between the slots (llama.cpp `-c` / `-np`).
+        let room = self.cache.capacity() / self.slots.len().max(1) as u64;
+        if need > room || self.waiting.len() >= self.max_waiting {
             self.stats.rejected += 1;
             events.push(EngineEvent::Rejected { id: req.id, at: now });
             return;
@@ -653,8 +707,13 @@ impl Engine {
             let r = &self.running[i];
             if r.prefill_left == 0 && r.decoded >= r.req.output_tokens {
                 let r = self.running.swap_remove(i);
-                let pinned_upto = if r.committed { full_blocks(&r.req).max(r.hit_blocks) } else { r.hit_blocks };
-                self.cache.release(&r.req.blocks[..pinned_upto], r.anon_blocks, r.reserved_blocks);
+                if let Some(slot) = r.slot.and_then(|k| self.slots.get_mut(k)) {
+                    slot.busy = false;
+                    slot.last_used = end;
+                } else {
+                    let pinned_upto = if r.committed { full_blocks(&r.req).max(r.hit_blocks) } else { r.hit_blocks };
+                    self.cache.release(&r.req.blocks[..pinned_upto], r.anon_blocks, r.reserved_blocks);
+                }
                 self.stats.finished += 1;
                 events.push(EngineEvent::Finished { id: r.req.id, at: end });
             } else {
@@ -677,8 +736,12 @@ impl Engine {
                 chunks.push((i, n));
             }
         }
+        if !self.slots.is_empty() {
+            self.admit_to_slots(now, &mut budget, &mut decode_seqs, &mut chunks);
+        }
+        let p = &self.profile;
         // Admit waiting requests FIFO.
-        while budget > 0 && (self.running.len() as u32) < p.max_batch {
+        while self.slots.is_empty() && budget > 0 && (self.running.len() as u32) < p.max_batch {
             let Some(req) = self.waiting.front() else { break };
             let hit_blocks = self.cache.lookup(&req.blocks);
             let hit_tokens = (hit_blocks as u64 * req.block_tokens as u64).min(req.input_tokens as u64);
@@ -705,6 +768,7 @@ impl Engine {
                     reserved_blocks: need,
                     anon_blocks: 0,
                     committed: false,
+                    slot: None,
                     req,
                 });
                 continue;
@@ -723,6 +787,7 @@ impl Engine {
                 reserved_blocks: need,
                 anon_blocks: 0,
                 committed: false,
+                slot: None,
                 req,
             });
             chunks.push((idx, n));
@@ -731,6 +796,7 @@ impl Engine {
             self.step = None;
             return;
         }
+        let p = &self.profile;
         let context: u64 =
             self.running.iter().map(|r| (r.req.input_tokens - r.prefill_left) as u64 + r.decoded as u64).sum();
         let prefill_tokens: u64 = chunks.iter().map(|&(_, n)| n as u64).sum();
@@ -754,6 +820,99 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Admission of a profile with `slots` (module docs, "Slots"): waiting requests in
+    /// order, each into its named slot when that is idle (else it keeps waiting while later
+    /// ones go), or into the idle slot llama.cpp would pick.
+    fn admit_to_slots(&mut self, now: Nanos, budget: &mut u64, decode_seqs: &mut u64, chunks: &mut Vec<(usize, u32)>) {
+        let n = self.slots.len();
+        let mut i = 0;
+        while *budget > 0 && i < self.waiting.len() && self.running.len() < n {
+            let req = &self.waiting[i];
+            let full = full_blocks(req);
+            let slot = match req.slot {
+                Some(k) if self.slots[k as usize % n].busy => {
+                    i += 1;
+                    continue;
+                }
+                Some(k) => k as usize % n,
+                None => {
+                    let mut pick: Option<(f64, usize)> = None;
+                    for (k, s) in self.slots.iter().enumerate().filter(|(_, s)| !s.busy && !s.blocks.is_empty()) {
+                        let lcp = common_prefix(&s.blocks, &req.blocks[..full]) as f64 * req.block_tokens as f64;
+                        let sim = lcp / f64::from(req.input_tokens.max(1));
+                        if sim > SLOT_PROMPT_SIMILARITY && pick.is_none_or(|(best, _)| sim > best) {
+                            pick = Some((sim, k));
+                        }
+                    }
+                    match pick {
+                        Some((_, k)) => k,
+                        None => match self
+                            .slots
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, s)| !s.busy)
+                            .min_by_key(|(_, s)| s.last_used)
+                        {
+                            Some((k, _)) => k,
+                            None => break,
+                        },
+                    }
+                }
+            };
+            let Some(req) = self.waiting.remove(i) else { break };
+            let s = &mut self.slots[slot];
+            let hit_blocks = common_prefix(&s.blocks, &req.blocks[..full]);
+            s.blocks.clear();
+            s.blocks.extend_from_slice(&req.blocks[..full]);
+            s.busy = true;
+            s.last_used = now;
+            if req.kv_transferred {
+                self.stats.transferred_tokens += req.input_tokens as u64;
+                *budget -= 1;
+                *decode_seqs += 1;
+                self.running.push(Running {
+                    cached_tokens: req.input_tokens,
+                    hit_blocks,
+                    prefill_left: 0,
+                    decoded: 0,
+                    reserved_blocks: 0,
+                    anon_blocks: 0,
+                    committed: true,
+                    slot: Some(slot),
+                    req,
+                });
+                continue;
+            }
+            let hit_tokens = (hit_blocks as u64 * req.block_tokens as u64)
+                .min(req.input_tokens as u64)
+                .min((req.input_tokens as u64).saturating_sub(1));
+            self.stats.prefix_queries_tokens += req.input_tokens as u64;
+            self.stats.prefix_hit_tokens += hit_tokens;
+            let prefill = (req.input_tokens as u64 - hit_tokens).max(1) as u32;
+            let take = (prefill as u64).min(*budget) as u32;
+            *budget -= take as u64;
+            chunks.push((self.running.len(), take));
+            self.running.push(Running {
+                cached_tokens: hit_tokens as u32,
+                hit_blocks,
+                prefill_left: prefill,
+                decoded: 0,
+                reserved_blocks: 0,
+                anon_blocks: 0,
+                committed: true,
+                slot: Some(slot),
+                req,
+            });
+        }
+    }
+}
+
+/// Length of the common leading run of two block chains.
+fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -769,6 +928,7 @@ mod tests {
             prefill_per_token_s: 0.001,
             decode_per_seq_s: 0.0,
             context_per_token_s: 0.0,
+            slots: 0,
         }
     }
 
@@ -781,6 +941,7 @@ mod tests {
             block_tokens: 16,
             token_ids: None,
             kv_transferred: false,
+            slot: None,
         }
     }
 
@@ -788,6 +949,50 @@ mod tests {
         let mut ev = Vec::new();
         e.advance(Nanos(u64::MAX), &mut ev);
         ev
+    }
+
+    /// Two documents of 4 blocks (A: 1..=4, B: 10..=13) on a 2-slot llama.cpp engine, each
+    /// run once; then two requests on A arrive together, then one on B. Returns the cached
+    /// tokens of the last three, with `pin` = the slot A's requests name.
+    fn two_documents_on_two_slots(pin: Option<u32>) -> Vec<u32> {
+        let mut e = Engine::new(Profile { slots: 2, ..profile() }, 16);
+        let mut ev = Vec::new();
+        e.submit(req(1, &[1, 2, 3, 4], 64, 1), Nanos::ZERO, &mut ev);
+        e.submit(req(2, &[10, 11, 12, 13], 64, 1), Nanos::ZERO, &mut ev);
+        run(&mut e);
+        assert_eq!(e.slot_counts(), Some((2, 0)));
+        let t = Nanos::from_secs(1);
+        let a = |id, tail| EngineRequest { slot: pin, ..req(id, &[1, 2, 3, 4, tail], 80, 4) };
+        e.submit(a(3, 5), t, &mut ev);
+        e.submit(a(4, 6), t, &mut ev);
+        let mut first: Vec<(u64, u32)> = run(&mut e)
+            .into_iter()
+            .filter_map(|x| match x {
+                EngineEvent::FirstToken { id, cached_tokens, .. } => Some((id, cached_tokens)),
+                _ => None,
+            })
+            .collect();
+        e.submit(req(5, &[10, 11, 12, 13, 14], 80, 1), Nanos::from_secs(2), &mut ev);
+        for x in run(&mut e) {
+            if let EngineEvent::FirstToken { id, cached_tokens, .. } = x {
+                first.push((id, cached_tokens));
+            }
+        }
+        first.sort();
+        first.into_iter().map(|(_, c)| c).collect()
+    }
+
+    #[test]
+    fn unpinned_requests_sharing_a_busy_slot_take_and_evict_the_other_slot() {
+        // Request 4 finds A's slot busy, takes B's and computes A again there (0 cached);
+        // B is gone, so request 5 misses too: llama.cpp's slot swap.
+        assert_eq!(two_documents_on_two_slots(None), vec![64, 0, 0]);
+    }
+
+    #[test]
+    fn a_request_naming_its_slot_waits_for_it_and_the_other_document_stays() {
+        // Slot 0 got A first (both empty: the least recently used, the first).
+        assert_eq!(two_documents_on_two_slots(Some(0)), vec![64, 64, 64]);
     }
 
     #[test]

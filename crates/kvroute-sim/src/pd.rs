@@ -350,6 +350,7 @@ impl Sim<'_> {
             block_tokens: r.block_tokens,
             token_ids: None,
             kv_transferred,
+            slot: None,
         };
         self.engines[k].submit(req, now, events);
         self.handle(k, events);

@@ -15,6 +15,7 @@ use kvroute_core::ledger::{LoadLedger, Ticket};
 use kvroute_core::policy::{Observation, PickCtx, Policy, route};
 use kvroute_core::precise::PredictWindow;
 use kvroute_core::registry;
+use kvroute_core::slots::SlotTable;
 use kvroute_core::types::{BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
 use rand_core::SeedableRng;
 use serde::Serialize;
@@ -39,6 +40,12 @@ pub struct ReplayConfig {
     pub engine_signals: bool,
     /// Where the router's prefix state comes from.
     pub prefix_state: PrefixState,
+    /// With a profile with llama.cpp `slots`: the router keeps a
+    /// [`kvroute_core::slots::SlotTable`] per engine, as `kvroute serve` does with
+    /// `llama_slot_routing` — each view's `cached_tokens` is what the chosen slot holds of
+    /// the request, and the request names that slot (llama.cpp `id_slot`). Off, or a
+    /// paged-cache profile: requests name no slot and the engine picks.
+    pub slot_routing: bool,
 }
 
 /// Where the router's prefix state comes from in a replay.
@@ -192,6 +199,12 @@ pub fn request_view(r: &TraceRequest, role: Role) -> RequestView<'_> {
     }
 }
 
+/// The full blocks of a trace request's prompt: what a llama.cpp slot keeps of it.
+fn slot_blocks(r: &TraceRequest) -> &[kvroute_core::types::BlockHash] {
+    let full = (r.input_tokens / r.block_tokens.max(1)) as usize;
+    &r.blocks[..full.min(r.blocks.len())]
+}
+
 /// What the router sees of the engines at one instant: its ledger, its predictions of the
 /// engines' caches (precise prefix state), the replay's settings and the time.
 pub(crate) struct RouterView<'a> {
@@ -208,6 +221,10 @@ impl RouterView<'_> {
     pub(crate) fn of(&self, w: usize, role: Role, e: &Engine, util: &mut BusyWindow, r: &TraceRequest) -> WorkerView {
         let mut v = WorkerView::idle(WorkerId(w as u32));
         v.role = role;
+        // What the gateway's capacity probe reads: SGLang `max_running_requests`, llama.cpp
+        // `total_slots`.
+        let p = &self.cfg.profile;
+        v.capacity.max_concurrent = if p.slots > 0 { p.slots } else { p.max_batch };
         self.ledger.fill(&mut v);
         if self.cfg.engine_signals {
             v.engine_queue = Some(e.num_waiting());
@@ -265,7 +282,21 @@ pub fn replay(
     // Each routed request's predictions (TTFT, cached tokens), handed back to the policy
     // with what the engine reports at its first token (Policy::observe), as the gateway does.
     let mut expected: Vec<Option<Observation>> = (0..trace.len()).map(|_| None).collect();
+    // The router's record of each engine's slots, and each request's (engine, slot).
+    let mut slot_tables: Vec<SlotTable> = if cfg.slot_routing && cfg.profile.slots > 0 {
+        (0..cfg.engines).map(|_| SlotTable::new(cfg.profile.slots)).collect()
+    } else {
+        Vec::new()
+    };
+    let mut slot_of: Vec<Option<(usize, u32)>> = vec![None; if slot_tables.is_empty() { 0 } else { trace.len() }];
+    let free_slot = |tables: &mut Vec<SlotTable>, slot_of: &mut Vec<Option<(usize, u32)>>, id: u64, at: Nanos| {
+        if let Some((w, k)) = slot_of.get_mut(id as usize).and_then(Option::take) {
+            tables[w].finish(k, at);
+        }
+    };
     let handle = |events: &mut Vec<EngineEvent>,
+                  slot_tables: &mut Vec<SlotTable>,
+                  slot_of: &mut Vec<Option<(usize, u32)>>,
                   ledger: &mut LoadLedger,
                   tickets: &mut Vec<Option<Ticket>>,
                   outcomes: &mut Vec<Outcome>,
@@ -289,12 +320,14 @@ pub fn replay(
                     }
                 }
                 EngineEvent::Finished { id, at } => {
+                    free_slot(slot_tables, slot_of, id, at);
                     outcomes[id as usize].finished = Some(at);
                     if let Some(t) = tickets[id as usize].take() {
                         ledger.completed(t);
                     }
                 }
                 EngineEvent::Rejected { id, at } => {
+                    free_slot(slot_tables, slot_of, id, at);
                     settle(predicted, &outcomes[id as usize], id, at);
                     outcomes[id as usize].rejected = true;
                     if let Some(t) = tickets[id as usize].take() {
@@ -310,7 +343,17 @@ pub fn replay(
         for e in engines.iter_mut() {
             e.advance(now, &mut events);
         }
-        handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted, &mut expected, policy.as_mut());
+        handle(
+            &mut events,
+            &mut slot_tables,
+            &mut slot_of,
+            &mut ledger,
+            &mut tickets,
+            &mut outcomes,
+            &mut predicted,
+            &mut expected,
+            policy.as_mut(),
+        );
         while now >= next_maintain {
             policy.maintain(next_maintain, usize::MAX);
             next_maintain = next_maintain.saturating_add(interval.unwrap_or(Nanos(u64::MAX)));
@@ -318,7 +361,13 @@ pub fn replay(
         views.clear();
         for (w, e) in engines.iter().enumerate() {
             let view = RouterView { ledger: &ledger, predicted: &predicted, cfg, now };
-            views.push(view.of(w, Role::Both, e, &mut util[w], r));
+            let mut v = view.of(w, Role::Both, e, &mut util[w], r);
+            if let Some(t) = slot_tables.get(w) {
+                let c = t.choose(slot_blocks(r), r.block_tokens, r.input_tokens);
+                v.cached_tokens =
+                    Some((c.cached_blocks as u64 * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)));
+            }
+            views.push(v);
         }
         let req = request_view(r, Role::Both);
         let mut ctx = PickCtx { now, rng: &mut rng };
@@ -339,6 +388,12 @@ pub fn replay(
                     ttft_secs: None,
                     cached_tokens: None,
                 });
+                let slot = slot_tables.get_mut(w).map(|t| {
+                    let c = t.choose(slot_blocks(r), r.block_tokens, r.input_tokens);
+                    t.start(c.slot, slot_blocks(r), now);
+                    slot_of[i] = Some((w, c.slot));
+                    c.slot
+                });
                 engines[w].submit(
                     EngineRequest {
                         id: i as u64,
@@ -348,12 +403,15 @@ pub fn replay(
                         block_tokens: r.block_tokens,
                         token_ids: None,
                         kv_transferred: false,
+                        slot,
                     },
                     now,
                     &mut events,
                 );
                 handle(
                     &mut events,
+                    &mut slot_tables,
+                    &mut slot_of,
                     &mut ledger,
                     &mut tickets,
                     &mut outcomes,
@@ -371,7 +429,17 @@ pub fn replay(
     for e in engines.iter_mut() {
         e.advance(Nanos(u64::MAX), &mut events);
     }
-    handle(&mut events, &mut ledger, &mut tickets, &mut outcomes, &mut predicted, &mut expected, policy.as_mut());
+    handle(
+        &mut events,
+        &mut slot_tables,
+        &mut slot_of,
+        &mut ledger,
+        &mut tickets,
+        &mut outcomes,
+        &mut predicted,
+        &mut expected,
+        policy.as_mut(),
+    );
     progress(trace.len());
     Ok(ReplayResult {
         policy: cfg.policy.clone(),

@@ -28,6 +28,7 @@ fn cfg(policy: &str, engines: usize, prefix_state: PrefixState) -> ReplayConfig 
         max_waiting: 64,
         engine_signals: true,
         prefix_state,
+        slot_routing: false,
     }
 }
 

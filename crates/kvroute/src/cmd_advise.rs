@@ -169,6 +169,7 @@ fn evaluate(
                         max_waiting: 4096,
                         engine_signals: true,
                         prefix_state: PrefixState::Approximate,
+                        slot_routing: false,
                     };
                     let r = replay(&traces[k], &cfg, &mut |_| {})
                         .map(|res| summarise(&res, 1.0, infinite, slo))

@@ -100,7 +100,10 @@ pub struct Args {
     pub no_engine_signals: bool,
     /// Router prefix state, comma-separated: `approximate` (each policy's own index of what
     /// it routed) and/or `precise` (the engines' real cache contents, as from KV events;
-    /// reported as `POLICY/precise`; prefix-blind policies run once).
+    /// reported as `POLICY/precise`; prefix-blind policies run once) and/or `slots` (with a
+    /// profile with llama.cpp slots, e.g. `cpu-smollm2-135m`: the router tracks each
+    /// engine's slots and names the slot of every request, as `kvroute serve
+    /// --llama-slot-routing` does; reported as `POLICY/slots`, every policy runs).
     #[arg(long, default_value = "approximate")]
     pub prefix_state: String,
     /// Predict-on-route window of the precise prefix state, seconds (0 turns it off).
@@ -137,6 +140,7 @@ struct Run {
     rate: f64,
     capped: bool,
     prefix_state: PrefixState,
+    slot_routing: bool,
 }
 
 fn policies(spec: &str) -> anyhow::Result<Vec<(String, String, bool)>> {
@@ -162,16 +166,18 @@ fn policies(spec: &str) -> anyhow::Result<Vec<(String, String, bool)>> {
     Ok(out)
 }
 
-fn parse_prefix_states(spec: &str, window_secs: f64) -> anyhow::Result<Vec<PrefixState>> {
+/// The `--prefix-state` list: each a prefix state and whether the router tracks slots.
+fn parse_prefix_states(spec: &str, window_secs: f64) -> anyhow::Result<Vec<(PrefixState, bool)>> {
     if !(window_secs.is_finite() && window_secs >= 0.0) {
         bail!("--predict-window-secs: {window_secs} must be >= 0");
     }
     let mut out = Vec::new();
     for p in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         out.push(match p {
-            "approximate" => PrefixState::Approximate,
-            "precise" => PrefixState::Precise { predict_window: Nanos::from_secs_f64(window_secs) },
-            other => bail!("--prefix-state: unknown `{other}`; known: approximate, precise"),
+            "approximate" => (PrefixState::Approximate, false),
+            "precise" => (PrefixState::Precise { predict_window: Nanos::from_secs_f64(window_secs) }, false),
+            "slots" => (PrefixState::Approximate, true),
+            other => bail!("--prefix-state: unknown `{other}`; known: approximate, precise, slots"),
         });
     }
     if out.is_empty() {
@@ -307,20 +313,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let prefix_aware: Vec<&str> =
         kvroute_core::registry::list().into_iter().filter(|i| i.prefix_aware).map(|i| i.name).collect();
+    let first_plain = states.iter().find(|s| !s.1).map(|s| s.0);
     let mut runs = Vec::new();
     for &rate in &rates {
-        for &prefix_state in &states {
+        for &(prefix_state, slot_routing) in &states {
             for (p, label, cap) in &pols {
-                // A prefix-blind policy routes the same with either prefix state: run it once.
+                // A prefix-blind policy routes the same with either prefix state: run it once
+                // (slot routing changes which slot it takes: run it).
                 let blind = !prefix_aware.contains(&p.as_str());
-                if blind && prefix_state != states[0] {
+                if blind && !slot_routing && Some(prefix_state) != first_plain {
                     continue;
                 }
                 let label = match prefix_state {
+                    _ if slot_routing => format!("{label}/slots"),
                     PrefixState::Precise { .. } if !blind => format!("{label}/precise"),
                     _ => label.clone(),
                 };
-                runs.push(Run { policy: p.clone(), label, rate, capped: *cap, prefix_state });
+                runs.push(Run { policy: p.clone(), label, rate, capped: *cap, prefix_state, slot_routing });
             }
         }
     }
@@ -351,6 +360,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         max_waiting: args.max_waiting,
                         engine_signals: !args.no_engine_signals,
                         prefix_state: run.prefix_state,
+                        slot_routing: run.slot_routing,
                     };
                     let mut last = 0usize;
                     let mut tick = |n: usize| {

@@ -156,6 +156,10 @@ pub struct Args {
     /// Startup parity check of each KV-event worker (true/false; default true).
     #[arg(long, env = "KVROUTE_KV_PARITY_CHECK")]
     pub kv_parity_check: Option<bool>,
+    /// The llama.cpp workers run `--cache-ram 0`: track what each of their slots holds and
+    /// name each request's slot (`id_slot`) (true/false; default false).
+    #[arg(long, env = "KVROUTE_LLAMA_SLOT_ROUTING")]
+    pub llama_slot_routing: Option<bool>,
     /// Local tokenizer for token-accurate routing keys: a GGUF model file (llama.cpp
     /// workers) or a Hugging Face tokenizer.json (tokenizer_config.json beside it).
     #[arg(long, env = "KVROUTE_TOKENIZER")]
@@ -231,6 +235,7 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         seed,
         kv_predict_window_secs,
         kv_parity_check,
+        llama_slot_routing,
         api_key_rpm,
         api_key_tpm,
         record_max_bytes,

@@ -33,6 +33,9 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+/// Suffix of a kvroute policy name in `--policies` that turns on llama.cpp slot routing.
+pub const SLOTS_SUFFIX: &str = "/slots";
+
 /// Flags of `kvroute bench compare`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -45,7 +48,9 @@ pub struct Args {
     /// simulated workers.
     #[arg(long, value_delimiter = ',', default_value = "sglang-router,vllm-router,smg,dynamo")]
     pub peers: Vec<String>,
-    /// kvroute policies to run.
+    /// kvroute policies to run. A name ending in `/slots` runs kvroute with
+    /// `--llama-slot-routing true` (llama.cpp workers without a host prompt cache:
+    /// `--llama-cache-ram 0`).
     #[arg(
         long,
         value_delimiter = ',',
@@ -338,7 +343,10 @@ impl Ctx {
             "kvroute" => {
                 let mut a = vec!["serve".to_string()];
                 a.extend(host.iter().cloned());
-                a.extend(policy.iter().cloned());
+                match t.policy.strip_suffix(SLOTS_SUFFIX) {
+                    Some(name) => a.extend(["--policy", name, "--llama-slot-routing", "true"].map(String::from)),
+                    None => a.extend(policy.iter().cloned()),
+                }
                 a.push("--worker-urls".into());
                 a.push(workers.join(","));
                 // Engine signals as deployed in front of vLLM: /metrics scraped every
@@ -399,7 +407,7 @@ impl Ctx {
             bail!("{} is not installed (run scripts/compare-peers.sh, which installs the peers)", program.display());
         }
         args.shrink_to_fit();
-        let child = self.spawn(&program, &args, &t.label().replace(' ', "-"))?;
+        let child = self.spawn(&program, &args, &t.label().replace([' ', '/'], "-"))?;
         let url = format!("http://127.0.0.1:{port}");
         let warm = serde_json::json!({"model": self.model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1});
         self.wait_ok(&format!("{url}/v1/chat/completions"), Some(&warm), Duration::from_secs(90))
@@ -495,7 +503,8 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         }
     }
     for p in &a.policies {
-        kvroute_core::registry::build(p, &serde_json::Value::Null).with_context(|| format!("--policies: {p}"))?;
+        let name = p.strip_suffix(SLOTS_SUFFIX).unwrap_or(p);
+        kvroute_core::registry::build(name, &serde_json::Value::Null).with_context(|| format!("--policies: {p}"))?;
     }
     let peers_dir = a.peers_dir.clone().unwrap_or_else(|| {
         std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from).join(".cache/kvroute/peers")

@@ -25,7 +25,9 @@
 //!   paid again by every request that will queue behind it — but only when there is a
 //!   queue. `prefill_cost` charges the second part always (`miss_weight` 8); here it grows
 //!   with the fleet's queue (`mean_waiting`, requests without a first token per worker, from
-//!   the ledger) and is full from `miss_queue_scale` (32) waiting requests per worker. In a
+//!   the ledger) and is full from `miss_queue_scale` (32) waiting requests per worker, or
+//!   from the workers' mean `max_concurrent` when that is smaller (a llama.cpp worker runs
+//!   as many requests as it has slots, often 1–4: two waiting there is a long queue). In a
 //!   light fleet a request goes where its own TTFT is least, even if that means computing
 //!   a prefix another worker holds (a popular tool prompt, a conversation's history); in a
 //!   queued one, misses are avoided as in `prefill_cost`, which keeps capacity for the
@@ -242,13 +244,21 @@ impl LeastTtft {
         self.profiles.values().filter(|p| p.hit_samples > 0).map(|p| p.hit_ratio).reduce(f64::max).unwrap_or(1.0)
     }
 
-    /// The share of `miss_weight − 1` charged now: `min(1, mean waiting / miss_queue_scale)`
-    /// over the routable workers (1 when `miss_queue_scale` is 0).
+    /// The share of `miss_weight − 1` charged now: `min(1, mean waiting / scale)` over the
+    /// routable workers, `scale` being `miss_queue_scale` or, when smaller, the workers'
+    /// mean `max_concurrent` — a queue is full when it holds what a worker runs at once (a
+    /// llama.cpp worker with 2 slots: 2) — and 1 when `miss_queue_scale` is 0.
     fn miss_share(&self, c: &[WorkerView]) -> f64 {
         if self.cfg.miss_queue_scale == 0.0 {
             return 1.0;
         }
-        (mean_waiting(c) / self.cfg.miss_queue_scale).min(1.0)
+        let (n, concurrent) = c
+            .iter()
+            .filter(|w| w.is_routable())
+            .fold((0u32, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.capacity.max_concurrent.max(1))));
+        let scale =
+            if n == 0 { self.cfg.miss_queue_scale } else { self.cfg.miss_queue_scale.min(concurrent / f64::from(n)) };
+        (mean_waiting(c) / scale).min(1.0)
     }
 
     #[allow(clippy::too_many_arguments)]

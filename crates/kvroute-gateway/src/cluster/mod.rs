@@ -64,6 +64,11 @@ pub struct Capacity {
     /// `context_length`, llama.cpp `n_ctx`): shown in `/workers`, not scored.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_model_len: Option<u32>,
+    /// llama.cpp slots (`llama-server --parallel`, `/props` `total_slots`): with
+    /// `llama_slot_routing` the router tracks what each slot holds and names a request's
+    /// slot ([`kvroute_core::slots`]). Unset for engines without slots (vLLM, SGLang).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub llama_slots: Option<u32>,
     /// Fields this version does not know: ignored in a registration (a newer sidecar may
     /// add some), refused in the configuration file.
     #[serde(flatten, skip_serializing)]
@@ -81,6 +86,7 @@ impl Capacity {
             max_concurrent: self.max_concurrent.or(base.max_concurrent),
             max_loras: self.max_loras.or(base.max_loras),
             max_model_len: self.max_model_len.or(base.max_model_len),
+            llama_slots: self.llama_slots.or(base.llama_slots),
             unknown: BTreeMap::new(),
         }
     }
@@ -97,6 +103,11 @@ impl Capacity {
         }
         if self.tp_size == Some(0) {
             return Err("tp_size: expected at least 1".into());
+        }
+        if let Some(n) = self.llama_slots
+            && !(1..=kvroute_core::slots::MAX_SLOTS as u32).contains(&n)
+        {
+            return Err(format!("llama_slots: {n}, expected 1 to {}", kvroute_core::slots::MAX_SLOTS));
         }
         if self.max_concurrent == Some(0) {
             return Err("max_concurrent: expected at least 1".into());

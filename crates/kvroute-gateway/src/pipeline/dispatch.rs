@@ -89,6 +89,57 @@ pub struct Sent {
     /// The decision's predictions, to hand back to the policy with what the request met
     /// (`None` when a retry target answered instead of the chosen worker).
     pub observe: Option<Observe>,
+    /// Its llama.cpp slot (`llama_slot_routing`), released in the record when it drops.
+    pub slot: Option<SlotHold>,
+}
+
+/// A request's place on one llama.cpp slot of its worker, in the router's
+/// [`kvroute_core::slots::SlotTable`]: taken when the attempt is sent, released when this
+/// drops (answered, failed, or the client went away).
+#[derive(Debug)]
+pub struct SlotHold {
+    worker: Arc<WorkerEntry>,
+    /// The slot (llama.cpp `id_slot`).
+    pub slot: u32,
+    taken_at: Nanos,
+    taken: Instant,
+}
+
+impl SlotHold {
+    /// Chooses `w`'s slot for the request `key` and commits it (one lock of that worker).
+    /// `None` when `w` has no slots.
+    pub fn take(s: &AppState, w: &Arc<WorkerEntry>, key: &super::route::SlotKey) -> Option<SlotHold> {
+        let now = s.now();
+        let choice = {
+            let mut slots = w.slots.lock();
+            let t = slots.as_mut()?;
+            let c = t.choose(&key.blocks, key.block_tokens, key.input_tokens);
+            t.start(c.slot, &key.blocks, now);
+            c
+        };
+        s.metrics.llama_slot_requests.inc();
+        if choice.waits {
+            s.metrics.llama_slot_waits.inc();
+        }
+        Some(SlotHold { worker: Arc::clone(w), slot: choice.slot, taken_at: now, taken: Instant::now() })
+    }
+}
+
+impl Drop for SlotHold {
+    fn drop(&mut self) {
+        let now = Nanos(self.taken_at.0.saturating_add(self.taken.elapsed().as_nanos().min(u64::MAX as u128) as u64));
+        if let Some(t) = self.worker.slots.lock().as_mut() {
+            t.finish(self.slot, now);
+        }
+    }
+}
+
+/// `body` with llama.cpp's `"id_slot": slot` set (the OpenAI-compatible endpoints pass it
+/// through to the slot scheduler); `None` when the body is not a JSON object.
+pub fn with_id_slot(body: &Bytes, slot: u32) -> Option<Bytes> {
+    let mut v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).ok()?;
+    v.insert("id_slot".into(), slot.into());
+    serde_json::to_vec(&v).ok().map(Bytes::from)
 }
 
 /// What the decision expected of the request on its chosen worker — its TTFT (for a
@@ -219,13 +270,17 @@ pub async fn send(
             committed = true;
             let ticket = w.load.dispatched(uncached, output);
             let shared = s.sync.as_ref().map(|sync| sync.routed(routed, &req, &w.url, uncached, output));
+            // llama.cpp (OpenAI-compatible endpoints only; it serves no `/generate`).
+            let slot = routed.slot_key.as_ref().filter(|_| api != Api::Generate).and_then(|k| SlotHold::take(s, w, k));
+            let pinned = slot.as_ref().and_then(|h| with_id_slot(bytes, h.slot));
             let started = Instant::now();
-            let answer = match attempt(s, api, w, bytes, headers, timeout, first_byte_by).await {
-                Ok(resp) if info.stream && resp.status().is_success() => Ok((resp, None)),
-                // Non-streaming: the whole body is read before anything reaches the client.
-                Ok(resp) => read_whole(resp).await,
-                Err(f) => Err(f),
-            };
+            let answer =
+                match attempt(s, api, w, pinned.as_ref().unwrap_or(bytes), headers, timeout, first_byte_by).await {
+                    Ok(resp) if info.stream && resp.status().is_success() => Ok((resp, None)),
+                    // Non-streaming: the whole body is read before anything reaches the client.
+                    Ok(resp) => read_whole(resp).await,
+                    Err(f) => Err(f),
+                };
             match answer {
                 Ok((resp, body)) => {
                     let observe = (w.id == d.worker && resp.status().is_success()).then(|| Observe {
@@ -242,7 +297,7 @@ pub async fn send(
                         started,
                     });
                     let worker = Arc::clone(w);
-                    return Ok(Sent { resp, body, worker, ticket, shared, predicted, first_byte_by, observe });
+                    return Ok(Sent { resp, body, worker, ticket, shared, predicted, first_byte_by, observe, slot });
                 }
                 Err(Failure::Timeout { first_byte }) => {
                     s.record_failure(w);

@@ -237,6 +237,7 @@ impl Pair<'_> {
                         predicted: None,
                         first_byte_by,
                         observe: None,
+                        slot: None,
                     };
                     return Ok((sent, pw.url.to_string()));
                 }

@@ -43,7 +43,7 @@ pub fn respond(
     t0: Instant,
     record: Option<crate::record::Pending>,
 ) -> Result<Response, ApiError> {
-    let Sent { resp, body, worker, mut ticket, shared, predicted, first_byte_by, observe } = sent;
+    let Sent { resp, body, worker, mut ticket, shared, predicted, first_byte_by, observe, slot } = sent;
     let status = resp.status();
     let mut builder = Response::builder().status(status.as_u16());
     if let Some(c) = resp.headers().get(header::CONTENT_TYPE) {
@@ -66,6 +66,7 @@ pub fn respond(
             tap: (record.is_some() || observe.is_some()).then(StreamTokens::default),
             record,
             observe,
+            _slot: slot,
             _permit: permit,
         };
         let limits = Silence {
@@ -94,6 +95,7 @@ pub fn respond(
     }
     ticket.first_token();
     ticket.close();
+    drop(slot);
     drop(shared);
     worker.record_success();
     let secs = t0.elapsed().as_secs_f64();
@@ -175,6 +177,8 @@ struct StreamGuard {
     tap: Option<StreamTokens>,
     /// The decision's predictions, handed back with what the request met.
     observe: Option<Observe>,
+    /// Its llama.cpp slot, released in the router's record when the stream ends.
+    _slot: Option<super::dispatch::SlotHold>,
     _permit: Permit,
 }
 

@@ -112,6 +112,55 @@ pub struct Routed {
     /// The request's engine block hashes per engine block size (precise workers only), for
     /// predict-on-route at commit.
     pub engine_blocks: Vec<(u32, Arc<[BlockHash]>)>,
+    /// The request's prompt as llama.cpp slots hold it (`llama_slot_routing` with a
+    /// candidate that has slots), for the slot choice at dispatch.
+    pub slot_key: Option<SlotKey>,
+}
+
+/// A request's prompt for [`kvroute_core::slots::SlotTable`]: chained hashes of its
+/// `block_tokens`-token blocks (engine tokens when known, else text chunks), at most
+/// [`kvroute_core::slots::MAX_SLOT_BLOCKS`].
+#[derive(Debug, Clone)]
+pub struct SlotKey {
+    /// Block hashes.
+    pub blocks: Vec<BlockHash>,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Prompt tokens (exact or estimated).
+    pub input_tokens: u32,
+}
+
+/// Block size of [`SlotKey`], tokens.
+pub const SLOT_BLOCK_TOKENS: u32 = 16;
+
+/// With `llama_slot_routing`, sets each slotted worker's `cached_tokens` (unless its KV
+/// events set it) to what the slot the request would take there holds of it, and returns
+/// the request's slot key; `None` when no candidate has slots.
+fn slot_cached_tokens(s: &AppState, req: &kvroute_core::RequestView<'_>, c: &mut Candidates) -> Option<SlotKey> {
+    if !s.cfg.llama_slot_routing || !c.entries.iter().any(|e| e.slots.lock().is_some()) {
+        return None;
+    }
+    let mut blocks = Vec::new();
+    kvroute_core::hash::request_blocks(
+        req,
+        SLOT_BLOCK_TOKENS as usize,
+        kvroute_core::slots::MAX_SLOT_BLOCKS,
+        HashAlgo::Xxh3,
+        &mut blocks,
+    );
+    let block_tokens = req.blocks.map_or(SLOT_BLOCK_TOKENS, |b| b.block_tokens);
+    let key = SlotKey { blocks, block_tokens, input_tokens: req.input_tokens };
+    for (v, e) in c.views.iter_mut().zip(&c.entries) {
+        if v.cached_tokens.is_some() {
+            continue;
+        }
+        if let Some(t) = e.slots.lock().as_ref() {
+            let choice = t.choose(&key.blocks, key.block_tokens, key.input_tokens);
+            let tokens = choice.cached_blocks as u64 * u64::from(key.block_tokens);
+            v.cached_tokens = Some(tokens.min(u64::from(key.input_tokens)));
+        }
+    }
+    Some(key)
 }
 
 /// Decides for the request (no side effect): candidates from the fleet snapshot, the
@@ -163,6 +212,7 @@ pub fn decide_in(
     }
     let engine_blocks = precise_cached_tokens(s, precise, &mut candidates);
     let req = precise_view(info, model, precise);
+    let slot_key = slot_cached_tokens(s, &req, &mut candidates);
     let router = routers.get(model, s.now());
     let t0 = Instant::now();
     let mut rng = routers.rng();
@@ -175,7 +225,7 @@ pub fn decide_in(
         s.metrics.match_rate.observe(decision.match_rate());
     }
     let chosen_precise = candidates.views.iter().any(|v| v.id == decision.worker && v.cached_tokens.is_some());
-    Ok(Routed { decision, key, router, candidates, chosen_precise, engine_blocks })
+    Ok(Routed { decision, key, router, candidates, chosen_precise, engine_blocks, slot_key })
 }
 
 /// Sets each precise worker's `cached_tokens` in its view from the KV-event index and
