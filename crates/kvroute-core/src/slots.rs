@@ -31,9 +31,15 @@ pub const MAX_SLOTS: usize = 256;
 pub const MAX_SLOT_BLOCKS: usize = 65_536;
 
 /// A request waits for a busy slot instead of taking an idle one only when the busy slot
-/// holds at least this share of its prompt more than the best idle slot does: waiting costs
-/// the running request's remaining time, missing costs the recomputed prefix *and* the
-/// prompt the idle slot held.
+/// holds more than this share of its prompt beyond what the best idle slot holds, times the
+/// requests already on the slot: waiting costs the running request's remaining time,
+/// missing costs the recomputed prefix *and* the prompt the idle slot held. With 0.5 a
+/// request waits behind the running one only, never behind another waiting one.
+///
+/// Chosen in the replay (docs/replay.md, "llama.cpp slots"): never waiting while a slot is
+/// idle gave 0.30–0.70 × the knee 2.96–6.27 s mean TTFT against 2.45–5.07 s; 0.25 and 0.75
+/// were no better; counting the queue (rather than waiting behind any number) lowered
+/// ×0.3–×0.5's mean and p99.
 pub const WAIT_SHARE: f64 = 0.5;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -55,7 +61,7 @@ pub struct SlotChoice {
 }
 
 /// The router's record of one llama.cpp worker's slots. See the module docs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SlotTable {
     slots: Vec<Slot>,
 }
@@ -92,7 +98,7 @@ impl SlotTable {
     /// - Among idle slots, the one holding the longest leading run of `blocks`; on a tie
     ///   (no match anywhere included) the least recently used, as llama.cpp picks.
     /// - A busy slot holding more is taken instead (the request will wait) when the extra
-    ///   run is at least [`WAIT_SHARE`] of the prompt.
+    ///   run is more than [`WAIT_SHARE`] of the prompt per request already on that slot.
     /// - With every slot busy: the one holding the longest run, else the one with the
     ///   fewest requests on it, then the least recently used.
     pub fn choose(&self, blocks: &[BlockHash], block_tokens: u32, input_tokens: u32) -> SlotChoice {
@@ -115,11 +121,9 @@ impl SlotTable {
         let pick = match best_idle {
             Some(idle) => {
                 let extra = (lcp[best] - lcp[idle]) as f64 * f64::from(block_tokens);
-                if self.slots[best].busy > 0 && extra >= WAIT_SHARE * f64::from(input_tokens.max(1)) {
-                    best
-                } else {
-                    idle
-                }
+                // Each request already on the busy slot is one more to wait for.
+                let busy = f64::from(self.slots[best].busy);
+                if busy > 0.0 && extra > WAIT_SHARE * busy * f64::from(input_tokens.max(1)) { best } else { idle }
             }
             None => best,
         };
@@ -197,6 +201,18 @@ mod tests {
         // Sharing only the first 2 of 20 blocks is not worth the wait: idle slot 1.
         let other: Vec<u64> = [1, 2].into_iter().chain(200..218).collect();
         assert_eq!(t.choose(&h(&other), 16, 320), SlotChoice { slot: 1, cached_blocks: 0, waits: false });
+    }
+
+    #[test]
+    fn a_request_does_not_queue_behind_another_waiting_one() {
+        let mut t = SlotTable::new(2);
+        let doc: Vec<u64> = (1..=20).collect();
+        t.start(0, &h(&doc), Nanos(1));
+        // One request runs on slot 0: the next one on the document waits for it.
+        assert_eq!(t.choose(&h(&doc), 16, 320), SlotChoice { slot: 0, cached_blocks: 20, waits: true });
+        t.start(0, &h(&doc), Nanos(2));
+        // With one waiting already, the third takes the idle slot.
+        assert_eq!(t.choose(&h(&doc), 16, 320), SlotChoice { slot: 1, cached_blocks: 0, waits: false });
     }
 
     #[test]

@@ -364,8 +364,8 @@ pub fn replay(
             let mut v = view.of(w, Role::Both, e, &mut util[w], r);
             if let Some(t) = slot_tables.get(w) {
                 let c = t.choose(slot_blocks(r), r.block_tokens, r.input_tokens);
-                v.cached_tokens =
-                    Some((c.cached_blocks as u64 * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)));
+                let seen = c.cached_blocks as u64 * u64::from(r.block_tokens);
+                v.cached_tokens = Some(seen.min(u64::from(r.input_tokens)));
             }
             views.push(v);
         }

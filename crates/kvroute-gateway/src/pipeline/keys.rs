@@ -87,9 +87,11 @@ pub fn precise_view<'a>(info: &'a RoutingInfo, model: &'a str, precise: &'a Prec
 }
 
 /// Where the chosen worker's prefix state came from: `precise`, or `approximate` and why.
-pub fn prefix_source(p: &Precise, chosen_precise: bool) -> (&'static str, &'static str) {
+/// `slots` when it was the worker's llama.cpp slot record (`llama_slot_routing`).
+pub fn prefix_source(p: &Precise, chosen_precise: bool, chosen_slots: bool) -> (&'static str, &'static str) {
     match p {
         _ if chosen_precise => ("precise", ""),
+        _ if chosen_slots => ("slots", ""),
         Precise::Off => ("approximate", "no_events"),
         Precise::Unavailable(r) => ("approximate", r),
         Precise::Tokens(_) => ("approximate", "no_events"),

@@ -145,7 +145,7 @@ async fn one_worker(
     let permit = route::admit_as(s, model, pool.role).map_err(|e| (e, ""))?;
     let routed = route::decide_in(s, info, model, precise, pool.routers, pool.roles).map_err(|e| (e, ""))?;
     let branch = routed.decision.branch.as_str();
-    let (source, reason) = keys::prefix_source(precise, routed.chosen_precise);
+    let (source, reason) = keys::prefix_source(precise, routed.chosen_precise, routed.chosen_slots);
     s.metrics
         .prefix_source
         .get_or_create(&crate::metrics::SourceLabels { source: source.into(), reason: reason.into() })

@@ -109,6 +109,9 @@ pub struct Routed {
     pub candidates: Candidates,
     /// Whether the chosen worker's prefix state was precise (KV events).
     pub chosen_precise: bool,
+    /// Whether the chosen worker's prefix state was its llama.cpp slots' record
+    /// (`llama_slot_routing`).
+    pub chosen_slots: bool,
     /// The request's engine block hashes per engine block size (precise workers only), for
     /// predict-on-route at commit.
     pub engine_blocks: Vec<(u32, Arc<[BlockHash]>)>,
@@ -212,6 +215,8 @@ pub fn decide_in(
     }
     let engine_blocks = precise_cached_tokens(s, precise, &mut candidates);
     let req = precise_view(info, model, precise);
+    let from_events: Vec<WorkerId> =
+        candidates.views.iter().filter(|v| v.cached_tokens.is_some()).map(|v| v.id).collect();
     let slot_key = slot_cached_tokens(s, &req, &mut candidates);
     let router = routers.get(model, s.now());
     let t0 = Instant::now();
@@ -224,8 +229,10 @@ pub fn decide_in(
     if decision.key_len > 0 {
         s.metrics.match_rate.observe(decision.match_rate());
     }
-    let chosen_precise = candidates.views.iter().any(|v| v.id == decision.worker && v.cached_tokens.is_some());
-    Ok(Routed { decision, key, router, candidates, chosen_precise, engine_blocks, slot_key })
+    let chosen_precise = from_events.contains(&decision.worker);
+    let chosen_slots =
+        !chosen_precise && candidates.views.iter().any(|v| v.id == decision.worker && v.cached_tokens.is_some());
+    Ok(Routed { decision, key, router, candidates, chosen_precise, chosen_slots, engine_blocks, slot_key })
 }
 
 /// Sets each precise worker's `cached_tokens` in its view from the KV-event index and
