@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Sim-to-real check: replay the traffic kvroute recorded on llama.cpp workers through the
+engine model and compare the replay's TTFT with the one measured.
+
+Each run is one `kvroute bench compare --engine llama` of a single kvroute policy with
+`KVROUTE_RECORD=FILE` set (its `kvroute serve` then writes the traffic it routed as a
+privacy-safe trace, docs/replay.md) and `--log-dir DIR` (the llama-server logs).
+
+    python3 scripts/sim-to-real.py --kvroute target/release/kvroute --engines 4 \\
+        --run round_robin:/tmp/s2r/round_robin.jsonl:/tmp/s2r/round_robin.json:/tmp/s2r/logs-round_robin \\
+        --run least_ttft/slots:/tmp/s2r/least_ttft-slots.jsonl:/tmp/s2r/least_ttft-slots.json:/tmp/s2r/logs-least_ttft-slots
+
+Calibration (one profile for every run, pooled over all their llama-server logs): the
+`cpu-smollm2-135m` profile with
+- `prefill_per_token_s` = total `prompt eval time` / total prompt tokens computed;
+- `step_overhead_s` = (total `eval time` − total `prompt eval time`) / total tokens decoded
+  (requests that decoded more than one token): the time per decoded token a request saw
+  under the run's own CPU sharing (4 one-thread workers on this machine's 2 cores), less
+  the prefills of the other slot that ran inside its decode (the engine model charges
+  those in their own step; with 2 slots busy most of the time, nearly every prefill
+  overlaps a decoding request);
+- `decode_per_seq_s` 0 (the measured per-token time already includes the other slot).
+A policy name ending in `/slots` is replayed with `--prefix-state slots`.
+
+Prints, per run: measured and replayed mean and p99 TTFT and the replay's error.
+"""
+import argparse
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+PROMPT = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+DECODE = re.compile(r"\s eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+
+
+def calibrate(log_dirs):
+    p_ms = p_tok = d_ms = d_tok = 0.0
+    for d in log_dirs:
+        for f in sorted(pathlib.Path(d).glob("*llama*.log")):
+            for line in f.read_text(errors="replace").splitlines():
+                m = PROMPT.search(line)
+                if m:
+                    p_ms += float(m.group(1))
+                    p_tok += int(m.group(2))
+                    continue
+                m = DECODE.search(line)
+                if m and int(m.group(2)) > 1:
+                    d_ms += float(m.group(1))
+                    d_tok += int(m.group(2))
+    if p_tok == 0 or d_tok == 0:
+        sys.exit("sim-to-real: no `prompt eval time` / `eval time` lines in the llama-server logs")
+    step_ms = max(d_ms - p_ms, 0.1 * d_ms) / d_tok
+    return {"prefill_per_token_s": p_ms / p_tok / 1000, "step_overhead_s": step_ms / 1000, "decode_per_seq_s": 0.0}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kvroute", required=True)
+    ap.add_argument("--engines", type=int, default=4)
+    ap.add_argument("--run", action="append", required=True, help="POLICY:RECORD.jsonl:BENCH.json:LOGDIR")
+    a = ap.parse_args()
+    runs = []
+    for spec in a.run:
+        parts = spec.split(":")
+        if len(parts) != 4:
+            sys.exit(f"--run {spec}: expected POLICY:RECORD.jsonl:BENCH.json:LOGDIR")
+        runs.append(parts)
+    cal = calibrate([r[3] for r in runs])
+    print("calibrated cpu-smollm2-135m:", ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in cal.items()))
+    print("| policy | measured TTFT mean / p99 (s) | replay mean / p99 (s) | replay error mean / p99 |")
+    print("|---|---|---|---|")
+    for policy, record, bench, _ in runs:
+        rows = json.loads(pathlib.Path(bench).read_text())["rows"]
+        q = next(r["quality"] for r in rows if r["router"] == "kvroute" and r["policy"] == policy)
+        name, slots = (policy[: -len("/slots")], True) if policy.endswith("/slots") else (policy, False)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = pathlib.Path(tmp) / "replay.json"
+            cmd = [a.kvroute, "replay", "--trace", record, "--engines", str(a.engines), "--profile", "cpu-smollm2-135m",
+                   "--profile-set", json.dumps(cal), "--policy", name,
+                   "--prefix-state", "slots" if slots else "approximate", "--quiet", "--json", str(out)]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            rep = json.loads(out.read_text())["reports"][0]
+        mm, mp = q["ttft_mean_s"], q["ttft_p99_s"]
+        rm, rp = rep["ttft_mean_s"], rep["ttft_p99_s"]
+        print(f"| {policy} | {mm:.3f} / {mp:.2f} | {rm:.3f} / {rp:.2f} | {100 * (rm - mm) / mm:+.0f} % / {100 * (rp - mp) / mp:+.0f} % |")
+
+
+if __name__ == "__main__":
+    main()
