@@ -196,6 +196,7 @@ impl EngineSimConfig {
     /// The first setting out of range, named.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError(m));
+        self.profile.validate().map_err(|e| ConfigError(format!("profile: {e}")))?;
         if !(self.quality.is_finite() && self.quality <= 0.0) {
             return bad(format!("quality (--quality) must be a finite log-probability <= 0, got {}", self.quality));
         }

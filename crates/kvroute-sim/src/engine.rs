@@ -172,6 +172,9 @@ impl Profile {
         if self.step_overhead_s + self.prefill_per_token_s + self.decode_per_seq_s <= 0.0 {
             return Err("a step must take time: step_overhead_s, prefill_per_token_s or decode_per_seq_s > 0".into());
         }
+        if self.slots as usize > kvroute_core::slots::MAX_SLOTS {
+            return Err(format!("slots must be at most {}, got {}", kvroute_core::slots::MAX_SLOTS, self.slots));
+        }
         Ok(())
     }
 

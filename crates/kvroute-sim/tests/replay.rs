@@ -143,3 +143,41 @@ fn pd_replay_splits_long_prompts_and_charges_the_transfer() {
     // P + D must match the engine count.
     assert!(replay_pd(&trace, &cfg("prefill_cost", 4, PrefixState::Approximate), &pd, &mut |_| {}).is_err());
 }
+
+/// Two documents (4 blocks of 16 tokens each) on one llama.cpp engine with 2 slots and no
+/// host cache (`cpu-smollm2-135m`): each document's conversations arrive in overlapping
+/// pairs (the second while the first still decodes), alternating A, B, A, B…
+fn two_documents(slot_routing: bool) -> u64 {
+    let mut trace = Vec::new();
+    for k in 0..12u64 {
+        let doc = if k % 2 == 0 { 1 } else { 100 };
+        for j in 0..2u64 {
+            let blocks: Vec<BlockHash> = (doc..doc + 4).chain([1_000 + 10 * k + j]).map(BlockHash).collect();
+            trace.push(TraceRequest {
+                arrival: Nanos::from_millis(20_000 * k + 100 * j),
+                input_tokens: 80,
+                output_tokens: 64,
+                blocks,
+                block_tokens: 16,
+                session: None,
+                turn: 0,
+            });
+        }
+    }
+    let c = ReplayConfig {
+        profile: Profile::named("cpu-smollm2-135m").expect("profile"),
+        slot_routing,
+        ..cfg("least_ttft", 1, PrefixState::Approximate)
+    };
+    run(&trace, &c).outcomes.iter().map(|o| u64::from(o.cached_tokens)).sum()
+}
+
+#[test]
+fn slot_routing_keeps_each_document_in_its_slot() {
+    // Unpinned, the second request of each pair takes the other slot and overwrites the
+    // other document there; pinned, it waits for its document's slot.
+    let (without, with) = (two_documents(false), two_documents(true));
+    assert!(with > without, "cached tokens: {with} with slot routing, {without} without");
+    // With slot routing every request but the first of each document finds it (4 blocks).
+    assert_eq!(with, 22 * 64, "cached tokens with slot routing");
+}

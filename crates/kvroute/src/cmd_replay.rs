@@ -297,6 +297,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let pd = parse_pd(&args)?;
     let pols = policies(args.prefill_policy.as_deref().unwrap_or(&args.policy))?;
     let states = parse_prefix_states(&args.prefix_state, args.predict_window_secs)?;
+    if profile.slots == 0 && states.iter().any(|s| s.1) {
+        bail!(
+            "--prefix-state slots: profile `{}` has no llama.cpp slots (cpu-smollm2-135m has 2; or --profile-set '{{\"slots\": N}}')",
+            profile.name
+        );
+    }
     let engines = match &pd {
         Some(pd) => pd.prefill_engines + pd.decode_engines,
         None => args.engines.unwrap_or(8),

@@ -9,7 +9,9 @@
 //! - `cache_aware`: every turn 2 must go to the worker of its turn 1 and reuse most of
 //!   turn 1's prompt from the cache;
 //! - `round_robin` with sequential requests: turn 2 lands on the other worker and reuses
-//!   (almost) nothing.
+//!   (almost) nothing;
+//! - `--llama-slot-routing` on one worker with two documents: without it llama-server's
+//!   slots swap the documents and both miss; with it each stays in its slot.
 //!
 //! Needs `KVROUTE_LLAMA_SERVER` and `KVROUTE_LLAMA_MODEL` (set by `.ci/run` from
 //! `scripts/llama-workers.sh paths`). Without them the test says it skipped, unless
@@ -293,4 +295,67 @@ async fn local_gguf_tokenizer_gives_llama_servers_tokens_for_every_mtbench_conve
         .expect("json");
     assert_eq!(r["usage"]["prompt_tokens"].as_u64(), Some(local.len() as u64));
     eprintln!("{compared} prompts: local tokens equal llama-server's");
+}
+
+/// One llama-server worker (2 slots, `--cache-ram 0`) behind `kvroute serve --policy
+/// least_ttft` with or without `--llama-slot-routing`: documents A and B are run once each
+/// (one per slot); a long streamed answer on A is decoding when another request on A
+/// arrives; then one on B. Returns llama.cpp's `timings.cache_n` of those two, the prompt
+/// tokens of the first request on A, and the router's `kvroute_llama_slot_waits_total`.
+async fn two_documents_one_worker(bin: &PathBuf, model: &PathBuf, slot_routing: bool) -> (u64, u64, u64, f64) {
+    use futures_util::StreamExt;
+    let port = free_port();
+    let _w = start_worker(bin, model, port);
+    let worker = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(300)).build().expect("client");
+    wait_healthy(&client, &worker).await;
+    let rport = free_port();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute"));
+    cmd.args(["serve", "--host", "127.0.0.1", "--port", &rport.to_string(), "--policy", "least_ttft"])
+        .args(["--llama-slot-routing", if slot_routing { "true" } else { "false" }])
+        .arg("--tokenizer")
+        .arg(model)
+        .args(["--worker-urls", &worker])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    let _router = Proc(cmd.spawn().expect("start kvroute serve"));
+    let router = format!("http://127.0.0.1:{rport}");
+    wait_healthy(&client, &router).await;
+    let ask = |doc: usize, question: &str| json!([{"role": "system", "content": document(doc)}, {"role": "user", "content": question}]);
+    let first = chat(&client, &router, &ask(100, "Summarise the document.")).await;
+    chat(&client, &router, &ask(101, "Summarise the document.")).await;
+    // A long answer on A (EOS ignored): A's slot stays busy until the stream ends.
+    let body = json!({"model": "smollm2", "messages": ask(100, "List every word of the document."), "max_tokens": 160,
+                      "temperature": 0, "ignore_eos": true, "stream": true});
+    let resp = client.post(format!("{router}/v1/chat/completions")).json(&body).send().await.expect("send");
+    assert!(resp.status().is_success(), "status {}", resp.status());
+    let mut chunks = resp.bytes_stream();
+    chunks.next().await.expect("a first chunk").expect("chunk");
+    let (c, r) = (client.clone(), router.clone());
+    let m = ask(100, "Which word comes first?");
+    let second = tokio::spawn(async move { chat(&c, &r, &m).await });
+    while let Some(chunk) = chunks.next().await {
+        chunk.expect("stream chunk");
+    }
+    let a = second.await.expect("join");
+    let b = chat(&client, &router, &ask(101, "Which word comes last?")).await;
+    let metrics = client.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    (a.cache_n, b.cache_n, first.prompt_tokens, sample(&metrics, "kvroute_llama_slot_waits_total", "").unwrap_or(0.0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama.cpp: KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"]
+async fn llama_slot_routing_keeps_two_documents_in_their_slots_on_llama_server() {
+    let (bin, model) = llama_env();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    // Without slot routing llama-server puts the second request on A in B's idle slot
+    // (recomputing A there), and the next request on B finds B in neither slot.
+    let (a, b, prompt, waits) = two_documents_one_worker(&bin, &model, false).await;
+    eprintln!("without slot routing: A cache_n {a}, B cache_n {b} (prompt {prompt} tokens), waits {waits}");
+    assert!(a * 2 < prompt && b * 2 < prompt, "the slot swap: A {a}, B {b} of ~{prompt}");
+    // With it, the request on A names A's slot and waits for it; B keeps its slot.
+    let (a, b, prompt, waits) = two_documents_one_worker(&bin, &model, true).await;
+    eprintln!("with slot routing: A cache_n {a}, B cache_n {b} (prompt {prompt} tokens), waits {waits}");
+    assert!(a * 10 >= prompt * 8 && b * 10 >= prompt * 8, "kept in their slots: A {a}, B {b} of ~{prompt}");
+    assert_eq!(waits, 1.0);
 }

@@ -123,3 +123,27 @@ fn a_trace_slice_replays_only_its_sessions_from_time_zero_and_outputs_are_capped
     assert!(String::from_utf8_lossy(&out.stderr).contains("--max-output"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn slot_routing_runs_every_policy_on_a_slotted_profile_and_is_refused_without_slots() {
+    let dir = scratch("slots");
+    let t = trace(&dir);
+    let json = dir.join("slots.json");
+    let o = replay(&t, &json, &["--profile", "cpu-smollm2-135m", "--prefix-state", "approximate,slots"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).expect("read json")).expect("json");
+    let mut labels: Vec<String> = v["reports"]
+        .as_array()
+        .expect("reports")
+        .iter()
+        .map(|r| r["policy"].as_str().expect("policy").to_string())
+        .collect();
+    labels.sort();
+    // round_robin is prefix-blind, but the slot it takes changes its hits: it runs twice.
+    assert_eq!(labels, ["prefill_cost", "prefill_cost/slots", "round_robin", "round_robin/slots"]);
+    let o = replay(&t, &dir.join("h100.json"), &["--prefix-state", "slots"]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--prefix-state slots") && err.contains("h100-llama3-8b"), "{err}");
+}
