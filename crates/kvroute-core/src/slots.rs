@@ -68,7 +68,9 @@ pub struct SlotTable {
     slots: Vec<Slot>,
 }
 
-fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
+/// Length of the common leading run of two chains of block hashes (a slot's prompt and a
+/// request's, in blocks).
+pub fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 

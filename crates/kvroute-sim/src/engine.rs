@@ -48,6 +48,7 @@
 //! one token per step; the span uses its mean context), which keeps replay of an hour of
 //! traffic to seconds.
 
+use kvroute_core::slots::common_prefix;
 use kvroute_core::types::{BlockHash, Nanos};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
@@ -870,36 +871,28 @@ impl Engine {
             s.blocks.extend_from_slice(&req.blocks[..full]);
             s.busy = true;
             s.last_used = now;
-            if req.kv_transferred {
+            let (cached_tokens, prefill_left) = if req.kv_transferred {
+                // The prompt's KV arrived whole: it joins the batch in decode.
                 self.stats.transferred_tokens += req.input_tokens as u64;
                 *budget -= 1;
                 *decode_seqs += 1;
-                self.running.push(Running {
-                    cached_tokens: req.input_tokens,
-                    hit_blocks,
-                    prefill_left: 0,
-                    decoded: 0,
-                    reserved_blocks: 0,
-                    anon_blocks: 0,
-                    committed: true,
-                    slot: Some(slot),
-                    req,
-                });
-                continue;
-            }
-            let hit_tokens = (hit_blocks as u64 * req.block_tokens as u64)
-                .min(req.input_tokens as u64)
-                .min((req.input_tokens as u64).saturating_sub(1));
-            self.stats.prefix_queries_tokens += req.input_tokens as u64;
-            self.stats.prefix_hit_tokens += hit_tokens;
-            let prefill = (req.input_tokens as u64 - hit_tokens).max(1) as u32;
-            let take = (prefill as u64).min(*budget) as u32;
-            *budget -= take as u64;
-            chunks.push((self.running.len(), take));
+                (req.input_tokens, 0)
+            } else {
+                let hit_tokens = (hit_blocks as u64 * req.block_tokens as u64)
+                    .min(req.input_tokens as u64)
+                    .min((req.input_tokens as u64).saturating_sub(1));
+                self.stats.prefix_queries_tokens += req.input_tokens as u64;
+                self.stats.prefix_hit_tokens += hit_tokens;
+                let prefill = (req.input_tokens as u64 - hit_tokens).max(1) as u32;
+                let take = (prefill as u64).min(*budget) as u32;
+                *budget -= take as u64;
+                chunks.push((self.running.len(), take));
+                (hit_tokens as u32, prefill)
+            };
             self.running.push(Running {
-                cached_tokens: hit_tokens as u32,
+                cached_tokens,
                 hit_blocks,
-                prefill_left: prefill,
+                prefill_left,
                 decoded: 0,
                 reserved_blocks: 0,
                 anon_blocks: 0,
@@ -909,11 +902,6 @@ impl Engine {
             });
         }
     }
-}
-
-/// Length of the common leading run of two block chains.
-fn common_prefix(a: &[BlockHash], b: &[BlockHash]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 #[cfg(test)]

@@ -205,6 +205,47 @@ fn slot_blocks(r: &TraceRequest) -> &[kvroute_core::types::BlockHash] {
     &r.blocks[..full.min(r.blocks.len())]
 }
 
+/// The router's record of each engine's llama.cpp slots with `slot_routing` (empty
+/// otherwise), and the (engine, slot) each request was sent to.
+struct SlotRouting {
+    tables: Vec<SlotTable>,
+    of: Vec<Option<(usize, u32)>>,
+}
+
+impl SlotRouting {
+    fn new(cfg: &ReplayConfig, requests: usize) -> Self {
+        if cfg.slot_routing && cfg.profile.slots > 0 {
+            let tables = (0..cfg.engines).map(|_| SlotTable::new(cfg.profile.slots)).collect();
+            SlotRouting { tables, of: vec![None; requests] }
+        } else {
+            SlotRouting { tables: Vec::new(), of: Vec::new() }
+        }
+    }
+
+    /// Tokens of `r` that the slot it would take on engine `w` holds (`None` without slot
+    /// routing).
+    fn cached_tokens(&self, w: usize, r: &TraceRequest) -> Option<u64> {
+        let c = self.tables.get(w)?.choose(slot_blocks(r), r.block_tokens, r.input_tokens);
+        Some((c.cached_blocks as u64 * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)))
+    }
+
+    /// Commits request `i` (`r`) to its slot on engine `w` at `now`; the slot to name.
+    fn start(&mut self, w: usize, i: usize, r: &TraceRequest, now: kvroute_core::types::Nanos) -> Option<u32> {
+        let t = self.tables.get_mut(w)?;
+        let c = t.choose(slot_blocks(r), r.block_tokens, r.input_tokens);
+        t.start(c.slot, slot_blocks(r), now);
+        self.of[i] = Some((w, c.slot));
+        Some(c.slot)
+    }
+
+    /// Request `id` ended (finished or rejected) at `at`: its slot is free in the record.
+    fn finish(&mut self, id: u64, at: kvroute_core::types::Nanos) {
+        if let Some((w, k)) = self.of.get_mut(id as usize).and_then(Option::take) {
+            self.tables[w].finish(k, at);
+        }
+    }
+}
+
 /// What the router sees of the engines at one instant: its ledger, its predictions of the
 /// engines' caches (precise prefix state), the replay's settings and the time.
 pub(crate) struct RouterView<'a> {
@@ -282,21 +323,9 @@ pub fn replay(
     // Each routed request's predictions (TTFT, cached tokens), handed back to the policy
     // with what the engine reports at its first token (Policy::observe), as the gateway does.
     let mut expected: Vec<Option<Observation>> = (0..trace.len()).map(|_| None).collect();
-    // The router's record of each engine's slots, and each request's (engine, slot).
-    let mut slot_tables: Vec<SlotTable> = if cfg.slot_routing && cfg.profile.slots > 0 {
-        (0..cfg.engines).map(|_| SlotTable::new(cfg.profile.slots)).collect()
-    } else {
-        Vec::new()
-    };
-    let mut slot_of: Vec<Option<(usize, u32)>> = vec![None; if slot_tables.is_empty() { 0 } else { trace.len() }];
-    let free_slot = |tables: &mut Vec<SlotTable>, slot_of: &mut Vec<Option<(usize, u32)>>, id: u64, at: Nanos| {
-        if let Some((w, k)) = slot_of.get_mut(id as usize).and_then(Option::take) {
-            tables[w].finish(k, at);
-        }
-    };
+    let mut slots = SlotRouting::new(cfg, trace.len());
     let handle = |events: &mut Vec<EngineEvent>,
-                  slot_tables: &mut Vec<SlotTable>,
-                  slot_of: &mut Vec<Option<(usize, u32)>>,
+                  slots: &mut SlotRouting,
                   ledger: &mut LoadLedger,
                   tickets: &mut Vec<Option<Ticket>>,
                   outcomes: &mut Vec<Outcome>,
@@ -320,14 +349,14 @@ pub fn replay(
                     }
                 }
                 EngineEvent::Finished { id, at } => {
-                    free_slot(slot_tables, slot_of, id, at);
+                    slots.finish(id, at);
                     outcomes[id as usize].finished = Some(at);
                     if let Some(t) = tickets[id as usize].take() {
                         ledger.completed(t);
                     }
                 }
                 EngineEvent::Rejected { id, at } => {
-                    free_slot(slot_tables, slot_of, id, at);
+                    slots.finish(id, at);
                     settle(predicted, &outcomes[id as usize], id, at);
                     outcomes[id as usize].rejected = true;
                     if let Some(t) = tickets[id as usize].take() {
@@ -345,8 +374,7 @@ pub fn replay(
         }
         handle(
             &mut events,
-            &mut slot_tables,
-            &mut slot_of,
+            &mut slots,
             &mut ledger,
             &mut tickets,
             &mut outcomes,
@@ -362,10 +390,8 @@ pub fn replay(
         for (w, e) in engines.iter().enumerate() {
             let view = RouterView { ledger: &ledger, predicted: &predicted, cfg, now };
             let mut v = view.of(w, Role::Both, e, &mut util[w], r);
-            if let Some(t) = slot_tables.get(w) {
-                let c = t.choose(slot_blocks(r), r.block_tokens, r.input_tokens);
-                let seen = c.cached_blocks as u64 * u64::from(r.block_tokens);
-                v.cached_tokens = Some(seen.min(u64::from(r.input_tokens)));
+            if let Some(cached) = slots.cached_tokens(w, r) {
+                v.cached_tokens = Some(cached);
             }
             views.push(v);
         }
@@ -388,12 +414,7 @@ pub fn replay(
                     ttft_secs: None,
                     cached_tokens: None,
                 });
-                let slot = slot_tables.get_mut(w).map(|t| {
-                    let c = t.choose(slot_blocks(r), r.block_tokens, r.input_tokens);
-                    t.start(c.slot, slot_blocks(r), now);
-                    slot_of[i] = Some((w, c.slot));
-                    c.slot
-                });
+                let slot = slots.start(w, i, r, now);
                 engines[w].submit(
                     EngineRequest {
                         id: i as u64,
@@ -410,8 +431,7 @@ pub fn replay(
                 );
                 handle(
                     &mut events,
-                    &mut slot_tables,
-                    &mut slot_of,
+                    &mut slots,
                     &mut ledger,
                     &mut tickets,
                     &mut outcomes,
@@ -431,8 +451,7 @@ pub fn replay(
     }
     handle(
         &mut events,
-        &mut slot_tables,
-        &mut slot_of,
+        &mut slots,
         &mut ledger,
         &mut tickets,
         &mut outcomes,

@@ -140,30 +140,33 @@ pub const SLOT_BLOCK_TOKENS: u32 = 16;
 /// events set it) to what the slot the request would take there holds of it, and returns
 /// the request's slot key; `None` when no candidate has slots.
 fn slot_cached_tokens(s: &AppState, req: &kvroute_core::RequestView<'_>, c: &mut Candidates) -> Option<SlotKey> {
-    if !s.cfg.llama_slot_routing || !c.entries.iter().any(|e| e.slots.lock().is_some()) {
+    if !s.cfg.llama_slot_routing {
         return None;
     }
-    let mut blocks = Vec::new();
-    kvroute_core::hash::request_blocks(
-        req,
-        SLOT_BLOCK_TOKENS as usize,
-        kvroute_core::slots::MAX_SLOT_BLOCKS,
-        HashAlgo::Xxh3,
-        &mut blocks,
-    );
-    let block_tokens = req.blocks.map_or(SLOT_BLOCK_TOKENS, |b| b.block_tokens);
-    let key = SlotKey { blocks, block_tokens, input_tokens: req.input_tokens };
+    let mut key: Option<SlotKey> = None;
     for (v, e) in c.views.iter_mut().zip(&c.entries) {
-        if v.cached_tokens.is_some() {
-            continue;
-        }
-        if let Some(t) = e.slots.lock().as_ref() {
-            let choice = t.choose(&key.blocks, key.block_tokens, key.input_tokens);
-            let tokens = choice.cached_blocks as u64 * u64::from(key.block_tokens);
-            v.cached_tokens = Some(tokens.min(u64::from(key.input_tokens)));
+        let slots = e.slots.lock();
+        let Some(t) = slots.as_ref() else { continue };
+        // Hashed once, at the first candidate with slots.
+        let k = key.get_or_insert_with(|| {
+            let mut blocks = Vec::new();
+            kvroute_core::hash::request_blocks(
+                req,
+                SLOT_BLOCK_TOKENS as usize,
+                kvroute_core::slots::MAX_SLOT_BLOCKS,
+                HashAlgo::Xxh3,
+                &mut blocks,
+            );
+            let block_tokens = req.blocks.map_or(SLOT_BLOCK_TOKENS, |b| b.block_tokens);
+            SlotKey { blocks, block_tokens, input_tokens: req.input_tokens }
+        });
+        if v.cached_tokens.is_none() {
+            let choice = t.choose(&k.blocks, k.block_tokens, k.input_tokens);
+            let tokens = choice.cached_blocks as u64 * u64::from(k.block_tokens);
+            v.cached_tokens = Some(tokens.min(u64::from(k.input_tokens)));
         }
     }
-    Some(key)
+    key
 }
 
 /// Decides for the request (no side effect): candidates from the fleet snapshot, the
