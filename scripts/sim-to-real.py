@@ -20,7 +20,10 @@ Calibration (one profile for every run, pooled over all their llama-server logs)
   those in their own step; with 2 slots busy most of the time, nearly every prefill
   overlaps a decoding request);
 - `decode_per_seq_s` 0 (the measured per-token time already includes the other slot).
-A policy name ending in `/slots` is replayed with `--prefix-state slots`.
+A policy name ending in `/slots` is replayed with `--prefix-state slots`. Every replay runs
+with `--closed-sessions`: the bench's conversations send a turn when the previous one has
+answered, so a turn arrives in the replay when its previous turn ends there, not at the
+time it was recorded.
 
 Prints, per run: measured and replayed mean and p99 TTFT and the replay's error.
 """
@@ -70,8 +73,9 @@ def main():
         runs.append(parts)
     cal = calibrate([r[3] for r in runs])
     print("calibrated cpu-smollm2-135m:", ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in cal.items()))
-    print("| policy | measured TTFT mean / p99 (s) | replay mean / p99 (s) | replay error mean / p99 |")
-    print("|---|---|---|---|")
+    print("| policy | measured TTFT mean / p99 (s) | replay mean / p99 (s) | replay error mean / p99 "
+          "| hit %, measured / replay | TPOT p50 (ms), measured / replay |")
+    print("|---|---|---|---|---|---|")
     for policy, record, bench, _ in runs:
         rows = json.loads(pathlib.Path(bench).read_text())["rows"]
         q = next(r["quality"] for r in rows if r["router"] == "kvroute" and r["policy"] == policy)
@@ -80,12 +84,15 @@ def main():
             out = pathlib.Path(tmp) / "replay.json"
             cmd = [a.kvroute, "replay", "--trace", record, "--engines", str(a.engines), "--profile", "cpu-smollm2-135m",
                    "--profile-set", json.dumps(cal), "--policy", name,
-                   "--prefix-state", "slots" if slots else "approximate", "--quiet", "--json", str(out)]
+                   "--prefix-state", "slots" if slots else "approximate", "--closed-sessions", "--quiet",
+                   "--json", str(out)]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             rep = json.loads(out.read_text())["reports"][0]
         mm, mp = q["ttft_mean_s"], q["ttft_p99_s"]
         rm, rp = rep["ttft_mean_s"], rep["ttft_p99_s"]
-        print(f"| {policy} | {mm:.3f} / {mp:.2f} | {rm:.3f} / {rp:.2f} | {100 * (rm - mm) / mm:+.0f} % / {100 * (rp - mp) / mp:+.0f} % |")
+        print(f"| {policy} | {mm:.3f} / {mp:.2f} | {rm:.3f} / {rp:.2f} | {100 * (rm - mm) / mm:+.0f} % / "
+              f"{100 * (rp - mp) / mp:+.0f} % | {100 * q['cached_token_ratio']:.1f} / {100 * rep['hit_ratio']:.1f} "
+              f"| {1000 * q['tpot_p50_s']:.0f} / {1000 * rep['tpot_p50_s']:.0f} |")
 
 
 if __name__ == "__main__":

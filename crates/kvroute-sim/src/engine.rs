@@ -31,9 +31,12 @@
 //!
 //! ## Slots (llama.cpp without a host prompt cache)
 //! A profile with `slots` > 0 models `llama-server --parallel N --cache-ram 0` instead of the
-//! paged cache: at most N requests run, each in a slot, and a slot keeps the blocks of the
-//! last prompt it ran, nothing else. A request's hit is the longest common leading run of
-//! its blocks with its slot's. Its slot is the one it names ([`EngineRequest::slot`],
+//! paged cache: at most N requests run, each in a slot, and a slot keeps the context of the
+//! last request it ran (its prompt, then the tokens it generated), nothing else. A request's
+//! hit is the longest common leading run of its blocks with the slot's prompt's; a prompt
+//! that holds all of them and is longer than the slot's context is taken for the next turn
+//! of that conversation and finds the whole context, generated tokens included (llama.cpp
+//! matches tokens; the model has no hashes for generated ones). Its slot is the one it names ([`EngineRequest::slot`],
 //! llama.cpp's `id_slot`; it waits while that slot is busy, and requests behind it that
 //! can run elsewhere go first), else, among idle slots, the one sharing the largest
 //! fraction of the prompt above llama.cpp's `--slot-prompt-similarity` default (0.1), else
@@ -456,8 +459,29 @@ struct Running {
 struct SlotState {
     /// Full blocks of the last prompt it ran.
     blocks: Vec<BlockHash>,
+    /// Tokens of its context: the last prompt, and once that request finished, the tokens
+    /// it generated (all but the last sampled one, which llama.cpp never evaluates).
+    context_tokens: u32,
     busy: bool,
     last_used: Nanos,
+}
+
+impl SlotState {
+    /// `(hit blocks, hit tokens)` of a prompt of `input_tokens` whose full blocks are
+    /// `blocks` (of `block_tokens`) in this slot. The hit is the common leading run of
+    /// blocks; when the prompt holds every block of the slot's last prompt and is longer
+    /// than the slot's whole context, it is taken to continue that context (the next turn
+    /// of the conversation, whose prompt repeats the answer the slot generated), and the
+    /// hit is the whole context — llama.cpp compares tokens, not blocks. The model cannot
+    /// check that the prompt repeats the answer (generated tokens have no block hashes);
+    /// a sibling prompt of the same length class sharing every full block of a short
+    /// prompt would be credited too.
+    fn hit(&self, blocks: &[BlockHash], block_tokens: u32, input_tokens: u32) -> (usize, u32) {
+        let hit_blocks = common_prefix(&self.blocks, blocks);
+        let by_blocks = (hit_blocks as u64 * block_tokens as u64).min(input_tokens as u64) as u32;
+        let continues = hit_blocks > 0 && hit_blocks == self.blocks.len() && input_tokens > self.context_tokens;
+        (hit_blocks, if continues { by_blocks.max(self.context_tokens) } else { by_blocks })
+    }
 }
 
 /// llama.cpp's `--slot-prompt-similarity` default.
@@ -586,11 +610,10 @@ impl Engine {
     /// Prompt tokens a request with `blocks` (of `block_tokens`) would find cached now.
     /// With `slots`, the longest run any slot holds.
     pub fn cached_prefix_tokens(&self, blocks: &[BlockHash], block_tokens: u32, input_tokens: u32) -> u32 {
-        let hit = if self.slots.is_empty() {
-            self.cache.lookup(blocks)
-        } else {
-            self.slots.iter().map(|s| common_prefix(&s.blocks, blocks)).max().unwrap_or(0)
-        };
+        if !self.slots.is_empty() {
+            return self.slots.iter().map(|s| s.hit(blocks, block_tokens, input_tokens).1).max().unwrap_or(0);
+        }
+        let hit = self.cache.lookup(blocks);
         ((hit as u64 * block_tokens as u64).min(input_tokens as u64)) as u32
     }
 
@@ -714,6 +737,7 @@ impl Engine {
                 if let Some(slot) = r.slot.and_then(|k| self.slots.get_mut(k)) {
                     slot.busy = false;
                     slot.last_used = end;
+                    slot.context_tokens = r.req.input_tokens.saturating_add(r.decoded.saturating_sub(1));
                 } else {
                     let pinned_upto = if r.committed { full_blocks(&r.req).max(r.hit_blocks) } else { r.hit_blocks };
                     self.cache.release(&r.req.blocks[..pinned_upto], r.anon_blocks, r.reserved_blocks);
@@ -843,8 +867,8 @@ impl Engine {
                 None => {
                     let mut pick: Option<(f64, usize)> = None;
                     for (k, s) in self.slots.iter().enumerate().filter(|(_, s)| !s.busy && !s.blocks.is_empty()) {
-                        let lcp = common_prefix(&s.blocks, &req.blocks[..full]) as f64 * req.block_tokens as f64;
-                        let sim = lcp / f64::from(req.input_tokens.max(1));
+                        let lcp = s.hit(&req.blocks[..full], req.block_tokens, req.input_tokens).1;
+                        let sim = f64::from(lcp) / f64::from(req.input_tokens.max(1));
                         if sim > SLOT_PROMPT_SIMILARITY && pick.is_none_or(|(best, _)| sim > best) {
                             pick = Some((sim, k));
                         }
@@ -866,9 +890,10 @@ impl Engine {
             };
             let Some(req) = self.waiting.remove(i) else { break };
             let s = &mut self.slots[slot];
-            let hit_blocks = common_prefix(&s.blocks, &req.blocks[..full]);
+            let (hit_blocks, hit_tokens) = s.hit(&req.blocks[..full], req.block_tokens, req.input_tokens);
             s.blocks.clear();
             s.blocks.extend_from_slice(&req.blocks[..full]);
+            s.context_tokens = req.input_tokens;
             s.busy = true;
             s.last_used = now;
             let (cached_tokens, prefill_left) = if req.kv_transferred {
@@ -878,9 +903,7 @@ impl Engine {
                 *decode_seqs += 1;
                 (req.input_tokens, 0)
             } else {
-                let hit_tokens = (hit_blocks as u64 * req.block_tokens as u64)
-                    .min(req.input_tokens as u64)
-                    .min((req.input_tokens as u64).saturating_sub(1));
+                let hit_tokens = u64::from(hit_tokens).min(u64::from(req.input_tokens).saturating_sub(1));
                 self.stats.prefix_queries_tokens += req.input_tokens as u64;
                 self.stats.prefix_hit_tokens += hit_tokens;
                 let prefill = (req.input_tokens as u64 - hit_tokens).max(1) as u32;
@@ -978,6 +1001,32 @@ mod tests {
         // Request 4 finds A's slot busy, takes B's and computes A again there (0 cached);
         // B is gone, so request 5 misses too: llama.cpp's slot swap.
         assert_eq!(two_documents_on_two_slots(None), vec![64, 0, 0]);
+    }
+
+    /// The cached tokens of a request of `input` tokens over `blocks`, sent to a 1-slot
+    /// engine after a 64-token prompt over blocks 1..=4 that generated 10 tokens.
+    fn after_a_turn(blocks: &[u64], input: u32) -> u32 {
+        let mut e = Engine::new(Profile { slots: 1, ..profile() }, 16);
+        let mut ev = Vec::new();
+        e.submit(req(1, &[1, 2, 3, 4], 64, 10), Nanos::ZERO, &mut ev);
+        run(&mut e);
+        e.submit(req(2, blocks, input, 1), Nanos::from_secs(1), &mut ev);
+        let cached = run(&mut e).into_iter().find_map(|x| match x {
+            EngineEvent::FirstToken { id: 2, cached_tokens, .. } => Some(cached_tokens),
+            _ => None,
+        });
+        cached.expect("request 2 ran")
+    }
+
+    #[test]
+    fn a_slot_keeps_the_generated_tokens_for_the_next_turn() {
+        // The next turn repeats the prompt and the answer: 64 + 9 generated tokens evaluated
+        // (the last sampled one never is).
+        assert_eq!(after_a_turn(&[1, 2, 3, 4, 7, 8], 96), 73);
+        // A prompt no longer than that context is not its continuation: blocks only.
+        assert_eq!(after_a_turn(&[1, 2, 3, 4, 9], 72), 64);
+        // A prompt leaving the slot's blocks early keeps the common run only.
+        assert_eq!(after_a_turn(&[1, 2, 5, 6, 7, 8], 96), 32);
     }
 
     #[test]

@@ -19,6 +19,8 @@ use kvroute_core::slots::SlotTable;
 use kvroute_core::types::{BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
 use rand_core::SeedableRng;
 use serde::Serialize;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 
 /// Settings of one replay.
 #[derive(Debug, Clone)]
@@ -46,6 +48,12 @@ pub struct ReplayConfig {
     /// the request, and the request names that slot (llama.cpp `id_slot`). Off, or a
     /// paged-cache profile: requests name no slot and the engine picks.
     pub slot_routing: bool,
+    /// Closed-loop sessions, for traces of closed-loop traffic (a chat client sends a turn
+    /// when the previous one has answered; `kvroute serve --record` traces of such clients):
+    /// a request with a session arrives no earlier than the end of its session's previous
+    /// request, and as much later than its recorded time as that request arrived late.
+    /// Off (the default), every request arrives at its trace time.
+    pub closed_sessions: bool,
 }
 
 /// Where the router's prefix state comes from in a replay.
@@ -246,6 +254,152 @@ impl SlotRouting {
     }
 }
 
+/// The replay's record of every request: the router's ledger and predictions, the outcomes,
+/// and the arrivals still to come (with `closed_sessions`, a session's next turn is released
+/// only when the turn before it ends).
+struct Book<'a> {
+    trace: &'a [TraceRequest],
+    ledger: LoadLedger,
+    tickets: Vec<Option<Ticket>>,
+    outcomes: Vec<Outcome>,
+    predicted: PredictWindow,
+    /// Each routed request's predictions (TTFT, cached tokens), handed back to the policy
+    /// with what the engine reports at its first token (`Policy::observe`), as the gateway
+    /// does.
+    expected: Vec<Option<Observation>>,
+    slots: SlotRouting,
+    /// Released arrivals, earliest first (ties in trace order).
+    arrivals: BinaryHeap<Reverse<(Nanos, usize)>>,
+    /// With `closed_sessions`: the next request of each request's session.
+    next_turn: Vec<Option<usize>>,
+    /// Some request waits for another's end (`closed_sessions` and a session of two turns).
+    gated: bool,
+}
+
+impl<'a> Book<'a> {
+    fn new(trace: &'a [TraceRequest], cfg: &ReplayConfig) -> Self {
+        let predicted = match cfg.prefix_state {
+            PrefixState::Precise { predict_window } => PredictWindow::new(predict_window, 1 << 22),
+            PrefixState::Approximate => PredictWindow::new(Nanos(0), 1),
+        };
+        let mut next_turn = vec![None; trace.len()];
+        let mut gated = vec![false; trace.len()];
+        if cfg.closed_sessions {
+            let mut last: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+            for (i, r) in trace.iter().enumerate() {
+                if let Some(s) = r.session.as_deref()
+                    && let Some(prev) = last.insert(s, i)
+                {
+                    next_turn[prev] = Some(i);
+                    gated[i] = true;
+                }
+            }
+        }
+        let arrivals =
+            trace.iter().enumerate().filter(|(i, _)| !gated[*i]).map(|(i, r)| Reverse((r.arrival, i))).collect();
+        Book {
+            trace,
+            ledger: LoadLedger::new(),
+            tickets: (0..trace.len()).map(|_| None).collect(),
+            outcomes: trace.iter().map(Outcome::pending).collect(),
+            predicted,
+            expected: (0..trace.len()).map(|_| None).collect(),
+            slots: SlotRouting::new(cfg, trace.len()),
+            arrivals,
+            gated: gated.iter().any(|g| *g),
+            next_turn,
+        }
+    }
+
+    /// The next arrival `(time, request)`, engines advanced through every event before it
+    /// (an ending turn can release an earlier arrival than the earliest known one).
+    fn next_arrival(
+        &mut self,
+        engines: &mut [Engine],
+        events: &mut Vec<EngineEvent>,
+        policy: &mut dyn Policy,
+    ) -> Option<(Nanos, usize)> {
+        if self.gated {
+            loop {
+                let next = self.arrivals.peek().map_or(Nanos(u64::MAX), |Reverse((t, _))| *t);
+                let Some(t) = engines.iter().filter_map(Engine::next_event_time).min().filter(|t| *t < next) else {
+                    break;
+                };
+                for e in engines.iter_mut() {
+                    e.advance(t, events);
+                }
+                self.handle(events, policy);
+            }
+        }
+        self.arrivals.pop().map(|Reverse((t, i))| {
+            self.outcomes[i].arrival = t;
+            (t, i)
+        })
+    }
+
+    /// Request `i` ended (finished or rejected) at `at`: with `closed_sessions`, its
+    /// session's next turn arrives as late after its recorded time as this one arrived
+    /// after its own, and never before `at`.
+    fn ended(&mut self, i: usize, at: Nanos) {
+        if let Some(j) = self.next_turn[i] {
+            let late = self.outcomes[i].arrival.saturating_sub(self.trace[i].arrival);
+            self.arrivals.push(Reverse((self.trace[j].arrival.saturating_add(late).max(at), j)));
+        }
+    }
+
+    /// Settles a request's prediction once its prefill is over (its blocks are in the
+    /// engine's cache now, or never will be): it then lasts the predict window only.
+    fn settle(&mut self, id: usize, at: Nanos) {
+        if let Some(w) = self.outcomes[id].worker {
+            let until = at.saturating_add(self.predicted.window());
+            self.predicted.predict(WorkerId(w), &self.trace[id].blocks, at, until);
+        }
+    }
+
+    /// Applies the engines' events: first tokens and completions to the ledger, the policy's
+    /// observations, the slot record and the outcomes.
+    fn handle(&mut self, events: &mut Vec<EngineEvent>, policy: &mut dyn Policy) {
+        for ev in events.drain(..) {
+            match ev {
+                EngineEvent::FirstToken { id, at, cached_tokens } => {
+                    let id = id as usize;
+                    self.settle(id, at);
+                    let o = &mut self.outcomes[id];
+                    o.first_token = Some(at);
+                    o.cached_tokens = cached_tokens;
+                    if let (Some(mut obs), Some(w)) = (self.expected[id].take(), o.worker) {
+                        obs.ttft_secs = Some(at.saturating_sub(o.arrival).as_secs_f64());
+                        obs.cached_tokens = Some(u64::from(cached_tokens));
+                        policy.observe(WorkerId(w), &obs);
+                    }
+                    if let Some(t) = self.tickets[id].as_mut() {
+                        self.ledger.first_token(t);
+                    }
+                }
+                EngineEvent::Finished { id, at } => {
+                    let id = id as usize;
+                    self.slots.finish(id as u64, at);
+                    self.outcomes[id].finished = Some(at);
+                    if let Some(t) = self.tickets[id].take() {
+                        self.ledger.completed(t);
+                    }
+                    self.ended(id, at);
+                }
+                EngineEvent::Rejected { id, at } => {
+                    let id = id as usize;
+                    self.slots.finish(id as u64, at);
+                    self.settle(id, at);
+                    self.outcomes[id].rejected = true;
+                    if let Some(t) = self.tickets[id].take() {
+                        self.ledger.failed(t);
+                    }
+                    self.ended(id, at);
+                }
+            }
+        }
+    }
+}
+
 /// What the router sees of the engines at one instant: its ledger, its predictions of the
 /// engines' caches (precise prefix state), the replay's settings and the time.
 pub(crate) struct RouterView<'a> {
@@ -299,98 +453,29 @@ pub fn replay(
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed);
     let mut engines: Vec<Engine> =
         (0..cfg.engines).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect();
-    let mut ledger = LoadLedger::new();
-    let mut tickets: Vec<Option<Ticket>> = (0..trace.len()).map(|_| None).collect();
-    let mut outcomes: Vec<Outcome> = trace.iter().map(Outcome::pending).collect();
     let mut events = Vec::new();
     let interval = policy.maintenance_interval();
     let mut next_maintain = interval.unwrap_or(Nanos(u64::MAX));
     let mut views: Vec<WorkerView> = Vec::with_capacity(cfg.engines);
     let mut util: Vec<BusyWindow> = (0..cfg.engines).map(|_| BusyWindow::default()).collect();
-    let mut predicted = match cfg.prefix_state {
-        PrefixState::Precise { predict_window } => PredictWindow::new(predict_window, 1 << 22),
-        PrefixState::Approximate => PredictWindow::new(Nanos(0), 1),
-    };
+    let mut book = Book::new(trace, cfg);
+    let mut routed = 0usize;
 
-    // Settles a request's prediction once its prefill is over (its blocks are in the
-    // engine's cache now, or never will be): it then lasts the predict window only.
-    let settle = |predicted: &mut PredictWindow, o: &Outcome, id: u64, at: Nanos| {
-        if let Some(w) = o.worker {
-            let until = at.saturating_add(predicted.window());
-            predicted.predict(WorkerId(w), &trace[id as usize].blocks, at, until);
-        }
-    };
-    // Each routed request's predictions (TTFT, cached tokens), handed back to the policy
-    // with what the engine reports at its first token (Policy::observe), as the gateway does.
-    let mut expected: Vec<Option<Observation>> = (0..trace.len()).map(|_| None).collect();
-    let mut slots = SlotRouting::new(cfg, trace.len());
-    let handle = |events: &mut Vec<EngineEvent>,
-                  slots: &mut SlotRouting,
-                  ledger: &mut LoadLedger,
-                  tickets: &mut Vec<Option<Ticket>>,
-                  outcomes: &mut Vec<Outcome>,
-                  predicted: &mut PredictWindow,
-                  expected: &mut Vec<Option<Observation>>,
-                  policy: &mut dyn Policy| {
-        for ev in events.drain(..) {
-            match ev {
-                EngineEvent::FirstToken { id, at, cached_tokens } => {
-                    settle(predicted, &outcomes[id as usize], id, at);
-                    let o = &mut outcomes[id as usize];
-                    o.first_token = Some(at);
-                    o.cached_tokens = cached_tokens;
-                    if let (Some(mut obs), Some(w)) = (expected[id as usize].take(), o.worker) {
-                        obs.ttft_secs = Some(at.saturating_sub(trace[id as usize].arrival).as_secs_f64());
-                        obs.cached_tokens = Some(u64::from(cached_tokens));
-                        policy.observe(WorkerId(w), &obs);
-                    }
-                    if let Some(t) = tickets[id as usize].as_mut() {
-                        ledger.first_token(t);
-                    }
-                }
-                EngineEvent::Finished { id, at } => {
-                    slots.finish(id, at);
-                    outcomes[id as usize].finished = Some(at);
-                    if let Some(t) = tickets[id as usize].take() {
-                        ledger.completed(t);
-                    }
-                }
-                EngineEvent::Rejected { id, at } => {
-                    slots.finish(id, at);
-                    settle(predicted, &outcomes[id as usize], id, at);
-                    outcomes[id as usize].rejected = true;
-                    if let Some(t) = tickets[id as usize].take() {
-                        ledger.failed(t);
-                    }
-                }
-            }
-        }
-    };
-
-    for (i, r) in trace.iter().enumerate() {
-        let now = r.arrival;
+    while let Some((now, i)) = book.next_arrival(&mut engines, &mut events, policy.as_mut()) {
+        let r = &trace[i];
         for e in engines.iter_mut() {
             e.advance(now, &mut events);
         }
-        handle(
-            &mut events,
-            &mut slots,
-            &mut ledger,
-            &mut tickets,
-            &mut outcomes,
-            &mut predicted,
-            &mut expected,
-            policy.as_mut(),
-        );
+        book.handle(&mut events, policy.as_mut());
         while now >= next_maintain {
             policy.maintain(next_maintain, usize::MAX);
             next_maintain = next_maintain.saturating_add(interval.unwrap_or(Nanos(u64::MAX)));
         }
         views.clear();
         for (w, e) in engines.iter().enumerate() {
-            let view = RouterView { ledger: &ledger, predicted: &predicted, cfg, now };
+            let view = RouterView { ledger: &book.ledger, predicted: &book.predicted, cfg, now };
             let mut v = view.of(w, Role::Both, e, &mut util[w], r);
-            if let Some(cached) = slots.cached_tokens(w, r) {
+            if let Some(cached) = book.slots.cached_tokens(w, r) {
                 v.cached_tokens = Some(cached);
             }
             views.push(v);
@@ -401,20 +486,21 @@ pub fn replay(
             Ok(d) => {
                 let w = d.worker.index();
                 // Predicted until its prefill is over (settled at its first token).
-                predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
-                let o = &mut outcomes[i];
+                book.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
+                let o = &mut book.outcomes[i];
                 o.worker = Some(d.worker.0);
                 o.branch = d.branch.as_str();
                 let est = d.cached_tokens_estimate(r.input_tokens);
-                tickets[i] = Some(ledger.dispatched(d.worker, r.input_tokens as u64 - est, r.output_tokens as u64));
-                expected[i] = Some(Observation {
+                book.tickets[i] =
+                    Some(book.ledger.dispatched(d.worker, r.input_tokens as u64 - est, r.output_tokens as u64));
+                book.expected[i] = Some(Observation {
                     input_tokens: r.input_tokens,
                     predicted: d.predicted_ttft,
                     predicted_cached_tokens: est,
                     ttft_secs: None,
                     cached_tokens: None,
                 });
-                let slot = slots.start(w, i, r, now);
+                let slot = book.slots.start(w, i, r, now);
                 engines[w].submit(
                     EngineRequest {
                         id: i as u64,
@@ -429,36 +515,23 @@ pub fn replay(
                     now,
                     &mut events,
                 );
-                handle(
-                    &mut events,
-                    &mut slots,
-                    &mut ledger,
-                    &mut tickets,
-                    &mut outcomes,
-                    &mut predicted,
-                    &mut expected,
-                    policy.as_mut(),
-                );
+                book.handle(&mut events, policy.as_mut());
             }
-            Err(_) => outcomes[i].rejected = true,
+            Err(_) => {
+                book.outcomes[i].rejected = true;
+                book.ended(i, now);
+            }
         }
-        if i % 256 == 255 {
-            progress(i + 1);
+        routed += 1;
+        if routed % 256 == 0 {
+            progress(routed);
         }
     }
     for e in engines.iter_mut() {
         e.advance(Nanos(u64::MAX), &mut events);
     }
-    handle(
-        &mut events,
-        &mut slots,
-        &mut ledger,
-        &mut tickets,
-        &mut outcomes,
-        &mut predicted,
-        &mut expected,
-        policy.as_mut(),
-    );
+    book.handle(&mut events, policy.as_mut());
+    let outcomes = book.outcomes;
     progress(trace.len());
     Ok(ReplayResult {
         policy: cfg.policy.clone(),

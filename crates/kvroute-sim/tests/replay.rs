@@ -29,6 +29,7 @@ fn cfg(policy: &str, engines: usize, prefix_state: PrefixState) -> ReplayConfig 
         engine_signals: true,
         prefix_state,
         slot_routing: false,
+        closed_sessions: false,
     }
 }
 
@@ -180,4 +181,31 @@ fn slot_routing_keeps_each_document_in_its_slot() {
     assert!(with > without, "cached tokens: {with} with slot routing, {without} without");
     // With slot routing every request but the first of each document finds it (4 blocks).
     assert_eq!(with, 22 * 64, "cached tokens with slot routing");
+}
+
+#[test]
+fn closed_sessions_send_a_turn_after_the_previous_one_ends() {
+    // A conversation's second turn (8,704 tokens) is recorded 1 ms after its first (8,192):
+    // too early for the first to have answered. Open loop it arrives then; closed loop when
+    // the first has finished, and its TTFT counts from there. A session-less request keeps
+    // its time.
+    let doc: Vec<u64> = (1..=16).collect();
+    let mut first = req(0, &doc);
+    first.session = Some("conv".into());
+    let mut second = req(1, &[doc.as_slice(), &[17]].concat());
+    second.session = Some("conv".into());
+    second.turn = 1;
+    let other = req(20, &[9]);
+    let trace = vec![first, second, other];
+    let open = run(&trace, &cfg("least_ttft", 1, PrefixState::Approximate));
+    let closed = run(&trace, &ReplayConfig { closed_sessions: true, ..cfg("least_ttft", 1, PrefixState::Approximate) });
+    assert_eq!(open.outcomes[1].arrival, Nanos::from_millis(1));
+    let done = closed.outcomes[0].finished.expect("the first turn finished");
+    assert!(done > Nanos::from_millis(1), "the first turn ends after 1 ms: {done:?}");
+    assert_eq!(closed.outcomes[1].arrival, done);
+    assert_eq!(closed.outcomes[1].cached_tokens, 16 * 512);
+    let ttft = |r: &ReplayResult| r.outcomes[1].first_token.expect("first token").saturating_sub(r.outcomes[1].arrival);
+    assert!(ttft(&closed) < ttft(&open), "closed {:?} against open {:?}", ttft(&closed), ttft(&open));
+    assert_eq!(closed.outcomes[2].arrival, Nanos::from_millis(20));
+    assert!(closed.outcomes.iter().all(|o| o.finished.is_some()));
 }

@@ -62,6 +62,11 @@ pub struct Args {
     /// No knob search.
     #[arg(long)]
     pub no_knob_search: bool,
+    /// Closed-loop sessions (as `kvroute replay --closed-sessions`): each turn of a session
+    /// arrives only once the previous one ended. For recordings of chat clients that send
+    /// a session header.
+    #[arg(long)]
+    pub closed_sessions: bool,
     /// Keep only the first N requests of the trace.
     #[arg(long)]
     pub limit: Option<usize>,
@@ -147,6 +152,7 @@ fn evaluate(
     traces: &[Vec<TraceRequest>],
     engines: usize,
     profile: &Profile,
+    closed_sessions: bool,
     jobs: usize,
 ) -> anyhow::Result<Vec<Candidate>> {
     let infinite = trace::infinite_cache_hit(&traces[0]);
@@ -170,6 +176,7 @@ fn evaluate(
                         engine_signals: true,
                         prefix_state: PrefixState::Approximate,
                         slot_routing: false,
+                        closed_sessions,
                     };
                     let r = replay(&traces[k], &cfg, &mut |_| {})
                         .map(|res| summarise(&res, 1.0, infinite, slo))
@@ -298,7 +305,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         profile.name
     );
     let runs: Vec<(String, serde_json::Value)> = policies.iter().map(|p| (p.clone(), serde_json::json!({}))).collect();
-    let mut cands = evaluate(&runs, &traces, a.engines, &profile, jobs)?;
+    let mut cands = evaluate(&runs, &traces, a.engines, &profile, a.closed_sessions, jobs)?;
     sort(&mut cands);
 
     // Knob search on the best few.
@@ -310,7 +317,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         if !variants.is_empty() {
             eprintln!("kvroute advise: knob search, {} variants", variants.len());
-            for v in evaluate(&variants, &traces, a.engines, &profile, jobs)? {
+            for v in evaluate(&variants, &traces, a.engines, &profile, a.closed_sessions, jobs)? {
                 let Some(plain) = cands.iter().find(|c| c.policy == v.policy) else { continue };
                 let everywhere = v.ttft_mean_s.iter().zip(&plain.ttft_mean_s).all(|(x, y)| x < y)
                     && v.rejections() <= plain.rejections() + 1e-9;

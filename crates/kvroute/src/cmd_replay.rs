@@ -106,6 +106,13 @@ pub struct Args {
     /// --llama-slot-routing` does; reported as `POLICY/slots`, every policy runs).
     #[arg(long, default_value = "approximate")]
     pub prefix_state: String,
+    /// Closed-loop sessions: a request arrives no earlier than the end of its session's
+    /// previous request (and as late after its trace time as that one arrived), as a chat
+    /// client sends a turn once the previous one has answered. For traces of closed-loop
+    /// clients (`kvroute bench`'s conversations recorded with `kvroute serve --record`,
+    /// whose sessions are the clients' `x-session-id`); not with `--pd`.
+    #[arg(long)]
+    pub closed_sessions: bool,
     /// Predict-on-route window of the precise prefix state, seconds (0 turns it off).
     #[arg(long, default_value_t = 2.0)]
     pub predict_window_secs: f64,
@@ -295,6 +302,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let rates = parse_rates(&args.rate_scale)?;
     let pd = parse_pd(&args)?;
+    if pd.is_some() && args.closed_sessions {
+        bail!("--closed-sessions: not supported with --pd");
+    }
     let pols = policies(args.prefill_policy.as_deref().unwrap_or(&args.policy))?;
     let states = parse_prefix_states(&args.prefix_state, args.predict_window_secs)?;
     if profile.slots == 0 && states.iter().any(|s| s.1) {
@@ -367,6 +377,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         engine_signals: !args.no_engine_signals,
                         prefix_state: run.prefix_state,
                         slot_routing: run.slot_routing,
+                        closed_sessions: args.closed_sessions,
                     };
                     let mut last = 0usize;
                     let mut tick = |n: usize| {
