@@ -6,6 +6,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use std::collections::{HashMap, HashSet};
 
 /// Labels of `kvroute_requests_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -101,6 +102,9 @@ pub struct Metrics {
     pub registry: Registry,
     /// Requests by worker, policy, branch and outcome.
     pub requests: Family<RequestLabels, Counter>,
+    /// The label sets of `requests` per worker, so a removed worker's series can be
+    /// dropped ([`Metrics::forget_worker`]); written only when a label set is new.
+    request_series: parking_lot::Mutex<HashMap<String, HashSet<RequestLabels>>>,
     /// Requests per API-key tenant and outcome.
     pub tenant_requests: Family<TenantLabels, Counter>,
     /// Time to decide, seconds.
@@ -477,6 +481,7 @@ impl Metrics {
             prefix_source,
             registry,
             requests,
+            request_series: parking_lot::Mutex::default(),
             tenant_requests,
             decision_seconds,
             match_rate,
@@ -490,6 +495,48 @@ impl Metrics {
             llama_slot_waits,
             worker_healthy,
             worker_in_flight,
+        }
+    }
+
+    /// Counts one request in `kvroute_requests_total`. A label set seen for the first time
+    /// is also noted under its worker (one short lock, never taken again for that set), so
+    /// [`Metrics::forget_worker`] can drop it.
+    pub fn count_request(&self, labels: RequestLabels) {
+        if !labels.worker.is_empty() && self.requests.get(&labels).is_none() {
+            self.request_series.lock().entry(labels.worker.clone()).or_default().insert(labels.clone());
+        }
+        self.requests.get_or_create(&labels).inc();
+    }
+
+    /// Drops every series labelled with worker `url` (its request counts, health, in-flight
+    /// gauge, KV-event counters, slots, prediction errors …): a fleet whose workers come and
+    /// go (etcd registrations, the admin API, config reloads) keeps a bounded label set.
+    /// Prometheus keeps what it scraped before.
+    pub fn forget_worker(&self, url: &str) {
+        let w = WorkerLabel { worker: url.to_string() };
+        for f in
+            [&self.worker_healthy, &self.worker_in_flight, &self.kv_parity, &self.tokenizer_parity, &self.worker_slots]
+        {
+            f.remove(&w);
+        }
+        for f in [
+            &self.kv_batches,
+            &self.kv_gaps,
+            &self.kv_replayed,
+            &self.kv_restarts,
+            &self.kv_errors,
+            &self.kv_skipped,
+            &self.cached_tokens_predicted,
+            &self.cached_tokens_reported,
+        ] {
+            f.remove(&w);
+        }
+        self.engine_prefix_hit_ratio.remove(&w);
+        self.ttft_prediction_ratio.remove(&w);
+        if let Some(sets) = self.request_series.lock().remove(url) {
+            for labels in sets {
+                self.requests.remove(&labels);
+            }
         }
     }
 

@@ -285,7 +285,7 @@ impl AppState {
         let url = w.url.to_string();
         self.forget_worker(w.id);
         self.precise.write().untrack(w.id);
-        self.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.to_string() }).set(0);
+        self.metrics.forget_worker(&url);
         true
     }
 

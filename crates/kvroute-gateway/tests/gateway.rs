@@ -377,9 +377,21 @@ async fn bad_inputs_get_the_right_status_and_json() {
     let v: serde_json::Value =
         guard(auth(c.get(format!("{}/policy", r.url))).send()).await.expect("s").json().await.expect("j");
     assert_eq!(v["knobs"]["cache_threshold"], 0.3);
+    // A request served by the worker labels series with its URL; removing the worker drops
+    // them (a fleet whose workers come and go keeps a bounded label set).
+    let resp = guard(post("/v1/chat/completions", serde_json::to_vec(&chat("x", false)).expect("j"))).await.expect("s");
+    assert_eq!(resp.status(), 200);
+    let series = format!("worker=\"{}\"", w.url);
+    let metrics =
+        || async { guard(c.get(format!("{}/metrics", r.url)).send()).await.expect("m").text().await.expect("t") };
+    let m = metrics().await;
+    assert!(m.lines().any(|l| l.starts_with("kvroute_requests_total{") && l.contains(&series)), "{m}");
+    assert!(m.lines().any(|l| l.starts_with("kvroute_worker_healthy{") && l.contains(&series)), "{m}");
     // Remove the only worker: 503, and /v1/models is empty rather than an error.
     let resp = guard(auth(c.post(format!("{}/remove_worker?url={}", r.url, w.url))).send()).await.expect("s");
     assert_eq!(resp.status(), 200);
+    let m = metrics().await;
+    assert!(!m.lines().any(|l| l.contains(&series)), "a removed worker's series stay:\n{m}");
     let resp = guard(post("/v1/chat/completions", serde_json::to_vec(&chat("x", false)).expect("j"))).await.expect("s");
     assert_eq!(resp.status(), 503);
     let v: serde_json::Value =

@@ -523,7 +523,7 @@ pub fn replay(
             }
         }
         routed += 1;
-        if routed % 256 == 0 {
+        if routed.is_multiple_of(256) {
             progress(routed);
         }
     }

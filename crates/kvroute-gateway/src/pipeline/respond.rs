@@ -19,15 +19,12 @@ use std::time::{Duration, Instant};
 
 /// Counts one request outcome in `kvroute_requests_total`.
 pub fn count(s: &AppState, worker: &str, branch: &str, outcome: &str) {
-    s.metrics
-        .requests
-        .get_or_create(&RequestLabels {
-            worker: worker.to_string(),
-            policy: s.routers.policy_name(),
-            branch: branch.to_string(),
-            outcome: outcome.to_string(),
-        })
-        .inc();
+    s.metrics.count_request(RequestLabels {
+        worker: worker.to_string(),
+        policy: s.routers.policy_name(),
+        branch: branch.to_string(),
+        outcome: outcome.to_string(),
+    });
 }
 
 /// Builds the client's response from the worker's answer.
