@@ -155,9 +155,18 @@ pub struct AtomicLoad {
     waiting: AtomicU32,
     pending_prefill_tokens: AtomicU64,
     decode_tokens: AtomicU64,
+    /// Requests ever dispatched here (monotonic).
+    dispatches: AtomicU64,
 }
 
 impl AtomicLoad {
+    /// Requests ever dispatched to this worker: a decision made on a view of the counters
+    /// read at count `n` is stale when this is no longer `n` (another request was sent
+    /// there meanwhile).
+    pub fn dispatches(&self) -> u64 {
+        self.dispatches.load(Relaxed)
+    }
+
     /// The counters now (each read on its own: a consistent snapshot is not needed for
     /// routing, and every counter returns to zero when its requests settle).
     pub fn get(&self) -> WorkerLoad {
@@ -182,6 +191,25 @@ impl AtomicLoad {
     /// expected output tokens. The ticket settles the counters on every path: explicitly,
     /// or when it is dropped (a client that went away), so nothing leaks.
     pub fn dispatched(self: &Arc<Self>, uncached_prompt_tokens: u64, decode_tokens: u64) -> LoadTicket {
+        self.dispatches.fetch_add(1, Relaxed);
+        self.open(uncached_prompt_tokens, decode_tokens)
+    }
+
+    /// [`AtomicLoad::dispatched`] only if no request was dispatched here since the count
+    /// read `seen` ([`AtomicLoad::dispatches`]): an atomic compare-and-swap, so of two
+    /// decisions made in parallel on the same view of this worker only one opens its
+    /// ticket. `None`: the other won; nothing changed.
+    pub fn dispatched_if(
+        self: &Arc<Self>,
+        seen: u64,
+        uncached_prompt_tokens: u64,
+        decode_tokens: u64,
+    ) -> Option<LoadTicket> {
+        self.dispatches.compare_exchange(seen, seen.wrapping_add(1), Relaxed, Relaxed).ok()?;
+        Some(self.open(uncached_prompt_tokens, decode_tokens))
+    }
+
+    fn open(self: &Arc<Self>, uncached_prompt_tokens: u64, decode_tokens: u64) -> LoadTicket {
         self.in_flight.fetch_add(1, Relaxed);
         self.waiting.fetch_add(1, Relaxed);
         self.pending_prefill_tokens.fetch_add(uncached_prompt_tokens, Relaxed);
@@ -251,6 +279,26 @@ impl Drop for LoadTicket {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dispatch_on_a_stale_view_is_refused_and_changes_nothing() {
+        let load = Arc::new(AtomicLoad::default());
+        let seen = load.dispatches();
+        // Two decisions read the worker at the same count; the first to dispatch wins.
+        let first = load.dispatched_if(seen, 100, 10).expect("the first dispatch");
+        let before = load.get();
+        assert!(load.dispatched_if(seen, 50, 10).is_none(), "the second saw a stale count");
+        assert_eq!(load.get(), before);
+        assert_eq!(load.dispatches(), seen + 1);
+        // Made again on a fresh read, it goes through; plain dispatches count too.
+        let second = load.dispatched_if(load.dispatches(), 50, 10).expect("a fresh dispatch");
+        let third = load.dispatched(0, 1);
+        assert_eq!(load.dispatches(), seen + 3);
+        assert_eq!(load.get().in_flight, 3);
+        assert_eq!(load.get().pending_prefill_tokens, 150);
+        drop((first, second, third));
+        assert_eq!(load.get().in_flight, 0);
+    }
 
     #[test]
     fn all_paths_return_to_zero() {

@@ -475,9 +475,19 @@ pub struct Candidates {
     pub views: Vec<WorkerView>,
     /// The workers.
     pub entries: Vec<Arc<WorkerEntry>>,
+    /// Each worker's dispatch count ([`kvroute_core::ledger::AtomicLoad::dispatches`]) when
+    /// its view was read, in the order of `entries`.
+    pub dispatches: Vec<u64>,
 }
 
 impl Candidates {
+    /// Worker `id`'s dispatch count when its view was read (`None` if it is not a
+    /// candidate): the decision made on that view holds only while the count is unchanged
+    /// ([`kvroute_core::ledger::AtomicLoad::dispatched_if`]).
+    pub fn dispatches_seen(&self, id: WorkerId) -> Option<u64> {
+        self.entries.iter().zip(&self.dispatches).find(|(e, _)| e.id == id).map(|(_, n)| *n)
+    }
+
     /// The worker with id `id` among the candidates.
     pub fn entry(&self, id: WorkerId) -> Option<&Arc<WorkerEntry>> {
         self.entries.iter().find(|e| e.id == id)
@@ -585,7 +595,9 @@ impl Fleet {
         let list = self.list.load();
         let mut views = Vec::with_capacity(list.len());
         let mut entries = Vec::with_capacity(list.len());
+        let mut dispatches = Vec::with_capacity(list.len());
         for w in list.iter().filter(|w| w.serves(model) && roles.is_none_or(|r| r.contains(&w.role()))) {
+            dispatches.push(w.load.dispatches());
             views.push(w.view());
             entries.push(Arc::clone(w));
         }
@@ -600,7 +612,7 @@ impl Fleet {
                 views[i].health = Health::Healthy;
             }
         }
-        Candidates { views, entries }
+        Candidates { views, entries, dispatches }
     }
 
     /// Models served by routable workers, sorted and deduplicated.

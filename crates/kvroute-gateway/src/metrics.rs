@@ -119,6 +119,9 @@ pub struct Metrics {
     pub index_size: Gauge,
     /// Admission rejections by model.
     pub admission_rejections: Family<ModelLabel, Counter>,
+    /// Decisions made again because a request was dispatched to the chosen worker while
+    /// they were being made (`pipeline::MAX_REDECISIONS`).
+    pub decisions_redone: Counter,
     /// Attempts retried on another worker.
     pub retries: Counter,
     /// Requests sent again to the same worker after its keep-alive connection closed under
@@ -258,6 +261,12 @@ impl Metrics {
         );
         let retries = Counter::default();
         registry.register("kvroute_retries", "Attempts retried (on the same worker or the next)", retries.clone());
+        let decisions_redone = Counter::default();
+        registry.register(
+            "kvroute_decisions_redone",
+            "Decisions made again because a request was sent to the chosen worker meanwhile",
+            decisions_redone.clone(),
+        );
         let stale_connection_resends = Counter::default();
         registry.register(
             "kvroute_stale_connection_resends",
@@ -490,6 +499,7 @@ impl Metrics {
             index_size,
             admission_rejections,
             retries,
+            decisions_redone,
             stale_connection_resends,
             llama_slot_requests,
             llama_slot_waits,

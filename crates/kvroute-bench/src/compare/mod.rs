@@ -67,6 +67,15 @@ pub struct Args {
     /// llama.cpp `llama-server` processes, 1 thread and 2 slots each, started cold per run).
     #[arg(long, default_value = "sim", value_parser = ["sim", "llama"])]
     pub engine: String,
+    /// With `--engine sim`: the engine-sim profile of the workers (h100-llama3-8b,
+    /// a100-llama3-8b, or cpu-smollm2-135m: two llama.cpp slots without a host prompt cache,
+    /// the simulated stand-in of `--engine llama`).
+    #[arg(long, default_value = "h100-llama3-8b")]
+    pub sim_profile: String,
+    /// With `--engine sim`: overrides of the profile's constants as a JSON object (engine-sim
+    /// `--profile-set`), e.g. the calibration `scripts/sim-to-real.py` prints.
+    #[arg(long)]
+    pub sim_profile_set: Option<String>,
     /// llama-server binary (`scripts/llama-workers.sh paths` prints it).
     #[arg(long, env = "KVROUTE_LLAMA_SERVER")]
     pub llama_server: Option<PathBuf>,
@@ -485,6 +494,13 @@ fn overhead_load(secs: f64, conc: usize) -> RunConfig {
 pub fn run(mut a: Args) -> anyhow::Result<()> {
     // `--peers ""` compares kvroute's policies alone.
     a.peers.retain(|p| !p.is_empty());
+    if kvroute_sim::engine::Profile::named(&a.sim_profile).is_none() {
+        bail!(
+            "--sim-profile: unknown profile `{}`; known: {}",
+            a.sim_profile,
+            kvroute_sim::engine::Profile::NAMES.join(", ")
+        );
+    }
     if a.engine == "llama" {
         // Real engines run in real time (slow the trace with --rate-scale instead), and the
         // proxy-overhead part needs instant simulated workers.
@@ -699,7 +715,11 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                 if row.skipped.as_deref().is_some_and(|s| s.contains("not installed")) {
                     continue;
                 }
-                let (kids, urls) = ctx.workers_kv(a.workers, &["--time-scale", &ts], t.router == "dynamo").await?;
+                let mut sim = vec!["--time-scale", ts.as_str(), "--profile", a.sim_profile.as_str()];
+                if let Some(set) = &a.sim_profile_set {
+                    sim.extend(["--profile-set", set.as_str()]);
+                }
+                let (kids, urls) = ctx.workers_kv(a.workers, &sim, t.router == "dynamo").await?;
                 let started = match ctx.router(t, &urls).await {
                     Ok(x) => x,
                     Err(e) => {
@@ -778,7 +798,9 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
             let doc = serde_json::json!({
                 "workers": a.workers, "time_scale": a.time_scale, "rate_scale": a.rate_scale,
                 "requests": a.requests, "trace": trace, "overhead_secs": a.overhead_secs,
-                "engine": a.engine, "workload": a.workload, "quality_requests": quality_n,
+                "engine": a.engine, "sim_profile": (a.engine == "sim").then_some(&a.sim_profile),
+                "sim_profile_set": a.sim_profile_set,
+                "workload": a.workload, "quality_requests": quality_n,
                 "rate": a.rate, "output_tokens": a.output_tokens, "conversations": a.conversations,
                 "document_tokens": a.document_tokens, "documents": a.documents,
                 "conversation_concurrency": a.conversation_concurrency,

@@ -29,6 +29,9 @@ pub enum Blame {
     Worker,
     /// The router (no routable worker left to try).
     Router,
+    /// Nothing was sent: another decision sent a request to the chosen worker after this
+    /// one read its load (`send` with `seen`); the caller decides again.
+    Raced,
 }
 
 /// Why a request could not be served.
@@ -239,6 +242,7 @@ pub async fn send(
     model: &str,
     bytes: &Bytes,
     headers: &HeaderMap,
+    seen: Option<u64>,
 ) -> Result<Sent, DispatchError> {
     let req = super::keys::precise_view(info, model, precise);
     let d = &routed.decision;
@@ -266,9 +270,25 @@ pub async fn send(
             if attempts > 1 {
                 s.metrics.retries.inc();
             }
+            // The decision's own worker, first: only if no other decision sent a request
+            // there since this one read its load (`seen`).
+            let ticket = match seen.filter(|_| attempts == 1 && w.id == d.worker) {
+                Some(n) => match w.load.dispatched_if(n, uncached, output) {
+                    Some(t) => t,
+                    None => {
+                        return Err(DispatchError {
+                            blame: Blame::Raced,
+                            retryable: true,
+                            bytes_sent: false,
+                            status: StatusCode::SERVICE_UNAVAILABLE,
+                            message: "another request was sent to the chosen worker meanwhile".into(),
+                        });
+                    }
+                },
+                None => w.load.dispatched(uncached, output),
+            };
             let predicted = if committed { None } else { commit(s, routed, &req, w.id) };
             committed = true;
-            let ticket = w.load.dispatched(uncached, output);
             let shared = s.sync.as_ref().map(|sync| sync.routed(routed, &req, &w.url, uncached, output));
             // llama.cpp (OpenAI-compatible endpoints only; it serves no `/generate`).
             let slot = routed.slot_key.as_ref().filter(|_| api != Api::Generate).and_then(|k| SlotHold::take(s, w, k));

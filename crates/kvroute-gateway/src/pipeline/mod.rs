@@ -129,6 +129,12 @@ struct Pool<'a> {
     header: &'static str,
 }
 
+/// Times a decision is made again when a request was dispatched to its worker while it
+/// was being made (the last one stands, raced or not): a burst of requests arriving
+/// together, decided in parallel on the same loads, would otherwise pile onto the least
+/// loaded worker.
+pub const MAX_REDECISIONS: usize = 2;
+
 /// Admit, decide, dispatch, respond: a request served by one worker.
 #[allow(clippy::too_many_arguments)]
 async fn one_worker(
@@ -143,7 +149,27 @@ async fn one_worker(
     pool: Pool<'_>,
 ) -> Result<Response, (ApiError, &'static str)> {
     let permit = route::admit_as(s, model, pool.role).map_err(|e| (e, ""))?;
-    let routed = route::decide_in(s, info, model, precise, pool.routers, pool.roles).map_err(|e| (e, ""))?;
+    // Recorded from here on: every request dispatched, whatever its outcome.
+    let record = s
+        .recorder
+        .as_ref()
+        .map(|r| r.begin(t0, &info.text, info.token_ids.as_deref(), info.session.as_deref(), info.max_tokens));
+    // Decisions run in parallel without a lock. One that raced another to the same worker
+    // (a request was sent there after its view was read) sends nothing and is made again
+    // on fresh views, at most MAX_REDECISIONS times; the last one stands.
+    let mut redone = 0;
+    let (routed, sent) = loop {
+        let routed = route::decide_in(s, info, model, precise, pool.routers, pool.roles).map_err(|e| (e, ""))?;
+        let seen =
+            (redone < MAX_REDECISIONS).then(|| routed.candidates.dispatches_seen(routed.decision.worker)).flatten();
+        match dispatch::send(s, api, &routed, info, precise, model, bytes, headers, seen).await {
+            Err(e) if e.blame == dispatch::Blame::Raced => {
+                redone += 1;
+                s.metrics.decisions_redone.inc();
+            }
+            sent => break (routed, sent),
+        }
+    };
     let branch = routed.decision.branch.as_str();
     let (source, reason) = keys::prefix_source(precise, routed.chosen_precise, routed.chosen_slots);
     s.metrics
@@ -158,14 +184,7 @@ async fn one_worker(
         decision.push_str(&format!("({reason})"));
     }
     log_decision(&routed, info, &decision);
-    // Recorded from here on: every request dispatched, whatever its outcome.
-    let record = s
-        .recorder
-        .as_ref()
-        .map(|r| r.begin(t0, &info.text, info.token_ids.as_deref(), info.session.as_deref(), info.max_tokens));
-    let sent = dispatch::send(s, api, &routed, info, precise, model, bytes, headers)
-        .await
-        .map_err(|e| (ApiError::from(e), branch))?;
+    let sent = sent.map_err(|e| (ApiError::from(e), branch))?;
     respond::respond(s, sent, permit, &decision, branch, t0, record).map_err(|e| (e, branch))
 }
 
