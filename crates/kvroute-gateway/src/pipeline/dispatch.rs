@@ -227,11 +227,15 @@ pub(crate) fn commit(s: &AppState, routed: &Routed, req: &RequestView<'_>, worke
 }
 
 /// Sends the request until a worker answers with a non-retryable status, within the
-/// retry bounds.
+/// retry bounds. With `seen` (the decision's worker's dispatch count when its view was
+/// read, [`crate::fleet::Candidates::dispatches_seen`]), the first attempt goes only if no
+/// other request was dispatched there since.
 ///
 /// # Errors
 /// [`DispatchError`]: 504 when an attempt timed out (the client's time budget is spent),
-/// 502 when every attempt failed, 503 when no routable worker was left to try.
+/// 502 when every attempt failed, 503 when no routable worker was left to try;
+/// [`Blame::Raced`] when `seen` no longer holds (nothing was sent or committed: decide
+/// again).
 #[allow(clippy::too_many_arguments)]
 pub async fn send(
     s: &AppState,
