@@ -699,15 +699,19 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
             }
         }
         if !a.skip_quality {
-            let span = match &conversations {
-                Some(c) => c.last().map_or(0.0, |c| c.at.as_secs_f64()),
-                None => quality_reqs.last().map_or(0.0, |r| r.at.as_secs_f64()),
+            // Arrivals: a closed loop of conversations has no schedule to span (every start
+            // time is zero; each starts when another ends), an open loop spans its last arrival.
+            let arrivals = match &conversations {
+                Some(c) if a.conversation_concurrency > 0 => {
+                    format!("{} conversations, {} at a time (closed loop)", c.len(), a.conversation_concurrency)
+                }
+                Some(c) => format!("arrivals over {:.0} s wall", c.last().map_or(0.0, |c| c.at.as_secs_f64())),
+                None => format!("arrivals over {:.0} s wall", quality_reqs.last().map_or(0.0, |r| r.at.as_secs_f64())),
             };
             eprintln!(
-                "routing quality: {} {} requests over {:.0} s wall ({}× real time), workers restarted cold per run",
+                "routing quality: {} {} requests, {arrivals} ({}× real time), workers restarted cold per run",
                 quality_n,
                 a.workload.as_deref().unwrap_or("Mooncake"),
-                span,
                 a.time_scale
             );
             let ts = a.time_scale.to_string();
