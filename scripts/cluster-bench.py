@@ -11,7 +11,11 @@ reads:
   - events published and applied per second (kvroute_sync_events_total);
   - sync lag p50/p99 (kvroute_sync_lag_seconds: publication by a peer -> applied here;
     bucket upper bounds, so "<=");
-  - decision time p50/p99/p99.9 (kvroute_decision_seconds; bucket upper bounds);
+  - decision time p50/p99/p99.9 (kvroute_decision_seconds, wall clock; bucket upper bounds)
+    and the deciding thread's CPU time over the same decisions (kvroute_decision_cpu_seconds:
+    the decision's own work; wall minus CPU is time the thread was descheduled);
+  - involuntary context switches of the replica's threads per request it routed
+    (/proc/PID/task/*/status: the OS took a core from a runnable thread);
   - peak and final RSS (VmHWM, VmRSS);
   - bytes the NATS server took in and sent out (its /varz monitoring endpoint), per
     request routed;
@@ -20,9 +24,14 @@ reads:
 Standard library only. Usage:
   python3 scripts/cluster-bench.py --kvroute target/release/kvroute [--replicas 3]
       [--duration 20] [--concurrency 32] [--rounds 2] [--policy cache_aware] [--rate R]
-      [--nats-server nats-server] [--json OUT]
+      [--nats-server nats-server] [--nats-nice N] [--own-core] [--json OUT]
 The closed loop saturates the machine (the routers' throughput); --rate R sends an open
 loop of R requests/s in all, below saturation (decision time without CPU contention).
+--nats-nice N runs nats-server at that nice level, so that on a machine shared with the
+replicas it yields the cores to them, as a NATS on its own host would. --own-core gives
+replica 0 CPU 0 to itself and runs every other process (the other replicas, NATS, the
+workers, the load generator) on the remaining CPUs: replica 0's decision times then show
+what the sync costs a replica on a core of its own, without the other processes' wake-ups.
 Every process is on 127.0.0.1 and ends with the script.
 """
 
@@ -94,6 +103,18 @@ def rss_kib(pid):
     return grab("VmRSS"), grab("VmHWM")
 
 
+def involuntary_switches(pid):
+    """Involuntary context switches summed over the process's threads."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                total += int(re.search(r"nonvoluntary_ctxt_switches:\s+(\d+)", f.read()).group(1))
+        except (OSError, AttributeError):
+            pass  # a thread that ended between the listing and the read
+    return total
+
+
 def fmt_s(x):
     if x is None:
         return "-"
@@ -116,12 +137,15 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
         cmd = [a.kvroute, "serve", "--port", str(port), "--worker-urls", ",".join(workers), "--policy", a.policy]
         if sync:
             cmd += ["--nats", nats_url, "--cluster", cluster]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        # --own-core: replica 0 alone on CPU 0 (the script and its other children run on the rest).
+        pin = (lambda: os.sched_setaffinity(0, {0})) if a.own_core and not procs else None
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin))
         urls.append(f"http://127.0.0.1:{port}")
     try:
         for u in urls:
             wait_ok(f"{u}/readiness", "replica")
         before = [metrics(u) for u in urls]
+        switches0 = [involuntary_switches(p.pid) for p in procs]
         v0 = varz(monitor)
         out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
         t0 = time.time()
@@ -136,6 +160,7 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
         wall = time.time() - t0
         time.sleep(1.5)  # the last batches and heartbeats arrive
         after = [metrics(u) for u in urls]
+        switches1 = [involuntary_switches(p.pid) for p in procs]
         v1 = varz(monitor)
         summary = json.load(open(out))["summary"]
         os.unlink(out)
@@ -143,6 +168,7 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
         for i, (b, m) in enumerate(zip(before, after)):
             d = lambda k: m.get(k, 0.0) - b.get(k, 0.0)
             dec = minus(histogram(m, "kvroute_decision_seconds"), histogram(b, "kvroute_decision_seconds"))
+            cpu = minus(histogram(m, "kvroute_decision_cpu_seconds"), histogram(b, "kvroute_decision_cpu_seconds"))
             lag = minus(histogram(m, "kvroute_sync_lag_seconds"), histogram(b, "kvroute_sync_lag_seconds"))
             rss, hwm = rss_kib(procs[i].pid)
             rows.append({
@@ -151,6 +177,10 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
                 "decision_p50_s": quantile(dec, 0.5),
                 "decision_p99_s": quantile(dec, 0.99),
                 "decision_p999_s": quantile(dec, 0.999),
+                "decision_cpu_p50_s": quantile(cpu, 0.5),
+                "decision_cpu_p99_s": quantile(cpu, 0.99),
+                "decision_cpu_p999_s": quantile(cpu, 0.999),
+                "involuntary_switches_per_decision": (switches1[i] - switches0[i]) / max(dec[-1][1] if dec else 0, 1),
                 "published_per_s": d('kvroute_sync_events_total{outcome="published"}') / wall,
                 "applied_per_s": d('kvroute_sync_events_total{outcome="applied"}') / wall,
                 "dropped": d('kvroute_sync_events_total{outcome="dropped"}'),
@@ -188,14 +218,26 @@ def main():
     ap.add_argument("--policy", default="cache_aware")
     ap.add_argument("--rate", type=float, help="open loop at this many requests/s (Poisson) instead of the "
                     "closed loop, to measure below saturation")
+    ap.add_argument("--nats-nice", type=int, default=0,
+                    help="nice level of nats-server (0..19): >0 lets it yield the cores to the replicas")
+    ap.add_argument("--own-core", action="store_true",
+                    help="replica 0 on CPU 0 alone, every other process on the other CPUs")
     ap.add_argument("--json", help="write every result here")
     a = ap.parse_args()
     if not (1 <= a.replicas <= 16 and 1 <= a.workers <= 64 and 0 < a.duration <= 600 and 1 <= a.concurrency <= 1024):
         sys.exit("--replicas 1..16, --workers 1..64, --duration 0..600, --concurrency 1..1024")
+    if not 0 <= a.nats_nice <= 19:
+        sys.exit("--nats-nice 0..19")
     if not shutil.which(a.nats_server) and not os.path.isfile(a.nats_server):
         sys.exit(f"no nats-server at {a.nats_server}: install the Debian package nats-server")
     nats_port, monitor = free_port(), free_port()
-    nats = subprocess.Popen([a.nats_server, "-a", "127.0.0.1", "-p", str(nats_port), "-m", str(monitor)],
+    if a.own_core:
+        cpus = os.sched_getaffinity(0) - {0}
+        if not cpus:
+            sys.exit("--own-core needs at least 2 CPUs, CPU 0 among them")
+        os.sched_setaffinity(0, cpus)  # inherited by every process started from here on
+    nice = ["nice", "-n", str(a.nats_nice)] if a.nats_nice else []
+    nats = subprocess.Popen(nice + [a.nats_server, "-a", "127.0.0.1", "-p", str(nats_port), "-m", str(monitor)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     workers, wprocs = [], []
     try:
@@ -218,7 +260,10 @@ def main():
                       f"per request", flush=True)
                 for x in res["replicas"]:
                     print(f"  replica {x['replica']}: decision p50 <= {fmt_s(x['decision_p50_s'])}, "
-                          f"p99 <= {fmt_s(x['decision_p99_s'])}, p99.9 <= {fmt_s(x['decision_p999_s'])}; "
+                          f"p99 <= {fmt_s(x['decision_p99_s'])}, p99.9 <= {fmt_s(x['decision_p999_s'])} "
+                          f"(CPU p50 <= {fmt_s(x['decision_cpu_p50_s'])}, p99 <= {fmt_s(x['decision_cpu_p99_s'])}, "
+                          f"p99.9 <= {fmt_s(x['decision_cpu_p999_s'])}; "
+                          f"{x['involuntary_switches_per_decision']:.2f} involuntary switches a request); "
                           f"events out {x['published_per_s']:.0f}/s, in {x['applied_per_s']:.0f}/s, "
                           f"dropped {x['dropped']:.0f}, gaps {x['gaps']:.0f}; lag p50 <= {fmt_s(x['lag_p50_s'])}, "
                           f"p99 <= {fmt_s(x['lag_p99_s'])}; RSS {x['rss_mib']:.1f} MiB (peak {x['peak_rss_mib']:.1f})",

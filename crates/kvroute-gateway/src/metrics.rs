@@ -107,8 +107,11 @@ pub struct Metrics {
     request_series: parking_lot::Mutex<HashMap<String, HashSet<RequestLabels>>>,
     /// Requests per API-key tenant and outcome.
     pub tenant_requests: Family<TenantLabels, Counter>,
-    /// Time to decide, seconds.
+    /// Time to decide, seconds (wall clock: includes any time the thread was descheduled).
     pub decision_seconds: Histogram,
+    /// CPU time of the deciding thread during the decision, seconds: the decision's own
+    /// work, without the time the OS gave the core to another thread.
+    pub decision_cpu_seconds: Histogram,
     /// Matched prefix / routing key per decision.
     pub match_rate: Histogram,
     /// Time to first byte of the response at the router, seconds.
@@ -241,6 +244,12 @@ impl Metrics {
         );
         let decision_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
         registry.register("kvroute_decision_seconds", "Routing decision time", decision_seconds.clone());
+        let decision_cpu_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
+        registry.register(
+            "kvroute_decision_cpu_seconds",
+            "CPU time of the deciding thread during a routing decision (its own work, without preemption)",
+            decision_cpu_seconds.clone(),
+        );
         let match_rate = Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]);
         registry.register("kvroute_match_rate", "Matched prefix over routing key length", match_rate.clone());
         let ttft_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 18));
@@ -493,6 +502,7 @@ impl Metrics {
             request_series: parking_lot::Mutex::default(),
             tenant_requests,
             decision_seconds,
+            decision_cpu_seconds,
             match_rate,
             ttft_seconds,
             e2e_seconds,

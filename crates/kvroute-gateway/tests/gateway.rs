@@ -206,6 +206,7 @@ async fn failing_worker_requests_move_to_the_fallback() {
     for name in [
         "kvroute_requests_total",
         "kvroute_decision_seconds",
+        "kvroute_decision_cpu_seconds_count 6",
         "kvroute_ttft_seconds",
         "kvroute_worker_healthy",
         "kvroute_index_size",
