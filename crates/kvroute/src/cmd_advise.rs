@@ -67,7 +67,14 @@ pub struct Args {
     /// a session header.
     #[arg(long)]
     pub closed_sessions: bool,
-    /// Keep only the first N requests of the trace.
+    /// Which sessions of the trace to judge on (a time span, conversations of a minimum
+    /// length), as `kvroute replay`; the slice's first request becomes time 0.
+    #[command(flatten)]
+    pub slice: kvroute_bench::cli::TraceSliceArgs,
+    /// Cap on every request's output tokens, as `kvroute replay --max-output`.
+    #[arg(long)]
+    pub max_output: Option<u32>,
+    /// Keep only the first N requests of the trace (after the slice).
     #[arg(long)]
     pub limit: Option<usize>,
     /// Write the ranking and the recommendation as JSON to this file.
@@ -287,6 +294,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     policies.retain(|p| seen.insert(p.clone()));
     let profile = load_profile(&a.profile, a.profile_set.as_deref())?;
     let mut base = trace::read(&a.trace, None).with_context(|| format!("--trace {}", a.trace.display()))?;
+    if a.slice.is_set() {
+        base = a.slice.apply(base)?;
+        trace::rebase(&mut base);
+    }
+    crate::cmd_replay::cap_outputs(&mut base, a.max_output)?;
     if let Some(n) = a.limit {
         trace::truncate(&mut base, n);
     }

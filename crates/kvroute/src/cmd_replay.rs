@@ -205,6 +205,22 @@ fn parse_rates(spec: &str) -> anyhow::Result<Vec<f64>> {
         .collect()
 }
 
+/// Caps every request's output tokens at `cap` (`--max-output`, as `kvroute bench` and
+/// `kvroute demo` send them); `None` leaves them.
+///
+/// # Errors
+/// A cap of 0.
+pub fn cap_outputs(trace: &mut [TraceRequest], cap: Option<u32>) -> anyhow::Result<()> {
+    let Some(cap) = cap else { return Ok(()) };
+    if cap == 0 {
+        bail!("--max-output must be at least 1");
+    }
+    for r in trace {
+        r.output_tokens = r.output_tokens.min(cap);
+    }
+    Ok(())
+}
+
 /// Loads the profile with overrides.
 pub fn load_profile(name: &str, set: Option<&str>) -> anyhow::Result<Profile> {
     let base = Profile::named(name)
@@ -241,14 +257,7 @@ pub fn load_trace(args: &Args) -> anyhow::Result<Vec<TraceRequest>> {
         t = args.slice.apply(t)?;
         trace::rebase(&mut t);
     }
-    if let Some(cap) = args.max_output {
-        if cap == 0 {
-            bail!("--max-output must be at least 1");
-        }
-        for r in &mut t {
-            r.output_tokens = r.output_tokens.min(cap);
-        }
-    }
+    cap_outputs(&mut t, args.max_output)?;
     if args.sample < 1.0 {
         t = trace::sample(t, args.sample, args.seed);
     }

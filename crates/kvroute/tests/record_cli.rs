@@ -24,14 +24,15 @@ fn body(doc: &str, question: &str, stream: bool) -> serde_json::Value {
         "messages": [{"role": "system", "content": doc}, {"role": "user", "content": question}]})
 }
 
-/// Engine-sims and a router recording to `file` with `extra` flags, once ready.
-async fn fleet(file: &std::path::Path, extra: &[&str]) -> (Vec<Proc>, String) {
+/// `engines` engine-sims at `time_scale` and a router recording to `file` with `extra`
+/// flags, once ready.
+async fn fleet(file: &std::path::Path, engines: usize, time_scale: &str, extra: &[&str]) -> (Vec<Proc>, String) {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut procs = Vec::new();
     let mut urls = Vec::new();
-    for _ in 0..2 {
+    for _ in 0..engines {
         let port = free_port();
-        procs.push(spawn_kvroute(&args(&["engine-sim", "--port", &port.to_string(), "--time-scale", "50"])));
+        procs.push(spawn_kvroute(&args(&["engine-sim", "--port", &port.to_string(), "--time-scale", time_scale])));
         urls.push(format!("http://127.0.0.1:{port}"));
     }
     for u in &urls {
@@ -69,7 +70,7 @@ async fn recorded_traffic_keeps_no_text_shares_prefix_ids_and_replays() {
     let dir = std::env::temp_dir().join(format!("kvroute-record-cli-{}-{}", std::process::id(), free_port()));
     std::fs::create_dir_all(&dir).expect("tmp dir");
     let file = dir.join("trace.jsonl");
-    let (_procs, router) = fleet(&file, &["--record-block-tokens", "4"]).await;
+    let (_procs, router) = fleet(&file, 2, "50", &["--record-block-tokens", "4"]).await;
     let c = reqwest::Client::new();
     let mut sent = 0;
     for d in 0..3 {
@@ -156,7 +157,8 @@ async fn the_trace_rotates_at_its_size_limit_and_keeps_its_file_count() {
     std::fs::create_dir_all(&dir).expect("tmp dir");
     let file = dir.join("trace.jsonl");
     let (_procs, router) =
-        fleet(&file, &["--record-block-tokens", "2", "--record-max-bytes", "4096", "--record-files", "2"]).await;
+        fleet(&file, 2, "50", &["--record-block-tokens", "2", "--record-max-bytes", "4096", "--record-files", "2"])
+            .await;
     let c = reqwest::Client::new();
     // Each line carries ~140 ids of up to 16 digits (~2.5 KB): two lines pass 4 KiB.
     for i in 0..12 {
@@ -192,6 +194,9 @@ fn advise_refuses_bad_input_naming_the_flag() {
         (vec!["--realisations", "0"], "--realisations"),
         (vec!["--engines", "0"], "--engines"),
         (vec!["--current", "nope"], "--current"),
+        (vec!["--max-output", "0"], "--max-output"),
+        (vec!["--trace-window=-5"], "--trace-window must be a positive number"),
+        (vec!["--trace-start", "99999"], "has no requests"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["advise", "--trace", trace, "--limit", "50"])
@@ -210,4 +215,143 @@ fn advise_refuses_bad_input_naming_the_flag() {
         .expect("run advise");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--trace /nonexistent/trace.jsonl"));
+}
+
+/// The demo's slice of the vendored Mooncake trace (its first 1,200 s, conversations of
+/// three turns or more, prompts up to 32k tokens, outputs capped at 128): 847 requests.
+const SLICE: [&str; 8] =
+    ["--trace-window", "1200", "--min-turns", "3", "--max-input-tokens", "32768", "--max-output", "128"];
+
+/// Canonical form of the prefix tree of `seqs` (a multiset of block-id chains): equal for
+/// two multisets exactly when one is the other with its ids renamed one to one, chains
+/// sharing a prefix where the other's do.
+fn prefix_tree(seqs: &[&[u64]]) -> String {
+    let ends = seqs.iter().filter(|s| s.is_empty()).count();
+    let mut children: std::collections::BTreeMap<u64, Vec<&[u64]>> = std::collections::BTreeMap::new();
+    for s in seqs.iter().filter(|s| !s.is_empty()) {
+        children.entry(s[0]).or_default().push(&s[1..]);
+    }
+    let mut subtrees: Vec<String> = children.values().map(|c| prefix_tree(c)).collect();
+    subtrees.sort();
+    format!("({ends}{})", subtrees.concat())
+}
+
+/// `kvroute advise --json` on `trace` with `extra` flags: (policy, mean TTFT averaged, the
+/// highest realisation's mean) in rank order.
+fn advise_ranking(trace: &str, extra: &[&str], dir: &std::path::Path, name: &str) -> Vec<(String, f64, f64)> {
+    let json = dir.join(format!("{name}.json"));
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["advise", "--trace", trace, "--engines", "4", "--no-knob-search"])
+        .args(extra)
+        .args(["--json", json.to_str().expect("utf-8")])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run advise");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).expect("advice written")).expect("json");
+    let f = |x: &serde_json::Value| x.as_f64().expect("a number");
+    v["ranking"]
+        .as_array()
+        .expect("ranking")
+        .iter()
+        .map(|c| {
+            let means: Vec<f64> = c["ttft_mean_s"].as_array().expect("means").iter().map(f).collect();
+            let avg = means.iter().sum::<f64>() / means.len() as f64;
+            (c["policy"].as_str().expect("policy").to_string(), avg, means.iter().copied().fold(f64::MIN, f64::max))
+        })
+        .collect()
+}
+
+/// The record → advise round trip on a scoreboard workload: the demo's Mooncake slice sent
+/// through `kvroute serve --record` by `kvroute bench` (4 engine-sims at 10× time scale, the
+/// trace at 10× its rate: 100× in wall time) comes back as the same prefix structure (the
+/// recorded ids are the trace's renamed, block for block), and `kvroute advise` on the
+/// recording (at ×0.1, the engines' real time) recommends the policy the same replay ranks
+/// first on the trace that was sent (the scoreboard's method at that point) where that
+/// first is clear, and one of its near-tied top three where it is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advice_on_a_recording_matches_the_ranking_of_the_trace_that_was_sent() {
+    let dir = std::env::temp_dir().join(format!("kvroute-roundtrip-{}-{}", std::process::id(), free_port()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let file = dir.join("trace.jsonl");
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
+    let (procs, router) = fleet(&file, 4, "10", &["--record-block-tokens", "512"]).await;
+    let bench = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["bench", "--url", &router, "--trace", trace, "--rate-scale", "100", "--quiet"])
+        .args(SLICE)
+        .stdin(Stdio::null())
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(180), bench).await.expect("hang guard").expect("run bench");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // The trace that was sent, as the bench cut it.
+    let sent = {
+        let slice = kvroute_bench::cli::TraceSliceArgs {
+            trace_start: 0.0,
+            trace_window: Some(1200.0),
+            min_turns: 3,
+            max_input_tokens: Some(32768),
+        };
+        slice.apply(kvroute_sim::trace::read(std::path::Path::new(trace), None).expect("trace")).expect("slice")
+    };
+    let got = lines(&file, sent.len()).await;
+    assert_eq!(got.len(), sent.len());
+    // Prefix structure: each recorded line's ids are its prompt's full 512-token blocks.
+    let sent_ids: Vec<Vec<u64>> =
+        sent.iter().map(|r| r.blocks.iter().take((r.input_tokens / 512) as usize).map(|b| b.0).collect()).collect();
+    let got_ids: Vec<Vec<u64>> = got.iter().map(ids).collect();
+    let shared: usize = sent_ids.iter().map(|s| s.len()).sum();
+    assert!(shared > 5_000, "blocks in the slice: {shared}");
+    let view = |v: &[Vec<u64>]| prefix_tree(&v.iter().map(|s| s.as_slice()).collect::<Vec<_>>());
+    assert!(view(&sent_ids) == view(&got_ids), "the recording's prefix tree differs from the trace's");
+    let mut sent_lengths: Vec<u32> = sent.iter().map(|r| r.input_tokens).collect();
+    let mut got_lengths: Vec<u32> =
+        got.iter().map(|v| u32::try_from(v["input_length"].as_u64().expect("length")).expect("u32")).collect();
+    sent_lengths.sort_unstable();
+    got_lengths.sort_unstable();
+    assert_eq!(sent_lengths, got_lengths, "prompt lengths");
+
+    // Advice: the recording at the engines' real time against the trace at the rate sent,
+    // 5 arrival realisations each.
+    let recording = file.to_str().expect("utf-8");
+    let advise = |policies: &str, name: &str| {
+        let on_recording = advise_ranking(
+            recording,
+            &["--rate-scale", "0.1", "--realisations", "5", "--policies", policies],
+            &dir,
+            &format!("{name}-recording"),
+        );
+        let mut flags = SLICE.to_vec();
+        flags.extend(["--rate-scale", "10", "--realisations", "5", "--policies", policies]);
+        let on_trace = advise_ranking(trace, &flags, &dir, &format!("{name}-trace"));
+        eprintln!(
+            "advice ({name}), top 3: on the recording {:?}; on the trace {:?}",
+            &on_recording[..3],
+            &on_trace[..3]
+        );
+        (on_recording, on_trace)
+    };
+    // Every policy: on this slice the scoreboard's top three (prefill_cost, least_ttft,
+    // kv_score) are within 4–7 % of each other, closer than the recording's arrivals (the
+    // bench's sends, 100× faster than the trace's clock) differ from the trace's; the
+    // recommendation must be one of them, within 10 % of the first on the trace itself.
+    let (on_recording, on_trace) = advise("all", "all");
+    let recommended = &on_recording[0].0;
+    let rank = on_trace.iter().position(|c| &c.0 == recommended).expect("ranked on the trace too");
+    assert!(
+        rank < 3 && on_trace[rank].1 <= 1.1 * on_trace[0].1,
+        "advice on the recording: {recommended}, rank {} on the trace that was sent ({on_trace:?})",
+        rank + 1
+    );
+    let rr = |r: &[(String, f64, f64)]| r.iter().find(|c| c.0 == "round_robin").expect("round_robin").1;
+    assert!(on_recording[0].1 < 0.5 * rr(&on_recording), "{on_recording:?}");
+    assert!(on_trace[0].1 < 0.5 * rr(&on_trace), "{on_trace:?}");
+    // Among candidates whose first is clear on the trace (least_ttft ~12 % ahead of
+    // cache_aware there), the recording's advice is exactly the trace's first.
+    let (on_recording, on_trace) = advise("round_robin,cache_aware,prefix_affinity,sticky,least_ttft", "clear");
+    assert!(on_trace[0].1 < 0.95 * on_trace[1].1, "the first is not clear on the trace: {on_trace:?}");
+    assert_eq!(on_recording[0].0, on_trace[0].0, "recording {on_recording:?}\ntrace {on_trace:?}");
+    drop(procs);
+    let _ = std::fs::remove_dir_all(&dir);
 }
