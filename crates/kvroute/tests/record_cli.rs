@@ -301,8 +301,8 @@ async fn advice_on_a_recording_matches_the_ranking_of_the_trace_that_was_sent() 
     let sent_ids: Vec<Vec<u64>> =
         sent.iter().map(|r| r.blocks.iter().take((r.input_tokens / 512) as usize).map(|b| b.0).collect()).collect();
     let got_ids: Vec<Vec<u64>> = got.iter().map(ids).collect();
-    let shared: usize = sent_ids.iter().map(|s| s.len()).sum();
-    assert!(shared > 5_000, "blocks in the slice: {shared}");
+    let blocks: usize = sent_ids.iter().map(|s| s.len()).sum();
+    assert!(blocks > 5_000, "blocks in the slice: {blocks}");
     let view = |v: &[Vec<u64>]| prefix_tree(&v.iter().map(|s| s.as_slice()).collect::<Vec<_>>());
     assert!(view(&sent_ids) == view(&got_ids), "the recording's prefix tree differs from the trace's");
     let mut sent_lengths: Vec<u32> = sent.iter().map(|r| r.input_tokens).collect();
