@@ -490,8 +490,14 @@ fn overhead_load(secs: f64, conc: usize) -> RunConfig {
     }
 }
 
+/// The machine's 1-minute load average (`/proc/loadavg`; `None` where there is none).
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+}
+
 /// Runs `kvroute bench compare`.
 pub fn run(mut a: Args) -> anyhow::Result<()> {
+    let load_at_start = load_average();
     // `--peers ""` compares kvroute's policies alone.
     a.peers.retain(|p| !p.is_empty());
     if kvroute_sim::engine::Profile::named(&a.sim_profile).is_none() {
@@ -509,6 +515,16 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         }
         a.time_scale = 1.0;
         a.skip_overhead = true;
+        // Real engines share the cores with whatever else runs: their timings compare only
+        // with runs on an equally idle machine (docs/real-engines.md, "Runs on a quiet machine").
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if let Some(load) = load_average().filter(|&l| l >= 0.5 * cores as f64) {
+            eprintln!(
+                "kvroute bench compare: warning: the machine is busy (1-minute load average {load:.2} on {cores} cores): \
+                 the llama.cpp workers will share the cores with that work, and their timings will not compare \
+                 with an idle machine's"
+            );
+        }
     }
     if a.workers == 0 {
         bail!("--workers must be at least 1");
@@ -811,7 +827,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                 "block_tokens": a.block_tokens, "trace_start": a.slice.trace_start,
                 "trace_window": a.slice.trace_window, "min_turns": a.slice.min_turns,
                 "max_input_tokens": a.slice.max_input_tokens,
-                "llama_cache_ram_mib": a.llama_cache_ram,
+                "llama_cache_ram_mib": a.llama_cache_ram, "load_average_at_start": load_at_start,
                 "direct": direct.as_ref().map(|d| [&d.0, &d.1]), "rows": rows,
             });
             std::fs::write(p, serde_json::to_vec_pretty(&doc)?).with_context(|| format!("writing {}", p.display()))?;
