@@ -151,6 +151,45 @@ async fn recorded_traffic_keeps_no_text_shares_prefix_ids_and_replays() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A request no decision stood for (no worker yet: 503) was never dispatched, so it is not
+/// in the trace; the next one, once a worker is added, is its first line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_before_any_decision_is_not_recorded() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = std::env::temp_dir().join(format!("kvroute-record-refused-{}-{}", std::process::id(), free_port()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let file = dir.join("trace.jsonl");
+    let worker_port = free_port();
+    let _worker = spawn_kvroute(&args(&["engine-sim", "--port", &worker_port.to_string(), "--time-scale", "50"]));
+    let worker = format!("http://127.0.0.1:{worker_port}");
+    wait_ok(&worker, "/health").await;
+    let port = free_port();
+    let _router =
+        spawn_kvroute(&args(&["serve", "--port", &port.to_string(), "--record", file.to_str().expect("utf-8")]));
+    let router = format!("http://127.0.0.1:{port}");
+    wait_ok(&router, "/health").await;
+    let c = reqwest::Client::new();
+    let send = |question: &'static str| {
+        let req = c.post(format!("{router}/v1/chat/completions")).json(&body(&document(1), question, false));
+        async move {
+            let r = tokio::time::timeout(Duration::from_secs(60), req.send()).await.expect("hang guard").expect("send");
+            let status = r.status();
+            let _ = r.bytes().await;
+            status
+        }
+    };
+    assert_eq!(send("refused?").await, 503, "no worker is registered yet");
+    let r = c.post(format!("{router}/add_worker?url={worker}")).send().await.expect("add_worker");
+    assert_eq!(r.status(), 200);
+    wait_ok(&router, "/readiness").await;
+    assert_eq!(send("served?").await, 200);
+    // Lines are written in order: once the served request's is there, a line for the
+    // refused one would be too.
+    let got = lines(&file, 1).await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_trace_rotates_at_its_size_limit_and_keeps_its_file_count() {
     let dir = std::env::temp_dir().join(format!("kvroute-record-rot-{}-{}", std::process::id(), free_port()));

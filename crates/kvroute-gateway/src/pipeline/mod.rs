@@ -149,11 +149,6 @@ async fn one_worker(
     pool: Pool<'_>,
 ) -> Result<Response, (ApiError, &'static str)> {
     let permit = route::admit_as(s, model, pool.role).map_err(|e| (e, ""))?;
-    // Recorded from here on: every request dispatched, whatever its outcome.
-    let record = s
-        .recorder
-        .as_ref()
-        .map(|r| r.begin(t0, &info.text, info.token_ids.as_deref(), info.session.as_deref(), info.max_tokens));
     // Decisions run in parallel without a lock. One that raced another to the same worker
     // (a request was sent there after its view was read) sends nothing and is made again
     // on fresh views, at most MAX_REDECISIONS times; the last one stands.
@@ -184,6 +179,13 @@ async fn one_worker(
         decision.push_str(&format!("({reason})"));
     }
     log_decision(&routed, info, &decision);
+    // Recorded from here on: every request dispatched, whatever its outcome (one refused
+    // before any decision stood — unknown model, no routable worker — was not: it returned
+    // above). Its timestamp is its arrival, `t0`.
+    let record = s
+        .recorder
+        .as_ref()
+        .map(|r| r.begin(t0, &info.text, info.token_ids.as_deref(), info.session.as_deref(), info.max_tokens));
     let sent = sent.map_err(|e| (ApiError::from(e), branch))?;
     respond::respond(s, sent, permit, &decision, branch, t0, record).map_err(|e| (e, branch))
 }
