@@ -518,7 +518,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         // Real engines share the cores with whatever else runs: their timings compare only
         // with runs on an equally idle machine (docs/real-engines.md, "Runs on a quiet machine").
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if let Some(load) = load_average().filter(|&l| l >= 0.5 * cores as f64) {
+        if let Some(load) = load_at_start.filter(|&l| l >= 0.5 * cores as f64) {
             eprintln!(
                 "kvroute bench compare: warning: the machine is busy (1-minute load average {load:.2} on {cores} cores): \
                  the llama.cpp workers will share the cores with that work, and their timings will not compare \
