@@ -54,6 +54,23 @@ pub struct ReplayConfig {
     /// request, and as much later than its recorded time as that request arrived late.
     /// Off (the default), every request arrives at its trace time.
     pub closed_sessions: bool,
+    /// A load generator's closed-loop clients: at most this many sessions at once, each
+    /// sending its next request the instant the previous one has ended, as `kvroute bench
+    /// --conversation-concurrency N` (and AIPerf `--concurrency` with sessions) sends them.
+    /// Implies `closed_sessions`, without its recorded gaps between turns: in a recording of
+    /// such clients those gaps are the recorded run's own service times. The first N
+    /// sessions (in order of their first request; a request without a session is a session
+    /// of one) start at their trace times; each later one starts when a session ends (its
+    /// last request finishes or is rejected), at that instant, whatever its trace time. 0
+    /// (the default) = no limit.
+    pub session_concurrency: usize,
+    /// The engines share this many CPU cores, one thread each (llama.cpp workers started with
+    /// `-t 1` on one host, as `scripts/llama-workers.sh` does): while `n` engines are busy
+    /// each runs at `min(1, cores / n)` of its profile's speed (processor sharing; an idle
+    /// engine takes no CPU). The profile's times are then those of an engine alone on a
+    /// core. Engine-side counters (`ReplayResult::busy_ns`, the `sm_util` signal) count
+    /// work at full speed. 0 (the default) = every engine has its own hardware.
+    pub host_cores: u32,
 }
 
 /// Where the router's prefix state comes from in a replay.
@@ -254,6 +271,96 @@ impl SlotRouting {
     }
 }
 
+/// The engines' clock when they share a host's CPU cores ([`ReplayConfig::host_cores`]).
+///
+/// Every busy engine runs at the same rate, `min(1, cores / busy engines)`, so the engines
+/// keep one *virtual* clock (work done at full speed) and their own timings are unchanged;
+/// this maps it to the replay's real clock, piecewise linearly, with a new piece whenever
+/// the number of busy engines changes. With `cores` 0 both clocks are the same.
+#[derive(Debug, Clone, Copy)]
+struct HostClock {
+    cores: u32,
+    /// The last change: real time and virtual time then.
+    real: Nanos,
+    virt: Nanos,
+    /// Virtual nanoseconds per real nanosecond since then, in (0, 1].
+    rate: f64,
+}
+
+impl HostClock {
+    fn new(cores: u32) -> Self {
+        HostClock { cores, real: Nanos(0), virt: Nanos(0), rate: 1.0 }
+    }
+
+    /// The engines share cores (`cores` > 0).
+    fn shared(&self) -> bool {
+        self.cores > 0
+    }
+
+    /// Virtual time at real time `t` (not before the last change).
+    fn virtual_at(&self, t: Nanos) -> Nanos {
+        let d = t.0.saturating_sub(self.real.0);
+        if !self.shared() {
+            return t;
+        }
+        Nanos(self.virt.0.saturating_add(if self.rate >= 1.0 { d } else { (d as f64 * self.rate) as u64 }))
+    }
+
+    /// Real time at virtual time `v` (a time before the last change maps to it).
+    fn real_at(&self, v: Nanos) -> Nanos {
+        if !self.shared() {
+            return v;
+        }
+        let d = v.0.saturating_sub(self.virt.0);
+        Nanos(self.real.0.saturating_add(if self.rate >= 1.0 { d } else { (d as f64 / self.rate).ceil() as u64 }))
+    }
+
+    /// Makes the events' times real.
+    fn make_real(&self, events: &mut [EngineEvent]) {
+        for ev in events {
+            let (EngineEvent::FirstToken { at, .. }
+            | EngineEvent::Finished { at, .. }
+            | EngineEvent::Rejected { at, .. }) = ev;
+            *at = self.real_at(*at);
+        }
+    }
+
+    /// A new piece from real time `t`, at the rate of the engines busy now.
+    fn resync(&mut self, t: Nanos, engines: &[Engine]) {
+        if !self.shared() {
+            return;
+        }
+        self.virt = self.virtual_at(t);
+        self.real = t;
+        let busy = engines.iter().filter(|e| e.next_event_time().is_some()).count().max(1);
+        self.rate = (f64::from(self.cores) / busy as f64).min(1.0);
+    }
+
+    /// Advances every engine through the engines' next event, when it falls at or before
+    /// real time `limit` (strictly before unless `inclusive`), with the events' times made
+    /// real; `false` when there is no such event.
+    fn step(&mut self, engines: &mut [Engine], limit: Nanos, inclusive: bool, events: &mut Vec<EngineEvent>) -> bool {
+        let Some(v) = engines.iter().filter_map(Engine::next_event_time).min() else {
+            return false;
+        };
+        let t = self.real_at(v);
+        if t > limit || (t == limit && !inclusive) {
+            return false;
+        }
+        let first = events.len();
+        for e in engines.iter_mut() {
+            e.advance(v, events);
+        }
+        self.make_real(&mut events[first..]);
+        if self.shared() {
+            self.real = t;
+            self.virt = v;
+            self.resync(t, engines);
+        }
+        true
+    }
+}
+
 /// The replay's record of every request: the router's ledger and predictions, the outcomes,
 /// and the arrivals still to come (with `closed_sessions`, a session's next turn is released
 /// only when the turn before it ends).
@@ -272,8 +379,15 @@ struct Book<'a> {
     arrivals: BinaryHeap<Reverse<(Nanos, usize)>>,
     /// With `closed_sessions`: the next request of each request's session.
     next_turn: Vec<Option<usize>>,
-    /// Some request waits for another's end (`closed_sessions` and a session of two turns).
+    /// Sessions waiting for a place (`session_concurrency`): each one's first request.
+    queued_sessions: std::collections::VecDeque<usize>,
+    /// `session_concurrency` is set: a session's next turn follows its previous one at once.
+    clients: bool,
+    /// Some request waits for another's end (`closed_sessions` and a session of two turns,
+    /// or a session queued by `session_concurrency`).
     gated: bool,
+    /// The engines' shared CPU cores (`host_cores`).
+    host: HostClock,
 }
 
 impl<'a> Book<'a> {
@@ -284,7 +398,7 @@ impl<'a> Book<'a> {
         };
         let mut next_turn = vec![None; trace.len()];
         let mut gated = vec![false; trace.len()];
-        if cfg.closed_sessions {
+        if cfg.closed_sessions || cfg.session_concurrency > 0 {
             let mut last: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
             for (i, r) in trace.iter().enumerate() {
                 if let Some(s) = r.session.as_deref()
@@ -295,8 +409,10 @@ impl<'a> Book<'a> {
                 }
             }
         }
-        let arrivals =
-            trace.iter().enumerate().filter(|(i, _)| !gated[*i]).map(|(i, r)| Reverse((r.arrival, i))).collect();
+        let mut firsts = (0..trace.len()).filter(|i| !gated[*i]);
+        let cap = if cfg.session_concurrency > 0 { cfg.session_concurrency } else { usize::MAX };
+        let arrivals = firsts.by_ref().take(cap).map(|i| Reverse((trace[i].arrival, i))).collect();
+        let queued_sessions: std::collections::VecDeque<usize> = firsts.collect();
         Book {
             trace,
             ledger: LoadLedger::new(),
@@ -306,8 +422,11 @@ impl<'a> Book<'a> {
             expected: (0..trace.len()).map(|_| None).collect(),
             slots: SlotRouting::new(cfg, trace.len()),
             arrivals,
-            gated: gated.iter().any(|g| *g),
+            gated: gated.iter().any(|g| *g) || !queued_sessions.is_empty(),
+            queued_sessions,
+            clients: cfg.session_concurrency > 0,
             next_turn,
+            host: HostClock::new(cfg.host_cores),
         }
     }
 
@@ -322,11 +441,8 @@ impl<'a> Book<'a> {
         if self.gated {
             loop {
                 let next = self.arrivals.peek().map_or(Nanos(u64::MAX), |Reverse((t, _))| *t);
-                let Some(t) = engines.iter().filter_map(Engine::next_event_time).min().filter(|t| *t < next) else {
+                if !self.host.step(engines, next, false, events) {
                     break;
-                };
-                for e in engines.iter_mut() {
-                    e.advance(t, events);
                 }
                 self.handle(events, policy);
             }
@@ -339,11 +455,19 @@ impl<'a> Book<'a> {
 
     /// Request `i` ended (finished or rejected) at `at`: with `closed_sessions`, its
     /// session's next turn arrives as late after its recorded time as this one arrived
-    /// after its own, and never before `at`.
+    /// after its own, and never before `at`; with `session_concurrency` (a load
+    /// generator's clients), the next turn arrives at `at`, and the end of a session's last
+    /// request starts the next queued session at `at`.
     fn ended(&mut self, i: usize, at: Nanos) {
         if let Some(j) = self.next_turn[i] {
+            // A load generator's client sends the next turn once the answer is in; otherwise
+            // the recorded gap (a person's think time) is kept.
             let late = self.outcomes[i].arrival.saturating_sub(self.trace[i].arrival);
-            self.arrivals.push(Reverse((self.trace[j].arrival.saturating_add(late).max(at), j)));
+            let when = if self.clients { at } else { self.trace[j].arrival.saturating_add(late).max(at) };
+            self.arrivals.push(Reverse((when, j)));
+        } else if let Some(j) = self.queued_sessions.pop_front() {
+            // Its session is over: the next queued session starts now (`session_concurrency`).
+            self.arrivals.push(Reverse((at, j)));
         }
     }
 
@@ -463,8 +587,13 @@ pub fn replay(
 
     while let Some((now, i)) = book.next_arrival(&mut engines, &mut events, policy.as_mut()) {
         let r = &trace[i];
-        for e in engines.iter_mut() {
-            e.advance(now, &mut events);
+        if book.host.shared() {
+            while book.host.step(&mut engines, now, true, &mut events) {}
+            book.host.resync(now, &engines);
+        } else {
+            for e in engines.iter_mut() {
+                e.advance(now, &mut events);
+            }
         }
         book.handle(&mut events, policy.as_mut());
         while now >= next_maintain {
@@ -501,6 +630,8 @@ pub fn replay(
                     cached_tokens: None,
                 });
                 let slot = book.slots.start(w, i, r, now);
+                let at = book.host.virtual_at(now);
+                let first = events.len();
                 engines[w].submit(
                     EngineRequest {
                         id: i as u64,
@@ -512,9 +643,11 @@ pub fn replay(
                         kv_transferred: false,
                         slot,
                     },
-                    now,
+                    at,
                     &mut events,
                 );
+                book.host.make_real(&mut events[first..]);
+                book.host.resync(now, &engines);
                 book.handle(&mut events, policy.as_mut());
             }
             Err(_) => {
@@ -527,8 +660,12 @@ pub fn replay(
             progress(routed);
         }
     }
-    for e in engines.iter_mut() {
-        e.advance(Nanos(u64::MAX), &mut events);
+    if book.host.shared() {
+        while book.host.step(&mut engines, Nanos(u64::MAX), true, &mut events) {}
+    } else {
+        for e in engines.iter_mut() {
+            e.advance(Nanos(u64::MAX), &mut events);
+        }
     }
     book.handle(&mut events, policy.as_mut());
     let outcomes = book.outcomes;

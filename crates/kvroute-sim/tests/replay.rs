@@ -30,6 +30,8 @@ fn cfg(policy: &str, engines: usize, prefix_state: PrefixState) -> ReplayConfig 
         prefix_state,
         slot_routing: false,
         closed_sessions: false,
+        session_concurrency: 0,
+        host_cores: 0,
     }
 }
 
@@ -208,4 +210,85 @@ fn closed_sessions_send_a_turn_after_the_previous_one_ends() {
     assert!(ttft(&closed) < ttft(&open), "closed {:?} against open {:?}", ttft(&closed), ttft(&open));
     assert_eq!(closed.outcomes[2].arrival, Nanos::from_millis(20));
     assert!(closed.outcomes.iter().all(|o| o.finished.is_some()));
+}
+
+#[test]
+fn session_concurrency_starts_a_queued_session_when_one_ends() {
+    // Three one-request sessions at 0, 1 and 2 ms, two at a time: the third starts when the
+    // first of the other two ends, not at its trace time; without the limit it keeps it.
+    let trace: Vec<TraceRequest> = (0..3u64)
+        .map(|i| {
+            let mut r = req(i, &[10 * i + 1, 10 * i + 2]);
+            r.session = Some(format!("s{i}"));
+            r
+        })
+        .collect();
+    let free = run(&trace, &cfg("round_robin", 2, PrefixState::Approximate));
+    assert_eq!(free.outcomes[2].arrival, Nanos::from_millis(2));
+    let two = run(&trace, &ReplayConfig { session_concurrency: 2, ..cfg("round_robin", 2, PrefixState::Approximate) });
+    let first_end = two.outcomes[..2].iter().map(|o| o.finished.expect("finished")).min().expect("two requests");
+    assert!(first_end > Nanos::from_millis(2), "a request takes longer than 2 ms: {first_end:?}");
+    assert_eq!(two.outcomes[2].arrival, first_end);
+    assert!(two.outcomes.iter().all(|o| o.finished.is_some() && !o.rejected));
+}
+
+/// Four identical one-block requests at time 0, one per engine (round robin), on engines
+/// sharing `host_cores` cores.
+fn four_at_once(host_cores: u32) -> ReplayResult {
+    let trace: Vec<TraceRequest> = (0..4u64).map(|i| req(0, &[100 + i])).collect();
+    run(&trace, &ReplayConfig { host_cores, ..cfg("round_robin", 4, PrefixState::Approximate) })
+}
+
+#[test]
+fn engines_sharing_cores_slow_down_when_more_are_busy_than_cores() {
+    let alone = four_at_once(0);
+    let ttft = |r: &ReplayResult, i: usize| r.outcomes[i].first_token.expect("first token").0;
+    let end = |r: &ReplayResult, i: usize| r.outcomes[i].finished.expect("finished").0;
+    // Four cores for four busy engines: nothing changes.
+    let four = four_at_once(4);
+    for i in 0..4 {
+        assert_eq!((ttft(&four, i), end(&four, i)), (ttft(&alone, i), end(&alone, i)), "request {i}");
+    }
+    // Two cores for four busy engines: each runs at half speed, start to end (the four stay
+    // busy together), to the nanosecond but for rounding.
+    let two = four_at_once(2);
+    for i in 0..4 {
+        assert!(ttft(&two, i).abs_diff(2 * ttft(&alone, i)) <= 2, "TTFT {} against {}", ttft(&two, i), ttft(&alone, i));
+        assert!(end(&two, i).abs_diff(2 * end(&alone, i)) <= 4, "end {} against {}", end(&two, i), end(&alone, i));
+    }
+}
+
+#[test]
+fn an_engine_busy_alone_on_shared_cores_runs_at_full_speed_and_slows_when_others_join() {
+    // One request at 0; three more join later, while it still decodes.
+    let mut trace = vec![req(0, &[1])];
+    let alone = run(&trace, &cfg("round_robin", 4, PrefixState::Approximate));
+    let shared = ReplayConfig { host_cores: 2, ..cfg("round_robin", 4, PrefixState::Approximate) };
+    let one = run(&trace, &shared);
+    assert_eq!(one.outcomes[0].first_token, alone.outcomes[0].first_token);
+    assert_eq!(one.outcomes[0].finished, alone.outcomes[0].finished);
+    let first = alone.outcomes[0].first_token.expect("first token").0;
+    let at = Nanos(first + 1_000);
+    trace.extend((0..3u64).map(|i| TraceRequest { arrival: at, ..req(0, &[10 + i]) }));
+    let busy = run(&trace, &shared);
+    assert_eq!(busy.outcomes[0].first_token, alone.outcomes[0].first_token, "its prefill ran alone");
+    let (slow, fast) = (busy.outcomes[0].finished.expect("finished"), alone.outcomes[0].finished.expect("finished"));
+    assert!(slow > fast, "its decode shared two cores with three other engines: {slow:?} against {fast:?}");
+}
+
+#[test]
+fn a_load_generators_client_sends_the_next_turn_when_the_answer_is_in() {
+    // A turn recorded 10 s after the first: closed sessions keep that gap (a person's think
+    // time); a load generator's client (`session_concurrency`) sends it at the first's end.
+    let mut first = req(0, &[1, 2]);
+    first.session = Some("conv".into());
+    let mut second = req(10_000, &[1, 2, 3]);
+    second.session = Some("conv".into());
+    second.turn = 1;
+    let trace = vec![first, second];
+    let person = run(&trace, &ReplayConfig { closed_sessions: true, ..cfg("least_ttft", 1, PrefixState::Approximate) });
+    assert_eq!(person.outcomes[1].arrival, Nanos::from_millis(10_000));
+    let client =
+        run(&trace, &ReplayConfig { session_concurrency: 1, ..cfg("least_ttft", 1, PrefixState::Approximate) });
+    assert_eq!(Some(client.outcomes[1].arrival), client.outcomes[0].finished);
 }

@@ -67,6 +67,14 @@ pub struct Args {
     /// a session header.
     #[arg(long)]
     pub closed_sessions: bool,
+    /// A load generator's closed-loop clients, N sessions at a time (as `kvroute replay
+    /// --session-concurrency`; implies `--closed-sessions`). 0 = no limit.
+    #[arg(long, default_value_t = 0)]
+    pub session_concurrency: usize,
+    /// The engines share this many CPU cores, one thread each (as `kvroute replay
+    /// --host-cores`). 0 = every engine has its own hardware.
+    #[arg(long, default_value_t = 0)]
+    pub host_cores: u32,
     /// Which sessions of the trace to judge on (a time span, conversations of a minimum
     /// length), as `kvroute replay`; the slice's first request becomes time 0.
     #[command(flatten)]
@@ -153,13 +161,22 @@ fn realisation(base: &[TraceRequest], k: u64, jitter_ms: f64, rate: f64) -> Vec<
     t
 }
 
+/// How requests arrive and where the engines run: `kvroute replay`'s `--closed-sessions`,
+/// `--session-concurrency` and `--host-cores`.
+#[derive(Debug, Clone, Copy)]
+struct Clients {
+    closed_sessions: bool,
+    session_concurrency: usize,
+    host_cores: u32,
+}
+
 /// Replays `(policy, knobs)` on every realisation (in parallel over `jobs` threads).
 fn evaluate(
     runs: &[(String, serde_json::Value)],
     traces: &[Vec<TraceRequest>],
     engines: usize,
     profile: &Profile,
-    closed_sessions: bool,
+    clients: Clients,
     jobs: usize,
 ) -> anyhow::Result<Vec<Candidate>> {
     let infinite = trace::infinite_cache_hit(&traces[0]);
@@ -183,7 +200,9 @@ fn evaluate(
                         engine_signals: true,
                         prefix_state: PrefixState::Approximate,
                         slot_routing: false,
-                        closed_sessions,
+                        closed_sessions: clients.closed_sessions,
+                        session_concurrency: clients.session_concurrency,
+                        host_cores: clients.host_cores,
                     };
                     let r = replay(&traces[k], &cfg, &mut |_| {})
                         .map(|res| summarise(&res, 1.0, infinite, slo))
@@ -317,7 +336,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         profile.name
     );
     let runs: Vec<(String, serde_json::Value)> = policies.iter().map(|p| (p.clone(), serde_json::json!({}))).collect();
-    let mut cands = evaluate(&runs, &traces, a.engines, &profile, a.closed_sessions, jobs)?;
+    let clients = Clients {
+        closed_sessions: a.closed_sessions,
+        session_concurrency: a.session_concurrency,
+        host_cores: a.host_cores,
+    };
+    let mut cands = evaluate(&runs, &traces, a.engines, &profile, clients, jobs)?;
     sort(&mut cands);
 
     // Knob search on the best few.
@@ -329,7 +353,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         if !variants.is_empty() {
             eprintln!("kvroute advise: knob search, {} variants", variants.len());
-            for v in evaluate(&variants, &traces, a.engines, &profile, a.closed_sessions, jobs)? {
+            for v in evaluate(&variants, &traces, a.engines, &profile, clients, jobs)? {
                 let Some(plain) = cands.iter().find(|c| c.policy == v.policy) else { continue };
                 let everywhere = v.ttft_mean_s.iter().zip(&plain.ttft_mean_s).all(|(x, y)| x < y)
                     && v.rejections() <= plain.rejections() + 1e-9;

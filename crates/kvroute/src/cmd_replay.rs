@@ -113,6 +113,19 @@ pub struct Args {
     /// whose sessions are the clients' `x-session-id`); not with `--pd`.
     #[arg(long)]
     pub closed_sessions: bool,
+    /// A load generator's closed-loop clients, N sessions at a time (implies
+    /// `--closed-sessions`): a session's next request arrives the instant its previous one
+    /// ends (no recorded think time), the first N sessions start at their trace times and
+    /// each later one when a session ends, as `kvroute bench --conversation-concurrency N`
+    /// sends them. 0 = no limit. Not with `--pd`.
+    #[arg(long, default_value_t = 0)]
+    pub session_concurrency: usize,
+    /// The engines share this many CPU cores, one thread each (llama.cpp workers on one
+    /// host, `scripts/llama-workers.sh`): while n engines are busy, each runs at
+    /// min(1, N / n) of the profile's speed, whose times are then an engine's alone on a
+    /// core. 0 = every engine has its own hardware. Not with `--pd`.
+    #[arg(long, default_value_t = 0)]
+    pub host_cores: u32,
     /// Predict-on-route window of the precise prefix state, seconds (0 turns it off).
     #[arg(long, default_value_t = 2.0)]
     pub predict_window_secs: f64,
@@ -314,6 +327,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if pd.is_some() && args.closed_sessions {
         bail!("--closed-sessions: not supported with --pd");
     }
+    if pd.is_some() && (args.session_concurrency > 0 || args.host_cores > 0) {
+        bail!("--session-concurrency and --host-cores: not supported with --pd");
+    }
     let pols = policies(args.prefill_policy.as_deref().unwrap_or(&args.policy))?;
     let states = parse_prefix_states(&args.prefix_state, args.predict_window_secs)?;
     if profile.slots == 0 && states.iter().any(|s| s.1) {
@@ -387,6 +403,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         prefix_state: run.prefix_state,
                         slot_routing: run.slot_routing,
                         closed_sessions: args.closed_sessions,
+                        session_concurrency: args.session_concurrency,
+                        host_cores: args.host_cores,
                     };
                     let mut last = 0usize;
                     let mut tick = |n: usize| {
