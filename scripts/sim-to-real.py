@@ -25,7 +25,18 @@ with `--closed-sessions`: the bench's conversations send a turn when the previou
 answered, so a turn arrives in the replay when its previous turn ends there, not at the
 time it was recorded.
 
-Prints, per run: measured and replayed mean and p99 TTFT and the replay's error.
+With `--calibration FILE` (from `scripts/llama-calibrate.py --json`) the profile is instead
+one worker's alone on a core, and `--host-cores 2` makes the replay's engines share the
+host's cores as the real workers do (each busy engine at min(1, cores / busy engines) of
+its speed); `--session-concurrency N` starts a conversation when one ends, N at a time, as
+the bench's client (`--conversation-concurrency N`) does:
+
+    python3 scripts/sim-to-real.py --kvroute target/release/kvroute --engines 4 \\
+        --calibration docs/results/sim_to_real/calibration.json --host-cores 2 --session-concurrency 8 \\
+        --run round_robin:... --run round_robin:... --run least_ttft/slots:...
+
+Prints, per run: measured and replayed mean and p99 TTFT and the replay's error; with
+several runs of a policy, their averages and whether the ranking by mean TTFT is the same.
 """
 import argparse
 import json
@@ -63,7 +74,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kvroute", required=True)
     ap.add_argument("--engines", type=int, default=4)
-    ap.add_argument("--run", action="append", required=True, help="POLICY:RECORD.jsonl:BENCH.json:LOGDIR")
+    ap.add_argument("--run", action="append", required=True,
+                    help="POLICY:RECORD.jsonl:BENCH.json:LOGDIR (repeat a policy for several runs)")
+    ap.add_argument("--calibration", help="a `scripts/llama-calibrate.py --json` file: its one-worker-alone "
+                    "profile instead of the runs' logs")
+    ap.add_argument("--host-cores", type=int, default=0, help="kvroute replay --host-cores (0: engines independent)")
+    ap.add_argument("--session-concurrency", type=int, default=0,
+                    help="kvroute replay --session-concurrency (the bench's --conversation-concurrency)")
     a = ap.parse_args()
     runs = []
     for spec in a.run:
@@ -71,11 +88,18 @@ def main():
         if len(parts) != 4:
             sys.exit(f"--run {spec}: expected POLICY:RECORD.jsonl:BENCH.json:LOGDIR")
         runs.append(parts)
-    cal = calibrate([r[3] for r in runs])
-    print("calibrated cpu-smollm2-135m:", ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in cal.items()))
+    if a.calibration:
+        cal = json.loads(pathlib.Path(a.calibration).read_text())["profile"]
+        print(f"cpu-smollm2-135m from {a.calibration} (one worker alone):", end=" ")
+    else:
+        cal = calibrate([r[3] for r in runs])
+        print("cpu-smollm2-135m calibrated on the runs' logs:", end=" ")
+    print(", ".join(f"{k} {v * 1000:.2f} ms" for k, v in cal.items()),
+          f"| host cores {a.host_cores or 'independent'} | sessions at a time {a.session_concurrency or 'any'}")
     print("| policy | measured TTFT mean / p99 (s) | replay mean / p99 (s) | replay error mean / p99 "
           "| hit %, measured / replay | TPOT p50 (ms), measured / replay |")
     print("|---|---|---|---|---|---|")
+    per_policy = {}
     for policy, record, bench, _ in runs:
         rows = json.loads(pathlib.Path(bench).read_text())["rows"]
         q = next(r["quality"] for r in rows if r["router"] == "kvroute" and r["policy"] == policy)
@@ -84,15 +108,37 @@ def main():
             out = pathlib.Path(tmp) / "replay.json"
             cmd = [a.kvroute, "replay", "--trace", record, "--engines", str(a.engines), "--profile", "cpu-smollm2-135m",
                    "--profile-set", json.dumps(cal), "--policy", name,
-                   "--prefix-state", "slots" if slots else "approximate", "--closed-sessions", "--quiet",
-                   "--json", str(out)]
+                   "--prefix-state", "slots" if slots else "approximate", "--closed-sessions",
+                   "--host-cores", str(a.host_cores), "--session-concurrency", str(a.session_concurrency),
+                   "--quiet", "--json", str(out)]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             rep = json.loads(out.read_text())["reports"][0]
-        mm, mp = q["ttft_mean_s"], q["ttft_p99_s"]
-        rm, rp = rep["ttft_mean_s"], rep["ttft_p99_s"]
-        print(f"| {policy} | {mm:.3f} / {mp:.2f} | {rm:.3f} / {rp:.2f} | {100 * (rm - mm) / mm:+.0f} % / "
-              f"{100 * (rp - mp) / mp:+.0f} % | {100 * q['cached_token_ratio']:.1f} / {100 * rep['hit_ratio']:.1f} "
-              f"| {1000 * q['tpot_p50_s']:.0f} / {1000 * rep['tpot_p50_s']:.0f} |")
+        m = (q["ttft_mean_s"], q["ttft_p99_s"], q["cached_token_ratio"], q["tpot_p50_s"])
+        r = (rep["ttft_mean_s"], rep["ttft_p99_s"], rep["hit_ratio"], rep["tpot_p50_s"])
+        per_policy.setdefault(policy, []).append((m, r))
+        print(row(policy, m, r))
+    if any(len(v) > 1 for v in per_policy.values()):
+        print("\nAveraged over the runs of each policy (each run's mean, p99, hit ratio and TPOT p50, then their average):")
+        print("| policy | runs | measured TTFT mean / p99 (s) | replay mean / p99 (s) | replay error mean / p99 "
+              "| hit %, measured / replay | TPOT p50 (ms), measured / replay |")
+        print("|---|---:|---|---|---|---|---|")
+        avg = {}
+        for policy, xs in per_policy.items():
+            m = tuple(sum(x[0][j] for x in xs) / len(xs) for j in range(4))
+            r = tuple(sum(x[1][j] for x in xs) / len(xs) for j in range(4))
+            avg[policy] = (m, r)
+            print(row(policy, m, r, runs=len(xs)))
+        measured = sorted(avg, key=lambda p: avg[p][0][0])
+        replayed = sorted(avg, key=lambda p: avg[p][1][0])
+        print(f"\nranking by mean TTFT: measured {', '.join(measured)}; replay {', '.join(replayed)}"
+              f" ({'the same' if measured == replayed else 'different'})")
+
+
+def row(policy, m, r, runs=None):
+    (mm, mp, mh, mt), (rm, rp, rh, rt) = m, r
+    n = "" if runs is None else f" {runs} |"
+    return (f"| {policy} |{n} {mm:.3f} / {mp:.2f} | {rm:.3f} / {rp:.2f} | {100 * (rm - mm) / mm:+.0f} % / "
+            f"{100 * (rp - mp) / mp:+.0f} % | {100 * mh:.1f} / {100 * rh:.1f} | {1000 * mt:.0f} / {1000 * rt:.0f} |")
 
 
 if __name__ == "__main__":

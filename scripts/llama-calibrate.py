@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Calibrate the engine model's `cpu-smollm2-135m` profile on this machine: one llama.cpp
+worker alone on a core, and how N busy workers share the host's cores.
+
+Starts `scripts/llama-workers.sh start N PORT` (llama-server `-t 1 -np 2 --cache-ram 0`, the
+workers `kvroute bench compare --engine llama` runs), then for each level k in --levels sends
+one request at a time to each of k workers at once (the others idle), --rounds rounds: a
+prompt of --prompt-tokens random common words (never cached: `cache_prompt` false) and
+--output-tokens tokens to generate (`ignore_eos`). llama.cpp reports each answer's
+`timings.prompt_per_token_ms` and `timings.predicted_per_token_ms`; the script prints their
+medians per level and the slow-down against one worker alone.
+
+With one thread per worker on a host of C cores, processor sharing predicts a slow-down of
+max(1, k / C) at k busy workers: what `kvroute replay --host-cores C` models. The script
+prints the profile of one worker alone (`prefill_per_token_s`, `step_overhead_s`,
+`decode_per_seq_s`, `context_per_token_s`) as the JSON `kvroute replay --profile-set` takes, for such a replay:
+
+    python3 scripts/llama-calibrate.py --workers 4 --levels 1,2,4 --rounds 3
+
+Needs the llama.cpp build and model (`scripts/llama-workers.sh install`); sends traffic to
+127.0.0.1 only and stops its workers on exit. Run it on an idle machine.
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import pathlib
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import urllib.request
+
+import kvroute_procs
+
+HERE = pathlib.Path(__file__).resolve().parent
+# Common English words, one token each in SmolLM2's tokenizer (mostly): a random sequence of
+# them is a prompt of about as many tokens as words that no cache holds.
+WORDS = ("the of and to in is was for on that with as by at from his her they this have "
+         "had not are but be one all were we when there can an which their said if do will each "
+         "about how up out them then she many some so these would other into has more two like "
+         "time see way could people my than first water been call who its now find long down day "
+         "did get come made may part over new sound take only little work know place year live me "
+         "back give most very after thing our just name good sentence man think say great where help "
+         "through much before line right too mean old any same tell boy follow came want show also "
+         "around form three small set put end does another well large must big even such because "
+         "turn here why ask went men read need land different home us move try kind hand picture "
+         "again change off play spell air away animal house point page letter mother answer found "
+         "study still learn should world high every near add food between own below country plant "
+         "last school father keep tree never start city earth eye light thought head under story").split()
+
+
+def free_port_block(n):
+    """A base port with n free consecutive ports after it (best effort)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    sys.exit("llama-calibrate: no block of free ports")
+
+
+def complete(url, prompt_words, output_tokens, rng):
+    words = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
+    body = json.dumps({"prompt": words, "n_predict": output_tokens, "cache_prompt": False,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/completion", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        t = json.load(r)["timings"]
+    return t["prompt_n"], t["prompt_per_token_ms"], t["predicted_n"], t["predicted_per_token_ms"]
+
+
+def measure(urls, k, per_worker, rounds, a, rng, prompt_words=None):
+    """Medians of (prompt tokens, prefill ms/token, decode ms/token) with `per_worker`
+    requests at once on each of the first k workers, `rounds` times."""
+    samples = []
+    words = a.prompt_tokens if prompt_words is None else prompt_words
+    with concurrent.futures.ThreadPoolExecutor(k * per_worker) as ex:
+        for _ in range(rounds):
+            futs = [ex.submit(complete, urls[i % k], words, a.output_tokens, random.Random(rng.random()))
+                    for i in range(k * per_worker)]
+            samples += [f.result() for f in futs]
+    return tuple(statistics.median(s[j] for s in samples) for j in (0, 1, 3))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--levels", default="1,2,4", help="busy workers at once, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=300, help="common words in each prompt (about that many tokens)")
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--json", help="write the profile and the medians here")
+    a = ap.parse_args()
+    levels = [int(x) for x in a.levels.split(",") if x]
+    if not levels or min(levels) < 1 or max(levels) > a.workers:
+        sys.exit("llama-calibrate: --levels must be between 1 and --workers")
+    base = free_port_block(a.workers)
+    script = str(HERE / "llama-workers.sh")
+    subprocess.run([script, "start", str(a.workers), str(base)], check=True, stdout=subprocess.DEVNULL)
+    try:
+        urls = [f"http://127.0.0.1:{base + i}" for i in range(a.workers)]
+        for u in urls:
+            kvroute_procs.wait_ok(u + "/health", "llama-server", secs=120)
+        rng = random.Random(7)
+        # Warm-up: one request per worker, alone.
+        for u in urls:
+            complete(u, 20, 4, rng)
+        print(f"{os.cpu_count()} cores; prompt ≈{a.prompt_tokens} tokens, {a.output_tokens} generated, "
+              f"{a.rounds} rounds per level")
+        # One worker alone: prefill and decode of one request; then the decode step with one
+        # and with two sequences, from short prompts (so that one request's decode does not
+        # wait for the other's prefill): the step's fixed cost and its cost per sequence.
+        _, p1, d1 = measure(urls, 1, 1, a.rounds, a, rng)
+        _, _, s1 = measure(urls, 1, 1, a.rounds, a, rng, prompt_words=8)
+        _, _, d2 = measure(urls, 1, 2, a.rounds, a, rng, prompt_words=8)
+        per_seq = max(d2 - s1, 0.0)
+        # The decode step grows with the context it reads: 8-word against --prompt-tokens
+        # prompts, at the mean context of their decodes.
+        short_ctx, long_ctx = 8 + a.output_tokens / 2, a.prompt_tokens + a.output_tokens / 2
+        per_ctx = max(d1 - s1, 0.0) / max(long_ctx - short_ctx, 1.0)
+        overhead = max(s1 - per_seq - short_ctx * per_ctx, 0.0)
+        profile = {"prefill_per_token_s": round(p1 / 1000, 6), "step_overhead_s": round(overhead / 1000, 6),
+                   "decode_per_seq_s": round(per_seq / 1000, 6), "context_per_token_s": round(per_ctx / 1000, 9)}
+        print(f"one worker alone: prefill {p1:.2f} ms/token, decode {d1:.2f} ms/token after it; from an 8-word "
+              f"prompt, decode {s1:.2f} ms/token with one slot busy, {d2:.2f} with both")
+        print("profile (kvroute replay --profile cpu-smollm2-135m --profile-set):", json.dumps(profile))
+        print("| busy workers | prompt tokens (median) | prefill ms/token | decode ms/token | prefill slow-down "
+              f"| decode slow-down | processor sharing on {os.cpu_count()} cores |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        rows = []
+        for k in levels:
+            pn, pp, dp = (None, p1, d1) if k == 1 else measure(urls, k, 1, a.rounds, a, rng)
+            rows.append({"busy": k, "prefill_ms_per_token": pp, "decode_ms_per_token": dp})
+            share = max(1.0, k / (os.cpu_count() or 1))
+            print(f"| {k} | {a.prompt_tokens if pn is None else pn:.0f} | {pp:.2f} | {dp:.2f} | {pp / p1:.2f}× "
+                  f"| {dp / d1:.2f}× | {share:.2f}× |")
+        if a.json:
+            out = {"cores": os.cpu_count(), "prompt_words": a.prompt_tokens, "output_tokens": a.output_tokens,
+                   "rounds": a.rounds, "profile": profile, "decode_ms_per_token_short_prompt": s1,
+                   "decode_ms_per_token_both_slots": d2, "levels": rows}
+            pathlib.Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+    finally:
+        subprocess.run([script, "stop"], check=False, stdout=subprocess.DEVNULL)
+
+
+if __name__ == "__main__":
+    main()
