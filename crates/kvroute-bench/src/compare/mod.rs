@@ -495,9 +495,33 @@ fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
 }
 
+/// The machine's CPU time counters, `(busy, total)` in clock ticks, from the `cpu` line of
+/// `/proc/stat` (busy = all but `idle` and `iowait`; `guest` is already in `user`); `None`
+/// where there is none.
+fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line.split_whitespace().skip(1).take(8).map(|x| x.parse().ok()).collect::<Option<_>>()?;
+    let total: u64 = v.iter().sum();
+    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
+    Some((total - idle, total))
+}
+
+/// Cores busy over the last `window`, measured now (`/proc/stat` read before and after;
+/// `None` where there is none). Unlike the load average, which decays over minutes, it does
+/// not count the workers of a run that just ended.
+fn cores_busy_now(window: Duration) -> Option<f64> {
+    let (b0, t0) = cpu_ticks()?;
+    std::thread::sleep(window);
+    let (b1, t1) = cpu_ticks()?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    (t1 > t0).then(|| cores * (b1 - b0) as f64 / (t1 - t0) as f64)
+}
+
 /// Runs `kvroute bench compare`.
 pub fn run(mut a: Args) -> anyhow::Result<()> {
     let load_at_start = load_average();
+    let mut busy_at_start = None;
     // `--peers ""` compares kvroute's policies alone.
     a.peers.retain(|p| !p.is_empty());
     if kvroute_sim::engine::Profile::named(&a.sim_profile).is_none() {
@@ -517,12 +541,15 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         a.skip_overhead = true;
         // Real engines share the cores with whatever else runs: their timings compare only
         // with runs on an equally idle machine (docs/real-engines.md, "Runs on a quiet machine").
+        // Measured over a second before anything starts: the load average would still count
+        // the workers of a run that ended a minute ago.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if let Some(load) = load_at_start.filter(|&l| l >= 0.5 * cores as f64) {
+        busy_at_start = cores_busy_now(Duration::from_secs(1));
+        if let Some(busy) = busy_at_start.filter(|&b| b >= 0.5) {
             eprintln!(
-                "kvroute bench compare: warning: the machine is busy (1-minute load average {load:.2} on {cores} cores): \
-                 the llama.cpp workers will share the cores with that work, and their timings will not compare \
-                 with an idle machine's"
+                "kvroute bench compare: warning: the machine is busy ({busy:.2} of its {cores} cores in use over the \
+                 last second before the start): the llama.cpp workers will share the cores with that work, and \
+                 their timings will not compare with an idle machine's"
             );
         }
     }
@@ -828,6 +855,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
                 "trace_window": a.slice.trace_window, "min_turns": a.slice.min_turns,
                 "max_input_tokens": a.slice.max_input_tokens,
                 "llama_cache_ram_mib": a.llama_cache_ram, "load_average_at_start": load_at_start,
+                "cores_busy_at_start": busy_at_start,
                 "direct": direct.as_ref().map(|d| [&d.0, &d.1]), "rows": rows,
             });
             std::fs::write(p, serde_json::to_vec_pretty(&doc)?).with_context(|| format!("writing {}", p.display()))?;
