@@ -299,10 +299,10 @@ impl HostClock {
 
     /// Virtual time at real time `t` (not before the last change).
     fn virtual_at(&self, t: Nanos) -> Nanos {
-        let d = t.0.saturating_sub(self.real.0);
         if !self.shared() {
             return t;
         }
+        let d = t.0.saturating_sub(self.real.0);
         Nanos(self.virt.0.saturating_add(if self.rate >= 1.0 { d } else { (d as f64 * self.rate) as u64 }))
     }
 
@@ -334,6 +334,20 @@ impl HostClock {
         self.real = t;
         let busy = engines.iter().filter(|e| e.next_event_time().is_some()).count().max(1);
         self.rate = (f64::from(self.cores) / busy as f64).min(1.0);
+    }
+
+    /// Advances every engine through all its events up to real time `now` (events' times
+    /// made real) and starts a piece there. Independent engines advance one by one, as
+    /// before sharing was modelled; shared ones in the order of their events.
+    fn advance(&mut self, engines: &mut [Engine], now: Nanos, events: &mut Vec<EngineEvent>) {
+        if self.shared() {
+            while self.step(engines, now, true, events) {}
+            self.resync(now, engines);
+        } else {
+            for e in engines.iter_mut() {
+                e.advance(now, events);
+            }
+        }
     }
 
     /// Advances every engine through the engines' next event, when it falls at or before
@@ -587,14 +601,7 @@ pub fn replay(
 
     while let Some((now, i)) = book.next_arrival(&mut engines, &mut events, policy.as_mut()) {
         let r = &trace[i];
-        if book.host.shared() {
-            while book.host.step(&mut engines, now, true, &mut events) {}
-            book.host.resync(now, &engines);
-        } else {
-            for e in engines.iter_mut() {
-                e.advance(now, &mut events);
-            }
-        }
+        book.host.advance(&mut engines, now, &mut events);
         book.handle(&mut events, policy.as_mut());
         while now >= next_maintain {
             policy.maintain(next_maintain, usize::MAX);
@@ -660,13 +667,7 @@ pub fn replay(
             progress(routed);
         }
     }
-    if book.host.shared() {
-        while book.host.step(&mut engines, Nanos(u64::MAX), true, &mut events) {}
-    } else {
-        for e in engines.iter_mut() {
-            e.advance(Nanos(u64::MAX), &mut events);
-        }
-    }
+    book.host.advance(&mut engines, Nanos(u64::MAX), &mut events);
     book.handle(&mut events, policy.as_mut());
     let outcomes = book.outcomes;
     progress(trace.len());
