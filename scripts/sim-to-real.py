@@ -35,6 +35,10 @@ the bench's client (`--conversation-concurrency N`) does:
         --calibration docs/results/sim_to_real/calibration.json --host-cores 2 --session-concurrency 8 \\
         --run round_robin:... --run round_robin:... --run least_ttft/slots:...
 
+With `--calibrate-per-run` each run is replayed with the profile of its own logs instead
+of one profile pooled over all runs' logs (when the machine's speed drifts between runs;
+that profile then carries the run's own contention, so it predicts less).
+
 Prints, per run: measured and replayed mean and p99 TTFT and the replay's error; with
 several runs of a policy, their averages and whether the ranking by mean TTFT is the same.
 """
@@ -78,6 +82,9 @@ def main():
                     help="POLICY:RECORD.jsonl:BENCH.json:LOGDIR (repeat a policy for several runs)")
     ap.add_argument("--calibration", help="a `scripts/llama-calibrate.py --json` file: its one-worker-alone "
                     "profile instead of the runs' logs")
+    ap.add_argument("--calibrate-per-run", action="store_true",
+                    help="calibrate each run on its own llama-server logs instead of pooling all runs' logs "
+                    "(the machine's speed drifts between runs)")
     ap.add_argument("--host-cores", type=int, default=0, help="kvroute replay --host-cores (0: engines independent)")
     ap.add_argument("--session-concurrency", type=int, default=0,
                     help="kvroute replay --session-concurrency (the bench's --conversation-concurrency)")
@@ -88,26 +95,36 @@ def main():
         if len(parts) != 4:
             sys.exit(f"--run {spec}: expected POLICY:RECORD.jsonl:BENCH.json:LOGDIR")
         runs.append(parts)
+    if a.calibration and a.calibrate_per_run:
+        sys.exit("--calibration and --calibrate-per-run exclude each other")
     if a.calibration:
         cal = json.loads(pathlib.Path(a.calibration).read_text())["profile"]
         print(f"cpu-smollm2-135m from {a.calibration} (one worker alone):", end=" ")
+    elif a.calibrate_per_run:
+        cal = None
+        print("cpu-smollm2-135m calibrated on each run's own logs (prefill ms/token and step ms per run below)", end=" ")
     else:
         cal = calibrate([r[3] for r in runs])
         print("cpu-smollm2-135m calibrated on the runs' logs:", end=" ")
-    print(", ".join(f"{k} {v * 1000:.2f} ms" for k, v in cal.items()),
-          f"| host cores {a.host_cores or 'independent'} | sessions at a time {a.session_concurrency or 'any'}")
+    if cal is not None:
+        print(", ".join(f"{k} {v * 1000:.2f} ms" for k, v in cal.items()), end=" ")
+    print(f"| host cores {a.host_cores or 'independent'} | sessions at a time {a.session_concurrency or 'any'}")
     print("| policy | measured TTFT mean / p99 (s) | replay mean / p99 (s) | replay error mean / p99 "
           "| hit %, measured / replay | TPOT p50 (ms), measured / replay |")
     print("|---|---|---|---|---|---|")
     per_policy = {}
-    for policy, record, bench, _ in runs:
+    for policy, record, bench, logs in runs:
+        run_cal = cal if cal is not None else calibrate([logs])
+        if cal is None:
+            print(f"{policy} ({logs}): prefill {1000 * run_cal['prefill_per_token_s']:.2f} ms/token, "
+                  f"step {1000 * run_cal['step_overhead_s']:.1f} ms", file=sys.stderr)
         rows = json.loads(pathlib.Path(bench).read_text())["rows"]
         q = next(r["quality"] for r in rows if r["router"] == "kvroute" and r["policy"] == policy)
         name, slots = (policy[: -len("/slots")], True) if policy.endswith("/slots") else (policy, False)
         with tempfile.TemporaryDirectory() as tmp:
             out = pathlib.Path(tmp) / "replay.json"
             cmd = [a.kvroute, "replay", "--trace", record, "--engines", str(a.engines), "--profile", "cpu-smollm2-135m",
-                   "--profile-set", json.dumps(cal), "--policy", name,
+                   "--profile-set", json.dumps(run_cal), "--policy", name,
                    "--prefix-state", "slots" if slots else "approximate", "--closed-sessions",
                    "--host-cores", str(a.host_cores), "--session-concurrency", str(a.session_concurrency),
                    "--quiet", "--json", str(out)]
