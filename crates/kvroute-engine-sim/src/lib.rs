@@ -388,6 +388,11 @@ impl Drop for EngineSim {
     fn drop(&mut self) {
         // Stops the bootstrap server with the worker.
         self.pd.shutdown.cancel();
+        // Wakes the driver thread, which then finds the worker gone and ends (otherwise it
+        // would sleep out an idle wake-up: 1 simulated second, long at a small time scale).
+        if let Some(t) = self.driver.lock().as_ref() {
+            t.unpark();
+        }
     }
 }
 
@@ -440,8 +445,7 @@ impl EngineSim {
 }
 
 /// Starts the engine's driver thread and returns the shared state. The driver stops when
-/// the returned state (and every handler holding it) is dropped, within one idle wake-up
-/// (1 simulated second). `cfg` is not validated
+/// the returned state (and every handler holding it) is dropped. `cfg` is not validated
 /// ([`EngineSimConfig::validate`]); the preloaded `loras` are loaded at once. A prefill or
 /// decode worker's bootstrap server is started too (stopped when the state is dropped); if
 /// its port cannot be bound the error is logged and [`EngineSim::bootstrap_port`] is `None`.
