@@ -55,6 +55,12 @@ impl LruBlockSet {
         self.lru.cap().get()
     }
 
+    /// Changes the capacity to `capacity_blocks` (at least 1), evicting the least recently
+    /// used hashes beyond it.
+    pub fn resize(&mut self, capacity_blocks: usize) {
+        self.lru.resize(NonZeroUsize::new(capacity_blocks.max(1)).unwrap_or(NonZeroUsize::MIN));
+    }
+
     /// Forgets everything.
     pub fn clear(&mut self) {
         self.lru.clear();

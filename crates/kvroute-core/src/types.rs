@@ -178,11 +178,26 @@ pub struct Capacity {
     pub free_model_slots: u32,
     /// Maximum concurrent requests the worker accepts (`max_concurrent`).
     pub max_concurrent: u32,
+    /// Tokens the worker's KV cache holds (SGLang `/server_info` `max_total_num_tokens`,
+    /// vLLM `num_gpu_blocks × block_size` from its `vllm:cache_config_info` metric,
+    /// llama.cpp `total_slots` × a slot's `n_ctx`, or `[capacity."URL"] kv_tokens`); `None`
+    /// when unknown. A policy that estimates what a worker caches from what it routed there
+    /// (`prefill_cost`, `least_ttft`) sizes that estimate to it, so the estimate forgets
+    /// what the engine must have evicted.
+    #[serde(default)]
+    pub kv_tokens: Option<u64>,
 }
 
 impl Default for Capacity {
     fn default() -> Self {
-        Capacity { tp_size: 1, dtype_bytes: 2, vram_gib: 80.0, free_model_slots: 1, max_concurrent: 256 }
+        Capacity {
+            tp_size: 1,
+            dtype_bytes: 2,
+            vram_gib: 80.0,
+            free_model_slots: 1,
+            max_concurrent: 256,
+            kv_tokens: None,
+        }
     }
 }
 

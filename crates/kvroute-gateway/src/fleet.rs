@@ -263,6 +263,12 @@ impl WorkerEntry {
         self.capacity.load().0.clone()
     }
 
+    /// The resolved capacity as the routing core sees it (the view's
+    /// [`WorkerView::capacity`](kvroute_core::types::WorkerView::capacity)).
+    pub fn core_capacity(&self) -> kvroute_core::types::Capacity {
+        self.capacity.load().1
+    }
+
     /// The URL of `api`'s endpoint on this worker.
     ///
     /// # Errors

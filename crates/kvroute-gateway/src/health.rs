@@ -68,11 +68,14 @@ pub async fn fetch_models(client: &reqwest::Client, base: &str, timeout_secs: f6
 /// What a worker reports about its capacity, best effort (an endpoint it lacks or an
 /// unknown value leaves the field unset):
 /// - SGLang `GET /server_info`: `tp_size`, `dtype` (unless `auto`), `max_running_requests`
-///   → `max_concurrent`, `context_length` → `max_model_len`, with LoRA on
-///   `max_loras_per_batch` → `max_loras`; kvroute engine-sim adds `vram_gb`;
+///   → `max_concurrent`, `context_length` → `max_model_len`, `max_total_num_tokens` →
+///   `kv_tokens`, with LoRA on `max_loras_per_batch` → `max_loras`; kvroute engine-sim
+///   adds `vram_gb`;
 /// - llama.cpp `GET /props`: `total_slots` → `max_concurrent` and `llama_slots`,
-///   `default_generation_settings.n_ctx` → `max_model_len`;
-/// - vLLM `GET /v1/models`: the first model's `max_model_len`.
+///   `default_generation_settings.n_ctx` (a slot's context) → `max_model_len`, and times
+///   `total_slots` → `kv_tokens`;
+/// - vLLM `GET /v1/models`: the first model's `max_model_len`; `GET /metrics`:
+///   `vllm:cache_config_info`'s `num_gpu_blocks` × `block_size` labels → `kv_tokens`.
 ///
 /// Also returns the SGLang bootstrap port `/server_info` reports
 /// (`disaggregation_bootstrap_port`), for a prefill worker given none.
@@ -87,13 +90,37 @@ pub async fn probe_capacity(
             _ => None,
         }
     };
-    let (info, props, models) = tokio::join!(json("/server_info"), json("/props"), json("/v1/models"));
+    let metrics = async {
+        match get_text(client, &format!("{base}/metrics"), timeout_secs).await {
+            Some((200, body)) => vllm_kv_tokens(&body),
+            _ => None,
+        }
+    };
+    let (info, props, models, vllm_kv) =
+        tokio::join!(json("/server_info"), json("/props"), json("/v1/models"), metrics);
     let port = info
         .as_ref()
         .and_then(|i| i.get("disaggregation_bootstrap_port"))
         .and_then(serde_json::Value::as_u64)
         .and_then(|p| u16::try_from(p).ok());
-    (capacity_from(info.as_ref(), props.as_ref(), models.as_ref()), port)
+    let mut c = capacity_from(info.as_ref(), props.as_ref(), models.as_ref());
+    c.kv_tokens = c.kv_tokens.or(vllm_kv);
+    (c, port)
+}
+
+/// vLLM's KV cache size from its Prometheus text: the `vllm:cache_config_info` info
+/// metric's `num_gpu_blocks` × `block_size` labels (vLLM ≥ 0.4 exports it); `None` when
+/// the metric or a label is missing or not a positive integer.
+pub fn vllm_kv_tokens(metrics: &str) -> Option<u64> {
+    let line = metrics.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
+    let labels = &line[line.find('{')? + 1..line.rfind('}')?];
+    let label = |name: &str| -> Option<u64> {
+        labels.split(',').find_map(|kv| {
+            let (k, v) = kv.split_once('=')?;
+            (k.trim() == name).then(|| v.trim().trim_matches('"').parse::<u64>().ok()).flatten()
+        })
+    };
+    label("num_gpu_blocks")?.checked_mul(label("block_size")?).filter(|&n| n > 0)
 }
 
 /// [`probe_capacity`]'s reading of the three answers.
@@ -114,6 +141,7 @@ pub fn capacity_from(
             .map(str::to_string);
         c.max_concurrent = u32_of(i.get("max_running_requests"));
         c.max_model_len = u32_of(i.get("context_length"));
+        c.kv_tokens = i.get("max_total_num_tokens").and_then(Value::as_u64).filter(|&n| n > 0);
         c.vram_gb = i.get("vram_gb").and_then(Value::as_f64).filter(|v| v.is_finite() && *v > 0.0);
         let lora = i.get("enable_lora").and_then(Value::as_bool).unwrap_or(false)
             || i.get("lora_paths").is_some_and(|p| p.as_array().is_some_and(|a| !a.is_empty()) || p.is_object());
@@ -124,7 +152,11 @@ pub fn capacity_from(
     if let Some(p) = props {
         c.max_concurrent = c.max_concurrent.or(u32_of(p.get("total_slots")));
         c.llama_slots = u32_of(p.get("total_slots")).map(|n| n.min(kvroute_core::slots::MAX_SLOTS as u32));
-        c.max_model_len = c.max_model_len.or(u32_of(p.get("default_generation_settings").and_then(|d| d.get("n_ctx"))));
+        let n_ctx = u32_of(p.get("default_generation_settings").and_then(|d| d.get("n_ctx")));
+        c.max_model_len = c.max_model_len.or(n_ctx);
+        if let (Some(slots), Some(n)) = (u32_of(p.get("total_slots")), n_ctx) {
+            c.kv_tokens = c.kv_tokens.or(Some(u64::from(slots) * u64::from(n)));
+        }
     }
     if let Some(m) = models {
         let first = m.get("data").and_then(Value::as_array).and_then(|a| a.first());
@@ -415,6 +447,30 @@ pub async fn run_background(s: Arc<AppState>, cancel: tokio_util::sync::Cancella
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kv_cache_size_is_read_from_each_engine_s_own_report() {
+        // SGLang `/server_info`.
+        let info = serde_json::json!({"max_total_num_tokens": 420_000, "max_running_requests": 256});
+        assert_eq!(capacity_from(Some(&info), None, None).kv_tokens, Some(420_000));
+        // llama.cpp `/props`: 2 slots of 8,192 tokens each.
+        let props = serde_json::json!({"total_slots": 2, "default_generation_settings": {"n_ctx": 8192}});
+        let c = capacity_from(None, Some(&props), None);
+        assert_eq!((c.kv_tokens, c.max_model_len, c.llama_slots), (Some(16_384), Some(8192), Some(2)));
+        // vLLM's Prometheus info metric (vLLM 0.6 prints the labels in this order).
+        let metrics = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+            # TYPE vllm:cache_config_info gauge\n\
+            vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",\
+            gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"2048\",num_gpu_blocks=\"27024\",\
+            num_gpu_blocks_override=\"None\",sliding_window=\"None\",swap_space_bytes=\"4294967296\"} 1.0\n";
+        assert_eq!(vllm_kv_tokens(metrics), Some(27_024 * 16));
+        // Missing, unparsable or zero: unknown.
+        assert_eq!(vllm_kv_tokens("vllm:num_requests_running 0\n"), None);
+        assert_eq!(vllm_kv_tokens("vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1.0\n"), None);
+        assert_eq!(vllm_kv_tokens("vllm:cache_config_info{block_size=\"0\",num_gpu_blocks=\"8\"} 1.0\n"), None);
+        let none = serde_json::json!({"max_total_num_tokens": 0});
+        assert_eq!(capacity_from(Some(&none), None, None).kv_tokens, None);
+    }
 
     #[test]
     fn the_power_window_smooths_a_one_scrape_spike_and_forgets_old_readings() {

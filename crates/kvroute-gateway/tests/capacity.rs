@@ -46,14 +46,19 @@ async fn capacity_breaks_a_tie_between_otherwise_equal_workers() {
     assert_eq!(cap["tp_size"], 2, "{cap}");
     assert_eq!(cap["dtype"], "bfloat16", "{cap}");
     assert!(cap["max_concurrent"].as_u64().is_some_and(|n| n > 0), "max_running_requests read: {cap}");
+    // The KV cache size, from `max_total_num_tokens` (the engine-sim's profile's).
+    let kv = EngineSimConfig::default().profile.kv_tokens;
+    assert_eq!(cap["kv_tokens"].as_u64(), Some(kv), "{cap}");
     assert!(chosen(&c, &router, 8).await.iter().all(|w| *w == big), "the TP-2 worker wins every tie");
 
     // The configuration file wins over the worker's own report.
     let mut cfg = common::config(&[&small, &big], "kv_score");
-    cfg.capacity = toml::from_str(&format!("\"{small}\" = {{ tp_size = 4, dtype = \"fp8\" }}")).expect("table");
+    cfg.capacity =
+        toml::from_str(&format!("\"{small}\" = {{ tp_size = 4, dtype = \"fp8\", kv_tokens = 50000 }}")).expect("table");
     let (router2, _) = common::start_router(cfg, stop.clone()).await;
     let cap = capacity_of(&c, &router2, &small).await;
     assert_eq!((cap["tp_size"].as_u64(), cap["dtype"].as_str()), (Some(4), Some("fp8")), "{cap}");
+    assert_eq!(cap["kv_tokens"].as_u64(), Some(50_000), "the file's KV size wins: {cap}");
     assert!(chosen(&c, &router2, 8).await.iter().all(|w| *w == small), "4 x 80 / 1 beats 2 x 80 / 2");
     stop.cancel();
 }
@@ -66,6 +71,9 @@ fn unknown_or_bad_capacity_keys_are_refused_naming_the_key() {
     let e = kvroute_gateway::GatewayConfig::from_toml("[capacity.\"http://127.0.0.1:1\"]\ndtype = \"fp6\"")
         .expect_err("dtype");
     assert!(e.to_string().contains("dtype"), "{e}");
+    let e = kvroute_gateway::GatewayConfig::from_toml("[capacity.\"http://127.0.0.1:1\"]\nkv_tokens = 0")
+        .expect_err("kv_tokens");
+    assert!(e.to_string().contains("kv_tokens"), "{e}");
     let e = kvroute_gateway::GatewayConfig::from_toml("[capacity.\"ftp://x\"]\ntp_size = 2").expect_err("url");
     assert_eq!(e.key, "capacity");
 }

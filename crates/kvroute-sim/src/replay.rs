@@ -555,9 +555,11 @@ impl RouterView<'_> {
         let mut v = WorkerView::idle(WorkerId(w as u32));
         v.role = role;
         // What the gateway's capacity probe reads: SGLang `max_running_requests`, llama.cpp
-        // `total_slots`.
+        // `total_slots`; the KV cache size (SGLang `max_total_num_tokens`, vLLM's
+        // `num_gpu_blocks × block_size`, llama.cpp slots × `n_ctx`).
         let p = &self.cfg.profile;
         v.capacity.max_concurrent = if p.slots > 0 { p.slots } else { p.max_batch };
+        v.capacity.kv_tokens = Some(p.kv_tokens);
         self.ledger.fill(&mut v);
         if self.cfg.engine_signals {
             v.engine_queue = Some(e.num_waiting());

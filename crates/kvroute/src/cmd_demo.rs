@@ -53,10 +53,9 @@ pub struct Args {
     #[arg(long, default_value = "round_robin,cache_aware,least_ttft")]
     pub policies: String,
     /// Simulated seconds per wall second (engines and arrivals alike). Averaged over 3
-    /// runs, the HTTP runs' mean TTFT is within 9 % of `kvroute replay`'s of the same slice
-    /// at 10× and within 3 % at 5×: every wall millisecond of client, router and HTTP stack
-    /// (1.3–1.7 ms a request on a 2-core machine) is that many simulated ones
-    /// (docs/replay.md, Checks).
+    /// runs, the HTTP runs' mean TTFT is within 6 % of `kvroute replay`'s of the same slice
+    /// at 10× and at 5×; every wall millisecond of client, router and HTTP stack (1.0–1.5 ms
+    /// a request on a 2-core machine) is that many simulated ones (docs/replay.md, Checks).
     #[arg(long, default_value_t = 10.0)]
     pub time_scale: f64,
     /// Cap on output tokens per request.

@@ -51,6 +51,10 @@ pub struct Args {
     /// Most concurrent requests the worker accepts.
     #[arg(long)]
     pub max_concurrent: Option<u32>,
+    /// Tokens the worker's KV cache holds (vLLM `num_gpu_blocks × block_size`, SGLang
+    /// `max_total_num_tokens`); routers size their estimate of its cache to it.
+    #[arg(long)]
+    pub kv_tokens: Option<u64>,
     /// A label `KEY=VALUE` (repeat).
     #[arg(long = "label")]
     pub labels: Vec<String>,
@@ -77,6 +81,7 @@ pub fn build(a: &Args) -> anyhow::Result<RegisterConfig> {
             dtype: a.dtype.clone(),
             vram_gb: a.vram_gb,
             max_concurrent: a.max_concurrent,
+            kv_tokens: a.kv_tokens,
             ..Capacity::default()
         },
         labels,

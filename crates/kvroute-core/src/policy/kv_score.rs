@@ -216,7 +216,7 @@ impl Policy for KvScore {
 
     fn key(&self, req: &RequestView<'_>) -> RequestKey {
         let block_tokens = req.blocks.map_or(self.cfg.block_tokens, |seq| seq.block_tokens.max(1));
-        RequestKey { blocks: self.hash_request(req), block_tokens: u64::from(block_tokens) }
+        RequestKey { blocks: self.hash_request(req), block_tokens: u64::from(block_tokens), worker_kv_tokens: None }
     }
 
     fn pick(

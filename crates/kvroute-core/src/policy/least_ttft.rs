@@ -40,7 +40,8 @@
 //!   against `prefill_cost`'s fixed charge, in the same scoreboard run, the agentic family's
 //!   worst mean TTFT over the best reference policy is 1.21× instead of 2.00×, RAG's below
 //!   the knee 1.00× instead of 1.16×, MT-bench's at light load 1.02× instead of 1.24×, and
-//!   the goal of docs/replay.md is met at 31 of 72 points instead of 19; with the full
+//!   the goal of docs/replay.md is met at 31 of 72 points instead of 19 (35 instead of 23
+//!   since each worker's estimate is sized to its reported KV cache); with the full
 //!   charge dropped altogether (`miss_weight` 1) RAG past the knee lost 5–13 %.
 //! - **Hit calibration (closed loop, used in the ranking).** `hit_ratio(w)` is the share of
 //!   the cached tokens the router predicted on `w` that its engine reported really cached

@@ -263,6 +263,11 @@ pub struct RequestKey {
     /// Tokens per block of `blocks` (a trace's own block size when the request carries
     /// precomputed blocks); 0 when `blocks` is empty.
     pub block_tokens: u64,
+    /// KV cache capacity, tokens, of the worker this key is committed to
+    /// ([`Capacity::kv_tokens`](crate::types::Capacity::kv_tokens) of its view): set by
+    /// [`decide`] for the chosen worker; a caller committing the key to another worker (a
+    /// retry target) sets that worker's. `None` when the worker does not report it.
+    pub worker_kv_tokens: Option<u64>,
 }
 
 /// A routing policy. See the module docs for the contract.
@@ -426,6 +431,8 @@ pub fn decide(
             if key.block_tokens > 0 { key.block_tokens } else { req.blocks.map_or(0, |b| u64::from(b.block_tokens)) };
         d.block_tokens = bt.min(u64::from(u32::MAX)) as u32;
     }
+    let mut key = key;
+    key.worker_kv_tokens = candidates.iter().find(|w| w.id == d.worker).and_then(|w| w.capacity.kv_tokens);
     Ok((d, key))
 }
 

@@ -69,6 +69,12 @@ pub struct Capacity {
     /// slot ([`kvroute_core::slots`]). Unset for engines without slots (vLLM, SGLang).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub llama_slots: Option<u32>,
+    /// Tokens the worker's KV cache holds (SGLang `/server_info` `max_total_num_tokens`,
+    /// vLLM `vllm:cache_config_info` `num_gpu_blocks × block_size`, llama.cpp `/props`
+    /// `total_slots × n_ctx`): `prefill_cost` and `least_ttft` size their estimate of what
+    /// the worker caches to it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_tokens: Option<u64>,
     /// Fields this version does not know: ignored in a registration (a newer sidecar may
     /// add some), refused in the configuration file.
     #[serde(flatten, skip_serializing)]
@@ -87,6 +93,7 @@ impl Capacity {
             max_loras: self.max_loras.or(base.max_loras),
             max_model_len: self.max_model_len.or(base.max_model_len),
             llama_slots: self.llama_slots.or(base.llama_slots),
+            kv_tokens: self.kv_tokens.or(base.kv_tokens),
             unknown: BTreeMap::new(),
         }
     }
@@ -111,6 +118,9 @@ impl Capacity {
         }
         if self.max_concurrent == Some(0) {
             return Err("max_concurrent: expected at least 1".into());
+        }
+        if self.kv_tokens == Some(0) {
+            return Err("kv_tokens: expected at least 1".into());
         }
         if self.vram_gb.is_some_and(|v| !(v.is_finite() && v > 0.0 && v <= 1e6)) {
             return Err("vram_gb: expected a positive number of GiB".into());
@@ -137,6 +147,7 @@ impl Capacity {
         if let Some(m) = self.max_concurrent {
             c.max_concurrent = m.max(1);
         }
+        c.kv_tokens = self.kv_tokens.filter(|&k| k > 0);
         c
     }
 }

@@ -668,7 +668,11 @@ async fn commit(state: &AppState, r: &RoutedEvent, worker: WorkerId, wait: Wait)
             view.blocks = Some(BlockSeq { block_tokens: *bs, hashes: &hashes });
         }
     }
-    let key = RequestKey { blocks: r.blocks.iter().map(|&h| BlockHash(h)).collect(), block_tokens: r.block_tokens };
+    let key = RequestKey {
+        blocks: r.blocks.iter().map(|&h| BlockHash(h)).collect(),
+        block_tokens: r.block_tokens,
+        worker_kv_tokens: state.fleet.by_id(worker).and_then(|w| w.core_capacity().kv_tokens),
+    };
     if wait == Wait::Yield {
         for _ in 0..COMMIT_TRIES {
             if router.try_commit(&view, &key, worker, now) {

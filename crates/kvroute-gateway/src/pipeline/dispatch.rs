@@ -211,7 +211,14 @@ impl Predicted {
 /// worker that publishes KV events) predict-on-route until the request's deadline.
 pub(crate) fn commit(s: &AppState, routed: &Routed, req: &RequestView<'_>, worker: WorkerId) -> Option<Predicted> {
     let now = s.now();
-    routed.router.commit(req, &routed.key, worker, now);
+    if worker == routed.decision.worker {
+        routed.router.commit(req, &routed.key, worker, now);
+    } else {
+        // A retry target: the key carries the chosen worker's KV capacity; this one's.
+        let mut key = routed.key.clone();
+        key.worker_kv_tokens = routed.candidates.entry(worker).and_then(|w| w.core_capacity().kv_tokens);
+        routed.router.commit(req, &key, worker, now);
+    }
     if routed.engine_blocks.is_empty() {
         return None;
     }

@@ -228,7 +228,7 @@ impl Policy for B3 {
     fn key(&self, req: &RequestView<'_>) -> RequestKey {
         let mut blocks = Vec::new();
         request_blocks(req, self.cfg.block_tokens as usize, MAX_BLOCKS, HashAlgo::Xxh3, &mut blocks);
-        RequestKey { blocks, block_tokens: self.block_size_of(req) }
+        RequestKey { blocks, block_tokens: self.block_size_of(req), worker_kv_tokens: None }
     }
 
     fn pick(
