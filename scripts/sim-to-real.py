@@ -35,6 +35,11 @@ the bench's client (`--conversation-concurrency N`) does:
         --calibration docs/results/sim_to_real/calibration.json --host-cores 2 --session-concurrency 8 \\
         --run round_robin:... --run round_robin:... --run least_ttft/slots:...
 
+A run given a fifth field, `:CALIBRATION.json` (`scripts/llama-calibrate.py --workers 1
+--levels 1 --json FILE` taken right before that run), is replayed with that one-worker-alone
+profile: the machine's speed drifts, and this follows it without taking anything from the
+run itself (use it with `--host-cores`).
+
 With `--calibrate-per-run` each run is replayed with the profile of its own logs instead
 of one profile pooled over all runs' logs (when the machine's speed drifts between runs;
 that profile then carries the run's own contention, so it predicts less).
@@ -79,7 +84,9 @@ def main():
     ap.add_argument("--kvroute", required=True)
     ap.add_argument("--engines", type=int, default=4)
     ap.add_argument("--run", action="append", required=True,
-                    help="POLICY:RECORD.jsonl:BENCH.json:LOGDIR (repeat a policy for several runs)")
+                    help="POLICY:RECORD.jsonl:BENCH.json:LOGDIR[:CALIBRATION.json] (repeat a policy for several "
+                    "runs; a fifth field replays that run with the one-worker-alone profile of a "
+                    "`scripts/llama-calibrate.py --json` file taken right before it)")
     ap.add_argument("--calibration", help="a `scripts/llama-calibrate.py --json` file: its one-worker-alone "
                     "profile instead of the runs' logs")
     ap.add_argument("--calibrate-per-run", action="store_true",
@@ -92,9 +99,11 @@ def main():
     runs = []
     for spec in a.run:
         parts = spec.split(":")
-        if len(parts) != 4:
-            sys.exit(f"--run {spec}: expected POLICY:RECORD.jsonl:BENCH.json:LOGDIR")
-        runs.append(parts)
+        if len(parts) not in (4, 5):
+            sys.exit(f"--run {spec}: expected POLICY:RECORD.jsonl:BENCH.json:LOGDIR[:CALIBRATION.json]")
+        runs.append(parts if len(parts) == 5 else [*parts, None])
+    if any(r[4] for r in runs) and (a.calibration or a.calibrate_per_run):
+        sys.exit("a run's own calibration file excludes --calibration and --calibrate-per-run")
     if a.calibration and a.calibrate_per_run:
         sys.exit("--calibration and --calibrate-per-run exclude each other")
     if a.calibration:
@@ -104,8 +113,12 @@ def main():
         cal = None
         print("cpu-smollm2-135m calibrated on each run's own logs (prefill ms/token and step ms per run below)", end=" ")
     else:
-        cal = calibrate([r[3] for r in runs])
-        print("cpu-smollm2-135m calibrated on the runs' logs:", end=" ")
+        cal = calibrate([r[3] for r in runs if not r[4]]) if not all(r[4] for r in runs) else None
+        if cal is None:
+            print("cpu-smollm2-135m from each run's own calibration file (one worker alone, right before the run)",
+                  end=" ")
+        else:
+            print("cpu-smollm2-135m calibrated on the runs' logs:", end=" ")
     if cal is not None:
         print(", ".join(f"{k} {v * 1000:.2f} ms" for k, v in cal.items()), end=" ")
     print(f"| host cores {a.host_cores or 'independent'} | sessions at a time {a.session_concurrency or 'any'}")
@@ -113,9 +126,14 @@ def main():
           "| hit %, measured / replay | TPOT p50 (ms), measured / replay |")
     print("|---|---|---|---|---|---|")
     per_policy = {}
-    for policy, record, bench, logs in runs:
-        run_cal = cal if cal is not None else calibrate([logs])
-        if cal is None:
+    for policy, record, bench, logs, cal_file in runs:
+        if cal_file:
+            run_cal = json.loads(pathlib.Path(cal_file).read_text())["profile"]
+            print(f"{policy} ({cal_file}): prefill {1000 * run_cal['prefill_per_token_s']:.2f} ms/token, "
+                  f"decode {1000 * run_cal['decode_per_seq_s']:.1f} ms per sequence", file=sys.stderr)
+        else:
+            run_cal = cal if cal is not None else calibrate([logs])
+        if cal is None and not cal_file:
             print(f"{policy} ({logs}): prefill {1000 * run_cal['prefill_per_token_s']:.2f} ms/token, "
                   f"step {1000 * run_cal['step_overhead_s']:.1f} ms", file=sys.stderr)
         rows = json.loads(pathlib.Path(bench).read_text())["rows"]
