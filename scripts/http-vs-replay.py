@@ -101,6 +101,8 @@ def http_run(args, policy, tag):
         log.close()
     reqs = json.loads(bench.read_text())["requests"]
     ok = [r["ttft_s"] for r in reqs if r.get("ttft_s") is not None]
+    if not ok:
+        sys.exit(f"http-vs-replay: {tag}: no request got a first token; see {out / (tag + '.log')} and {bench}")
     hits = sum(float(v) for e in engines for v in re.findall(r"^vllm:prefix_cache_hits_total (\S+)", e, re.M))
     queries = sum(float(v) for e in engines for v in re.findall(r"^vllm:prefix_cache_queries_total (\S+)", e, re.M))
     eng = [histogram_mean(e, "vllm:time_to_first_token_seconds") for e in engines]
@@ -112,7 +114,7 @@ def http_run(args, policy, tag):
     return {
         "requests": len(reqs),
         "ok": len(ok),
-        "client": statistics.fmean(ok) * scale if ok else None,
+        "client": statistics.fmean(ok) * scale,
         "gateway": (histogram_mean(gateway, "kvroute_ttft_seconds") or 0.0) * scale,
         "engine": engine_mean * scale,
         "hit": hits / queries if queries else 0.0,
