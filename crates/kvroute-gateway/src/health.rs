@@ -92,7 +92,7 @@ pub async fn probe_capacity(
     };
     let metrics = async {
         match get_text(client, &format!("{base}/metrics"), timeout_secs).await {
-            Some((200, body)) => vllm_kv_tokens(&body),
+            Some((200, body)) => kvroute_protocol::engine_metrics::vllm_kv_tokens(&body),
             _ => None,
         }
     };
@@ -106,21 +106,6 @@ pub async fn probe_capacity(
     let mut c = capacity_from(info.as_ref(), props.as_ref(), models.as_ref());
     c.kv_tokens = c.kv_tokens.or(vllm_kv);
     (c, port)
-}
-
-/// vLLM's KV cache size from its Prometheus text: the `vllm:cache_config_info` info
-/// metric's `num_gpu_blocks` × `block_size` labels (vLLM ≥ 0.4 exports it); `None` when
-/// the metric or a label is missing or not a positive integer.
-pub fn vllm_kv_tokens(metrics: &str) -> Option<u64> {
-    let line = metrics.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
-    let labels = &line[line.find('{')? + 1..line.rfind('}')?];
-    let label = |name: &str| -> Option<u64> {
-        labels.split(',').find_map(|kv| {
-            let (k, v) = kv.split_once('=')?;
-            (k.trim() == name).then(|| v.trim().trim_matches('"').parse::<u64>().ok()).flatten()
-        })
-    };
-    label("num_gpu_blocks")?.checked_mul(label("block_size")?).filter(|&n| n > 0)
 }
 
 /// [`probe_capacity`]'s reading of the three answers.
@@ -457,17 +442,8 @@ mod tests {
         let props = serde_json::json!({"total_slots": 2, "default_generation_settings": {"n_ctx": 8192}});
         let c = capacity_from(None, Some(&props), None);
         assert_eq!((c.kv_tokens, c.max_model_len, c.llama_slots), (Some(16_384), Some(8192), Some(2)));
-        // vLLM's Prometheus info metric (vLLM 0.6 prints the labels in this order).
-        let metrics = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
-            # TYPE vllm:cache_config_info gauge\n\
-            vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",\
-            gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"2048\",num_gpu_blocks=\"27024\",\
-            num_gpu_blocks_override=\"None\",sliding_window=\"None\",swap_space_bytes=\"4294967296\"} 1.0\n";
-        assert_eq!(vllm_kv_tokens(metrics), Some(27_024 * 16));
-        // Missing, unparsable or zero: unknown.
-        assert_eq!(vllm_kv_tokens("vllm:num_requests_running 0\n"), None);
-        assert_eq!(vllm_kv_tokens("vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1.0\n"), None);
-        assert_eq!(vllm_kv_tokens("vllm:cache_config_info{block_size=\"0\",num_gpu_blocks=\"8\"} 1.0\n"), None);
+        // vLLM's comes from `/metrics` (`kvroute_protocol::engine_metrics::vllm_kv_tokens`).
+        // Zero: unknown.
         let none = serde_json::json!({"max_total_num_tokens": 0});
         assert_eq!(capacity_from(Some(&none), None, None).kv_tokens, None);
     }

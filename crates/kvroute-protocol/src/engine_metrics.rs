@@ -82,9 +82,39 @@ pub fn sm_utilisation(body: &str) -> Option<f64> {
     avg("DCGM_FI_PROF_SM_ACTIVE").or_else(|| avg("DCGM_FI_DEV_GPU_UTIL").map(|p| p / 100.0)).map(|v| v.clamp(0.0, 1.0))
 }
 
+/// vLLM's KV cache size from its Prometheus text: the `vllm:cache_config_info` info
+/// metric's `num_gpu_blocks` × `block_size` labels (vLLM ≥ 0.4 exports it); `None` when
+/// the metric or a label is missing or not a positive integer.
+pub fn vllm_kv_tokens(metrics: &str) -> Option<u64> {
+    let line = metrics.lines().find(|l| l.starts_with("vllm:cache_config_info{"))?;
+    let labels = &line[line.find('{')? + 1..line.rfind('}')?];
+    let label = |name: &str| -> Option<u64> {
+        labels.split(',').find_map(|kv| {
+            let (k, v) = kv.split_once('=')?;
+            (k.trim() == name).then(|| v.trim().trim_matches('"').parse::<u64>().ok()).flatten()
+        })
+    };
+    label("num_gpu_blocks")?.checked_mul(label("block_size")?).filter(|&n| n > 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vllm_kv_cache_size_from_its_cache_config_info() {
+        // vLLM's Prometheus info metric (vLLM 0.6 prints the labels in this order).
+        let metrics = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+            # TYPE vllm:cache_config_info gauge\n\
+            vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",\
+            gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"2048\",num_gpu_blocks=\"27024\",\
+            num_gpu_blocks_override=\"None\",sliding_window=\"None\",swap_space_bytes=\"4294967296\"} 1.0\n";
+        assert_eq!(vllm_kv_tokens(metrics), Some(27_024 * 16));
+        // Missing, unparsable or zero: unknown.
+        assert_eq!(vllm_kv_tokens("vllm:num_requests_running 0\n"), None);
+        assert_eq!(vllm_kv_tokens("vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1.0\n"), None);
+        assert_eq!(vllm_kv_tokens("vllm:cache_config_info{block_size=\"0\",num_gpu_blocks=\"8\"} 1.0\n"), None);
+    }
 
     #[test]
     fn engine_hit_ratio_from_each_engine() {
