@@ -43,11 +43,14 @@ from kvroute_procs import free_port, wait_ok
 SLICE = ["--trace-window", "1200", "--min-turns", "3", "--max-input-tokens", "32768", "--max-output", "128"]
 
 
-def histogram_mean(text, name):
-    """Mean of a Prometheus histogram summed over its label sets, or None without samples."""
-    total = sum(float(v) for v in re.findall(rf"^{re.escape(name)}_sum(?:{{[^}}]*}})? (\S+)", text, re.M))
-    count = sum(float(v) for v in re.findall(rf"^{re.escape(name)}_count(?:{{[^}}]*}})? (\S+)", text, re.M))
-    return total / count if count else None
+def histogram_mean(texts, name):
+    """Mean of a Prometheus histogram over every label set of every body in `texts`, or None
+    without samples."""
+    def total(suffix):
+        pattern = rf"^{re.escape(name)}_{suffix}(?:{{[^}}]*}})? (\S+)"
+        return sum(float(v) for text in texts for v in re.findall(pattern, text, re.M))
+    count = total("count")
+    return total("sum") / count if count else None
 
 
 def replay(args, trace, policy, extra):
@@ -105,18 +108,13 @@ def http_run(args, policy, tag):
         sys.exit(f"http-vs-replay: {tag}: no request got a first token; see {out / (tag + '.log')} and {bench}")
     hits = sum(float(v) for e in engines for v in re.findall(r"^vllm:prefix_cache_hits_total (\S+)", e, re.M))
     queries = sum(float(v) for e in engines for v in re.findall(r"^vllm:prefix_cache_queries_total (\S+)", e, re.M))
-    eng = [histogram_mean(e, "vllm:time_to_first_token_seconds") for e in engines]
-    counts = [
-        sum(float(v) for v in re.findall(r"^vllm:time_to_first_token_seconds_count (\S+)", e, re.M)) for e in engines
-    ]
-    engine_mean = sum(m * c for m, c in zip(eng, counts) if m is not None) / max(sum(counts), 1)
     rec_hit, rec_mean = replay(args, rec, policy, ["--rate-scale", str(1 / scale)])
     return {
         "requests": len(reqs),
         "ok": len(ok),
         "client": statistics.fmean(ok) * scale,
-        "gateway": (histogram_mean(gateway, "kvroute_ttft_seconds") or 0.0) * scale,
-        "engine": engine_mean * scale,
+        "gateway": (histogram_mean([gateway], "kvroute_ttft_seconds") or 0.0) * scale,
+        "engine": (histogram_mean(engines, "vllm:time_to_first_token_seconds") or 0.0) * scale,
         "hit": hits / queries if queries else 0.0,
         "recorded_replay": rec_mean,
         "recorded_replay_hit": rec_hit,
