@@ -415,7 +415,7 @@ pub fn decide(
     if !candidates.iter().any(WorkerView::is_routable) {
         return Err(RouteError::NoWorker);
     }
-    let key = policy.key(req);
+    let mut key = policy.key(req);
     let mut d = policy.pick(req, &key, candidates, ctx)?;
     let chosen_ok = candidates.iter().any(|w| w.id == d.worker && w.is_routable());
     if !chosen_ok {
@@ -431,7 +431,6 @@ pub fn decide(
             if key.block_tokens > 0 { key.block_tokens } else { req.blocks.map_or(0, |b| u64::from(b.block_tokens)) };
         d.block_tokens = bt.min(u64::from(u32::MAX)) as u32;
     }
-    let mut key = key;
     key.worker_kv_tokens = candidates.iter().find(|w| w.id == d.worker).and_then(|w| w.capacity.kv_tokens);
     Ok((d, key))
 }
