@@ -374,7 +374,7 @@ pub struct EngineSim {
     tx: mpsc::Sender<Cmd>,
     /// The engine's driver thread, unparked after each submission (`None` if it could
     /// not be started).
-    driver: Mutex<Option<std::thread::Thread>>,
+    driver: std::sync::OnceLock<std::thread::Thread>,
     metrics: SimMetrics,
     start: Instant,
     next_id: AtomicU64,
@@ -390,7 +390,7 @@ impl Drop for EngineSim {
         self.pd.shutdown.cancel();
         // Wakes the driver thread, which then finds the worker gone and ends (otherwise it
         // would sleep out an idle wake-up: 1 simulated second, long at a small time scale).
-        if let Some(t) = self.driver.lock().as_ref() {
+        if let Some(t) = self.driver.get() {
             t.unpark();
         }
     }
@@ -472,7 +472,7 @@ fn start_with(cfg: EngineSimConfig, bootstrap: Option<std::net::TcpListener>) ->
     let pd = pd::Pd::new(&cfg, &mut metrics.registry, bootstrap);
     let sim = Arc::new(EngineSim {
         tx,
-        driver: Mutex::new(None),
+        driver: std::sync::OnceLock::new(),
         metrics,
         lora,
         pd,
@@ -489,7 +489,9 @@ fn start_with(cfg: EngineSimConfig, bootstrap: Option<std::net::TcpListener>) ->
         .name("engine-sim-driver".into())
         .spawn(move || drive(weak, rx, cfg, start, runtime))
     {
-        Ok(h) => *sim.driver.lock() = Some(h.thread().clone()),
+        Ok(h) => {
+            let _ = sim.driver.set(h.thread().clone());
+        }
         Err(e) => {
             // Without a driver every request is answered 503 ("engine stopped").
             tracing::error!("engine-sim: cannot start the engine thread: {e}");
@@ -1103,7 +1105,7 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         if s.tx.send(Cmd::Submit { req, reply: tx }).await.is_err() {
             return err(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
         }
-        if let Some(t) = s.driver.lock().as_ref() {
+        if let Some(t) = s.driver.get() {
             t.unpark();
         }
         output
