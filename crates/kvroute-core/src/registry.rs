@@ -151,6 +151,16 @@ const LEAST_TTFT_KNOBS: &[Knob] = &[
         "waiting requests",
         "mean waiting per worker at which a miss is charged its full miss_weight (from 1 at an empty queue); 0 = always full",
     ),
+    (
+        "session_balance_rel",
+        "x mean load, 0 or >= 1",
+        "a request opening a new session goes only to workers whose load with it is <= max(rel x mean, mean + abs); 0 = off",
+    ),
+    (
+        "session_balance_abs",
+        "requests",
+        "the session balance gate's allowance above the mean load (see session_balance_rel)",
+    ),
 ];
 const B3_KNOBS: &[Knob] = &[
     ("block_tokens", "tokens", "tokens per block of the LRU block sets (Mooncake hash_ids are 512)"),
