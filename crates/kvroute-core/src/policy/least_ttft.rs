@@ -60,7 +60,13 @@
 //!   Prompt Scheduling for LLM Serving", ICLR 2025); SGLang router cache_aware's balance
 //!   thresholds bound the spread of every request. Requests without
 //!   a session id are never gated (a new and a continuing request look alike by their
-//!   cached prefix). The decision's branch is `new_binding` when the gate excluded a
+//!   cached prefix). The gate balances the batch, so it applies only while its bound is
+//!   at most the workers' mean `max_concurrent` (vLLM `max_num_seqs`, a llama.cpp
+//!   worker's slots): past the batch a worker's extra requests wait in its queue, which
+//!   the score already prices (queued prefill, slot waits), and a gated new session only
+//!   pays its miss. On 4 llama.cpp workers with 2 slots each (docs/real-engines.md) the
+//!   gate without this condition sent 5–6 of 40 new conversations away from their
+//!   document's worker. The decision's branch is `new_binding` when the gate excluded a
 //!   worker. Measured on the scoreboard (docs/replay.md): the goal met at 44 of 72 points
 //!   instead of 35 (agentic 0 → 6, MT-bench 2 → 5), and on traces not tuned on (generator
 //!   seed 2, arrival seeds 4–6) at 42 instead of 34.
@@ -313,18 +319,27 @@ impl LeastTtft {
 
     /// The session balance gate's load bound for `req`, or `None` when the gate does not
     /// apply: it is off (`session_balance_rel` 0), the request carries no session id, the
-    /// router has already bound its session, or no routable worker would be within the bound
-    /// (then every worker is a candidate). A worker is within when its load with the request
-    /// (`load + 1`) is at most `max(session_balance_rel × mean load, mean load +
-    /// session_balance_abs)`, the mean over the routable workers.
+    /// router has already bound its session, the bound exceeds the routable workers' mean
+    /// `max_concurrent` (past the batch, extra requests queue, and the score prices the
+    /// queue), or no routable worker would be within the bound (then every worker is a
+    /// candidate). A worker is within when its load with the request (`load + 1`) is at most
+    /// `max(session_balance_rel × mean load, mean load + session_balance_abs)`, the mean
+    /// over the routable workers.
     fn session_cap(&self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<f64> {
         let rel = self.cfg.session_balance_rel;
         let sid = req.session_id?;
         if rel == 0.0 || self.cost.sessions.get(sid).is_some() {
             return None;
         }
+        let (n, batch) = c
+            .iter()
+            .filter(|w| w.is_routable())
+            .fold((0u32, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.capacity.max_concurrent.max(1))));
         let mean = mean_load(c)?;
         let cap = (rel * mean).max(mean + self.cfg.session_balance_abs);
+        if n == 0 || cap > batch / f64::from(n) {
+            return None;
+        }
         c.iter().any(|w| w.is_routable() && f64::from(w.load()) + 1.0 <= cap).then_some(cap)
     }
 
@@ -690,6 +705,14 @@ mod tests {
         p.set_knobs(&serde_json::json!({"session_balance_rel": 0.0})).expect("knob");
         assert_eq!(peek(&p, &RequestView { session_id: Some("b"), ..req(&h) }, &c).worker, WorkerId(0));
         p.set_knobs(&serde_json::json!({"session_balance_rel": 1.25})).expect("knob");
+        // Workers that run 2 requests at once (llama.cpp slots): the bound, 4.67, is past
+        // their batch, the extra requests queue there and the score prices the queue; no gate.
+        let mut slots = c.clone();
+        for w in slots.iter_mut() {
+            w.capacity.max_concurrent = 2;
+        }
+        let d = peek(&p, &RequestView { session_id: Some("s"), ..req(&h) }, &slots);
+        assert_eq!((d.worker, d.branch), (WorkerId(0), Branch::Score));
         // A request opening session "a" must go where the load stays within the bound.
         let opening = RequestView { session_id: Some("a"), ..req(&h) };
         let d = go(&mut p, &opening, &c);
