@@ -40,6 +40,13 @@ release build; the generated traces take ~2 s. `--families`,
 `--fleets`, `--seeds`, `--loads` and `--limit` (first N requests of a family's trace, e.g.
 `--limit 3000` for all or `--limit rag=3000,agentic=4000`) cut it down.
 
+Recheck (`--recheck SAVED.json [--knobs JSON]`): replays only the default policy
+(least_ttft), with `--knobs` if given, over the points of a saved scoreboard — the same
+families, fleets, rates, seeds, generator seed and limits — puts its numbers in place of the
+saved ones, and prints the goal check. The reference policies keep their saved numbers, so
+a knob setting is checked against all 72 points in about 10 s instead of a full run. It
+writes nothing.
+
 Output: `<--out>.md` (tables per family, fleet and load, and "where each policy is best") and
 `<--out>.json` (every averaged number, the knees, the run's settings). Needs only the Python
 standard library and a release build of kvroute (`cargo build --release -p kvroute`).
@@ -87,7 +94,7 @@ class Runner:
         self.prefix_state = args.prefix_state
         self.calls = 0
 
-    def replay(self, trace, engines, rates, seed, policy, limit, tag):
+    def replay(self, trace, engines, rates, seed, policy, limit, tag, knobs=None):
         """Runs one `kvroute replay`; returns {rate string: {policy: report}}."""
         out = self.work / f"{tag}_e{engines}_s{seed}_{self.calls}.json"
         self.calls += 1
@@ -98,6 +105,8 @@ class Runner:
             cmd += ["--arrival-seed", str(seed)]
         if limit:
             cmd += ["--limit", str(limit)]
+        if knobs:
+            cmd += ["--knobs", knobs]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         doc = json.loads(out.read_text())
         res: dict = {}
@@ -242,7 +251,15 @@ def main() -> int:
     ap.add_argument("--prefix-state", default="approximate", help="passed to kvroute replay")
     ap.add_argument("--work", help="directory for traces and per-run JSON (default: a temporary one)")
     ap.add_argument("--out", default=str(REPO / "docs/results/scoreboard"), help="writes OUT.md and OUT.json")
+    ap.add_argument("--recheck", metavar="SAVED_JSON",
+                    help=f"replay only {REFERENCE} over a saved scoreboard's points and print the goal check")
+    ap.add_argument("--knobs", help=f"with --recheck: {REFERENCE}'s knobs as a JSON object")
     args = ap.parse_args()
+    if args.knobs and not args.recheck:
+        raise SystemExit("--knobs needs --recheck (a full run replays every policy with its defaults)")
+    if args.recheck:
+        with tempfile.TemporaryDirectory(prefix="kvroute-recheck-") as tmp:
+            return recheck(args, pathlib.Path(tmp))
 
     t0 = time.monotonic()
     tmp = None
@@ -284,16 +301,7 @@ def main() -> int:
                 for (rk, pol), reps in acc.items():
                     if rk != fmt_rate(r):
                         continue
-                    rows.append({
-                        "policy": pol,
-                        "ttft_mean_s": statistics.mean(x["ttft_mean_s"] for x in reps),
-                        "ttft_p99_s": statistics.mean(x["ttft_p99_s"] for x in reps),
-                        "goodput_rps": statistics.mean(x["goodput_rps"] for x in reps),
-                        "rejection_rate": statistics.mean(x["rejection_rate"] for x in reps),
-                        "hit_ratio": statistics.mean(x["hit_ratio"] for x in reps),
-                        "offered_rps": statistics.mean(x["offered_rps"] for x in reps),
-                        "seeds": len(reps),
-                    })
+                    rows.append(averaged(pol, reps))
                 points.append({"family": fam["name"], "engines": engines, "load": f, "rate_scale": r,
                                "policies": rank(rows)})
             print(f"{fam['name']} on {engines} engines: knee x{fmt_rate(knee)} "
@@ -302,6 +310,64 @@ def main() -> int:
     write_reports(args, fams, fam_meta, points, fleets, seeds, loads, elapsed)
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def averaged(policy, reps):
+    """One policy's row of a point: its reports averaged over the seeds."""
+    return {
+        "policy": policy,
+        "ttft_mean_s": statistics.mean(x["ttft_mean_s"] for x in reps),
+        "ttft_p99_s": statistics.mean(x["ttft_p99_s"] for x in reps),
+        "goodput_rps": statistics.mean(x["goodput_rps"] for x in reps),
+        "rejection_rate": statistics.mean(x["rejection_rate"] for x in reps),
+        "hit_ratio": statistics.mean(x["hit_ratio"] for x in reps),
+        "offered_rps": statistics.mean(x["offered_rps"] for x in reps),
+        "seeds": len(reps),
+    }
+
+
+def recheck(args, work) -> int:
+    """`--recheck`: REFERENCE alone (with `--knobs`) over a saved scoreboard's points."""
+    try:
+        saved = json.loads(pathlib.Path(args.recheck).read_text())
+        points, seeds, families = saved["points"], saved["seeds"], saved["families"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--recheck {args.recheck}: not a scoreboard JSON ({e})")
+    if args.knobs:
+        try:
+            if not isinstance(json.loads(args.knobs), dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            raise SystemExit(f"--knobs: must be a JSON object ({e})")
+    args.families = ",".join(families)
+    args.prefix_state = saved.get("prefix_state", args.prefix_state)
+    args.limit = ",".join(f"{n}={m['limit']}" for n, m in families.items() if m.get("limit"))
+    for m in families.values():
+        src = m.get("source", "")
+        if "--seed " in src:
+            args.gen_seed = int(src.rsplit("--seed ", 1)[1].split()[0])
+    run = Runner(args, work)
+    fams = {f["name"]: f for f in prepare_families(args, work)}
+    groups: dict = {}
+    for pt in points:
+        groups.setdefault((pt["family"], pt["engines"]), []).append(pt)
+    for (name, engines), pts in groups.items():
+        fam = fams.get(name)
+        if fam is None:
+            raise SystemExit(f"--recheck: family {name} of the saved run is not available here")
+        rates = [pt["rate_scale"] for pt in pts]
+        acc: dict = {}
+        for s in (seeds if fam["realisations"] else [None]):
+            res, _ = run.replay(fam["trace"], engines, rates, s, REFERENCE, fam["limit"], f"{name}_recheck",
+                                args.knobs)
+            for r in rates:
+                acc.setdefault(fmt_rate(r), []).append(res[fmt_rate(r)][REFERENCE])
+        for pt in pts:
+            rows = [p for p in pt["policies"] if p["policy"] != REFERENCE]
+            pt["policies"] = rank(rows + [averaged(REFERENCE, acc[fmt_rate(pt["rate_scale"])])])
+    print(f"{REFERENCE} with knobs {args.knobs or '{}'} against {args.recheck}")
+    print("\n".join(goal_check(points)))
     return 0
 
 
