@@ -58,13 +58,12 @@
 //!   scheduler likewise explores by load instead of exploiting a cache that would overload,
 //!   and replicates popular prefixes (Srivatsa et al., "Preble: Efficient Distributed
 //!   Prompt Scheduling for LLM Serving", ICLR 2025); SGLang router cache_aware's balance
-//!   thresholds bound the spread of every request. Requests without
-//!   a session id are never gated (a new and a continuing request look alike by their
-//!   cached prefix). The gate balances the batch, so it applies only while its bound is
-//!   at most the workers' mean `max_concurrent` (vLLM `max_num_seqs`, a llama.cpp
-//!   worker's slots): past the batch a worker's extra requests wait in its queue, which
-//!   the score already prices (queued prefill, slot waits), and a gated new session only
-//!   pays its miss. On 4 llama.cpp workers with 2 slots each (docs/real-engines.md) the
+//!   thresholds bound the spread of every request. Requests without a session id are
+//!   never gated (a new and a continuing request look alike by their cached prefix). The
+//!   gate balances the batch, so it applies only while its bound is at most the workers'
+//!   mean `max_concurrent` (SGLang `max_running_requests`, a llama.cpp worker's slots):
+//!   past the batch a worker's extra requests wait in its queue, which the score already
+//!   prices (queued prefill, slot waits), and a gated new session only pays its miss. On 4 llama.cpp workers with 2 slots each (docs/real-engines.md) the
 //!   gate without this condition sent 5–6 of 40 new conversations away from their
 //!   document's worker. The decision's branch is `new_binding` when the gate excluded a
 //!   worker. Measured on the scoreboard (docs/replay.md): the goal met at 44 of 72 points
