@@ -132,10 +132,15 @@ async fn recorded_traffic_keeps_no_text_shares_prefix_ids_and_replays() {
     assert!(stdout.contains("cache_aware"), "{stdout}");
 
     // And advice from it: on documents shared by several requests, a prefix-aware policy
-    // beats round robin (which sends each document's requests to both engines).
+    // beats round robin (which sends each document's requests to both engines). The test
+    // sent its requests one after the other, a few milliseconds apart: at the recorded rate
+    // the realisations' arrival jitter (±100 ms) makes them collide, and the ranking then
+    // depends on how (CI once ranked round robin first). At a thousandth of the rate they
+    // are seconds apart, never queue, and only the hits decide.
     let advice = dir.join("advice.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(["advise", "--trace", file.to_str().expect("utf-8"), "--engines", "2", "--realisations", "2"])
+        .args(["--rate-scale", "0.001"])
         .args(["--policies", "round_robin,cache_aware", "--current", "round_robin", "--no-knob-search"])
         .args(["--json", advice.to_str().expect("utf-8")])
         .stdin(Stdio::null())
