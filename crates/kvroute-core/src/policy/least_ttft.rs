@@ -113,7 +113,7 @@
 //! | `session_balance_abs` | 2 | requests above the mean load the gate allows in any case |
 
 use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig};
-use crate::policy::util::{mean_load, mean_waiting, rotate};
+use crate::policy::util::{mean_load, mean_max_concurrent, mean_waiting, rotate};
 use crate::policy::{
     Branch, Decision, KnobError, Observation, PickCtx, Policy, RequestKey, RouteError, TtftPrediction, patch_knobs,
 };
@@ -307,39 +307,34 @@ impl LeastTtft {
         if self.cfg.miss_queue_scale == 0.0 {
             return 1.0;
         }
-        let (n, concurrent) = c
-            .iter()
-            .filter(|w| w.is_routable())
-            .fold((0u32, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.capacity.max_concurrent.max(1))));
-        let scale =
-            if n == 0 { self.cfg.miss_queue_scale } else { self.cfg.miss_queue_scale.min(concurrent / f64::from(n)) };
+        let scale = mean_max_concurrent(c).map_or(self.cfg.miss_queue_scale, |b| self.cfg.miss_queue_scale.min(b));
         (mean_waiting(c) / scale).min(1.0)
     }
 
-    /// The session balance gate's load bound for `req`, or `None` when the gate does not
-    /// apply: it is off (`session_balance_rel` 0), the request carries no session id, the
-    /// router has already bound its session, the bound exceeds the routable workers' mean
-    /// `max_concurrent` (past the batch, extra requests queue, and the score prices the
-    /// queue), or no routable worker would be within the bound (then every worker is a
-    /// candidate). A worker is within when its load with the request (`load + 1`) is at most
-    /// `max(session_balance_rel × mean load, mean load + session_balance_abs)`, the mean
-    /// over the routable workers.
+    /// The session balance gate's load bound for `req` when the gate excludes a worker, or
+    /// `None` when it does not: it is off (`session_balance_rel` 0), the request carries no
+    /// session id, the router has already bound its session, the bound exceeds the routable
+    /// workers' mean `max_concurrent` (past the batch, extra requests queue, and the score
+    /// prices the queue), or every routable worker is within the bound, or none is (then
+    /// every worker is a candidate). A worker is within when its load with the request
+    /// (`load + 1`) is at most `max(session_balance_rel × mean load, mean load +
+    /// session_balance_abs)`, the mean over the routable workers.
     fn session_cap(&self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<f64> {
         let rel = self.cfg.session_balance_rel;
         let sid = req.session_id?;
         if rel == 0.0 || self.cost.sessions.get(sid).is_some() {
             return None;
         }
-        let (n, batch) = c
-            .iter()
-            .filter(|w| w.is_routable())
-            .fold((0u32, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.capacity.max_concurrent.max(1))));
         let mean = mean_load(c)?;
         let cap = (rel * mean).max(mean + self.cfg.session_balance_abs);
-        if n == 0 || cap > batch / f64::from(n) {
+        if cap > mean_max_concurrent(c)? {
             return None;
         }
-        c.iter().any(|w| w.is_routable() && f64::from(w.load()) + 1.0 <= cap).then_some(cap)
+        let (inside, outside) = c
+            .iter()
+            .filter(|w| w.is_routable())
+            .fold((0u32, 0u32), |(i, o), w| if within(w, cap) { (i + 1, o) } else { (i, o + 1) });
+        (inside > 0 && outside > 0).then_some(cap)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -378,6 +373,11 @@ impl LeastTtft {
             prediction: TtftPrediction { secs: overhead + scale * uncalibrated_secs, uncalibrated_secs },
         }
     }
+}
+
+/// Whether `w`'s load with one more request stays within the session balance gate's `cap`.
+fn within(w: &WorkerView, cap: f64) -> bool {
+    f64::from(w.load()) + 1.0 <= cap
 }
 
 /// `a` and `b` equal within a relative 1e-9 (scores of identical workers).
@@ -422,10 +422,9 @@ impl Policy for LeastTtft {
             }
         }
         let cap = self.session_cap(req, c);
-        let gated = cap.is_some_and(|cap| c.iter().any(|w| w.is_routable() && f64::from(w.load()) + 1.0 > cap));
         let mut best: Option<Candidate> = None;
         let mut ties: SmallVec<[Candidate; 8]> = SmallVec::new();
-        for w in c.iter().filter(|w| w.is_routable() && cap.is_none_or(|cap| f64::from(w.load()) + 1.0 <= cap)) {
+        for w in c.iter().filter(|w| w.is_routable() && cap.is_none_or(|cap| within(w, cap))) {
             let t = self.terms(w, key, input, stall, miss_share, fleet, best_hit);
             match &best {
                 Some(b) if tied(t.score, b.score) && t.cached == b.cached => ties.push(t),
@@ -437,7 +436,7 @@ impl Policy for LeastTtft {
             }
         }
         let best = best.ok_or(RouteError::NoWorker)?;
-        let branch = match (gated, ties.is_empty()) {
+        let branch = match (cap.is_some(), ties.is_empty()) {
             (true, _) => Branch::NewBinding,
             (false, true) => Branch::Score,
             (false, false) => Branch::TieBreak,

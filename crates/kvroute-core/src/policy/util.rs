@@ -262,6 +262,16 @@ pub fn mean_load(candidates: &[WorkerView]) -> Option<f64> {
     (n > 0).then(|| sum / n as f64)
 }
 
+/// Mean `max_concurrent` (requests a worker runs at once: SGLang `max_running_requests`,
+/// llama.cpp slots, 0 read as 1) over the routable candidates; `None` when none is routable.
+pub fn mean_max_concurrent(candidates: &[WorkerView]) -> Option<f64> {
+    let (n, sum) = candidates
+        .iter()
+        .filter(|w| w.is_routable())
+        .fold((0usize, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.capacity.max_concurrent.max(1))));
+    (n > 0).then(|| sum / n as f64)
+}
+
 /// Mean router-side waiting requests (dispatched, no first token yet) over the routable
 /// candidates; 0 when none is routable.
 pub fn mean_waiting(candidates: &[WorkerView]) -> f64 {
