@@ -11,7 +11,11 @@ prompt of --prompt-tokens random common words (never cached: `cache_prompt` fals
 medians per level and the slow-down against one worker alone.
 
 With one thread per worker on a host of C cores, processor sharing predicts a slow-down of
-max(1, k / C) at k busy workers: what `kvroute replay --host-cores C` models. The script
+max(1, k / C) at k busy workers: what `kvroute replay --host-cores C` models. Workers on
+one host also share caches and memory bandwidth, so the measured slow-down is larger (here
+1.06× with 2 busy workers on 2 cores); the JSON's `host_slowdown` (slow-down at 1, 2, …
+busy workers, the mean of the prefill and decode ones, levels between those measured
+interpolated) is what `kvroute replay --host-slowdown` takes instead. The script
 prints the profile of one worker alone (`prefill_per_token_s`, `step_overhead_s`,
 `decode_per_seq_s`, `context_per_token_s`) as the JSON `kvroute replay --profile-set` takes, for such a replay:
 
@@ -93,6 +97,28 @@ def measure(urls, k, per_worker, rounds, a, rng, prompt_words=None):
     return tuple(statistics.median(s[j] for s in samples) for j in (0, 1, 3))
 
 
+def host_slowdown(levels):
+    """The slow-down of a busy worker at 1, 2, … up to the highest measured level of busy
+    workers: at each measured level the mean of its prefill and decode slow-downs against
+    one worker alone (level 1, which must be measured), levels in between interpolated
+    linearly. `levels`: the JSON's `levels` rows."""
+    by = {r["busy"]: r for r in levels}
+    if 1 not in by:
+        return []
+    p1, d1 = by[1]["prefill_ms_per_token"], by[1]["decode_ms_per_token"]
+    known = {k: (r["prefill_ms_per_token"] / p1 + r["decode_ms_per_token"] / d1) / 2 for k, r in by.items()}
+    ks = sorted(known)
+    out = []
+    for k in range(1, ks[-1] + 1):
+        if k in known:
+            out.append(round(known[k], 4))
+            continue
+        lo = max(x for x in ks if x < k)
+        hi = min(x for x in ks if x > k)
+        out.append(round(known[lo] + (known[hi] - known[lo]) * (k - lo) / (hi - lo), 4))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=4)
@@ -145,10 +171,13 @@ def main():
             share = max(1.0, k / (os.cpu_count() or 1))
             print(f"| {k} | {a.prompt_tokens if pn is None else pn:.0f} | {pp:.2f} | {dp:.2f} | {pp / p1:.2f}× "
                   f"| {dp / d1:.2f}× | {share:.2f}× |")
+        slowdown = host_slowdown(rows)
+        print("host slow-down at 1, 2, … busy workers (kvroute replay --host-slowdown):",
+              ",".join(f"{x:.3f}" for x in slowdown))
         if a.json:
             out = {"cores": os.cpu_count(), "prompt_words": a.prompt_tokens, "output_tokens": a.output_tokens,
                    "rounds": a.rounds, "profile": profile, "decode_ms_per_token_short_prompt": s1,
-                   "decode_ms_per_token_both_slots": d2, "levels": rows}
+                   "decode_ms_per_token_both_slots": d2, "levels": rows, "host_slowdown": slowdown}
             pathlib.Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
     finally:
         subprocess.run([script, "stop"], check=False, stdout=subprocess.DEVNULL)

@@ -40,6 +40,13 @@ A run given a fifth field, `:CALIBRATION.json` (`scripts/llama-calibrate.py --wo
 profile: the machine's speed drifts, and this follows it without taking anything from the
 run itself (use it with `--host-cores`).
 
+With `--contention` the replay's engines slow each other down as measured: the calibration
+file's slow-down at 1, 2, … busy workers (its `host_slowdown`, or its `levels`: take it with
+`--levels 1,2,3,4`) goes to `kvroute replay --host-slowdown` in place of `--host-cores`'
+processor sharing, which leaves out the caches and memory bandwidth the workers share
+(1.06× at 2 busy workers on this machine's 2 cores). A run with its own calibration file
+takes the slow-down from that file.
+
 With `--calibrate-per-run` each run is replayed with the profile of its own logs instead
 of one profile pooled over all runs' logs (when the machine's speed drifts between runs;
 that profile then carries the run's own contention, so it predicts less).
@@ -54,6 +61,13 @@ import re
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import importlib.util  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("llama_calibrate", pathlib.Path(__file__).resolve().parent / "llama-calibrate.py")
+llama_calibrate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(llama_calibrate)
 
 PROMPT = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 DECODE = re.compile(r"\s eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
@@ -79,6 +93,16 @@ def calibrate(log_dirs):
     return {"prefill_per_token_s": p_ms / p_tok / 1000, "step_overhead_s": step_ms / 1000, "decode_per_seq_s": 0.0}
 
 
+def contention(path):
+    """The slow-down at 1, 2, … busy workers in a `scripts/llama-calibrate.py --json` file
+    (its `host_slowdown`, or computed from its `levels` for files written before it)."""
+    cal = json.loads(pathlib.Path(path).read_text())
+    out = cal.get("host_slowdown") or llama_calibrate.host_slowdown(cal.get("levels", []))
+    if len(out) < 2:
+        sys.exit(f"--contention: {path} measured one busy level only (take it with --levels 1,2,3,4)")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kvroute", required=True)
@@ -93,6 +117,9 @@ def main():
                     help="calibrate each run on its own llama-server logs instead of pooling all runs' logs "
                     "(the machine's speed drifts between runs)")
     ap.add_argument("--host-cores", type=int, default=0, help="kvroute replay --host-cores (0: engines independent)")
+    ap.add_argument("--contention", action="store_true",
+                    help="replay with the calibration file's measured slow-down per busy worker count "
+                    "(kvroute replay --host-slowdown) instead of --host-cores' processor sharing")
     ap.add_argument("--session-concurrency", type=int, default=0,
                     help="kvroute replay --session-concurrency (the bench's --conversation-concurrency)")
     a = ap.parse_args()
@@ -106,6 +133,8 @@ def main():
         sys.exit("a run's own calibration file excludes --calibration and --calibrate-per-run")
     if a.calibration and a.calibrate_per_run:
         sys.exit("--calibration and --calibrate-per-run exclude each other")
+    if a.contention and not (a.calibration or all(r[4] for r in runs)):
+        sys.exit("--contention takes the slow-down from a calibration file: --calibration FILE, or one per run")
     if a.calibration:
         cal = json.loads(pathlib.Path(a.calibration).read_text())["profile"]
         print(f"cpu-smollm2-135m from {a.calibration} (one worker alone):", end=" ")
@@ -121,7 +150,8 @@ def main():
             print("cpu-smollm2-135m calibrated on the runs' logs:", end=" ")
     if cal is not None:
         print(", ".join(f"{k} {v * 1000:.2f} ms" for k, v in cal.items()), end=" ")
-    print(f"| host cores {a.host_cores or 'independent'} | sessions at a time {a.session_concurrency or 'any'}")
+    host = "measured slow-down per busy worker count" if a.contention else (a.host_cores or "independent")
+    print(f"| host cores {host} | sessions at a time {a.session_concurrency or 'any'}")
     print("| policy | measured TTFT mean / p99 (s) | replay mean / p99 (s) | replay error mean / p99 "
           "| hit %, measured / replay | TPOT p50 (ms), measured / replay |")
     print("|---|---|---|---|---|---|")
@@ -136,6 +166,9 @@ def main():
         if cal is None and not cal_file:
             print(f"{policy} ({logs}): prefill {1000 * run_cal['prefill_per_token_s']:.2f} ms/token, "
                   f"step {1000 * run_cal['step_overhead_s']:.1f} ms", file=sys.stderr)
+        slowdown = contention(cal_file or a.calibration) if a.contention else []
+        if slowdown:
+            print(f"{policy}: host slow-down {','.join(f'{x:.3f}' for x in slowdown)}", file=sys.stderr)
         rows = json.loads(pathlib.Path(bench).read_text())["rows"]
         q = next(r["quality"] for r in rows if r["router"] == "kvroute" and r["policy"] == policy)
         name, slots = (policy[: -len("/slots")], True) if policy.endswith("/slots") else (policy, False)
@@ -146,6 +179,8 @@ def main():
                    "--prefix-state", "slots" if slots else "approximate", "--closed-sessions",
                    "--host-cores", str(a.host_cores), "--session-concurrency", str(a.session_concurrency),
                    "--quiet", "--json", str(out)]
+            if slowdown:
+                cmd += ["--host-slowdown", ",".join(str(x) for x in slowdown)]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             rep = json.loads(out.read_text())["reports"][0]
         m = (q["ttft_mean_s"], q["ttft_p99_s"], q["cached_token_ratio"], q["tpot_p50_s"])

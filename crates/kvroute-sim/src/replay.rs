@@ -71,6 +71,16 @@ pub struct ReplayConfig {
     /// core. Engine-side counters (`ReplayResult::busy_ns`, the `sm_util` signal) count
     /// work at full speed. 0 (the default) = every engine has its own hardware.
     pub host_cores: u32,
+    /// The measured slow-down of each busy engine while k = 1, 2, … engines are busy on the
+    /// shared host (`scripts/llama-calibrate.py --levels 1,2,3,4` writes it as
+    /// `host_slowdown`): element k − 1 is the time a step takes with k busy engines over its
+    /// time alone, so while k engines are busy each runs at `1 / host_slowdown[k − 1]` of
+    /// its profile's speed (a value below 1 counts as 1). Past the list's end, its last
+    /// value grows in proportion: `last × k / len`. It replaces `host_cores`' processor
+    /// sharing, which leaves out what engines on one host slow each other down by besides
+    /// the cores (caches, memory bandwidth: 6 % at 2 busy workers on two cores here).
+    /// Empty (the default) = `host_cores` alone decides.
+    pub host_slowdown: Vec<f64>,
 }
 
 /// Where the router's prefix state comes from in a replay.
@@ -271,15 +281,19 @@ impl SlotRouting {
     }
 }
 
-/// The engines' clock when they share a host's CPU cores ([`ReplayConfig::host_cores`]).
+/// The engines' clock when they share a host's CPU cores ([`ReplayConfig::host_cores`],
+/// [`ReplayConfig::host_slowdown`]).
 ///
-/// Every busy engine runs at the same rate, `min(1, cores / busy engines)`, so the engines
+/// Every busy engine runs at the same rate, `min(1, cores / busy engines)` or the inverse of
+/// the measured slow-down at that many busy engines, so the engines
 /// keep one *virtual* clock (work done at full speed) and their own timings are unchanged;
 /// this maps it to the replay's real clock, piecewise linearly, with a new piece whenever
 /// the number of busy engines changes. With `cores` 0 both clocks are the same.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct HostClock {
     cores: u32,
+    /// [`ReplayConfig::host_slowdown`].
+    slowdown: Vec<f64>,
     /// The last change: real time and virtual time then.
     real: Nanos,
     virt: Nanos,
@@ -288,13 +302,23 @@ struct HostClock {
 }
 
 impl HostClock {
-    fn new(cores: u32) -> Self {
-        HostClock { cores, real: Nanos(0), virt: Nanos(0), rate: 1.0 }
+    fn new(cores: u32, slowdown: &[f64]) -> Self {
+        HostClock { cores, slowdown: slowdown.to_vec(), real: Nanos(0), virt: Nanos(0), rate: 1.0 }
     }
 
-    /// The engines share cores (`cores` > 0).
+    /// The engines share cores (`cores` > 0 or a measured slow-down).
     fn shared(&self) -> bool {
-        self.cores > 0
+        self.cores > 0 || !self.slowdown.is_empty()
+    }
+
+    /// Each busy engine's speed, in (0, 1], while `busy` (≥ 1) engines are busy.
+    fn rate_at(&self, busy: usize) -> f64 {
+        let slow = match self.slowdown.last() {
+            Some(&last) if busy > self.slowdown.len() => last * busy as f64 / self.slowdown.len() as f64,
+            Some(_) => self.slowdown[busy - 1],
+            None => busy as f64 / f64::from(self.cores),
+        };
+        (1.0 / slow).min(1.0)
     }
 
     /// Virtual time at real time `t` (not before the last change).
@@ -333,7 +357,7 @@ impl HostClock {
         self.virt = self.virtual_at(t);
         self.real = t;
         let busy = engines.iter().filter(|e| e.next_event_time().is_some()).count().max(1);
-        self.rate = (f64::from(self.cores) / busy as f64).min(1.0);
+        self.rate = self.rate_at(busy);
     }
 
     /// Advances every engine through all its events up to real time `now` (events' times
@@ -400,7 +424,7 @@ struct Book<'a> {
     /// Some request waits for another's end (`closed_sessions` and a session of two turns,
     /// or a session queued by `session_concurrency`).
     gated: bool,
-    /// The engines' shared CPU cores (`host_cores`).
+    /// The engines' shared CPU cores (`host_cores`, `host_slowdown`).
     host: HostClock,
 }
 
@@ -440,7 +464,7 @@ impl<'a> Book<'a> {
             queued_sessions,
             clients: cfg.session_concurrency > 0,
             next_turn,
-            host: HostClock::new(cfg.host_cores),
+            host: HostClock::new(cfg.host_cores, &cfg.host_slowdown),
         }
     }
 
@@ -579,7 +603,8 @@ impl RouterView<'_> {
 /// far (every 256 requests and at the end).
 ///
 /// # Errors
-/// [`ReplayError`] for an unknown policy, bad knobs, or zero engines.
+/// [`ReplayError`] for an unknown policy, bad knobs, zero engines, or a `host_slowdown`
+/// value that is not positive and finite.
 pub fn replay(
     trace: &[TraceRequest],
     cfg: &ReplayConfig,
@@ -589,6 +614,9 @@ pub fn replay(
         return Err(ReplayError::Config("at least one engine is needed".into()));
     }
     cfg.profile.validate().map_err(ReplayError::Config)?;
+    if let Some(bad) = cfg.host_slowdown.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+        return Err(ReplayError::Config(format!("host_slowdown: {bad} is not a positive finite slow-down")));
+    }
     let mut policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed);
     let mut engines: Vec<Engine> =

@@ -32,6 +32,7 @@ fn cfg(policy: &str, engines: usize, prefix_state: PrefixState) -> ReplayConfig 
         closed_sessions: false,
         session_concurrency: 0,
         host_cores: 0,
+        host_slowdown: Vec::new(),
     }
 }
 
@@ -235,8 +236,54 @@ fn session_concurrency_starts_a_queued_session_when_one_ends() {
 /// Four identical one-block requests at time 0, one per engine (round robin), on engines
 /// sharing `host_cores` cores.
 fn four_at_once(host_cores: u32) -> ReplayResult {
+    four_at_once_slowed(host_cores, &[])
+}
+
+/// As [`four_at_once`], with a measured slow-down per number of busy engines.
+fn four_at_once_slowed(host_cores: u32, host_slowdown: &[f64]) -> ReplayResult {
     let trace: Vec<TraceRequest> = (0..4u64).map(|i| req(0, &[100 + i])).collect();
-    run(&trace, &ReplayConfig { host_cores, ..cfg("round_robin", 4, PrefixState::Approximate) })
+    run(
+        &trace,
+        &ReplayConfig {
+            host_cores,
+            host_slowdown: host_slowdown.to_vec(),
+            ..cfg("round_robin", 4, PrefixState::Approximate)
+        },
+    )
+}
+
+#[test]
+fn a_measured_slow_down_replaces_processor_sharing() {
+    let ttft = |r: &ReplayResult, i: usize| r.outcomes[i].first_token.expect("first token").0;
+    let end = |r: &ReplayResult, i: usize| r.outcomes[i].finished.expect("finished").0;
+    let alone = four_at_once(0);
+    // The measured list says what two cores' sharing says: the same times.
+    let (shared, listed) = (four_at_once(2), four_at_once_slowed(0, &[1.0, 1.0, 1.5, 2.0]));
+    for i in 0..4 {
+        assert_eq!((ttft(&listed, i), end(&listed, i)), (ttft(&shared, i), end(&shared, i)), "request {i}");
+    }
+    // Past the list's end its last value grows with the busy engines: 1.1 × 4 / 2 = 2.2 at
+    // four busy engines, whatever `host_cores` says.
+    let past = four_at_once_slowed(4, &[1.0, 1.1]);
+    for i in 0..4 {
+        let want = (2.2 * ttft(&alone, i) as f64) as u64;
+        assert!(ttft(&past, i).abs_diff(want) <= 2, "TTFT {} against {want}", ttft(&past, i));
+    }
+    // A slow-down below 1 is no speed-up.
+    let below = four_at_once_slowed(0, &[0.5, 0.9, 0.5, 0.99]);
+    for i in 0..4 {
+        assert_eq!(ttft(&below, i), ttft(&alone, i), "request {i}");
+    }
+}
+
+#[test]
+fn a_slow_down_that_is_not_positive_is_an_error() {
+    let trace = vec![req(0, &[1])];
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let c = ReplayConfig { host_slowdown: vec![1.0, bad], ..cfg("round_robin", 2, PrefixState::Approximate) };
+        let err = replay(&trace, &c, &mut |_| {}).expect_err("not a slow-down");
+        assert!(err.to_string().contains("host_slowdown"), "{err}");
+    }
 }
 
 #[test]

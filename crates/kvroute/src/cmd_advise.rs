@@ -75,6 +75,10 @@ pub struct Args {
     /// --host-cores`). 0 = every engine has its own hardware.
     #[arg(long, default_value_t = 0)]
     pub host_cores: u32,
+    /// The measured slow-down of each busy engine with 1, 2, … engines busy, comma-separated
+    /// (as `kvroute replay --host-slowdown`).
+    #[arg(long, value_delimiter = ',')]
+    pub host_slowdown: Vec<f64>,
     /// Which sessions of the trace to judge on (a time span, conversations of a minimum
     /// length), as `kvroute replay`; the slice's first request becomes time 0.
     #[command(flatten)]
@@ -162,12 +166,13 @@ fn realisation(base: &[TraceRequest], k: u64, jitter_ms: f64, rate: f64) -> Vec<
 }
 
 /// How requests arrive and where the engines run: `kvroute replay`'s `--closed-sessions`,
-/// `--session-concurrency` and `--host-cores`.
-#[derive(Debug, Clone, Copy)]
+/// `--session-concurrency`, `--host-cores` and `--host-slowdown`.
+#[derive(Debug, Clone)]
 struct Clients {
     closed_sessions: bool,
     session_concurrency: usize,
     host_cores: u32,
+    host_slowdown: Vec<f64>,
 }
 
 /// Replays `(policy, knobs)` on every realisation (in parallel over `jobs` threads).
@@ -176,7 +181,7 @@ fn evaluate(
     traces: &[Vec<TraceRequest>],
     engines: usize,
     profile: &Profile,
-    clients: Clients,
+    clients: &Clients,
     jobs: usize,
 ) -> anyhow::Result<Vec<Candidate>> {
     let infinite = trace::infinite_cache_hit(&traces[0]);
@@ -203,6 +208,7 @@ fn evaluate(
                         closed_sessions: clients.closed_sessions,
                         session_concurrency: clients.session_concurrency,
                         host_cores: clients.host_cores,
+                        host_slowdown: clients.host_slowdown.clone(),
                     };
                     let r = replay(&traces[k], &cfg, &mut |_| {})
                         .map(|res| summarise(&res, 1.0, infinite, slo))
@@ -340,8 +346,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         closed_sessions: a.closed_sessions,
         session_concurrency: a.session_concurrency,
         host_cores: a.host_cores,
+        host_slowdown: a.host_slowdown.clone(),
     };
-    let mut cands = evaluate(&runs, &traces, a.engines, &profile, clients, jobs)?;
+    let mut cands = evaluate(&runs, &traces, a.engines, &profile, &clients, jobs)?;
     sort(&mut cands);
 
     // Knob search on the best few.
@@ -353,7 +360,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         if !variants.is_empty() {
             eprintln!("kvroute advise: knob search, {} variants", variants.len());
-            for v in evaluate(&variants, &traces, a.engines, &profile, clients, jobs)? {
+            for v in evaluate(&variants, &traces, a.engines, &profile, &clients, jobs)? {
                 let Some(plain) = cands.iter().find(|c| c.policy == v.policy) else { continue };
                 let everywhere = v.ttft_mean_s.iter().zip(&plain.ttft_mean_s).all(|(x, y)| x < y)
                     && v.rejections() <= plain.rejections() + 1e-9;

@@ -126,6 +126,13 @@ pub struct Args {
     /// core. 0 = every engine has its own hardware. Not with `--pd`.
     #[arg(long, default_value_t = 0)]
     pub host_cores: u32,
+    /// The measured slow-down of each busy engine with 1, 2, … engines busy on the shared
+    /// host, comma-separated (`scripts/llama-calibrate.py`'s `host_slowdown`, e.g.
+    /// `1,1.06,1.55,2.12`): while k engines are busy each runs at 1 / the k-th value of the
+    /// profile's speed; past the list, the last value × k / its length. Replaces
+    /// `--host-cores`' min(1, N / n). Not with `--pd`.
+    #[arg(long, value_delimiter = ',')]
+    pub host_slowdown: Vec<f64>,
     /// Predict-on-route window of the precise prefix state, seconds (0 turns it off).
     #[arg(long, default_value_t = 2.0)]
     pub predict_window_secs: f64,
@@ -327,8 +334,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if pd.is_some() && args.closed_sessions {
         bail!("--closed-sessions: not supported with --pd");
     }
-    if pd.is_some() && (args.session_concurrency > 0 || args.host_cores > 0) {
-        bail!("--session-concurrency and --host-cores: not supported with --pd");
+    if pd.is_some() && (args.session_concurrency > 0 || args.host_cores > 0 || !args.host_slowdown.is_empty()) {
+        bail!("--session-concurrency, --host-cores and --host-slowdown: not supported with --pd");
+    }
+    if let Some(bad) = args.host_slowdown.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+        bail!("--host-slowdown: {bad} is not a positive slow-down (1 = as fast as alone)");
     }
     let pols = policies(args.prefill_policy.as_deref().unwrap_or(&args.policy))?;
     let states = parse_prefix_states(&args.prefix_state, args.predict_window_secs)?;
@@ -405,6 +415,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         closed_sessions: args.closed_sessions,
                         session_concurrency: args.session_concurrency,
                         host_cores: args.host_cores,
+                        host_slowdown: args.host_slowdown.clone(),
                     };
                     let mut last = 0usize;
                     let mut tick = |n: usize| {

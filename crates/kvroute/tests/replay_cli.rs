@@ -95,6 +95,21 @@ fn an_arrival_seed_with_no_spread_is_refused() {
 }
 
 #[test]
+fn a_host_slowdown_that_is_not_a_slow_down_is_refused_and_a_measured_one_replays() {
+    let dir = scratch("slowdown");
+    let t = trace(&dir);
+    let bad = replay(&t, &dir.join("x.json"), &["--host-slowdown", "1,0"]);
+    let ok = replay(&t, &dir.join("y.json"), &["--host-slowdown", "1,1.06,1.5,2.1"]);
+    let (_, slowed) = ttfts(&dir.join("y.json"));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("--host-slowdown") && err.contains('0'), "{err}");
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(!slowed.is_empty() && slowed.iter().all(|x| x.is_finite() && *x > 0.0), "{slowed:?}");
+}
+
+#[test]
 fn a_trace_slice_replays_only_its_sessions_from_time_zero_and_outputs_are_capped() {
     let dir = scratch("slice");
     let t = trace(&dir);
