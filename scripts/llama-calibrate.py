@@ -8,7 +8,12 @@ one request at a time to each of k workers at once (the others idle), --rounds r
 prompt of --prompt-tokens random common words (never cached: `cache_prompt` false) and
 --output-tokens tokens to generate (`ignore_eos`). llama.cpp reports each answer's
 `timings.prompt_per_token_ms` and `timings.predicted_per_token_ms`; the script prints their
-medians per level and the slow-down against one worker alone.
+medians per level and the slow-down against one worker alone. Prefill is fitted on one worker
+alone as ms = a + p × tokens + q × pairs (fresh prompts of 25, 100 and --prompt-tokens words,
+and 25 and 100 words after --prompt-tokens cached ones, on slot 0): a continued prefill's
+tokens attend to the cached context, so a conversation's next turn costs more per token
+than a fresh prompt (227 ms for 25 tokens after 300 cached, 150 ms fresh, 2026-11-26); p and
+q are the profile's `prefill_per_token_s` and `prefill_attention_s`.
 
 With one thread per worker on a host of C cores, processor sharing predicts a slow-down of
 max(1, k / C) at k busy workers: what `kvroute replay --host-cores C` models. Workers on
@@ -97,6 +102,51 @@ def measure(urls, k, per_worker, rounds, a, rng, prompt_words=None):
     return tuple(statistics.median(s[j] for s in samples) for j in (0, 1, 3))
 
 
+def prefill_sample(url, fresh_words, cached_words, rng):
+    """One prefill on slot 0 of `url`: `fresh_words` new words after `cached_words` words
+    already in the slot (sent first, so cached). Returns (tokens computed, tokens cached
+    before them, prefill ms) from llama.cpp's `timings` (`prompt_n`, `cache_n`,
+    `prompt_ms`)."""
+    def post(prompt, cache):
+        body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": cache, "id_slot": 0,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(url + "/completion", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.load(r)["timings"]
+    words = lambda k: " ".join(rng.choice(WORDS) for _ in range(k))  # noqa: E731
+    if cached_words == 0:
+        t = post(words(fresh_words), False)
+        return t["prompt_n"], 0, t["prompt_ms"]
+    base = words(cached_words)
+    post(base, True)
+    t = post(base + " " + words(fresh_words), True)
+    return t["prompt_n"], t.get("cache_n", 0), t["prompt_ms"]
+
+
+def fit_prefill(samples):
+    """Least squares of prefill ms = a + p × n + q × pairs over `samples` (n computed, c
+    cached, ms), pairs = n × c + n (n + 1) / 2 (each computed token attends to the cached
+    ones and the prompt's tokens before it): returns (p, q) in ms, the per-token and
+    per-pair costs (a, a fixed cost per prefill, is left out of the profile: the step
+    overhead carries it)."""
+    rows = [(1.0, float(n), n * c + n * (n + 1) / 2.0, ms) for n, c, ms in samples]
+    m = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+    v = [sum(r[i] * r[3] for r in rows) for i in range(3)]
+    # Gauss-Jordan on the 3×3 normal equations.
+    for i in range(3):
+        piv = max(range(i, 3), key=lambda k: abs(m[k][i]))
+        m[i], m[piv], v[i], v[piv] = m[piv], m[i], v[piv], v[i]
+        if abs(m[i][i]) < 1e-12:
+            return None
+        for k in range(3):
+            if k != i:
+                f = m[k][i] / m[i][i]
+                m[k] = [x - f * y for x, y in zip(m[k], m[i])]
+                v[k] -= f * v[i]
+    a, p, q = (v[i] / m[i][i] for i in range(3))
+    return (p, q) if p > 0 and q >= 0 else None
+
+
 def host_slowdown(levels):
     """The slow-down of a busy worker at 1, 2, … up to the highest measured level of busy
     workers: at each measured level the mean of its prefill and decode slow-downs against
@@ -139,9 +189,11 @@ def main():
         for u in urls:
             kvroute_procs.wait_ok(u + "/health", "llama-server", secs=120)
         rng = random.Random(7)
-        # Warm-up: one request per worker, alone.
+        # Warm-up: one request of the measured size per worker, alone. A short one left the
+        # first level cold: one worker alone then decoded at 18.6 ms/token, two at once at
+        # 14.5 (2026-11-26), a slow-down below 1 at every level after it.
         for u in urls:
-            complete(u, 20, 4, rng)
+            complete(u, a.prompt_tokens, a.output_tokens, rng)
         print(f"{os.cpu_count()} cores; prompt ≈{a.prompt_tokens} tokens, {a.output_tokens} generated, "
               f"{a.rounds} rounds per level")
         # One worker alone: prefill and decode of one request; then the decode step with one
@@ -156,8 +208,22 @@ def main():
         short_ctx, long_ctx = 8 + a.output_tokens / 2, a.prompt_tokens + a.output_tokens / 2
         per_ctx = max(d1 - s1, 0.0) / max(long_ctx - short_ctx, 1.0)
         overhead = max(s1 - per_seq - short_ctx * per_ctx, 0.0)
-        profile = {"prefill_per_token_s": round(p1 / 1000, 6), "step_overhead_s": round(overhead / 1000, 6),
+        # Prefill: fresh prompts and continuations of a cached one (a conversation's next
+        # turn), one worker alone; a continued prefill costs more per token (its tokens
+        # attend to the cached context), which the per-token median above leaves out.
+        shapes = [(25, 0), (100, 0), (a.prompt_tokens, 0), (25, a.prompt_tokens), (100, a.prompt_tokens)]
+        samples = [prefill_sample(urls[0], n, c, rng) for _ in range(a.rounds) for n, c in shapes]
+        fit = fit_prefill(samples)
+        pp, pq = fit if fit else (p1, 0.0)
+        profile = {"prefill_per_token_s": round(pp / 1000, 6), "prefill_attention_s": round(pq / 1000, 10),
+                   "step_overhead_s": round(overhead / 1000, 6),
                    "decode_per_seq_s": round(per_seq / 1000, 6), "context_per_token_s": round(per_ctx / 1000, 9)}
+        for k, (n, c) in enumerate(shapes):
+            xs = samples[k::len(shapes)]
+            print(f"prefill of {statistics.median(x[0] for x in xs):.0f} tokens after {statistics.median(x[1] for x in xs):.0f} "
+                  f"cached: median {statistics.median(x[2] for x in xs):.1f} ms")
+        print(f"prefill fit: {pp:.3f} ms/token + {pq * 1000:.2f} µs per attended pair"
+              + ("" if fit else " (fit failed: the per-token median alone)"))
         print(f"one worker alone: prefill {p1:.2f} ms/token, decode {d1:.2f} ms/token after it; from an 8-word "
               f"prompt, decode {s1:.2f} ms/token with one slot busy, {d2:.2f} with both")
         print("profile (kvroute replay --profile cpu-smollm2-135m --profile-set):", json.dumps(profile))
@@ -176,7 +242,8 @@ def main():
               ",".join(f"{x:.3f}" for x in slowdown))
         if a.json:
             out = {"cores": os.cpu_count(), "prompt_words": a.prompt_tokens, "output_tokens": a.output_tokens,
-                   "rounds": a.rounds, "profile": profile, "decode_ms_per_token_short_prompt": s1,
+                   "rounds": a.rounds, "profile": profile, "prefill_samples": samples,
+                   "decode_ms_per_token_short_prompt": s1,
                    "decode_ms_per_token_both_slots": d2, "levels": rows, "host_slowdown": slowdown}
             pathlib.Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
     finally:

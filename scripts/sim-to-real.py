@@ -35,9 +35,9 @@ the bench's client (`--conversation-concurrency N`) does:
         --calibration docs/results/sim_to_real/calibration.json --host-cores 2 --session-concurrency 8 \\
         --run round_robin:... --run round_robin:... --run least_ttft/slots:...
 
-A run given a fifth field, `:CALIBRATION.json` (`scripts/llama-calibrate.py --workers 1
---levels 1 --json FILE` taken right before that run), is replayed with that one-worker-alone
-profile: the machine's speed drifts, and this follows it without taking anything from the
+A run given a fifth field, `:CALIBRATION.json` (`scripts/llama-calibrate.py --workers 4
+--levels 1,2,3,4 --json FILE` taken right before that run), is replayed with that one-worker-alone
+profile (with its prefill attention, when the file has it): the machine's speed drifts, and this follows it without taking anything from the
 run itself (use it with `--host-cores`).
 
 With `--contention` the replay's engines slow each other down as measured: the calibration
@@ -159,7 +159,8 @@ def main():
     for policy, record, bench, logs, cal_file in runs:
         if cal_file:
             run_cal = json.loads(pathlib.Path(cal_file).read_text())["profile"]
-            print(f"{policy} ({cal_file}): prefill {1000 * run_cal['prefill_per_token_s']:.2f} ms/token, "
+            print(f"{policy} ({cal_file}): prefill {1000 * run_cal['prefill_per_token_s']:.2f} ms/token "
+                  f"+ {1e6 * run_cal.get('prefill_attention_s', 0.0):.2f} µs per attended pair, "
                   f"decode {1000 * run_cal['decode_per_seq_s']:.1f} ms per sequence", file=sys.stderr)
         else:
             run_cal = cal if cal is not None else calibrate([logs])

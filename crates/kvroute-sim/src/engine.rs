@@ -44,9 +44,11 @@
 //! (llama.cpp has none).
 //!
 //! ## Step time
-//! `step = step_overhead + prefill_tokens × prefill_per_token + decode_seqs × decode_per_seq
-//!        + context_tokens × context_per_token` — a linear roofline: prefill is compute
-//! bound (per token), decode is memory bound (weights once per step, KV per context token).
+//! `step = step_overhead + prefill_tokens × prefill_per_token + prefill_pairs ×
+//!        prefill_attention + decode_seqs × decode_per_seq + context_tokens ×
+//!        context_per_token` — a linear roofline: prefill is compute bound (per token, and
+//! per pair of a computed token and a token it attends to, 0 on the GPU profiles), decode
+//! is memory bound (weights once per step, KV per context token).
 //! Runs of identical decode-only steps are coalesced into one event (the context grows by
 //! one token per step; the span uses its mean context), which keeps replay of an hour of
 //! traffic to seconds.
@@ -79,6 +81,17 @@ pub struct Profile {
     pub decode_per_seq_s: f64,
     /// Attention/KV read cost per context token in the batch per step, seconds.
     pub context_per_token_s: f64,
+    /// Prefill attention cost per pair of a prompt token computed in the step and a token it
+    /// attends to (the cached prefix and the prompt's tokens before it), seconds: a chunk of
+    /// n tokens after c tokens already in the KV cache costs `n × c + n (n + 1) / 2` pairs.
+    /// It makes a short prefill that continues a long cached context (a conversation's next
+    /// turn) dearer per token than a fresh one. 0 (the default, and the built-in profiles)
+    /// folds attention into `prefill_per_token_s`, right on a GPU, where prefill attention
+    /// is compute bound and small against the linear layers at these lengths; llama.cpp on
+    /// this CPU measured ≈5 µs (25 tokens after 300 cached: 227 ms against 150 ms fresh, one
+    /// worker alone, 2026-11-26), which `scripts/llama-calibrate.py` fits.
+    #[serde(default)]
+    pub prefill_attention_s: f64,
     /// llama.cpp slots without a host prompt cache (`llama-server --parallel N --cache-ram
     /// 0`): the engine runs at most this many requests, each in a slot, and a prompt's KV is
     /// kept only in the slot that ran it (see the module docs, "Slots"). 0 (the default) =
@@ -120,6 +133,7 @@ impl Profile {
                 prefill_per_token_s: 160e-6,
                 decode_per_seq_s: 40e-6,
                 context_per_token_s: 0.065e-6,
+                prefill_attention_s: 0.0,
                 slots: 0,
             },
             "cpu-smollm2-135m" => Profile {
@@ -132,6 +146,7 @@ impl Profile {
                 prefill_per_token_s: 14e-3,
                 decode_per_seq_s: 1e-3,
                 context_per_token_s: 0.0,
+                prefill_attention_s: 0.0,
                 slots: 2,
             },
             _ => return None,
@@ -151,6 +166,7 @@ impl Profile {
             prefill_per_token_s: 50e-6,
             decode_per_seq_s: 30e-6,
             context_per_token_s: 0.04e-6,
+            prefill_attention_s: 0.0,
             slots: 0,
         }
     }
@@ -168,6 +184,7 @@ impl Profile {
             ("prefill_per_token_s", self.prefill_per_token_s),
             ("decode_per_seq_s", self.decode_per_seq_s),
             ("context_per_token_s", self.context_per_token_s),
+            ("prefill_attention_s", self.prefill_attention_s),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("{k} must be a finite number >= 0, got {v}"));
@@ -182,11 +199,14 @@ impl Profile {
         Ok(())
     }
 
-    /// Duration of one step.
-    pub fn step_time(&self, prefill_tokens: u64, decode_seqs: u64, context_tokens: u64) -> Nanos {
+    /// Duration of one step: `prefill_tokens` computed, `prefill_pairs` of them and the
+    /// tokens they attend to ([`Profile::prefill_attention_s`]), `decode_seqs` sequences
+    /// decoding, `context_tokens` in the batch.
+    pub fn step_time(&self, prefill_tokens: u64, prefill_pairs: u64, decode_seqs: u64, context_tokens: u64) -> Nanos {
         Nanos::from_secs_f64(
             self.step_overhead_s
                 + prefill_tokens as f64 * self.prefill_per_token_s
+                + prefill_pairs as f64 * self.prefill_attention_s
                 + decode_seqs as f64 * self.decode_per_seq_s
                 + context_tokens as f64 * self.context_per_token_s,
         )
@@ -838,10 +858,20 @@ impl Engine {
                 count = 1;
             }
             let mean_context = context + decode_seqs * (count - 1) / 2;
-            let dt = p.step_time(0, decode_seqs, mean_context);
+            let dt = p.step_time(0, 0, decode_seqs, mean_context);
             self.step = Some(Step { start: now, dt, count });
         } else {
-            let dt = p.step_time(prefill_tokens, decode_seqs, context);
+            // Each chunk's tokens attend to what is before them: the request's tokens already
+            // in the KV cache (cached or prefilled in earlier steps) and the chunk's own.
+            let pairs: u64 = chunks
+                .iter()
+                .map(|&(i, n)| {
+                    let r = &self.running[i];
+                    let (n, before) = (n as u64, (r.req.input_tokens - r.prefill_left) as u64);
+                    n * before + n * (n + 1) / 2
+                })
+                .sum();
+            let dt = p.step_time(prefill_tokens, pairs, decode_seqs, context);
             self.step = Some(Step { start: now, dt, count: 1 });
             self.chunks = chunks;
         }
@@ -942,6 +972,7 @@ mod tests {
             prefill_per_token_s: 0.001,
             decode_per_seq_s: 0.0,
             context_per_token_s: 0.0,
+            prefill_attention_s: 0.0,
             slots: 0,
         }
     }
@@ -1016,6 +1047,34 @@ mod tests {
             _ => None,
         });
         cached.expect("request 2 ran")
+    }
+
+    /// TTFT of a 16-token request over blocks `tail` on a 1-slot engine with prefill
+    /// attention `attn`, after a 64-token prompt over blocks 1..=4.
+    fn second_ttft(tail: &[u64], attn: f64) -> u64 {
+        let mut e = Engine::new(Profile { slots: 1, prefill_attention_s: attn, ..profile() }, 16);
+        let mut ev = Vec::new();
+        e.submit(req(1, &[1, 2, 3, 4], 64, 1), Nanos::ZERO, &mut ev);
+        run(&mut e);
+        let t = Nanos::from_secs(1);
+        e.submit(req(2, tail, 16 * tail.len() as u32, 1), t, &mut ev);
+        let first = run(&mut e).into_iter().find_map(|x| match x {
+            EngineEvent::FirstToken { id: 2, at, .. } => Some(at.0 - t.0),
+            _ => None,
+        });
+        first.expect("request 2 ran")
+    }
+
+    #[test]
+    fn prefill_attention_makes_a_continued_prefill_dearer_than_a_fresh_one() {
+        let us = 1_000;
+        // Without it, 16 tokens cost the same after 64 cached ones as fresh: 1 ms step + 16 ms.
+        assert_eq!(second_ttft(&[1, 2, 3, 4, 5], 0.0), 17_000 * us);
+        assert_eq!(second_ttft(&[9], 0.0), 17_000 * us);
+        // With 1 µs per pair: 16 × 64 + 16 × 17 / 2 = 1,160 pairs after the cached 64, 136
+        // fresh; the 64 cached tokens are not computed again.
+        assert_eq!(second_ttft(&[1, 2, 3, 4, 5], 1e-6), 17_000 * us + 1_160 * us);
+        assert_eq!(second_ttft(&[9], 1e-6), 17_000 * us + 136 * us);
     }
 
     #[test]
