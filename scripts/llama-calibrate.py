@@ -12,16 +12,17 @@ medians per level and the slow-down against one worker alone. Prefill is fitted 
 alone as ms = a + p × tokens + q × pairs (fresh prompts of 25, 100 and --prompt-tokens words,
 and 25 and 100 words after --prompt-tokens cached ones, on slot 0): a continued prefill's
 tokens attend to the cached context, so a conversation's next turn costs more per token
-than a fresh prompt (227 ms for 25 tokens after 300 cached, 150 ms fresh, 2026-11-26); p and
+than a fresh prompt (179–228 ms for 25 tokens after 300 cached, 141–154 ms fresh, over 12
+calibrations on 2026-11-26); p and
 q are the profile's `prefill_per_token_s` and `prefill_attention_s`.
 
 With one thread per worker on a host of C cores, processor sharing predicts a slow-down of
 max(1, k / C) at k busy workers: what `kvroute replay --host-cores C` models. Workers on
-one host also share caches and memory bandwidth, so the measured slow-down is larger (here
-1.06× with 2 busy workers on 2 cores); the JSON's `host_slowdown` (slow-down at 1, 2, …
+one host also share caches and memory bandwidth, so the measured slow-down can be larger
+(here 1.06× with 2 busy workers on 2 cores one evening; 0.94–1.12× the next day); the JSON's `host_slowdown` (slow-down at 1, 2, …
 busy workers, the mean of the prefill and decode ones, levels between those measured
 interpolated) is what `kvroute replay --host-slowdown` takes instead. The script
-prints the profile of one worker alone (`prefill_per_token_s`, `step_overhead_s`,
+prints the profile of one worker alone (`prefill_per_token_s`, `prefill_attention_s`, `step_overhead_s`,
 `decode_per_seq_s`, `context_per_token_s`) as the JSON `kvroute replay --profile-set` takes, for such a replay:
 
     python3 scripts/llama-calibrate.py --workers 4 --levels 1,2,4 --rounds 3
@@ -214,15 +215,15 @@ def main():
         shapes = [(25, 0), (100, 0), (a.prompt_tokens, 0), (25, a.prompt_tokens), (100, a.prompt_tokens)]
         samples = [prefill_sample(urls[0], n, c, rng) for _ in range(a.rounds) for n, c in shapes]
         fit = fit_prefill(samples)
-        pp, pq = fit if fit else (p1, 0.0)
-        profile = {"prefill_per_token_s": round(pp / 1000, 6), "prefill_attention_s": round(pq / 1000, 10),
+        fit_p, fit_q = fit if fit else (p1, 0.0)
+        profile = {"prefill_per_token_s": round(fit_p / 1000, 6), "prefill_attention_s": round(fit_q / 1000, 10),
                    "step_overhead_s": round(overhead / 1000, 6),
                    "decode_per_seq_s": round(per_seq / 1000, 6), "context_per_token_s": round(per_ctx / 1000, 9)}
         for k, (n, c) in enumerate(shapes):
             xs = samples[k::len(shapes)]
             print(f"prefill of {statistics.median(x[0] for x in xs):.0f} tokens after {statistics.median(x[1] for x in xs):.0f} "
                   f"cached: median {statistics.median(x[2] for x in xs):.1f} ms")
-        print(f"prefill fit: {pp:.3f} ms/token + {pq * 1000:.2f} µs per attended pair"
+        print(f"prefill fit: {fit_p:.3f} ms/token + {fit_q * 1000:.2f} µs per attended pair"
               + ("" if fit else " (fit failed: the per-token median alone)"))
         print(f"one worker alone: prefill {p1:.2f} ms/token, decode {d1:.2f} ms/token after it; from an 8-word "
               f"prompt, decode {s1:.2f} ms/token with one slot busy, {d2:.2f} with both")

@@ -36,15 +36,17 @@ the bench's client (`--conversation-concurrency N`) does:
         --run round_robin:... --run round_robin:... --run least_ttft/slots:...
 
 A run given a fifth field, `:CALIBRATION.json` (`scripts/llama-calibrate.py --workers 4
---levels 1,2,3,4 --json FILE` taken right before that run), is replayed with that one-worker-alone
-profile (with its prefill attention, when the file has it): the machine's speed drifts, and this follows it without taking anything from the
-run itself (use it with `--host-cores`).
+--levels 1,2,3,4 --json FILE` taken right before that run), is replayed with that
+one-worker-alone profile (with its prefill attention, when the file has it): the machine's
+speed drifts, and this follows it without taking anything from the run itself (use it with
+`--host-cores`).
 
 With `--contention` the replay's engines slow each other down as measured: the calibration
 file's slow-down at 1, 2, … busy workers (its `host_slowdown`, or its `levels`: take it with
 `--levels 1,2,3,4`) goes to `kvroute replay --host-slowdown` in place of `--host-cores`'
 processor sharing, which leaves out the caches and memory bandwidth the workers share
-(1.06× at 2 busy workers on this machine's 2 cores). A run with its own calibration file
+(1.06× at 2 busy workers on this machine's 2 cores one evening, 0.94–1.12× the next day).
+A run with its own calibration file
 takes the slow-down from that file.
 
 With `--calibrate-per-run` each run is replayed with the profile of its own logs instead

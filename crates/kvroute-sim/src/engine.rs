@@ -87,9 +87,10 @@ pub struct Profile {
     /// It makes a short prefill that continues a long cached context (a conversation's next
     /// turn) dearer per token than a fresh one. 0 (the default, and the built-in profiles)
     /// folds attention into `prefill_per_token_s`, right on a GPU, where prefill attention
-    /// is compute bound and small against the linear layers at these lengths; llama.cpp on
-    /// this CPU measured ≈5 µs (25 tokens after 300 cached: 227 ms against 150 ms fresh, one
-    /// worker alone, 2026-11-26), which `scripts/llama-calibrate.py` fits.
+    /// is compute bound and small against the linear layers at these lengths. On llama.cpp
+    /// on this CPU `scripts/llama-calibrate.py` fits it: 1.7–4.9 µs over 12 calibrations
+    /// (one worker alone took 179–228 ms for 25 tokens after 300 cached, 141–154 ms for 25
+    /// fresh ones, 2026-11-26).
     #[serde(default)]
     pub prefill_attention_s: f64,
     /// llama.cpp slots without a host prompt cache (`llama-server --parallel N --cache-ram
@@ -867,7 +868,7 @@ impl Engine {
                 .iter()
                 .map(|&(i, n)| {
                     let r = &self.running[i];
-                    let (n, before) = (n as u64, (r.req.input_tokens - r.prefill_left) as u64);
+                    let (n, before) = (n as u64, r.req.input_tokens.saturating_sub(r.prefill_left) as u64);
                     n * before + n * (n + 1) / 2
                 })
                 .sum();

@@ -78,8 +78,9 @@ pub struct ReplayConfig {
     /// its profile's speed (a value below 1 counts as 1). Past the list's end, its last
     /// value grows in proportion: `last × k / len`. It replaces `host_cores`' processor
     /// sharing, which leaves out what engines on one host slow each other down by besides
-    /// the cores (caches, memory bandwidth: 6 % at 2 busy workers on two cores here).
-    /// Empty (the default) = `host_cores` alone decides.
+    /// the cores (caches, memory bandwidth): 1.06 at 2 busy workers on this 2-core virtual
+    /// machine one evening, 0.94–1.12 the next day. Empty (the default) = `host_cores`
+    /// alone decides.
     pub host_slowdown: Vec<f64>,
 }
 
