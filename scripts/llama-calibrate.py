@@ -80,13 +80,17 @@ def free_port_block(n):
     sys.exit("llama-calibrate: no block of free ports")
 
 
+def completion(url, **fields):
+    """POST `fields` as JSON to llama-server's `/completion` at `url`; its `timings`."""
+    req = urllib.request.Request(url + "/completion", data=json.dumps(fields).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.load(r)["timings"]
+
+
 def complete(url, prompt_words, output_tokens, rng):
     words = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
-    body = json.dumps({"prompt": words, "n_predict": output_tokens, "cache_prompt": False,
-                       "ignore_eos": True, "temperature": 0}).encode()
-    req = urllib.request.Request(url + "/completion", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        t = json.load(r)["timings"]
+    t = completion(url, prompt=words, n_predict=output_tokens, cache_prompt=False, ignore_eos=True, temperature=0)
     return t["prompt_n"], t["prompt_per_token_ms"], t["predicted_n"], t["predicted_per_token_ms"]
 
 
@@ -109,11 +113,7 @@ def prefill_sample(url, fresh_words, cached_words, rng):
     before them, prefill ms) from llama.cpp's `timings` (`prompt_n`, `cache_n`,
     `prompt_ms`)."""
     def post(prompt, cache):
-        body = json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": cache, "id_slot": 0,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(url + "/completion", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            return json.load(r)["timings"]
+        return completion(url, prompt=prompt, n_predict=1, cache_prompt=cache, id_slot=0, temperature=0)
     words = lambda k: " ".join(rng.choice(WORDS) for _ in range(k))  # noqa: E731
     if cached_words == 0:
         t = post(words(fresh_words), False)

@@ -600,6 +600,12 @@ impl RouterView<'_> {
     }
 }
 
+/// The first value of a [`ReplayConfig::host_slowdown`] list that is not a slow-down
+/// (positive and finite), if any.
+pub fn not_a_slowdown(list: &[f64]) -> Option<f64> {
+    list.iter().copied().find(|x| !(x.is_finite() && *x > 0.0))
+}
+
 /// Replays `trace` under `cfg`. `progress` is called with the number of requests routed so
 /// far (every 256 requests and at the end).
 ///
@@ -615,7 +621,7 @@ pub fn replay(
         return Err(ReplayError::Config("at least one engine is needed".into()));
     }
     cfg.profile.validate().map_err(ReplayError::Config)?;
-    if let Some(bad) = cfg.host_slowdown.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+    if let Some(bad) = not_a_slowdown(&cfg.host_slowdown) {
         return Err(ReplayError::Config(format!("host_slowdown: {bad} is not a positive finite slow-down")));
     }
     let mut policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;

@@ -337,7 +337,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if pd.is_some() && (args.session_concurrency > 0 || args.host_cores > 0 || !args.host_slowdown.is_empty()) {
         bail!("--session-concurrency, --host-cores and --host-slowdown: not supported with --pd");
     }
-    if let Some(bad) = args.host_slowdown.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+    if let Some(bad) = kvroute_sim::replay::not_a_slowdown(&args.host_slowdown) {
         bail!("--host-slowdown: {bad} is not a positive slow-down (1 = as fast as alone)");
     }
     let pols = policies(args.prefill_policy.as_deref().unwrap_or(&args.policy))?;

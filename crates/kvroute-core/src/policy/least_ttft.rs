@@ -63,9 +63,9 @@
 //!   gate balances the batch, so it applies only while its bound is at most the workers'
 //!   mean `max_concurrent` (SGLang `max_running_requests`, a llama.cpp worker's slots):
 //!   past the batch a worker's extra requests wait in its queue, which the score already
-//!   prices (queued prefill, slot waits), and a gated new session only pays its miss. On 4 llama.cpp workers with 2 slots each (docs/real-engines.md) the
-//!   gate without this condition sent 5–6 of 40 new conversations away from their
-//!   document's worker. The decision's branch is `new_binding` when the gate excluded a
+//!   prices (queued prefill, slot waits), and a gated new session only pays its miss. On
+//!   4 llama.cpp workers with 2 slots each (docs/real-engines.md) the gate without this
+//!   condition sent 5–6 of 40 new conversations away from their document's worker. The decision's branch is `new_binding` when the gate excluded a
 //!   worker. Measured on the scoreboard (docs/replay.md): the goal met at 44 of 72 points
 //!   instead of 35 (agentic 0 → 6, MT-bench 2 → 5), and on traces not tuned on (generator
 //!   seed 2, arrival seeds 4–6) at 42 instead of 34.
