@@ -17,7 +17,10 @@
 //!   KV cache (the worker's reported `Capacity::kv_tokens`, else `cache_tokens`), so the
 //!   estimate forgets what the engine has evicted. Sized at 1 M tokens against a simulated
 //!   H100's 420 k, the estimate kept evicted prefixes and `least_ttft` met the scoreboard's
-//!   goal at 31 of 72 points instead of 35 (docs/replay.md). For a
+//!   goal at 31 of 72 points instead of 35 (docs/replay.md). The estimate holds a
+//!   request's full blocks only, as the engine does (see `cacheable_blocks`): with each
+//!   trace request's partial tail block counted too, it forgot agent sessions sooner than
+//!   the engine, and `least_ttft` met the goal at 44 points instead of 47. For a
 //!   worker that publishes KV events (`WorkerView::cached_tokens` set), `cached(w)` is the
 //!   engine-reported count instead (decision unit `tokens`).
 //! - `miss_weight` (8) > 1 because a miss is paid more than once: by the request, by every
@@ -251,6 +254,22 @@ impl PrefillCost {
     }
 }
 
+/// How many of `key`'s leading blocks an engine will keep once the request has run: every
+/// block but a partial tail. Precomputed block hashes (a Mooncake trace's `hash_ids`, one per
+/// 512-token block, "the last one partial") end with a block of `input mod block_tokens`
+/// tokens, which no paged engine caches (vLLM and the simulator cache full blocks only, and
+/// the next turn's prompt fills that block with other tokens, so it gets another hash);
+/// blocks hashed here from text or token ids are full ones already. Counting the tail would
+/// fill the estimate with blocks that never match and weigh a whole block each: on agentic
+/// traffic (a partial tail per call, two new full blocks) the estimate then forgot a
+/// session's history about a fifth sooner than the engine did.
+fn cacheable_blocks(req: &RequestView<'_>, key: &RequestKey) -> usize {
+    match req.blocks {
+        Some(_) => key.blocks.len().min(req.input_tokens as usize / key.block_tokens.max(1) as usize),
+        None => key.blocks.len(),
+    }
+}
+
 impl Policy for PrefillCost {
     fn name(&self) -> &'static str {
         "prefill_cost"
@@ -324,7 +343,7 @@ impl Policy for PrefillCost {
         if key.worker_kv_tokens.is_some() && set.capacity() != cap {
             set.resize(cap);
         }
-        set.insert(&key.blocks);
+        set.insert(&key.blocks[..cacheable_blocks(req, key)]);
         if let Some(sid) = req.session_id {
             self.sessions.bind(sid, worker);
         }
@@ -428,6 +447,33 @@ pub(crate) mod tests {
         go(&mut q, &req(&prompts[2]), &c);
         assert_eq!(q.cached(&c[0], &q.key(&req(&prompts[1])), 1024).0, 0);
         assert_eq!(q.cached(&c[0], &q.key(&req(&prompts[2])), 1024).0, 1024);
+    }
+
+    #[test]
+    fn the_estimate_keeps_no_partial_tail_block() {
+        // Worker 0 reports a KV cache of 4 trace blocks (2,048 tokens). Three prompts of
+        // 1.5 blocks (768 tokens: one full block, one partial tail) are routed there. The
+        // engine keeps only their full blocks (3 × 512 tokens), so all three are still
+        // cached; an estimate that counted the tails (6 blocks) would have evicted the first.
+        let mut p = PrefillCost::new(PrefillCostConfig::default());
+        let mut c = vec![WorkerView::idle(WorkerId(0))];
+        c[0].capacity.kv_tokens = Some(2048);
+        let prompts: Vec<Vec<BlockHash>> =
+            (0..3u64).map(|i| vec![BlockHash(10 * i + 1), BlockHash(10 * i + 2)]).collect();
+        fn partial(h: &[BlockHash]) -> RequestView<'_> {
+            RequestView { input_tokens: 768, ..req(h) }
+        }
+        for h in &prompts {
+            assert_eq!(go(&mut p, &partial(h), &c).worker, WorkerId(0));
+        }
+        for h in &prompts {
+            let key = p.key(&partial(h));
+            assert_eq!(p.cached(&c[0], &key, 768).0, 512, "the full block is cached, the tail is not");
+        }
+        // A whole-block prompt keeps every block.
+        let full: Vec<BlockHash> = vec![BlockHash(100), BlockHash(101)];
+        go(&mut p, &req(&full), &c);
+        assert_eq!(p.cached(&c[0], &p.key(&req(&full)), 1024).0, 1024);
     }
 
     #[test]
