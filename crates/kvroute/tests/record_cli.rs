@@ -241,6 +241,7 @@ fn advise_refuses_bad_input_naming_the_flag() {
         (vec!["--max-output", "0"], "--max-output"),
         (vec!["--trace-window=-5"], "--trace-window must be a positive number"),
         (vec!["--trace-start", "99999"], "has no requests"),
+        (vec!["--host-slowdown", "1,0"], "--host-slowdown: 0 is not a positive slow-down"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["advise", "--trace", trace, "--limit", "50"])
