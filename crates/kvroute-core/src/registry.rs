@@ -161,6 +161,16 @@ const LEAST_TTFT_KNOBS: &[Knob] = &[
         "requests",
         "the session balance gate's allowance above the mean load (see session_balance_rel)",
     ),
+    (
+        "decode_occupancy_free",
+        "batch occupancy 0.0-1.0",
+        "load / max_concurrent up to which running requests add no decode charge (waiting ones always do)",
+    ),
+    (
+        "decode_occupancy_full",
+        "batch occupancy, 0 or > free",
+        "load / max_concurrent from which running requests add the whole decode charge, linear from free; 0 = always whole",
+    ),
 ];
 const B3_KNOBS: &[Knob] = &[
     ("block_tokens", "tokens", "tokens per block of the LRU block sets (Mooncake hash_ids are 512)"),
