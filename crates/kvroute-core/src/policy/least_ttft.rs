@@ -51,17 +51,17 @@
 //!   is ahead of the new one in the prefill queue and is charged in full; a running one is
 //!   charged by how full the worker's batch is (`load / max_concurrent`: SGLang
 //!   `max_running_requests`, vLLM `max_num_seqs`, llama.cpp slots): nothing up to 40 %,
-//!   all from 80 %, linearly between. A decode step of 30 requests costs an H100's Llama-3-8B
-//!   about what 3 prefill tokens each cost (the simulator's `h100-llama3-8b`: 30 µs per
-//!   sequence and 0.04 µs per context token against 50 µs per prefill token), so below a
-//!   full batch the running requests hardly delay a new prefill, while the whole charge (64
+//!   all from 80 %, linearly between. On the simulator's H100 (`h100-llama3-8b`) a running
+//!   request adds 30 µs and 0.04 µs per context token to each step, what 3 prefill tokens
+//!   cost (50 µs each) for a 3,000-token context, so below a full batch the running
+//!   requests hardly delay a new prefill, while the whole charge (64
 //!   tokens a request, and more as they crowd) spread MT-bench's arrivals by request count
 //!   and made least_ttft lose to round_robin below the knee (1.08–1.09× its mean, up to
 //!   1.24× its p99); near the batch's cap requests start to queue for a place in it, and
 //!   there the charge is what keeps workers apart (without any charge, MT-bench at the knee
 //!   on 8 engines: 1.44× the best mean, 3.92× its p99). Measured on the scoreboard
 //!   (docs/replay.md): the goal met at 51 of 72 points instead of 47, and at 49 instead of
-//!   45 on the held-out run; it costs azure_code (no prefix reuse, 28-token answers) 3
+//!   45 on the held-out run; it costs azure_code (no prefix reuse, 28-token answers) 2
 //!   points, where the running requests' count also stood for queued prefills. On a
 //!   llama.cpp worker with 2 slots one running request is half the batch (a quarter of its
 //!   charge), and the replays of docs/real-engines.md's runs route exactly as before.
