@@ -317,9 +317,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut seen = std::collections::HashSet::new();
     policies.retain(|p| seen.insert(p.clone()));
-    if let Some(bad) = kvroute_sim::replay::not_a_slowdown(&a.host_slowdown) {
-        bail!("--host-slowdown: {bad} is not a positive slow-down (1 = as fast as alone)");
-    }
+    crate::cmd_replay::check_host_slowdown(&a.host_slowdown)?;
     let profile = load_profile(&a.profile, a.profile_set.as_deref())?;
     let mut base = trace::read(&a.trace, None).with_context(|| format!("--trace {}", a.trace.display()))?;
     if a.slice.is_set() {

@@ -322,6 +322,17 @@ fn parse_pd(args: &Args) -> anyhow::Result<Option<PdConfig>> {
     Ok(Some(pd))
 }
 
+/// `--host-slowdown` (of `kvroute replay` and `kvroute advise`): every value a slow-down.
+///
+/// # Errors
+/// The first value that is not positive and finite, named with the flag.
+pub(crate) fn check_host_slowdown(list: &[f64]) -> anyhow::Result<()> {
+    match kvroute_sim::replay::not_a_slowdown(list) {
+        Some(bad) => bail!("--host-slowdown: {bad} is not a positive slow-down (1 = as fast as alone)"),
+        None => Ok(()),
+    }
+}
+
 /// Runs `kvroute replay`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let profile = load_profile(&args.profile, args.profile_set.as_deref())?;
@@ -337,9 +348,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if pd.is_some() && (args.session_concurrency > 0 || args.host_cores > 0 || !args.host_slowdown.is_empty()) {
         bail!("--session-concurrency, --host-cores and --host-slowdown: not supported with --pd");
     }
-    if let Some(bad) = kvroute_sim::replay::not_a_slowdown(&args.host_slowdown) {
-        bail!("--host-slowdown: {bad} is not a positive slow-down (1 = as fast as alone)");
-    }
+    check_host_slowdown(&args.host_slowdown)?;
     let pols = policies(args.prefill_policy.as_deref().unwrap_or(&args.policy))?;
     let states = parse_prefix_states(&args.prefix_state, args.predict_window_secs)?;
     if profile.slots == 0 && states.iter().any(|s| s.1) {

@@ -417,16 +417,21 @@ pub(crate) mod tests {
         assert_eq!(go(&mut p, &req(&h), &c).worker, WorkerId(1));
     }
 
+    /// Default `prefill_cost`, one worker reporting a KV cache of 4 trace blocks (2,048
+    /// tokens), and three distinct prompts of 2 blocks each.
+    fn one_worker_of_4_blocks_and_3_prompts() -> (PrefillCost, Vec<WorkerView>, Vec<Vec<BlockHash>>) {
+        let mut c = vec![WorkerView::idle(WorkerId(0))];
+        c[0].capacity.kv_tokens = Some(2048);
+        let prompts = (0..3u64).map(|i| vec![BlockHash(10 * i + 1), BlockHash(10 * i + 2)]).collect();
+        (PrefillCost::new(PrefillCostConfig::default()), c, prompts)
+    }
+
     #[test]
     fn the_estimate_of_a_worker_holds_what_its_reported_kv_cache_holds() {
         // Three cold 2-block prompts routed to worker 0, which reports a KV cache of 4
         // blocks (2,048 tokens): the first prompt has been evicted from the estimate (the
         // engine had to evict it too), the last two are still predicted cached.
-        let mut p = PrefillCost::new(PrefillCostConfig::default());
-        let mut c = vec![WorkerView::idle(WorkerId(0))];
-        c[0].capacity.kv_tokens = Some(2048);
-        let prompts: Vec<Vec<BlockHash>> =
-            (0..3u64).map(|i| vec![BlockHash(10 * i + 1), BlockHash(10 * i + 2)]).collect();
+        let (mut p, mut c, prompts) = one_worker_of_4_blocks_and_3_prompts();
         for h in &prompts {
             assert_eq!(go(&mut p, &req(h), &c).worker, WorkerId(0));
         }
@@ -455,11 +460,7 @@ pub(crate) mod tests {
         // 1.5 blocks (768 tokens: one full block, one partial tail) are routed there. The
         // engine keeps only their full blocks (3 × 512 tokens), so all three are still
         // cached; an estimate that counted the tails (6 blocks) would have evicted the first.
-        let mut p = PrefillCost::new(PrefillCostConfig::default());
-        let mut c = vec![WorkerView::idle(WorkerId(0))];
-        c[0].capacity.kv_tokens = Some(2048);
-        let prompts: Vec<Vec<BlockHash>> =
-            (0..3u64).map(|i| vec![BlockHash(10 * i + 1), BlockHash(10 * i + 2)]).collect();
+        let (mut p, c, prompts) = one_worker_of_4_blocks_and_3_prompts();
         fn partial(h: &[BlockHash]) -> RequestView<'_> {
             RequestView { input_tokens: 768, ..req(h) }
         }
