@@ -57,15 +57,13 @@ Prints, per run: measured and replayed mean and p99 TTFT and the replay's error;
 several runs of a policy, their averages and whether the ranking by mean TTFT is the same.
 """
 import argparse
+import importlib.util
 import json
 import pathlib
 import re
 import subprocess
 import sys
 import tempfile
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import importlib.util  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("llama_calibrate", pathlib.Path(__file__).resolve().parent / "llama-calibrate.py")
 llama_calibrate = importlib.util.module_from_spec(_spec)
