@@ -152,6 +152,16 @@ const LEAST_TTFT_KNOBS: &[Knob] = &[
         "mean waiting per worker at which a miss is charged its full miss_weight (from 1 at an empty queue); 0 = always full",
     ),
     (
+        "waiting_delay_weight",
+        "share >= 0",
+        "per request waiting on the worker, the share of each uncached token charged again (it lengthens their prefill steps); 0 = off",
+    ),
+    (
+        "waiting_delay_cap",
+        "waiting requests",
+        "the most waiting requests waiting_delay_weight counts on a worker (a prefill step holds a bounded number of prompts)",
+    ),
+    (
         "session_balance_rel",
         "x mean load, 0 or >= 1",
         "a request opening a new session goes only to workers whose load with it is <= max(rel x mean, mean + abs); 0 = off",
