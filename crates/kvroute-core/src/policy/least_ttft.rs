@@ -433,7 +433,7 @@ impl LeastTtft {
         if self.cfg.decode_occupancy_full == 0.0 {
             return whole;
         }
-        let waiting = self.cost.decode_charge(f64::from(w.waiting).min(load));
+        let waiting = self.cost.decode_charge(waiting(w, load));
         waiting
             + occupancy_share(w, load, self.cfg.decode_occupancy_free, self.cfg.decode_occupancy_full)
                 * (whole - waiting)
@@ -463,7 +463,7 @@ impl LeastTtft {
         let decode = self.decode_charge(w, load);
         let pending = w.pending_prefill_tokens as f64;
         let miss_weight = if c.miss_weight > 1.0 { 1.0 + (c.miss_weight - 1.0) * miss_share } else { c.miss_weight };
-        let shared = self.cfg.waiting_delay_weight * f64::from(w.waiting).min(load).min(self.cfg.waiting_delay_cap);
+        let shared = self.cfg.waiting_delay_weight * waiting(w, load).min(self.cfg.waiting_delay_cap);
         let per_token = miss_weight + self.cost.stall_charge(stall, load) + shared;
         let charged = (pending + own * per_token + decode) * (1.0 + c.batch_factor * load);
         let tps = self.cfg.prefill_tokens_per_sec;
@@ -483,6 +483,12 @@ impl LeastTtft {
 fn occupancy_share(w: &WorkerView, load: f64, free: f64, full: f64) -> f64 {
     let occupancy = load / f64::from(w.capacity.max_concurrent.max(1));
     ((occupancy - free) / (full - free)).clamp(0.0, 1.0)
+}
+
+/// The requests on `w` still waiting for their first token (the router's ledger), at most
+/// its `load`.
+fn waiting(w: &WorkerView, load: f64) -> f64 {
+    f64::from(w.waiting).min(load)
 }
 
 /// Whether `w`'s load with one more request stays within the session balance gate's `cap`.
@@ -810,9 +816,9 @@ mod tests {
         let mut c = vec![WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
         (c[0].in_flight, c[0].waiting, c[0].pending_prefill_tokens) = (3, 3, 3000);
         (c[1].in_flight, c[1].waiting, c[1].pending_prefill_tokens) = (1, 1, 4000);
-        assert_eq!(peek(&p, &req(&h), &c).worker, WorkerId(1));
-        // The prediction is the request's own TTFT: the charge is for the others.
         let d = peek(&p, &req(&h), &c);
+        assert_eq!(d.worker, WorkerId(1));
+        // The prediction is the request's own TTFT: the charge is for the others.
         let secs = d.predicted_ttft.expect("prediction").uncalibrated_secs;
         assert!((secs - (4000.0 + p.decode_charge(&c[1], 1.0) + 4096.0) / 20_000.0).abs() < 1e-9, "{secs}");
         let mut off = fresh();
