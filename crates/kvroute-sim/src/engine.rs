@@ -299,6 +299,24 @@ impl KvCache {
         hashes.iter().take_while(|h| self.pinned.contains_key(h) || self.free_lru.contains(h)).count()
     }
 
+    /// Stores the blocks of `hashes` that are not cached yet as evictable blocks of `weight`
+    /// engine blocks each (the first the most recent), evicting LRU blocks as needed; cached
+    /// ones are left where they are. Returns how many were stored. A KV transfer at no cost:
+    /// only oracle replays ([`crate::replay::KvOracle`]) use it.
+    pub fn import(&mut self, hashes: &[BlockHash], weight: u64) -> usize {
+        let mut stored = 0;
+        for h in hashes.iter().rev() {
+            if self.contains(h) {
+                continue;
+            }
+            self.free_lru.put(*h, weight);
+            self.free_weight += weight;
+            stored += 1;
+        }
+        self.evict_to_capacity();
+        stored
+    }
+
     /// Pins the `hit` leading blocks of `hashes` (each weighing `weight` engine blocks) and
     /// reserves `extra` engine blocks, evicting LRU blocks as needed. Returns false (and
     /// changes nothing) when they cannot fit.
@@ -546,6 +564,8 @@ pub struct EngineStats {
     /// Prompt tokens of requests admitted with their KV transferred in
     /// ([`EngineRequest::kv_transferred`]): present without prefill work.
     pub transferred_tokens: u64,
+    /// Prompt tokens copied in by [`Engine::import_prefix`] (oracle replays only).
+    pub imported_tokens: u64,
 }
 
 /// One simulated engine. See the module docs.
@@ -636,6 +656,20 @@ impl Engine {
         }
         let hit = self.cache.lookup(blocks);
         ((hit as u64 * block_tokens as u64).min(input_tokens as u64)) as u32
+    }
+
+    /// Copies the leading `blocks` (trace blocks of `block_tokens` tokens) into this engine's
+    /// prefix cache as if transferred from a peer at no cost, and counts their tokens in
+    /// [`EngineStats::imported_tokens`]. For oracle replays ([`crate::replay::KvOracle`]),
+    /// which bound what any placement could gain from the fleet's caches; a profile with
+    /// `slots` has no paged cache and ignores it.
+    pub fn import_prefix(&mut self, blocks: &[BlockHash], block_tokens: u32) {
+        if !self.slots.is_empty() {
+            return;
+        }
+        let weight = (block_tokens as u64).div_ceil(self.profile.block_tokens as u64);
+        let stored = self.cache.import(blocks, weight);
+        self.stats.imported_tokens += stored as u64 * block_tokens as u64;
     }
 
     /// Slots (profiles with `slots`): `(slots, busy slots)`; `None` for a paged-cache engine.

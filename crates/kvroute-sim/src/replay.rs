@@ -9,14 +9,14 @@
 //! With [`PrefixState::Precise`] the views also carry each engine's real cache contents for
 //! the request, as a router fed by KV events sees them.
 
-use crate::engine::{Engine, EngineEvent, EngineRequest, Profile};
+use crate::engine::{CacheEvent, Engine, EngineEvent, EngineRequest, Profile};
 use crate::trace::TraceRequest;
 use kvroute_core::ledger::{LoadLedger, Ticket};
 use kvroute_core::policy::{Observation, PickCtx, Policy, route};
 use kvroute_core::precise::PredictWindow;
 use kvroute_core::registry;
 use kvroute_core::slots::SlotTable;
-use kvroute_core::types::{BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
+use kvroute_core::types::{BlockHash, BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
 use rand_core::SeedableRng;
 use serde::Serialize;
 use std::cmp::Reverse;
@@ -82,6 +82,42 @@ pub struct ReplayConfig {
     /// machine one evening, 0.94–1.12 the next day. Empty (the default) = `host_cores`
     /// alone decides.
     pub host_slowdown: Vec<f64>,
+    /// An oracle that gives each request more of its prefix than any router could: a bound
+    /// on what placement can gain from caching, not a routing policy. Off by default.
+    pub kv_oracle: KvOracle,
+}
+
+/// A free KV transfer before each request's prefill, for bounds: the request finds cached,
+/// wherever it is sent, the longest prefix of it that the oracle's source holds, as if the
+/// blocks had been copied to its engine at no cost (they are stored there as evictable
+/// blocks and can be evicted again before it is admitted, like any other). Routed with a
+/// load-only policy (`least_load`, `round_robin`), such a replay shows the TTFT that
+/// perfect placement of every cached prefix would allow with balance for free. Profiles
+/// with llama.cpp `slots` have no paged cache and ignore it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvOracle {
+    /// No oracle: each engine has only what it computed itself.
+    #[default]
+    Off,
+    /// The longest prefix that any engine of the fleet holds at the request's arrival
+    /// (within the fleet's own KV capacity, as a perfect KV-transfer fabric between the
+    /// engines would give it).
+    Fleet,
+    /// The longest prefix of it that any engine has ever computed, without bound (a shared
+    /// KV store of unlimited size, as LMCache or Mooncake Store with unlimited host memory:
+    /// the infinite-cache hit, minus prefixes still being computed).
+    Store,
+}
+
+impl KvOracle {
+    /// `off`, `fleet` or `store`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            KvOracle::Off => "off",
+            KvOracle::Fleet => "fleet",
+            KvOracle::Store => "store",
+        }
+    }
 }
 
 /// Where the router's prefix state comes from in a replay.
@@ -635,6 +671,12 @@ pub fn replay(
     let mut util: Vec<BusyWindow> = (0..cfg.engines).map(|_| BusyWindow::default()).collect();
     let mut book = Book::new(trace, cfg);
     let mut routed = 0usize;
+    // Every block computed so far, for `KvOracle::Store` (fed by the engines' cache events).
+    let mut store: std::collections::HashSet<BlockHash> = Default::default();
+    let mut cache_events = Vec::new();
+    if cfg.kv_oracle == KvOracle::Store {
+        engines.iter_mut().for_each(|e| e.record_cache_events(true));
+    }
 
     while let Some((now, i)) = book.next_arrival(&mut engines, &mut events, policy.as_mut()) {
         let r = &trace[i];
@@ -674,6 +716,24 @@ pub fn replay(
                     cached_tokens: None,
                 });
                 let slot = book.slots.start(w, i, r, now);
+                let found = match cfg.kv_oracle {
+                    KvOracle::Off => 0,
+                    KvOracle::Fleet => engines.iter().map(|e| e.cache().lookup(&r.blocks)).max().unwrap_or(0),
+                    KvOracle::Store => {
+                        for e in engines.iter_mut() {
+                            e.drain_cache_events(&mut cache_events);
+                        }
+                        for ev in cache_events.drain(..) {
+                            if let CacheEvent::Stored { hashes, .. } = ev {
+                                store.extend(hashes);
+                            }
+                        }
+                        r.blocks.iter().take_while(|h| store.contains(h)).count()
+                    }
+                };
+                if found > 0 {
+                    engines[w].import_prefix(&r.blocks[..found], r.block_tokens);
+                }
                 let at = book.host.virtual_at(now);
                 let first = events.len();
                 engines[w].submit(

@@ -3,7 +3,7 @@
 
 use kvroute_core::types::{BlockHash, Nanos};
 use kvroute_sim::engine::Profile;
-use kvroute_sim::replay::{PrefixState, ReplayConfig, ReplayResult, replay};
+use kvroute_sim::replay::{KvOracle, PrefixState, ReplayConfig, ReplayResult, replay};
 use kvroute_sim::trace::TraceRequest;
 
 fn req(at_ms: u64, blocks: &[u64]) -> TraceRequest {
@@ -33,6 +33,7 @@ fn cfg(policy: &str, engines: usize, prefix_state: PrefixState) -> ReplayConfig 
         session_concurrency: 0,
         host_cores: 0,
         host_slowdown: Vec::new(),
+        kv_oracle: KvOracle::Off,
     }
 }
 
@@ -66,6 +67,28 @@ fn the_same_seed_gives_the_same_outcomes_for_every_policy_and_prefix_state() {
             assert_eq!(a, b, "{name} {}", state.as_str());
         }
     }
+}
+
+#[test]
+fn a_kv_oracle_gives_each_request_what_the_fleet_holds_wherever_it_is_sent() {
+    // round_robin spreads each tenant's requests over the 5 engines (12 tenants in turn, so
+    // each tenant meets every engine): alone, an engine finds a tenant's shared prefix only
+    // when it ran that tenant before.
+    let trace = synthetic();
+    let cached = |engines: usize, kv_oracle: KvOracle| -> u64 {
+        let c = ReplayConfig { kv_oracle, ..cfg("round_robin", engines, PrefixState::Approximate) };
+        run(&trace, &c).outcomes.iter().map(|o| u64::from(o.cached_tokens)).sum()
+    };
+    let (off, fleet, store) = (cached(5, KvOracle::Off), cached(5, KvOracle::Fleet), cached(5, KvOracle::Store));
+    assert!(fleet > off, "cached tokens: {fleet} with the fleet oracle, {off} without");
+    // Every request after its tenant's first (≥ 480 ms later, its prefill long done) finds
+    // the whole shared prefix; the private last block never.
+    let mut seen = std::collections::HashSet::new();
+    let expected: u64 = (0..300u64).map(|i| (i * 7) % 12).filter(|t| !seen.insert(*t)).map(|t| (2 + t % 8) * 512).sum();
+    assert_eq!(store, expected, "cached tokens with the store oracle");
+    assert_eq!(fleet, expected, "nothing is evicted here, so the fleet holds what the store does");
+    // One engine already holds everything the fleet holds.
+    assert_eq!(cached(1, KvOracle::Fleet), cached(1, KvOracle::Off));
 }
 
 #[test]

@@ -18,7 +18,7 @@
 use crate::cmd_replay::load_profile;
 use anyhow::{Context, bail};
 use kvroute_sim::engine::Profile;
-use kvroute_sim::replay::{PrefixState, ReplayConfig, replay};
+use kvroute_sim::replay::{KvOracle, PrefixState, ReplayConfig, replay};
 use kvroute_sim::report::{Slo, summarise};
 use kvroute_sim::trace::{self, TraceRequest};
 use rand_core::{Rng, SeedableRng};
@@ -209,6 +209,7 @@ fn evaluate(
                         session_concurrency: clients.session_concurrency,
                         host_cores: clients.host_cores,
                         host_slowdown: clients.host_slowdown.clone(),
+                        kv_oracle: KvOracle::Off,
                     };
                     let r = replay(&traces[k], &cfg, &mut |_| {})
                         .map(|res| summarise(&res, 1.0, infinite, slo))

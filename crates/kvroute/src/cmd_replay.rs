@@ -4,7 +4,7 @@ use anyhow::{Context, bail};
 use kvroute_core::types::Nanos;
 use kvroute_sim::engine::Profile;
 use kvroute_sim::pd::{PdConfig, TransferModel, replay_pd};
-use kvroute_sim::replay::{PrefixState, ReplayConfig, replay};
+use kvroute_sim::replay::{KvOracle, PrefixState, ReplayConfig, replay};
 use kvroute_sim::report::{PolicyReport, Slo, plot_sweep, plot_ttft_cdf, summarise, table, write_csv};
 use kvroute_sim::trace::{self, TraceFormat, TraceRequest};
 use std::path::PathBuf;
@@ -133,6 +133,14 @@ pub struct Args {
     /// `--host-cores`' min(1, N / n). Not with `--pd`.
     #[arg(long, value_delimiter = ',')]
     pub host_slowdown: Vec<f64>,
+    /// A bound, not a router: before each request's prefill, copy to its engine at no cost
+    /// the longest prefix of it that `fleet` (any engine's KV cache at that moment) or
+    /// `store` (every block computed so far, without bound) holds. Route with a load-only
+    /// policy (`least_load`, `round_robin`) to see what perfect placement of the cached
+    /// prefixes would allow. Reported as `POLICY/oracle-fleet` or `POLICY/oracle-store`.
+    /// Not with `--pd` or a profile with llama.cpp slots.
+    #[arg(long, default_value = "off", value_parser = ["off", "fleet", "store"])]
+    pub kv_oracle: String,
     /// Predict-on-route window of the precise prefix state, seconds (0 turns it off).
     #[arg(long, default_value_t = 2.0)]
     pub predict_window_secs: f64,
@@ -349,6 +357,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bail!("--session-concurrency, --host-cores and --host-slowdown: not supported with --pd");
     }
     check_host_slowdown(&args.host_slowdown)?;
+    let kv_oracle = match args.kv_oracle.as_str() {
+        "fleet" => KvOracle::Fleet,
+        "store" => KvOracle::Store,
+        _ => KvOracle::Off,
+    };
+    if kv_oracle != KvOracle::Off && (pd.is_some() || profile.slots > 0) {
+        bail!(
+            "--kv-oracle: not supported with --pd or a profile with llama.cpp slots (no paged KV cache to copy into)"
+        );
+    }
     let pols = policies(args.prefill_policy.as_deref().unwrap_or(&args.policy))?;
     let states = parse_prefix_states(&args.prefix_state, args.predict_window_secs)?;
     if profile.slots == 0 && states.iter().any(|s| s.1) {
@@ -389,6 +407,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     PrefixState::Precise { .. } if !blind => format!("{label}/precise"),
                     _ => label.clone(),
                 };
+                let label = match kv_oracle {
+                    KvOracle::Off => label,
+                    o => format!("{label}/oracle-{}", o.as_str()),
+                };
                 runs.push(Run { policy: p.clone(), label, rate, capped: *cap, prefix_state, slot_routing });
             }
         }
@@ -425,6 +447,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         session_concurrency: args.session_concurrency,
                         host_cores: args.host_cores,
                         host_slowdown: args.host_slowdown.clone(),
+                        kv_oracle,
                     };
                     let mut last = 0usize;
                     let mut tick = |n: usize| {

@@ -162,3 +162,25 @@ fn slot_routing_runs_every_policy_on_a_slotted_profile_and_is_refused_without_sl
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("--prefix-state slots") && err.contains("h100-llama3-8b"), "{err}");
 }
+
+#[test]
+fn a_kv_oracle_replay_is_labelled_as_a_bound_and_refused_where_there_is_no_paged_cache() {
+    let dir = scratch("oracle");
+    let t = trace(&dir);
+    let ok = replay(&t, &dir.join("x.json"), &["--kv-oracle", "fleet"]);
+    let slots = replay(&t, &dir.join("y.json"), &["--kv-oracle", "store", "--profile", "cpu-smollm2-135m"]);
+    let bad = replay(&t, &dir.join("z.json"), &["--kv-oracle", "everything"]);
+    let v: Option<serde_json::Value> =
+        std::fs::read(dir.join("x.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let v = v.expect("the oracle replay's JSON");
+    let labels: Vec<&str> =
+        v["reports"].as_array().expect("reports").iter().map(|r| r["policy"].as_str().expect("policy")).collect();
+    assert_eq!(labels, ["prefill_cost/oracle-fleet", "round_robin/oracle-fleet"]);
+    assert!(!slots.status.success());
+    let err = String::from_utf8_lossy(&slots.stderr);
+    assert!(err.contains("--kv-oracle") && err.contains("slots"), "{err}");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("everything"));
+}
