@@ -47,6 +47,13 @@ saved ones, and prints the goal check. The reference policies keep their saved n
 a knob setting is checked against all 72 points in about 15 s instead of a full run. It
 writes nothing.
 
+Bound (`--bound SAVED.json [--kv-oracle fleet|store] [--out OUT]`): at the knee of each
+family with prefix reuse of a saved scoreboard, replays every policy with
+`kvroute replay --kv-oracle` (each request finds, wherever it is sent, the longest prefix
+of it that any engine holds (`fleet`) or has ever computed (`store`), copied at no cost), and
+prints the best of them against the best reference policy: where even that misses the knee
+goal, no router choosing among the same engines meets it. Writes OUT.md/.json with `--out`.
+
 Output: `<--out>.md` (tables per family, fleet and load, and "where each policy is best") and
 `<--out>.json` (every averaged number, the knees, the run's settings). Needs only the Python
 standard library and a release build of kvroute (`cargo build --release -p kvroute`).
@@ -92,6 +99,7 @@ class Runner:
         self.kvroute = args.kvroute
         self.work = work
         self.prefix_state = args.prefix_state
+        self.kv_oracle = None
         self.calls = 0
 
     def replay(self, trace, engines, rates, seed, policy, limit, tag, knobs=None):
@@ -107,6 +115,8 @@ class Runner:
             cmd += ["--limit", str(limit)]
         if knobs:
             cmd += ["--knobs", knobs]
+        if self.kv_oracle:
+            cmd += ["--kv-oracle", self.kv_oracle]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         doc = json.loads(out.read_text())
         res: dict = {}
@@ -250,16 +260,28 @@ def main() -> int:
     ap.add_argument("--gen-seed", type=int, default=1, help="seed of the generated traces")
     ap.add_argument("--prefix-state", default="approximate", help="passed to kvroute replay")
     ap.add_argument("--work", help="directory for traces and per-run JSON (default: a temporary one)")
-    ap.add_argument("--out", default=str(REPO / "docs/results/scoreboard"), help="writes OUT.md and OUT.json")
+    ap.add_argument("--out", help="writes OUT.md and OUT.json (default docs/results/scoreboard; with --bound, "
+                                  "nothing unless given)")
     ap.add_argument("--recheck", metavar="SAVED_JSON",
                     help=f"replay only {REFERENCE} over a saved scoreboard's points and print the goal check")
     ap.add_argument("--knobs", help=f"with --recheck: {REFERENCE}'s knobs as a JSON object")
+    ap.add_argument("--bound", metavar="SAVED_JSON",
+                    help="replay load-only and prefix-aware policies with a KV oracle at the knees of a saved "
+                         "scoreboard and print how far below the best reference policy they get")
+    ap.add_argument("--kv-oracle", choices=["fleet", "store"], default="fleet",
+                    help="with --bound: the oracle (kvroute replay --kv-oracle)")
     args = ap.parse_args()
     if args.knobs and not args.recheck:
         raise SystemExit("--knobs needs --recheck (a full run replays every policy with its defaults)")
+    if args.recheck and args.bound:
+        raise SystemExit("--recheck and --bound: one at a time")
+    if args.bound:
+        with tempfile.TemporaryDirectory(prefix="kvroute-bound-") as tmp:
+            return bound(args, pathlib.Path(tmp))
     if args.recheck:
         with tempfile.TemporaryDirectory(prefix="kvroute-recheck-") as tmp:
             return recheck(args, pathlib.Path(tmp))
+    args.out = args.out or str(REPO / "docs/results/scoreboard")
 
     t0 = time.monotonic()
     tmp = None
@@ -333,19 +355,14 @@ def averaged(policy, reps):
     }
 
 
-def recheck(args, work) -> int:
-    """`--recheck`: REFERENCE alone (with `--knobs`) over a saved scoreboard's points."""
+def load_saved(args, path, flag, work):
+    """A saved scoreboard's points and seeds, with the Runner and families (same generator
+    seed, limits and prefix state) to replay them: (points, seeds, run, {name: family})."""
     try:
-        saved = json.loads(pathlib.Path(args.recheck).read_text())
+        saved = json.loads(pathlib.Path(path).read_text())
         points, seeds, families = saved["points"], saved["seeds"], saved["families"]
     except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"--recheck {args.recheck}: not a scoreboard JSON ({e})")
-    if args.knobs:
-        try:
-            if not isinstance(json.loads(args.knobs), dict):
-                raise ValueError("not an object")
-        except ValueError as e:
-            raise SystemExit(f"--knobs: must be a JSON object ({e})")
+        raise SystemExit(f"{flag} {path}: not a scoreboard JSON ({e})")
     args.families = ",".join(families)
     args.prefix_state = saved.get("prefix_state", args.prefix_state)
     args.limit = ",".join(f"{n}={m['limit']}" for n, m in families.items() if m.get("limit"))
@@ -355,6 +372,18 @@ def recheck(args, work) -> int:
             args.gen_seed = int(src.rsplit("--seed ", 1)[1].split()[0])
     run = Runner(args, work)
     fams = {f["name"]: f for f in prepare_families(args, work)}
+    return points, seeds, run, fams
+
+
+def recheck(args, work) -> int:
+    """`--recheck`: REFERENCE alone (with `--knobs`) over a saved scoreboard's points."""
+    if args.knobs:
+        try:
+            if not isinstance(json.loads(args.knobs), dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            raise SystemExit(f"--knobs: must be a JSON object ({e})")
+    points, seeds, run, fams = load_saved(args, args.recheck, "--recheck", work)
     groups: dict = {}
     for pt in points:
         groups.setdefault((pt["family"], pt["engines"]), []).append(pt)
@@ -370,6 +399,62 @@ def recheck(args, work) -> int:
             pt["policies"] = rank(rows + [averaged(REFERENCE, acc[(fmt_rate(pt["rate_scale"]), REFERENCE)])])
     print(f"{REFERENCE} with knobs {args.knobs or '{}'} against {args.recheck}")
     print("\n".join(goal_check(points)))
+    return 0
+
+
+def bound(args, work) -> int:
+    """`--bound`: every policy with `--kv-oracle` at the knee of every family with prefix
+    reuse of a saved scoreboard; prints (and with `--out`, writes) how far below the best
+    reference policy that oracle gets."""
+    points, seeds, run, fams = load_saved(args, args.bound, "--bound", work)
+    run.kv_oracle = args.kv_oracle
+    pts = [pt for pt in points if pt["load"] == 1.0 and pt["family"] not in NO_REUSE]
+    out = [f"# Oracle bound at the knee ({args.kv_oracle})", "",
+           f"`scripts/scoreboard.py --bound {args.bound} --kv-oracle {args.kv_oracle}` "
+           f"({datetime.date.today()}, {machine()}). At the knee of each family with prefix reuse, "
+           f"every policy (`--policy all`) replayed with `kvroute replay --kv-oracle {args.kv_oracle}` "
+           "(each request finds, wherever it is sent, the longest prefix of it that "
+           + ("any engine's KV cache holds at its arrival" if args.kv_oracle == "fleet"
+              else "any engine has computed so far, kept without bound")
+           + ", copied to its engine at no cost), averaged over the saved run's seeds. The best of them "
+           "is the bound (the load-only policies are no longer torn between cache and balance); the goal (mean <= 0.85x, p99 <= 0.9x the best reference policy) is out of reach "
+           "for a router choosing among these engines where even the bound misses it.", "",
+           "| family | engines | best ref (mean) | mean s | hit | least_ttft mean s | oracle best (mean) | mean s | hit "
+           "| mean / best ref | best ref p99 s | oracle p99 s | p99 / best ref | goal reachable (what misses) |",
+           "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    rows = []
+    for pt in pts:
+        fam = fams.get(pt["family"])
+        if fam is None:
+            raise SystemExit(f"--bound: family {pt['family']} of the saved run is not available here")
+        acc = seeded_reports(run, fam, pt["engines"], [pt["rate_scale"]], seeds if fam["realisations"] else [None],
+                             "all", f"{pt['family']}_bound")
+        avg = [averaged(pol, reps) for (_, pol), reps in acc.items()]
+        om = min(avg, key=lambda p: (p["ttft_mean_s"], p["ttft_p99_s"]))
+        op = min(avg, key=lambda p: p["ttft_p99_s"])
+        refs = [p for p in pt["policies"] if p["policy"] not in OWN]
+        bm = min(refs, key=lambda p: (p["ttft_mean_s"], p["ttft_p99_s"]))
+        bp = min(refs, key=lambda p: p["ttft_p99_s"])
+        me = next((p for p in pt["policies"] if p["policy"] == REFERENCE), None)
+        rm, rp = om["ttft_mean_s"] / bm["ttft_mean_s"], op["ttft_p99_s"] / bp["ttft_p99_s"]
+        reach = ("yes" if rm <= 0.85 and rp <= 0.9 else "**no** (p99)" if rm <= 0.85 else
+                 "**no** (mean)" if rp <= 0.9 else "**no** (both)")
+        out.append(f"| {pt['family']} | {pt['engines']} | {bm['policy']} | {bm['ttft_mean_s']:.3f} | "
+                   f"{bm['hit_ratio']:.3f} | {me['ttft_mean_s'] if me else float('nan'):.3f} | {om['policy']} | "
+                   f"{om['ttft_mean_s']:.3f} | {om['hit_ratio']:.3f} | {rm:.2f} | {bp['ttft_p99_s']:.2f} | "
+                   f"{op['ttft_p99_s']:.2f} | {rp:.2f} | {reach} |")
+        rows.append({"family": pt["family"], "engines": pt["engines"], "rate_scale": pt["rate_scale"],
+                     "best_reference": bm, "best_reference_p99": bp, "oracle": avg,
+                     "mean_ratio": rm, "p99_ratio": rp, "reachable": reach})
+        print(out[-1], file=sys.stderr)
+    text = "\n".join(out) + "\n"
+    print(text)
+    if args.out:
+        pathlib.Path(args.out + ".md").write_text(text)
+        pathlib.Path(args.out + ".json").write_text(json.dumps(
+            {"command": " ".join(sys.argv), "date": str(datetime.date.today()), "machine": machine(),
+             "kv_oracle": args.kv_oracle, "seeds": seeds, "points": rows},
+            indent=1) + "\n")
     return 0
 
 
