@@ -266,16 +266,19 @@ def main() -> int:
                     help=f"replay only {REFERENCE} over a saved scoreboard's points and print the goal check")
     ap.add_argument("--knobs", help=f"with --recheck: {REFERENCE}'s knobs as a JSON object")
     ap.add_argument("--bound", metavar="SAVED_JSON",
-                    help="replay load-only and prefix-aware policies with a KV oracle at the knees of a saved "
-                         "scoreboard and print how far below the best reference policy they get")
-    ap.add_argument("--kv-oracle", choices=["fleet", "store"], default="fleet",
-                    help="with --bound: the oracle (kvroute replay --kv-oracle)")
+                    help="replay every policy with a KV oracle at the knees of a saved scoreboard and print "
+                         "how far below the best reference policy the best of them gets")
+    ap.add_argument("--kv-oracle", choices=["fleet", "store"],
+                    help="with --bound: the oracle (kvroute replay --kv-oracle; default fleet)")
     args = ap.parse_args()
     if args.knobs and not args.recheck:
         raise SystemExit("--knobs needs --recheck (a full run replays every policy with its defaults)")
     if args.recheck and args.bound:
         raise SystemExit("--recheck and --bound: one at a time")
+    if args.kv_oracle and not args.bound:
+        raise SystemExit("--kv-oracle needs --bound (the scoreboard itself replays without an oracle)")
     if args.bound:
+        args.kv_oracle = args.kv_oracle or "fleet"
         with tempfile.TemporaryDirectory(prefix="kvroute-bound-") as tmp:
             return bound(args, pathlib.Path(tmp))
     if args.recheck:
