@@ -14,6 +14,12 @@
 //! 4. The recommendation is printed with its expected change against `--current` (mean and
 //!    p99 TTFT, averaged, and the spread of the mean's change over the realisations), and the
 //!    `kvroute serve` flags that select it.
+//! 5. With `--headroom`, what routing leaves on the table: the recommendation, the best
+//!    three policies and round_robin replayed again with each KV oracle
+//!    ([`kvroute_sim::replay::KvOracle`]): `fleet` (every request finds the longest prefix any
+//!    engine holds, wherever it is sent: perfect placement of the fleet's cached prefixes)
+//!    and `store` (the longest prefix any engine has computed, without bound: a shared KV
+//!    store of unlimited size). The best of each is a bound, not a router.
 
 use crate::cmd_replay::load_profile;
 use anyhow::{Context, bail};
@@ -95,6 +101,24 @@ pub struct Args {
     /// Parallel replays (default: available cores).
     #[arg(long)]
     pub jobs: Option<usize>,
+    /// Also bound what routing leaves on the table: the recommendation, the best three
+    /// policies and round_robin replayed with `kvroute replay --kv-oracle fleet` (perfect
+    /// placement of the fleet's cached prefixes) and `store` (a shared KV store without
+    /// bound). Not with a profile with llama.cpp slots.
+    #[arg(long)]
+    pub headroom: bool,
+}
+
+/// The best of the candidates replayed with one KV oracle (`--headroom`): a bound, not a
+/// router.
+#[derive(Debug, Clone, Serialize)]
+pub struct Bound {
+    /// `fleet` or `store` ([`KvOracle::as_str`]).
+    pub kv_oracle: &'static str,
+    /// The candidate that did best with it.
+    pub best: Candidate,
+    /// Its mean TTFT against the recommendation's, percent (negative: lower).
+    pub mean_ttft_change_pct: f64,
 }
 
 /// One candidate (a policy with knobs) over every realisation.
@@ -183,6 +207,7 @@ fn evaluate(
     profile: &Profile,
     clients: &Clients,
     jobs: usize,
+    kv_oracle: KvOracle,
 ) -> anyhow::Result<Vec<Candidate>> {
     let infinite = trace::infinite_cache_hit(&traces[0]);
     let slo = Slo { ttft_s: 2.0, tpot_s: 0.1 };
@@ -209,7 +234,7 @@ fn evaluate(
                         session_concurrency: clients.session_concurrency,
                         host_cores: clients.host_cores,
                         host_slowdown: clients.host_slowdown.clone(),
-                        kv_oracle: KvOracle::Off,
+                        kv_oracle,
                     };
                     let r = replay(&traces[k], &cfg, &mut |_| {})
                         .map(|res| summarise(&res, 1.0, infinite, slo))
@@ -320,6 +345,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     policies.retain(|p| seen.insert(p.clone()));
     crate::cmd_replay::check_host_slowdown(&a.host_slowdown)?;
     let profile = load_profile(&a.profile, a.profile_set.as_deref())?;
+    if a.headroom && profile.slots > 0 {
+        bail!("--headroom: profile `{}` has llama.cpp slots, no paged KV cache to bound", profile.name);
+    }
     let mut base = trace::read(&a.trace, None).with_context(|| format!("--trace {}", a.trace.display()))?;
     if a.slice.is_set() {
         base = a.slice.apply(base)?;
@@ -350,7 +378,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         host_cores: a.host_cores,
         host_slowdown: a.host_slowdown.clone(),
     };
-    let mut cands = evaluate(&runs, &traces, a.engines, &profile, &clients, jobs)?;
+    let mut cands = evaluate(&runs, &traces, a.engines, &profile, &clients, jobs, KvOracle::Off)?;
     sort(&mut cands);
 
     // Knob search on the best few.
@@ -362,7 +390,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         if !variants.is_empty() {
             eprintln!("kvroute advise: knob search, {} variants", variants.len());
-            for v in evaluate(&variants, &traces, a.engines, &profile, &clients, jobs)? {
+            for v in evaluate(&variants, &traces, a.engines, &profile, &clients, jobs, KvOracle::Off)? {
                 let Some(plain) = cands.iter().find(|c| c.policy == v.policy) else { continue };
                 let everywhere = v.ttft_mean_s.iter().zip(&plain.ttft_mean_s).all(|(x, y)| x < y)
                     && v.rejections() <= plain.rejections() + 1e-9;
@@ -424,6 +452,36 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         flags.push_str(&format!(" --policy-knobs '{}'", best.knobs));
     }
     println!("kvroute serve {flags}");
+    let mut bounds = Vec::new();
+    if a.headroom {
+        let mut runs: Vec<(String, serde_json::Value)> = vec![(best.policy.clone(), best.knobs.clone())];
+        for c in cands.iter().take(3).chain(cands.iter().filter(|c| c.policy == "round_robin")) {
+            if !runs.iter().any(|(p, k)| *p == c.policy && *k == c.knobs) {
+                runs.push((c.policy.clone(), c.knobs.clone()));
+            }
+        }
+        eprintln!("kvroute advise: headroom, {} candidates with each KV oracle", runs.len());
+        println!();
+        println!("Headroom (bounds, not routers; the best of {} candidates with each KV oracle):", runs.len());
+        for oracle in [KvOracle::Fleet, KvOracle::Store] {
+            let mut with = evaluate(&runs, &traces, a.engines, &profile, &clients, jobs, oracle)?;
+            sort(&mut with);
+            let Some(top) = with.into_iter().next() else { continue };
+            let change = 100.0 * (top.mean() / best.mean() - 1.0);
+            let what = match oracle {
+                KvOracle::Fleet => "every cached prefix found wherever a request goes (--kv-oracle fleet)",
+                _ => "a shared KV store without bound (--kv-oracle store)",
+            };
+            println!(
+                "  {what}: mean TTFT {:.3} s ({change:+.1} % against the recommendation), p99 {:.3} s, hit {:.1} %, with {}",
+                top.mean(),
+                top.p99(),
+                100.0 * Candidate::avg(&top.hit_ratio),
+                top.label()
+            );
+            bounds.push(Bound { kv_oracle: oracle.as_str(), best: top, mean_ttft_change_pct: change });
+        }
+    }
     println!(
         "(simulated: {} engines of profile {}, the trace at ×{}; a prediction, not a measurement)",
         a.engines, profile.name, a.rate_scale
@@ -443,6 +501,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "mean_ttft_change_pct_range": [lo, hi],
             "p99_ttft_change_pct": p99_change,
             "serve_flags": flags,
+            "headroom": bounds,
         });
         std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("--json {}", p.display()))?;

@@ -262,6 +262,49 @@ fn advise_refuses_bad_input_naming_the_flag() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--trace /nonexistent/trace.jsonl"));
 }
 
+#[test]
+fn advise_headroom_bounds_the_recommendation_with_each_kv_oracle() {
+    // 1,500 requests of the vendored Mooncake trace on 8 engines at twice its rate: the
+    // engines evict (Mooncake's prompts outgrow their KV caches), so a shared store finds
+    // more than the fleet holds, and the fleet more than one engine does.
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
+    let dir = std::env::temp_dir().join(format!("kvroute-headroom-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let json = dir.join("advice.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["advise", "--trace", trace, "--limit", "1500", "--engines", "8", "--rate-scale", "2"])
+        .args(["--realisations", "2", "--policies", "round_robin,least_load,least_ttft", "--no-knob-search"])
+        .args(["--headroom", "--json", json.to_str().expect("utf-8")])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run advise");
+    let refused = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["advise", "--trace", trace, "--limit", "50", "--profile", "cpu-smollm2-135m", "--headroom"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run advise");
+    let doc: Option<serde_json::Value> = std::fs::read(&json).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("Headroom") && stdout.contains("--kv-oracle store"), "{stdout}");
+    let doc = doc.expect("advice written");
+    let hit = |c: &serde_json::Value| {
+        let v: Vec<f64> = c["hit_ratio"].as_array().expect("hits").iter().map(|x| x.as_f64().expect("hit")).collect();
+        v.iter().sum::<f64>() / v.len() as f64
+    };
+    let bounds = doc["headroom"].as_array().expect("headroom");
+    let oracles: Vec<&str> = bounds.iter().map(|b| b["kv_oracle"].as_str().expect("oracle")).collect();
+    assert_eq!(oracles, ["fleet", "store"]);
+    let (rec, fleet, store) = (hit(&doc["recommended"]), hit(&bounds[0]["best"]), hit(&bounds[1]["best"]));
+    assert!(store > fleet && fleet > rec, "hit ratios: store {store}, fleet {fleet}, recommended {rec}");
+    for b in bounds {
+        assert!(b["mean_ttft_change_pct"].as_f64().is_some_and(f64::is_finite), "{b}");
+    }
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--headroom"));
+}
+
 /// The demo's slice of the vendored Mooncake trace (its first 1,200 s, conversations of
 /// three turns or more, prompts up to 32k tokens, outputs capped at 128): 847 requests.
 const SLICE: [&str; 8] =
