@@ -15,7 +15,7 @@
 //!    p99 TTFT, averaged, and the spread of the mean's change over the realisations), and the
 //!    `kvroute serve` flags that select it.
 //! 5. With `--headroom`, what routing leaves on the table: the recommendation, the best
-//!    three policies and round_robin replayed again with each KV oracle
+//!    three policies and round_robin (when a candidate) replayed again with each KV oracle
 //!    ([`kvroute_sim::replay::KvOracle`]): `fleet` (every request finds the longest prefix any
 //!    engine holds, wherever it is sent: perfect placement of the fleet's cached prefixes)
 //!    and `store` (the longest prefix any engine has computed, without bound: a shared KV
@@ -102,7 +102,7 @@ pub struct Args {
     #[arg(long)]
     pub jobs: Option<usize>,
     /// Also bound what routing leaves on the table: the recommendation, the best three
-    /// policies and round_robin replayed with `kvroute replay --kv-oracle fleet` (perfect
+    /// policies and round_robin (when a candidate) replayed with `kvroute replay --kv-oracle fleet` (perfect
     /// placement of the fleet's cached prefixes) and `store` (a shared KV store without
     /// bound). Not with a profile with llama.cpp slots.
     #[arg(long)]
