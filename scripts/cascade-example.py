@@ -62,6 +62,8 @@ def main():
             wait_ok(u + "/health", "engine-sim")
         cfg = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
         cfg.write('policy = "cache_aware"\n')
+        # The example reads each answer's cascade trail (x-kvroute-cascade): one client, ours.
+        cfg.write('expose_decision_headers = true\n')
         cfg.write("worker_urls = [%s]\n" % ", ".join(f'"{u}"' for u in urls.values()))
         cfg.write('[[cascade.chain]]\nmodel = "auto"\nmodels = ["small", "medium", "large"]\n')
         cfg.write(f"confidence_threshold = {a.threshold}\n")

@@ -269,6 +269,7 @@ mod tests {
 
     fn req(at_ms: u64, input: u32, blocks: &[u64]) -> TraceRequest {
         TraceRequest {
+            tenant: None,
             arrival: Nanos(at_ms * 1_000_000),
             input_tokens: input,
             output_tokens: 10,

@@ -17,6 +17,7 @@
 //! - [`registry`]: build a policy by name; list policies with knobs and defaults.
 //! - [`slots`]: what a llama.cpp worker's slots hold and which slot a request takes.
 //! - [`cascade`], [`disagg`]: Cognitora cgn-router's cascade state machine and prefill/decode plan.
+//! - [`tenant`]: per-tenant salts on routing keys (tenant isolation of prefix state).
 //! - [`trace`]: trace transforms shared by the simulator and the load generator.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -33,6 +34,7 @@ pub mod precise;
 pub mod radix;
 pub mod registry;
 pub mod slots;
+pub mod tenant;
 pub mod trace;
 pub mod types;
 

@@ -916,6 +916,10 @@ struct Options {
     /// llama.cpp: the slot to run in (-1 = the engine picks); used by profiles with slots.
     #[serde(default)]
     id_slot: Option<serde_json::Value>,
+    /// vLLM `cache_salt`: prefix-cache blocks are shared only between requests with the
+    /// same salt (vLLM mixes it into the first block's hash).
+    #[serde(default)]
+    cache_salt: Option<String>,
 }
 
 impl Options {
@@ -1055,7 +1059,14 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
     };
     // An adapter's blocks hash on a chain seeded by its name: never shared with the base
     // model's or another adapter's (vLLM keys prefix-cache blocks by LoRA id).
-    let chain_seed = adapter.as_deref().map(lora::adapter_seed);
+    // A `cache_salt` roots the chain apart in the same way (vLLM's per-tenant isolation).
+    let chain_seed = match (adapter.as_deref().map(lora::adapter_seed), opts.cache_salt.as_deref()) {
+        (seed, None) => seed,
+        (seed, Some(salt)) => Some(HashAlgo::Xxh3.chain(
+            seed.unwrap_or(kvroute_core::hash::ROOT_SEED),
+            &[b"cache_salt\0".as_slice(), salt.as_bytes()].concat(),
+        )),
+    };
     if adapter.is_some() {
         s.lora.count_request();
     }

@@ -30,6 +30,10 @@ pub const MAX_KEYS: usize = 100_000;
 pub struct KeyEntry {
     /// Its tenant (the metric label), `-` when the line names none.
     pub tenant: String,
+    /// Its cache scope's tenant name ([`crate::tenant`]): the tenant when the line names
+    /// one, else a name of the key's own (`key:` and a hash of the key), so keys without a
+    /// tenant never share prefix state.
+    pub cache_tenant: String,
     /// Requests per minute, when limited.
     requests: Option<DefaultDirectRateLimiter>,
     /// Tokens per minute, when limited, and that limit.
@@ -93,7 +97,11 @@ impl ApiKeys {
             if keys.len() == MAX_KEYS {
                 return Err(format!("line {line_no}: more than {MAX_KEYS} keys"));
             }
+            let cache_tenant = tenant
+                .clone()
+                .unwrap_or_else(|| format!("key:{:016x}", kvroute_core::hash::stable_hash(key.as_bytes())));
             let entry = KeyEntry {
+                cache_tenant,
                 tenant: tenant.unwrap_or_else(|| "-".into()),
                 requests: limiter(rpm),
                 tokens: limiter(tpm).map(|l| (l, tpm)),

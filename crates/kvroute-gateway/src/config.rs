@@ -110,6 +110,26 @@ pub struct GatewayConfig {
     /// Hosts or CIDRs worker URLs may point at (`/add_worker` and the configuration);
     /// empty = any. Host names match by name, IP literals by network.
     pub worker_allow: Vec<String>,
+    /// A request header naming the client's tenant, set by a trusted proxy in front of the
+    /// router (which must overwrite what clients send). Used when there is no
+    /// `api_key_file` (an API key's tenant wins). Unset: tenants come from API keys only.
+    pub tenant_header: Option<String>,
+    /// Key each tenant's prefix state apart (a per-tenant salt on every routing key,
+    /// [`kvroute_core::tenant`]), so one tenant's prompts neither attract another's
+    /// requests nor can be probed by them. Acts only when tenants are known (API keys or
+    /// `tenant_header`). Default on; off shares one cache between all tenants.
+    pub tenant_isolation: bool,
+    /// Groups of tenants that trust each other and share one prefix cache (tenant names as
+    /// in `api_key_file` or `tenant_header`), e.g. `[["team-a", "team-b"]]`.
+    pub shared_prefix_tenants: Vec<Vec<String>>,
+    /// With tenant isolation, add the tenant's salt to each OpenAI request body sent to a
+    /// worker as `cache_salt` (vLLM isolates its KV cache by it; engines without the field
+    /// ignore it). Replaces a `cache_salt` the client sent.
+    pub engine_cache_salt: bool,
+    /// Send `x-kvroute-worker` and `x-kvroute-decision` on every response. Unsafe with
+    /// several tenants: the match count reveals other tenants' prompts. Off: only requests
+    /// carrying the admin token get them.
+    pub expose_decision_headers: bool,
     /// PEM certificate chain (leaf first) served to clients over HTTPS, on the main and the
     /// admin listener; with `tls_key`. Both files are read again on SIGHUP (a file that
     /// fails to load keeps the certificate in use). Unset: plain HTTP.
@@ -286,6 +306,11 @@ impl Default for GatewayConfig {
             api_key_rpm: 0,
             api_key_tpm: 0,
             worker_allow: Vec::new(),
+            tenant_header: None,
+            tenant_isolation: true,
+            shared_prefix_tenants: Vec::new(),
+            engine_cache_salt: true,
+            expose_decision_headers: false,
             tls_cert: None,
             tls_key: None,
             worker_ca_file: None,
@@ -466,6 +491,14 @@ impl GatewayConfig {
             }
             c.check().map_err(|m| err("capacity", format!("`{url}`: {m}")))?;
         }
+        if let Some(h) = &self.tenant_header {
+            http::HeaderName::from_bytes(h.as_bytes())
+                .map_err(|_| err("tenant_header", format!("`{h}` is not a header name")))?;
+        }
+        if self.shared_prefix_tenants.len() > MAX_TENANT_GROUPS {
+            return Err(err("shared_prefix_tenants", format!("at most {MAX_TENANT_GROUPS} groups")));
+        }
+        kvroute_core::tenant::Scopes::new(&self.shared_prefix_tenants).map_err(|m| err("shared_prefix_tenants", m))?;
         if self.admin_token.as_deref().is_some_and(str::is_empty) {
             return Err(err("admin_token", "must not be empty"));
         }
@@ -574,6 +607,9 @@ pub const MAX_TIMEOUT_SECS: f64 = 31_536_000.0;
 
 /// Most names in `forward_headers`.
 pub const MAX_FORWARD_HEADERS: usize = 32;
+
+/// Most groups in `shared_prefix_tenants`.
+pub const MAX_TENANT_GROUPS: usize = 10_000;
 
 /// One `worker_allow` entry.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -15,6 +15,7 @@
 //! - [`kv_subscriber`]: engine KV events (subscribers feeding the precise index).
 //! - [`tokenizer`]: the model's own tokenizer, loaded locally.
 //! - [`cluster`]: the worker registry and live policy in etcd, shared by router replicas.
+//! - [`tenant`]: a request's tenant, its cache salt, and who sees decision details.
 //! - [`tls`]: HTTPS for clients and the trust roots for `https://` workers.
 //! - [`record`]: live traffic written as a privacy-safe trace (`record`).
 //! - [`reload`]: SIGHUP: the TLS certificate and the configuration file, read again.
@@ -40,6 +41,7 @@ pub mod reload;
 pub mod routers;
 pub mod server;
 pub mod state;
+pub mod tenant;
 pub mod tls;
 pub mod tokenizer;
 

@@ -25,6 +25,9 @@
 //! - `session_id`: the request's session (the `x-session-id` header, else
 //!   the body's `user`), else the prefix group of its first two blocks (Mooncake's stand-in), else
 //!   one per request; `turn_id`: its number within the session in this recording.
+//! - `tenant` (only with tenant isolation): the request's cache scope, an id re-keyed like
+//!   `hash_ids`; `hash_ids` are of the prompt alone, so replay can model the hit that
+//!   isolation costs (`kvroute replay --tenant-isolation`).
 //!
 //! Bounded: lines wait in a queue of [`QUEUE`] (beyond it they are dropped and counted,
 //! `kvroute_record_lines_total{outcome="dropped"}`), are written by a thread of their own
@@ -69,6 +72,11 @@ pub struct Line {
     pub session_id: String,
     /// Turn within the session in this recording (set by the writer).
     pub turn_id: u64,
+    /// The request's cache scope (its tenant, or group of `shared_prefix_tenants`) when
+    /// tenant isolation salted its key: the salt re-keyed like `hash_ids`. Absent when it was
+    /// not salted. Replay keys each tenant's blocks apart by it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<u64>,
 }
 
 /// The gateway's recorder: builds lines on the request path, writes them on its own thread.
@@ -171,6 +179,13 @@ impl Recorder {
         session: Option<&str>,
         max_tokens: Option<u32>,
     ) -> Pending {
+        // A tenant's salted key: the prompt is recorded without the salt, the scope apart.
+        let (salt, text) = kvroute_core::tenant::split_text(text);
+        let (token_salt, token_ids) = match token_ids.map(kvroute_core::tenant::split_tokens) {
+            Some((s, t)) => (s, Some(t)),
+            None => (None, None),
+        };
+        let tenant = salt.or(token_salt).map(|s| self.id(s.0));
         let mut blocks: Vec<BlockHash> = Vec::new();
         let bt = self.block_tokens as usize;
         let input = match token_ids {
@@ -197,6 +212,7 @@ impl Recorder {
             block_size: self.block_tokens,
             session_id,
             turn_id: 0,
+            tenant,
         };
         Pending { line: Some(line), max_tokens, tx: self.tx.clone(), outcomes: self.outcomes.clone() }
     }

@@ -54,6 +54,10 @@ pub struct AppState {
     pub lora: Option<crate::lora::Multiplexer>,
     /// The prefill and decode pools' routers, when disaggregation is on (`[pd]`).
     pub pd: Option<crate::pd::PdRouters>,
+    /// Each tenant's cache scope (`shared_prefix_tenants`), for [`crate::tenant`].
+    pub tenant_scopes: kvroute_core::tenant::Scopes,
+    /// `tenant_header`, parsed once.
+    pub tenant_header: Option<http::HeaderName>,
 }
 
 impl AppState {
@@ -100,6 +104,14 @@ impl AppState {
             Some(p) => Some(crate::api_keys::ApiKeys::load(p, cfg.api_key_rpm, cfg.api_key_tpm)?),
             None => None,
         };
+        let tenant_scopes = kvroute_core::tenant::Scopes::new(&cfg.shared_prefix_tenants)
+            .map_err(|m| anyhow::anyhow!("shared_prefix_tenants: {m}"))?;
+        let tenant_header = match &cfg.tenant_header {
+            Some(h) => {
+                Some(http::HeaderName::from_bytes(h.as_bytes()).map_err(|e| anyhow::anyhow!("tenant_header: {e}"))?)
+            }
+            None => None,
+        };
         let metrics = Metrics::new();
         let recorder = match &cfg.record {
             Some(path) => Some(crate::record::Recorder::start(
@@ -119,6 +131,8 @@ impl AppState {
             .map(|_| crate::cluster::sync::ReplicaSync::new(&cfg.cluster, cfg.replica_id.as_deref(), &metrics));
         Ok(Arc::new(AppState {
             recorder,
+            tenant_scopes,
+            tenant_header,
             static_workers: arc_swap::ArcSwap::from_pointee(crate::reload::static_set(&cfg.worker_urls)),
             cascade: arc_swap::ArcSwap::from_pointee(cfg.cascade.clone()),
             lora: crate::lora::Multiplexer::new(&cfg.lora),

@@ -210,6 +210,7 @@ async fn routes_on_precise_prefix_state_recovered_from_engine_events() {
 
     let gw = kvroute_gateway::GatewayConfig {
         port: 0,
+        expose_decision_headers: true,
         policy: "prefill_cost".into(),
         worker_urls: workers.clone(),
         kv_events: sources,
@@ -285,6 +286,7 @@ async fn a_publisher_restart_clears_the_worker_and_garbage_is_counted() {
     knobs.insert("block_tokens".into(), toml::Value::Integer(512));
     let gw = kvroute_gateway::GatewayConfig {
         port: 0,
+        expose_decision_headers: true,
         policy: "prefill_cost".into(),
         policy_knobs: knobs,
         worker_urls: vec![w0.clone(), w1.clone()],
@@ -389,6 +391,7 @@ async fn predict_on_route_sends_siblings_after_the_first_request_before_block_st
         }
         let gw = kvroute_gateway::GatewayConfig {
             port: 0,
+            expose_decision_headers: true,
             policy: "prefill_cost".into(),
             worker_urls: workers.clone(),
             kv_events: sources,
@@ -458,6 +461,7 @@ async fn the_parity_check_reports_a_tokenizer_mismatch() {
     let (mut publisher, endpoint) = bind_publisher().await;
     let gw = kvroute_gateway::GatewayConfig {
         port: 0,
+        expose_decision_headers: true,
         policy: "prefill_cost".into(),
         worker_urls: vec![w.clone()],
         kv_events: vec![kvroute_gateway::config::KvEventSource { worker: w.clone(), endpoint, replay: None }],

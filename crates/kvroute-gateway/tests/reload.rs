@@ -36,7 +36,10 @@ impl Drop for TempDir {
 /// (last, so they may open a table).
 fn file_text(policy: &str, extra: &str, urls: &[&str]) -> String {
     let urls: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
-    format!("port = 0\npolicy = \"{policy}\"\nworker_urls = [{}]\n{extra}\n", urls.join(", "))
+    format!(
+        "port = 0\npolicy = \"{policy}\"\nexpose_decision_headers = true\nworker_urls = [{}]\n{extra}\n",
+        urls.join(", ")
+    )
 }
 
 /// Rewrites the file in one step (a rename), as an editor or a deploy tool would.

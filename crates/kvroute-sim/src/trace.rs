@@ -38,6 +38,9 @@ pub struct TraceRequest {
     pub session: Option<String>,
     /// Turn number within the session.
     pub turn: u64,
+    /// The request's cache scope (its tenant), when the trace says (`tenant`, a string or
+    /// number; `kvroute serve --record` writes it under tenant isolation).
+    pub tenant: Option<String>,
 }
 
 /// A malformed trace: names the file, the 1-based line and the field.
@@ -130,6 +133,23 @@ impl TraceFormat {
     }
 }
 
+/// Keys each tenant's requests apart, as a router with tenant isolation does (and an
+/// engine honouring vLLM's `cache_salt`): the blocks and session of every request with a
+/// `tenant` are salted with [`kvroute_core::tenant::TenantSalt`] of its tenant, so no two
+/// tenants share a cached block. Returns how many requests were salted. Replaying a trace
+/// with and without this shows the hit that isolation costs.
+pub fn isolate_tenants(trace: &mut [TraceRequest]) -> usize {
+    let mut n = 0;
+    for r in trace.iter_mut() {
+        let Some(t) = &r.tenant else { continue };
+        let salt = kvroute_core::tenant::TenantSalt::of(&format!("tenant:{t}"));
+        r.blocks = salt.salt_blocks(&r.blocks);
+        r.session = r.session.as_deref().map(|s| salt.salt_session(s));
+        n += 1;
+    }
+    n
+}
+
 /// Reads a trace of `format` (or detected when `None`), sorted by arrival (stable).
 ///
 /// # Errors
@@ -171,6 +191,7 @@ struct JsonLine {
     session_id: Option<serde_json::Value>,
     turn_id: Option<serde_json::Value>,
     block_size: Option<serde_json::Value>,
+    tenant: Option<serde_json::Value>,
 }
 
 fn field_err(path: &Path, line: usize, field: &str, message: impl Into<String>) -> TraceError {
@@ -248,7 +269,16 @@ fn read_jsonl(reader: impl BufRead, path: &Path, sessions: bool) -> Result<Vec<T
             // Mooncake: the depth-2 prefix group stands in for the session.
             (blocks.get(1).map(|b| format!("{}-{}", blocks[0].0, b.0)), 0)
         };
+        let tenant = match &j.tenant {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(t)) => Some(t.clone()),
+            Some(serde_json::Value::Number(x)) => Some(x.to_string()),
+            Some(other) => {
+                return Err(field_err(path, n, "tenant", format!("expected a string or number, got {other}")));
+            }
+        };
         out.push(TraceRequest {
+            tenant,
             // Rounded to the nanosecond: milliseconds / 1000 as seconds lost 1 ns on some
             // stamps (4264637 ms read back as 4264636999999 ns).
             arrival: Nanos((ts_ms * 1e6).round() as u64),
@@ -304,6 +334,7 @@ fn read_azure(reader: impl std::io::Read, path: &Path) -> Result<Vec<TraceReques
         let output = num(c_out, "GeneratedTokens")?;
         let base = *t0.get_or_insert(ts);
         out.push(TraceRequest {
+            tenant: None,
             arrival: Nanos::from_secs_f64((ts - base).max(0.0)),
             input_tokens: input.max(1) as u32,
             output_tokens: output.max(1) as u32,
@@ -527,6 +558,7 @@ mod tests {
     #[test]
     fn session_slice_keeps_long_enough_sessions_in_the_span() {
         let req = |secs: u64, session: Option<&str>, input: u32| TraceRequest {
+            tenant: None,
             arrival: Nanos::from_secs(secs),
             input_tokens: input,
             output_tokens: 1,
@@ -645,8 +677,27 @@ mod tests {
     }
 
     #[test]
+    fn tenants_are_read_and_isolation_keys_their_blocks_apart() {
+        let text = "{\"session_id\": \"s\", \"timestamp\": 0, \"input_length\": 1024, \"output_length\": 1, \"hash_ids\": [1, 2], \"tenant\": \"a\"}\n\
+                    {\"session_id\": \"s\", \"timestamp\": 1, \"input_length\": 1024, \"output_length\": 1, \"hash_ids\": [1, 2], \"tenant\": 7}\n\
+                    {\"session_id\": \"s\", \"timestamp\": 2, \"input_length\": 1024, \"output_length\": 1, \"hash_ids\": [1, 2]}\n";
+        let mut t = read_from(text.as_bytes(), Path::new("t.jsonl"), TraceFormat::Session).expect("trace");
+        assert_eq!(t[0].tenant.as_deref(), Some("a"));
+        assert_eq!(t[1].tenant.as_deref(), Some("7"));
+        assert_eq!(t[2].tenant, None);
+        assert_eq!(isolate_tenants(&mut t), 2);
+        assert!(t[0].blocks.iter().all(|b| !t[1].blocks.contains(b)), "two tenants share no block");
+        assert_eq!(t[2].blocks, vec![BlockHash(1), BlockHash(2)], "no tenant, no salt");
+        assert_ne!(t[0].session, t[1].session);
+        let bad = "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [], \"tenant\": [1]}\n";
+        let e = read_from(bad.as_bytes(), Path::new("t.jsonl"), TraceFormat::Mooncake).expect_err("bad tenant");
+        assert!(e.to_string().contains("`tenant`"), "{e}");
+    }
+
+    #[test]
     fn rescaled_blocks_keep_prefixes_and_proportions() {
         let mut t = vec![TraceRequest {
+            tenant: None,
             arrival: Nanos(0),
             input_tokens: 1100,
             output_tokens: 5,
@@ -663,6 +714,7 @@ mod tests {
     fn sampling_is_deterministic() {
         let t: Vec<TraceRequest> = (0..1000)
             .map(|i| TraceRequest {
+                tenant: None,
                 arrival: Nanos(i),
                 input_tokens: 1,
                 output_tokens: 1,

@@ -8,6 +8,7 @@ use kvroute_sim::trace::TraceRequest;
 
 fn req(at_ms: u64, blocks: &[u64]) -> TraceRequest {
     TraceRequest {
+        tenant: None,
         arrival: Nanos::from_millis(at_ms),
         input_tokens: blocks.len() as u32 * 512,
         output_tokens: 16,
@@ -181,6 +182,7 @@ fn two_documents(slot_routing: bool) -> u64 {
         for j in 0..2u64 {
             let blocks: Vec<BlockHash> = (doc..doc + 4).chain([1_000 + 10 * k + j]).map(BlockHash).collect();
             trace.push(TraceRequest {
+                tenant: None,
                 arrival: Nanos::from_millis(20_000 * k + 100 * j),
                 input_tokens: 80,
                 output_tokens: 64,

@@ -540,6 +540,7 @@ mod tests {
     #[test]
     fn sub_second_traces_are_jittered_and_whole_second_ones_spread() {
         let mk = |ns: u64| TraceRequest {
+            tenant: None,
             arrival: kvroute_core::types::Nanos(ns),
             input_tokens: 10,
             output_tokens: 1,

@@ -126,6 +126,8 @@ async fn start_router(
         policy: policy.to_string(),
         worker_urls: urls.to_vec(),
         health: kvroute_gateway::config::HealthConfig { interval_secs: 2.0, ..Default::default() },
+        // One tenant, the demo's own client: the table counts requests per worker.
+        expose_decision_headers: true,
         ..GatewayConfig::default()
     };
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.with_context(|| format!("port {port}"))?;

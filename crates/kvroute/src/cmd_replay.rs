@@ -141,6 +141,12 @@ pub struct Args {
     /// Not with `--pd` or a profile with llama.cpp slots.
     #[arg(long, default_value = "off", value_parser = ["off", "fleet", "store"])]
     pub kv_oracle: String,
+    /// Key each tenant's requests apart, as `kvroute serve` does with tenant isolation (and
+    /// an engine honouring vLLM's `cache_salt`): the blocks of trace lines with a `tenant`
+    /// are salted per tenant. `false` replays one shared cache, so the two runs show the hit
+    /// isolation costs. Lines without a tenant are never salted.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub tenant_isolation: bool,
     /// Predict-on-route window of the precise prefix state, seconds (0 turns it off).
     #[arg(long, default_value_t = 2.0)]
     pub predict_window_secs: f64,
@@ -284,6 +290,9 @@ pub fn load_trace(args: &Args) -> anyhow::Result<Vec<TraceRequest>> {
     if args.slice.is_set() {
         t = args.slice.apply(t)?;
         trace::rebase(&mut t);
+    }
+    if args.tenant_isolation {
+        trace::isolate_tenants(&mut t);
     }
     cap_outputs(&mut t, args.max_output)?;
     if args.sample < 1.0 {

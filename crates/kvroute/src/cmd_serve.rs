@@ -88,6 +88,23 @@ pub struct Args {
     /// Tokens (prompt plus max_tokens) per minute per API key (0 = unlimited; `tpm=` overrides).
     #[arg(long, env = "KVROUTE_API_KEY_TPM")]
     pub api_key_tpm: Option<u32>,
+    /// Request header naming the tenant, set by a trusted proxy (used without API keys).
+    #[arg(long, env = "KVROUTE_TENANT_HEADER")]
+    pub tenant_header: Option<String>,
+    /// Key each tenant's prefix state apart (true/false; default true).
+    #[arg(long, env = "KVROUTE_TENANT_ISOLATION")]
+    pub tenant_isolation: Option<bool>,
+    /// Tenants that share one prefix cache: `a,b` per group (repeat for more groups).
+    #[arg(long, action = clap::ArgAction::Append, value_name = "TENANT,TENANT,...")]
+    pub shared_prefix_tenants: Vec<String>,
+    /// With tenant isolation, send the tenant's salt to workers as `cache_salt` (vLLM)
+    /// (true/false; default true).
+    #[arg(long, env = "KVROUTE_ENGINE_CACHE_SALT")]
+    pub engine_cache_salt: Option<bool>,
+    /// Send `x-kvroute-worker` / `x-kvroute-decision` to every client (true/false; default
+    /// false: only to requests with the admin token). Unsafe with several tenants.
+    #[arg(long, env = "KVROUTE_EXPOSE_DECISION_HEADERS")]
+    pub expose_decision_headers: Option<bool>,
     /// Client headers forwarded to workers (default: authorization; `""` for none).
     #[arg(long, env = "KVROUTE_FORWARD_HEADERS", num_args = 0.., value_delimiter = ',')]
     pub forward_headers: Option<Vec<String>>,
@@ -236,6 +253,9 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         kv_predict_window_secs,
         kv_parity_check,
         llama_slot_routing,
+        tenant_isolation,
+        engine_cache_salt,
+        expose_decision_headers,
         api_key_rpm,
         api_key_tpm,
         record_max_bytes,
@@ -266,6 +286,16 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
     }
     if a.admin_token.is_some() {
         cfg.admin_token = a.admin_token.clone();
+    }
+    if a.tenant_header.is_some() {
+        cfg.tenant_header = a.tenant_header.clone();
+    }
+    if !a.shared_prefix_tenants.is_empty() {
+        cfg.shared_prefix_tenants = a
+            .shared_prefix_tenants
+            .iter()
+            .map(|g| g.split(',').map(str::trim).filter(|t| !t.is_empty()).map(String::from).collect())
+            .collect();
     }
     if a.admin_listen.is_some() {
         cfg.admin_listen = a.admin_listen.clone();

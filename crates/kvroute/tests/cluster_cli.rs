@@ -41,7 +41,16 @@ async fn workers(n: usize, time_scale: &str) -> (Vec<Proc>, Vec<String>) {
 /// `kvroute serve` on `port` in front of `workers`, in `cluster` over `nats` when given;
 /// returned once `/readiness` passes (with NATS: its start-up snapshot is in).
 async fn replica(port: u16, workers: &[String], nats: Option<&str>, cluster: &str, extra: &[&str]) -> (Proc, String) {
-    let mut a = args(&["serve", "--port", &port.to_string(), "--health-interval-secs", "0.5", "--worker-urls"]);
+    let mut a = args(&[
+        "serve",
+        "--port",
+        &port.to_string(),
+        "--health-interval-secs",
+        "0.5",
+        "--expose-decision-headers",
+        "true",
+        "--worker-urls",
+    ]);
     a.push(workers.join(","));
     if let Some(n) = nats {
         a.extend(args(&["--nats", n, "--cluster", cluster]));

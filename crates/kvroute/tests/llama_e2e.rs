@@ -136,6 +136,7 @@ async fn run_policy(policy: &str, workers: &[String], offset: usize, extra: &[&s
     let port = free_port();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute"));
     cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy])
+        .args(["--expose-decision-headers", "true"])
         .args(extra)
         .arg("--worker-urls")
         .args(workers)
@@ -312,6 +313,7 @@ async fn two_documents_one_worker(bin: &PathBuf, model: &PathBuf, slot_routing: 
     let rport = free_port();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute"));
     cmd.args(["serve", "--host", "127.0.0.1", "--port", &rport.to_string(), "--policy", "least_ttft"])
+        .args(["--expose-decision-headers", "true"])
         .args(["--llama-slot-routing", if slot_routing { "true" } else { "false" }])
         .arg("--tokenizer")
         .arg(model)

@@ -361,6 +361,8 @@ impl Ctx {
                 // Engine signals as deployed in front of vLLM: /metrics scraped every
                 // simulated 5 s (Cognitora cgn-router's heartbeat).
                 a.extend(["--scrape-metrics".to_string(), "true".into()]);
+                // The bench's one client reads the serving worker from `x-kvroute-worker`.
+                a.extend(["--expose-decision-headers".to_string(), "true".into()]);
                 a.extend(["--health-interval-secs".to_string(), self.scrape_secs.to_string()]);
                 // In front of llama.cpp: the model's own tokenizer, as deployed (routing keys
                 // are the worker's token ids).

@@ -59,9 +59,10 @@ async fn local_tokens(s: &Arc<AppState>, api: Api, bytes: &[u8], info: &mut Rout
 
 /// The routing view of a request for `model`.
 pub fn view<'a>(info: &'a RoutingInfo, model: &'a str) -> RequestView<'a> {
+    // A tenant's salt marker in front of the key is no part of the prompt.
     let input_tokens = match &info.token_ids {
-        Some(t) => t.len().min(u32::MAX as usize) as u32,
-        None => estimate_tokens(&info.text),
+        Some(t) => kvroute_core::tenant::unsalted_tokens(t).len().min(u32::MAX as usize) as u32,
+        None => estimate_tokens(kvroute_core::tenant::unsalted_text(&info.text)),
     };
     RequestView {
         model,

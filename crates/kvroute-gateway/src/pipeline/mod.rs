@@ -51,10 +51,14 @@ pub async fn generate(State(s): State<Arc<AppState>>, headers: HeaderMap, body: 
 }
 
 async fn handle(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Body) -> Response {
-    match run(&s, api, &headers, body).await {
+    let mut resp = match run(&s, api, &headers, body).await {
         Ok(r) => r,
         Err((e, branch)) => error_response(&s, e, branch),
+    };
+    if !crate::tenant::may_see_decisions(&s, &headers) {
+        crate::tenant::hide_decisions(resp.headers_mut());
     }
+    resp
 }
 
 /// The client's answer for a request that ended in `e` (after the decision's `branch`, if
@@ -84,6 +88,11 @@ async fn run(
     if let Some(key) = &key {
         admit_tokens(s, key, &info).map_err(|e| (e, ""))?;
     }
+    // The engine isolates the tenant's KV cache by the same salt (vLLM `cache_salt`).
+    let bytes = match crate::tenant::salt_of(s, headers) {
+        Some(salt) if s.cfg.engine_cache_salt && api != Api::Generate => crate::tenant::with_cache_salt(&bytes, salt),
+        _ => bytes,
+    };
     if let Some(c) = cascade::start(s, &info) {
         return cascade::run(s, api, headers, &bytes, &info, c, t0).await;
     }
@@ -104,6 +113,9 @@ pub async fn route_and_send(
 ) -> Result<Response, (ApiError, &'static str)> {
     crate::lora::ensure_loaded(s, &info.model).await.map_err(|e| (e, ""))?;
     let precise = keys::resolve(s, api, bytes, &mut info).await;
+    if let Some(salt) = crate::tenant::salt_of(s, headers) {
+        crate::tenant::salt_routing_key(&mut info, salt);
+    }
     let model = route::model_of(s, &info).map_err(|e| (e, ""))?;
     if let Some(pd) = &s.pd {
         return match pd::placement(s, pd, &info, &model) {

@@ -41,7 +41,8 @@ pub async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
 }
 
 /// A gateway configuration for `urls` running `policy`, on an ephemeral port, with ring
-/// installed as rustls's provider (reqwest is built without a default one).
+/// installed as rustls's provider (reqwest is built without a default one). Decision
+/// headers are on (`expose_decision_headers`): these tests read where requests went.
 #[allow(dead_code)] // not every test binary configures a gateway this way
 pub fn config(urls: &[&str], policy: &str) -> kvroute_gateway::GatewayConfig {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -49,6 +50,7 @@ pub fn config(urls: &[&str], policy: &str) -> kvroute_gateway::GatewayConfig {
         policy: policy.into(),
         worker_urls: urls.iter().map(|u| u.to_string()).collect(),
         port: 0,
+        expose_decision_headers: true,
         ..kvroute_gateway::GatewayConfig::default()
     }
 }

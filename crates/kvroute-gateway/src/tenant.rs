@@ -1,0 +1,152 @@
+//! The tenant of a request, its cache salt, and what of a routing decision a client sees.
+//!
+//! A request's tenant is its API key's (`api_key_file`; a key whose line names no tenant
+//! is a tenant of its own), else the value of `tenant_header` set by a trusted proxy (a
+//! request without it is the anonymous tenant). With `tenant_isolation` (the default) its
+//! routing key is salted per tenant, or per group of `shared_prefix_tenants`
+//! ([`kvroute_core::tenant`]), and with `engine_cache_salt` the salt reaches the engine as
+//! the body's `cache_salt` (vLLM). Without API keys or `tenant_header` no request has a
+//! tenant and nothing is salted.
+//!
+//! Decision details (`x-kvroute-worker`, `x-kvroute-decision`, `x-kvroute-cascade`) go
+//! only to requests carrying the admin token, unless `expose_decision_headers` is set.
+
+use crate::state::AppState;
+use axum::body::Bytes;
+use axum::http::{HeaderMap, header};
+use kvroute_core::tenant::TenantSalt;
+use kvroute_protocol::openai::RoutingInfo;
+use subtle::ConstantTimeEq;
+
+/// Longest `tenant_header` value used as a tenant name (bytes); a longer one is cut.
+pub const MAX_TENANT_NAME: usize = 256;
+
+/// The response headers that carry decision details.
+pub const DECISION_HEADERS: [&str; 3] = ["x-kvroute-worker", "x-kvroute-decision", "x-kvroute-cascade"];
+
+/// The request header an operator sends the admin token in on an inference request (the
+/// `Authorization` header carries the API key there).
+pub const ADMIN_TOKEN_HEADER: &str = "x-kvroute-admin-token";
+
+/// The cache salt of the request with `headers`, or `None` when it is not salted
+/// (isolation off, or no tenants configured).
+pub fn salt_of(s: &AppState, headers: &HeaderMap) -> Option<TenantSalt> {
+    if !s.cfg.tenant_isolation {
+        return None;
+    }
+    if let Some(keys) = &s.api_keys {
+        // An unknown key never gets here (401 first); an anonymous salt all the same.
+        let tenant = keys.authenticate(headers).map(|k| k.cache_tenant.clone()).unwrap_or_default();
+        return Some(s.tenant_scopes.salt(&tenant));
+    }
+    let name = s.tenant_header.as_ref()?;
+    let value = headers.get(name).map(|v| v.as_bytes()).unwrap_or_default();
+    let value = &value[..value.len().min(MAX_TENANT_NAME)];
+    Some(s.tenant_scopes.salt(&String::from_utf8_lossy(value)))
+}
+
+/// `info`'s routing key (text, token ids, session) salted for its tenant, in place.
+pub fn salt_routing_key(info: &mut RoutingInfo, salt: TenantSalt) {
+    if !info.text.is_empty() {
+        info.text = salt.salt_text(&info.text);
+    }
+    if let Some(t) = &info.token_ids {
+        info.token_ids = Some(salt.salt_tokens(t));
+    }
+    if let Some(sid) = &info.session {
+        info.session = Some(salt.salt_session(sid));
+    }
+}
+
+/// The request body with `"cache_salt": salt` as its last field (a client's own
+/// `cache_salt` replaced), for engines that isolate their KV caches by it (vLLM). A body
+/// that is not a JSON object is returned as it is.
+pub fn with_cache_salt(body: &Bytes, salt: TenantSalt) -> Bytes {
+    let value = salt.cache_salt();
+    let has_own = body.windows(12).any(|w| w == b"\"cache_salt\"");
+    if has_own {
+        // Rare: rebuild the object without the client's field.
+        let Ok(serde_json::Value::Object(mut m)) = serde_json::from_slice::<serde_json::Value>(body) else {
+            return body.clone();
+        };
+        m.insert("cache_salt".into(), serde_json::Value::String(value));
+        return serde_json::to_vec(&m).map(Bytes::from).unwrap_or_else(|_| body.clone());
+    }
+    if body.iter().find(|b| !b.is_ascii_whitespace()).is_none_or(|b| *b != b'{') {
+        return body.clone();
+    }
+    let Some(end) = body.iter().rposition(|b| *b == b'}') else { return body.clone() };
+    let before = body[..end].iter().rposition(|b| !b.is_ascii_whitespace());
+    let empty = before.is_some_and(|i| body[i] == b'{');
+    let mut out = Vec::with_capacity(body.len() + 50);
+    out.extend_from_slice(&body[..end]);
+    if !empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"cache_salt\":\"");
+    out.extend_from_slice(value.as_bytes());
+    out.extend_from_slice(b"\"");
+    out.extend_from_slice(&body[end..]);
+    Bytes::from(out)
+}
+
+/// Whether the response to the request with `headers` may carry decision details:
+/// `expose_decision_headers`, or the admin token presented in `x-kvroute-admin-token` or as
+/// `Authorization: Bearer` (compared in constant time).
+pub fn may_see_decisions(s: &AppState, headers: &HeaderMap) -> bool {
+    if s.cfg.expose_decision_headers {
+        return true;
+    }
+    let Some(token) = s.cfg.admin_token.as_deref() else { return false };
+    let presented = [
+        headers.get(ADMIN_TOKEN_HEADER).and_then(|v| v.to_str().ok()).map(str::trim),
+        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")),
+    ];
+    presented.into_iter().flatten().any(|p| bool::from(p.as_bytes().ct_eq(token.as_bytes())))
+}
+
+/// Removes the decision headers from a response the client may not see them on.
+pub fn hide_decisions(headers: &mut HeaderMap) {
+    for h in DECISION_HEADERS {
+        headers.remove(h);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_salt_is_the_last_field_and_replaces_the_clients() {
+        let salt = TenantSalt::of("tenant:a");
+        let out = with_cache_salt(&Bytes::from_static(b"{\"model\":\"m\",\"prompt\":\"x\"}\n"), salt);
+        let v: serde_json::Value = serde_json::from_slice(&out).expect("json");
+        assert_eq!(v["cache_salt"], salt.cache_salt());
+        assert_eq!(v["prompt"], "x");
+        let out = with_cache_salt(&Bytes::from_static(b"{\"cache_salt\":\"mine\",\"prompt\":\"x\"}"), salt);
+        let v: serde_json::Value = serde_json::from_slice(&out).expect("json");
+        assert_eq!(v["cache_salt"], salt.cache_salt());
+        assert_eq!(out.windows(12).filter(|w| w == b"\"cache_salt\"").count(), 1);
+        let out = with_cache_salt(&Bytes::from_static(b" { } "), salt);
+        let v: serde_json::Value = serde_json::from_slice(&out).expect("json");
+        assert_eq!(v["cache_salt"], salt.cache_salt());
+        assert_eq!(with_cache_salt(&Bytes::from_static(b"[1]"), salt), Bytes::from_static(b"[1]"));
+    }
+
+    #[test]
+    fn a_salted_routing_key_keeps_its_lengths_apart_from_the_marker() {
+        let mut info = RoutingInfo {
+            model: "m".into(),
+            text: "hello".into(),
+            token_ids: Some(vec![1, 2]),
+            session: Some("s".into()),
+            stream: false,
+            max_tokens: None,
+        };
+        let salt = TenantSalt::of("tenant:a");
+        salt_routing_key(&mut info, salt);
+        assert_eq!(kvroute_core::tenant::unsalted_text(&info.text), "hello");
+        assert_eq!(kvroute_core::tenant::unsalted_tokens(info.token_ids.as_deref().expect("ids")), &[1, 2]);
+        assert_ne!(info.session.as_deref(), Some("s"));
+    }
+}
