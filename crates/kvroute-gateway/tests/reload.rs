@@ -123,7 +123,7 @@ async fn sighup_reloads_policy_knobs_and_workers_and_an_invalid_file_keeps_the_c
 
     let stop = CancellationToken::new();
     let (r, server) = common::start_router_with_reload(cfg, Some(source), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     for outcome in ["applied", "unchanged", "invalid"] {
         let text = c.get(format!("{r}/metrics")).send().await.expect("metrics").text().await.expect("text");
         assert!(text.contains(&format!("kvroute_config_reloads_total{{outcome=\"{outcome}\"}} 0")), "{outcome}");
