@@ -87,8 +87,11 @@ async fn registry_follows_puts_deletes_and_lease_expiry() {
     // An invalid record changes nothing; a delete removes the worker; the static worker stays
     // even when a registration of it is deleted.
     ec.put("/kvroute/workers/bad", r#"{"url": "ftp://nowhere"}"#, None).await.expect("put");
+    // The router's own listener registered as a worker would loop: refused like a bad record.
+    ec.put("/kvroute/workers/self", serde_json::json!({"url": r}).to_string(), None).await.expect("put");
     ec.put("/kvroute/workers/w3", serde_json::json!({"url": w3}).to_string(), None).await.expect("put");
     eventually("etcd_workers counts w1 and w3", async || metric(&c, &r, "kvroute_etcd_workers").await == 2.0).await;
+    assert!(!worker_urls(&c, &r).await.contains(&r), "the router's own listener became its worker");
     ec.delete("/kvroute/workers/w1", None).await.expect("delete");
     ec.delete("/kvroute/workers/w3", None).await.expect("delete");
     eventually("w1 deregistered", async || !worker_urls(&c, &r).await.contains(&w1)).await;
