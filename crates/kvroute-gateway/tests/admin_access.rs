@@ -8,12 +8,12 @@
 
 use axum::extract::connect_info::MockConnectInfo;
 use axum::http::HeaderMap;
+use axum::response::IntoResponse;
 use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use kvroute_gateway::GatewayConfig;
 use kvroute_gateway::state::AppState;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 mod common;
@@ -330,8 +330,6 @@ async fn header_adding_proxy(upstream: String, stop: CancellationToken) -> Strin
     });
     url
 }
-
-use axum::response::IntoResponse;
 
 /// Which same-host reverse proxy stands in front of the router.
 #[derive(Clone, Copy, Debug)]
