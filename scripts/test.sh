@@ -14,8 +14,10 @@
 #        KVROUTE_NATS_BIN (the nats-server binary, Debian nats-server): the replica-sync
 #        tests (prefix state and load shared, snapshots, NATS or a replica dying);
 #        KVROUTE_PROMETHEUS (the prometheus binary, Debian prometheus): the scrape and
-#        Grafana-dashboard test.
-#      KVROUTE_REQUIRE_PYTHON / _LLAMA / _PEERS / _ETCD / _PROMETHEUS = 1 make a missing piece a failure
+#        Grafana-dashboard test;
+#        KVROUTE_NGINX_BIN (the nginx binary, Debian nginx-light): the admin API behind a
+#        same-host reverse proxy.
+#      KVROUTE_REQUIRE_PYTHON / _LLAMA / _PEERS / _ETCD / _PROMETHEUS / _NGINX = 1 make a missing piece a failure
 #      (CI sets them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +79,9 @@ run_ignored "NATS cluster-sync tests" 'binary(nats) | binary(cluster_cli)' "$hav
 have_prometheus=0; [ -n "${KVROUTE_PROMETHEUS:-}" ] && [ -x "${KVROUTE_PROMETHEUS}" ] && have_prometheus=1
 run_ignored "Prometheus scrape test" 'binary(prometheus)' "$have_prometheus" \
   "${KVROUTE_REQUIRE_PROMETHEUS:-0}" "KVROUTE_PROMETHEUS, the prometheus binary (Debian prometheus)"
+have_nginx=0; [ -n "${KVROUTE_NGINX_BIN:-}" ] && [ -x "${KVROUTE_NGINX_BIN}" ] && have_nginx=1
+run_ignored "admin API behind nginx test" 'test(=add_worker_through_nginx_on_the_same_host_needs_the_token)' \
+  "$have_nginx" "${KVROUTE_REQUIRE_NGINX:-0}" "KVROUTE_NGINX_BIN, the nginx binary (Debian nginx-light)"
 if [ -z "${KVROUTE_PEERS_DIR:-}" ]; then
   # compare_runs_to_completion itself fails when KVROUTE_REQUIRE_PEERS=1.
   skipped+=("peer routers in compare_runs_to_completion (it ran kvroute alone): needs KVROUTE_PEERS_DIR (bash scripts/compare-peers.sh install)")

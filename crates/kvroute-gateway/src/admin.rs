@@ -22,11 +22,18 @@ use subtle::ConstantTimeEq;
 
 /// Who may use the admin API: with `admin_token` set, a client presenting
 /// `Authorization: Bearer <admin_token>` (compared in constant time), from anywhere; without
-/// one, loopback clients only. `peer` is the client's address (`None` when the server was
-/// not built with connect info: treated as remote).
+/// one, loopback clients whose request names no proxy. `peer` is the client's address
+/// (`None` when the server was not built with connect info: treated as remote).
+///
+/// A request carrying `Forwarded` (RFC 7239), `X-Forwarded-For` or `X-Real-IP` came
+/// through a proxy, and a proxy on the same host connects from loopback whoever its client
+/// is, so such a request is never local. Without a token the admin API is served only on a
+/// loopback `admin_listen` (never on the main port, [`crate::app`]); this check is the
+/// second line, for a proxy pointed at that listener.
 ///
 /// # Errors
-/// 401 for a missing or wrong token, 403 for a remote client when no token is configured.
+/// 401 for a missing or wrong token; 403, when no token is configured, for a remote client
+/// or a request relayed by a proxy.
 pub fn admin_access(token: Option<&str>, headers: &HeaderMap, peer: Option<SocketAddr>) -> Result<(), ApiError> {
     match token {
         Some(token) => {
@@ -44,12 +51,26 @@ pub fn admin_access(token: Option<&str>, headers: &HeaderMap, peer: Option<Socke
                 ))
             }
         }
+        None if relayed_by_proxy(headers) => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "the admin API does not answer a request relayed by a proxy (`Forwarded`, `X-Forwarded-For` or \
+             `X-Real-IP`) when no `admin_token` is configured",
+        )),
         None if peer.is_some_and(|p| p.ip().to_canonical().is_loopback()) => Ok(()),
         None => Err(ApiError::new(
             StatusCode::FORBIDDEN,
             "the admin API answers only loopback clients when no `admin_token` is configured",
         )),
     }
+}
+
+/// The headers by which a proxy names the client it relays (RFC 7239's `Forwarded`, and the
+/// de-facto `X-Forwarded-For` and `X-Real-IP` that nginx, Envoy and HAProxy set).
+pub const PROXY_HEADERS: [&str; 3] = ["forwarded", "x-forwarded-for", "x-real-ip"];
+
+/// Whether the request carries any of [`PROXY_HEADERS`] (with any value, even empty).
+pub fn relayed_by_proxy(headers: &HeaderMap) -> bool {
+    PROXY_HEADERS.iter().any(|h| headers.contains_key(*h))
 }
 
 /// Middleware in front of every admin endpoint ([`admin_access`]).
@@ -115,6 +136,17 @@ pub async fn metrics(State(s): State<Arc<AppState>>) -> Response {
     s.metrics.index_size.set(size.min(i64::MAX as u64) as i64);
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], s.metrics.render())
         .into_response()
+}
+
+/// An admin path asked on a listener that does not serve the admin API (the main port
+/// without `admin_token`, or with `admin_listen` set): 404 JSON saying where it is.
+pub async fn admin_not_here() -> Response {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "the admin API is not served on this listener: it is on `admin_listen`, or on the main port \
+         only when `admin_token` is set",
+    )
+    .into_response()
 }
 
 /// Unknown path: 404 JSON.

@@ -88,11 +88,17 @@ pub struct GatewayConfig {
     pub max_ejection_share: f64,
     /// In-flight requests admitted per (model, role); beyond, 503 at once (Cognitora cgn-router).
     pub max_in_flight_per_model: u32,
-    /// Bearer token required by the admin API. Without one the admin API answers only
-    /// loopback clients (403 to everyone else).
+    /// Bearer token of the admin API (`Authorization: Bearer <admin_token>`). With one, the
+    /// admin API is served on the main port (unless `admin_listen` is set) to any client
+    /// presenting it. Without one, the main port serves no admin endpoint at all (404): a
+    /// same-host reverse proxy makes every client look like loopback, so "the peer is
+    /// loopback" cannot stand for "local" there. The admin API is then only on
+    /// `admin_listen`.
     pub admin_token: Option<String>,
-    /// A separate listener (`HOST:PORT`) for the admin API; when set, the main port serves
-    /// no admin endpoint (404), so the two can face different networks.
+    /// A separate listener (`IP:PORT`) for the admin API; when set, the main port serves no
+    /// admin endpoint (404), so the two can face different networks. Without `admin_token`
+    /// it must be a loopback address, and it answers only loopback clients whose request
+    /// names no proxy (`Forwarded`, `X-Forwarded-For`, `X-Real-IP`).
     pub admin_listen: Option<String>,
     /// Client request headers forwarded to workers (case-insensitive names; at most 32).
     /// `Content-Type` is always set to JSON. Default: `authorization` only, as vLLM and
@@ -409,8 +415,18 @@ impl GatewayConfig {
                 .map_err(|_| err("forward_headers", format!("`{h}` is not a header name")))?;
         }
         if let Some(a) = &self.admin_listen {
-            a.parse::<std::net::SocketAddr>()
+            let addr = a
+                .parse::<std::net::SocketAddr>()
                 .map_err(|_| err("admin_listen", format!("`{a}`: expected HOST:PORT with an IP host")))?;
+            if self.admin_token.is_none() && !addr.ip().to_canonical().is_loopback() {
+                return Err(err(
+                    "admin_listen",
+                    format!(
+                        "`{a}` is not a loopback address: without `admin_token` the admin API listens on \
+                         loopback only (127.0.0.1 or [::1]); set `admin_token` to serve it elsewhere"
+                    ),
+                ));
+            }
         }
         for e in &self.etcd {
             let ok = url::Url::parse(e).is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
@@ -693,6 +709,22 @@ mod tests {
         assert_eq!(bad.validate().unwrap_err().key, "forward_headers");
         let bad = GatewayConfig { admin_listen: Some("localhost".into()), ..GatewayConfig::default() };
         assert_eq!(bad.validate().unwrap_err().key, "admin_listen");
+    }
+
+    #[test]
+    fn a_non_loopback_admin_listener_needs_a_token() {
+        for public in ["0.0.0.0:30001", "[::]:30001", "192.0.2.1:30001"] {
+            let bad = GatewayConfig { admin_listen: Some(public.into()), ..GatewayConfig::default() };
+            let e = bad.validate().unwrap_err();
+            assert_eq!(e.key, "admin_listen", "{public}");
+            assert!(e.message.contains("admin_token"), "{e}");
+            let ok = GatewayConfig { admin_token: Some("t".into()), ..bad };
+            ok.validate().expect("with a token any address is allowed");
+        }
+        for lo in ["127.0.0.1:30001", "[::1]:30001", "127.0.0.2:30001"] {
+            let ok = GatewayConfig { admin_listen: Some(lo.into()), ..GatewayConfig::default() };
+            ok.validate().expect(lo);
+        }
     }
 
     #[test]

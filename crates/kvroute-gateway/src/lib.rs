@@ -12,6 +12,7 @@
 //! - [`routers`]: one router (policy state) per model; eviction in bounded slices.
 //! - [`health`]: active health checks, inference probes, model discovery, `/metrics` scraping.
 //! - [`admin`]: worker management, `/policy`, `/debug/route`.
+//! - [`hops`]: routing-loop guards (`Via`, 508, a worker URL that is this router).
 //! - [`kv_subscriber`]: engine KV events (subscribers feeding the precise index).
 //! - [`tokenizer`]: the model's own tokenizer, loaded locally.
 //! - [`cluster`]: the worker registry and live policy in etcd, shared by router replicas.
@@ -31,6 +32,7 @@ pub mod cluster;
 pub mod config;
 pub mod fleet;
 pub mod health;
+pub mod hops;
 pub mod kv_subscriber;
 pub mod lora;
 pub mod metrics;
@@ -66,9 +68,13 @@ pub fn public_routes() -> Router<Arc<AppState>> {
         .route("/metrics", get(admin::metrics))
 }
 
+/// The admin API's paths.
+pub const ADMIN_PATHS: [&str; 6] =
+    ["/add_worker", "/remove_worker", "/list_workers", "/workers", "/policy", "/debug/route"];
+
 /// The admin endpoints (SGLang router's worker management, the worker table, live policy,
 /// dry-run routing), each behind [`admin::require_admin`]: a bearer token when
-/// `admin_token` is set, else loopback clients only.
+/// `admin_token` is set, else loopback clients whose request names no proxy.
 pub fn admin_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
     Router::new()
         .route("/add_worker", post(admin::add_worker))
@@ -80,11 +86,28 @@ pub fn admin_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
         .route_layer(axum::middleware::from_fn_with_state(Arc::clone(state), admin::require_admin))
 }
 
-/// Builds the router (all endpoints) over `state`. Serve it with connect info
-/// (`into_make_service_with_connect_info::<SocketAddr>`) so the admin API can tell
-/// loopback clients apart; without it every client counts as remote.
+/// The admin paths on a listener that does not serve them: 404 JSON saying where they are
+/// ([`admin::admin_not_here`]).
+fn admin_elsewhere() -> Router<Arc<AppState>> {
+    ADMIN_PATHS.iter().fold(Router::new(), |r, p| r.route(p, axum::routing::any(admin::admin_not_here)))
+}
+
+/// Builds the router of the main port over `state`: the public endpoints, and the admin API
+/// only when `admin_token` is set (without a token it is served only on `admin_listen`; a
+/// same-host reverse proxy would make every client on the main port look local). Serve it
+/// with connect info (`into_make_service_with_connect_info::<SocketAddr>`).
 pub fn app(state: Arc<AppState>) -> Router {
-    with_fallbacks(public_routes().merge(admin_routes(&state))).with_state(state)
+    let routes = if state.cfg.admin_token.is_some() && state.cfg.admin_listen.is_none() {
+        public_routes().merge(admin_routes(&state))
+    } else {
+        public_routes().merge(admin_elsewhere())
+    };
+    with_fallbacks(routes).with_state(state)
+}
+
+/// The admin listener's router (`admin_listen`): the admin API only.
+pub fn admin_app(state: Arc<AppState>) -> Router {
+    with_fallbacks(admin_routes(&state)).with_state(state)
 }
 
 /// JSON errors for an unknown path (404) and a known path with the wrong method (405; axum
@@ -132,25 +155,40 @@ pub async fn serve_with_reload(
     let hup = reload::Hangup::install()?;
     let state = AppState::new(cfg)?;
     let cancel = tokio_util::sync::CancellationToken::new();
+    // With `admin_listen`, the admin API moves to its own listener and the main port
+    // serves only the public endpoints; without it, the main port serves the admin API only
+    // when `admin_token` is set.
+    let admin = match &state.cfg.admin_listen {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr.as_str())
+                .await
+                .map_err(|e| anyhow::anyhow!("admin_listen {addr}: {e}"))?;
+            tracing::info!(addr = %l.local_addr()?, "admin API listening");
+            Some((l, admin_app(Arc::clone(&state))))
+        }
+        None if state.cfg.admin_token.is_none() => {
+            tracing::info!("admin API off: set `admin_listen` (loopback) or `admin_token` to serve it");
+            None
+        }
+        None => None,
+    };
+    let main_app = app(Arc::clone(&state));
+    // Known before any worker is added: a worker URL pointing at one of them is refused
+    // (a router as its own worker loops), and a configured one stops the start.
+    let mut own = vec![listener.local_addr()?];
+    if let Some((l, _)) = &admin {
+        own.push(l.local_addr()?);
+    }
+    *state.listen_addrs.write() = own;
+    for u in state.static_workers.load_full().iter().map(String::as_str).chain(state.cfg.pd.urls()) {
+        state.check_not_own(u).await.map_err(|m| config::ConfigError { key: "worker_urls".into(), message: m })?;
+    }
     state.add_initial_workers().await;
     let reloader = tokio::spawn(reload::run(hup, tls.clone(), reload, Arc::clone(&state)));
     let bg = tokio::spawn(health::run_background(Arc::clone(&state), cancel.clone()));
     let kv = tokio::spawn(kv_subscriber::run(Arc::clone(&state), cancel.clone()));
     let etcd = tokio::spawn(cluster::etcd::run(Arc::clone(&state), cancel.clone()));
     let nats = tokio::spawn(cluster::sync::run(Arc::clone(&state), cancel.clone()));
-    // With `admin_listen`, the admin API moves to its own listener and the main port
-    // serves only the public endpoints.
-    let (main_app, admin) = match &state.cfg.admin_listen {
-        Some(addr) => {
-            let l = tokio::net::TcpListener::bind(addr.as_str())
-                .await
-                .map_err(|e| anyhow::anyhow!("admin_listen {addr}: {e}"))?;
-            tracing::info!(addr = %l.local_addr()?, "admin API listening");
-            let admin_app = with_fallbacks(admin_routes(&state)).with_state(Arc::clone(&state));
-            (with_fallbacks(public_routes()).with_state(Arc::clone(&state)), Some((l, admin_app)))
-        }
-        None => (app(Arc::clone(&state)), None),
-    };
     let limits = server::Limits {
         header_read_timeout: Duration::from_secs_f64(state.cfg.header_read_timeout_secs),
         max_connections: state.cfg.max_connections,

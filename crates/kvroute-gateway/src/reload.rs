@@ -83,7 +83,14 @@ impl Reloader {
     /// nothing.
     pub async fn apply(&mut self, next: anyhow::Result<GatewayConfig>) -> Outcome {
         let outcome = match next.and_then(|c| c.validate().map(|()| c).map_err(anyhow::Error::from)) {
-            Ok(next) => self.apply_valid(next).await,
+            Ok(next) => match self.own_worker(&next).await {
+                // A router listed as its own worker loops: the file is refused whole.
+                Some(e) => {
+                    tracing::error!(error = e, "SIGHUP: configuration not reloaded; the one in effect stays");
+                    Outcome::Invalid
+                }
+                None => self.apply_valid(next).await,
+            },
             Err(e) => {
                 tracing::error!(
                     error = format!("{e:#}"),
@@ -94,6 +101,17 @@ impl Reloader {
         };
         crate::metrics::count_outcome(&self.state.metrics.config_reloads, outcome.as_str());
         outcome
+    }
+
+    /// The first of `next`'s `worker_urls` that points at this router's own listener
+    /// ([`AppState::check_not_own`]), as an error naming the key.
+    async fn own_worker(&self, next: &GatewayConfig) -> Option<String> {
+        for u in &static_set(&next.worker_urls) {
+            if let Err(m) = self.state.check_not_own(u).await {
+                return Some(format!("invalid configuration: `worker_urls`: {m}"));
+            }
+        }
+        None
     }
 
     async fn apply_valid(&mut self, next: GatewayConfig) -> Outcome {

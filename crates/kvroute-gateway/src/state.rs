@@ -58,6 +58,15 @@ pub struct AppState {
     pub tenant_scopes: kvroute_core::tenant::Scopes,
     /// `tenant_header`, parsed once.
     pub tenant_header: Option<http::HeaderName>,
+    /// This replica's id: `replica_id`, or a random one per start (also its id in the
+    /// NATS cluster sync).
+    pub replica_id: String,
+    /// This replica's name in `Via` (`kvroute-<replica_id>`, [`crate::hops`]).
+    pub via_name: String,
+    /// The addresses this router's listeners are bound to (set by the server before any
+    /// worker is added; empty for an embedder that serves no listener): a worker URL
+    /// pointing at one of them is refused.
+    pub listen_addrs: RwLock<Vec<std::net::SocketAddr>>,
 }
 
 impl AppState {
@@ -125,11 +134,15 @@ impl AppState {
             )?),
             None => None,
         };
+        let replica_id = cfg.replica_id.clone().unwrap_or_else(|| format!("r{:016x}", os_random_u64()));
         let sync = cfg
             .nats
             .as_ref()
-            .map(|_| crate::cluster::sync::ReplicaSync::new(&cfg.cluster, cfg.replica_id.as_deref(), &metrics));
+            .map(|_| crate::cluster::sync::ReplicaSync::new(&cfg.cluster, Some(&replica_id), &metrics));
         Ok(Arc::new(AppState {
+            via_name: crate::hops::via_name(&replica_id),
+            replica_id,
+            listen_addrs: RwLock::new(Vec::new()),
             recorder,
             tenant_scopes,
             tenant_header,
@@ -211,6 +224,7 @@ impl AppState {
     ) -> Result<u32, String> {
         let url = crate::config::check_worker_url(url)?;
         self.cfg.check_worker_allowed(&url)?;
+        self.check_not_own(&url).await?;
         if let Some(w) = self.fleet.by_url(&url) {
             return Ok(w.id.0);
         }
@@ -256,6 +270,21 @@ impl AppState {
             }
         }
         Ok(w.id.0)
+    }
+
+    /// Refuses a normalised worker URL that points at one of this router's own listeners
+    /// ([`AppState::listen_addrs`], [`crate::hops::own_listener`]): a router listed as
+    /// its own worker would send each request back to itself.
+    ///
+    /// # Errors
+    /// A message naming the URL and the listener.
+    pub async fn check_not_own(&self, url: &str) -> Result<(), String> {
+        let bound = self.listen_addrs.read().clone();
+        let timeout = Duration::from_secs_f64(self.cfg.health.timeout_secs);
+        match crate::hops::own_listener(url, &bound, timeout).await {
+            Some(a) => Err(format!("`{url}` is this router's own listener ({a}): a router cannot be its own worker")),
+            None => Ok(()),
+        }
     }
 
     /// A registration's role, bootstrap port, capacity and record on `w` (the

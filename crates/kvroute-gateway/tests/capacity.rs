@@ -41,7 +41,7 @@ async fn capacity_breaks_a_tie_between_otherwise_equal_workers() {
 
     // Probed: the worker's /server_info says TP 2; kv_score's defaults weigh capacity 0.10.
     let (router, _) = common::start_router(common::config(&[&small, &big], "kv_score"), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let cap = capacity_of(&c, &router, &big).await;
     assert_eq!(cap["tp_size"], 2, "{cap}");
     assert_eq!(cap["dtype"], "bfloat16", "{cap}");

@@ -69,7 +69,7 @@ async fn escalation_happens_only_below_the_threshold_and_usage_is_summed() {
     let chains =
         vec![chain("auto", &["small", "medium", "large"], -1.0), chain("cheap", &["small", "medium", "large"], -2.5)];
     let (router, _) = common::start_router(config(&[&small, &medium, &large], chains), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
 
     // small answers at -2.0 < -1.0: escalates; medium at -0.8 >= -1.0: accepted.
     let (status, trail, worker, v) = chat(&c, &router, ask("auto", "why is the sky blue")).await;
@@ -161,7 +161,7 @@ async fn a_failing_step_is_retried_and_does_not_escalate_by_itself() {
     let mut cfg = config(&[&broken, &good, &large], vec![chain("auto", &["small", "large"], -1.0)]);
     cfg.max_worker_retries = 1;
     let (router, _) = common::start_router(cfg, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     for i in 0..4 {
         let (status, trail, worker, v) = chat(&c, &router, ask("auto", &format!("question {i}"))).await;
         assert_eq!(status, 200, "{v}");
@@ -190,7 +190,7 @@ async fn an_exhausted_chain_returns_the_last_answer_and_streams_go_to_the_last_m
     let (router, _) =
         common::start_router(config(&[&small, &large], vec![chain("auto", &["small", "large"], -1.0)]), stop.clone())
             .await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let (status, trail, worker, v) = chat(&c, &router, ask("auto", "a hard question")).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(trail, "small:-3.00>large:-3.00", "below the threshold everywhere: the last answer");

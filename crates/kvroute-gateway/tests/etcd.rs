@@ -56,7 +56,7 @@ async fn registry_follows_puts_deletes_and_lease_expiry() {
     let stop = CancellationToken::new();
     // w3 is a static worker: etcd may add it too, but never removes it.
     let (r, _t) = common::start_router(cluster_config(&e.url, &[&w3]), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     eventually("etcd connected", async || metric(&c, &r, "kvroute_etcd_connected").await == 1.0).await;
 
     // A put registers the worker with its role, capacity and labels.
@@ -87,8 +87,11 @@ async fn registry_follows_puts_deletes_and_lease_expiry() {
     // An invalid record changes nothing; a delete removes the worker; the static worker stays
     // even when a registration of it is deleted.
     ec.put("/kvroute/workers/bad", r#"{"url": "ftp://nowhere"}"#, None).await.expect("put");
+    // The router's own listener registered as a worker would loop: refused like a bad record.
+    ec.put("/kvroute/workers/self", serde_json::json!({"url": r}).to_string(), None).await.expect("put");
     ec.put("/kvroute/workers/w3", serde_json::json!({"url": w3}).to_string(), None).await.expect("put");
     eventually("etcd_workers counts w1 and w3", async || metric(&c, &r, "kvroute_etcd_workers").await == 2.0).await;
+    assert!(!worker_urls(&c, &r).await.contains(&r), "the router's own listener became its worker");
     ec.delete("/kvroute/workers/w1", None).await.expect("delete");
     ec.delete("/kvroute/workers/w3", None).await.expect("delete");
     eventually("w1 deregistered", async || !worker_urls(&c, &r).await.contains(&w1)).await;
@@ -106,7 +109,7 @@ async fn the_policy_key_swaps_the_policy_under_load_and_an_invalid_value_keeps_t
     let (w1, w2) = (worker(&stop_w).await, worker(&stop_w).await);
     let stop = CancellationToken::new();
     let (r, _t) = common::start_router(cluster_config(&e.url, &[&w1, &w2]), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     eventually("etcd connected", async || metric(&c, &r, "kvroute_etcd_connected").await == 1.0).await;
 
     // Load runs through every swap; each response must be a 200.
@@ -184,7 +187,7 @@ async fn etcd_down_at_startup_and_mid_run_fails_no_request() {
     let stop = CancellationToken::new();
     // etcd is not running yet: the router serves its static worker meanwhile.
     let (r, _t) = common::start_router(cluster_config(&etcd_url, &[&w1]), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let send_ok = async |from: usize, n: usize| {
         for i in from..from + n {
             let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&chat(i)).send()).await.expect("send");
@@ -231,7 +234,7 @@ async fn registered_roles_make_a_disaggregated_fleet() {
     cfg.pd.colocate_below_tokens = 64;
     let stop = CancellationToken::new();
     let (r, _t) = common::start_router(cfg, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     eventually("etcd connected", async || metric(&c, &r, "kvroute_etcd_connected").await == 1.0).await;
     let port = psim.bootstrap_port().expect("bootstrap port");
     let recs = [

@@ -54,7 +54,7 @@ fn chat(content: &str, stream: bool) -> serde_json::Value {
 async fn proxies_non_stream_and_stream_with_explain_headers() {
     let (w1, w2) = (worker(fast()).await, worker(fast()).await);
     let r = router(cfg(&[&w1.url, &w2.url], "cache_aware")).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let resp = guard(c.post(format!("{}/v1/chat/completions", r.url)).json(&chat("hello there", false)).send())
         .await
         .expect("send");
@@ -112,7 +112,7 @@ async fn cache_aware_keeps_a_long_prefix_on_one_worker_and_its_cache_hits() {
     let ws = [worker(fast()).await, worker(fast()).await, worker(fast()).await];
     let urls: Vec<&str> = ws.iter().map(|w| w.url.as_str()).collect();
     let r = router(cfg(&urls, "cache_aware")).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let doc = "The quick brown fox jumps over the lazy dog. ".repeat(100);
     let mut first = None;
     for turn in 0..4 {
@@ -146,7 +146,7 @@ async fn a_dead_worker_is_retried_around_and_taken_out() {
     let mut config = cfg(&[&w1.url, &w2.url], "round_robin");
     config.health.interval_secs = 3600.0; // passive detection only
     let r = router(config).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let send = |i: usize| {
         let c = c.clone();
         let url = format!("{}/v1/chat/completions", r.url);
@@ -192,7 +192,7 @@ async fn failing_worker_requests_move_to_the_fallback() {
     let flaky = worker(EngineSimConfig { error_rate: 1.0, ..fast() }).await;
     let good = worker(fast()).await;
     let r = router(cfg(&[&flaky.url, &good.url], "round_robin")).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     for i in 0..6 {
         let resp = guard(c.post(format!("{}/v1/chat/completions", r.url)).json(&chat(&format!("x{i}"), true)).send())
             .await
@@ -285,7 +285,7 @@ async fn closing_worker() -> String {
 async fn a_connection_closed_under_a_request_sends_it_again_to_the_same_worker() {
     let (a, b) = (closing_worker().await, closing_worker().await);
     let r = router(cfg(&[&a, &b], "round_robin")).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     // Round robin: a, b, a, b — the third and fourth requests go out on pooled connections
     // that the workers close under them.
     let mut served = Vec::new();
@@ -316,7 +316,7 @@ async fn bad_inputs_get_the_right_status_and_json() {
     config.max_body_bytes = 1000;
     config.admin_token = Some("s3cret".into());
     let r = router(config).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let post = |path: &str, body: Vec<u8>| {
         c.post(format!("{}{path}", r.url)).header("content-type", "application/json").body(body).send()
     };
@@ -419,7 +419,7 @@ async fn admission_rejects_at_once_with_retry_after() {
     config.max_in_flight_per_model = 1;
     config.request_timeout_secs = 30.0;
     let r = router(config).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let url = format!("{}/v1/chat/completions", r.url);
     let hold = tokio::spawn({
         let c = c.clone();
@@ -491,7 +491,7 @@ print("ok")
 async fn slow_start_worker_is_unhealthy_until_ready() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let w = worker(EngineSimConfig { slow_start_secs: 3600.0, ..fast() }).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let r = guard(c.get(format!("{}/health", w.url)).send()).await.expect("send");
     assert_eq!(r.status(), 503);
     // Its /v1/models answers, so a router adds it as healthy; the first failed active
@@ -529,7 +529,7 @@ async fn the_default_policy_predicts_ttft_and_learns_from_what_engines_report() 
     config.policy = GatewayConfig::default().policy;
     assert_eq!(config.policy, "least_ttft", "least_ttft is the default");
     let r = router(config).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     // Streamed (TTFT measured at the first byte; the engine's usage chunk reports cached
     // tokens) and whole answers (cached tokens only), with a shared 2,000-character prefix so
     // the router predicts hits.
@@ -597,7 +597,7 @@ async fn two_documents_one_llama_worker(slot_routing: bool) -> (u64, u64, f64) {
     let mut config = cfg(&[&w.url], "least_ttft");
     config.llama_slot_routing = slot_routing;
     let r = router(config).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     common::eventually("the worker's slots in /workers", async || {
         let v: serde_json::Value =
             c.get(format!("{}/workers", r.url)).send().await.expect("workers").json().await.expect("json");

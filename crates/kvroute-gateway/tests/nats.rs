@@ -91,7 +91,7 @@ async fn replicas_share_prefix_state_and_load_and_a_new_replica_starts_from_a_sn
     let ws = workers(4, 1.0, &stop).await;
     let (a, _) = common::start_router(synced(Some(&nats.url), &ws), stop.clone()).await;
     let (b, _) = common::start_router(synced(Some(&nats.url), &ws), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     ready(&c, &a).await;
     ready(&c, &b).await;
 
@@ -145,7 +145,7 @@ async fn replicas_share_prefix_state_and_load_and_a_new_replica_starts_from_a_sn
 /// Sends `docs` × `per_doc` questions, each document's questions spread over the rounds,
 /// to `routers` in turn (a client-side round robin), 3 at a time; returns the failures.
 async fn shared_prefix_workload(routers: &[String], docs: usize, per_doc: usize) -> usize {
-    let c = reqwest::Client::new();
+    let c = common::client();
     let texts: Vec<String> = (0..docs).map(|d| document(100 + d, 3000)).collect();
     let mut order = Vec::new();
     for round in 0..per_doc {
@@ -183,7 +183,7 @@ async fn hit_ratio(replicas: usize, nats: Option<&str>, policy: &str) -> f64 {
     for _ in 0..replicas {
         routers.push(common::start_router(synced_with(nats, &ws, policy), stop.clone()).await.0);
     }
-    let c = reqwest::Client::new();
+    let c = common::client();
     for r in &routers {
         ready(&c, r).await;
     }
@@ -228,7 +228,7 @@ async fn nats_or_a_replica_dying_fails_no_request() {
     let stop_a = CancellationToken::new();
     let (a, _) = common::start_router(synced(Some(&nats.url), &ws), stop_a.clone()).await;
     let (b, _) = common::start_router(synced(Some(&nats.url), &ws), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     ready(&c, &a).await;
     ready(&c, &b).await;
     let send = async |router: &str, i: usize| -> bool {
@@ -323,7 +323,7 @@ async fn split_requests_teach_the_other_replicas_prefill_pool() {
     let replica = || GatewayConfig { pd: pd.clone(), ..synced(Some(&nats.url), &[]) };
     let (a, _) = common::start_router(replica(), stop.clone()).await;
     let (b, _) = common::start_router(replica(), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     ready(&c, &a).await;
     ready(&c, &b).await;
     let doc = document(2, 4000);

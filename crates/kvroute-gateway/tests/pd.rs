@@ -99,7 +99,7 @@ async fn split_and_colocate(protocol: PdProtocol) {
     let f =
         fleet(vec![sim(Role::Prefill), sim(Role::Prefill)], vec![sim(Role::Decode), sim(Role::Decode)], &stop).await;
     let (router, _) = common::start_router(config(&f, protocol), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let decode_urls: Vec<&str> = f.decode.iter().map(|(u, _)| u.as_str()).collect();
 
     let long = prompt("a long shared system prompt", 400);
@@ -169,7 +169,7 @@ async fn each_role_has_its_own_admission_limit() {
     let mut cfg = config(&f, PdProtocol::Sglang);
     cfg.pd.max_in_flight_decode = 1;
     let (router, _) = common::start_router(cfg, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     // A long decode holds the decode pool's only permit while its stream is open.
     let mut body = chat(&prompt("hold", 200), true);
     body["max_tokens"] = json!(4000);
@@ -201,7 +201,7 @@ async fn a_failing_prefill_or_decode_worker_is_replaced_before_the_client_sees_a
         cfg.pd.decode_policy = "round_robin".into();
         cfg.max_worker_retries = 1;
         let (router, _) = common::start_router(cfg, stop.clone()).await;
-        let c = reqwest::Client::new();
+        let c = common::client();
         for i in 0..4 {
             let stream = i % 2 == 1;
             let a = send(&c, &router, &chat(&prompt(&format!("request {i}"), 200), stream)).await;
@@ -226,7 +226,7 @@ async fn the_handshake_has_a_timeout_and_a_stream_failing_after_its_first_byte_e
         let mut cfg = config(&f, protocol);
         cfg.pd.handshake_timeout_secs = 0.5;
         let (router, _) = common::start_router(cfg, stop.clone()).await;
-        let c = reqwest::Client::new();
+        let c = common::client();
         let a = send(&c, &router, &chat(&prompt("stuck", 200), false)).await;
         assert_eq!(a.status, 502, "{}: {}", protocol.as_str(), a.text);
         assert!(a.text.contains("handshake timeout"), "{}", a.text);
@@ -239,7 +239,7 @@ async fn the_handshake_has_a_timeout_and_a_stream_failing_after_its_first_byte_e
     cfg.pd.decode = vec![stalling];
     cfg.stream_idle_timeout_secs = 0.3;
     let (router, _) = common::start_router(cfg, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let a = send(&c, &router, &chat(&prompt("stall", 200), true)).await;
     assert_eq!(a.status, 200, "{}", a.text);
     assert!(a.text.starts_with("data: {\"choices\":[]}"), "{}", a.text);

@@ -60,7 +60,7 @@ async fn admission_rejections_and_dry_runs_record_nothing_and_a_gone_client_leav
     config.max_in_flight_per_model = 1;
     let stop = CancellationToken::new();
     let (r, _task) = common::start_router(config, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     // One request holds the model's only permit (the worker never answers).
     let holder = {
         let (c, url) = (c.clone(), format!("{r}/v1/chat/completions"));
@@ -112,7 +112,7 @@ async fn made_up_model_names_share_one_admission_limit_and_unserved_ones_are_ref
     config.request_timeout_secs = 5.0;
     let stop = CancellationToken::new();
     let (r, _task) = common::start_router(config, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let named = |model: &str| serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5});
     let holder = {
         let (c, url, body) = (c.clone(), format!("{r}/v1/chat/completions"), named("model-a"));
@@ -164,7 +164,7 @@ async fn a_worker_with_passing_health_and_failing_inference_stays_out_after_max_
     config.health.success_threshold = 1;
     let stop = CancellationToken::new();
     let (r, _task) = common::start_router(config, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     for i in 0..40 {
         let resp = post(&c, format!("{r}/v1/chat/completions"), &chat(&format!("q{i}"))).await;
         assert_eq!(resp.status(), 200, "request {i}: no client-visible error while a healthy worker exists");
@@ -194,7 +194,7 @@ async fn attempts_are_bounded_by_max_total_retries_exactly() {
     config.max_total_retries = 6;
     let stop = CancellationToken::new();
     let (r, _task) = common::start_router(config, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let resp = post(&c, format!("{r}/v1/chat/completions"), &chat("fails everywhere")).await;
     assert_eq!(resp.status(), 502);
     let v: serde_json::Value = guard(resp.json()).await.expect("json error");
@@ -213,7 +213,7 @@ async fn turning_eviction_on_live_evicts() {
     let (w, stop_w) = worker(fast()).await;
     let stop = CancellationToken::new();
     let (r, _task) = common::start_router(cfg(&[&w], "prefix_affinity"), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     for i in 0..10 {
         let resp = post(&c, format!("{r}/v1/chat/completions"), &chat(&format!("prompt {i} ").repeat(30))).await;
         assert_eq!(resp.status(), 200);
@@ -244,7 +244,7 @@ async fn workers_failing_half_their_requests_are_not_all_ejected_and_retries_hid
     let config = cfg(&urls, "round_robin");
     let stop = CancellationToken::new();
     let (r, _task) = common::start_router(config, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let mut ok = 0;
     let mut most_out = 0;
     for i in 0..200 {
@@ -287,7 +287,7 @@ async fn a_token_id_prompt_over_max_prompt_tokens_is_refused_naming_the_field() 
     config.max_prompt_tokens = 1000;
     let stop = CancellationToken::new();
     let (r, _task) = common::start_router(config, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let ids = |n: u32| (0..n).collect::<Vec<u32>>();
     let at_limit = serde_json::json!({"model": "sim-llama-3-8b", "prompt": ids(1000), "max_tokens": 1});
     assert_eq!(post(&c, format!("{r}/v1/completions"), &at_limit).await.status(), 200);
@@ -313,7 +313,7 @@ async fn a_silent_stream_ends_with_an_error_event_and_a_worker_that_never_answer
     config.stream_idle_timeout_secs = 0.3;
     let stop = CancellationToken::new();
     let (r, _task) = common::start_router(config, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let mut body = chat("hello");
     body["stream"] = true.into();
     // Before: the client waited for request_timeout_secs (600 s) with the stream open.
@@ -365,7 +365,7 @@ async fn a_burst_decided_in_parallel_lands_as_if_decided_one_by_one() {
     config.max_in_flight_per_model = 64;
     let stop = CancellationToken::new();
     let (r, _task) = common::start_router(config, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let held: Vec<_> = (0..16)
         .map(|i| {
             let (c, url) = (c.clone(), format!("{r}/v1/chat/completions"));

@@ -50,7 +50,7 @@ async fn with_equal_cache_and_load_the_lower_power_worker_wins() {
     let low = worker(100.0, &stop).await;
     let high = worker(400.0, &stop).await;
     let (router, _) = common::start_router(power_only(&[&low, &high]), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let p = powers(&c, &router, 2).await;
     let of = |u: &str| p.iter().find(|(w, _)| w == u).map(|(_, x)| *x).expect("power");
     assert!((of(&low) - 100.0).abs() < 1.0 && (of(&high) - 400.0).abs() < 1.0, "idle readings: {p:?}");
@@ -74,7 +74,7 @@ async fn the_power_gauge_is_read_from_the_exporter_template() {
     let mut cfg = power_only(&[&w]);
     cfg.power_exporter = Some(format!("http://{{host}}:{port}/metrics"));
     let (router, _) = common::start_router(cfg, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let p = powers(&c, &router, 1).await;
     assert!((p[0].1 - 250.0).abs() < 1.0, "read from the exporter, not the worker: {p:?}");
     stop.cancel();

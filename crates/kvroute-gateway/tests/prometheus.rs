@@ -270,7 +270,7 @@ async fn prometheus_scrapes_kvroute_and_every_dashboard_query_reads_its_series()
 
     // Traffic on `kvroute`: 12 requests of team-a, 4 streamed, sharing a prompt two by two;
     // then team-b's one request a minute, and one more (429).
-    let c = reqwest::Client::new();
+    let c = common::client();
     let send = async |gateway: &str, key: Option<&str>, body: &Value| {
         let mut rb = c.post(format!("{gateway}/v1/chat/completions")).json(body);
         if let Some(k) = key {

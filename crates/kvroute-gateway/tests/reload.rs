@@ -36,8 +36,9 @@ impl Drop for TempDir {
 /// (last, so they may open a table).
 fn file_text(policy: &str, extra: &str, urls: &[&str]) -> String {
     let urls: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+    let token = common::ADMIN_TOKEN;
     format!(
-        "port = 0\npolicy = \"{policy}\"\nexpose_decision_headers = true\nworker_urls = [{}]\n{extra}\n",
+        "port = 0\nadmin_token = \"{token}\"\npolicy = \"{policy}\"\nexpose_decision_headers = true\nworker_urls = [{}]\n{extra}\n",
         urls.join(", ")
     )
 }
@@ -126,7 +127,7 @@ async fn sighup_reloads_policy_knobs_and_workers_and_an_invalid_file_keeps_the_c
 
     let stop = CancellationToken::new();
     let (r, server) = common::start_router_with_reload(cfg, Some(source), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     for outcome in ["applied", "unchanged", "invalid"] {
         let text = c.get(format!("{r}/metrics")).send().await.expect("metrics").text().await.expect("text");
         assert!(text.contains(&format!("kvroute_config_reloads_total{{outcome=\"{outcome}\"}} 0")), "{outcome}");
@@ -174,6 +175,9 @@ async fn sighup_reloads_policy_knobs_and_workers_and_an_invalid_file_keeps_the_c
     reload_and_wait(&c, &r, "invalid", 1).await;
     write(&path, &file_text("no_such_policy", "", &[&w1]));
     reload_and_wait(&c, &r, "invalid", 2).await;
+    // The router's own listener as a worker: it would loop; the whole file is refused.
+    write(&path, &file_text("round_robin", "", &[&w1, &r]));
+    reload_and_wait(&c, &r, "invalid", 3).await;
     assert_eq!(policy(&c, &r).await["policy"], "cache_aware");
     assert_eq!(workers(&c, &r).await, want, "the workers are as they were");
     assert!(decision(&c, &r).await.contains("policy=cache_aware"));
@@ -183,7 +187,7 @@ async fn sighup_reloads_policy_knobs_and_workers_and_an_invalid_file_keeps_the_c
     reload_and_wait(&c, &r, "unchanged", 2).await;
     assert!(decision(&c, &r).await.contains("policy=cache_aware"), "a request over 1000 bytes is still served");
     assert_eq!(reloads(&c, &r, "applied").await, 4);
-    assert_eq!(reloads(&c, &r, "invalid").await, 2);
+    assert_eq!(reloads(&c, &r, "invalid").await, 3);
 
     // The client's keep-alive connections closed first, so the drain has nothing to wait for.
     drop(c);

@@ -83,7 +83,7 @@ async fn clients_reach_the_router_over_https_by_http2_and_http1_and_plain_http_o
 
     // Plain HTTP to the TLS port: the handshake fails and the connection is closed.
     let plain = r.replacen("https://", "http://", 1);
-    let res = guard(reqwest::Client::new().get(format!("{plain}/health")).send()).await;
+    let res = guard(common::client().get(format!("{plain}/health")).send()).await;
     assert!(res.is_err(), "plain HTTP must not be served on the TLS port: {res:?}");
     // A client that does not trust the router's CA refuses the certificate.
     let other = client_trusting(&TestCa::new("some other CA"), false);
@@ -108,7 +108,7 @@ async fn https_workers_are_trusted_through_worker_ca_file_and_not_without_it() {
             .await;
     assert!(w.starts_with("https://127.0.0.1:"));
 
-    let c = reqwest::Client::new();
+    let c = common::client();
     let trusted =
         GatewayConfig { worker_ca_file: Some(ca_file.display().to_string()), ..common::config(&[&w], "round_robin") };
     let stop = CancellationToken::new();

@@ -73,10 +73,12 @@ pub struct Args {
     /// Admission limit per (model, role).
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_MODEL")]
     pub max_in_flight_per_model: Option<u32>,
-    /// Bearer token for the admin API (without one it answers loopback clients only).
+    /// Bearer token for the admin API (without one the main port serves no admin API; it is
+    /// then only on a loopback --admin-listen).
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
     pub admin_token: Option<String>,
-    /// Serve the admin API on this separate HOST:PORT (the main port then has none).
+    /// Serve the admin API on this separate IP:PORT (the main port then has none); without
+    /// --admin-token it must be loopback and refuses requests relayed by a proxy.
     #[arg(long, env = "KVROUTE_ADMIN_LISTEN")]
     pub admin_listen: Option<String>,
     /// File of client API keys, one `KEY [TENANT] [rpm=N] [tpm=N]` per line.

@@ -91,7 +91,7 @@ async fn load(router: &str, total: usize, concurrency: usize, done: Arc<AtomicUs
     for _ in 0..concurrency {
         let (router, next, done) = (router.to_string(), Arc::clone(&next), Arc::clone(&done));
         tasks.push(tokio::spawn(async move {
-            let c = reqwest::Client::new();
+            let c = common::client();
             let mut out = Vec::new();
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
@@ -189,7 +189,7 @@ async fn workers_killed_and_restarted_under_mixed_load() {
 
     // The restarted worker is back in rotation (after its health check, and an inference
     // probe when it was ejected): it answers requests again.
-    let c = reqwest::Client::new();
+    let c = common::client();
     let before = ok_count(&c, &r, &urls[0]).await;
     let mut back = false;
     for i in 0..600 {
@@ -225,7 +225,7 @@ async fn workers_failing_half_their_requests_under_concurrency() {
     // The bar is 95 %.
     let ok = outcomes.iter().filter(|(_, o)| *o == Outcome::Ok).count();
     assert!(ok * 100 >= total * 95, "{ok} of {total} succeeded: {outcomes:?}");
-    ledger_drains(&reqwest::Client::new(), &r).await;
+    ledger_drains(&common::client(), &r).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -256,7 +256,7 @@ async fn a_worker_that_never_answers_costs_a_few_504s_then_is_taken_out() {
     // `concurrency` wait on it at once, for at most two waves.
     let timeouts = outcomes.iter().filter(|(_, o)| *o == Outcome::ServerError(504)).count();
     assert!(timeouts <= 2 * concurrency, "{timeouts} requests timed out: {outcomes:?}");
-    ledger_drains(&reqwest::Client::new(), &r).await;
+    ledger_drains(&common::client(), &r).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -313,7 +313,7 @@ async fn disconnecting_and_half_closing_clients_leave_no_load() {
     for t in tasks {
         t.await.expect("client");
     }
-    let c = reqwest::Client::new();
+    let c = common::client();
     ledger_drains(&c, &r).await;
     // And the router still serves.
     assert_eq!(send(&c, &r, 1, false).await, Outcome::Ok);

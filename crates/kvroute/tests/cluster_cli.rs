@@ -153,7 +153,7 @@ async fn a_killed_replica_leaves_no_load_behind_and_a_restarted_one_routes_with_
     let a_port = free_port();
     let (a, a_url) = replica(a_port, &ws, Some(&nurl), "k", &[]).await;
     let (_b, b_url) = replica(free_port(), &ws, Some(&nurl), "k", &[]).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
 
     // Documents routed through B: the cluster's prefix state.
     let mut placed = Vec::new();

@@ -71,7 +71,7 @@ async fn recorded_traffic_keeps_no_text_shares_prefix_ids_and_replays() {
     std::fs::create_dir_all(&dir).expect("tmp dir");
     let file = dir.join("trace.jsonl");
     let (_procs, router) = fleet(&file, 2, "50", &["--record-block-tokens", "4"]).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let mut sent = 0;
     for d in 0..3 {
         for q in 0..4 {
@@ -173,7 +173,7 @@ async fn a_request_refused_before_any_decision_is_not_recorded() {
         spawn_kvroute(&args(&["serve", "--port", &port.to_string(), "--record", file.to_str().expect("utf-8")]));
     let router = format!("http://127.0.0.1:{port}");
     wait_ok(&router, "/health").await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     let send = |question: &'static str| {
         let req = c.post(format!("{router}/v1/chat/completions")).json(&body(&document(1), question, false));
         async move {
@@ -203,7 +203,7 @@ async fn the_trace_rotates_at_its_size_limit_and_keeps_its_file_count() {
     let (_procs, router) =
         fleet(&file, 2, "50", &["--record-block-tokens", "2", "--record-max-bytes", "4096", "--record-files", "2"])
             .await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     // Each line carries ~140 ids of up to 16 digits (~2.5 KB): two lines pass 4 KiB.
     for i in 0..12 {
         let r = c

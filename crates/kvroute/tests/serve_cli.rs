@@ -115,13 +115,14 @@ async fn sighup_reloads_the_config_file_with_the_flags_on_top() {
     let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(["serve", "--config", cfg.to_str().expect("utf8"), "--port", &port.to_string()])
         .env("KVROUTE_LOG", "info")
+        .env("KVROUTE_ADMIN_TOKEN", common::ADMIN_TOKEN)
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).expect("log file"))
         .spawn()
         .expect("spawn");
     let mut router = Proc(child);
     let url = format!("http://127.0.0.1:{port}");
-    let c = reqwest::Client::new();
+    let c = common::client();
     let hup = |router: &Proc| {
         let pid = router.0.id().to_string();
         assert!(Command::new("kill").args(["-HUP", &pid]).status().expect("kill").success());
@@ -185,13 +186,14 @@ async fn co_launched_workers_serve_and_stop_with_the_router() {
             "--worker-cmd",
             &format!("{bin} engine-sim --port {{port}} --time-scale 50"),
         ])
+        .env("KVROUTE_ADMIN_TOKEN", common::ADMIN_TOKEN)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn");
     let mut router = Proc(child);
     let url = format!("http://127.0.0.1:{port}");
-    let c = reqwest::Client::new();
+    let c = common::client();
     assert!(wait_ready(&c, &url).await, "router with co-launched workers never became ready");
     let workers: serde_json::Value =
         c.get(format!("{url}/list_workers")).send().await.expect("list").json().await.expect("json");

@@ -1,6 +1,7 @@
 //! Stage 5, dispatch: send the request to the chosen worker and retry as SGLang's router
 //! documents — a connection error or a 5xx (or 429) before any byte reached the client is
-//! retried on the same worker up to `max_worker_retries` times, then on the next worker;
+//! retried on the same worker up to `max_worker_retries` times, then on the next worker
+//! (except 508 Loop Detected, passed on: a loop, [`crate::hops`]);
 //! `max_total_retries` bounds the attempts of one request. Each worker the request is
 //! really written to is committed to the model's router (prefix index, session binding)
 //! and gets a load ticket.
@@ -314,6 +315,11 @@ pub async fn send(
                 };
             match answer {
                 Ok((resp, body)) => {
+                    if resp.status() == StatusCode::LOOP_DETECTED {
+                        // Counted against the worker, so a loop that persists takes it out.
+                        tracing::warn!(worker = %w.url, "routing loop: the worker sent the request back here (508)");
+                        s.record_failure(w);
+                    }
                     let observe = (w.id == d.worker && resp.status().is_success()).then(|| Observe {
                         router: Arc::clone(&routed.router),
                         worker: w.id,
@@ -420,7 +426,9 @@ pub(crate) async fn attempt(
     let url = w.endpoint(api).map_err(Failure::Retry)?;
     let mut rb = s.client.post(url).timeout(timeout).body(bytes.clone());
     rb = rb.header(header::CONTENT_TYPE, "application/json");
-    for name in &s.forward_headers {
+    // This hop, after the client's own `Via` entries: a request that comes back is refused.
+    rb = rb.header(header::VIA, crate::hops::outgoing(headers, &s.via_name));
+    for name in s.forward_headers.iter().filter(|n| **n != header::VIA) {
         for v in headers.get_all(name) {
             rb = rb.header(name, v.clone());
         }
@@ -446,6 +454,10 @@ pub(crate) async fn attempt(
     match sent {
         Err(e) if e.is_timeout() => Err(Failure::Timeout { first_byte: false }),
         Err(e) => Err(Failure::Retry(format!("{}: {e}", w.url))),
+        // A router downstream saw this request pass through it already (`crate::hops`): a
+        // loop, which a retry elsewhere would only go round again. The answer is the
+        // client's, as it is.
+        Ok(r) if r.status() == StatusCode::LOOP_DETECTED => Ok(r),
         Ok(r) if r.status().is_server_error() || r.status() == StatusCode::TOO_MANY_REQUESTS => {
             Err(Failure::Retry(format!("{}: upstream answered {}", w.url, r.status())))
         }

@@ -1,6 +1,7 @@
 //! The request pipeline: one request walks through named stages, each a small module.
 //!
 //! ```text
+//! loop     a request already carrying this replica's `Via` → 508    crate::hops
 //! read     body within the size limit                              read_body (here)
 //! parse    body → routing info (model, text or token ids, session) kvroute_protocol::openai::parse
 //!          (with API keys: the key is checked and its request bucket taken before the body
@@ -81,6 +82,7 @@ async fn run(
     body: Body,
 ) -> Result<Response, (ApiError, &'static str)> {
     let t0 = Instant::now();
+    crate::hops::check_arrival(headers, &s.via_name).map_err(|e| (e, ""))?;
     let key = authenticate(s, headers).map_err(|e| (e, ""))?;
     let bytes = read_body(s, headers, body).await.map_err(|e| (e, ""))?;
     let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());

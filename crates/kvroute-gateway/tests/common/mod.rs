@@ -40,9 +40,15 @@ pub async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(60), f).await.expect("hang guard: no answer within 60 s")
 }
 
-/// A gateway configuration for `urls` running `policy`, on an ephemeral port, with ring
-/// installed as rustls's provider (reqwest is built without a default one). Decision
-/// headers are on (`expose_decision_headers`): these tests read where requests went.
+/// The admin token of [`config`]'s gateways: without a token the main port serves no admin
+/// API, and these tests read `/workers`, `/policy` and `/debug/route` from it.
+#[allow(dead_code)]
+pub const ADMIN_TOKEN: &str = "test-admin-token";
+
+/// A gateway configuration for `urls` running `policy`, on an ephemeral port, with
+/// [`ADMIN_TOKEN`] as its admin token, decision headers on (`expose_decision_headers`: these
+/// tests read where requests went), and ring installed as rustls's provider (reqwest is
+/// built without a default one).
 #[allow(dead_code)] // not every test binary configures a gateway this way
 pub fn config(urls: &[&str], policy: &str) -> kvroute_gateway::GatewayConfig {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -51,8 +57,27 @@ pub fn config(urls: &[&str], policy: &str) -> kvroute_gateway::GatewayConfig {
         worker_urls: urls.iter().map(|u| u.to_string()).collect(),
         port: 0,
         expose_decision_headers: true,
+        admin_token: Some(ADMIN_TOKEN.into()),
         ..kvroute_gateway::GatewayConfig::default()
     }
+}
+
+/// A client presenting [`ADMIN_TOKEN`] (`Authorization: Bearer …`) unless a request sets
+/// its own `Authorization`.
+#[allow(dead_code)] // not every test binary uses the admin API
+pub fn client() -> reqwest::Client {
+    admin_client_builder().build().expect("client")
+}
+
+/// [`client`]'s builder, for a test that adds to it (trust roots).
+#[allow(dead_code)]
+pub fn admin_client_builder() -> reqwest::ClientBuilder {
+    let mut h = reqwest::header::HeaderMap::new();
+    h.insert(
+        reqwest::header::AUTHORIZATION,
+        reqwest::header::HeaderValue::from_str(&format!("Bearer {ADMIN_TOKEN}")).expect("value"),
+    );
+    reqwest::Client::builder().default_headers(h)
 }
 
 /// Polls `cond` every 50 ms until it holds; fails with `what` after 30 s (a hang guard,

@@ -18,11 +18,29 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("ephemeral port")
 }
 
-/// Starts `kvroute ARGS...` with its output discarded (killed on drop).
+/// The admin token the routers of these tests run with (`KVROUTE_ADMIN_TOKEN`): without
+/// one the main port serves no admin API, and the tests read `/workers` and `/debug/route`.
+#[allow(dead_code)]
+pub const ADMIN_TOKEN: &str = "test-admin-token";
+
+/// A client presenting [`ADMIN_TOKEN`] unless a request sets its own `Authorization`.
+#[allow(dead_code)]
+pub fn client() -> reqwest::Client {
+    let mut h = reqwest::header::HeaderMap::new();
+    h.insert(
+        reqwest::header::AUTHORIZATION,
+        reqwest::header::HeaderValue::from_str(&format!("Bearer {ADMIN_TOKEN}")).expect("value"),
+    );
+    reqwest::Client::builder().default_headers(h).build().expect("client")
+}
+
+/// Starts `kvroute ARGS...` with its output discarded (killed on drop), with
+/// `KVROUTE_ADMIN_TOKEN` set to [`ADMIN_TOKEN`].
 #[allow(dead_code)] // not every test binary starts kvroute processes this way
 pub fn spawn_kvroute(args: &[String]) -> Proc {
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(args)
+        .env("KVROUTE_ADMIN_TOKEN", ADMIN_TOKEN)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
