@@ -231,6 +231,7 @@ impl Pair<'_> {
                     let sent = Sent {
                         resp,
                         body,
+                        first: None,
                         worker: Arc::clone(dw),
                         ticket: d_ticket,
                         shared: shared_d,
