@@ -306,7 +306,10 @@ async fn timeouts_and_disconnects_before_the_first_byte_are_counted_with_their_w
     eventually("the disconnect is counted", async || requests_total(&c, &r, &a, "cancelled").await == 1.0).await;
     // … and so is one that goes away while its body is still being read (no worker yet).
     let mut raw = tokio::net::TcpStream::connect(r.trim_start_matches("http://")).await.expect("connect");
-    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\":";
+    let head = concat!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n",
+        "content-length: 100\r\n\r\n{\"model\":"
+    );
     tokio::io::AsyncWriteExt::write_all(&mut raw, head.as_bytes()).await.expect("write");
     let pending = requests_total(&c, &r, "", "cancelled").await;
     assert_eq!(pending, 0.0);

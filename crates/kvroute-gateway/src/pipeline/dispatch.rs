@@ -344,7 +344,11 @@ pub async fn send(
             };
             let Some(answer) = answer else {
                 // Not charged a failure: the health checks took it out already.
-                tracing::warn!(worker = %w.url, attempt = attempts, "worker marked down while the request waited: failing over");
+                tracing::warn!(
+                    worker = %w.url,
+                    attempt = attempts,
+                    "worker marked down while the request waited: failing over"
+                );
                 last_err = format!("{} was marked down by health checks before it answered", w.url);
                 if let Some(p) = predicted {
                     p.settle(s);
