@@ -320,3 +320,48 @@ async fn timeouts_and_disconnects_before_the_first_byte_are_counted_with_their_w
     stop.cancel();
     stop_a.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleets_of_one_and_two_workers_failing_half_their_requests_serve_nearly_all() {
+    use kvroute_engine_sim::{self as engine_sim, EngineSimConfig, Profile};
+    let c = client();
+    let mut profile = Profile::named("h100-llama3-8b").expect("profile");
+    profile.prefill_per_token_s = 1e-4;
+    for n in [1u64, 2] {
+        let mut stops = Vec::new();
+        let mut urls = Vec::new();
+        for seed in 0..n {
+            let stop = CancellationToken::new();
+            let sim = EngineSimConfig {
+                profile: profile.clone(),
+                time_scale: 50.0,
+                error_rate: 0.5,
+                fault_seed: seed,
+                ..EngineSimConfig::default()
+            };
+            let (url, _sim) = engine_sim::spawn_local(sim, stop.clone()).await.expect("start a simulated worker");
+            urls.push(url);
+            stops.push(stop);
+        }
+        let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+        let stop = CancellationToken::new();
+        let (r, _task) = common::start_router(cfg(&urls, "round_robin"), stop.clone()).await;
+        let mut ok = 0;
+        for i in 0..200 {
+            let body = serde_json::json!({"model": "sim-llama-3-8b", "max_tokens": 5,
+                "messages": [{"role": "user", "content": format!("half {i}")}]});
+            let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&body).send()).await.expect("send");
+            if resp.status() == 200 {
+                ok += 1;
+            }
+        }
+        // Six attempts each, every one failing with probability 0.5: 1 in 64 requests fails
+        // on average (≈ 3 of 200). Before, the lone routable worker (the only one, or the
+        // one left when the other was ejected) got 3 attempts: 85–89 % succeeded.
+        assert!(ok >= 190, "{n} worker(s): {ok} of 200 requests succeeded");
+        stop.cancel();
+        for s in stops {
+            s.cancel();
+        }
+    }
+}
