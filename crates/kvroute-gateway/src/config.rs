@@ -68,19 +68,25 @@ pub struct GatewayConfig {
     /// accepts the connection and then never answers is bounded by `request_timeout_secs`
     /// (and, for a stream, `stream_first_byte_timeout_secs`).
     pub connect_timeout_secs: f64,
-    /// Total timeout of one proxied request, seconds.
+    /// Total timeout of one proxied request, a stream's whole body included, seconds (600:
+    /// the OpenAI Python client's own default; SGLang's and vLLM's routers allow 1800 — see
+    /// docs/operations.md, "Timeout defaults").
     pub request_timeout_secs: f64,
     /// A streamed request's first bytes (response headers and first chunk) must come from
-    /// the worker within this long of the request's arrival, seconds: queueing plus prefill.
-    /// Beyond: 504 before the response began, else an SSE error event ends the stream.
+    /// the worker within this long of the request's arrival, seconds: queueing plus prefill
+    /// (120: far above the prefill of a long prompt; a worker that health checks mark down
+    /// is left at once, without waiting for it). The client's response starts with that
+    /// first chunk, so beyond this it gets a 504 JSON error.
     pub stream_first_byte_timeout_secs: f64,
     /// Longest silence between two chunks of a streamed response, seconds (nginx's
     /// `proxy_read_timeout` is 60 s); beyond, an SSE error event ends the stream and the
     /// attempt counts as a failure of the worker.
     pub stream_idle_timeout_secs: f64,
-    /// Consecutive failures after which a worker is taken out of routing (SGLang router).
+    /// Consecutive failures after which a worker is taken out of routing, and the attempts
+    /// one request makes on a worker before the next (SGLang router).
     pub max_worker_retries: u32,
-    /// Attempts per request across workers before the client gets an error (SGLang router).
+    /// Attempts per request across workers before the client gets an error (SGLang router);
+    /// the last routable worker may use all that is left (a lone worker gets them all).
     pub max_total_retries: u32,
     /// Largest share of the workers that failed requests may eject at once, in [0, 1]
     /// (rounded down: 0.5 of 3 workers is 1). Beyond it a failing worker stays in routing,
@@ -299,7 +305,7 @@ impl Default for GatewayConfig {
             drain_timeout_secs: 30.0,
             connect_timeout_secs: 30.0,
             request_timeout_secs: 600.0,
-            stream_first_byte_timeout_secs: 300.0,
+            stream_first_byte_timeout_secs: 120.0,
             stream_idle_timeout_secs: 60.0,
             max_worker_retries: 3,
             max_total_retries: 6,

@@ -96,6 +96,10 @@ pub struct WorkerEntry {
     /// Models served (empty = unknown: serves any model); replaced when rediscovered.
     pub models: ArcSwap<Vec<String>>,
     health: AtomicU8,
+    /// Woken when health checks mark the worker down ([`WorkerEntry::mark_down`]): the
+    /// requests still waiting for its first byte stop waiting and fail over
+    /// ([`WorkerEntry::marked_down`]).
+    down: tokio::sync::Notify,
     /// Taken out of routing by failed requests: routable again only after an inference
     /// probe passes (a `/health` 200 is not enough).
     ejected: AtomicBool,
@@ -214,6 +218,7 @@ impl WorkerEntry {
             endpoints,
             models: ArcSwap::from_pointee(models),
             health: AtomicU8::new(health_code(health)),
+            down: tokio::sync::Notify::new(),
             ejected: AtomicBool::new(false),
             consecutive_failures: AtomicU32::new(0),
             check_failures: AtomicU32::new(0),
@@ -301,6 +306,21 @@ impl WorkerEntry {
     /// Sets the health; returns the previous value.
     pub fn set_health(&self, h: Health) -> Health {
         health_of(self.health.swap(health_code(h), Relaxed))
+    }
+
+    /// Health checks found the worker down: sets it unhealthy and wakes every request
+    /// waiting on it ([`WorkerEntry::marked_down`]). Returns the previous health.
+    pub fn mark_down(&self) -> Health {
+        let was = self.set_health(Health::Unhealthy);
+        self.down.notify_waiters();
+        was
+    }
+
+    /// Completes at the next [`WorkerEntry::mark_down`] after this call (created before
+    /// the worker's health is read, it misses none: tokio's `Notify::notify_waiters`
+    /// wakes every such future, polled yet or not).
+    pub fn marked_down(&self) -> tokio::sync::futures::Notified<'_> {
+        self.down.notified()
     }
 
     /// Whether failed requests took the worker out (until an inference probe passes).

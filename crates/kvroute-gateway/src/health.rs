@@ -180,7 +180,8 @@ async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
             tracing::warn!(worker = %url, reason = %why, failures = n, "health check failing");
         }
         if n >= h.failure_threshold && w.health() == Health::Healthy {
-            w.set_health(Health::Unhealthy);
+            // Requests waiting on it for a first byte fail over now (dispatch).
+            w.mark_down();
             healthy_now = Some(false);
         }
     }

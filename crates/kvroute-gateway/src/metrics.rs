@@ -11,13 +11,13 @@ use std::collections::{HashMap, HashSet};
 /// Labels of `kvroute_requests_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
-    /// Worker URL (empty when none was chosen).
+    /// URL of the worker the request was last sent to (empty when it was sent to none).
     pub worker: String,
     /// Policy name.
     pub policy: String,
     /// Decision branch.
     pub branch: String,
-    /// ok, upstream_error, client_error, rejected, no_worker, cancelled.
+    /// ok, client_error, rejected, timeout, upstream_error, cancelled.
     pub outcome: String,
 }
 

@@ -58,6 +58,10 @@ async fn keys_are_required_and_each_key_is_held_to_its_requests_and_tokens_per_m
     assert_eq!(resp.status(), 429);
     let wait: u64 = resp.headers()["retry-after"].to_str().expect("ascii").parse().expect("seconds");
     assert!((1..=60).contains(&wait), "Retry-After {wait}");
+    // OpenAI's error type for a rate limit, which clients branch on.
+    let v: serde_json::Value = guard(resp.json()).await.expect("json");
+    assert_eq!(v["error"]["type"], "rate_limit_exceeded", "{v}");
+    assert_eq!(v["error"]["code"], 429, "{v}");
     // Tokens per minute: prompt (~3 tokens) + max_tokens 30 fits in 50 once, not twice; a
     // request larger than a minute's worth is refused without Retry-After.
     assert_eq!(send(Some("sk-tok"), chat(30)).await.expect("send").status(), 200);

@@ -40,7 +40,9 @@ impl ApiError {
         match self.status.as_u16() {
             400 | 404 | 413 | 422 => "invalid_request_error",
             401 | 403 => "authentication_error",
-            429 | 503 => "service_unavailable",
+            // OpenAI's API and vLLM's server name a 429 so; clients branch on it.
+            429 => "rate_limit_exceeded",
+            503 => "service_unavailable",
             _ => "server_error",
         }
     }
@@ -64,5 +66,28 @@ impl axum::response::IntoResponse for ApiError {
             r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_status_has_its_openai_type() {
+        for (status, kind) in [
+            (400, "invalid_request_error"),
+            (401, "authentication_error"),
+            (429, "rate_limit_exceeded"),
+            (503, "service_unavailable"),
+            (502, "server_error"),
+            (504, "server_error"),
+        ] {
+            let e = ApiError::new(StatusCode::from_u16(status).expect("status"), "m").with_param("f");
+            let b = e.body();
+            assert_eq!(b["error"]["type"], kind, "{status}");
+            assert_eq!(b["error"]["code"], status);
+            assert_eq!(b["error"]["param"], "f");
+        }
     }
 }

@@ -282,6 +282,10 @@ pub fn parse_limited(
             if msgs.is_empty() {
                 return Err(ApiError::bad_field("messages", "`messages` must not be empty"));
             }
+            // Some message must carry content (a non-empty string or at least one part): an
+            // empty conversation has nothing to prompt with, and engines refuse an empty
+            // prompt after routing (vLLM: "the decoder prompt cannot be empty").
+            let mut any_content = false;
             for (i, m) in msgs.iter().enumerate() {
                 let m: Message<'_> = typed(m)
                     .ok_or_else(|| ApiError::bad_field("messages", format!("`messages[{i}]` must be an object")))?;
@@ -290,8 +294,10 @@ pub fn parse_limited(
                 }
                 let Some(content) = present(m.content) else { continue };
                 if let Some(s) = string(content) {
+                    any_content |= !s.is_empty();
                     push_text(&mut info.text, &s);
                 } else if let Some(parts) = typed::<Vec<&RawValue>>(content) {
+                    any_content |= !parts.is_empty();
                     for p in parts {
                         if let Some(t) = typed::<Part<'_>>(p).and_then(|p| p.text).and_then(string) {
                             push_text(&mut info.text, &t);
@@ -304,13 +310,20 @@ pub fn parse_limited(
                     ));
                 }
             }
+            if !any_content {
+                return Err(ApiError::bad_field("messages", "every message's `content` is empty: there is no prompt"));
+            }
         }
         Api::Completions => {
             let p = w.prompt.ok_or_else(|| ApiError::bad_field("prompt", "missing required field `prompt`"))?;
             let bad = || {
                 ApiError::bad_field("prompt", "`prompt` must be a string, an array of strings or an array of token ids")
             };
+            let empty = || ApiError::bad_field("prompt", "`prompt` must not be empty");
             if let Some(s) = string(p) {
+                if s.is_empty() {
+                    return Err(empty());
+                }
                 push_text(&mut info.text, &s);
             } else if starts_with_number(p) {
                 info.token_ids = Some(token_ids(p, "prompt", max_prompt_tokens)?);
@@ -318,6 +331,10 @@ pub fn parse_limited(
                 let items: Vec<&RawValue> = typed(p).ok_or_else(bad)?;
                 let strings: Option<Vec<Cow<'_, str>>> = items.iter().map(|x| string(x)).collect();
                 match strings {
+                    Some(ss) if ss.iter().any(|s| s.is_empty()) => {
+                        let i = ss.iter().position(|s| s.is_empty()).unwrap_or(0);
+                        return Err(ApiError::bad_field("prompt", format!("`prompt[{i}]` must not be empty")));
+                    }
                     Some(ss) if !ss.is_empty() => ss.iter().for_each(|s| push_text(&mut info.text, s)),
                     _ => return Err(bad()),
                 }
@@ -367,7 +384,7 @@ mod tests {
 
     #[test]
     fn bad_inputs_name_the_field() {
-        let cases: [(Api, &[u8], &str); 15] = [
+        let cases: [(Api, &[u8], &str); 21] = [
             (Api::Chat, b"{", "body"),
             (Api::Chat, b"[1]", "body"),
             (Api::Chat, br#"{"model":"m","messages":[{"content":"x"}]}"#, "messages"),
@@ -381,6 +398,17 @@ mod tests {
             (Api::Generate, br#"{"input_ids":[1,-2]}"#, "input_ids"),
             (Api::Generate, br#"{"text":"x","sampling_params":[5]}"#, "sampling_params"),
             (Api::Generate, br#"{"input_ids":[]}"#, "input_ids"),
+            // An empty prompt is refused naming its field, whatever its shape.
+            (Api::Completions, br#"{"model":"m","prompt":""}"#, "prompt"),
+            (Api::Completions, br#"{"model":"m","prompt":["a",""]}"#, "prompt"),
+            (Api::Chat, br#"{"model":"m","messages":[{"role":"user","content":""}]}"#, "messages"),
+            (
+                Api::Chat,
+                br#"{"model":"m","messages":[{"role":"system","content":""},{"role":"user","content":[]}]}"#,
+                "messages",
+            ),
+            (Api::Chat, br#"{"model":"m","messages":[{"role":"user","content":null}]}"#, "messages"),
+            (Api::Generate, br#"{"text":""}"#, "text"),
             (
                 Api::Generate,
                 br#"{"text":"x","sampling_params":{"max_new_tokens":-1}}"#,

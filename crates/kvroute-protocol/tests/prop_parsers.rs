@@ -77,7 +77,14 @@ proptest! {
         let messages: Vec<serde_json::Value> =
             contents.iter().map(|c| serde_json::json!({"role": "user", "content": c})).collect();
         let body = serde_json::json!({"model": model, "messages": messages, "stream": stream, "max_tokens": max_tokens});
-        let info = parse_limited(Api::Chat, body.to_string().as_bytes(), session.as_deref(), 64).expect("valid");
+        let parsed = parse_limited(Api::Chat, body.to_string().as_bytes(), session.as_deref(), 64);
+        if contents.iter().all(String::is_empty) {
+            // No message has content: there is no prompt, refused naming the field.
+            let e = parsed.expect_err("an empty conversation");
+            prop_assert_eq!(e.param.as_deref(), Some("messages"));
+            return Ok(());
+        }
+        let info = parsed.expect("valid");
         prop_assert_eq!(&info.model, &model);
         prop_assert_eq!(info.stream, stream);
         prop_assert_eq!(info.max_tokens, Some(max_tokens));

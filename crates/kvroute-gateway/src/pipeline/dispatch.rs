@@ -2,9 +2,13 @@
 //! documents — a connection error or a 5xx (or 429) before any byte reached the client is
 //! retried on the same worker up to `max_worker_retries` times, then on the next worker
 //! (except 508 Loop Detected, passed on: a loop, [`crate::hops`]);
-//! `max_total_retries` bounds the attempts of one request. Each worker the request is
-//! really written to is committed to the model's router (prefix index, session binding)
-//! and gets a load ticket.
+//! `max_total_retries` bounds the attempts of one request, and the last routable worker
+//! may use all that is left of it (a lone worker gets `max_total_retries` attempts). A
+//! request still waiting for a worker's first byte when health checks mark that worker
+//! down stops waiting and goes to the next worker (a stream's headers wait for its first
+//! chunk, so nothing has reached the client yet). Each worker the request is really
+//! written to is committed to the model's router (prefix index, session binding) and gets
+//! a load ticket.
 
 use super::keys::Precise;
 use super::route::{Routed, order};
@@ -78,6 +82,10 @@ pub struct Sent {
     /// The whole body, read within the attempt (so a failure reading it can still be
     /// retried), for a non-streamed request or an error status; `None` for a stream.
     pub body: Option<Bytes>,
+    /// A stream's first chunk, read within the attempt (so a worker that fails or is
+    /// marked down before it can still be replaced); `None` for a whole body, an empty
+    /// stream, or a stream whose first chunk is still to come (disaggregated decode).
+    pub first: Option<Bytes>,
     /// The worker that answered.
     pub worker: Arc<WorkerEntry>,
     /// Its open load ticket (settles on drop).
@@ -270,10 +278,16 @@ pub async fn send(
         .then(|| tokio::time::Instant::now() + Duration::from_secs_f64(s.cfg.stream_first_byte_timeout_secs));
     let mut attempts = 0u32;
     let mut last_err = String::from("no routable worker was left to try");
-    'workers: for id in order(d) {
+    let order: Vec<WorkerId> = order(d).collect();
+    'workers: for (i, &id) in order.iter().enumerate() {
         let Some(w) = routed.candidates.entry(id) else { continue };
+        // The last routable worker of the order may use what is left of the request's
+        // budget: a lone worker gets `max_total_retries` attempts, not `max_worker_retries`
+        // (with one or two workers, one of them ejected, that was the whole budget).
+        let others = order[i + 1..].iter().any(|o| routed.candidates.entry(*o).is_some_and(|x| x.is_routable()));
+        let cap = if others { per_worker } else { total };
         let mut committed = false;
-        for _ in 0..per_worker {
+        for _ in 0..cap {
             // A retry target must still be routable (it may have been taken out meanwhile).
             if attempts == total || (attempts > 0 && !w.is_routable()) {
                 continue 'workers;
@@ -306,15 +320,44 @@ pub async fn send(
             let slot = routed.slot_key.as_ref().filter(|_| api != Api::Generate).and_then(|k| SlotHold::take(s, w, k));
             let pinned = slot.as_ref().and_then(|h| with_id_slot(bytes, h.slot));
             let started = Instant::now();
-            let answer =
+            super::note_worker(&w.url, d.branch.as_str());
+            // Until its first byte (a stream's first chunk, a whole answer) the request waits
+            // on the worker only while health checks keep it up: marked down, it fails over.
+            let down = w.marked_down();
+            let answer = async {
                 match attempt(s, api, w, pinned.as_ref().unwrap_or(bytes), headers, timeout, first_byte_by).await {
-                    Ok(resp) if info.stream && resp.status().is_success() => Ok((resp, None)),
+                    Ok(resp) if info.stream && resp.status().is_success() => {
+                        first_chunk(resp, first_byte_by).await.map(|(r, first)| (r, None, first))
+                    }
                     // Non-streaming: the whole body is read before anything reaches the client.
-                    Ok(resp) => read_whole(resp).await,
+                    Ok(resp) => read_whole(resp).await.map(|(r, body)| (r, body, None)),
                     Err(f) => Err(f),
-                };
+                }
+            };
+            // `None`: marked down before it answered.
+            let answer = if w.health() == kvroute_core::types::Health::Unhealthy {
+                None
+            } else {
+                tokio::select! {
+                    a = answer => Some(a),
+                    () = down => None,
+                }
+            };
+            let Some(answer) = answer else {
+                // Not charged a failure: the health checks took it out already.
+                tracing::warn!(
+                    worker = %w.url,
+                    attempt = attempts,
+                    "worker marked down while the request waited: failing over"
+                );
+                last_err = format!("{} was marked down by health checks before it answered", w.url);
+                if let Some(p) = predicted {
+                    p.settle(s);
+                }
+                continue 'workers;
+            };
             match answer {
-                Ok((resp, body)) => {
+                Ok((resp, body, first)) => {
                     if resp.status() == StatusCode::LOOP_DETECTED {
                         // Counted against the worker, so a loop that persists takes it out.
                         tracing::warn!(worker = %w.url, "routing loop: the worker sent the request back here (508)");
@@ -334,7 +377,18 @@ pub async fn send(
                         started,
                     });
                     let worker = Arc::clone(w);
-                    return Ok(Sent { resp, body, worker, ticket, shared, predicted, first_byte_by, observe, slot });
+                    return Ok(Sent {
+                        resp,
+                        body,
+                        first,
+                        worker,
+                        ticket,
+                        shared,
+                        predicted,
+                        first_byte_by,
+                        observe,
+                        slot,
+                    });
                 }
                 Err(Failure::Timeout { first_byte }) => {
                     s.record_failure(w);
@@ -379,12 +433,32 @@ pub async fn send(
 
 pub(crate) enum Failure {
     /// `request_timeout_secs` passed, or (`first_byte`) a stream's first-byte deadline.
-    Timeout {
-        first_byte: bool,
-    },
+    Timeout { first_byte: bool },
     /// A non-streamed answer over [`MAX_RESPONSE_BYTES`] (not retried: it would be again).
     TooLarge(String),
+    /// Failed before the first byte reached the client: the next attempt may serve it.
     Retry(String),
+}
+
+/// A stream's first chunk, read before anything is sent to the client (so a worker that
+/// fails, or is marked down, before its first token can still be replaced). `None` for a
+/// stream that ended empty.
+async fn first_chunk(
+    mut resp: reqwest::Response,
+    first_byte_by: Option<tokio::time::Instant>,
+) -> Result<(reqwest::Response, Option<Bytes>), Failure> {
+    let next = match first_byte_by {
+        Some(by) => match tokio::time::timeout_at(by, resp.chunk()).await {
+            Ok(r) => r,
+            Err(_) => return Err(Failure::Timeout { first_byte: true }),
+        },
+        None => resp.chunk().await,
+    };
+    match next {
+        Ok(first) => Ok((resp, first)),
+        Err(e) if e.is_timeout() => Err(Failure::Timeout { first_byte: false }),
+        Err(e) => Err(Failure::Retry(format!("the stream failed before its first chunk: {e}"))),
+    }
 }
 
 /// Largest non-streamed answer the router holds before passing it on, bytes (a stream is

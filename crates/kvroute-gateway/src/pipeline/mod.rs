@@ -52,25 +52,68 @@ pub async fn generate(State(s): State<Arc<AppState>>, headers: HeaderMap, body: 
 }
 
 async fn handle(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Body) -> Response {
-    let mut resp = match run(&s, api, &headers, body).await {
-        Ok(r) => r,
-        Err((e, branch)) => error_response(&s, e, branch),
-    };
-    if !crate::tenant::may_see_decisions(&s, &headers) {
-        crate::tenant::hide_decisions(resp.headers_mut());
+    ATTEMPT
+        .scope(std::cell::RefCell::default(), async move {
+            // A client that goes away before its answer began drops this future: counted
+            // `cancelled` on the way out, with the worker it was waiting on.
+            let gone = GoneClient(&s);
+            let mut r = match run(&s, api, &headers, body).await {
+                Ok(r) => r,
+                Err((e, branch)) => error_response(&s, e, branch),
+            };
+            std::mem::forget(gone);
+            if !crate::tenant::may_see_decisions(&s, &headers) {
+                crate::tenant::hide_decisions(r.headers_mut());
+            }
+            r
+        })
+        .await
+}
+
+tokio::task_local! {
+    /// The worker a request was last sent to and its decision's branch, for the labels of
+    /// an outcome counted where the worker is not at hand (an error, a client gone).
+    static ATTEMPT: std::cell::RefCell<(Option<Arc<str>>, &'static str)>;
+}
+
+/// Notes that the request is being sent to `worker` (called by dispatch for each attempt).
+pub fn note_worker(worker: &Arc<str>, branch: &'static str) {
+    let _ = ATTEMPT.try_with(|a| *a.borrow_mut() = (Some(Arc::clone(worker)), branch));
+}
+
+/// The worker and branch last noted for this request ([`note_worker`]).
+fn noted() -> (Option<Arc<str>>, &'static str) {
+    ATTEMPT.try_with(|a| a.borrow().clone()).unwrap_or((None, ""))
+}
+
+/// Counts a request whose client went away before its answer began (its future dropped
+/// at any stage: reading the body, waiting for admission, a LoRA load or a worker's first
+/// byte): outcome `cancelled`, with the worker it waited on. A stream that began counts
+/// its own end (`respond`).
+struct GoneClient<'a>(&'a AppState);
+
+impl Drop for GoneClient<'_> {
+    fn drop(&mut self) {
+        let (worker, branch) = noted();
+        respond::count(self.0, worker.as_deref().unwrap_or(""), branch, "cancelled");
     }
-    resp
 }
 
 /// The client's answer for a request that ended in `e` (after the decision's `branch`, if
-/// there was one), counted once in `kvroute_requests_total`.
+/// there was one), counted once in `kvroute_requests_total` with the worker it was last
+/// sent to: `rejected` (503 before any decision), `timeout` (504), `upstream_error`
+/// (another 5xx), `cancelled` (499: the client left while its body was read) or
+/// `client_error`.
 pub fn error_response(s: &AppState, e: ApiError, branch: &'static str) -> Response {
     let outcome = match e.status.as_u16() {
         503 if branch.is_empty() => "rejected",
+        504 => "timeout",
+        499 => "cancelled",
         500..=599 => "upstream_error",
         _ => "client_error",
     };
-    respond::count(s, "", branch, outcome);
+    let (worker, _) = noted();
+    respond::count(s, worker.as_deref().unwrap_or(""), branch, outcome);
     e.into_response()
 }
 
@@ -259,10 +302,19 @@ fn log_decision(routed: &route::Routed, info: &kvroute_protocol::openai::Routing
     );
 }
 
+/// nginx's 499 "client closed request": a request whose client left before it could be
+/// answered (never seen by that client; counted `cancelled`).
+pub const CLIENT_CLOSED_REQUEST: StatusCode = match StatusCode::from_u16(499) {
+    Ok(s) => s,
+    Err(_) => StatusCode::BAD_REQUEST,
+};
+
 /// Reads the body within the configured limit (413 beyond).
 ///
 /// # Errors
-/// 413 when the body is larger than `max_body_bytes`, 400 when it cannot be read.
+/// 413 when the body is larger than `max_body_bytes`, 408 when it does not arrive within
+/// `body_read_timeout_secs`, 499 ([`CLIENT_CLOSED_REQUEST`]) when the client closed the
+/// connection before its end, 400 when it cannot be read otherwise.
 pub async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     let limit = s.cfg.max_body_bytes;
     let too_large = || {
@@ -286,6 +338,16 @@ pub async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<
         while let Some(x) = src {
             if x.is::<http_body_util::LengthLimitError>() {
                 return too_large();
+            }
+            // The connection ended before the body did: the client is gone. Answered (to no
+            // one) 499, nginx's "client closed request", and counted `cancelled`.
+            if x.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_incomplete_message)
+                || x.downcast_ref::<std::io::Error>().is_some_and(|io| {
+                    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+                    matches!(io.kind(), UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe)
+                })
+            {
+                return ApiError::new(CLIENT_CLOSED_REQUEST, "the client closed the connection before its body ended");
             }
             src = x.source();
         }

@@ -207,6 +207,8 @@ impl Pair<'_> {
                 }
             }
             attempts += 1;
+            // A failure is counted on the decode worker, as the answer is.
+            super::note_worker(&dw.url, self.rd.decision.branch.as_str());
             for (prefill_pool, w, routed) in [(true, pw, self.rp), (false, dw, self.rd)] {
                 if !committed.contains(&(prefill_pool, w.id)) {
                     committed.push((prefill_pool, w.id));
@@ -231,6 +233,7 @@ impl Pair<'_> {
                     let sent = Sent {
                         resp,
                         body,
+                        first: None,
                         worker: Arc::clone(dw),
                         ticket: d_ticket,
                         shared: shared_d,

@@ -40,10 +40,17 @@ pub fn respond(
     t0: Instant,
     record: Option<crate::record::Pending>,
 ) -> Result<Response, ApiError> {
-    let Sent { resp, body, worker, mut ticket, shared, predicted, first_byte_by, observe, slot } = sent;
+    let Sent { resp, body, first, worker, mut ticket, shared, predicted, first_byte_by, observe, slot } = sent;
     let status = resp.status();
+    // A worker's error that is not OpenAI-shaped JSON (plain text, FastAPI's `detail`)
+    // reaches the client as one, with the worker's status.
+    let body =
+        body.map(|b| if status.is_client_error() || status.is_server_error() { openai_error(status, b) } else { b });
+    let wrapped = body.as_ref().is_some_and(|_| status.is_client_error() || status.is_server_error());
     let mut builder = Response::builder().status(status.as_u16());
-    if let Some(c) = resp.headers().get(header::CONTENT_TYPE) {
+    if wrapped {
+        builder = builder.header(header::CONTENT_TYPE, "application/json");
+    } else if let Some(c) = resp.headers().get(header::CONTENT_TYPE) {
         builder = builder.header(header::CONTENT_TYPE, c.clone());
     }
     builder = builder
@@ -73,7 +80,7 @@ pub fn respond(
             first_byte_secs: s.cfg.stream_first_byte_timeout_secs,
             idle: Duration::from_secs_f64(s.cfg.stream_idle_timeout_secs),
         };
-        return builder.body(Body::from_stream(relay(resp, guard, limits))).map_err(internal);
+        return builder.body(Body::from_stream(relay(resp, first, guard, limits))).map_err(internal);
     };
     if let Some(p) = predicted {
         p.settle(s);
@@ -103,6 +110,34 @@ pub fn respond(
     builder.body(Body::from(body)).map_err(internal)
 }
 
+/// Longest message kept from a worker's error body that is wrapped ([`openai_error`]), bytes.
+const MAX_WRAPPED_MESSAGE: usize = 4096;
+
+/// A worker's error body as an OpenAI-style error: kept when it is one already (a JSON
+/// object with an `error` object); else wrapped, with `status`, its message being a
+/// FastAPI `detail` string or the body's text (at most [`MAX_WRAPPED_MESSAGE`] bytes).
+fn openai_error(status: StatusCode, body: Bytes) -> Bytes {
+    let json = serde_json::from_slice::<serde_json::Value>(&body).ok();
+    if json.as_ref().is_some_and(|v| v.get("error").is_some_and(serde_json::Value::is_object)) {
+        return body;
+    }
+    let mut message = match json.as_ref().and_then(|v| v.get("detail")) {
+        Some(serde_json::Value::String(d)) => d.clone(),
+        _ => String::from_utf8_lossy(&body).trim().to_string(),
+    };
+    if message.len() > MAX_WRAPPED_MESSAGE {
+        let mut end = MAX_WRAPPED_MESSAGE;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+    }
+    if message.is_empty() {
+        message = format!("the worker answered {status} with an empty body");
+    }
+    Bytes::from(ApiError::new(status, message).body().to_string())
+}
+
 /// How long a stream may stay silent: until its first chunk, then between two chunks.
 #[derive(Debug, Clone, Copy)]
 struct Silence {
@@ -111,20 +146,22 @@ struct Silence {
     idle: Duration,
 }
 
-/// The worker's stream relayed chunk by chunk; an upstream failure after the first byte,
-/// or a worker silent past [`Silence`], ends the stream with an SSE error event (a stream
-/// is never retried once bytes left).
+/// The worker's stream relayed chunk by chunk, starting with its `first` chunk when
+/// dispatch read it already; an upstream failure after the first byte, or a worker silent
+/// past [`Silence`], ends the stream with an SSE error event (a stream is never retried
+/// once bytes left).
 fn relay(
     resp: reqwest::Response,
+    first: Option<Bytes>,
     guard: StreamGuard,
     limits: Silence,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
-    let up = Box::pin(resp.bytes_stream());
+    let up = Box::pin(futures_util::stream::iter(first.map(Ok)).chain(resp.bytes_stream()));
     futures_util::stream::unfold(Some((up, guard)), move |st| async move {
         let (mut up, mut guard) = st?;
         let by = if guard.first { tokio::time::Instant::now() + limits.idle } else { limits.first_byte_by };
         let error = |guard: &mut StreamGuard, message: String, code: u16| {
-            guard.fail();
+            guard.fail(if code == 504 { "timeout" } else { "upstream_error" });
             let ev = serde_json::json!({"error": {
                 "message": message, "type": "server_error", "param": null, "code": code}});
             Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None))
@@ -341,13 +378,14 @@ impl StreamGuard {
             count(&self.state, &self.worker.url, self.branch, "ok");
         }
     }
-    fn fail(&mut self) {
+    /// The stream failed (`outcome`: `upstream_error`, or `timeout` for a silent worker).
+    fn fail(&mut self, outcome: &str) {
         self.finish_record(false);
         if self.ticket.is_open() {
             self.ticket.close();
             self.shared = None;
             self.state.record_failure(&self.worker);
-            count(&self.state, &self.worker.url, self.branch, "upstream_error");
+            count(&self.state, &self.worker.url, self.branch, outcome);
         }
     }
 }
@@ -417,6 +455,30 @@ data: [DONE]
             t.scan(&stream[cut..]);
             assert_eq!(t.cached, Some(96), "cut at {cut}");
         }
+    }
+
+    #[test]
+    fn a_worker_error_that_is_not_openai_json_is_wrapped_with_its_status() {
+        let wrap = |status: u16, body: &str| {
+            let b = openai_error(StatusCode::from_u16(status).expect("status"), Bytes::from(body.to_string()));
+            serde_json::from_slice::<serde_json::Value>(&b).expect("json")
+        };
+        let v = wrap(400, "Bad Request: prompt too long\n");
+        assert_eq!(v["error"]["message"], "Bad Request: prompt too long");
+        assert_eq!(v["error"]["code"], 400);
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(wrap(404, r#"{"detail":"Not Found"}"#)["error"]["message"], "Not Found");
+        assert_eq!(
+            wrap(422, r#"{"detail":[{"loc":["body"]}]}"#)["error"]["message"],
+            r#"{"detail":[{"loc":["body"]}]}"#
+        );
+        assert!(wrap(400, "")["error"]["message"].as_str().expect("message").contains("empty body"));
+        let long = "é".repeat(MAX_WRAPPED_MESSAGE);
+        assert!(wrap(400, &long)["error"]["message"].as_str().expect("message").len() <= MAX_WRAPPED_MESSAGE);
+        // OpenAI-shaped errors pass as they are.
+        let openai = r#"{"error":{"message":"m","type":"BadRequestError","param":null,"code":400}}"#;
+        let kept = openai_error(StatusCode::BAD_REQUEST, Bytes::from_static(openai.as_bytes()));
+        assert_eq!(&kept[..], openai.as_bytes());
     }
 
     #[test]
