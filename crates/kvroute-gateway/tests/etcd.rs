@@ -252,3 +252,58 @@ async fn registered_roles_make_a_disaggregated_fleet() {
     stop.cancel();
     stop_w.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD_BIN=$(command -v etcd) scripts/test.sh"]
+async fn one_connection_to_an_etcd_with_default_keep_alive_rules_holds_for_60_s() {
+    // etcd with its default `--grpc-keepalive-min-time` (5 s): a router or a sidecar that
+    // pings more often is disconnected (GOAWAY too_many_pings) and reconnects and re-lists.
+    let e = Etcd::start(free_port()).await;
+    let mut ec = e.client().await;
+    let stop_w = CancellationToken::new();
+    let w1 = worker(&stop_w).await;
+    let stop = CancellationToken::new();
+    let (r, _t) = common::start_router(cluster_config(&e.url, &[]), stop.clone()).await;
+    let c = reqwest::Client::new();
+    eventually("etcd connected", async || metric(&c, &r, "kvroute_etcd_connected").await == 1.0).await;
+    // The registration sidecar holds its lease's keep-alive stream on its own connection; a
+    // reconnect would drop the lease and register again under a new one. A 30 s TTL renewed
+    // every 10 s (`kvroute register --ttl-secs 30`'s default interval) leaves the stream
+    // silent long enough for pings to matter.
+    let key = "/kvroute/workers/w1";
+    let sidecar = tokio::spawn(kvroute_gateway::cluster::register::run(
+        kvroute_gateway::cluster::register::RegisterConfig {
+            etcd: vec![e.url.clone()],
+            key: key.into(),
+            record: kvroute_gateway::cluster::WorkerRecord::parse(
+                serde_json::json!({"url": w1}).to_string().as_bytes(),
+            )
+            .expect("record"),
+            ttl_secs: 30,
+            check_interval: std::time::Duration::from_secs(10),
+            health_path: "/health".into(),
+        },
+        stop.clone().cancelled_owned(),
+    ));
+    eventually("w1 registered by the sidecar", async || worker_urls(&c, &r).await.contains(&w1)).await;
+    let lease_of = async |ec: &mut etcd_client::Client| {
+        ec.get(key, None).await.expect("get").kvs().first().map(|kv| kv.lease()).expect("the key exists")
+    };
+    let lease = lease_of(&mut ec).await;
+    // 60 s of an idle registry: the watches only carry keep-alive pings.
+    for i in 0..12 {
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+        let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&chat(i)).send()).await.expect("send");
+        assert_eq!(resp.status(), 200, "request {i}");
+    }
+    assert_eq!(lease_of(&mut ec).await, lease, "the sidecar lost its connection and registered again");
+    assert_eq!(metric(&c, &r, "kvroute_etcd_connected").await, 1.0);
+    assert_eq!(
+        metric(&c, &r, "kvroute_etcd_connects_total").await,
+        1.0,
+        "the router reconnected to etcd (and re-listed the registry) within 60 s"
+    );
+    stop.cancel();
+    guard(sidecar).await.expect("sidecar task").expect("sidecar");
+    stop_w.cancel();
+}

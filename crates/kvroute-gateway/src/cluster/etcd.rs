@@ -24,14 +24,36 @@ pub const BACKOFF_START: Duration = Duration::from_millis(100);
 /// Longest wait between two connection attempts.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
-/// The client's options: bounded connects and calls, and HTTP/2 keep-alives so a dead etcd
-/// ends the watch within a few seconds even when nothing changes.
+/// Time without a frame from etcd after which the client sends an HTTP/2 ping.
+///
+/// etcd refuses pings more frequent than its `--grpc-keepalive-min-time` (default 5 s):
+/// the third ping that comes sooner than that after the previous one is answered with
+/// GOAWAY `too_many_pings` and the connection is closed, so a client pinging every 2 s lost
+/// its watches and re-listed the registry every ~8 s. 10 s is twice etcd's default
+/// minimum, so scheduling delays on either side never bring two pings within 5 s of each
+/// other. Kubernetes' API server keeps its etcd connections alive with 30 s / 10 s; etcd's
+/// own Go client sends none unless asked. Pings matter only for an etcd that vanished
+/// without closing the socket (a host or network failure): an etcd process that exits
+/// closes it, which ends the watch at once.
+pub const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// How long an unanswered ping waits before the connection is declared dead; with
+/// [`KEEP_ALIVE_INTERVAL`], a silent etcd ends the session within 15 s (a ping's answer
+/// comes from etcd's HTTP/2 transport, not from its raft log, so a busy etcd still
+/// answers in milliseconds).
+pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The client's options (the routers' and `kvroute register`'s): bounded connects and
+/// calls, and HTTP/2 keep-alives ([`KEEP_ALIVE_INTERVAL`], [`KEEP_ALIVE_TIMEOUT`]) so a dead
+/// etcd ends a watch or a lease's keep-alive stream even when nothing changes. Pings are
+/// sent only while a stream (a watch, a lease keep-alive) is open: etcd also counts a ping
+/// on a connection without streams as abuse (its `PermitWithoutStream` is off), and an idle
+/// connection has nothing to lose.
 pub(crate) fn options() -> ConnectOptions {
     ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
         .with_timeout(Duration::from_secs(5))
-        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
-        .with_keep_alive_while_idle(true)
+        .with_keep_alive(KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)
+        .with_keep_alive_while_idle(false)
 }
 
 /// What this router learnt from etcd: the registered workers by key, and the revision of
@@ -100,6 +122,7 @@ async fn session(state: &Arc<AppState>, known: &mut Known) -> anyhow::Result<()>
     let mut workers = client.watch(workers_prefix.as_str(), Some(from.clone().with_prefix())).await?;
     let mut policy_watch = client.watch(policy_key.as_str(), Some(from)).await?;
     state.metrics.etcd_connected.set(1);
+    state.metrics.etcd_connects.inc();
     tracing::info!(endpoints = ?state.cfg.etcd, workers = known.workers.len(), revision, "etcd connected");
     loop {
         tokio::select! {
