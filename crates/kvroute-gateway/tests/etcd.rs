@@ -307,3 +307,90 @@ async fn one_connection_to_an_etcd_with_default_keep_alive_rules_holds_for_60_s(
     guard(sidecar).await.expect("sidecar task").expect("sidecar");
     stop_w.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD_BIN=$(command -v etcd) scripts/test.sh"]
+async fn a_replica_started_during_an_etcd_outage_routes_to_the_saved_registry_marked_stale_until_etcd_answers() {
+    use kvroute_gateway::cluster::last_known;
+    let state = tempfile::tempdir().expect("state dir");
+    let port = free_port();
+    let etcd_url = format!("http://127.0.0.1:{port}");
+    let stop_w = CancellationToken::new();
+    let (w1, w2) = (worker(&stop_w).await, worker(&stop_w).await);
+    let cfg = GatewayConfig {
+        state_dir: Some(state.path().join("kvroute").to_str().expect("utf8").to_string()),
+        ..cluster_config(&etcd_url, &[])
+    };
+    let c = reqwest::Client::new();
+    let rows = async |r: &str| {
+        let v: serde_json::Value =
+            c.get(format!("{r}/workers")).send().await.expect("workers").json().await.expect("json");
+        v["workers"].as_array().expect("rows").clone()
+    };
+    let stale_of = |rows: &[serde_json::Value], url: &str| {
+        rows.iter().find(|w| w["url"] == url).map(|w| w["registration_stale"].clone()).expect("row")
+    };
+
+    // etcd up: the router lists two registrations and writes them to state_dir.
+    let e = Etcd::start(port).await;
+    let mut ec = e.client().await;
+    for (k, url) in [("w1", &w1), ("w2", &w2)] {
+        let rec = serde_json::json!({"url": url, "labels": {"name": k}});
+        ec.put(format!("/kvroute/workers/{k}"), rec.to_string(), None).await.expect("put");
+    }
+    let stop = CancellationToken::new();
+    let (r, t) = common::start_router(cfg.clone(), stop.clone()).await;
+    eventually("both registered", async || worker_urls(&c, &r).await.len() == 2).await;
+    assert_eq!(metric(&c, &r, "kvroute_etcd_registry_stale").await, 0.0);
+    assert_eq!(stale_of(&rows(&r).await, &w1), false);
+    let dir = std::path::PathBuf::from(cfg.state_dir.clone().expect("state_dir"));
+    eventually("the registry is saved", async || {
+        last_known::load(&dir, "/kvroute").ok().flatten().is_some_and(|l| l.workers.len() == 2)
+    })
+    .await;
+    stop.cancel();
+    guard(t).await.expect("router task").expect("router");
+    drop(ec);
+    drop(e);
+
+    // etcd down: a new replica routes to the saved workers, marked stale.
+    let stop = CancellationToken::new();
+    let (r, t) = common::start_router(cfg.clone(), stop.clone()).await;
+    let mut both = vec![w1.clone(), w2.clone()];
+    both.sort();
+    eventually("the saved workers are in the fleet", async || worker_urls(&c, &r).await == both).await;
+    assert_eq!(metric(&c, &r, "kvroute_etcd_connected").await, 0.0);
+    assert_eq!(metric(&c, &r, "kvroute_etcd_registry_stale").await, 1.0);
+    let table = rows(&r).await;
+    for (name, url) in [("w1", &w1), ("w2", &w2)] {
+        assert_eq!(stale_of(&table, url), true, "{table:?}");
+        let row = table.iter().find(|w| w["url"] == url.as_str()).expect("row");
+        assert_eq!(row["registration"]["labels"]["name"], name, "the saved record: {row}");
+    }
+    for i in 0..6 {
+        let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&chat(i)).send()).await.expect("send");
+        assert_eq!(resp.status(), 200, "request {i} on the saved registry");
+    }
+
+    // etcd answers with w1 only: its list replaces the saved one and nothing is stale.
+    let e = Etcd::start(port).await;
+    e.client().await.put("/kvroute/workers/w1", serde_json::json!({"url": w1}).to_string(), None).await.expect("put");
+    eventually("stale clears", async || metric(&c, &r, "kvroute_etcd_registry_stale").await == 0.0).await;
+    assert_eq!(worker_urls(&c, &r).await, vec![w1.clone()], "w2 is not in etcd's list");
+    let table = rows(&r).await;
+    assert_eq!(stale_of(&table, &w1), false, "{table:?}");
+    assert!(
+        table.iter().find(|w| w["url"] == w1.as_str()).expect("row")["registration"]["labels"]
+            .as_object()
+            .expect("labels")
+            .is_empty()
+    );
+    assert_eq!(metric(&c, &r, "kvroute_etcd_connected").await, 1.0);
+    eventually("the new list is saved", async || {
+        last_known::load(&dir, "/kvroute").ok().flatten().is_some_and(|l| l.workers.len() == 1)
+    })
+    .await;
+    stop.cancel();
+    guard(t).await.expect("router task").expect("router");
+    stop_w.cancel();
+}
