@@ -161,6 +161,13 @@ pub struct GatewayConfig {
     /// Cognitora cgn-router's `{"w_kv":..,"w_load":..,"w_pwr":..,"w_cap":..}` at
     /// `/cognitora/routing/policy`); default `PREFIX/routing/policy`.
     pub etcd_policy_key: Option<String>,
+    /// Directory for state this replica keeps across restarts (created if missing): the last
+    /// known etcd worker registry, `etcd-registry.json`, rewritten (temporary file and
+    /// rename) when etcd's list changes and read when the replica starts while etcd is
+    /// unreachable, its workers then marked stale until etcd answers
+    /// ([`crate::cluster::last_known`]). One directory per replica. Unset: nothing is
+    /// written, and a replica started during an etcd outage has only its static workers.
+    pub state_dir: Option<String>,
     /// NATS server (`nats://HOST:PORT`) over which the router replicas of `cluster` share
     /// their routing events and index snapshots ([`crate::cluster::sync`]); unset = this
     /// replica routes on its own state only.
@@ -329,6 +336,7 @@ impl Default for GatewayConfig {
             etcd: Vec::new(),
             etcd_prefix: "/kvroute".into(),
             etcd_policy_key: None,
+            state_dir: None,
             nats: None,
             cluster: "default".into(),
             replica_id: None,
@@ -445,6 +453,14 @@ impl GatewayConfig {
         }
         if self.etcd_policy_key.as_deref().is_some_and(|k| k.is_empty() || k.len() > 512) {
             return Err(err("etcd_policy_key", "expected a key of 1 to 512 bytes"));
+        }
+        if let Some(d) = &self.state_dir {
+            if d.is_empty() || d.len() > 4096 {
+                return Err(err("state_dir", "expected a directory path of 1 to 4096 bytes"));
+            }
+            if std::path::Path::new(d).exists() && !std::path::Path::new(d).is_dir() {
+                return Err(err("state_dir", format!("`{d}` exists and is not a directory")));
+            }
         }
         if let Some(n) = &self.nats {
             let ok = url::Url::parse(n).is_ok_and(|u| matches!(u.scheme(), "nats" | "tls") && u.host().is_some());
@@ -715,6 +731,15 @@ mod tests {
         assert_eq!(bad.validate().unwrap_err().key, "forward_headers");
         let bad = GatewayConfig { admin_listen: Some("localhost".into()), ..GatewayConfig::default() };
         assert_eq!(bad.validate().unwrap_err().key, "admin_listen");
+        // state_dir: a directory, or a path still to be created; not a file, not empty.
+        let file = env!("CARGO_MANIFEST_DIR").to_string() + "/Cargo.toml";
+        for d in [String::new(), file] {
+            let bad = GatewayConfig { state_dir: Some(d), ..GatewayConfig::default() };
+            assert_eq!(bad.validate().unwrap_err().key, "state_dir");
+        }
+        for d in [env!("CARGO_MANIFEST_DIR").to_string(), "/nonexistent/kvroute-state".into()] {
+            GatewayConfig { state_dir: Some(d), ..GatewayConfig::default() }.validate().expect("a directory");
+        }
     }
 
     #[test]

@@ -128,6 +128,10 @@ pub struct WorkerEntry {
     /// Its registration in the cluster registry (role, capacity, labels), when it came
     /// from etcd.
     pub registration: arc_swap::ArcSwapOption<crate::cluster::WorkerRecord>,
+    /// Its registration comes from the last known registry on disk (`state_dir`), read
+    /// because etcd was unreachable when this replica started; cleared once etcd answers
+    /// ([`crate::cluster::etcd`]).
+    pub registration_stale: AtomicBool,
     /// Recent power readings (`power_metric`), averaged into `signals.power_watts`; only
     /// the health task touches it.
     pub power: parking_lot::Mutex<crate::health::PowerWindow>,
@@ -230,6 +234,7 @@ impl WorkerEntry {
             load: Arc::default(),
             remote_load: Arc::default(),
             registration: arc_swap::ArcSwapOption::empty(),
+            registration_stale: AtomicBool::new(false),
             power: parking_lot::Mutex::default(),
             capacity_sources: Mutex::default(),
             slots: parking_lot::Mutex::new(None),
@@ -438,6 +443,7 @@ impl WorkerEntry {
             in_flight: self.load.get().in_flight,
             remote_in_flight: self.remote_load.get().in_flight,
             registration: self.registration.load_full().map(|r| r.as_ref().clone()),
+            registration_stale: self.registration_stale.load(Relaxed),
             capacity: self.capacity(),
             role: self.role(),
             bootstrap_port: self.bootstrap_port.get(),
@@ -485,6 +491,10 @@ pub struct WorkerInfo {
     /// Its cluster registration (etcd), when it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub registration: Option<crate::cluster::WorkerRecord>,
+    /// Whether `registration` is the last known one read from `state_dir` because etcd
+    /// has not answered since this replica started (the worker may have left meanwhile);
+    /// false once etcd's own list replaced it.
+    pub registration_stale: bool,
     /// Resolved capacity facts (configuration over registration over the worker's own
     /// report); fields no source states are absent and take their defaults.
     pub capacity: crate::cluster::Capacity,

@@ -182,6 +182,14 @@ pub struct Metrics {
     pub etcd_connected: Gauge,
     /// Workers currently registered through etcd.
     pub etcd_workers: Gauge,
+    /// etcd sessions established (connect, list, watch) since the start: the first one,
+    /// then one per reconnect, each with a full re-list of the registry. A steady
+    /// connection keeps it at 1; a rising count is a flapping connection.
+    pub etcd_connects: Counter,
+    /// 1 while the etcd registry in use is the last known list read from `state_dir`
+    /// (the replica started while etcd was unreachable), 0 once etcd answered and its list
+    /// replaced it (or when none was loaded).
+    pub etcd_registry_stale: Gauge,
     /// Live policy settings received, by source and outcome.
     pub policy_updates: Family<PolicyUpdateLabels, Counter>,
     /// Requests for catalogue LoRA adapters, by outcome: `loaded` (a worker had it),
@@ -388,6 +396,18 @@ impl Metrics {
         );
         let etcd_workers = Gauge::default();
         registry.register("kvroute_etcd_workers", "Workers currently registered through etcd", etcd_workers.clone());
+        let etcd_connects = Counter::default();
+        registry.register(
+            "kvroute_etcd_connects",
+            "etcd sessions established (connect, list, watch); each after the first is a reconnect and a full re-list",
+            etcd_connects.clone(),
+        );
+        let etcd_registry_stale = Gauge::default();
+        registry.register(
+            "kvroute_etcd_registry_stale",
+            "1 while the registry in use is the last known list from state_dir (etcd not reached since the start)",
+            etcd_registry_stale.clone(),
+        );
         let policy_updates = Family::<PolicyUpdateLabels, Counter>::default();
         registry.register(
             "kvroute_policy_updates",
@@ -467,6 +487,8 @@ impl Metrics {
             record_lines,
             etcd_connected,
             etcd_workers,
+            etcd_connects,
+            etcd_registry_stale,
             policy_updates,
             cascade_steps,
             cascade_tokens,

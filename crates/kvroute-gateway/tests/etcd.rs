@@ -255,3 +255,146 @@ async fn registered_roles_make_a_disaggregated_fleet() {
     stop.cancel();
     stop_w.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD_BIN=$(command -v etcd) scripts/test.sh"]
+async fn one_connection_to_an_etcd_with_default_keep_alive_rules_holds_for_60_s() {
+    // etcd with its default `--grpc-keepalive-min-time` (5 s): a router or a sidecar that
+    // pings more often is disconnected (GOAWAY too_many_pings) and reconnects and re-lists.
+    let e = Etcd::start(free_port()).await;
+    let mut ec = e.client().await;
+    let stop_w = CancellationToken::new();
+    let w1 = worker(&stop_w).await;
+    let stop = CancellationToken::new();
+    let (r, _t) = common::start_router(cluster_config(&e.url, &[]), stop.clone()).await;
+    let c = reqwest::Client::new();
+    eventually("etcd connected", async || metric(&c, &r, "kvroute_etcd_connected").await == 1.0).await;
+    // The registration sidecar holds its lease's keep-alive stream on its own connection; a
+    // reconnect would drop the lease and register again under a new one. A 30 s TTL renewed
+    // every 10 s (`kvroute register --ttl-secs 30`'s default interval) leaves the stream
+    // silent long enough for pings to matter.
+    let key = "/kvroute/workers/w1";
+    let sidecar = tokio::spawn(kvroute_gateway::cluster::register::run(
+        kvroute_gateway::cluster::register::RegisterConfig {
+            etcd: vec![e.url.clone()],
+            key: key.into(),
+            record: kvroute_gateway::cluster::WorkerRecord::parse(
+                serde_json::json!({"url": w1}).to_string().as_bytes(),
+            )
+            .expect("record"),
+            ttl_secs: 30,
+            check_interval: std::time::Duration::from_secs(10),
+            health_path: "/health".into(),
+        },
+        stop.clone().cancelled_owned(),
+    ));
+    eventually("w1 registered by the sidecar", async || worker_urls(&c, &r).await.contains(&w1)).await;
+    let lease_of = async |ec: &mut etcd_client::Client| {
+        ec.get(key, None).await.expect("get").kvs().first().map(|kv| kv.lease()).expect("the key exists")
+    };
+    let lease = lease_of(&mut ec).await;
+    // 60 s of an idle registry: the watches only carry keep-alive pings.
+    for i in 0..12 {
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+        let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&chat(i)).send()).await.expect("send");
+        assert_eq!(resp.status(), 200, "request {i}");
+    }
+    assert_eq!(lease_of(&mut ec).await, lease, "the sidecar lost its connection and registered again");
+    assert_eq!(metric(&c, &r, "kvroute_etcd_connected").await, 1.0);
+    assert_eq!(
+        metric(&c, &r, "kvroute_etcd_connects_total").await,
+        1.0,
+        "the router reconnected to etcd (and re-listed the registry) within 60 s"
+    );
+    stop.cancel();
+    guard(sidecar).await.expect("sidecar task").expect("sidecar");
+    stop_w.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs etcd (Debian etcd-server): KVROUTE_ETCD_BIN=$(command -v etcd) scripts/test.sh"]
+async fn a_replica_started_during_an_etcd_outage_routes_to_the_saved_registry_marked_stale_until_etcd_answers() {
+    use kvroute_gateway::cluster::last_known;
+    let state = tempfile::tempdir().expect("state dir");
+    let port = free_port();
+    let etcd_url = format!("http://127.0.0.1:{port}");
+    let stop_w = CancellationToken::new();
+    let (w1, w2) = (worker(&stop_w).await, worker(&stop_w).await);
+    let cfg = GatewayConfig {
+        state_dir: Some(state.path().join("kvroute").to_str().expect("utf8").to_string()),
+        ..cluster_config(&etcd_url, &[])
+    };
+    let c = reqwest::Client::new();
+    let rows = async |r: &str| {
+        let v: serde_json::Value =
+            c.get(format!("{r}/workers")).send().await.expect("workers").json().await.expect("json");
+        v["workers"].as_array().expect("rows").clone()
+    };
+    let stale_of = |rows: &[serde_json::Value], url: &str| {
+        rows.iter().find(|w| w["url"] == url).map(|w| w["registration_stale"].clone()).expect("row")
+    };
+
+    // etcd up: the router lists two registrations and writes them to state_dir.
+    let e = Etcd::start(port).await;
+    let mut ec = e.client().await;
+    for (k, url) in [("w1", &w1), ("w2", &w2)] {
+        let rec = serde_json::json!({"url": url, "labels": {"name": k}});
+        ec.put(format!("/kvroute/workers/{k}"), rec.to_string(), None).await.expect("put");
+    }
+    let stop = CancellationToken::new();
+    let (r, t) = common::start_router(cfg.clone(), stop.clone()).await;
+    eventually("both registered", async || worker_urls(&c, &r).await.len() == 2).await;
+    assert_eq!(metric(&c, &r, "kvroute_etcd_registry_stale").await, 0.0);
+    assert_eq!(stale_of(&rows(&r).await, &w1), false);
+    let dir = std::path::PathBuf::from(cfg.state_dir.clone().expect("state_dir"));
+    eventually("the registry is saved", async || {
+        last_known::load(&dir, "/kvroute").ok().flatten().is_some_and(|l| l.workers.len() == 2)
+    })
+    .await;
+    stop.cancel();
+    guard(t).await.expect("router task").expect("router");
+    drop(ec);
+    drop(e);
+
+    // etcd down: a new replica routes to the saved workers, marked stale.
+    let stop = CancellationToken::new();
+    let (r, t) = common::start_router(cfg.clone(), stop.clone()).await;
+    let mut both = vec![w1.clone(), w2.clone()];
+    both.sort();
+    eventually("the saved workers are in the fleet", async || worker_urls(&c, &r).await == both).await;
+    assert_eq!(metric(&c, &r, "kvroute_etcd_connected").await, 0.0);
+    assert_eq!(metric(&c, &r, "kvroute_etcd_registry_stale").await, 1.0);
+    let table = rows(&r).await;
+    for (name, url) in [("w1", &w1), ("w2", &w2)] {
+        assert_eq!(stale_of(&table, url), true, "{table:?}");
+        let row = table.iter().find(|w| w["url"] == url.as_str()).expect("row");
+        assert_eq!(row["registration"]["labels"]["name"], name, "the saved record: {row}");
+    }
+    for i in 0..6 {
+        let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&chat(i)).send()).await.expect("send");
+        assert_eq!(resp.status(), 200, "request {i} on the saved registry");
+    }
+
+    // etcd answers with w1 only: its list replaces the saved one and nothing is stale.
+    let e = Etcd::start(port).await;
+    e.client().await.put("/kvroute/workers/w1", serde_json::json!({"url": w1}).to_string(), None).await.expect("put");
+    eventually("stale clears", async || metric(&c, &r, "kvroute_etcd_registry_stale").await == 0.0).await;
+    // The router may list before the put lands (then w1 leaves and comes back with it).
+    eventually("etcd's list replaced the saved one: w1 only", async || worker_urls(&c, &r).await == [w1.clone()]).await;
+    let table = rows(&r).await;
+    assert_eq!(stale_of(&table, &w1), false, "{table:?}");
+    assert!(
+        table.iter().find(|w| w["url"] == w1.as_str()).expect("row")["registration"]["labels"]
+            .as_object()
+            .expect("labels")
+            .is_empty()
+    );
+    eventually("etcd connected", async || metric(&c, &r, "kvroute_etcd_connected").await == 1.0).await;
+    eventually("the new list is saved", async || {
+        last_known::load(&dir, "/kvroute").ok().flatten().is_some_and(|l| l.workers.len() == 1)
+    })
+    .await;
+    stop.cancel();
+    guard(t).await.expect("router task").expect("router");
+    stop_w.cancel();
+}

@@ -122,6 +122,10 @@ pub struct Args {
     /// The etcd key of the live policy (e.g. Cognitora's /cognitora/routing/policy).
     #[arg(long, env = "KVROUTE_ETCD_POLICY_KEY")]
     pub etcd_policy_key: Option<String>,
+    /// Directory for state kept across restarts: the last known etcd registry, used when
+    /// the replica starts while etcd is unreachable (its workers marked stale).
+    #[arg(long, env = "KVROUTE_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<String>,
     /// Record every dispatched request as a privacy-safe trace line in FILE (no text: token
     /// counts, salted block ids, session; `kvroute replay --trace FILE` reads it).
     #[arg(long, env = "KVROUTE_RECORD", value_name = "FILE")]
@@ -269,6 +273,7 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
     }
     for (flag, field) in [
         (&a.etcd_policy_key, &mut cfg.etcd_policy_key),
+        (&a.state_dir, &mut cfg.state_dir),
         (&a.nats, &mut cfg.nats),
         (&a.replica_id, &mut cfg.replica_id),
         (&a.record, &mut cfg.record),

@@ -15,6 +15,7 @@
 //! `cluster/watcher.rs`) and its live weights at `/cognitora/routing/policy`.
 
 pub mod etcd;
+pub mod last_known;
 pub mod register;
 pub mod sync;
 

@@ -1,6 +1,11 @@
 //! A real etcd server for the cluster tests: the Debian `etcd-server` binary, given by
 //! `KVROUTE_ETCD_BIN`, started on free 127.0.0.1 ports with its data in a temporary directory
 //! and killed on drop.
+//!
+//! It runs with etcd's default gRPC keep-alive enforcement (no `--grpc-keepalive-*` flags:
+//! a client pinging more often than every 5 s is sent GOAWAY `too_many_pings`), as
+//! operators run it: a test must never pass only because its etcd tolerates a client that
+//! a production etcd would disconnect.
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
