@@ -113,10 +113,11 @@ impl<T: axum::response::IntoResponse> IntoResponse_ for T {
     }
 }
 
-/// A client (ring installed as rustls's provider first: reqwest is built without one).
+/// A client presenting the tests' admin token (these tests read `/workers`), ring installed
+/// as rustls's provider first (reqwest is built without one).
 fn client() -> reqwest::Client {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    reqwest::Client::new()
+    common::client()
 }
 
 fn chat(stream: bool) -> serde_json::Value {

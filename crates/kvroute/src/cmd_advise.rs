@@ -95,6 +95,11 @@ pub struct Args {
     /// Keep only the first N requests of the trace (after the slice).
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Key each tenant's requests apart (trace lines with a `tenant`, as `kvroute serve
+    /// --record` writes them under tenant isolation), as `kvroute replay
+    /// --tenant-isolation`; `false` judges the policies on one shared cache.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub tenant_isolation: bool,
     /// Write the ranking and the recommendation as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -352,6 +357,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.slice.is_set() {
         base = a.slice.apply(base)?;
         trace::rebase(&mut base);
+    }
+    if a.tenant_isolation {
+        trace::isolate_tenants(&mut base);
     }
     crate::cmd_replay::cap_outputs(&mut base, a.max_output)?;
     if let Some(n) = a.limit {
