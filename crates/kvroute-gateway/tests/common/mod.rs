@@ -40,7 +40,8 @@ pub async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(60), f).await.expect("hang guard: no answer within 60 s")
 }
 
-/// A gateway configuration for `urls` running `policy`, on an ephemeral port, with ring
+/// A gateway configuration for `urls` running `policy`, on an ephemeral port, no drain
+/// delay, with ring
 /// installed as rustls's provider (reqwest is built without a default one).
 #[allow(dead_code)] // not every test binary configures a gateway this way
 pub fn config(urls: &[&str], policy: &str) -> kvroute_gateway::GatewayConfig {
@@ -49,6 +50,9 @@ pub fn config(urls: &[&str], policy: &str) -> kvroute_gateway::GatewayConfig {
         policy: policy.into(),
         worker_urls: urls.iter().map(|u| u.to_string()).collect(),
         port: 0,
+        // Tests that shut a router down do not wait for load balancers (the drain tests
+        // set it).
+        drain_delay_secs: 0.0,
         ..kvroute_gateway::GatewayConfig::default()
     }
 }
