@@ -56,6 +56,45 @@ use tokio_util::sync::CancellationToken;
 /// kubelet's default probe timeout is 1 s.
 pub const PROBE_FIRST_REQUEST: Duration = Duration::from_secs(2);
 
+/// Longest request target (path and query, or the whole absolute URI) served, bytes;
+/// beyond, 414 JSON. nginx's default (a request line must fit one 8 KiB
+/// `large_client_header_buffers` buffer). Checked before the app sees the request: hyper's
+/// own limit (64 KiB) answers 414 with an empty body and cannot be given one.
+pub const MAX_URI_BYTES: usize = 8 << 10;
+
+/// Most bytes of a request's header fields (names and values, plus 4 each for `": "` and
+/// CRLF); beyond, 431 JSON naming the largest field. Envoy's default
+/// (`max_request_headers_kb`, 60 KiB). Below hyper's own limit (its ~400 KiB read buffer,
+/// and 100 fields), whose 431 has an empty body.
+pub const MAX_HEADER_BYTES: usize = 60 << 10;
+
+/// The 414 or 431 for a request head over [`MAX_URI_BYTES`] or [`MAX_HEADER_BYTES`].
+fn head_too_large<B>(req: &http::Request<B>) -> Option<ApiError> {
+    let uri = req.uri();
+    let target = uri.path_and_query().map_or(0, |p| p.as_str().len())
+        + uri.authority().map_or(0, |a| a.as_str().len())
+        + uri.scheme_str().map_or(0, |s| s.len() + 3);
+    if target > MAX_URI_BYTES {
+        return Some(ApiError::new(
+            http::StatusCode::URI_TOO_LONG,
+            format!("the request target is {target} bytes; at most {MAX_URI_BYTES} are served"),
+        ));
+    }
+    let size = |(n, v): (&http::HeaderName, &http::HeaderValue)| n.as_str().len() + v.len() + 4;
+    let total: usize = req.headers().iter().map(size).sum();
+    if total > MAX_HEADER_BYTES {
+        let (name, len) = req.headers().iter().map(|h| (h.0.as_str(), size(h))).max_by_key(|h| h.1).unwrap_or(("", 0));
+        return Some(ApiError::new(
+            http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!(
+                "the request's header fields are {total} bytes; at most {MAX_HEADER_BYTES} are served \
+                 (the largest: `{name}`, {len} bytes)"
+            ),
+        ));
+    }
+    None
+}
+
 /// Longest time before the drain deadline at which open streams are told to end, so their
 /// SSE error event is written before the connection is dropped (a tenth of
 /// `drain_timeout` when that is shorter).
@@ -240,6 +279,10 @@ impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for ConnServ
             }
             resp
         };
+        if let Some(e) = head_too_large(&req) {
+            drop(open);
+            return Box::pin(std::future::ready(Ok(with_close(e.into_response()))));
+        }
         if self.probe_only && !is_probe(&req) {
             let e = ApiError::new(
                 http::StatusCode::SERVICE_UNAVAILABLE,
@@ -513,6 +556,21 @@ mod tests {
         assert!(p.admit(a, 2).is_some(), "a slot freed on drop");
         drop(h2);
         assert!(matches!(p.admit(a, 0), Some(None)), "0: no cap, nothing counted");
+    }
+
+    #[test]
+    fn request_targets_and_header_fields_over_the_limits_get_414_and_431_naming_them() {
+        let ok = http::Request::builder().uri("/v1/models").header("a", "b").body(()).expect("request");
+        assert!(head_too_large(&ok).is_none());
+        let long = format!("/v1/models?x={}", "a".repeat(MAX_URI_BYTES));
+        let e = head_too_large(&http::Request::builder().uri(long.as_str()).body(()).expect("request")).expect("414");
+        assert_eq!(e.status, 414);
+        assert!(e.message.contains(&long.len().to_string()), "{}", e.message);
+        let big = "v".repeat(MAX_HEADER_BYTES);
+        let req = http::Request::builder().uri("/").header("x-small", "1").header("x-big", big).body(()).expect("r");
+        let e = head_too_large(&req).expect("431");
+        assert_eq!(e.status, 431);
+        assert!(e.message.contains("`x-big`"), "{}", e.message);
     }
 
     #[test]

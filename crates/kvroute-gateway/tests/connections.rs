@@ -279,3 +279,29 @@ async fn shutdown_is_not_held_by_silent_or_idle_sockets() {
     }
     stop.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_request_target_or_header_gets_json_414_or_431_naming_it() {
+    let stop = CancellationToken::new();
+    let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
+    let (r, _task) = common::start_router(cfg(&[&w], 5.0), stop.clone()).await;
+    let c = reqwest::Client::new();
+    let long = format!("{r}/v1/models?x={}", "a".repeat(kvroute_gateway::server::MAX_URI_BYTES));
+    let resp = guard(c.get(&long).send()).await.expect("answered");
+    assert_eq!(resp.status(), 414);
+    let v: serde_json::Value = guard(resp.json()).await.expect("JSON body");
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("request target")), "{v}");
+    let big = "v".repeat(kvroute_gateway::server::MAX_HEADER_BYTES);
+    let resp = guard(c.get(format!("{r}/v1/models")).header("x-big", big).send()).await.expect("answered");
+    assert_eq!(resp.status(), 431);
+    let v: serde_json::Value = guard(resp.json()).await.expect("JSON body");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("`x-big`")), "{v}");
+    // A request line hyper cannot parse is answered by hyper itself: 400, then closed
+    // (hyper has no hook for that response's body).
+    let mut bad = TcpStream::connect(addr(&r)).await.expect("connect");
+    bad.write_all(b"GET / HTTP/1.1 extra\r\nHost: x\r\n\r\n").await.expect("write");
+    let answer = String::from_utf8_lossy(&read_to_close(&mut bad).await).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    stop.cancel();
+}
