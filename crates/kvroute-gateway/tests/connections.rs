@@ -75,10 +75,10 @@ fn h2_frames(mut bytes: &[u8]) -> Vec<(u8, u32)> {
     out
 }
 
-/// Connects, sends `GET /health` and reads the response head; the open connection when it
-/// was 200, `None` when the server closed it instead.
-async fn held_ok(a: &str) -> Option<TcpStream> {
-    let mut s = TcpStream::connect(a).await.ok()?;
+/// Connects, sends `GET /health` and reads the response head (empty when the server closed
+/// the connection first); returns the connection and the head.
+async fn health_head(a: &str) -> (TcpStream, String) {
+    let mut s = TcpStream::connect(a).await.expect("connect");
     let _ = s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").await;
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
@@ -91,7 +91,14 @@ async fn held_ok(a: &str) -> Option<TcpStream> {
         }
     })
     .await;
-    head.starts_with(b"HTTP/1.1 200").then_some(s)
+    (s, String::from_utf8_lossy(&head).into_owned())
+}
+
+/// [`health_head`]: the open connection when the answer was 200, `None` when the server
+/// closed it instead.
+async fn held_ok(a: &str) -> Option<TcpStream> {
+    let (s, head) = health_head(a).await;
+    head.starts_with("HTTP/1.1 200").then_some(s)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -175,13 +182,39 @@ async fn health_probes_are_answered_while_silent_sockets_hold_every_connection()
     let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
     // Silent sockets are held (600 s) in the 3 regular slots; 2 more are the probe reserve.
     let config = GatewayConfig { max_connections: 3, probe_connections: 2, ..cfg(&[&w], 600.0) };
-    let (r, _task) = common::start_router(config, stop.clone()).await;
-    let a = addr(&r);
+    // Started without common::start_router: its client's pooled connection could still
+    // hold a regular slot. Ready once a `Connection: close` probe passes, whose slot is
+    // free again when its connection is closed.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let a = l.local_addr().expect("addr").to_string();
+    let r = format!("http://{a}");
+    let s = stop.clone();
+    tokio::spawn(kvroute_gateway::serve(l, config, async move { s.cancelled().await }));
+    eventually("the router is ready", async || {
+        let Ok(mut s) = TcpStream::connect(&a).await else { return false };
+        let _ = s.write_all(b"GET /readiness HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+        read_to_close(&mut s).await.starts_with(b"HTTP/1.1 200")
+    })
+    .await;
     // The server accepts in order: these take the regular slots; what follows, the reserve.
     let mut held = Vec::new();
     for _ in 0..3 {
         held.push(TcpStream::connect(&a).await.expect("connect"));
     }
+    // Until the table is full: the readiness probe's slot may have been released only after
+    // a silent socket arrived (which then went to the reserve, to be closed). A `/health`
+    // answered with `connection: close` came from the reserve; one answered without holds
+    // a regular slot and is kept (idle) with the silent ones.
+    guard(async {
+        loop {
+            let (s, head) = health_head(&a).await;
+            if head.to_ascii_lowercase().contains("connection: close") {
+                break;
+            }
+            held.push(s);
+        }
+    })
+    .await;
     let c = reqwest::Client::new();
     let health = guard(c.get(format!("{r}/health")).send()).await.expect("health answered");
     assert_eq!(health.status(), 200);
@@ -201,8 +234,8 @@ async fn health_probes_are_answered_while_silent_sockets_hold_every_connection()
     // with header_read_timeout_secs at 600.
     let mut squatter = TcpStream::connect(&a).await.expect("connect");
     assert!(read_to_close(&mut squatter).await.is_empty());
-    // Once a regular slot is free, other requests are served again.
-    drop(held.pop());
+    // Once regular slots are free, other requests are served again.
+    drop(held);
     let chat = serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 2});
     eventually("a freed slot serves inference again", async || {

@@ -36,7 +36,8 @@ impl Drop for TempDir {
 /// (last, so they may open a table).
 fn file_text(policy: &str, extra: &str, urls: &[&str]) -> String {
     let urls: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
-    format!("port = 0\npolicy = \"{policy}\"\nworker_urls = [{}]\n{extra}\n", urls.join(", "))
+    // drain_delay_secs as in `common::config`, which the first file must equal.
+    format!("port = 0\npolicy = \"{policy}\"\nworker_urls = [{}]\ndrain_delay_secs = 0.0\n{extra}\n", urls.join(", "))
 }
 
 /// Rewrites the file in one step (a rename), as an editor or a deploy tool would.
