@@ -445,7 +445,8 @@ pub async fn serve(
         let closing = closing.clone();
         conns.spawn(async move {
             let _held = (slot, client);
-            let idle = limits.header_read_timeout;
+            // A reserve connection left idle (HTTP/2 keeps one open) goes as soon.
+            let idle = first_by;
             let work = async {
                 match acceptor {
                     None => drive(&builder, tcp, svc, &act, idle, &closing).await,
