@@ -120,54 +120,51 @@ fn relay(
     limits: Silence,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
     let up = Box::pin(resp.bytes_stream());
-    let cut = guard.state.cut_streams.clone();
-    futures_util::stream::unfold(Some((up, guard)), move |st| {
-        let cut = cut.clone();
-        async move {
-            let (mut up, mut guard) = st?;
-            let by = if guard.first { tokio::time::Instant::now() + limits.idle } else { limits.first_byte_by };
-            let error = |guard: &mut StreamGuard, message: String, code: u16| {
-                guard.fail();
-                let ev = serde_json::json!({"error": {
+    futures_util::stream::unfold(Some((up, guard)), move |st| async move {
+        let (mut up, mut guard) = st?;
+        let state = Arc::clone(&guard.state);
+        let by = if guard.first { tokio::time::Instant::now() + limits.idle } else { limits.first_byte_by };
+        let error = |guard: &mut StreamGuard, message: String, code: u16| {
+            guard.fail();
+            let ev = serde_json::json!({"error": {
                 "message": message, "type": "server_error", "param": null, "code": code}});
-                Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None))
-            };
-            let next = tokio::select! {
-                biased;
-                () = cut.cancelled() => {
-                    // Shutdown's last moment, not the worker's fault: the guard's drop counts
-                    // the request cancelled.
-                    let ev = serde_json::json!({"error": {
-                        "message": "the router is shutting down and drain_timeout_secs has run out: stream ended",
-                        "type": "service_unavailable", "param": null, "code": 503}});
-                    return Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None));
-                }
-                n = tokio::time::timeout_at(by, up.next()) => n,
-            };
-            match next {
-                Ok(Some(Ok(b))) => {
-                    guard.on_bytes(&b);
-                    Some((Ok(b), Some((up, guard))))
-                }
-                Ok(Some(Err(e))) => error(&mut guard, format!("upstream stream failed: {e}"), 502),
-                Ok(None) => {
-                    guard.complete();
-                    None
-                }
-                Err(_) if guard.first => error(
-                    &mut guard,
-                    format!("the worker sent nothing for {} s (stream_idle_timeout_secs)", limits.idle.as_secs_f64()),
-                    504,
-                ),
-                Err(_) => error(
-                    &mut guard,
-                    format!(
-                        "the worker sent no token within {} s (stream_first_byte_timeout_secs)",
-                        limits.first_byte_secs
-                    ),
-                    504,
-                ),
+            Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None))
+        };
+        let next = tokio::select! {
+            biased;
+            () = state.cut_streams.cancelled() => {
+                // Shutdown's last moment, not the worker's fault: the guard's drop counts
+                // the request cancelled.
+                let ev = serde_json::json!({"error": {
+                    "message": "the router is shutting down and drain_timeout_secs has run out: stream ended",
+                    "type": "service_unavailable", "param": null, "code": 503}});
+                return Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None));
             }
+            n = tokio::time::timeout_at(by, up.next()) => n,
+        };
+        match next {
+            Ok(Some(Ok(b))) => {
+                guard.on_bytes(&b);
+                Some((Ok(b), Some((up, guard))))
+            }
+            Ok(Some(Err(e))) => error(&mut guard, format!("upstream stream failed: {e}"), 502),
+            Ok(None) => {
+                guard.complete();
+                None
+            }
+            Err(_) if guard.first => error(
+                &mut guard,
+                format!("the worker sent nothing for {} s (stream_idle_timeout_secs)", limits.idle.as_secs_f64()),
+                504,
+            ),
+            Err(_) => error(
+                &mut guard,
+                format!(
+                    "the worker sent no token within {} s (stream_first_byte_timeout_secs)",
+                    limits.first_byte_secs
+                ),
+                504,
+            ),
         }
     })
 }
