@@ -13,6 +13,7 @@
 #        live-policy tests and `kvroute register`;
 #        KVROUTE_NATS_BIN (the nats-server binary, Debian nats-server): the replica-sync
 #        tests (prefix state and load shared, snapshots, NATS or a replica dying);
+#        both KVROUTE_NATS_BIN and KVROUTE_ETCD_BIN: SIGTERM with both servers stopped;
 #        KVROUTE_PROMETHEUS (the prometheus binary, Debian prometheus): the scrape and
 #        Grafana-dashboard test;
 #        KVROUTE_NGINX_BIN (the nginx binary, Debian nginx-light): the admin API behind a
@@ -76,6 +77,10 @@ run_ignored "etcd cluster tests" 'binary(etcd) | test(the_sidecar_registers)' "$
 have_nats=0; [ -n "${KVROUTE_NATS_BIN:-}" ] && [ -x "${KVROUTE_NATS_BIN}" ] && have_nats=1
 run_ignored "NATS cluster-sync tests" 'binary(nats) | binary(cluster_cli)' "$have_nats" \
   "${KVROUTE_REQUIRE_NATS:-0}" "KVROUTE_NATS_BIN, the nats-server binary (Debian nats-server)"
+have_both=0; [ "$have_etcd" = 1 ] && [ "$have_nats" = 1 ] && have_both=1
+require_both=0; { [ "${KVROUTE_REQUIRE_ETCD:-0}" = 1 ] || [ "${KVROUTE_REQUIRE_NATS:-0}" = 1 ]; } && require_both=1
+run_ignored "shutdown with NATS and etcd stopped" 'binary(drain_cli)' "$have_both" \
+  "$require_both" "KVROUTE_NATS_BIN and KVROUTE_ETCD_BIN (Debian nats-server, etcd-server)"
 have_prometheus=0; [ -n "${KVROUTE_PROMETHEUS:-}" ] && [ -x "${KVROUTE_PROMETHEUS}" ] && have_prometheus=1
 run_ignored "Prometheus scrape test" 'binary(prometheus)' "$have_prometheus" \
   "${KVROUTE_REQUIRE_PROMETHEUS:-0}" "KVROUTE_PROMETHEUS, the prometheus binary (Debian prometheus)"

@@ -54,16 +54,39 @@ pub struct GatewayConfig {
     /// Most token ids a prompt may carry (`prompt` as ids, `input_ids`); beyond, 400 before
     /// the ids are held in memory.
     pub max_prompt_tokens: usize,
-    /// A client request's headers must arrive within this long, seconds; also closes a
-    /// keep-alive connection idle for this long.
+    /// A client request's headers must arrive within this long, seconds: for a new
+    /// connection counted from its accept, so it covers the TLS handshake, the HTTP/1-or-2
+    /// sniff and HTTP/2's preface too; on HTTP/1 keep-alive, from the previous response's
+    /// end. Also closes a connection (HTTP/1 or HTTP/2) with no request open for this long.
     pub header_read_timeout_secs: f64,
     /// A client request's body must arrive within this long of its headers, seconds (408).
     pub body_read_timeout_secs: f64,
-    /// Open client connections at most (further ones wait in the listen backlog).
+    /// Open client connections at most (further ones wait in the listen backlog), not
+    /// counting the `probe_connections` reserve.
     pub max_connections: usize,
-    /// On SIGTERM/Ctrl-C, how long in-flight requests may still run, seconds; a second
-    /// signal exits at once.
+    /// Connections kept in reserve beyond `max_connections` for health probes: used only
+    /// while the `max_connections` are all taken, they serve `GET /health` and
+    /// `GET /readiness` (any other request gets 503), one request each, and must send it
+    /// within `min(header_read_timeout_secs, 2)` seconds of their accept. 0: no reserve.
+    pub probe_connections: usize,
+    /// Open connections from one client IP address at most (beyond, a new connection is
+    /// closed at accept); 0: no per-client cap. Leave 0 behind a proxy, where every
+    /// client has the proxy's address.
+    pub max_connections_per_client: usize,
+    /// An HTTP/2 connection is sent a PING this often, seconds, and closed when the
+    /// client does not answer one within as long again (a vanished peer); 0: no pings.
+    pub http2_keep_alive_secs: f64,
+    /// On SIGTERM/Ctrl-C, the whole shutdown budget, seconds: `drain_delay_secs`, then
+    /// in-flight requests drain; at the end streams still open get an SSE error event and
+    /// everything left (connections, NATS, etcd, background tasks) is cut. A second signal
+    /// exits at once.
     pub drain_timeout_secs: f64,
+    /// The first part of `drain_timeout_secs`, seconds: `/readiness` answers 503 while new
+    /// connections and requests are still served, so load balancers and Kubernetes'
+    /// endpoint updates take the replica out before it stops accepting. 0: stop accepting
+    /// at once. A delay longer than `drain_timeout_secs` is cut to it (so a configuration
+    /// with a short `drain_timeout_secs` from before this key still starts).
+    pub drain_delay_secs: f64,
     /// Timeout of the TCP (and TLS) connect of one upstream attempt, seconds. A worker that
     /// accepts the connection and then never answers is bounded by `request_timeout_secs`
     /// (and, for a stream, `stream_first_byte_timeout_secs`).
@@ -309,7 +332,11 @@ impl Default for GatewayConfig {
             header_read_timeout_secs: 30.0,
             body_read_timeout_secs: 30.0,
             max_connections: 8192,
+            probe_connections: 4,
+            max_connections_per_client: 0,
+            http2_keep_alive_secs: 30.0,
             drain_timeout_secs: 30.0,
+            drain_delay_secs: 5.0,
             connect_timeout_secs: 30.0,
             request_timeout_secs: 600.0,
             stream_first_byte_timeout_secs: 120.0,
@@ -569,6 +596,16 @@ impl GatewayConfig {
                 return Err(err(k, format!("must be a positive number of seconds up to {MAX_TIMEOUT_SECS}, got {v}")));
             }
         }
+        for (k, v) in
+            [("drain_delay_secs", self.drain_delay_secs), ("http2_keep_alive_secs", self.http2_keep_alive_secs)]
+        {
+            if !(v.is_finite() && (0.0..=MAX_TIMEOUT_SECS).contains(&v)) {
+                return Err(err(
+                    k,
+                    format!("must be 0 or a positive number of seconds up to {MAX_TIMEOUT_SECS}, got {v}"),
+                ));
+            }
+        }
         let m = self.health.models_refresh_secs;
         if !(m.is_finite() && (0.0..=MAX_TIMEOUT_SECS).contains(&m)) {
             return Err(err(
@@ -756,6 +793,17 @@ mod tests {
             let ok = GatewayConfig { admin_listen: Some(lo.into()), ..GatewayConfig::default() };
             ok.validate().expect(lo);
         }
+    }
+
+    #[test]
+    fn the_drain_delay_is_part_of_the_drain_timeout_and_zero_turns_delays_and_pings_off() {
+        let ok = GatewayConfig { drain_delay_secs: 0.0, http2_keep_alive_secs: 0.0, ..GatewayConfig::default() };
+        ok.validate().expect("0 is allowed");
+        // A delay longer than the budget is cut to it at shutdown, not refused.
+        let long = GatewayConfig { drain_timeout_secs: 3.0, ..GatewayConfig::default() };
+        long.validate().expect("a short drain_timeout_secs still starts");
+        let neg = GatewayConfig { http2_keep_alive_secs: -1.0, ..GatewayConfig::default() };
+        assert_eq!(neg.validate().unwrap_err().key, "http2_keep_alive_secs");
     }
 
     #[test]

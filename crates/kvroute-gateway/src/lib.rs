@@ -189,33 +189,41 @@ pub async fn serve_with_reload(
     let kv = tokio::spawn(kv_subscriber::run(Arc::clone(&state), cancel.clone()));
     let etcd = tokio::spawn(cluster::etcd::run(Arc::clone(&state), cancel.clone()));
     let nats = tokio::spawn(cluster::sync::run(Arc::clone(&state), cancel.clone()));
-    let limits = server::Limits {
-        header_read_timeout: Duration::from_secs_f64(state.cfg.header_read_timeout_secs),
-        max_connections: state.cfg.max_connections,
-        drain_timeout: Duration::from_secs_f64(state.cfg.drain_timeout_secs),
-    };
+    let limits = server::Limits::from_config(&state.cfg);
     let admin_task = admin.map(|(l, a)| {
         let stop = cancel.clone();
         let tls = tls.clone();
-        tokio::spawn(
-            async move { server::serve(l, a, limits, tls, async move { stop.cancelled().await }, || {}).await },
-        )
+        // The admin listener stops accepting as soon as the main one has drained.
+        let limits = server::Limits { drain_delay: Duration::ZERO, ..limits };
+        tokio::spawn(async move {
+            server::serve(l, a, limits, tls, async move { stop.cancelled().await }, server::Drain::default()).await;
+        })
     });
     let draining = Arc::clone(&state);
-    server::serve(listener, main_app, limits, tls, shutdown, move || {
-        // `/readiness` answers 503 from here on, so a load balancer stops sending.
-        draining.draining.store(true, std::sync::atomic::Ordering::Relaxed);
-        tracing::info!("shutting down: no new connections, draining in-flight requests");
-    })
-    .await;
+    let delay = state.cfg.drain_delay_secs;
+    let drain = server::Drain {
+        on_signal: Some(Box::new(move || {
+            // `/readiness` answers 503 from here on, so load balancers stop sending.
+            draining.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+            tracing::info!(
+                drain_delay_secs = delay,
+                "shutting down: /readiness 503, new connections still served for drain_delay_secs, then draining"
+            );
+        })),
+        cut_streams: state.cut_streams.clone(),
+    };
+    let deadline = server::serve(listener, main_app, limits, tls, shutdown, drain).await;
+    // The background tasks (health checks, KV events, etcd, NATS) stop now; none may hold
+    // the process past the drain deadline (a NATS flush or an etcd call to a server that
+    // is down would wait forever): what is left at the deadline is abandoned.
     cancel.cancel();
     reloader.abort();
-    if let Some(t) = admin_task {
-        let _ = t.await;
+    let mut tasks = vec![bg, kv, etcd, nats];
+    tasks.extend(admin_task);
+    let aborts: Vec<_> = tasks.iter().map(|t| t.abort_handle()).collect();
+    if tokio::time::timeout_at(deadline, futures_util::future::join_all(tasks)).await.is_err() {
+        tracing::warn!("drain deadline passed with background tasks still stopping: abandoned");
+        aborts.iter().for_each(tokio::task::AbortHandle::abort);
     }
-    let _ = bg.await;
-    let _ = kv.await;
-    let _ = etcd.await;
-    let _ = nats.await;
     Ok(())
 }

@@ -37,6 +37,9 @@ pub struct AppState {
     pub forward_headers: Vec<http::HeaderName>,
     /// Shutdown has begun: `/readiness` answers 503 while in-flight requests drain.
     pub draining: std::sync::atomic::AtomicBool,
+    /// Cancelled just before the drain deadline: streams still open end with an SSE
+    /// error event before their connection is dropped.
+    pub cut_streams: tokio_util::sync::CancellationToken,
     /// Client API keys (`api_key_file`); `None`: every client is served.
     pub api_keys: Option<crate::api_keys::ApiKeys>,
     /// The traffic recorder (`record`), when configured.
@@ -154,6 +157,7 @@ impl AppState {
             api_keys,
             forward_headers,
             draining: std::sync::atomic::AtomicBool::new(false),
+            cut_streams: tokio_util::sync::CancellationToken::new(),
             admission: RwLock::new(Admission::with_role_limits(
                 cfg.max_in_flight_per_model,
                 cfg.pd.max_in_flight_prefill,

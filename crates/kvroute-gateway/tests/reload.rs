@@ -36,9 +36,10 @@ impl Drop for TempDir {
 /// (last, so they may open a table).
 fn file_text(policy: &str, extra: &str, urls: &[&str]) -> String {
     let urls: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+    // drain_delay_secs as in `common::config`, which the first file must equal.
     let token = common::ADMIN_TOKEN;
     format!(
-        "port = 0\nadmin_token = \"{token}\"\npolicy = \"{policy}\"\nexpose_decision_headers = true\nworker_urls = [{}]\n{extra}\n",
+        "port = 0\nadmin_token = \"{token}\"\npolicy = \"{policy}\"\nexpose_decision_headers = true\nworker_urls = [{}]\ndrain_delay_secs = 0.0\n{extra}\n",
         urls.join(", ")
     )
 }

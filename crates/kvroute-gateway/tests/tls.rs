@@ -21,15 +21,23 @@ fn chat() -> serde_json::Value {
         "max_tokens": 3})
 }
 
-const LIMITS: Limits =
-    Limits { header_read_timeout: Duration::from_secs(10), max_connections: 64, drain_timeout: Duration::from_secs(5) };
+fn limits() -> Limits {
+    Limits {
+        header_read_timeout: Duration::from_secs(10),
+        max_connections: 64,
+        drain_timeout: Duration::from_secs(5),
+        drain_delay: Duration::ZERO,
+        ..Limits::default()
+    }
+}
 
 /// Serves `app` with `tls` on an ephemeral port until `stop`; returns `https://127.0.0.1:PORT`.
 async fn serve_tls(app: axum::Router, tls: Arc<ServerTls>, stop: CancellationToken) -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("https://{}", l.local_addr().expect("addr"));
     tokio::spawn(async move {
-        server::serve(l, app, LIMITS, Some(tls), async move { stop.cancelled().await }, || {}).await
+        server::serve(l, app, limits(), Some(tls), async move { stop.cancelled().await }, server::Drain::default())
+            .await;
     });
     url
 }

@@ -38,7 +38,7 @@ impl ApiError {
     }
     fn kind(&self) -> &'static str {
         match self.status.as_u16() {
-            400 | 404 | 413 | 422 => "invalid_request_error",
+            400 | 404 | 413 | 414 | 422 | 431 => "invalid_request_error",
             401 | 403 => "authentication_error",
             // OpenAI's API and vLLM's server name a 429 so; clients branch on it.
             429 => "rate_limit_exceeded",

@@ -128,6 +128,8 @@ async fn start_router(
         health: kvroute_gateway::config::HealthConfig { interval_secs: 2.0, ..Default::default() },
         // One tenant, the demo's own client: the table counts requests per worker.
         expose_decision_headers: true,
+        // No load balancer in front: stop accepting as soon as the run ends.
+        drain_delay_secs: 0.0,
         ..GatewayConfig::default()
     };
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.with_context(|| format!("port {port}"))?;

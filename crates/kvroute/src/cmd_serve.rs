@@ -37,7 +37,8 @@ pub struct Args {
     /// Largest request body, bytes.
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
-    /// Seconds a client has to send a request's headers (also the idle keep-alive limit).
+    /// Seconds a client has to send a request's headers, from the connection's accept for
+    /// the first (TLS handshake included); also the idle limit of a connection.
     #[arg(long, env = "KVROUTE_HEADER_READ_TIMEOUT_SECS")]
     pub header_read_timeout_secs: Option<f64>,
     /// Seconds a client has to send a request's body.
@@ -46,9 +47,21 @@ pub struct Args {
     /// Open client connections at most.
     #[arg(long, env = "KVROUTE_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
-    /// Seconds in-flight requests may run after SIGTERM/Ctrl-C (a second signal exits at once).
+    /// Connections beyond --max-connections reserved for `/health` and `/readiness` probes.
+    #[arg(long, env = "KVROUTE_PROBE_CONNECTIONS")]
+    pub probe_connections: Option<usize>,
+    /// Open connections from one client IP at most (0: no cap; leave 0 behind a proxy).
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS_PER_CLIENT")]
+    pub max_connections_per_client: Option<usize>,
+    /// Seconds between HTTP/2 PINGs to a client (0: none); unanswered as long, the connection closes.
+    #[arg(long, env = "KVROUTE_HTTP2_KEEP_ALIVE_SECS")]
+    pub http2_keep_alive_secs: Option<f64>,
+    /// Whole shutdown budget after SIGTERM/Ctrl-C, seconds (a second signal exits at once).
     #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT_SECS")]
     pub drain_timeout_secs: Option<f64>,
+    /// Seconds after SIGTERM during which `/readiness` is 503 but requests are still served.
+    #[arg(long, env = "KVROUTE_DRAIN_DELAY_SECS")]
+    pub drain_delay_secs: Option<f64>,
     /// Per-attempt connect timeout, seconds.
     #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_SECS")]
     pub connect_timeout_secs: Option<f64>,
@@ -245,7 +258,11 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         header_read_timeout_secs,
         body_read_timeout_secs,
         max_connections,
+        probe_connections,
+        max_connections_per_client,
+        http2_keep_alive_secs,
         drain_timeout_secs,
+        drain_delay_secs,
         connect_timeout_secs,
         request_timeout_secs,
         stream_first_byte_timeout_secs,
@@ -567,7 +584,11 @@ pub async fn shutdown_signal() {
 /// Runs `kvroute serve`.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(serve_until_signal(a))
+    let r = rt.block_on(serve_until_signal(a));
+    // Dropping a runtime waits for its blocking tasks (a DNS lookup, a file read): the
+    // drain deadline has passed already, so do not wait for them.
+    rt.shutdown_timeout(Duration::from_millis(500));
+    r
 }
 
 #[cfg(test)]

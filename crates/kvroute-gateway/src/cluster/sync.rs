@@ -430,7 +430,8 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
     apply_events(&state, &sync, events, cancel).await;
     let _ = publisher.await;
     let _ = responder.await;
-    let _ = client.flush().await;
+    // Bounded: with the server down a flush waits for a reconnect that may never come.
+    let _ = tokio::time::timeout(Duration::from_secs(1), client.flush()).await;
 }
 
 fn max_message(client: &async_nats::Client) -> usize {

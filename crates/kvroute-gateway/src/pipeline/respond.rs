@@ -159,6 +159,7 @@ fn relay(
     let up = Box::pin(futures_util::stream::iter(first.map(Ok)).chain(resp.bytes_stream()));
     futures_util::stream::unfold(Some((up, guard)), move |st| async move {
         let (mut up, mut guard) = st?;
+        let state = Arc::clone(&guard.state);
         let by = if guard.first { tokio::time::Instant::now() + limits.idle } else { limits.first_byte_by };
         let error = |guard: &mut StreamGuard, message: String, code: u16| {
             guard.fail(if code == 504 { "timeout" } else { "upstream_error" });
@@ -166,7 +167,19 @@ fn relay(
                 "message": message, "type": "server_error", "param": null, "code": code}});
             Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None))
         };
-        match tokio::time::timeout_at(by, up.next()).await {
+        let next = tokio::select! {
+            biased;
+            () = state.cut_streams.cancelled() => {
+                // Shutdown's last moment, not the worker's fault: the guard's drop counts
+                // the request cancelled.
+                let ev = serde_json::json!({"error": {
+                    "message": "the router is shutting down and drain_timeout_secs has run out: stream ended",
+                    "type": "service_unavailable", "param": null, "code": 503}});
+                return Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None));
+            }
+            n = tokio::time::timeout_at(by, up.next()) => n,
+        };
+        match next {
             Ok(Some(Ok(b))) => {
                 guard.on_bytes(&b);
                 Some((Ok(b), Some((up, guard))))

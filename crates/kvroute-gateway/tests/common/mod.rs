@@ -46,9 +46,9 @@ pub async fn guard<T>(f: impl std::future::Future<Output = T>) -> T {
 pub const ADMIN_TOKEN: &str = "test-admin-token";
 
 /// A gateway configuration for `urls` running `policy`, on an ephemeral port, with
-/// [`ADMIN_TOKEN`] as its admin token, decision headers on (`expose_decision_headers`: these
-/// tests read where requests went), and ring installed as rustls's provider (reqwest is
-/// built without a default one).
+/// [`ADMIN_TOKEN`] as its admin token, no drain delay, decision headers on
+/// (`expose_decision_headers`: these tests read where requests went), and ring installed as
+/// rustls's provider (reqwest is built without a default one).
 #[allow(dead_code)] // not every test binary configures a gateway this way
 pub fn config(urls: &[&str], policy: &str) -> kvroute_gateway::GatewayConfig {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -58,6 +58,9 @@ pub fn config(urls: &[&str], policy: &str) -> kvroute_gateway::GatewayConfig {
         port: 0,
         expose_decision_headers: true,
         admin_token: Some(ADMIN_TOKEN.into()),
+        // Tests that shut a router down do not wait for load balancers (the drain tests
+        // set it).
+        drain_delay_secs: 0.0,
         ..kvroute_gateway::GatewayConfig::default()
     }
 }

@@ -47,6 +47,7 @@ impl TestCa {
 }
 
 /// A client that trusts only `ca` (no system roots).
+#[allow(dead_code)] // not every test that includes this file uses reqwest over TLS
 pub fn client_trusting(ca: &TestCa, http1_only: bool) -> reqwest::Client {
     let cert = reqwest::Certificate::from_pem(ca.pem().as_bytes()).expect("CA pem");
     let b = reqwest::Client::builder().tls_certs_only([cert]);
