@@ -8,7 +8,7 @@ use crate::pipeline::route::{decide, decision_header, model_of};
 use crate::state::AppState;
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{ConnectInfo, Query, Request, State};
+use axum::extract::{ConnectInfo, RawQuery, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -159,12 +159,19 @@ pub async fn method_not_allowed(method: axum::http::Method) -> Response {
     ApiError::new(StatusCode::METHOD_NOT_ALLOWED, format!("this endpoint does not accept {method}")).into_response()
 }
 
+/// The query string's parameters (percent-decoding invalid UTF-8 lossily, so a bad query
+/// is answered by the handler's own JSON error, not axum's plain-text rejection).
+fn params(q: Option<String>) -> HashMap<String, String> {
+    url::form_urlencoded::parse(q.unwrap_or_default().as_bytes()).into_owned().collect()
+}
+
 fn url_param(q: &HashMap<String, String>) -> Result<String, ApiError> {
     q.get("url").cloned().ok_or_else(|| ApiError::bad_field("url", "missing query parameter `url`"))
 }
 
 /// `POST /add_worker?url=`.
-pub async fn add_worker(State(s): State<Arc<AppState>>, Query(q): Query<HashMap<String, String>>) -> Response {
+pub async fn add_worker(State(s): State<Arc<AppState>>, RawQuery(q): RawQuery) -> Response {
+    let q = params(q);
     let r = async {
         let url = url_param(&q)?;
         let id = s.add_worker(&url).await.map_err(|m| ApiError::bad_field("url", m))?;
@@ -176,7 +183,8 @@ pub async fn add_worker(State(s): State<Arc<AppState>>, Query(q): Query<HashMap<
 }
 
 /// `POST /remove_worker?url=`.
-pub async fn remove_worker(State(s): State<Arc<AppState>>, Query(q): Query<HashMap<String, String>>) -> Response {
+pub async fn remove_worker(State(s): State<Arc<AppState>>, RawQuery(q): RawQuery) -> Response {
+    let q = params(q);
     let r = (|| {
         let url = url_param(&q)?;
         if s.remove_worker(&url) {
@@ -316,9 +324,10 @@ pub async fn put_policy(State(s): State<Arc<AppState>>, headers: HeaderMap, body
 pub async fn debug_route(
     State(s): State<Arc<AppState>>,
     headers: HeaderMap,
-    Query(q): Query<HashMap<String, String>>,
+    RawQuery(q): RawQuery,
     body: Body,
 ) -> Response {
+    let q = params(q);
     let r = async {
         let bytes = read_body(&s, &headers, body).await?;
         let api = match q.get("api").map(String::as_str) {

@@ -216,6 +216,13 @@ async fn worker_urls_are_normalised_and_the_allow_list_holds() {
         let text = resp.text().await.expect("text");
         assert!(text.contains(needle) && !text.contains("pw@"), "{bad}: {text}");
     }
+    // A query that is not UTF-8 once decoded, or has no `url`, gets JSON naming `url`.
+    for query in ["url=%FF%FE", "nothing=1", ""] {
+        let resp = guard(c.post(format!("{r}/add_worker?{query}")).send()).await.expect("send");
+        assert_eq!(resp.status(), 400, "{query}");
+        let v: serde_json::Value = resp.json().await.expect("a JSON error body");
+        assert_eq!(v["error"]["param"], "url", "{query}: {v}");
+    }
     let v: serde_json::Value =
         guard(c.get(format!("{r}/list_workers")).send()).await.expect("send").json().await.expect("json");
     assert_eq!(v["urls"], serde_json::json!([w]));
