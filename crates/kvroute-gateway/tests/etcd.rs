@@ -267,7 +267,7 @@ async fn one_connection_to_an_etcd_with_default_keep_alive_rules_holds_for_60_s(
     let w1 = worker(&stop_w).await;
     let stop = CancellationToken::new();
     let (r, _t) = common::start_router(cluster_config(&e.url, &[]), stop.clone()).await;
-    let c = reqwest::Client::new();
+    let c = common::client();
     eventually("etcd connected", async || metric(&c, &r, "kvroute_etcd_connected").await == 1.0).await;
     // The registration sidecar holds its lease's keep-alive stream on its own connection; a
     // reconnect would drop the lease and register again under a new one. A 30 s TTL renewed
@@ -324,7 +324,7 @@ async fn a_replica_started_during_an_etcd_outage_routes_to_the_saved_registry_ma
         state_dir: Some(state.path().join("kvroute").to_str().expect("utf8").to_string()),
         ..cluster_config(&etcd_url, &[])
     };
-    let c = reqwest::Client::new();
+    let c = common::client();
     let rows = async |r: &str| {
         let v: serde_json::Value =
             c.get(format!("{r}/workers")).send().await.expect("workers").json().await.expect("json");
