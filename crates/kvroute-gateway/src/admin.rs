@@ -345,6 +345,15 @@ pub async fn debug_route(
         let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
         let mut info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens)?;
         let precise = keys::resolve(&s, api, &bytes, &mut info).await;
+        // Keyed as the tenant's own request would be: `?tenant=NAME`, else the tenant the
+        // request's headers name (`tenant_header`).
+        let salt = match q.get("tenant") {
+            Some(t) if s.cfg.tenant_isolation => Some(s.tenant_scopes.salt(t)),
+            _ => crate::tenant::salt_of(&s, &headers),
+        };
+        if let Some(salt) = salt {
+            crate::tenant::salt_routing_key(&mut info, salt);
+        }
         let model = model_of(&s, &info)?;
         let explain = |routed: &crate::pipeline::route::Routed| {
             let d = &routed.decision;

@@ -216,3 +216,37 @@ async fn decision_headers_go_to_the_admin_token_only() {
     stop.cancel();
     stop_w.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_route_keys_a_dry_run_as_the_named_tenants_request() {
+    let stop_w = CancellationToken::new();
+    let ws = workers(2, &stop_w).await;
+    let keys = key_file("debug");
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(config(&ws, "cache_aware", &keys), stop.clone()).await;
+    let c = reqwest::Client::new();
+    let text = prompt("4071");
+    let resp = guard(c.post(format!("{r}/v1/chat/completions")).bearer_auth("sk-victim").json(&chat(&text)).send())
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+    let matched = |tenant: &'static str| {
+        let c = common::client();
+        let (r, text) = (r.clone(), text.clone());
+        async move {
+            let resp = guard(c.post(format!("{r}/debug/route?tenant={tenant}")).json(&chat(&text)).send())
+                .await
+                .expect("send");
+            assert_eq!(resp.status(), 200);
+            let v: serde_json::Value = resp.json().await.expect("json");
+            (v["matched"].as_u64().expect("matched"), v["key_len"].as_u64().expect("key_len"))
+        }
+    };
+    let (own, len) = matched("team-a").await;
+    assert_eq!(own, len, "the victim's own tenant finds its whole prompt");
+    let (other, _) = matched("team-b").await;
+    assert_eq!(other, 0, "another tenant finds nothing of it");
+    stop.cancel();
+    stop_w.cancel();
+    let _ = std::fs::remove_file(&keys);
+}
