@@ -249,7 +249,7 @@ impl EngineSimConfig {
         if self.role != Role::Both && self.bootstrap_host.is_empty() {
             return bad("bootstrap_host must be an address to bind (--host)".into());
         }
-        self.kv_transfer.validate().map_err(ConfigError)?;
+        self.kv_transfer.validate().map_err(|e| ConfigError(e.to_string()))?;
         Ok(())
     }
 }

@@ -174,7 +174,7 @@ pub async fn add_worker(State(s): State<Arc<AppState>>, RawQuery(q): RawQuery) -
     let q = params(q);
     let r = async {
         let url = url_param(&q)?;
-        let id = s.add_worker(&url).await.map_err(|m| ApiError::bad_field("url", m))?;
+        let id = s.add_worker(&url).await.map_err(|m| ApiError::bad_field("url", m.to_string()))?;
         let url = s.fleet.by_id(WorkerId(id)).map_or(url, |w| w.url.to_string());
         Ok::<_, ApiError>(Json(serde_json::json!({"status": "added", "url": url, "id": id})))
     }

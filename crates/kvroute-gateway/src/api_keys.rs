@@ -25,6 +25,50 @@ use std::sync::Arc;
 /// Most keys a file may hold (bounds memory and the tenant label set).
 pub const MAX_KEYS: usize = 100_000;
 
+/// A key file refused by [`ApiKeys::parse`], naming the line (1-based).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyFileError {
+    /// `rpm=` or `tpm=` with a value that is not a whole number.
+    #[error("line {line}: `{name}` must be a whole number of {name}, got `{value}`")]
+    Number {
+        /// Line.
+        line: usize,
+        /// `rpm` or `tpm`.
+        name: String,
+        /// The value given.
+        value: String,
+    },
+    /// A `name=value` other than `rpm` and `tpm`.
+    #[error("line {line}: unknown setting `{name}` (rpm and tpm are known)")]
+    UnknownSetting {
+        /// Line.
+        line: usize,
+        /// The name given.
+        name: String,
+    },
+    /// More than two plain words.
+    #[error("line {line}: expected `KEY [TENANT] [rpm=N] [tpm=N]`")]
+    Form {
+        /// Line.
+        line: usize,
+    },
+    /// More than [`MAX_KEYS`] keys.
+    #[error("line {line}: more than {MAX_KEYS} keys")]
+    TooMany {
+        /// Line.
+        line: usize,
+    },
+    /// A key listed twice.
+    #[error("line {line}: this key is already listed above")]
+    Duplicate {
+        /// Line.
+        line: usize,
+    },
+    /// No key at all.
+    #[error("the file lists no key (every request would be refused)")]
+    NoKey,
+}
+
 /// One key's owner and limits.
 #[derive(Debug)]
 pub struct KeyEntry {
@@ -62,9 +106,9 @@ impl ApiKeys {
     /// (0 = unlimited).
     ///
     /// # Errors
-    /// A message naming the line: an empty or duplicate key, an unknown or malformed
+    /// [`KeyFileError`] naming the line: a duplicate key, an unknown or malformed
     /// `name=value`, more than two plain words, more than [`MAX_KEYS`] keys, or no key at all.
-    pub fn parse(text: &str, default_rpm: u32, default_tpm: u32) -> Result<Self, String> {
+    pub fn parse(text: &str, default_rpm: u32, default_tpm: u32) -> Result<Self, KeyFileError> {
         let mut keys = HashMap::new();
         for (i, raw) in text.lines().enumerate() {
             let line_no = i + 1;
@@ -78,8 +122,10 @@ impl ApiKeys {
             for w in words {
                 match w.split_once('=') {
                     Some((name @ ("rpm" | "tpm"), v)) => {
-                        let n: u32 = v.parse().map_err(|_| {
-                            format!("line {line_no}: `{name}` must be a whole number of {name}, got `{v}`")
+                        let n: u32 = v.parse().map_err(|_| KeyFileError::Number {
+                            line: line_no,
+                            name: name.to_string(),
+                            value: v.to_string(),
                         })?;
                         if name == "rpm" {
                             rpm = n;
@@ -88,14 +134,14 @@ impl ApiKeys {
                         }
                     }
                     Some((name, _)) => {
-                        return Err(format!("line {line_no}: unknown setting `{name}` (rpm and tpm are known)"));
+                        return Err(KeyFileError::UnknownSetting { line: line_no, name: name.to_string() });
                     }
                     None if tenant.is_none() => tenant = Some(w.to_string()),
-                    None => return Err(format!("line {line_no}: expected `KEY [TENANT] [rpm=N] [tpm=N]`")),
+                    None => return Err(KeyFileError::Form { line: line_no }),
                 }
             }
             if keys.len() == MAX_KEYS {
-                return Err(format!("line {line_no}: more than {MAX_KEYS} keys"));
+                return Err(KeyFileError::TooMany { line: line_no });
             }
             let cache_tenant = tenant
                 .clone()
@@ -107,11 +153,11 @@ impl ApiKeys {
                 tokens: limiter(tpm).map(|l| (l, tpm)),
             };
             if keys.insert(key.to_string(), Arc::new(entry)).is_some() {
-                return Err(format!("line {line_no}: this key is already listed above"));
+                return Err(KeyFileError::Duplicate { line: line_no });
             }
         }
         if keys.is_empty() {
-            return Err("the file lists no key (every request would be refused)".into());
+            return Err(KeyFileError::NoKey);
         }
         Ok(ApiKeys { keys })
     }
@@ -203,7 +249,7 @@ mod tests {
             ("sk-a burst=3\n", "line 1"),
             ("\nsk-a t1 t2\n", "line 2"),
         ] {
-            let e = ApiKeys::parse(text, 0, 0).expect_err(text);
+            let e = ApiKeys::parse(text, 0, 0).expect_err(text).to_string();
             assert!(e.starts_with(line), "{text:?}: {e}");
         }
         assert!(ApiKeys::parse("# none\n", 0, 0).is_err());

@@ -288,14 +288,33 @@ pub struct KvEventSource {
     pub replay: Option<String>,
 }
 
+/// A malformed `kv_events` entry.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvEventSourceError {
+    /// The flag form lacks `=`.
+    #[error("`{given}`: expected WORKER_URL=tcp://HOST:PORT[+tcp://HOST:PORT]")]
+    Form {
+        /// The entry as given.
+        given: String,
+    },
+    /// The worker URL is refused.
+    #[error(transparent)]
+    Worker(#[from] WorkerUrlError),
+    /// An endpoint is not `tcp://HOST:PORT` with a host to connect to.
+    #[error("`{endpoint}`: expected tcp://HOST:PORT with a host to connect to and a port (only tcp:// is supported)")]
+    Endpoint {
+        /// The endpoint as given.
+        endpoint: String,
+    },
+}
+
 impl KvEventSource {
     /// Parses the flag form `WORKER_URL=tcp://HOST:PORT[+tcp://HOST:REPLAY_PORT]`.
     ///
     /// # Errors
-    /// A message naming what is wrong.
-    pub fn parse(s: &str) -> Result<KvEventSource, String> {
-        let (worker, rest) =
-            s.split_once('=').ok_or_else(|| format!("`{s}`: expected WORKER_URL=tcp://HOST:PORT[+tcp://HOST:PORT]"))?;
+    /// [`KvEventSourceError`] naming what is wrong.
+    pub fn parse(s: &str) -> Result<KvEventSource, KvEventSourceError> {
+        let (worker, rest) = s.split_once('=').ok_or_else(|| KvEventSourceError::Form { given: s.to_string() })?;
         let (endpoint, replay) = match rest.split_once('+') {
             Some((e, r)) => (e, Some(r.to_string())),
             None => (rest, None),
@@ -305,14 +324,15 @@ impl KvEventSource {
         Ok(src)
     }
 
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), KvEventSourceError> {
         check_worker_url(&self.worker)?;
         for e in std::iter::once(&self.endpoint).chain(self.replay.iter()) {
-            let hostport =
-                e.strip_prefix("tcp://").ok_or_else(|| format!("`{e}`: only tcp:// endpoints are supported"))?;
-            let (host, port) = hostport.rsplit_once(':').ok_or_else(|| format!("`{e}`: expected tcp://HOST:PORT"))?;
-            if host.is_empty() || host == "*" || port.parse::<u16>().is_err() {
-                return Err(format!("`{e}`: expected tcp://HOST:PORT with a host to connect to and a port"));
+            let ok = e
+                .strip_prefix("tcp://")
+                .and_then(|hp| hp.rsplit_once(':'))
+                .is_some_and(|(host, port)| !host.is_empty() && host != "*" && port.parse::<u16>().is_ok());
+            if !ok {
+                return Err(KvEventSourceError::Endpoint { endpoint: e.clone() });
             }
         }
         Ok(())
@@ -402,8 +422,8 @@ pub struct ConfigError {
     pub message: String,
 }
 
-fn err(key: &str, message: impl Into<String>) -> ConfigError {
-    ConfigError { key: key.into(), message: message.into() }
+fn err(key: &str, message: impl std::fmt::Display) -> ConfigError {
+    ConfigError { key: key.into(), message: message.to_string() }
 }
 
 impl GatewayConfig {
@@ -647,31 +667,83 @@ impl GatewayConfig {
     }
 }
 
+/// Why a worker URL (or a `worker_allow` entry) is refused. The messages name the URL,
+/// with any `user:password@` redacted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WorkerUrlError {
+    /// Not parsable as a URL.
+    #[error("`{url}` is not a URL: {reason}")]
+    NotAUrl {
+        /// The URL as given.
+        url: String,
+        /// The parser's message.
+        reason: String,
+    },
+    /// Not `http` or `https`.
+    #[error("`{url}`: only http and https worker URLs are accepted")]
+    Scheme {
+        /// The URL as given.
+        url: String,
+    },
+    /// No host (`http:///x`).
+    #[error("`{url}`: no host")]
+    NoHost {
+        /// The URL as given.
+        url: String,
+    },
+    /// `user:password@` in the URL.
+    #[error(
+        "`{url}`: credentials in a worker URL are refused (they would show in metrics, logs and \
+         `/workers`); workers receive the client's `Authorization` header (`forward_headers`)"
+    )]
+    Credentials {
+        /// The URL, credentials redacted.
+        url: String,
+    },
+    /// A query or a fragment.
+    #[error("`{url}`: a worker URL has no query or fragment")]
+    QueryOrFragment {
+        /// The URL as given.
+        url: String,
+    },
+    /// A `worker_allow` entry that is no host, address or network.
+    #[error("`{entry}`: expected a host name, an IP address or a CIDR")]
+    BadAllowEntry {
+        /// The entry.
+        entry: String,
+    },
+    /// The host is not in `worker_allow`.
+    #[error("`{url}`: host `{host}` is not in `worker_allow`")]
+    NotAllowed {
+        /// The normalised URL.
+        url: String,
+        /// Its host.
+        host: String,
+    },
+}
+
 /// Accepts only absolute http(s) URLs with a host and no query or fragment; returns the
 /// URL without a trailing slash.
 ///
 /// # Errors
-/// A message saying what is wrong.
-pub fn check_worker_url(u: &str) -> Result<String, String> {
+/// [`WorkerUrlError`] saying what is wrong.
+pub fn check_worker_url(u: &str) -> Result<String, WorkerUrlError> {
     let u = u.trim();
-    let parsed = url::Url::parse(u).map_err(|e| format!("`{u}` is not a URL: {e}"))?;
+    let url = || u.to_string();
+    let parsed = url::Url::parse(u).map_err(|e| WorkerUrlError::NotAUrl { url: url(), reason: e.to_string() })?;
     if !matches!(parsed.scheme(), "http" | "https") {
-        return Err(format!("`{u}`: only http and https worker URLs are accepted"));
+        return Err(WorkerUrlError::Scheme { url: url() });
     }
     // The URL standard reads `http:///x` as host `x`; a worker URL must name its host.
     let authority = u.split_once("://").map_or("", |(_, rest)| rest);
     if parsed.host_str().is_none_or(str::is_empty) || authority.starts_with('/') || authority.is_empty() {
-        return Err(format!("`{u}`: no host"));
+        return Err(WorkerUrlError::NoHost { url: url() });
     }
     if !parsed.username().is_empty() || parsed.password().is_some() {
-        return Err(format!(
-            "`{}`: credentials in a worker URL are refused (they would show in metrics, logs and \
-             `/workers`); workers receive the client's `Authorization` header (`forward_headers`)",
-            redact_userinfo(u)
-        ));
+        return Err(WorkerUrlError::Credentials { url: redact_userinfo(u) });
     }
     if parsed.query().is_some() || parsed.fragment().is_some() {
-        return Err(format!("`{u}`: a worker URL has no query or fragment"));
+        return Err(WorkerUrlError::QueryOrFragment { url: url() });
     }
     // Lower-case scheme and host, default port dropped (the parser does both), no trailing '/'.
     Ok(parsed.as_str().trim_end_matches('/').to_string())
@@ -693,7 +765,7 @@ enum Allow {
     Host(String),
 }
 
-fn parse_allow(a: &str) -> Result<Allow, String> {
+fn parse_allow(a: &str) -> Result<Allow, WorkerUrlError> {
     let a = a.trim();
     if let Ok(n) = a.parse::<ipnet::IpNet>() {
         return Ok(Allow::Net(n));
@@ -702,7 +774,7 @@ fn parse_allow(a: &str) -> Result<Allow, String> {
         return Ok(Allow::Net(ipnet::IpNet::from(ip)));
     }
     if a.is_empty() || a.contains(['/', ':', '@', ' ']) {
-        return Err(format!("`{a}`: expected a host name, an IP address or a CIDR"));
+        return Err(WorkerUrlError::BadAllowEntry { entry: a.to_string() });
     }
     Ok(Allow::Host(a.to_ascii_lowercase()))
 }
@@ -711,12 +783,13 @@ impl GatewayConfig {
     /// Whether the normalised worker URL `u` points at a host `worker_allow` permits.
     ///
     /// # Errors
-    /// A message naming the host when it is not allowed.
-    pub fn check_worker_allowed(&self, u: &str) -> Result<(), String> {
+    /// [`WorkerUrlError::NotAllowed`] naming the host (or `NotAUrl`).
+    pub fn check_worker_allowed(&self, u: &str) -> Result<(), WorkerUrlError> {
         if self.worker_allow.is_empty() {
             return Ok(());
         }
-        let parsed = url::Url::parse(u).map_err(|e| format!("`{u}`: {e}"))?;
+        let parsed =
+            url::Url::parse(u).map_err(|e| WorkerUrlError::NotAUrl { url: u.to_string(), reason: e.to_string() })?;
         let ip = match parsed.host() {
             Some(url::Host::Ipv4(a)) => Some(std::net::IpAddr::V4(a)),
             Some(url::Host::Ipv6(a)) => Some(std::net::IpAddr::V6(a)),
@@ -728,7 +801,7 @@ impl GatewayConfig {
             (Allow::Host(h), None) => h == host,
             _ => false,
         });
-        if ok { Ok(()) } else { Err(format!("`{u}`: host `{host}` is not in `worker_allow`")) }
+        if ok { Ok(()) } else { Err(WorkerUrlError::NotAllowed { url: u.to_string(), host: host.to_string() }) }
     }
 }
 
@@ -760,7 +833,7 @@ mod tests {
         assert!(cfg.check_worker_allowed("http://10.1.2.3:8000").is_ok());
         assert!(cfg.check_worker_allowed("http://[::1]:8000").is_ok());
         assert!(cfg.check_worker_allowed("http://gpu-node-1:8000").is_ok());
-        assert!(cfg.check_worker_allowed("http://11.0.0.1:8000").unwrap_err().contains("11.0.0.1"));
+        assert!(cfg.check_worker_allowed("http://11.0.0.1:8000").unwrap_err().to_string().contains("11.0.0.1"));
         assert!(cfg.check_worker_allowed("http://evil.example:8000").is_err());
         let bad = GatewayConfig { worker_allow: vec!["10.0.0.0/99".into()], ..GatewayConfig::default() };
         assert_eq!(bad.validate().unwrap_err().key, "worker_allow");
@@ -811,9 +884,9 @@ mod tests {
         assert_eq!(check_worker_url("HTTP://LocalHost:80/").unwrap(), "http://localhost");
         assert_eq!(check_worker_url(" http://127.0.0.1:8000// ").unwrap(), "http://127.0.0.1:8000");
         assert_eq!(check_worker_url("https://[::1]:443/v").unwrap(), "https://[::1]/v");
-        assert!(check_worker_url("http:///x").unwrap_err().contains("no host"));
-        assert!(check_worker_url("ftp://x").unwrap_err().contains("http and https"));
-        let e = check_worker_url("http://user:secret@w1:8000").unwrap_err();
+        assert!(check_worker_url("http:///x").unwrap_err().to_string().contains("no host"));
+        assert!(check_worker_url("ftp://x").unwrap_err().to_string().contains("http and https"));
+        let e = check_worker_url("http://user:secret@w1:8000").unwrap_err().to_string();
         assert!(e.contains("credentials") && !e.contains("secret") && e.contains("***@w1:8000"), "{e}");
     }
 

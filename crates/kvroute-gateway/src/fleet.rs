@@ -284,13 +284,13 @@ impl WorkerEntry {
     /// # Errors
     /// The base URL does not parse (admission of the worker validates it, so only a URL
     /// that `reqwest` rejects gets here); the message names it.
-    pub fn endpoint(&self, api: Api) -> Result<reqwest::Url, String> {
+    pub fn endpoint(&self, api: Api) -> Result<reqwest::Url, BadWorkerUrl> {
         let i = match api {
             Api::Chat => 0,
             Api::Completions => 1,
             Api::Generate => 2,
         };
-        self.endpoints.as_ref().map(|e| e[i].clone()).ok_or_else(|| format!("{}: not a valid URL", self.url))
+        self.endpoints.as_ref().map(|e| e[i].clone()).ok_or_else(|| BadWorkerUrl { url: self.url.to_string() })
     }
 
     /// Its role.
@@ -540,6 +540,22 @@ pub struct Fleet {
     next_id: AtomicU32,
 }
 
+/// A worker URL `reqwest` cannot build a request URL from.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{url}: not a valid URL")]
+pub struct BadWorkerUrl {
+    /// The worker's URL.
+    pub url: String,
+}
+
+/// The worker table is full: a gateway serves at most [`MAX_WORKERS`] workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the gateway already has {max} workers")]
+pub struct FleetFull {
+    /// [`MAX_WORKERS`].
+    pub max: usize,
+}
+
 impl Fleet {
     /// The current list (one atomic load).
     pub fn load(&self) -> arc_swap::Guard<Arc<Vec<Arc<WorkerEntry>>>> {
@@ -561,7 +577,7 @@ impl Fleet {
     ///
     /// # Errors
     /// The table is full ([`MAX_WORKERS`]).
-    pub fn add(&self, url: &str, models: Vec<String>, health: Health) -> Result<(Arc<WorkerEntry>, bool), String> {
+    pub fn add(&self, url: &str, models: Vec<String>, health: Health) -> Result<(Arc<WorkerEntry>, bool), FleetFull> {
         self.add_with(url, models, health, |_| {})
     }
 
@@ -576,14 +592,14 @@ impl Fleet {
         models: Vec<String>,
         health: Health,
         setup: impl FnOnce(&WorkerEntry),
-    ) -> Result<(Arc<WorkerEntry>, bool), String> {
+    ) -> Result<(Arc<WorkerEntry>, bool), FleetFull> {
         let _w = self.writer.lock();
         let cur = self.list.load_full();
         if let Some(w) = cur.iter().find(|w| &*w.url == url) {
             return Ok((Arc::clone(w), false));
         }
         if cur.len() >= MAX_WORKERS {
-            return Err(format!("the gateway already has {MAX_WORKERS} workers"));
+            return Err(FleetFull { max: MAX_WORKERS });
         }
         let id = WorkerId(self.next_id.fetch_add(1, Relaxed));
         let entry = WorkerEntry::new(id, url, models, health);

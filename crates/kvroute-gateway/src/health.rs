@@ -16,15 +16,24 @@ async fn get_text(client: &reqwest::Client, url: &str, timeout_secs: f64) -> Opt
     try_get_text(client, url, timeout_secs).await.ok()
 }
 
-/// `GET url`: the status and body (empty when over [`MAX_SCRAPE_BYTES`]), or the error with
-/// its causes (a refused connection, an untrusted certificate, a timeout).
-async fn try_get_text(client: &reqwest::Client, url: &str, timeout_secs: f64) -> Result<(u16, String), String> {
-    let resp = client.get(url).timeout(Duration::from_secs_f64(timeout_secs)).send().await.map_err(|e| causes(&e))?;
+/// A `GET` that got no answer: the error with its causes (a refused connection, an
+/// untrusted certificate, a timeout).
+#[derive(Debug, thiserror::Error)]
+#[error("GET {url}: {causes}")]
+struct GetError {
+    url: String,
+    causes: String,
+}
+
+/// `GET url`: the status and body (empty when over [`MAX_SCRAPE_BYTES`]), or [`GetError`].
+async fn try_get_text(client: &reqwest::Client, url: &str, timeout_secs: f64) -> Result<(u16, String), GetError> {
+    let fail = |e: reqwest::Error| GetError { url: url.to_string(), causes: causes(&e) };
+    let resp = client.get(url).timeout(Duration::from_secs_f64(timeout_secs)).send().await.map_err(fail)?;
     let status = resp.status().as_u16();
     if resp.content_length().is_some_and(|n| n > MAX_SCRAPE_BYTES as u64) {
         return Ok((status, String::new()));
     }
-    let body = resp.bytes().await.map_err(|e| causes(&e))?;
+    let body = resp.bytes().await.map_err(fail)?;
     if body.len() > MAX_SCRAPE_BYTES {
         return Ok((status, String::new()));
     }
@@ -175,7 +184,7 @@ async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
             // Once per run of failures: why (a worker that never passed logs nothing else).
             let why = match &checked {
                 Ok((status, _)) => format!("status {status}"),
-                Err(e) => e.clone(),
+                Err(e) => e.causes.clone(),
             };
             tracing::warn!(worker = %url, reason = %why, failures = n, "health check failing");
         }

@@ -181,7 +181,10 @@ pub async fn serve_with_reload(
     }
     *state.listen_addrs.write() = own;
     for u in state.static_workers.load_full().iter().map(String::as_str).chain(state.cfg.pd.urls()) {
-        state.check_not_own(u).await.map_err(|m| config::ConfigError { key: "worker_urls".into(), message: m })?;
+        state
+            .check_not_own(u)
+            .await
+            .map_err(|m| config::ConfigError { key: "worker_urls".into(), message: m.to_string() })?;
     }
     state.add_initial_workers().await;
     let reloader = tokio::spawn(reload::run(hup, tls.clone(), reload, Arc::clone(&state)));

@@ -98,28 +98,65 @@ impl LoraConfig {
     /// Checks the catalogue and limits.
     ///
     /// # Errors
-    /// A message naming the field.
-    pub fn validate(&self) -> Result<(), String> {
+    /// [`LoraConfigError`] naming the field (and the adapter).
+    pub fn validate(&self) -> Result<(), LoraConfigError> {
         if !(self.load_timeout_secs.is_finite() && self.load_timeout_secs > 0.0 && self.load_timeout_secs <= 3600.0) {
-            return Err("load_timeout_secs: expected 0 to 3600 seconds".into());
+            return Err(LoraConfigError::LoadTimeout);
         }
         if self.adapters.len() > MAX_ADAPTERS {
-            return Err(format!("adapters: at most {MAX_ADAPTERS}"));
+            return Err(LoraConfigError::TooMany);
         }
         let mut seen = std::collections::HashSet::new();
         for a in &self.adapters {
             if a.name.trim().is_empty() || a.name.len() > 256 {
-                return Err("adapters: a name is empty or longer than 256 bytes".into());
+                return Err(LoraConfigError::Name);
             }
             if a.path.trim().is_empty() || a.path.len() > 4096 {
-                return Err(format!("adapters: `{}`: path is empty or longer than 4096 bytes", a.name));
+                return Err(LoraConfigError::Path { adapter: a.name.clone() });
             }
             if !seen.insert(a.name.as_str()) {
-                return Err(format!("adapters: `{}` is listed twice", a.name));
+                return Err(LoraConfigError::Twice { adapter: a.name.clone() });
             }
         }
         Ok(())
     }
+}
+
+/// A LoRA catalogue refused by [`LoraConfig::validate`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoraConfigError {
+    /// `load_timeout_secs` out of range.
+    #[error("load_timeout_secs: expected 0 to 3600 seconds")]
+    LoadTimeout,
+    /// More than [`MAX_ADAPTERS`] adapters.
+    #[error("adapters: at most {MAX_ADAPTERS}")]
+    TooMany,
+    /// An adapter name empty or over 256 bytes.
+    #[error("adapters: a name is empty or longer than 256 bytes")]
+    Name,
+    /// An adapter path empty or over 4096 bytes.
+    #[error("adapters: `{adapter}`: path is empty or longer than 4096 bytes")]
+    Path {
+        /// The adapter.
+        adapter: String,
+    },
+    /// An adapter listed twice.
+    #[error("adapters: `{adapter}` is listed twice")]
+    Twice {
+        /// The adapter.
+        adapter: String,
+    },
+}
+
+/// Why a worker did not load an adapter.
+#[derive(Debug, thiserror::Error)]
+enum LoadError {
+    /// The request failed (connection, timeout).
+    #[error("{worker}: {reason}")]
+    Request { worker: String, reason: String },
+    /// The worker answered with an error.
+    #[error("{worker} answered {status}: {snippet}")]
+    Refused { worker: String, status: reqwest::StatusCode, snippet: String },
 }
 
 /// The multiplexer: the catalogue, and one lock per adapter so concurrent requests for it
@@ -225,7 +262,7 @@ pub async fn ensure_loaded(s: &Arc<AppState>, model: &str) -> Result<(), ApiErro
             Err(e) => {
                 count_outcome(&s.metrics.lora_loads, "failed");
                 tracing::warn!(worker = %w.url, adapter = model, error = %e, "LoRA adapter load failed; trying the next worker");
-                last = e;
+                last = e.to_string();
             }
         }
     }
@@ -233,7 +270,7 @@ pub async fn ensure_loaded(s: &Arc<AppState>, model: &str) -> Result<(), ApiErro
 }
 
 /// Asks `w` to load `adapter`; an "already loaded" answer counts as loaded.
-async fn load_on(s: &AppState, cfg: &LoraConfig, w: &WorkerEntry, adapter: &LoraAdapter) -> Result<(), String> {
+async fn load_on(s: &AppState, cfg: &LoraConfig, w: &WorkerEntry, adapter: &LoraAdapter) -> Result<(), LoadError> {
     let path = match cfg.api {
         LoraApi::Vllm => "/v1/load_lora_adapter",
         LoraApi::Sglang => "/load_lora_adapter",
@@ -246,7 +283,7 @@ async fn load_on(s: &AppState, cfg: &LoraConfig, w: &WorkerEntry, adapter: &Lora
         .json(&body)
         .send()
         .await
-        .map_err(|e| format!("{}: {e}", w.url))?;
+        .map_err(|e| LoadError::Request { worker: w.url.to_string(), reason: e.to_string() })?;
     let status = r.status();
     let text = r.text().await.unwrap_or_default();
     let already = text.contains("already been loaded") || text.contains("already loaded");
@@ -259,7 +296,7 @@ async fn load_on(s: &AppState, cfg: &LoraConfig, w: &WorkerEntry, adapter: &Lora
         Ok(())
     } else {
         let snippet: String = text.chars().take(300).collect();
-        Err(format!("{} answered {status}: {snippet}", w.url))
+        Err(LoadError::Refused { worker: w.url.to_string(), status, snippet })
     }
 }
 
@@ -273,10 +310,10 @@ mod tests {
         let ok = LoraConfig { adapters: vec![a("x"), a("y")], ..LoraConfig::default() };
         assert!(ok.validate().is_ok());
         let twice = LoraConfig { adapters: vec![a("x"), a("x")], ..LoraConfig::default() };
-        assert!(twice.validate().expect_err("twice").contains("twice"));
+        assert!(twice.validate().expect_err("twice").to_string().contains("twice"));
         let no_path =
             LoraConfig { adapters: vec![LoraAdapter { path: String::new(), ..a("x") }], ..LoraConfig::default() };
-        assert!(no_path.validate().expect_err("path").contains("path"));
+        assert!(no_path.validate().expect_err("path").to_string().contains("path"));
         assert!(Multiplexer::new(&LoraConfig::default()).is_none());
         assert!(Multiplexer::new(&ok).is_some_and(|m| m.is_adapter("y") && !m.is_adapter("z")));
     }

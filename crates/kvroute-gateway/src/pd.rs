@@ -122,10 +122,10 @@ impl PdConfig {
             return Err(e("prefill", format!("at most {} workers", crate::fleet::MAX_WORKERS)));
         }
         for p in &self.prefill {
-            crate::config::check_worker_url(&p.url).map_err(|m| e("prefill", m))?;
+            crate::config::check_worker_url(&p.url).map_err(|m| e("prefill", m.to_string()))?;
         }
         for d in &self.decode {
-            crate::config::check_worker_url(d).map_err(|m| e("decode", m))?;
+            crate::config::check_worker_url(d).map_err(|m| e("decode", m.to_string()))?;
         }
         for (k, policy, knobs) in [
             ("prefill_policy", &self.prefill_policy, &self.prefill_policy_knobs),

@@ -198,7 +198,7 @@ impl Reloader {
         for u in &added {
             match self.state.add_worker(u).await {
                 Ok(_) => tracing::info!(worker = u, "SIGHUP: worker added"),
-                Err(e) => tracing::warn!(worker = u, error = e, "SIGHUP: worker not added"),
+                Err(e) => tracing::warn!(worker = u, error = %e, "SIGHUP: worker not added"),
             }
         }
         for u in &removed {

@@ -213,8 +213,8 @@ impl AppState {
     /// Adds a worker by URL, or returns the existing one's id.
     ///
     /// # Errors
-    /// A message for a bad URL or a full table.
-    pub async fn add_worker(self: &Arc<Self>, url: &str) -> Result<u32, String> {
+    /// [`AddWorkerError`]: a refused URL, this router's own listener, a full table.
+    pub async fn add_worker(self: &Arc<Self>, url: &str) -> Result<u32, AddWorkerError> {
         self.add_worker_with(url, None).await
     }
 
@@ -225,7 +225,7 @@ impl AppState {
         self: &Arc<Self>,
         url: &str,
         record: Option<&crate::cluster::WorkerRecord>,
-    ) -> Result<u32, String> {
+    ) -> Result<u32, AddWorkerError> {
         let url = crate::config::check_worker_url(url)?;
         self.cfg.check_worker_allowed(&url)?;
         self.check_not_own(&url).await?;
@@ -281,12 +281,12 @@ impl AppState {
     /// its own worker would send each request back to itself.
     ///
     /// # Errors
-    /// A message naming the URL and the listener.
-    pub async fn check_not_own(&self, url: &str) -> Result<(), String> {
+    /// [`AddWorkerError::OwnListener`] naming the URL and the listener.
+    pub async fn check_not_own(&self, url: &str) -> Result<(), AddWorkerError> {
         let bound = self.listen_addrs.read().clone();
         let timeout = Duration::from_secs_f64(self.cfg.health.timeout_secs);
         match crate::hops::own_listener(url, &bound, timeout).await {
-            Some(a) => Err(format!("`{url}` is this router's own listener ({a}): a router cannot be its own worker")),
+            Some(listener) => Err(AddWorkerError::OwnListener { url: url.to_string(), listener }),
             None => Ok(()),
         }
     }
@@ -309,9 +309,12 @@ impl AppState {
     ///
     /// # Errors
     /// As [`AppState::add_worker`].
-    pub async fn add_registered_worker(self: &Arc<Self>, record: crate::cluster::WorkerRecord) -> Result<(), String> {
+    pub async fn add_registered_worker(
+        self: &Arc<Self>,
+        record: crate::cluster::WorkerRecord,
+    ) -> Result<(), AddWorkerError> {
         self.add_worker_with(&record.url, Some(&record)).await?;
-        let w = self.fleet.by_url(&record.url).ok_or_else(|| format!("`{}` was removed meanwhile", record.url))?;
+        let w = self.fleet.by_url(&record.url).ok_or_else(|| AddWorkerError::Removed { url: record.url.clone() })?;
         if !record.models.is_empty() {
             {
                 let mut adm = self.admission.write();
@@ -359,6 +362,31 @@ impl AppState {
             crate::metrics::count_outcome(&self.metrics.ejections, "capped");
         }
     }
+}
+
+/// Why a worker was not added.
+#[derive(Debug, thiserror::Error)]
+pub enum AddWorkerError {
+    /// The URL is refused (malformed, credentials, not in `worker_allow`).
+    #[error(transparent)]
+    Url(#[from] crate::config::WorkerUrlError),
+    /// The URL points at one of this router's own listeners (it would loop).
+    #[error("`{url}` is this router's own listener ({listener}): a router cannot be its own worker")]
+    OwnListener {
+        /// The normalised URL.
+        url: String,
+        /// The listener it reaches.
+        listener: std::net::SocketAddr,
+    },
+    /// The worker table is full.
+    #[error(transparent)]
+    Full(#[from] crate::fleet::FleetFull),
+    /// Removed (by another task) while it was being added.
+    #[error("`{url}` was removed meanwhile")]
+    Removed {
+        /// The URL.
+        url: String,
+    },
 }
 
 /// 64 bits from the operating system's randomness (the standard library's `RandomState`

@@ -175,10 +175,17 @@ impl Profile {
     /// Checks the constants.
     ///
     /// # Errors
-    /// A message naming the bad field.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.block_tokens == 0 || self.kv_tokens == 0 || self.max_batch == 0 || self.max_batched_tokens == 0 {
-            return Err("block_tokens, kv_tokens, max_batch and max_batched_tokens must be at least 1".into());
+    /// [`InvalidSetting`] naming the bad field and its value.
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
+        for (k, v) in [
+            ("block_tokens", u64::from(self.block_tokens)),
+            ("kv_tokens", self.kv_tokens),
+            ("max_batch", self.max_batch as u64),
+            ("max_batched_tokens", u64::from(self.max_batched_tokens)),
+        ] {
+            if v == 0 {
+                return Err(InvalidSetting::new(k, "must be at least 1, got 0"));
+            }
         }
         for (k, v) in [
             ("step_overhead_s", self.step_overhead_s),
@@ -188,14 +195,20 @@ impl Profile {
             ("prefill_attention_s", self.prefill_attention_s),
         ] {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("{k} must be a finite number >= 0, got {v}"));
+                return Err(InvalidSetting::new(k, format!("must be a finite number >= 0, got {v}")));
             }
         }
         if self.step_overhead_s + self.prefill_per_token_s + self.decode_per_seq_s <= 0.0 {
-            return Err("a step must take time: step_overhead_s, prefill_per_token_s or decode_per_seq_s > 0".into());
+            return Err(InvalidSetting::new(
+                "step_overhead_s",
+                "a step must take time: step_overhead_s, prefill_per_token_s or decode_per_seq_s > 0",
+            ));
         }
         if self.slots as usize > kvroute_core::slots::MAX_SLOTS {
-            return Err(format!("slots must be at most {}, got {}", kvroute_core::slots::MAX_SLOTS, self.slots));
+            return Err(InvalidSetting::new(
+                "slots",
+                format!("must be at most {}, got {}", kvroute_core::slots::MAX_SLOTS, self.slots),
+            ));
         }
         Ok(())
     }
@@ -989,6 +1002,23 @@ impl Engine {
                 req,
             });
         }
+    }
+}
+
+/// A simulator setting out of range: which one, and what is wrong with its value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{setting}: {message}")]
+pub struct InvalidSetting {
+    /// The setting (a profile field, a `--kv-*` or `--pd` flag, `engines`, …).
+    pub setting: String,
+    /// What is wrong, with the value given.
+    pub message: String,
+}
+
+impl InvalidSetting {
+    /// `setting` is refused because of `message`.
+    pub fn new(setting: impl Into<String>, message: impl Into<String>) -> Self {
+        InvalidSetting { setting: setting.into(), message: message.into() }
     }
 }
 

@@ -15,7 +15,7 @@
 //! transfer is modelled alone: no link contention between concurrent transfers, no
 //! pipelining of the copy with the prefill (the copy starts when the prefill ends).
 
-use crate::engine::{Engine, EngineEvent, EngineRequest};
+use crate::engine::{Engine, EngineEvent, EngineRequest, InvalidSetting};
 use crate::replay::{BusyWindow, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, RouterView};
 use crate::trace::TraceRequest;
 use kvroute_core::disagg::{DisaggConfig, DisaggPlan, plan};
@@ -72,21 +72,21 @@ impl TransferModel {
     /// `latency_secs` finite and ≥ 0.
     ///
     /// # Errors
-    /// A message naming the field and its `--kv-*` flag.
-    pub fn validate(&self) -> Result<(), String> {
+    /// [`InvalidSetting`] naming the field and its `--kv-*` flag.
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.kv_bytes_per_token == 0 {
-            return Err("kv_bytes_per_token (--kv-bytes-per-token) must be at least 1".into());
+            return Err(InvalidSetting::new("kv_bytes_per_token (--kv-bytes-per-token)", "must be at least 1, got 0"));
         }
         if !(self.link_gbytes_per_s.is_finite() && self.link_gbytes_per_s > 0.0) {
-            return Err(format!(
-                "link_gbytes_per_s (--kv-link-gbytes-per-s) must be finite and > 0, got {}",
-                self.link_gbytes_per_s
+            return Err(InvalidSetting::new(
+                "link_gbytes_per_s (--kv-link-gbytes-per-s)",
+                format!("must be finite and > 0, got {}", self.link_gbytes_per_s),
             ));
         }
         if !(self.latency_secs.is_finite() && self.latency_secs >= 0.0) {
-            return Err(format!(
-                "latency_secs (--kv-transfer-latency-secs) must be finite and >= 0, got {}",
-                self.latency_secs
+            return Err(InvalidSetting::new(
+                "latency_secs (--kv-transfer-latency-secs)",
+                format!("must be finite and >= 0, got {}", self.latency_secs),
             ));
         }
         Ok(())
@@ -137,12 +137,15 @@ impl PdConfig {
     /// Checks P ≥ 1, D ≥ 1 and the transfer knobs.
     ///
     /// # Errors
-    /// A message naming the bad setting.
-    pub fn validate(&self) -> Result<(), String> {
+    /// [`InvalidSetting`] naming the bad setting.
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.prefill_engines == 0 || self.decode_engines == 0 {
-            return Err(format!(
-                "--pd {}:{}: at least one prefill and one decode engine are needed",
-                self.prefill_engines, self.decode_engines
+            return Err(InvalidSetting::new(
+                "--pd",
+                format!(
+                    "{}:{}: at least one prefill and one decode engine are needed",
+                    self.prefill_engines, self.decode_engines
+                ),
             ));
         }
         self.transfer.validate()
@@ -188,9 +191,9 @@ pub fn replay_pd(
     let p = pd.prefill_engines;
     let n = p + pd.decode_engines;
     if cfg.engines != n {
-        return Err(ReplayError::Config(format!(
-            "{} engines given but --pd {}:{} needs {n}",
-            cfg.engines, pd.prefill_engines, pd.decode_engines
+        return Err(ReplayError::Config(InvalidSetting::new(
+            "engines",
+            format!("{} engines given but --pd {}:{} needs {n}", cfg.engines, pd.prefill_engines, pd.decode_engines),
         )));
     }
     cfg.profile.validate().map_err(ReplayError::Config)?;
@@ -474,7 +477,7 @@ mod tests {
             (TransferModel { latency_secs: -1.0, ..Default::default() }, "latency_secs"),
             (TransferModel { latency_secs: f64::INFINITY, ..Default::default() }, "latency_secs"),
         ] {
-            let e = m.validate().expect_err(field);
+            let e = m.validate().expect_err(field).to_string();
             assert!(e.contains(field), "{e}");
         }
         assert!(PdConfig::new(0, 3).validate().is_err());

@@ -219,8 +219,8 @@ pub enum ReplayError {
     #[error(transparent)]
     Policy(#[from] registry::BuildError),
     /// Bad settings.
-    #[error("{0}")]
-    Config(String),
+    #[error(transparent)]
+    Config(#[from] crate::engine::InvalidSetting),
 }
 
 /// Compute utilisation as an engine exporter reports it (DCGM's SM activity is an average
@@ -654,11 +654,17 @@ pub fn replay(
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayResult, ReplayError> {
     if cfg.engines == 0 {
-        return Err(ReplayError::Config("at least one engine is needed".into()));
+        return Err(ReplayError::Config(crate::engine::InvalidSetting::new(
+            "engines",
+            "at least one engine is needed",
+        )));
     }
     cfg.profile.validate().map_err(ReplayError::Config)?;
     if let Some(bad) = not_a_slowdown(&cfg.host_slowdown) {
-        return Err(ReplayError::Config(format!("host_slowdown: {bad} is not a positive finite slow-down")));
+        return Err(ReplayError::Config(crate::engine::InvalidSetting::new(
+            "host_slowdown",
+            format!("{bad} is not a positive finite slow-down"),
+        )));
     }
     let mut policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed);

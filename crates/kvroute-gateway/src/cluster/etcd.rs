@@ -285,7 +285,7 @@ async fn reconcile(state: &Arc<AppState>, known: &mut Known, listed: HashMap<Str
 async fn put_worker(state: &Arc<AppState>, known: &mut Known, key: String, value: &[u8]) {
     match WorkerRecord::parse(value) {
         Ok(r) => put_record(state, known, key, r).await,
-        Err(e) => tracing::warn!(key, error = e, "etcd: ignoring an invalid worker record"),
+        Err(e) => tracing::warn!(key, error = %e, "etcd: ignoring an invalid worker record"),
     }
 }
 
@@ -309,7 +309,7 @@ async fn put_record(state: &Arc<AppState>, known: &mut Known, key: String, recor
             }
             Some(old) => known.dirty |= known.workers.get(&key) != Some(&old),
         },
-        Err(e) => tracing::warn!(key, worker = url, error = e, "etcd: worker not added"),
+        Err(e) => tracing::warn!(key, worker = url, error = %e, "etcd: worker not added"),
     }
     state.metrics.etcd_workers.set(known.workers.len() as i64);
 }

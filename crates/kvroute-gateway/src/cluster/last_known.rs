@@ -142,12 +142,15 @@ pub fn load(dir: &Path, prefix: &str) -> Result<Option<Loaded>, String> {
     let mut workers = BTreeMap::new();
     let mut refused = 0;
     for (key, value) in saved.workers.into_iter().take(crate::fleet::MAX_WORKERS) {
-        match serde_json::to_vec(&value).map_err(|e| e.to_string()).and_then(|v| WorkerRecord::parse(&v)) {
+        let parsed = serde_json::to_vec(&value)
+            .map_err(|e| crate::cluster::RecordError::NotARecord { reason: e.to_string() })
+            .and_then(|v| WorkerRecord::parse(&v));
+        match parsed {
             Ok(r) => {
                 workers.insert(key, r);
             }
             Err(e) => {
-                tracing::warn!(key, error = e, "state_dir: ignoring a saved worker record");
+                tracing::warn!(key, error = %e, "state_dir: ignoring a saved worker record");
                 refused += 1;
             }
         }

@@ -102,29 +102,30 @@ impl Capacity {
     /// Checks the values.
     ///
     /// # Errors
-    /// A message naming the field.
-    pub fn check(&self) -> Result<(), String> {
+    /// [`CapacityError`] naming the field.
+    pub fn check(&self) -> Result<(), CapacityError> {
+        let bad = |field: &'static str, message: String| Err(CapacityError { field, message });
         if let Some(d) = &self.dtype
             && dtype_bytes(d).is_none()
         {
-            return Err(format!("dtype: unknown `{d}` (fp32, fp16, bf16, fp8, int8, int4)"));
+            return bad("dtype", format!("unknown `{d}` (fp32, fp16, bf16, fp8, int8, int4)"));
         }
         if self.tp_size == Some(0) {
-            return Err("tp_size: expected at least 1".into());
+            return bad("tp_size", "expected at least 1".into());
         }
         if let Some(n) = self.llama_slots
             && !(1..=kvroute_core::slots::MAX_SLOTS as u32).contains(&n)
         {
-            return Err(format!("llama_slots: {n}, expected 1 to {}", kvroute_core::slots::MAX_SLOTS));
+            return bad("llama_slots", format!("{n}, expected 1 to {}", kvroute_core::slots::MAX_SLOTS));
         }
         if self.max_concurrent == Some(0) {
-            return Err("max_concurrent: expected at least 1".into());
+            return bad("max_concurrent", "expected at least 1".into());
         }
         if self.kv_tokens == Some(0) {
-            return Err("kv_tokens: expected at least 1".into());
+            return bad("kv_tokens", "expected at least 1".into());
         }
         if self.vram_gb.is_some_and(|v| !(v.is_finite() && v > 0.0 && v <= 1e6)) {
-            return Err("vram_gb: expected a positive number of GiB".into());
+            return bad("vram_gb", "expected a positive number of GiB".into());
         }
         Ok(())
     }
@@ -176,24 +177,64 @@ pub struct WorkerRecord {
     pub labels: BTreeMap<String, String>,
 }
 
+/// A capacity value out of range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct CapacityError {
+    /// The field (`dtype`, `tp_size`, …).
+    pub field: &'static str,
+    /// What is wrong with its value.
+    pub message: String,
+}
+
+/// A worker record refused by [`WorkerRecord::parse`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    /// Larger than [`MAX_VALUE_BYTES`].
+    #[error("record of {bytes} bytes (at most {MAX_VALUE_BYTES})")]
+    TooLarge {
+        /// Its size.
+        bytes: usize,
+    },
+    /// Not JSON of a worker record's shape.
+    #[error("not a worker record: {reason}")]
+    NotARecord {
+        /// The JSON parser's message.
+        reason: String,
+    },
+    /// The URL is refused.
+    #[error("url: {0}")]
+    Url(#[from] crate::config::WorkerUrlError),
+    /// Too many or bad model names.
+    #[error("models: at most 256 names of 1 to 256 bytes")]
+    Models,
+    /// Too many or too long labels.
+    #[error("labels: at most {MAX_LABELS}, keys up to 128 and values up to 256 bytes")]
+    Labels,
+    /// A capacity value out of range.
+    #[error("capacity.{0}")]
+    Capacity(#[from] CapacityError),
+}
+
 impl WorkerRecord {
     /// Parses and checks a record (size, URL, counts and lengths).
     ///
     /// # Errors
-    /// A message naming the field at fault.
-    pub fn parse(value: &[u8]) -> Result<WorkerRecord, String> {
+    /// [`RecordError`] naming the field at fault.
+    pub fn parse(value: &[u8]) -> Result<WorkerRecord, RecordError> {
         if value.len() > MAX_VALUE_BYTES {
-            return Err(format!("record of {} bytes (at most {MAX_VALUE_BYTES})", value.len()));
+            return Err(RecordError::TooLarge { bytes: value.len() });
         }
-        let mut r: WorkerRecord = serde_json::from_slice(value).map_err(|e| format!("not a worker record: {e}"))?;
-        r.url = crate::config::check_worker_url(&r.url).map_err(|e| format!("url: {e}"))?;
+        let mut r: WorkerRecord =
+            serde_json::from_slice(value).map_err(|e| RecordError::NotARecord { reason: e.to_string() })?;
+        r.url = crate::config::check_worker_url(&r.url)?;
         if r.models.len() > 256 || r.models.iter().any(|m| m.is_empty() || m.len() > 256) {
-            return Err("models: at most 256 names of 1 to 256 bytes".into());
+            return Err(RecordError::Models);
         }
         if r.labels.len() > MAX_LABELS || r.labels.iter().any(|(k, v)| k.len() > 128 || v.len() > 256) {
-            return Err(format!("labels: at most {MAX_LABELS}, keys up to 128 and values up to 256 bytes"));
+            return Err(RecordError::Labels);
         }
-        r.capacity.check().map_err(|e| format!("capacity.{e}"))?;
+        r.capacity.check()?;
         Ok(r)
     }
 
@@ -239,10 +280,10 @@ mod tests {
             (br#"{"url": "http://x:1", "capacity": {"dtype": "fp6"}}"#, "dtype"),
             (br#"not json"#, "not a worker record"),
         ] {
-            let e = WorkerRecord::parse(bad).expect_err("refused");
+            let e = WorkerRecord::parse(bad).expect_err("refused").to_string();
             assert!(e.contains(field), "{e}");
         }
         let big = format!(r#"{{"url": "http://x:1", "labels": {{"k": "{}"}}}}"#, "v".repeat(MAX_VALUE_BYTES));
-        assert!(WorkerRecord::parse(big.as_bytes()).expect_err("too big").contains("bytes"));
+        assert!(WorkerRecord::parse(big.as_bytes()).expect_err("too big").to_string().contains("bytes"));
     }
 }

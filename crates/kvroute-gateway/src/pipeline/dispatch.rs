@@ -497,7 +497,7 @@ pub(crate) async fn attempt(
     timeout: Duration,
     first_byte_by: Option<tokio::time::Instant>,
 ) -> Result<reqwest::Response, Failure> {
-    let url = w.endpoint(api).map_err(Failure::Retry)?;
+    let url = w.endpoint(api).map_err(|e| Failure::Retry(e.to_string()))?;
     let mut rb = s.client.post(url).timeout(timeout).body(bytes.clone());
     rb = rb.header(header::CONTENT_TYPE, "application/json");
     // This hop, after the client's own `Via` entries: a request that comes back is refused.
