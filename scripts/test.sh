@@ -2,7 +2,8 @@
 # The project's test command (README: "Test"). Runs:
 #   1. the purity check: kvroute-core and kvroute-protocol must not depend on an async
 #      runtime or do I/O; the gateway must not depend on the simulators;
-#   2. every unit, property and integration test with cargo-nextest;
+#   2. every unit, property and integration test with cargo-nextest (installed with
+#      `cargo install --locked` when missing);
 #   3. doctests (nextest skips them).
 #   4. the tests that need outside pieces (marked #[ignore] with the reason), each group when
 #      its piece is given, and a closing list of what was skipped and why:
@@ -41,6 +42,18 @@ if cargo tree -p kvroute-gateway -e normal --prefix none --format '{p}' | grep -
   exit 1
 fi
 echo "ok"
+
+# cargo-nextest runs the tests: each test in its own process (tests that start servers, set
+# signals or change the environment cannot disturb each other), and its filtersets
+# (`-E 'binary(etcd) | test(...)'`) select the ignored groups below, which `cargo test` has
+# no way to express across binaries. A machine without it gets it once (pinned version,
+# Cargo.lock of its release), in CARGO_HOME/bin where cargo finds its subcommands.
+NEXTEST_VERSION=0.9.143
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "== cargo-nextest is missing: installing cargo-nextest $NEXTEST_VERSION (cargo install --locked, a few minutes, once)"
+  cargo install cargo-nextest --version "$NEXTEST_VERSION" --locked
+fi
+cargo nextest --version | head -1
 
 echo "== tests (cargo nextest; the ignored ones need outside pieces, run below)"
 cargo nextest run --workspace --no-fail-fast
