@@ -105,7 +105,7 @@ pub struct Args {
     #[arg(long, default_value_t = 40)]
     pub conversations: usize,
     /// mtbench: tokens of a reference document in each conversation's system message
-    /// (0: none), as in shared/specs/peers.md's llama.cpp measurement (~300).
+    /// (0: none), as in docs/real-engines.md's workload (b) (~300).
     #[arg(long, default_value_t = 0)]
     pub document_tokens: u32,
     /// mtbench: distinct documents (0: one per conversation; fewer share prefixes across
