@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README: "Test"). Runs:
 #   1. the purity check: kvroute-core and kvroute-protocol must not depend on an async
-#      runtime or do I/O; the gateway must not depend on the simulators;
+#      runtime or do I/O; the gateway must not depend on the simulators; nothing in code,
+#      scripts or docs names a path beside the checkout (the sibling shared directory);
 #   2. every unit, property and integration test with cargo-nextest (installed with
 #      `cargo install --locked` when missing);
 #   3. doctests (nextest skips them).
@@ -35,6 +36,18 @@ for crate in kvroute-core kvroute-protocol; do
   fi
 done
 echo "ok: no async runtime or I/O crate in kvroute-core or kvroute-protocol"
+
+echo "== self-contained: no path beside the checkout in code, scripts or docs"
+# A spec or source system is cited by its public origin (repository and path, paper, page),
+# data lives in data/. docs/results/ is left out: it records the commands that ran.
+outside=$(git grep -nE '\.\./(\.\./)*shared/|(^|[^A-Za-z0-9_./-])shared/(specs|tools|data)/' -- \
+  crates scripts docs README.md .ci kvroute.example.toml fuzz data ':!docs/results' || true)
+if [ -n "$outside" ]; then
+  echo "references outside the repository (cite the public origin, or vendor the data):" >&2
+  printf '%s\n' "$outside" >&2
+  exit 1
+fi
+echo "ok"
 
 echo "== layering: the gateway does not depend on the simulators"
 if cargo tree -p kvroute-gateway -e normal --prefix none --format '{p}' | grep -qE '^kvroute-(sim|engine-sim) '; then
