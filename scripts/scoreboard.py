@@ -28,7 +28,8 @@ Families (`--families`, default all six):
   mooncake    data/traces/mooncake_conversation_trace.jsonl (vendored; Kimi chat, 12,031 req).
   azure_code  <--azure-dir>/azure_llm_2023_code.csv  (Azure LLM inference 2023, lengths only:
   azure_conv  <--azure-dir>/azure_llm_2023_conv.csv   no prefix reuse). Skipped, with a
-              message, when the files are absent (default --azure-dir ../shared/data/traces).
+              message, when the files are absent (default --azure-dir data/traces;
+              not vendored, data/traces/README.md says where to get them).
   agentic     scripts/gen-traces.py agentic --seed <--gen-seed>  (defaults: see that script)
   rag         scripts/gen-traces.py rag     --seed <--gen-seed>
   mtbench     scripts/gen-traces.py mtbench --seed <--gen-seed>
@@ -255,7 +256,7 @@ def main() -> int:
     ap.add_argument("--loads", default="0.25,0.5,0.8,1,1.2", help="multiples of round_robin's knee")
     ap.add_argument("--knee-factor", type=float, default=4.0,
                     help="knee: round_robin's mean TTFT exceeds this x its light-load mean")
-    ap.add_argument("--azure-dir", default=str(REPO.parent / "shared/data/traces"))
+    ap.add_argument("--azure-dir", default=str(REPO / "data/traces"))
     ap.add_argument("--limit", help="first N requests of each trace: N, or FAMILY=N,...")
     ap.add_argument("--gen-seed", type=int, default=1, help="seed of the generated traces")
     ap.add_argument("--prefix-state", default="approximate", help="passed to kvroute replay")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The project's test command (README: "Test"). Runs:
 #   1. the purity check: kvroute-core and kvroute-protocol must not depend on an async
-#      runtime or do I/O; the gateway must not depend on the simulators;
-#   2. every unit, property and integration test with cargo-nextest;
+#      runtime or do I/O; the gateway must not depend on the simulators; nothing in code,
+#      scripts or docs names a path beside the checkout (the sibling shared directory);
+#   2. every unit, property and integration test with cargo-nextest (installed with
+#      `cargo install --locked` when missing);
 #   3. doctests (nextest skips them).
 #   4. the tests that need outside pieces (marked #[ignore] with the reason), each group when
 #      its piece is given, and a closing list of what was skipped and why:
@@ -35,12 +37,36 @@ for crate in kvroute-core kvroute-protocol; do
 done
 echo "ok: no async runtime or I/O crate in kvroute-core or kvroute-protocol"
 
+echo "== self-contained: no path beside the checkout in code, scripts or docs"
+# A spec or source system is cited by its public origin (repository and path, paper, page),
+# data lives in data/. docs/results/ is left out: it records the commands that ran.
+outside=$(git grep -nE '\.\./(\.\./)*shared/|(^|[^A-Za-z0-9_./-])shared/(specs|tools|data)/' -- \
+  crates scripts docs README.md .ci kvroute.example.toml fuzz data ':!docs/results' || true)
+if [ -n "$outside" ]; then
+  echo "references outside the repository (cite the public origin, or vendor the data):" >&2
+  printf '%s\n' "$outside" >&2
+  exit 1
+fi
+echo "ok"
+
 echo "== layering: the gateway does not depend on the simulators"
 if cargo tree -p kvroute-gateway -e normal --prefix none --format '{p}' | grep -qE '^kvroute-(sim|engine-sim) '; then
   echo "kvroute-gateway depends on kvroute-sim or kvroute-engine-sim (only its tests may)" >&2
   exit 1
 fi
 echo "ok"
+
+# cargo-nextest runs the tests: each test in its own process (tests that start servers, set
+# signals or change the environment cannot disturb each other), and its filtersets
+# (`-E 'binary(etcd) | test(...)'`) select the ignored groups below, which `cargo test` has
+# no way to express across binaries. A machine without it gets it once (pinned version,
+# Cargo.lock of its release), in CARGO_HOME/bin where cargo finds its subcommands.
+NEXTEST_VERSION=0.9.143
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "== cargo-nextest is missing: installing cargo-nextest $NEXTEST_VERSION (cargo install --locked, a few minutes, once)"
+  cargo install cargo-nextest --version "$NEXTEST_VERSION" --locked
+fi
+cargo nextest --version | head -1
 
 echo "== tests (cargo nextest; the ignored ones need outside pieces, run below)"
 cargo nextest run --workspace --no-fail-fast

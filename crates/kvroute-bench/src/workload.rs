@@ -251,8 +251,8 @@ pub fn mtbench(
 
 /// Gives conversation `i` a system message holding reference document `i % documents`
 /// (`documents` 0: one per conversation) of `tokens × 4` characters of [`synth_text`], as in
-/// the peers' measurement on llama.cpp (shared/specs/peers.md: a ~300-token document per
-/// conversation). Fewer documents than conversations share prefixes across conversations.
+/// workload (b) of docs/real-engines.md, the peers' measurement on llama.cpp (a ~300-token
+/// document per conversation). Fewer documents than conversations share prefixes across conversations.
 pub fn attach_documents(convs: &mut [Conversation], tokens: u32, documents: usize, seed: u64) {
     for (i, c) in convs.iter_mut().enumerate() {
         let d = if documents == 0 { i } else { i % documents };

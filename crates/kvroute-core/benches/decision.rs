@@ -78,6 +78,10 @@ fn probe(trace: &[TraceReq]) -> (TraceReq, String) {
     (TraceReq { input: 4096, blocks }, text[..16_384].to_string())
 }
 
+#[expect(
+    clippy::disallowed_methods,
+    reason = "a benchmark times the core with the wall clock; the core itself never reads it"
+)]
 fn bench_decisions(c: &mut Criterion) {
     let trace = mooncake();
     if trace.is_empty() {

@@ -5,7 +5,7 @@
 //! - *approximate*: the router's own decisions ([`BlockIndex::record`]); entries expire
 //!   after the TTL, because the router cannot see the engine's evictions;
 //! - *precise*: engine KV events ([`BlockIndex::store`], [`BlockIndex::remove`],
-//!   [`BlockIndex::clear_worker`]), see `shared/specs/kv-events.md`; these never expire by
+//!   [`BlockIndex::clear_worker`]), see vLLM's `vllm/distributed/kv_events.py`; these never expire by
 //!   TTL (the engine says when they go).
 //!
 //! A worker's *overlap* with a request is the number of leading request blocks it holds:

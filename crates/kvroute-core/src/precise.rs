@@ -1,4 +1,5 @@
-//! Precise prefix state from engine KV-cache events (`shared/specs/kv-events.md`).
+//! Precise prefix state from engine KV-cache events (vLLM's `vllm/distributed/kv_events.py`,
+//! github.com/vllm-project/vllm; SGLang publishes the same messages).
 //!
 //! Engines (vLLM, SGLang, `kvroute engine-sim`) publish `BlockStored` / `BlockRemoved` /
 //! `AllBlocksCleared` events. Their block hashes cannot be reproduced outside the engine

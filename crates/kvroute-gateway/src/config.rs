@@ -275,7 +275,8 @@ pub struct GatewayConfig {
     pub llama_slot_routing: bool,
 }
 
-/// Where one worker publishes its KV events (`shared/specs/kv-events.md`).
+/// Where one worker publishes its KV events (vLLM's `--kv-events-config`; the format is
+/// `vllm/distributed/kv_events.py` in github.com/vllm-project/vllm).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KvEventSource {

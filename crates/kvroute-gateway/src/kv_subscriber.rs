@@ -1,4 +1,5 @@
-//! The router side of engine KV events (`shared/specs/kv-events.md`): one ZeroMQ SUB
+//! The router side of engine KV events (vLLM's `vllm/distributed/kv_events.py`, which SGLang
+//! follows): one ZeroMQ SUB
 //! subscriber per worker feeding the shared [`PreciseIndex`], and the request side
 //! (token ids for a request, cached) that lets policies use it.
 //!

@@ -1,4 +1,5 @@
-//! Engine KV-cache events in vLLM's wire format (`shared/specs/kv-events.md`): the msgpack
+//! Engine KV-cache events in vLLM's wire format (`vllm/distributed/kv_events.py` in
+//! github.com/vllm-project/vllm): the msgpack
 //! codec (both the legacy positional and the current map encoding of events, array or map
 //! batches, u64 or bytes hashes, SGLang's rank slot) and the 3-frame ZeroMQ message
 //! (`[topic, seq as 8-byte big-endian, payload]`).

@@ -72,8 +72,11 @@ pub enum TraceError {
         /// File.
         file: PathBuf,
     },
-    /// No trace was given and the shared Mooncake trace is not where it is looked for.
-    #[error("cannot find the Mooncake trace; pass --trace PATH (shared/data/traces/mooncake_conversation_trace.jsonl)")]
+    /// No trace was given and the vendored Mooncake trace is missing (a partial checkout).
+    #[error(
+        "cannot find the Mooncake trace (data/traces/mooncake_conversation_trace.jsonl in the repository); \
+         pass --trace PATH"
+    )]
     NotFound,
 }
 
@@ -83,8 +86,8 @@ pub const VENDORED_MOONCAKE: &str =
     concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
 
 /// The Mooncake conversation trace: `given`, else the copy vendored in the repository
-/// ([`VENDORED_MOONCAKE`]), else `shared/data/traces/` found from the current directory
-/// (the repository root, a crate directory, or beside the checkout).
+/// ([`VENDORED_MOONCAKE`]), else `data/traces/` under the current directory (a binary built
+/// elsewhere, run from the repository root). Nothing outside the repository is searched.
 ///
 /// # Errors
 /// [`TraceError::NotFound`] when nothing is given and no copy is found.
@@ -92,18 +95,11 @@ pub fn find_default(given: Option<&Path>) -> Result<PathBuf, TraceError> {
     if let Some(p) = given {
         return Ok(p.to_path_buf());
     }
-    [
-        VENDORED_MOONCAKE,
-        "data/traces/mooncake_conversation_trace.jsonl",
-        "../shared/data/traces/mooncake_conversation_trace.jsonl",
-        "shared/data/traces/mooncake_conversation_trace.jsonl",
-        "../../shared/data/traces/mooncake_conversation_trace.jsonl",
-        "../../../shared/data/traces/mooncake_conversation_trace.jsonl",
-    ]
-    .into_iter()
-    .map(PathBuf::from)
-    .find(|p| p.exists())
-    .ok_or(TraceError::NotFound)
+    [VENDORED_MOONCAKE, "data/traces/mooncake_conversation_trace.jsonl"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+        .ok_or(TraceError::NotFound)
 }
 
 /// Trace formats.

@@ -13,6 +13,7 @@ fn kvroute(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kvroute")).args(args).stdin(Stdio::null()).output().expect("run kvroute")
 }
 
+#[expect(clippy::disallowed_methods, reason = "a plain blocking test helper, outside any runtime")]
 fn wait_health(url: &str) {
     for _ in 0..300 {
         if std::net::TcpStream::connect(url.trim_start_matches("http://")).is_ok() {

@@ -84,8 +84,8 @@ fn mtbench() -> Vec<(String, String)> {
         .collect()
 }
 
-/// A deterministic ~300-token reference document per conversation (as in the peers'
-/// measurement in shared/specs/peers.md), so each conversation has a substantial prefix.
+/// A deterministic ~300-token reference document per conversation (as in workload (b)
+/// of docs/real-engines.md, the peers' side-by-side measurement), so each conversation has a substantial prefix.
 fn document(i: usize) -> String {
     const WORDS: &[&str] = &[
         "harbor", "lantern", "copper", "violet", "maple", "granite", "meadow", "engine", "bridge", "tower", "signal",

@@ -105,7 +105,7 @@ pub struct Args {
     #[arg(long, default_value_t = 40)]
     pub conversations: usize,
     /// mtbench: tokens of a reference document in each conversation's system message
-    /// (0: none), as in shared/specs/peers.md's llama.cpp measurement (~300).
+    /// (0: none), as in docs/real-engines.md's workload (b) (~300).
     #[arg(long, default_value_t = 0)]
     pub document_tokens: u32,
     /// mtbench: distinct documents (0: one per conversation; fewer share prefixes across
@@ -512,6 +512,7 @@ fn cpu_ticks() -> Option<(u64, u64)> {
 /// Cores busy over the last `window`, measured now (`/proc/stat` read before and after;
 /// `None` where there is none). Unlike the load average, which decays over minutes, it does
 /// not count the workers of a run that just ended.
+#[expect(clippy::disallowed_methods, reason = "plain blocking code between runs, outside any runtime")]
 fn cores_busy_now(window: Duration) -> Option<f64> {
     let (b0, t0) = cpu_ticks()?;
     std::thread::sleep(window);
