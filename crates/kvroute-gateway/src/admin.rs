@@ -18,7 +18,6 @@ use kvroute_protocol::openai::{Api, parse_limited};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use subtle::ConstantTimeEq;
 
 /// Who may use the admin API: with `admin_token` set, a client presenting
 /// `Authorization: Bearer <admin_token>` (compared in constant time), from anywhere; without
@@ -37,12 +36,8 @@ use subtle::ConstantTimeEq;
 pub fn admin_access(token: Option<&str>, headers: &HeaderMap, peer: Option<SocketAddr>) -> Result<(), ApiError> {
     match token {
         Some(token) => {
-            let given = headers
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .unwrap_or_default();
-            if bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
+            let given = crate::api_keys::bearer(headers).unwrap_or_default();
+            if crate::api_keys::same_secret(given, token) {
                 Ok(())
             } else {
                 Err(ApiError::new(

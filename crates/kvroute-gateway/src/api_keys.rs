@@ -90,6 +90,18 @@ pub struct ApiKeys {
     keys: HashMap<String, Arc<KeyEntry>>,
 }
 
+/// The credential of `Authorization: Bearer <value>` in `headers`, if there is one (what the
+/// OpenAI SDKs send; the admin token and API keys both come this way).
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "))
+}
+
+/// Whether `given` is `secret`, compared in constant time (no timing hint of how much of a
+/// guess was right).
+pub fn same_secret(given: &str, secret: &str) -> bool {
+    bool::from(subtle::ConstantTimeEq::ct_eq(given.as_bytes(), secret.as_bytes()))
+}
+
 fn limiter(per_minute: u32) -> Option<DefaultDirectRateLimiter> {
     NonZeroU32::new(per_minute).map(|n| RateLimiter::direct(Quota::per_minute(n)))
 }
@@ -177,11 +189,7 @@ impl ApiKeys {
     /// # Errors
     /// 401 when the header is missing or the key unknown.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Arc<KeyEntry>, ApiError> {
-        let presented = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+        let presented = bearer(headers).map(str::trim);
         let Some(key) = presented else {
             return Err(ApiError::new(StatusCode::UNAUTHORIZED, "missing API key: send `Authorization: Bearer KEY`"));
         };

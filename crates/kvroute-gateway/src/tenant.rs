@@ -13,10 +13,9 @@
 
 use crate::state::AppState;
 use axum::body::Bytes;
-use axum::http::{HeaderMap, header};
+use axum::http::HeaderMap;
 use kvroute_core::tenant::TenantSalt;
 use kvroute_protocol::openai::RoutingInfo;
-use subtle::ConstantTimeEq;
 
 /// Longest `tenant_header` value used as a tenant name (bytes); a longer one is cut.
 pub const MAX_TENANT_NAME: usize = 256;
@@ -100,9 +99,9 @@ pub fn may_see_decisions(s: &AppState, headers: &HeaderMap) -> bool {
     let Some(token) = s.cfg.admin_token.as_deref() else { return false };
     let presented = [
         headers.get(ADMIN_TOKEN_HEADER).and_then(|v| v.to_str().ok()).map(str::trim),
-        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")),
+        crate::api_keys::bearer(headers),
     ];
-    presented.into_iter().flatten().any(|p| bool::from(p.as_bytes().ct_eq(token.as_bytes())))
+    presented.into_iter().flatten().any(|p| crate::api_keys::same_secret(p, token))
 }
 
 /// Removes the decision headers from a response the client may not see them on.
