@@ -3,9 +3,9 @@
 
 use crate::app::AppState;
 use crate::metrics::WorkerLabel;
-use crate::pipeline::keys;
+use crate::pipeline::RequestCtx;
 use crate::pipeline::read_body;
-use crate::pipeline::route::{decide, decision_header, model_of};
+use crate::pipeline::route::{decide, decision_header};
 use axum::Json;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, RawQuery, Request, State};
@@ -283,18 +283,15 @@ pub async fn debug_route(
             Some(other) => return Err(ApiError::bad_field("api", format!("unknown api `{other}`"))),
         };
         let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
-        let mut info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens)?;
-        let precise = keys::resolve(&s, api, &bytes, &mut info).await;
+        let info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens)?;
+        let mut ctx = RequestCtx::new(&s, api, &headers, std::time::Instant::now(), bytes, info);
         // Keyed as the tenant's own request would be: `?tenant=NAME`, else the tenant the
         // request's headers name (`tenant_header`).
-        let salt = match q.get("tenant") {
-            Some(t) => s.tenancy.salt_of_name(t),
-            None => s.tenancy.salt_of(s.api_keys.as_ref(), &headers),
-        };
-        if let Some(salt) = salt {
-            crate::tenant::salt_routing_key(&mut info, salt);
+        if let Some(t) = q.get("tenant") {
+            ctx.salt = s.tenancy.salt_of_name(t);
         }
-        let model = model_of(&s, &info)?;
+        crate::pipeline::steps::key(&mut ctx).await?;
+        let (info, model) = (&ctx.info, &ctx.model);
         let explain = |routed: &crate::pipeline::route::Routed| {
             let d = &routed.decision;
             let url = |id: WorkerId| routed.candidates.entry(id).map(|w| w.url.to_string());
@@ -316,20 +313,20 @@ pub async fn debug_route(
             use crate::pipeline::pd::{Placement, placement};
             use crate::pipeline::route::decide_in;
             use kvroute_core::types::Role;
-            return Ok(Json(match placement(&s, pd, &info, &model) {
+            return Ok(Json(match placement(&s, pd, info, model) {
                 Placement::Split => serde_json::json!({
                     "placement": "split",
-                    "prefill": explain(&decide_in(&s, &info, &model, &precise, &pd.prefill, Some(&[Role::Prefill]))?),
-                    "decode": explain(&decide_in(&s, &info, &model, &precise, &pd.decode, Some(&[Role::Decode]))?),
+                    "prefill": explain(&decide_in(&ctx, &pd.prefill, Some(&[Role::Prefill]))?),
+                    "decode": explain(&decide_in(&ctx, &pd.decode, Some(&[Role::Decode]))?),
                 }),
                 Placement::Colocated { routers, roles, .. } => {
-                    let mut v = explain(&decide_in(&s, &info, &model, &precise, routers, Some(roles))?);
+                    let mut v = explain(&decide_in(&ctx, routers, Some(roles))?);
                     v["placement"] = "colocated".into();
                     v
                 }
             }));
         }
-        let routed = decide(&s, &info, &model, &precise)?;
+        let routed = decide(&ctx)?;
         Ok::<_, ApiError>(Json(explain(&routed)))
     }
     .await;

@@ -328,7 +328,7 @@ async fn probe(s: &Arc<AppState>, worker: &str) -> Parity {
         Err(e) => return Parity::Inconclusive(format!("probe request: {}", e.message)),
     };
     let Some(w) = worker_id(s, worker) else { return Parity::Inconclusive("the worker is not registered".into()) };
-    let tokens = match crate::kv_tokens::request_tokens(s.token_sources(), &bytes, &info).await {
+    let tokens = match crate::kv_tokens::request_tokens(s.token_sources(), Some(&body), &info).await {
         Ok(t) => t,
         Err(why) => return Parity::Inconclusive(format!("the probe could not be tokenized ({why})")),
     };

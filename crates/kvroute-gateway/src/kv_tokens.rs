@@ -75,13 +75,13 @@ pub type NotTokenized = &'static str;
 /// `not_tokenized` when no worker could tokenize it.
 pub async fn request_tokens(
     s: TokenSources<'_>,
-    body: &[u8],
+    body: Option<&serde_json::Value>,
     info: &kvroute_protocol::openai::RoutingInfo,
 ) -> Result<Arc<[u32]>, NotTokenized> {
     if let Some(t) = &info.token_ids {
         return Ok(t.as_slice().into());
     }
-    let v: serde_json::Value = serde_json::from_slice(body).map_err(|_| "not_tokenized")?;
+    let v = body.ok_or("not_tokenized")?;
     let mut req = serde_json::Map::new();
     req.insert("model".into(), serde_json::Value::String(info.model.clone()));
     for k in ["messages", "prompt"] {

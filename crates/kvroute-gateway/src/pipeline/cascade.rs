@@ -3,7 +3,7 @@
 //! log-probability of the tokens it emitted is below the chain's `confidence_threshold`,
 //! the request runs again on the next model. The last model's answer is always accepted.
 //!
-//! Each step walks the whole pipeline ([`super::route_and_send`]) for its own model — its
+//! Each step walks the whole pipeline ([`super::steps::route_and_send`]) for its own model — its
 //! own admission, decision, retries and commit — so a step goes to the best worker serving
 //! that model. A step whose workers fail after their retries ends the request with that
 //! error: a failure is not a low-confidence answer and does not escalate by itself.
@@ -20,19 +20,18 @@
 //! the last and replaying a held answer as a stream — the client's first token would wait
 //! for the whole small-model answer, which defeats streaming.
 
+use super::ctx::RequestCtx;
 use super::dispatch::MAX_RESPONSE_BYTES;
 use crate::app::AppState;
 use crate::metrics::CascadeLabels;
 use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, HeaderValue};
+use axum::http::HeaderValue;
 use axum::response::Response;
 use kvroute_core::cascade::{Cascade, CascadeOutcome, mean_logprob};
 use kvroute_protocol::api_error::ApiError;
 use kvroute_protocol::openai::{Api, RoutingInfo, parse_limited};
 use serde_json::{Map, Value};
 use std::fmt::Write as _;
-use std::sync::Arc;
-use std::time::Instant;
 
 /// The cascade that a request for `info.model` starts, if any.
 pub fn start(s: &AppState, info: &RoutingInfo) -> Option<Cascade> {
@@ -47,55 +46,40 @@ pub fn start(s: &AppState, info: &RoutingInfo) -> Option<Cascade> {
 /// Never as `Err` past the first step: a failed step's error becomes the response, with
 /// the cascade header. The first step's errors before any dispatch (bad model rewrite)
 /// are 400s naming the field.
-pub async fn run(
-    s: &Arc<AppState>,
-    api: Api,
-    headers: &HeaderMap,
-    bytes: &Bytes,
-    info: &RoutingInfo,
-    mut cascade: Cascade,
-    t0: Instant,
-) -> Result<Response, (ApiError, &'static str)> {
-    let mut body: Map<String, Value> = serde_json::from_slice(bytes)
-        .map_err(|e| (ApiError::bad_field("body", format!("not a JSON object: {e}")), ""))?;
-    let asked = client_asked_logprobs(api, &body);
-    if info.stream {
+pub async fn run(ctx: &RequestCtx<'_>, mut cascade: Cascade) -> Result<Response, (ApiError, &'static str)> {
+    let (s, api) = (ctx.s, ctx.api);
+    let mut body =
+        ctx.object().cloned().ok_or_else(|| (ApiError::bad_field("body", "not a JSON object".to_string()), ""))?;
+    if ctx.info.stream {
         // Not cascaded (see the module doc): the chain's last model, streamed.
         let last = cascade.last_model().to_string();
         body.insert("model".into(), Value::String(last.clone()));
-        let (step_bytes, step_info) = reparse(s, api, &body, info)?;
-        let mut resp = super::route_and_send(s, api, headers, &step_bytes, step_info, t0).await?;
+        let mut step = reparse(ctx, &body)?;
+        let mut resp = super::steps::route_and_send(&mut step).await?;
         set_header(&mut resp, &format!("{last}:stream"));
         return Ok(resp);
     }
+    let asked = client_asked_logprobs(api, &body);
     let mut trail = String::new();
     let mut usage = Usage::default();
     loop {
         let model = cascade.model().to_string();
-        let step_body = step_request(api, &body, &model, cascade.max_tokens(), asked);
-        let (step_bytes, step_info) = reparse(s, api, &step_body, info)?;
+        let mut step = reparse(ctx, &step_request(api, &body, &model, cascade.max_tokens(), asked))?;
         if !trail.is_empty() {
             trail.push('>');
         }
-        let resp = match super::route_and_send(s, api, headers, &step_bytes, step_info, t0).await {
-            Ok(r) => r,
-            Err((e, branch)) => {
+        let resp = match super::steps::route_and_send(&mut step).await {
+            Ok(r) if r.status().is_success() => r,
+            // A 4xx from the worker (a bad request) is the client's to fix, not a reason to
+            // escalate; an error of the step's own ends the cascade with it.
+            done => {
                 step_count(s, &model, "failed");
                 let _ = write!(trail, "{model}:failed");
-                let mut resp = super::error_response(s, e, branch);
+                let mut resp = done.unwrap_or_else(|(e, branch)| super::ctx::error_response(s, e, branch));
                 set_header(&mut resp, &trail);
                 return Ok(resp);
             }
         };
-        if !resp.status().is_success() {
-            // A 4xx from the worker (a bad request): the client's to fix, not a reason to
-            // escalate.
-            step_count(s, &model, "failed");
-            let _ = write!(trail, "{model}:failed");
-            let mut resp = resp;
-            set_header(&mut resp, &trail);
-            return Ok(resp);
-        }
         let (parts, answer) = resp.into_parts();
         let answer = axum::body::to_bytes(answer, MAX_RESPONSE_BYTES).await.map_err(|e| {
             (ApiError::new(axum::http::StatusCode::BAD_GATEWAY, format!("reading the step's answer failed: {e}")), "")
@@ -106,36 +90,30 @@ pub async fn run(
         usage.add(step_usage);
         tokens_count(s, &model, step_usage);
         match mean {
-            Some(m) => {
-                let _ = write!(trail, "{model}:{m:.2}");
-            }
-            None => {
-                let _ = write!(trail, "{model}:none");
-            }
+            Some(m) => write!(trail, "{model}:{m:.2}"),
+            None => write!(trail, "{model}:none"),
         }
-        match cascade.on_response(mean) {
-            CascadeOutcome::Escalate(next) => {
-                step_count(s, &model, "escalated");
-                tracing::debug!(target: "kvroute::decision", from = model, to = next, mean = ?mean,
-                    threshold = cascade.threshold(), "cascade: escalated");
-            }
-            CascadeOutcome::Accept => {
-                step_count(s, &model, "accepted");
-                let out = if doc.is_object() {
-                    if !asked {
-                        strip_logprobs(api, &mut doc);
-                    }
-                    usage.write(api, &mut doc);
-                    Bytes::from(serde_json::to_vec(&doc).unwrap_or_else(|_| answer.to_vec()))
-                } else {
-                    answer
-                };
-                let mut resp = Response::from_parts(parts, Body::from(out));
-                resp.headers_mut().remove(axum::http::header::CONTENT_LENGTH);
-                set_header(&mut resp, &trail);
-                return Ok(resp);
-            }
+        .unwrap_or_default();
+        if let CascadeOutcome::Escalate(next) = cascade.on_response(mean) {
+            step_count(s, &model, "escalated");
+            tracing::debug!(target: "kvroute::decision", from = model, to = next, mean = ?mean,
+                threshold = cascade.threshold(), "cascade: escalated");
+            continue;
         }
+        step_count(s, &model, "accepted");
+        let out = if doc.is_object() {
+            if !asked {
+                strip_logprobs(api, &mut doc);
+            }
+            usage.write(api, &mut doc);
+            Bytes::from(serde_json::to_vec(&doc).unwrap_or_else(|_| answer.to_vec()))
+        } else {
+            answer
+        };
+        let mut resp = Response::from_parts(parts, Body::from(out));
+        resp.headers_mut().remove(axum::http::header::CONTENT_LENGTH);
+        set_header(&mut resp, &trail);
+        return Ok(resp);
     }
 }
 
@@ -160,16 +138,12 @@ fn tokens_count(s: &AppState, model: &str, u: Usage) {
     }
 }
 
-/// The step's body serialised and parsed again (the routing info of the step's model).
-fn reparse(
-    s: &AppState,
-    api: Api,
-    body: &Map<String, Value>,
-    info: &RoutingInfo,
-) -> Result<(Bytes, RoutingInfo), (ApiError, &'static str)> {
+/// The step's body serialised and parsed again: the request's context for the step's model.
+fn reparse<'a>(ctx: &RequestCtx<'a>, body: &Map<String, Value>) -> Result<RequestCtx<'a>, (ApiError, &'static str)> {
     let bytes = Bytes::from(serde_json::to_vec(body).map_err(|e| (ApiError::bad_field("body", e.to_string()), ""))?);
-    let step = parse_limited(api, &bytes, info.session.as_deref(), s.cfg.max_prompt_tokens).map_err(|e| (e, ""))?;
-    Ok((bytes, step))
+    let max = ctx.s.cfg.max_prompt_tokens;
+    let step = parse_limited(ctx.api, &bytes, ctx.info.session.as_deref(), max).map_err(|e| (e, ""))?;
+    Ok(ctx.with_body(bytes, step))
 }
 
 /// Whether the client asked for log-probabilities itself (then they stay in the answer).

@@ -10,18 +10,19 @@
 //! written to is committed to the model's router (prefix index, session binding) and gets
 //! a load ticket.
 
-use super::keys::Precise;
+pub(crate) use super::ctx::Hop;
+use super::ctx::RequestCtx;
 use super::route::{Routed, order};
 use crate::app::AppState;
 use crate::fleet::WorkerEntry;
 use crate::metrics::WorkerLabel;
 use crate::routers::ModelRouter;
 use axum::body::Bytes;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{StatusCode, header};
 use kvroute_core::ledger::LoadTicket;
 use kvroute_core::policy::Observation;
 use kvroute_core::types::{BlockHash, Nanos, RequestView, WorkerId};
-use kvroute_protocol::openai::{Api, RoutingInfo};
+use kvroute_protocol::openai::Api;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -148,8 +149,8 @@ impl Drop for SlotHold {
 
 /// `body` with llama.cpp's `"id_slot": slot` set (the OpenAI-compatible endpoints pass it
 /// through to the slot scheduler); `None` when the body is not a JSON object.
-pub fn with_id_slot(body: &Bytes, slot: u32) -> Option<Bytes> {
-    let mut v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).ok()?;
+pub fn with_id_slot(ctx: &RequestCtx<'_>, slot: u32) -> Option<Bytes> {
+    let mut v = ctx.object()?.clone();
     v.insert("id_slot".into(), slot.into());
     serde_json::to_vec(&v).ok().map(Bytes::from)
 }
@@ -216,9 +217,73 @@ impl Predicted {
     }
 }
 
-/// Commits the request to `worker`: the router's index and session table, and (for a
-/// worker that publishes KV events) predict-on-route until the request's deadline.
-pub(crate) fn commit(s: &AppState, routed: &Routed, req: &RequestView<'_>, worker: WorkerId) -> Option<Predicted> {
+/// One dispatch of a decided request to a worker, for [`commit`].
+pub(crate) struct Dispatch<'r> {
+    /// The pool whose routers decided (the cluster sync's event says which).
+    pub pool: crate::cluster::sync::Pool,
+    /// The decision.
+    pub routed: &'r Routed,
+    /// The worker the request is sent to (the decision's, or a retry target).
+    pub worker: &'r WorkerEntry,
+    /// Prompt tokens it prefills.
+    pub uncached: u64,
+    /// Tokens it decodes.
+    pub decode: u64,
+    /// Whether the router's prefix index and session table record it (the first attempt
+    /// on this worker; a retry on the same worker does not record it twice).
+    pub index: bool,
+    /// The worker's dispatch count when the decision read its load: the ticket opens only
+    /// if no other request was sent there since ([`Blame::Raced`] otherwise).
+    pub seen: Option<u64>,
+}
+
+/// What a committed dispatch holds until its answer ends.
+pub(crate) struct Committed {
+    /// The load ticket on the worker (settles on drop).
+    pub ticket: LoadTicket,
+    /// The request's engine blocks predicted on the worker.
+    pub predicted: Option<Predicted>,
+    /// The dispatch as the other cluster replicas see it.
+    pub shared: Option<crate::cluster::sync::SharedTicket>,
+}
+
+/// Commits a dispatch — the one place every dispatch (one worker, each half of a P/D pair,
+/// each cascade step) records itself: the load ledger's ticket, the router's prefix index
+/// and session table, predict-on-route for a worker that publishes KV events, and the
+/// cluster sync's event.
+///
+/// # Errors
+/// [`Blame::Raced`] when `seen` no longer holds: nothing was committed.
+pub(crate) fn commit(ctx: &RequestCtx<'_>, req: &RequestView<'_>, d: Dispatch<'_>) -> Result<Committed, DispatchError> {
+    let w = d.worker;
+    let ticket = match d.seen {
+        Some(n) => w.load.dispatched_if(n, d.uncached, d.decode).ok_or_else(|| DispatchError {
+            blame: Blame::Raced,
+            retryable: true,
+            bytes_sent: false,
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "another request was sent to the chosen worker meanwhile".into(),
+        })?,
+        None => w.load.dispatched(d.uncached, d.decode),
+    };
+    let predicted = if d.index { index(ctx.s, d.routed, req, w.id) } else { None };
+    let shared = ctx.s.sync.as_ref().map(|sync| {
+        sync.routed(crate::cluster::sync::Announce {
+            pool: d.pool,
+            router: &d.routed.router,
+            key: &d.routed.key,
+            req,
+            worker_url: &w.url,
+            uncached: d.uncached,
+            decode: d.decode,
+        })
+    });
+    Ok(Committed { ticket, predicted, shared })
+}
+
+/// The router's index and session table record the request on `worker`, and (for a worker
+/// that publishes KV events) its blocks are predicted there until its deadline.
+fn index(s: &AppState, routed: &Routed, req: &RequestView<'_>, worker: WorkerId) -> Option<Predicted> {
     let now = s.now();
     if worker == routed.decision.worker {
         routed.router.commit(req, &routed.key, worker, now);
@@ -242,6 +307,34 @@ pub(crate) fn commit(s: &AppState, routed: &Routed, req: &RequestView<'_>, worke
     Some(Predicted { worker, hashes })
 }
 
+/// The bounds of one request's dispatch, read once.
+struct Plan {
+    /// Prompt tokens the chosen worker prefills.
+    uncached: u64,
+    /// Tokens to decode.
+    output: u64,
+    /// Attempts on one worker while others are left.
+    per_worker: u32,
+    /// Attempts in all.
+    total: u32,
+    /// `request_timeout_secs`.
+    timeout: Duration,
+    /// A stream's first-byte deadline (from dispatch, whichever attempt serves it).
+    first_byte_by: Option<tokio::time::Instant>,
+}
+
+/// How one attempt ended.
+enum Attempt {
+    /// A success or client-error answer: the client's.
+    Answered(Box<Sent>),
+    /// Not retried (the client's time budget is spent, an oversized answer).
+    Final(DispatchError),
+    /// The worker was marked down before it answered: the next worker.
+    Down(String),
+    /// Failed before the first byte: the next attempt may serve it.
+    Retry(String),
+}
+
 /// Sends the request until a worker answers with a non-retryable status, within the
 /// retry bounds. With `seen` (the decision's worker's dispatch count when its view was
 /// read, [`crate::fleet::Candidates::dispatches_seen`]), the first attempt goes only if no
@@ -252,30 +345,18 @@ pub(crate) fn commit(s: &AppState, routed: &Routed, req: &RequestView<'_>, worke
 /// 502 when every attempt failed, 503 when no routable worker was left to try;
 /// [`Blame::Raced`] when `seen` no longer holds (nothing was sent or committed: decide
 /// again).
-#[allow(clippy::too_many_arguments)]
-pub async fn send(
-    s: &AppState,
-    api: Api,
-    routed: &Routed,
-    info: &RoutingInfo,
-    precise: &Precise,
-    model: &str,
-    bytes: &Bytes,
-    headers: &HeaderMap,
-    seen: Option<u64>,
-) -> Result<Sent, DispatchError> {
-    let req = super::keys::precise_view(info, model, precise);
+pub async fn send(ctx: &RequestCtx<'_>, routed: &Routed, seen: Option<u64>) -> Result<Sent, DispatchError> {
+    let s = ctx.s;
+    let req = ctx.view();
     let d = &routed.decision;
-    let uncached = u64::from(req.input_tokens).saturating_sub(d.cached_tokens_estimate(req.input_tokens));
-    let output = u64::from(info.max_tokens.unwrap_or(256));
-    let per_worker = s.cfg.max_worker_retries.max(1);
-    let total = s.cfg.max_total_retries.max(1);
-    let timeout = Duration::from_secs_f64(s.cfg.request_timeout_secs);
-    // A stream's first bytes must come within `stream_first_byte_timeout_secs` of dispatch
-    // (headers here, the first chunk in the relay), whichever attempt serves it.
-    let first_byte_by = info
-        .stream
-        .then(|| tokio::time::Instant::now() + Duration::from_secs_f64(s.cfg.stream_first_byte_timeout_secs));
+    let plan = Plan {
+        uncached: u64::from(req.input_tokens).saturating_sub(d.cached_tokens_estimate(req.input_tokens)),
+        output: u64::from(ctx.info.max_tokens.unwrap_or(256)),
+        per_worker: s.cfg.max_worker_retries.max(1),
+        total: s.cfg.max_total_retries.max(1),
+        timeout: Duration::from_secs_f64(s.cfg.request_timeout_secs),
+        first_byte_by: ctx.first_byte_by(),
+    };
     let mut attempts = 0u32;
     let mut last_err = String::from("no routable worker was left to try");
     let order: Vec<WorkerId> = order(d).collect();
@@ -285,11 +366,10 @@ pub async fn send(
         // budget: a lone worker gets `max_total_retries` attempts, not `max_worker_retries`
         // (with one or two workers, one of them ejected, that was the whole budget).
         let others = order[i + 1..].iter().any(|o| routed.candidates.entry(*o).is_some_and(|x| x.is_routable()));
-        let cap = if others { per_worker } else { total };
-        let mut committed = false;
-        for _ in 0..cap {
+        let cap = if others { plan.per_worker } else { plan.total };
+        for n in 0..cap {
             // A retry target must still be routable (it may have been taken out meanwhile).
-            if attempts == total || (attempts > 0 && !w.is_routable()) {
+            if attempts == plan.total || (attempts > 0 && !w.is_routable()) {
                 continue 'workers;
             }
             attempts += 1;
@@ -298,147 +378,155 @@ pub async fn send(
             }
             // The decision's own worker, first: only if no other decision sent a request
             // there since this one read its load (`seen`).
-            let ticket = match seen.filter(|_| attempts == 1 && w.id == d.worker) {
-                Some(n) => match w.load.dispatched_if(n, uncached, output) {
-                    Some(t) => t,
-                    None => {
-                        return Err(DispatchError {
-                            blame: Blame::Raced,
-                            retryable: true,
-                            bytes_sent: false,
-                            status: StatusCode::SERVICE_UNAVAILABLE,
-                            message: "another request was sent to the chosen worker meanwhile".into(),
-                        });
-                    }
-                },
-                None => w.load.dispatched(uncached, output),
+            let seen = seen.filter(|_| attempts == 1 && w.id == d.worker);
+            let dispatch = Dispatch {
+                pool: crate::cluster::sync::Pool::Main,
+                routed,
+                worker: w,
+                uncached: plan.uncached,
+                decode: plan.output,
+                index: n == 0,
+                seen,
             };
-            let predicted = if committed { None } else { commit(s, routed, &req, w.id) };
-            committed = true;
-            let shared = s.sync.as_ref().map(|sync| {
-                sync.routed(crate::cluster::sync::Announce {
-                    pool: crate::cluster::sync::Pool::Main,
-                    router: &routed.router,
-                    key: &routed.key,
-                    req: &req,
-                    worker_url: &w.url,
-                    uncached,
-                    decode: output,
-                })
-            });
-            // llama.cpp (OpenAI-compatible endpoints only; it serves no `/generate`).
-            let slot = routed.slot_key.as_ref().filter(|_| api != Api::Generate).and_then(|k| SlotHold::take(s, w, k));
-            let pinned = slot.as_ref().and_then(|h| with_id_slot(bytes, h.slot));
-            let started = Instant::now();
-            super::note_worker(&w.url, d.branch.as_str());
-            // Until its first byte (a stream's first chunk, a whole answer) the request waits
-            // on the worker only while health checks keep it up: marked down, it fails over.
-            let down = w.marked_down();
-            let answer = async {
-                match attempt(s, api, w, pinned.as_ref().unwrap_or(bytes), headers, timeout, first_byte_by).await {
-                    Ok(resp) if info.stream && resp.status().is_success() => {
-                        first_chunk(resp, first_byte_by).await.map(|(r, first)| (r, None, first))
-                    }
-                    // Non-streaming: the whole body is read before anything reaches the client.
-                    Ok(resp) => read_whole(resp).await.map(|(r, body)| (r, body, None)),
-                    Err(f) => Err(f),
+            let committed = commit(ctx, &req, dispatch)?;
+            match attempt_on(ctx, routed, w, &plan, committed).await {
+                Attempt::Answered(sent) => return Ok(*sent),
+                Attempt::Final(e) => return Err(e),
+                Attempt::Down(e) => {
+                    last_err = e;
+                    continue 'workers;
                 }
-            };
-            // `None`: marked down before it answered.
-            let answer = if w.health() == kvroute_core::types::Health::Unhealthy {
-                None
-            } else {
-                tokio::select! {
-                    a = answer => Some(a),
-                    () = down => None,
-                }
-            };
-            let Some(answer) = answer else {
-                // Not charged a failure: the health checks took it out already.
-                tracing::warn!(
-                    worker = %w.url,
-                    attempt = attempts,
-                    "worker marked down while the request waited: failing over"
-                );
-                last_err = format!("{} was marked down by health checks before it answered", w.url);
-                if let Some(p) = predicted {
-                    p.settle(s);
-                }
-                continue 'workers;
-            };
-            match answer {
-                Ok((resp, body, first)) => {
-                    if resp.status() == StatusCode::LOOP_DETECTED {
-                        // Counted against the worker, so a loop that persists takes it out.
-                        tracing::warn!(worker = %w.url, "routing loop: the worker sent the request back here (508)");
-                        s.record_failure(w);
-                    }
-                    let observe = (w.id == d.worker && resp.status().is_success()).then(|| Observe {
-                        router: Arc::clone(&routed.router),
-                        worker: w.id,
-                        url: Arc::clone(&w.url),
-                        obs: Observation {
-                            input_tokens: req.input_tokens,
-                            predicted: d.predicted_ttft,
-                            predicted_cached_tokens: d.cached_tokens_estimate(req.input_tokens),
-                            ttft_secs: None,
-                            cached_tokens: None,
-                        },
-                        started,
-                    });
-                    let worker = Arc::clone(w);
-                    return Ok(Sent {
-                        resp,
-                        body,
-                        first,
-                        worker,
-                        ticket,
-                        shared,
-                        predicted,
-                        first_byte_by,
-                        observe,
-                        slot,
-                    });
-                }
-                Err(Failure::Timeout { first_byte }) => {
-                    s.record_failure(w);
-                    let (what, secs) = if first_byte {
-                        ("sent no response", s.cfg.stream_first_byte_timeout_secs)
-                    } else {
-                        ("did not answer", s.cfg.request_timeout_secs)
-                    };
-                    return Err(DispatchError {
-                        blame: Blame::Worker,
-                        retryable: false,
-                        bytes_sent: false,
-                        status: StatusCode::GATEWAY_TIMEOUT,
-                        message: format!("{} {what} within {secs} s", w.url),
-                    });
-                }
-                Err(Failure::TooLarge(e)) => {
-                    return Err(DispatchError {
-                        blame: Blame::Worker,
-                        retryable: false,
-                        bytes_sent: false,
-                        status: StatusCode::BAD_GATEWAY,
-                        message: format!("{}: {e}", w.url),
-                    });
-                }
-                Err(Failure::Retry(e)) => {
-                    s.record_failure(w);
+                Attempt::Retry(e) => {
                     tracing::warn!(worker = %w.url, error = %e, attempt = attempts, "attempt failed");
                     last_err = e;
                 }
-            }
-            if let Some(p) = predicted {
-                p.settle(s);
             }
         }
     }
     Err(DispatchError::exhausted(
         attempts,
-        format!("every attempt failed ({attempts} made, {total} at most); last error: {last_err}"),
+        format!("every attempt failed ({attempts} made, {} at most); last error: {last_err}", plan.total),
     ))
+}
+
+/// One committed attempt on `w`: sent (pinned to a llama.cpp slot when the decision chose
+/// one), its first byte awaited while health checks keep `w` up, the outcome classified.
+/// A failed attempt settles its prediction and is charged to the worker (not when health
+/// checks took it out first).
+async fn attempt_on(ctx: &RequestCtx<'_>, routed: &Routed, w: &Arc<WorkerEntry>, plan: &Plan, c: Committed) -> Attempt {
+    let s = ctx.s;
+    let d = &routed.decision;
+    // llama.cpp (OpenAI-compatible endpoints only; it serves no `/generate`).
+    let slot = routed.slot_key.as_ref().filter(|_| ctx.api != Api::Generate).and_then(|k| SlotHold::take(s, w, k));
+    let pinned = slot.as_ref().and_then(|h| with_id_slot(ctx, h.slot));
+    let started = Instant::now();
+    super::ctx::note_worker(&w.url, d.branch.as_str());
+    let answer = async {
+        match attempt(ctx.hop(), w, pinned.as_ref().unwrap_or(&ctx.bytes), plan.timeout, plan.first_byte_by).await {
+            Ok(resp) if ctx.info.stream && resp.status().is_success() => {
+                first_chunk(resp, plan.first_byte_by).await.map(|(r, first)| (r, None, first))
+            }
+            // Non-streaming: the whole body is read before anything reaches the client.
+            Ok(resp) => read_whole(resp).await.map(|(r, body)| (r, body, None)),
+            Err(f) => Err(f),
+        }
+    };
+    // Until its first byte (a stream's first chunk, a whole answer) the request waits on
+    // the worker only while health checks keep it up: marked down, it fails over.
+    let down = w.marked_down();
+    let answer = if w.health() == kvroute_core::types::Health::Unhealthy {
+        None
+    } else {
+        tokio::select! {
+            a = answer => Some(a),
+            () = down => None,
+        }
+    };
+    let failed = |c: Committed| {
+        if let Some(p) = c.predicted {
+            p.settle(s);
+        }
+    };
+    let (resp, body, first) = match answer {
+        None => {
+            // Not charged a failure: the health checks took it out already.
+            tracing::warn!(worker = %w.url, "worker marked down while the request waited: failing over");
+            failed(c);
+            return Attempt::Down(format!("{} was marked down by health checks before it answered", w.url));
+        }
+        Some(Ok(a)) => a,
+        Some(Err(f)) => {
+            failed(c);
+            return failure(s, w, f);
+        }
+    };
+    if resp.status() == StatusCode::LOOP_DETECTED {
+        // Counted against the worker, so a loop that persists takes it out.
+        tracing::warn!(worker = %w.url, "routing loop: the worker sent the request back here (508)");
+        s.record_failure(w);
+    }
+    let req = ctx.view();
+    let observe = (w.id == d.worker && resp.status().is_success()).then(|| Observe {
+        router: Arc::clone(&routed.router),
+        worker: w.id,
+        url: Arc::clone(&w.url),
+        obs: Observation {
+            input_tokens: req.input_tokens,
+            predicted: d.predicted_ttft,
+            predicted_cached_tokens: d.cached_tokens_estimate(req.input_tokens),
+            ttft_secs: None,
+            cached_tokens: None,
+        },
+        started,
+    });
+    let Committed { ticket, predicted, shared } = c;
+    let worker = Arc::clone(w);
+    Attempt::Answered(Box::new(Sent {
+        resp,
+        body,
+        first,
+        worker,
+        ticket,
+        shared,
+        predicted,
+        first_byte_by: plan.first_byte_by,
+        observe,
+        slot,
+    }))
+}
+
+/// A failed attempt's outcome: a timeout and an oversized answer end the request (504,
+/// 502), another failure may be retried; timeouts and retryable failures are charged to
+/// the worker.
+fn failure(s: &AppState, w: &WorkerEntry, f: Failure) -> Attempt {
+    match f {
+        Failure::Timeout { first_byte } => {
+            s.record_failure(w);
+            let (what, secs) = if first_byte {
+                ("sent no response", s.cfg.stream_first_byte_timeout_secs)
+            } else {
+                ("did not answer", s.cfg.request_timeout_secs)
+            };
+            Attempt::Final(DispatchError {
+                blame: Blame::Worker,
+                retryable: false,
+                bytes_sent: false,
+                status: StatusCode::GATEWAY_TIMEOUT,
+                message: format!("{} {what} within {secs} s", w.url),
+            })
+        }
+        Failure::TooLarge(e) => Attempt::Final(DispatchError {
+            blame: Blame::Worker,
+            retryable: false,
+            bytes_sent: false,
+            status: StatusCode::BAD_GATEWAY,
+            message: format!("{}: {e}", w.url),
+        }),
+        Failure::Retry(e) => {
+            s.record_failure(w);
+            Attempt::Retry(e)
+        }
+    }
 }
 
 pub(crate) enum Failure {
@@ -499,14 +587,13 @@ pub(crate) async fn read_whole(mut resp: reqwest::Response) -> Result<(reqwest::
 /// fresh connection — at worst a duplicate generation there, where moving it costs a cold
 /// prefill elsewhere and credits its prefix to the wrong worker.
 pub(crate) async fn attempt(
-    s: &AppState,
-    api: Api,
+    hop: Hop<'_>,
     w: &WorkerEntry,
     bytes: &Bytes,
-    headers: &HeaderMap,
     timeout: Duration,
     first_byte_by: Option<tokio::time::Instant>,
 ) -> Result<reqwest::Response, Failure> {
+    let Hop { s, api, headers } = hop;
     let url = w.endpoint(api).map_err(|e| Failure::Retry(e.to_string()))?;
     let mut rb = s.client.post(url).timeout(timeout).body(bytes.clone());
     rb = rb.header(header::CONTENT_TYPE, "application/json");

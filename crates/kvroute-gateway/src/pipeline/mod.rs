@@ -19,19 +19,23 @@
 //! cascade step, each for that step's model ([`cascade`]).
 
 pub mod cascade;
+pub mod ctx;
 pub mod dispatch;
 pub mod keys;
 pub mod lora;
 pub mod pd;
 pub mod respond;
 pub mod route;
+pub mod steps;
 
 use crate::api_keys::KeyEntry;
 use crate::app::AppState;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
+use ctx::{ATTEMPT, noted};
+pub use ctx::{RequestCtx, error_response, note_worker};
 use kvroute_protocol::api_error::ApiError;
 use kvroute_protocol::openai::{Api, parse_limited};
 use std::sync::Arc;
@@ -71,22 +75,6 @@ async fn handle(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Body) -> R
         .await
 }
 
-tokio::task_local! {
-    /// The worker a request was last sent to and its decision's branch, for the labels of
-    /// an outcome counted where the worker is not at hand (an error, a client gone).
-    static ATTEMPT: std::cell::RefCell<(Option<Arc<str>>, &'static str)>;
-}
-
-/// Notes that the request is being sent to `worker` (called by dispatch for each attempt).
-pub fn note_worker(worker: &Arc<str>, branch: &'static str) {
-    let _ = ATTEMPT.try_with(|a| *a.borrow_mut() = (Some(Arc::clone(worker)), branch));
-}
-
-/// The worker and branch last noted for this request ([`note_worker`]).
-fn noted() -> (Option<Arc<str>>, &'static str) {
-    ATTEMPT.try_with(|a| a.borrow().clone()).unwrap_or((None, ""))
-}
-
 /// Counts a request whose client went away before its answer began (its future dropped
 /// at any stage: reading the body, waiting for admission, a LoRA load or a worker's first
 /// byte): outcome `cancelled`, with the worker it waited on. A stream that began counts
@@ -96,26 +84,8 @@ struct GoneClient<'a>(&'a AppState);
 impl Drop for GoneClient<'_> {
     fn drop(&mut self) {
         let (worker, branch) = noted();
-        respond::count(self.0, worker.as_deref().unwrap_or(""), branch, "cancelled");
+        ctx::count(self.0, worker.as_deref().unwrap_or(""), branch, "cancelled");
     }
-}
-
-/// The client's answer for a request that ended in `e` (after the decision's `branch`, if
-/// there was one), counted once in `kvroute_requests_total` with the worker it was last
-/// sent to: `rejected` (503 before any decision), `timeout` (504), `upstream_error`
-/// (another 5xx), `cancelled` (499: the client left while its body was read) or
-/// `client_error`.
-pub fn error_response(s: &AppState, e: ApiError, branch: &'static str) -> Response {
-    let outcome = match e.status.as_u16() {
-        503 if branch.is_empty() => "rejected",
-        504 => "timeout",
-        499 => "cancelled",
-        500..=599 => "upstream_error",
-        _ => "client_error",
-    };
-    let (worker, _) = noted();
-    respond::count(s, worker.as_deref().unwrap_or(""), branch, outcome);
-    e.into_response()
 }
 
 /// The stages in order. An error carries the decision's branch once there is one.
@@ -134,118 +104,16 @@ async fn run(
     if let Some(key) = &key {
         admit_tokens(s, key, &info).map_err(|e| (e, ""))?;
     }
+    let mut ctx = RequestCtx::new(s, api, headers, t0, bytes, info);
     // The engine isolates the tenant's KV cache by the same salt (vLLM `cache_salt`).
-    let bytes = match s.tenancy.salt_of(s.api_keys.as_ref(), headers) {
-        Some(salt) if s.cfg.engine_cache_salt && api != Api::Generate => crate::tenant::with_cache_salt(&bytes, salt),
-        _ => bytes,
-    };
-    if let Some(c) = cascade::start(s, &info) {
-        return cascade::run(s, api, headers, &bytes, &info, c, t0).await;
+    if let Some(salt) = ctx.salt.filter(|_| s.cfg.engine_cache_salt && api != Api::Generate) {
+        let salted = crate::tenant::with_cache_salt(&ctx.bytes, salt);
+        ctx.set_bytes(salted);
     }
-    route_and_send(s, api, headers, &bytes, info, t0).await
-}
-
-/// The stages from key to respond for one parsed request (once per cascade step).
-///
-/// # Errors
-/// The stage's error, with the decision's branch once there is one.
-pub async fn route_and_send(
-    s: &Arc<AppState>,
-    api: Api,
-    headers: &HeaderMap,
-    bytes: &Bytes,
-    mut info: kvroute_protocol::openai::RoutingInfo,
-    t0: Instant,
-) -> Result<Response, (ApiError, &'static str)> {
-    lora::ensure_loaded(s, &info.model).await.map_err(|e| (e, ""))?;
-    let precise = keys::resolve(s, api, bytes, &mut info).await;
-    if let Some(salt) = s.tenancy.salt_of(s.api_keys.as_ref(), headers) {
-        crate::tenant::salt_routing_key(&mut info, salt);
+    if let Some(c) = cascade::start(s, &ctx.info) {
+        return cascade::run(&ctx, c).await;
     }
-    let model = route::model_of(s, &info).map_err(|e| (e, ""))?;
-    if let Some(pd) = &s.pd {
-        return match pd::placement(s, pd, &info, &model) {
-            pd::Placement::Split => pd::split(s, pd, api, headers, bytes, &info, &precise, &model, t0).await,
-            pd::Placement::Colocated { routers, roles, role } => {
-                crate::metrics::count_outcome(&s.metrics.pd_requests, "colocated");
-                let pool = Pool { routers, roles: Some(roles), role, header: "pd=colocated; " };
-                let bytes = pd::without_handover_fields(bytes);
-                one_worker(s, api, headers, &bytes, &info, &precise, &model, t0, pool).await
-            }
-        };
-    }
-    let pool = Pool { routers: &s.routers, roles: None, role: kvroute_core::types::Role::Both, header: "" };
-    one_worker(s, api, headers, bytes, &info, &precise, &model, t0, pool).await
-}
-
-/// Where a request served by one worker is routed: a pool's routers and roles, the
-/// admission role, and what the decision header starts with.
-struct Pool<'a> {
-    routers: &'a crate::routers::Routers,
-    roles: Option<&'a [kvroute_core::types::Role]>,
-    role: kvroute_core::types::Role,
-    header: &'static str,
-}
-
-/// Times a decision is made again when a request was dispatched to its worker while it
-/// was being made (the last one stands, raced or not): a burst of requests arriving
-/// together, decided in parallel on the same loads, would otherwise pile onto the least
-/// loaded worker.
-pub const MAX_REDECISIONS: usize = 2;
-
-/// Admit, decide, dispatch, respond: a request served by one worker.
-#[allow(clippy::too_many_arguments)]
-async fn one_worker(
-    s: &Arc<AppState>,
-    api: Api,
-    headers: &HeaderMap,
-    bytes: &Bytes,
-    info: &kvroute_protocol::openai::RoutingInfo,
-    precise: &keys::Precise,
-    model: &str,
-    t0: Instant,
-    pool: Pool<'_>,
-) -> Result<Response, (ApiError, &'static str)> {
-    let permit = route::admit_as(s, model, pool.role).map_err(|e| (e, ""))?;
-    // Decisions run in parallel without a lock. One that raced another to the same worker
-    // (a request was sent there after its view was read) sends nothing and is made again
-    // on fresh views, at most MAX_REDECISIONS times; the last one stands.
-    let mut redone = 0;
-    let (routed, sent) = loop {
-        let routed = route::decide_in(s, info, model, precise, pool.routers, pool.roles).map_err(|e| (e, ""))?;
-        let seen =
-            (redone < MAX_REDECISIONS).then(|| routed.candidates.dispatches_seen(routed.decision.worker)).flatten();
-        match dispatch::send(s, api, &routed, info, precise, model, bytes, headers, seen).await {
-            Err(e) if e.blame == dispatch::Blame::Raced => {
-                redone += 1;
-                s.metrics.decisions_redone.inc();
-            }
-            sent => break (routed, sent),
-        }
-    };
-    let branch = routed.decision.branch.as_str();
-    let (source, reason) = keys::prefix_source(precise, routed.chosen_precise, routed.chosen_slots);
-    s.metrics
-        .prefix_source
-        .get_or_create(&crate::metrics::SourceLabels { source: source.into(), reason: reason.into() })
-        .inc();
-    let mut decision = String::from(pool.header);
-    decision.push_str(&route::decision_header(&routed.router.policy_name, &routed.decision));
-    decision.push_str("; prefix=");
-    decision.push_str(source);
-    if !reason.is_empty() {
-        decision.push_str(&format!("({reason})"));
-    }
-    log_decision(&routed, info, &decision);
-    // Recorded from here on: every request dispatched, whatever its outcome (one refused
-    // before any decision stood — unknown model, no routable worker — was not: it returned
-    // above). Its timestamp is its arrival, `t0`.
-    let record = s
-        .recorder
-        .as_ref()
-        .map(|r| r.begin(t0, &info.text, info.token_ids.as_deref(), info.session.as_deref(), info.max_tokens));
-    let sent = sent.map_err(|e| (ApiError::from(e), branch))?;
-    respond::respond(s, sent, permit, &decision, branch, t0, record).map_err(|e| (e, branch))
+    steps::route_and_send(&mut ctx).await
 }
 
 /// The client's API key, with one request taken from its bucket; `None` when the router
@@ -288,19 +156,6 @@ fn tenant_outcome(s: &AppState, key: &KeyEntry, outcome: &str) {
         .tenant_requests
         .get_or_create(&crate::metrics::TenantLabels { tenant: key.tenant.clone(), outcome: outcome.into() })
         .inc();
-}
-
-/// The per-request decision log (`KVROUTE_LOG=kvroute::decision=debug`): enough to line up
-/// one router's choices with another's or with the engines' logs.
-fn log_decision(routed: &route::Routed, info: &kvroute_protocol::openai::RoutingInfo, decision: &str) {
-    tracing::debug!(
-        target: "kvroute::decision",
-        worker = routed.candidates.entry(routed.decision.worker).map_or("?", |w| &*w.url),
-        session = info.session.as_deref().unwrap_or("-"),
-        input_tokens = info.token_ids.as_ref().map_or(0, Vec::len),
-        decision = %decision,
-        "routed"
-    );
 }
 
 /// nginx's 499 "client closed request": a request whose client left before it could be

@@ -23,17 +23,17 @@
 //! one request are bounded by `max_total_retries`. After the first byte a failure ends the
 //! stream with an SSE error event, as for any stream.
 
-use super::dispatch::{self, Blame, DispatchError, Failure, Sent};
-use super::keys::{Precise, precise_view};
+use super::ctx::RequestCtx;
+use super::dispatch::{self, Blame, Dispatch, DispatchError, Failure, Hop, Sent};
 use super::route::{self, Routed};
 use crate::app::AppState;
-use crate::cluster::sync::{Announce, Pool, SharedTicket};
+use crate::cluster::sync::Pool;
 use crate::fleet::WorkerEntry;
 use crate::metrics::count_outcome;
 use crate::pd::{PdProtocol, PdRouters};
 use crate::routers::Routers;
 use axum::body::Bytes;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::Response;
 use kvroute_core::disagg::{DisaggConfig, DisaggPlan, plan};
 use kvroute_core::types::{Role, estimate_tokens};
@@ -41,7 +41,7 @@ use kvroute_protocol::api_error::ApiError;
 use kvroute_protocol::openai::{Api, RoutingInfo};
 use serde_json::{Map, Value};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Where a request runs in a disaggregated fleet.
 #[derive(Debug)]
@@ -108,34 +108,21 @@ pub fn without_handover_fields(bytes: &Bytes) -> Bytes {
 /// # Errors
 /// 503 when a pool is at its admission limit or has no routable worker; the dispatch's
 /// error otherwise (502 every pair failed, 504 a timeout).
-#[allow(clippy::too_many_arguments)]
-pub async fn split(
-    s: &Arc<AppState>,
-    pd: &PdRouters,
-    api: Api,
-    headers: &HeaderMap,
-    bytes: &Bytes,
-    info: &RoutingInfo,
-    precise: &Precise,
-    model: &str,
-    t0: Instant,
-) -> Result<Response, (ApiError, &'static str)> {
-    let permit_p = route::admit_as(s, model, Role::Prefill).map_err(|e| (e, ""))?;
-    let permit_d = route::admit_as(s, model, Role::Decode).map_err(|e| (e, ""))?;
-    let rp = route::decide_in(s, info, model, precise, &pd.prefill, Some(&[Role::Prefill])).map_err(|e| (e, ""))?;
-    let rd = route::decide_in(s, info, model, precise, &pd.decode, Some(&[Role::Decode])).map_err(|e| (e, ""))?;
+pub async fn split(ctx: &RequestCtx<'_>, pd: &PdRouters) -> Result<Response, (ApiError, &'static str)> {
+    let s = ctx.s;
+    let permit_p = route::admit_as(s, &ctx.model, Role::Prefill).map_err(|e| (e, ""))?;
+    let permit_d = route::admit_as(s, &ctx.model, Role::Decode).map_err(|e| (e, ""))?;
+    let rp = route::decide_in(ctx, &pd.prefill, Some(&[Role::Prefill])).map_err(|e| (e, ""))?;
+    let rd = route::decide_in(ctx, &pd.decode, Some(&[Role::Decode])).map_err(|e| (e, ""))?;
     let branch = rd.decision.branch.as_str();
     count_outcome(&s.metrics.pd_requests, "split");
-    let mut body: Map<String, Value> = serde_json::from_slice(bytes)
-        .map_err(|e| (ApiError::bad_field("body", format!("not a JSON object: {e}")), ""))?;
+    let mut body =
+        ctx.object().cloned().ok_or_else(|| (ApiError::bad_field("body", "not a JSON object".to_string()), ""))?;
     for f in HANDOVER_FIELDS {
         body.remove(f);
     }
-    let record = s
-        .recorder
-        .as_ref()
-        .map(|r| r.begin(t0, &info.text, info.token_ids.as_deref(), info.session.as_deref(), info.max_tokens));
-    let pair = Pair { s, pd, api, headers, info, precise, model, rp: &rp, rd: &rd, body: &body };
+    let record = super::steps::begin_record(ctx);
+    let pair = Pair { ctx, pd, rp: &rp, rd: &rd, body: &body };
     let (sent, prefill_url) = pair.run(permit_p).await.map_err(|e| (ApiError::from(e), branch))?;
     let decision = format!(
         "pd=prefill:{},decode:{}; policy={}+{}; branch={}+{}; matched={}/{}",
@@ -149,17 +136,14 @@ pub async fn split(
         rp.decision.key_len
     );
     tracing::debug!(target: "kvroute::decision", decision = %decision, "routed (split)");
-    super::respond::respond(s, sent, permit_d, &decision, branch, t0, record).map_err(|e| (e, branch))
+    let answer = super::respond::Answer { sent, permit: permit_d, decision: &decision, branch, record };
+    super::respond::respond(ctx, answer).map_err(|e| (e, branch))
 }
 
+/// One split request's two decisions and its body, for the pair attempts.
 struct Pair<'a> {
-    s: &'a Arc<AppState>,
+    ctx: &'a RequestCtx<'a>,
     pd: &'a PdRouters,
-    api: Api,
-    headers: &'a HeaderMap,
-    info: &'a RoutingInfo,
-    precise: &'a Precise,
-    model: &'a str,
     rp: &'a Routed,
     rd: &'a Routed,
     body: &'a Map<String, Value>,
@@ -179,15 +163,15 @@ impl Pair<'_> {
     /// Tries pairs until one answers; returns the decode worker's answer and the prefill
     /// worker's URL.
     async fn run(&self, permit_p: kvroute_core::admission::Permit) -> Result<(Sent, String), DispatchError> {
-        let s = self.s;
+        let s = self.ctx.s;
         let prefill: Vec<Arc<WorkerEntry>> =
             route::order(&self.rp.decision).filter_map(|id| self.rp.candidates.entry(id).cloned()).collect();
         let decode: Vec<Arc<WorkerEntry>> =
             route::order(&self.rd.decision).filter_map(|id| self.rd.candidates.entry(id).cloned()).collect();
-        let req = precise_view(self.info, self.model, self.precise);
+        let req = self.ctx.view();
         let uncached =
             u64::from(req.input_tokens).saturating_sub(self.rp.decision.cached_tokens_estimate(req.input_tokens));
-        let output = u64::from(self.info.max_tokens.unwrap_or(256));
+        let output = u64::from(self.ctx.info.max_tokens.unwrap_or(256));
         let total = s.cfg.max_total_retries.max(1);
         let permit_p = Arc::new(permit_p);
         let (mut pi, mut di, mut attempts) = (0usize, 0usize, 0u32);
@@ -208,45 +192,24 @@ impl Pair<'_> {
             }
             attempts += 1;
             // A failure is counted on the decode worker, as the answer is.
-            super::note_worker(&dw.url, self.rd.decision.branch.as_str());
-            for (prefill_pool, w, routed) in [(true, pw, self.rp), (false, dw, self.rd)] {
-                if !committed.contains(&(prefill_pool, w.id)) {
-                    committed.push((prefill_pool, w.id));
-                    // Only the prefill worker's cache gains the prompt; the decode pool's
-                    // router records it too (its policy is load-aware by default).
-                    let _ = dispatch::commit(s, routed, &req, w.id);
+            super::ctx::note_worker(&dw.url, self.rd.decision.branch.as_str());
+            // Both halves are committed (the other replicas of the cluster see both pools'
+            // prefix and load); only the prefill worker's cache gains the prompt, the decode
+            // pool's router records it too (its policy is load-aware by default). The
+            // prefill half is done when its answer is, the decode half with the response.
+            let mut half = |pool: Pool, routed: &Routed, w: &WorkerEntry, uncached: u64, decode: u64| {
+                let first = !committed.contains(&(pool == Pool::Prefill, w.id));
+                if first {
+                    committed.push((pool == Pool::Prefill, w.id));
                 }
-            }
-            let p_ticket = pw.load.dispatched(uncached, 1);
-            let d_ticket = dw.load.dispatched(0, output);
-            // The other replicas of the cluster see both halves (their pools' prefix and
-            // load); the prefill half is done when its answer is, the decode half with the
-            // response.
-            let shared_p = s.sync.as_ref().map(|y| {
-                y.routed(Announce {
-                    pool: Pool::Prefill,
-                    router: &self.rp.router,
-                    key: &self.rp.key,
-                    req: &req,
-                    worker_url: &pw.url,
-                    uncached: uncached,
-                    decode: 1,
-                })
-            });
-            let shared_d = s.sync.as_ref().map(|y| {
-                y.routed(Announce {
-                    pool: Pool::Decode,
-                    router: &self.rd.router,
-                    key: &self.rd.key,
-                    req: &req,
-                    worker_url: &dw.url,
-                    uncached: 0,
-                    decode: output,
-                })
-            });
+                let d = Dispatch { pool, routed, worker: w, uncached, decode, index: first, seen: None };
+                dispatch::commit(self.ctx, &req, d)
+            };
+            let p_half = half(Pool::Prefill, self.rp, pw, uncached, 1)?;
+            let d_half = half(Pool::Decode, self.rd, dw, 0, output)?;
             let result = match self.pd.cfg.protocol {
-                PdProtocol::Sglang => self.sglang(pw, dw, p_ticket, Arc::clone(&permit_p), shared_p).await,
-                PdProtocol::Vllm => self.vllm(pw, dw, p_ticket, shared_p).await,
+                PdProtocol::Sglang => self.sglang(pw, dw, p_half, Arc::clone(&permit_p)).await,
+                PdProtocol::Vllm => self.vllm(pw, dw, p_half).await,
             };
             match result {
                 Ok((resp, body, first_byte_by)) => {
@@ -255,8 +218,8 @@ impl Pair<'_> {
                         body,
                         first: None,
                         worker: Arc::clone(dw),
-                        ticket: d_ticket,
-                        shared: shared_d,
+                        ticket: d_half.ticket,
+                        shared: d_half.shared,
                         predicted: None,
                         first_byte_by,
                         observe: None,
@@ -290,9 +253,7 @@ impl Pair<'_> {
     }
 
     fn first_byte_by(&self) -> Option<tokio::time::Instant> {
-        self.info
-            .stream
-            .then(|| tokio::time::Instant::now() + Duration::from_secs_f64(self.s.cfg.stream_first_byte_timeout_secs))
+        self.ctx.first_byte_by()
     }
 
     /// The decode attempt: the worker's answer (for a stream, its headers; else the whole
@@ -303,10 +264,10 @@ impl Pair<'_> {
         bytes: &Bytes,
         first_byte_by: Option<tokio::time::Instant>,
     ) -> Result<(reqwest::Response, Option<Bytes>), PairError> {
-        let s = self.s;
+        let s = self.ctx.s;
         let timeout = Duration::from_secs_f64(s.cfg.request_timeout_secs);
-        let answer = match dispatch::attempt(s, self.api, dw, bytes, self.headers, timeout, first_byte_by).await {
-            Ok(resp) if self.info.stream && resp.status().is_success() => Ok((resp, None)),
+        let answer = match dispatch::attempt(self.ctx.hop(), dw, bytes, timeout, first_byte_by).await {
+            Ok(resp) if self.ctx.info.stream && resp.status().is_success() => Ok((resp, None)),
             Ok(resp) => dispatch::read_whole(resp).await,
             Err(f) => Err(f),
         };
@@ -340,11 +301,11 @@ impl Pair<'_> {
         &self,
         pw: &Arc<WorkerEntry>,
         dw: &Arc<WorkerEntry>,
-        mut p_ticket: kvroute_core::ledger::LoadTicket,
+        p_half: dispatch::Committed,
         permit_p: Arc<kvroute_core::admission::Permit>,
-        shared_p: Option<SharedTicket>,
     ) -> Result<(reqwest::Response, Option<Bytes>, Option<tokio::time::Instant>), PairError> {
-        let s = self.s;
+        let s = self.ctx.s;
+        let dispatch::Committed { ticket: mut p_ticket, shared: shared_p, .. } = p_half;
         let room = crate::model::random::os_random_u64() >> 1;
         let host = reqwest::Url::parse(&pw.url).ok().and_then(|u| u.host_str().map(str::to_string)).unwrap_or_default();
         let mut body = self.body.clone();
@@ -356,13 +317,13 @@ impl Pair<'_> {
         // the prefill answer is drained there, bounded by the handshake timeout.
         let prefill = {
             let (s, pw, bytes, headers, api) =
-                (Arc::clone(s), Arc::clone(pw), bytes.clone(), self.headers.clone(), self.api);
+                (Arc::clone(s), Arc::clone(pw), bytes.clone(), self.ctx.headers.clone(), self.ctx.api);
             let handshake = self.handshake();
             tokio::spawn(async move {
                 let _permit = permit_p;
                 let _shared = shared_p;
                 let drained = tokio::time::timeout(handshake, async {
-                    match dispatch::attempt(&s, api, &pw, &bytes, &headers, handshake, None).await {
+                    match dispatch::attempt(Hop { s: &s, api, headers: &headers }, &pw, &bytes, handshake, None).await {
                         Ok(mut resp) if resp.status().is_success() => {
                             while let Ok(Some(_)) = resp.chunk().await {}
                             Ok(())
@@ -428,10 +389,10 @@ impl Pair<'_> {
         &self,
         pw: &Arc<WorkerEntry>,
         dw: &Arc<WorkerEntry>,
-        mut p_ticket: kvroute_core::ledger::LoadTicket,
-        shared_p: Option<SharedTicket>,
+        p_half: dispatch::Committed,
     ) -> Result<(reqwest::Response, Option<Bytes>, Option<tokio::time::Instant>), PairError> {
-        let s = self.s;
+        let s = self.ctx.s;
+        let dispatch::Committed { ticket: mut p_ticket, shared: shared_p, .. } = p_half;
         let mut pbody = self.body.clone();
         pbody.insert(
             "kv_transfer_params".into(),
@@ -440,7 +401,7 @@ impl Pair<'_> {
         );
         pbody.insert("stream".into(), Value::Bool(false));
         pbody.remove("stream_options");
-        match self.api {
+        match self.ctx.api {
             Api::Generate => {
                 let sp = pbody.entry("sampling_params").or_insert_with(|| Value::Object(Map::new()));
                 if let Some(sp) = sp.as_object_mut() {
@@ -457,7 +418,7 @@ impl Pair<'_> {
         let pbytes = Bytes::from(serde_json::to_vec(&pbody).unwrap_or_default());
         let handshake = self.handshake();
         let answer = tokio::time::timeout(handshake, async {
-            match dispatch::attempt(s, self.api, pw, &pbytes, self.headers, handshake, None).await {
+            match dispatch::attempt(self.ctx.hop(), pw, &pbytes, handshake, None).await {
                 Ok(resp) => dispatch::read_whole(resp).await,
                 Err(f) => Err(f),
             }

@@ -6,7 +6,6 @@
 use super::dispatch::{Observe, Predicted, Sent};
 use crate::app::AppState;
 use crate::fleet::WorkerEntry;
-use crate::metrics::RequestLabels;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::Response;
@@ -17,29 +16,30 @@ use kvroute_protocol::api_error::ApiError;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Counts one request outcome in `kvroute_requests_total`.
-pub fn count(s: &AppState, worker: &str, branch: &str, outcome: &str) {
-    s.metrics.count_request(RequestLabels {
-        worker: worker.to_string(),
-        policy: s.routers.policy_name(),
-        branch: branch.to_string(),
-        outcome: outcome.to_string(),
-    });
+use super::ctx::RequestCtx;
+pub use super::ctx::count;
+
+/// A worker's answer and what the respond stage settles with it.
+pub struct Answer<'a> {
+    /// The answer.
+    pub sent: Sent,
+    /// The request's admission permit (released when the answer ends).
+    pub permit: Permit,
+    /// The `x-kvroute-decision` value.
+    pub decision: &'a str,
+    /// The decision's branch (the outcome label).
+    pub branch: &'static str,
+    /// The recorder's line, written when the answer ends.
+    pub record: Option<crate::record::Pending>,
 }
 
 /// Builds the client's response from the worker's answer.
 ///
 /// # Errors
 /// 500 when the response cannot be built (a header the client cannot receive).
-pub fn respond(
-    s: &Arc<AppState>,
-    sent: Sent,
-    permit: Permit,
-    decision: &str,
-    branch: &'static str,
-    t0: Instant,
-    record: Option<crate::record::Pending>,
-) -> Result<Response, ApiError> {
+pub fn respond(ctx: &RequestCtx<'_>, a: Answer<'_>) -> Result<Response, ApiError> {
+    let (s, t0) = (ctx.s, ctx.t0);
+    let Answer { sent, permit, decision, branch, record } = a;
     let Sent { resp, body, first, worker, mut ticket, shared, predicted, first_byte_by, observe, slot } = sent;
     let status = resp.status();
     // A worker's error that is not OpenAI-shaped JSON (plain text, FastAPI's `detail`)

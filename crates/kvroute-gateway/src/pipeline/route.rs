@@ -2,7 +2,8 @@
 //! changes nothing, so a request answered 503 — or a `POST /debug/route` dry run — leaves
 //! every prefix index, session table and load counter as it was.
 
-use super::keys::{Precise, precise_view};
+use super::ctx::RequestCtx;
+use super::keys::Precise;
 use crate::app::AppState;
 use crate::fleet::Candidates;
 use crate::routers::ModelRouter;
@@ -182,8 +183,8 @@ fn thread_cpu_seconds() -> f64 {
 ///
 /// # Errors
 /// 404 for a model no worker serves, 503 when no worker is routable.
-pub fn decide(s: &AppState, info: &RoutingInfo, model: &str, precise: &Precise) -> Result<Routed, ApiError> {
-    decide_in(s, info, model, precise, &s.routers, None)
+pub fn decide(ctx: &RequestCtx<'_>) -> Result<Routed, ApiError> {
+    decide_in(ctx, &ctx.s.routers, None)
 }
 
 /// [`decide`] with `routers` over the workers of `roles` (`None`: every role): one pool of
@@ -192,13 +193,11 @@ pub fn decide(s: &AppState, info: &RoutingInfo, model: &str, precise: &Precise) 
 /// # Errors
 /// As [`decide`].
 pub fn decide_in(
-    s: &AppState,
-    info: &RoutingInfo,
-    model: &str,
-    precise: &Precise,
+    ctx: &RequestCtx<'_>,
     routers: &crate::routers::Routers,
     roles: Option<&[Role]>,
 ) -> Result<Routed, ApiError> {
+    let (s, info, model, precise) = (&**ctx.s, &ctx.info, ctx.model.as_str(), &ctx.precise);
     // Candidates serve the model the request names (workers listing no models serve any).
     let lookup = if !info.model.is_empty() {
         info.model.as_str()
@@ -225,7 +224,7 @@ pub fn decide_in(
         });
     }
     let engine_blocks = precise_cached_tokens(s, precise, &mut candidates);
-    let req = precise_view(info, model, precise);
+    let req = ctx.view();
     let from_events: Vec<WorkerId> =
         candidates.views.iter().filter(|v| v.cached_tokens.is_some()).map(|v| v.id).collect();
     let slot_key = slot_cached_tokens(s, &req, &mut candidates);
