@@ -28,7 +28,7 @@
 //! this router's (handed out in the order workers are added): replicas agree only when
 //! they added the same workers in the same order. Branch `tie_break`, else `score`.
 //! Weights change live with [`Policy::set_knobs`] (`PUT /policy`). Knobs:
-//! [`KvScoreConfig`]; why the defaults differ from cgn-router's: docs/replay.md.
+//! [`KvScoreConfig`]; why the defaults differ from cgn-router's: docs/replay.md, "Choosing a policy".
 
 use crate::block_index::{BlockIndex, BlockIndexConfig};
 use crate::hash::{HashAlgo, prefix_key, request_blocks, stable_hash};
