@@ -1,11 +1,11 @@
 //! Read-only endpoints and the admin API (SGLang router's `/add_worker`, `/remove_worker`,
 //! `/list_workers`), live policy knobs and `/debug/route`.
 
+use crate::app::AppState;
 use crate::metrics::WorkerLabel;
 use crate::pipeline::keys;
 use crate::pipeline::read_body;
 use crate::pipeline::route::{decide, decision_header, model_of};
-use crate::state::AppState;
 use axum::Json;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, RawQuery, Request, State};
@@ -240,70 +240,15 @@ pub async fn get_policy(State(s): State<Arc<AppState>>) -> Response {
     .into_response()
 }
 
-/// Applies a policy setting (from `PUT /policy` or the cluster's policy key):
-/// - `{"policy": NAME, "knobs": {...}}` switches every model to NAME (a fresh prefix index)
-///   unless NAME is already running, in which case only the knobs named change;
-/// - `{"knobs": {...}}` or a bare object of knobs patches the running policy's knobs;
-/// - with `cognitora_form`, an object of `w_*` weights without `policy` is Cognitora
-///   cgn-router's `/cognitora/routing/policy` value and means kv_score with those weights;
-/// - a `cascade` field (`{"chain": [{"model", "models", "confidence_threshold",
-///   "max_tokens"}, …]}`) replaces the model cascades; alone, it changes nothing else.
-///
-/// Validated before anything changes. Returns the running policy's knobs.
-///
-/// # Errors
-/// The field at fault (`policy` or `knobs`) and why.
-pub fn apply_policy(
-    s: &AppState,
-    v: &serde_json::Value,
-    cognitora_form: bool,
-) -> Result<serde_json::Value, (&'static str, String)> {
-    let Some(obj) = v.as_object() else { return Err(("knobs", "expected a JSON object".into())) };
-    let cascade = match obj.get("cascade") {
-        Some(c) => {
-            let c: kvroute_core::cascade::CascadeConfig =
-                serde_json::from_value(c.clone()).map_err(|e| ("cascade", e.to_string()))?;
-            c.validate().map_err(|e| ("cascade", e))?;
-            Some(c)
-        }
-        None => None,
-    };
-    let mut rest = obj.clone();
-    rest.remove("cascade");
-    let knobs = if cascade.is_some() && rest.is_empty() {
-        s.routers.knobs()
-    } else {
-        let v = serde_json::Value::Object(rest.clone());
-        let empty = serde_json::json!({});
-        let knobs = rest.get("knobs").unwrap_or(&empty);
-        match rest.get("policy") {
-            Some(serde_json::Value::String(name)) => {
-                s.routers.set_policy(name, knobs, s.now()).map_err(|e| ("policy", format!("{e:#}")))
-            }
-            Some(_) => Err(("policy", "expected a policy name (a string)".into())),
-            None if cognitora_form && !rest.contains_key("knobs") && rest.keys().any(|k| k.starts_with("w_")) => {
-                s.routers.set_policy("kv_score", &v, s.now()).map_err(|e| ("knobs", format!("{e:#}")))
-            }
-            None => {
-                let patch = rest.get("knobs").unwrap_or(&v);
-                s.routers.set_knobs(patch, s.now()).map_err(|e| ("knobs", e.to_string()))
-            }
-        }?
-    };
-    if let Some(c) = cascade {
-        s.cascade.store(Arc::new(c));
-    }
-    Ok(knobs)
-}
-
 /// `PUT /policy`: `{"knobs": {...}}` (or the knobs object itself) patches knobs live;
-/// `{"policy": NAME, "knobs": {...}}` switches policy ([`apply_policy`]).
+/// `{"policy": NAME, "knobs": {...}}` switches policy ([`crate::policy_control::apply`]).
 pub async fn put_policy(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let r = async {
         let bytes = read_body(&s, &headers, body).await?;
         let v: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::bad_field("body", format!("not valid JSON: {e}")))?;
-        let knobs = apply_policy(&s, &v, false).map_err(|(field, e)| ApiError::bad_field(field, e))?;
+        let knobs = crate::policy_control::apply(&s, &v, crate::policy_control::Form::Plain)
+            .map_err(|(field, e)| ApiError::bad_field(field, e))?;
         Ok::<_, ApiError>(Json(
             serde_json::json!({"policy": s.routers.policy_name(), "knobs": knobs, "cascade": *s.cascade.load_full()}),
         ))
@@ -343,8 +288,8 @@ pub async fn debug_route(
         // Keyed as the tenant's own request would be: `?tenant=NAME`, else the tenant the
         // request's headers name (`tenant_header`).
         let salt = match q.get("tenant") {
-            Some(t) if s.cfg.tenant_isolation => Some(s.tenant_scopes.salt(t)),
-            _ => crate::tenant::salt_of(&s, &headers),
+            Some(t) => s.tenancy.salt_of_name(t),
+            None => s.tenancy.salt_of(s.api_keys.as_ref(), &headers),
         };
         if let Some(salt) = salt {
             crate::tenant::salt_routing_key(&mut info, salt);

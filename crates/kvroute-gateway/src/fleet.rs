@@ -15,9 +15,9 @@ use serde::Serialize;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64};
+use std::time::{Duration, Instant};
 
-/// Most workers the gateway accepts (bounded table).
-pub const MAX_WORKERS: usize = 4096;
+pub use crate::model::worker_url::MAX_WORKERS;
 
 /// An optional `u32` in one atomic (`u64::MAX` is `None`).
 #[derive(Debug)]
@@ -127,14 +127,14 @@ pub struct WorkerEntry {
     pub remote_load: Arc<AtomicLoad>,
     /// Its registration in the cluster registry (role, capacity, labels), when it came
     /// from etcd.
-    pub registration: arc_swap::ArcSwapOption<crate::cluster::WorkerRecord>,
+    pub registration: arc_swap::ArcSwapOption<crate::model::registration::WorkerRecord>,
     /// Its registration comes from the last known registry on disk (`state_dir`), read
     /// because etcd was unreachable when this replica started; cleared once etcd answers
     /// ([`crate::cluster::etcd`]).
     pub registration_stale: AtomicBool,
     /// Recent power readings (`power_metric`), averaged into `signals.power_watts`; only
     /// the health task touches it.
-    pub power: parking_lot::Mutex<crate::health::PowerWindow>,
+    pub power: parking_lot::Mutex<PowerWindow>,
     /// Role (prefill, decode or both), as [`role_code`] encodes it.
     role: AtomicU8,
     /// Its bootstrap server's port (SGLang prefill workers).
@@ -143,15 +143,15 @@ pub struct WorkerEntry {
     pub models_read_at: AtomicU64,
     /// Capacity facts by source ([`CapacitySource`]); written rarely (a worker added,
     /// registered, probed or a reload), each write resolving [`WorkerEntry::capacity`].
-    capacity_sources: Mutex<[Option<crate::cluster::Capacity>; 3]>,
+    capacity_sources: Mutex<[Option<crate::model::capacity::Capacity>; 3]>,
     /// What its llama.cpp slots hold, for a worker with a `llama_slots` capacity (`None`
     /// otherwise); used with `llama_slot_routing`: read when routing, written when a
     /// request is sent to a slot and when it ends. One lock per worker, held for a scan of
     /// its slots.
     pub slots: parking_lot::Mutex<Option<kvroute_core::slots::SlotTable>>,
     /// The resolved capacity facts: configuration over registration over the worker's
-    /// own report ([`crate::cluster::Capacity`]).
-    capacity: ArcSwap<(crate::cluster::Capacity, kvroute_core::types::Capacity)>,
+    /// own report ([`crate::model::capacity::Capacity`]).
+    capacity: ArcSwap<(crate::model::capacity::Capacity, kvroute_core::types::Capacity)>,
 }
 
 /// Where a worker's capacity facts come from, highest precedence first.
@@ -197,10 +197,10 @@ fn health_of(c: u8) -> Health {
     }
 }
 
-/// `url` as the fleet stores it ([`crate::config::check_worker_url`]'s form), or trimmed
+/// `url` as the fleet stores it ([`crate::model::worker_url::check_worker_url`]'s form), or trimmed
 /// of trailing slashes when it is not a valid worker URL (then it matches nothing).
 fn normalised(url: &str) -> String {
-    crate::config::check_worker_url(url).unwrap_or_else(|_| url.trim().trim_end_matches('/').to_string())
+    crate::model::worker_url::check_worker_url(url).unwrap_or_else(|_| url.trim().trim_end_matches('/').to_string())
 }
 
 /// First probe of an ejected worker after this long; doubling per failed probe up to
@@ -242,7 +242,7 @@ impl WorkerEntry {
             role: AtomicU8::new(role_code(Role::Both)),
             bootstrap_port: OptU32::default(),
             capacity: ArcSwap::from_pointee((
-                crate::cluster::Capacity::default(),
+                crate::model::capacity::Capacity::default(),
                 kvroute_core::types::Capacity::default(),
             )),
         }
@@ -250,10 +250,11 @@ impl WorkerEntry {
 
     /// Sets (or clears) the capacity facts of one source and resolves the worker's
     /// capacity: each field from the first source that states it, else the default.
-    pub fn set_capacity(&self, source: CapacitySource, c: Option<crate::cluster::Capacity>) {
+    pub fn set_capacity(&self, source: CapacitySource, c: Option<crate::model::capacity::Capacity>) {
         let mut sources = self.capacity_sources.lock();
         sources[source as usize] = c;
-        let merged = sources.iter().rev().flatten().fold(crate::cluster::Capacity::default(), |base, c| c.over(&base));
+        let merged =
+            sources.iter().rev().flatten().fold(crate::model::capacity::Capacity::default(), |base, c| c.over(&base));
         // A new slot count (a restarted llama-server) starts a fresh record.
         let mut slots = self.slots.lock();
         match merged.llama_slots {
@@ -269,7 +270,7 @@ impl WorkerEntry {
     }
 
     /// The resolved capacity facts as stated (unset fields are the defaults).
-    pub fn capacity(&self) -> crate::cluster::Capacity {
+    pub fn capacity(&self) -> crate::model::capacity::Capacity {
         self.capacity.load().0.clone()
     }
 
@@ -490,14 +491,14 @@ pub struct WorkerInfo {
     pub remote_in_flight: u32,
     /// Its cluster registration (etcd), when it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub registration: Option<crate::cluster::WorkerRecord>,
+    pub registration: Option<crate::model::registration::WorkerRecord>,
     /// Whether `registration` is the last known one read from `state_dir` because etcd
     /// has not answered since this replica started (the worker may have left meanwhile);
     /// false once etcd's own list replaced it.
     pub registration_stale: bool,
     /// Resolved capacity facts (configuration over registration over the worker's own
     /// report); fields no source states are absent and take their defaults.
-    pub capacity: crate::cluster::Capacity,
+    pub capacity: crate::model::capacity::Capacity,
     /// Role: prefill, decode or both.
     pub role: Role,
     /// Bootstrap server port (SGLang prefill workers), when known.
@@ -682,6 +683,38 @@ impl Fleet {
     }
 }
 
+/// Most power readings kept per worker (a 30 s window at the fastest health interval).
+pub const POWER_SAMPLES: usize = 1024;
+
+/// A worker's recent power readings: their mean over the window (Cognitora cgn-router's
+/// rolling average), so one scrape's spike moves routing by its share of the window only.
+#[derive(Debug, Default)]
+pub struct PowerWindow {
+    samples: std::collections::VecDeque<(Instant, f64)>,
+}
+
+impl PowerWindow {
+    /// Adds `reading` (watts; `None` when the scrape had none) taken at `now`, forgets
+    /// readings older than `window`, and returns the mean of those left (`None` without
+    /// any). A zero window keeps only the last reading.
+    pub fn observe(&mut self, now: Instant, reading: Option<f64>, window: Duration) -> Option<f64> {
+        if let Some(x) = reading.filter(|x| x.is_finite() && *x >= 0.0) {
+            if self.samples.len() >= POWER_SAMPLES {
+                self.samples.pop_front();
+            }
+            self.samples.push_back((now, x));
+        }
+        while let Some(&(t, _)) = self.samples.front() {
+            let keep = if window.is_zero() { self.samples.len() == 1 } else { now.duration_since(t) <= window };
+            if keep {
+                break;
+            }
+            self.samples.pop_front();
+        }
+        (!self.samples.is_empty()).then(|| self.samples.iter().map(|(_, x)| x).sum::<f64>() / self.samples.len() as f64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -771,5 +804,27 @@ mod tests {
         ws[2].record_success();
         assert!(ws[2].is_routable() && !ws[2].is_ejected());
         assert_eq!(routable(&f), vec![ws[2].id.0]);
+    }
+
+    #[test]
+    fn the_power_window_smooths_a_one_scrape_spike_and_forgets_old_readings() {
+        let mut w = PowerWindow::default();
+        let t0 = Instant::now();
+        let win = Duration::from_secs(30);
+        let mut last = None;
+        for i in 0..10u64 {
+            // One reading every 3 s; the fifth is a spike to 700 W over a 100 W baseline.
+            let x = if i == 4 { 700.0 } else { 100.0 };
+            last = w.observe(t0 + Duration::from_secs(3 * i), Some(x), win);
+        }
+        let mean = last.expect("a mean");
+        assert!((mean - 160.0).abs() < 1e-9, "10 readings in the window, one of 700: {mean}");
+        // 40 s later only fresh readings count; a scrape without the gauge adds nothing.
+        assert_eq!(w.observe(t0 + Duration::from_secs(70), Some(300.0), win), Some(300.0));
+        assert_eq!(w.observe(t0 + Duration::from_secs(71), None, win), Some(300.0));
+        assert_eq!(w.observe(t0 + Duration::from_secs(200), None, win), None);
+        // A zero window is the last reading.
+        assert_eq!(w.observe(t0 + Duration::from_secs(201), Some(50.0), Duration::ZERO), Some(50.0));
+        assert_eq!(w.observe(t0 + Duration::from_secs(202), Some(70.0), Duration::ZERO), Some(70.0));
     }
 }

@@ -1,163 +1,15 @@
 //! Active health checks, model discovery, engine `/metrics` scraping and policy maintenance.
 
+use crate::app::AppState;
 use crate::fleet::WorkerEntry;
+use crate::membership::tokenizer_parity;
 use crate::metrics::WorkerLabel;
-use crate::state::AppState;
+use crate::upstream::{fetch_models, get_text, probe_capacity, try_get_text};
 use kvroute_core::types::Health;
 use kvroute_protocol::engine_metrics::{engine_hit_ratio, engine_signals, metric_sum, slot_counts, sm_utilisation};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
-
-/// Largest `/metrics` or `/v1/models` body read from a worker.
-const MAX_SCRAPE_BYTES: usize = 4 << 20;
-
-async fn get_text(client: &reqwest::Client, url: &str, timeout_secs: f64) -> Option<(u16, String)> {
-    try_get_text(client, url, timeout_secs).await.ok()
-}
-
-/// A `GET` that got no answer: the error with its causes (a refused connection, an
-/// untrusted certificate, a timeout).
-#[derive(Debug, thiserror::Error)]
-#[error("GET {url}: {causes}")]
-struct GetError {
-    url: String,
-    causes: String,
-}
-
-/// `GET url`: the status and body (empty when over [`MAX_SCRAPE_BYTES`]), or [`GetError`].
-async fn try_get_text(client: &reqwest::Client, url: &str, timeout_secs: f64) -> Result<(u16, String), GetError> {
-    let fail = |e: reqwest::Error| GetError { url: url.to_string(), causes: causes(&e) };
-    let resp = client.get(url).timeout(Duration::from_secs_f64(timeout_secs)).send().await.map_err(fail)?;
-    let status = resp.status().as_u16();
-    if resp.content_length().is_some_and(|n| n > MAX_SCRAPE_BYTES as u64) {
-        return Ok((status, String::new()));
-    }
-    let body = resp.bytes().await.map_err(fail)?;
-    if body.len() > MAX_SCRAPE_BYTES {
-        return Ok((status, String::new()));
-    }
-    Ok((status, String::from_utf8_lossy(&body).into_owned()))
-}
-
-/// An error and its sources, `a: b: c` (reqwest's own message alone says only "error
-/// sending request").
-fn causes(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        out.push_str(": ");
-        out.push_str(&c.to_string());
-        cur = c.source();
-    }
-    out
-}
-
-/// The models a worker serves from its `GET /v1/models`; `Some(vec![])` (any model) when it
-/// has no such endpoint but answers `/health`; `None` when it is unreachable.
-pub async fn fetch_models(client: &reqwest::Client, base: &str, timeout_secs: f64) -> Option<Vec<String>> {
-    match get_text(client, &format!("{base}/v1/models"), timeout_secs).await {
-        Some((200, body)) => {
-            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-            let ids = v
-                .get("data")
-                .and_then(serde_json::Value::as_array)
-                .map(|a| a.iter().filter_map(|m| m.get("id")?.as_str().map(str::to_string)).take(256).collect())
-                .unwrap_or_default();
-            Some(ids)
-        }
-        Some(_) => match get_text(client, &format!("{base}/health"), timeout_secs).await {
-            Some((200, _)) => Some(Vec::new()),
-            _ => None,
-        },
-        None => None,
-    }
-}
-
-/// What a worker reports about its capacity, best effort (an endpoint it lacks or an
-/// unknown value leaves the field unset):
-/// - SGLang `GET /server_info`: `tp_size`, `dtype` (unless `auto`), `max_running_requests`
-///   → `max_concurrent`, `context_length` → `max_model_len`, `max_total_num_tokens` →
-///   `kv_tokens`, with LoRA on `max_loras_per_batch` → `max_loras`; kvroute engine-sim
-///   adds `vram_gb`;
-/// - llama.cpp `GET /props`: `total_slots` → `max_concurrent` and `llama_slots`,
-///   `default_generation_settings.n_ctx` (a slot's context) → `max_model_len`, and times
-///   `total_slots` → `kv_tokens`;
-/// - vLLM `GET /v1/models`: the first model's `max_model_len`; `GET /metrics`:
-///   `vllm:cache_config_info`'s `num_gpu_blocks` × `block_size` labels → `kv_tokens`.
-///
-/// Also returns the SGLang bootstrap port `/server_info` reports
-/// (`disaggregation_bootstrap_port`), for a prefill worker given none.
-pub async fn probe_capacity(
-    client: &reqwest::Client,
-    base: &str,
-    timeout_secs: f64,
-) -> (crate::cluster::Capacity, Option<u16>) {
-    let json = |path: &'static str| async move {
-        match get_text(client, &format!("{base}{path}"), timeout_secs).await {
-            Some((200, body)) => serde_json::from_str::<serde_json::Value>(&body).ok(),
-            _ => None,
-        }
-    };
-    let metrics = async {
-        match get_text(client, &format!("{base}/metrics"), timeout_secs).await {
-            Some((200, body)) => kvroute_protocol::engine_metrics::vllm_kv_tokens(&body),
-            _ => None,
-        }
-    };
-    let (info, props, models, vllm_kv) =
-        tokio::join!(json("/server_info"), json("/props"), json("/v1/models"), metrics);
-    let port = info
-        .as_ref()
-        .and_then(|i| i.get("disaggregation_bootstrap_port"))
-        .and_then(serde_json::Value::as_u64)
-        .and_then(|p| u16::try_from(p).ok());
-    let mut c = capacity_from(info.as_ref(), props.as_ref(), models.as_ref());
-    c.kv_tokens = c.kv_tokens.or(vllm_kv);
-    (c, port)
-}
-
-/// [`probe_capacity`]'s reading of the three answers.
-pub fn capacity_from(
-    info: Option<&serde_json::Value>,
-    props: Option<&serde_json::Value>,
-    models: Option<&serde_json::Value>,
-) -> crate::cluster::Capacity {
-    use serde_json::Value;
-    let u32_of = |v: Option<&Value>| v.and_then(Value::as_u64).and_then(|n| u32::try_from(n).ok()).filter(|&n| n > 0);
-    let mut c = crate::cluster::Capacity::default();
-    if let Some(i) = info {
-        c.tp_size = u32_of(i.get("tp_size"));
-        c.dtype = i
-            .get("dtype")
-            .and_then(Value::as_str)
-            .filter(|d| crate::cluster::dtype_bytes(d).is_some())
-            .map(str::to_string);
-        c.max_concurrent = u32_of(i.get("max_running_requests"));
-        c.max_model_len = u32_of(i.get("context_length"));
-        c.kv_tokens = i.get("max_total_num_tokens").and_then(Value::as_u64).filter(|&n| n > 0);
-        c.vram_gb = i.get("vram_gb").and_then(Value::as_f64).filter(|v| v.is_finite() && *v > 0.0);
-        let lora = i.get("enable_lora").and_then(Value::as_bool).unwrap_or(false)
-            || i.get("lora_paths").is_some_and(|p| p.as_array().is_some_and(|a| !a.is_empty()) || p.is_object());
-        if lora {
-            c.max_loras = u32_of(i.get("max_loras_per_batch"));
-        }
-    }
-    if let Some(p) = props {
-        c.max_concurrent = c.max_concurrent.or(u32_of(p.get("total_slots")));
-        c.llama_slots = u32_of(p.get("total_slots")).map(|n| n.min(kvroute_core::slots::MAX_SLOTS as u32));
-        let n_ctx = u32_of(p.get("default_generation_settings").and_then(|d| d.get("n_ctx")));
-        c.max_model_len = c.max_model_len.or(n_ctx);
-        if let (Some(slots), Some(n)) = (u32_of(p.get("total_slots")), n_ctx) {
-            c.kv_tokens = c.kv_tokens.or(Some(u64::from(slots) * u64::from(n)));
-        }
-    }
-    if let Some(m) = models {
-        let first = m.get("data").and_then(Value::as_array).and_then(|a| a.first());
-        c.max_model_len = c.max_model_len.or(u32_of(first.and_then(|f| f.get("max_model_len"))));
-    }
-    c
-}
 
 async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
     let h = &s.cfg.health;
@@ -291,38 +143,6 @@ async fn scrape(s: &AppState, w: &WorkerEntry, body: &str) {
     sig.hit_ratio.set(hit);
 }
 
-/// Most power readings kept per worker (a 30 s window at the fastest health interval).
-pub const POWER_SAMPLES: usize = 1024;
-
-/// A worker's recent power readings: their mean over the window (Cognitora cgn-router's
-/// rolling average), so one scrape's spike moves routing by its share of the window only.
-#[derive(Debug, Default)]
-pub struct PowerWindow {
-    samples: std::collections::VecDeque<(Instant, f64)>,
-}
-
-impl PowerWindow {
-    /// Adds `reading` (watts; `None` when the scrape had none) taken at `now`, forgets
-    /// readings older than `window`, and returns the mean of those left (`None` without
-    /// any). A zero window keeps only the last reading.
-    pub fn observe(&mut self, now: Instant, reading: Option<f64>, window: Duration) -> Option<f64> {
-        if let Some(x) = reading.filter(|x| x.is_finite() && *x >= 0.0) {
-            if self.samples.len() >= POWER_SAMPLES {
-                self.samples.pop_front();
-            }
-            self.samples.push_back((now, x));
-        }
-        while let Some(&(t, _)) = self.samples.front() {
-            let keep = if window.is_zero() { self.samples.len() == 1 } else { now.duration_since(t) <= window };
-            if keep {
-                break;
-            }
-            self.samples.pop_front();
-        }
-        (!self.samples.is_empty()).then(|| self.samples.iter().map(|(_, x)| x).sum::<f64>() / self.samples.len() as f64)
-    }
-}
-
 /// One real inference request (a one-token completion of the worker's first model): what
 /// readmits a worker that failed requests, since its `/health` may pass while inference fails.
 async fn inference_probe(s: &AppState, w: &WorkerEntry) -> bool {
@@ -331,81 +151,6 @@ async fn inference_probe(s: &AppState, w: &WorkerEntry) -> bool {
     let timeout = Duration::from_secs_f64(s.cfg.health.timeout_secs.max(1.0) * 5.0);
     let r = s.client.post(format!("{}/v1/completions", w.url)).timeout(timeout).json(&body).send().await;
     matches!(r, Ok(r) if r.status().is_success())
-}
-
-/// The probe chat of [`tokenizer_parity`]: digits, punctuation, contractions, non-ASCII text,
-/// blank lines and a system message, the places where tokenizers differ.
-fn parity_probe() -> serde_json::Value {
-    serde_json::json!({"model": "", "messages": [
-        {"role": "system", "content": "You route requests.  Answer in 3 words; don't explain.\n\n"},
-        {"role": "user", "content": "Prix: 1234,56 € — naïve café? It's 10:45pm!\tOK\n  indented\n\nEnd."}
-    ]})
-}
-
-/// The worker's own token ids of a chat body: vLLM/SGLang `POST /tokenize` with the
-/// messages, else llama.cpp `POST /apply-template` then `POST /tokenize` of the prompt
-/// (special tokens added and parsed, as its chat endpoint does). `None` when it has neither.
-async fn worker_chat_tokens(
-    client: &reqwest::Client,
-    url: &str,
-    body: &serde_json::Value,
-    timeout: Duration,
-) -> Option<Vec<u32>> {
-    #[derive(serde::Deserialize)]
-    struct Tokens {
-        tokens: Vec<u32>,
-    }
-    let post = |path: &str, v: serde_json::Value| client.post(format!("{url}{path}")).timeout(timeout).json(&v).send();
-    if let Ok(r) = post("/tokenize", body.clone()).await
-        && r.status().is_success()
-        && let Ok(t) = r.json::<Tokens>().await
-        && !t.tokens.is_empty()
-    {
-        return Some(t.tokens);
-    }
-    let msgs = serde_json::json!({"messages": body.get("messages")?});
-    let r = post("/apply-template", msgs).await.ok()?.error_for_status().ok()?;
-    let prompt = r.json::<serde_json::Value>().await.ok()?.get("prompt")?.as_str()?.to_string();
-    let r = post("/tokenize", serde_json::json!({"content": prompt, "add_special": true, "parse_special": true}))
-        .await
-        .ok()?
-        .error_for_status()
-        .ok()?;
-    r.json::<Tokens>().await.ok().map(|t| t.tokens).filter(|t| !t.is_empty())
-}
-
-/// Startup tokenizer parity of one worker (run when it first becomes healthy): the local
-/// tokenizer's ids of a probe chat must equal the worker's own. Sets
-/// `kvroute_tokenizer_parity{worker}` to 1 (equal), 0 (different: logged as an error with
-/// the first differing position; the routing keys of this fleet are then approximate) or
-/// −1 (the worker exposes no tokenize endpoint, or the local tokenizer cannot render it).
-pub async fn tokenizer_parity(s: Arc<AppState>, url: String) {
-    let Some(tk) = s.tokenizer.clone() else { return };
-    let mut probe = parity_probe();
-    let model = s.fleet.by_url(&url).and_then(|w| w.models.load().first().cloned());
-    probe["model"] = serde_json::Value::String(model.unwrap_or_default());
-    let local = tk.request_tokens(kvroute_protocol::openai::Api::Chat, &probe);
-    let remote =
-        worker_chat_tokens(&s.client, &url, &probe, Duration::from_secs_f64(s.cfg.health.timeout_secs.max(5.0))).await;
-    let v = match (local, remote) {
-        (Ok(l), Some(r)) if l == r => {
-            tracing::info!(worker = %url, tokens = l.len(), "local tokenizer matches the worker's");
-            1
-        }
-        (Ok(l), Some(r)) => {
-            let at = l.iter().zip(&r).position(|(a, b)| a != b).unwrap_or(l.len().min(r.len()));
-            tracing::error!(
-                worker = %url, local = l.len(), worker_tokens = r.len(), first_difference = at,
-                "the local tokenizer ({}) does not give the worker's tokens: check --tokenizer", tk.source()
-            );
-            0
-        }
-        (local, remote) => {
-            tracing::warn!(worker = %url, local_ok = local.is_ok(), worker_ok = remote.is_some(), "tokenizer parity inconclusive");
-            -1
-        }
-    };
-    s.metrics.tokenizer_parity.get_or_create(&WorkerLabel { worker: url }).set(v);
 }
 
 /// Background loop: active health checks every `health.interval_secs` and policy
@@ -436,47 +181,5 @@ pub async fn run_background(s: Arc<AppState>, cancel: tokio_util::sync::Cancella
                 s.metrics.index_size.set(size.min(i64::MAX as u64) as i64);
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_kv_cache_size_is_read_from_each_engine_s_own_report() {
-        // SGLang `/server_info`.
-        let info = serde_json::json!({"max_total_num_tokens": 420_000, "max_running_requests": 256});
-        assert_eq!(capacity_from(Some(&info), None, None).kv_tokens, Some(420_000));
-        // llama.cpp `/props`: 2 slots of 8,192 tokens each.
-        let props = serde_json::json!({"total_slots": 2, "default_generation_settings": {"n_ctx": 8192}});
-        let c = capacity_from(None, Some(&props), None);
-        assert_eq!((c.kv_tokens, c.max_model_len, c.llama_slots), (Some(16_384), Some(8192), Some(2)));
-        // vLLM's comes from `/metrics` (`kvroute_protocol::engine_metrics::vllm_kv_tokens`).
-        // Zero: unknown.
-        let none = serde_json::json!({"max_total_num_tokens": 0});
-        assert_eq!(capacity_from(Some(&none), None, None).kv_tokens, None);
-    }
-
-    #[test]
-    fn the_power_window_smooths_a_one_scrape_spike_and_forgets_old_readings() {
-        let mut w = PowerWindow::default();
-        let t0 = Instant::now();
-        let win = Duration::from_secs(30);
-        let mut last = None;
-        for i in 0..10u64 {
-            // One reading every 3 s; the fifth is a spike to 700 W over a 100 W baseline.
-            let x = if i == 4 { 700.0 } else { 100.0 };
-            last = w.observe(t0 + Duration::from_secs(3 * i), Some(x), win);
-        }
-        let mean = last.expect("a mean");
-        assert!((mean - 160.0).abs() < 1e-9, "10 readings in the window, one of 700: {mean}");
-        // 40 s later only fresh readings count; a scrape without the gauge adds nothing.
-        assert_eq!(w.observe(t0 + Duration::from_secs(70), Some(300.0), win), Some(300.0));
-        assert_eq!(w.observe(t0 + Duration::from_secs(71), None, win), Some(300.0));
-        assert_eq!(w.observe(t0 + Duration::from_secs(200), None, win), None);
-        // A zero window is the last reading.
-        assert_eq!(w.observe(t0 + Duration::from_secs(201), Some(50.0), Duration::ZERO), Some(50.0));
-        assert_eq!(w.observe(t0 + Duration::from_secs(202), Some(70.0), Duration::ZERO), Some(70.0));
     }
 }

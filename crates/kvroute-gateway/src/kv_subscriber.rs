@@ -12,10 +12,10 @@
 //!
 //! Only the main attention group (`group_idx` 0) is indexed. Everything is bounded: the
 //! replay exchange has a timeout and a batch limit, reconnects back off, the token cache
-//! holds at most [`TOKEN_CACHE_TOKENS`] tokens.
+//! holds at most [`crate::kv_tokens::TOKEN_CACHE_TOKENS`] tokens.
 
+use crate::app::AppState;
 use crate::metrics::WorkerLabel;
-use crate::state::AppState;
 use bytes::Bytes;
 use kvroute_core::precise::{StoredBlocks, Tier};
 use kvroute_core::types::WorkerId;
@@ -30,10 +30,6 @@ use zeromq::{Socket, SocketRecv, SocketSend};
 pub const MAX_REPLAY_BATCHES: usize = 100_000;
 /// Time allowed for one replay exchange.
 pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
-/// Bound of the request-token cache, in tokens (4 bytes each).
-pub const TOKEN_CACHE_TOKENS: usize = 16 << 20;
-/// Time allowed for one `/tokenize` call.
-pub const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Runs one subscriber per configured source until `cancel`, and each worker's startup
 /// parity check ([`parity_check`]) when `kv_parity_check` is on.
@@ -63,7 +59,7 @@ fn worker_id(s: &AppState, url: &str) -> Option<WorkerId> {
 
 async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, cancel: CancellationToken) {
     let label = WorkerLabel {
-        worker: crate::config::check_worker_url(&src.worker)
+        worker: crate::model::worker_url::check_worker_url(&src.worker)
             .unwrap_or_else(|_| src.worker.trim_end_matches('/').to_string()),
     };
     let mut backoff = Duration::from_millis(100);
@@ -272,7 +268,7 @@ pub enum Parity {
 /// The startup parity check of one worker (the most common silent failure of precise
 /// routing is a router that hashes different tokens than the engine caches): after the
 /// subscription settles, sends the worker a probe chat request directly (not through the
-/// router), tokenizes it the way requests are ([`request_tokens`]: the worker's own
+/// router), tokenizes it the way requests are ([`crate::kv_tokens::request_tokens`]: the worker's own
 /// `/tokenize` with the chat messages), and waits up to [`PARITY_TIMEOUT`] for the
 /// engine's `BlockStored` to make the router's own hashes of those tokens match. Logs an
 /// error naming the worker on a mismatch, a warning when inconclusive, and sets
@@ -332,7 +328,7 @@ async fn probe(s: &Arc<AppState>, worker: &str) -> Parity {
         Err(e) => return Parity::Inconclusive(format!("probe request: {}", e.message)),
     };
     let Some(w) = worker_id(s, worker) else { return Parity::Inconclusive("the worker is not registered".into()) };
-    let tokens = match request_tokens(s, &bytes, &info).await {
+    let tokens = match crate::kv_tokens::request_tokens(s.token_sources(), &bytes, &info).await {
         Ok(t) => t,
         Err(why) => return Parity::Inconclusive(format!("the probe could not be tokenized ({why})")),
     };
@@ -377,102 +373,4 @@ async fn probe(s: &Arc<AppState>, worker: &str) -> Parity {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-/// A bounded cache of request token ids, keyed by a hash of (model, prompt JSON).
-#[derive(Debug)]
-pub struct TokenCache {
-    map: lru::LruCache<u64, Arc<[u32]>>,
-    tokens: usize,
-}
-
-impl Default for TokenCache {
-    fn default() -> Self {
-        TokenCache { map: lru::LruCache::unbounded(), tokens: 0 }
-    }
-}
-
-impl TokenCache {
-    /// The cached tokens of `key`.
-    pub fn get(&mut self, key: u64) -> Option<Arc<[u32]>> {
-        self.map.get(&key).cloned()
-    }
-
-    /// Caches `tokens` under `key`, evicting the least recently used beyond
-    /// [`TOKEN_CACHE_TOKENS`].
-    pub fn put(&mut self, key: u64, tokens: Arc<[u32]>) {
-        if tokens.len() > TOKEN_CACHE_TOKENS {
-            return;
-        }
-        self.tokens += tokens.len();
-        if let Some(old) = self.map.put(key, tokens) {
-            self.tokens -= old.len();
-        }
-        while self.tokens > TOKEN_CACHE_TOKENS {
-            match self.map.pop_lru() {
-                Some((_, t)) => self.tokens -= t.len(),
-                None => break,
-            }
-        }
-    }
-}
-
-/// Why a request is routed without token ids.
-pub type NotTokenized = &'static str;
-
-/// The request's prompt token ids as the engine will see them: carried by the request
-/// (`input_ids`, a token-list prompt), else from a worker's `/tokenize` (vLLM's: `model`
-/// with `messages` or `prompt`; the engine applies its chat template), cached.
-///
-/// # Errors
-/// `not_tokenized` when no worker could tokenize it.
-pub async fn request_tokens(
-    s: &AppState,
-    body: &[u8],
-    info: &kvroute_protocol::openai::RoutingInfo,
-) -> Result<Arc<[u32]>, NotTokenized> {
-    if let Some(t) = &info.token_ids {
-        return Ok(t.as_slice().into());
-    }
-    let v: serde_json::Value = serde_json::from_slice(body).map_err(|_| "not_tokenized")?;
-    let mut req = serde_json::Map::new();
-    req.insert("model".into(), serde_json::Value::String(info.model.clone()));
-    for k in ["messages", "prompt"] {
-        if let Some(x) = v.get(k) {
-            req.insert(k.into(), x.clone());
-        }
-    }
-    let req = serde_json::Value::Object(req);
-    let key = kvroute_core::hash::stable_hash(&serde_json::to_vec(&req).unwrap_or_default());
-    if let Some(t) = s.tokens.lock().get(key) {
-        return Ok(t);
-    }
-    // Any tracked, healthy worker's tokenizer (they serve the same model).
-    let urls: Vec<String> = {
-        let ix = s.precise.read();
-        s.fleet
-            .load()
-            .iter()
-            .filter(|w| w.is_routable() && ix.is_tracked(w.id))
-            .filter(|w| w.serves(&info.model))
-            .map(|w| w.url.to_string())
-            .collect()
-    };
-    for url in urls.iter().take(2) {
-        let r = s.client.post(format!("{url}/tokenize")).timeout(TOKENIZE_TIMEOUT).json(&req).send().await;
-        let Ok(r) = r else { continue };
-        if !r.status().is_success() {
-            continue;
-        }
-        #[derive(serde::Deserialize)]
-        struct Tokenized {
-            tokens: Vec<u32>,
-        }
-        if let Ok(t) = r.json::<Tokenized>().await {
-            let t: Arc<[u32]> = t.tokens.into();
-            s.tokens.lock().put(key, Arc::clone(&t));
-            return Ok(t);
-        }
-    }
-    Err("not_tokenized")
 }

@@ -28,30 +28,35 @@
 
 pub mod admin;
 pub mod api_keys;
+pub mod app;
 pub mod cluster;
 pub mod config;
 pub mod fleet;
 pub mod health;
 pub mod hops;
 pub mod kv_subscriber;
+pub mod kv_tokens;
 pub mod lora;
+pub mod membership;
 pub mod metrics;
+pub mod model;
 pub mod pd;
 pub mod pipeline;
+pub mod policy_control;
 pub mod record;
 pub mod reload;
 pub mod routers;
 pub mod server;
-pub mod state;
 pub mod tenant;
 pub mod tls;
 pub mod tokenizer;
+pub mod upstream;
 
+use app::AppState;
 use axum::Router;
 use axum::routing::{get, post};
 pub use config::GatewayConfig;
 pub use reload::ConfigSource;
-use state::AppState;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -191,7 +196,7 @@ pub async fn serve_with_reload(
     let bg = tokio::spawn(health::run_background(Arc::clone(&state), cancel.clone()));
     let kv = tokio::spawn(kv_subscriber::run(Arc::clone(&state), cancel.clone()));
     let etcd = tokio::spawn(cluster::etcd::run(Arc::clone(&state), cancel.clone()));
-    let nats = tokio::spawn(cluster::sync::run(Arc::clone(&state), cancel.clone()));
+    let nats = tokio::spawn(cluster::sync_task::run(Arc::clone(&state), cancel.clone()));
     let limits = server::Limits::from_config(&state.cfg);
     let admin_task = admin.map(|(l, a)| {
         let stop = cancel.clone();

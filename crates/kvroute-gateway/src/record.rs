@@ -162,7 +162,7 @@ impl Recorder {
             .map_err(|e| anyhow::anyhow!("record: cannot start the writer thread: {e}"))?;
         Ok(Recorder {
             start: Instant::now(),
-            salt: crate::state::os_random_u64(),
+            salt: crate::model::random::os_random_u64(),
             block_tokens: cfg.block_tokens,
             tx,
             outcomes,

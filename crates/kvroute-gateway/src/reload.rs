@@ -26,8 +26,9 @@
 //! them again until the restart).
 
 use crate::GatewayConfig;
+use crate::app::AppState;
 use crate::metrics::OutcomeLabel;
-use crate::state::AppState;
+use crate::model::worker_url::static_set;
 use std::collections::HashSet;
 use std::sync::Arc;
 
@@ -117,11 +118,15 @@ impl Reloader {
     async fn apply_valid(&mut self, next: GatewayConfig) -> Outcome {
         let mut changed = false;
         let mut failed = false;
-        if next.policy != self.running.policy || next.policy_knobs != self.running.policy_knobs {
+        if next.policy != self.running.policy
+            || next.policy_knobs != self.running.policy_knobs
+            || pd_policies(&next) != pd_policies(&self.running)
+        {
             match self.apply_policy(&next) {
                 Ok(()) => {
                     self.running.policy.clone_from(&next.policy);
                     self.running.policy_knobs.clone_from(&next.policy_knobs);
+                    set_pd_policies(&mut self.running, &next);
                     changed = true;
                 }
                 Err(e) => {
@@ -169,11 +174,24 @@ impl Reloader {
     }
 
     /// Sets the file's policy with its knobs in full (defaults for the knobs it does not
-    /// name): a switch when the name differs from the running policy, else a knob patch.
+    /// name) — a switch when the name differs from the running policy, else a knob patch —
+    /// and, with disaggregation, the prefill and decode pools' policies the same way, all
+    /// through [`crate::policy_control::apply`].
     fn apply_policy(&self, next: &GatewayConfig) -> anyhow::Result<()> {
         let full = kvroute_core::registry::build(&next.policy, &next.knobs_json())?.knobs();
+        let mut setting = serde_json::json!({"policy": next.policy, "knobs": full});
+        if self.state.pd.is_some() {
+            for (field, policy, knobs) in [
+                ("prefill", &next.pd.prefill_policy, &next.pd.prefill_policy_knobs),
+                ("decode", &next.pd.decode_policy, &next.pd.decode_policy_knobs),
+            ] {
+                let full = kvroute_core::registry::build(policy, &crate::config::pd::json(knobs))?.knobs();
+                setting[field] = serde_json::json!({"policy": policy, "knobs": full});
+            }
+        }
         let before = self.state.routers.policy_name();
-        let knobs = self.state.routers.set_policy(&next.policy, &full, self.state.now())?;
+        let knobs = crate::policy_control::apply(&self.state, &setting, crate::policy_control::Form::Plain)
+            .map_err(|(field, e)| anyhow::anyhow!("{field}: {e}"))?;
         if before == next.policy {
             tracing::info!(policy = next.policy, %knobs, "SIGHUP: policy knobs applied");
         } else {
@@ -225,14 +243,23 @@ fn expose_outcomes(state: &AppState) {
     }
 }
 
-/// `worker_urls` normalised ([`crate::config::check_worker_url`]), without duplicates, in
-/// order: the static set of [`AppState::static_workers`].
-pub fn static_set(urls: &[String]) -> Vec<String> {
-    let mut seen = HashSet::new();
-    urls.iter().filter_map(|u| crate::config::check_worker_url(u).ok()).filter(|u| seen.insert(u.clone())).collect()
+/// The `[pd]` keys applied live (the pools' policies and knobs).
+pub const LIVE_PD_KEYS: [&str; 4] = ["prefill_policy", "prefill_policy_knobs", "decode_policy", "decode_policy_knobs"];
+
+/// The pools' policies and knobs of `c` (compared to see whether a reload changes them).
+fn pd_policies(c: &GatewayConfig) -> (&str, &toml::Table, &str, &toml::Table) {
+    (&c.pd.prefill_policy, &c.pd.prefill_policy_knobs, &c.pd.decode_policy, &c.pd.decode_policy_knobs)
 }
 
-/// The keys, other than [`LIVE_KEYS`], whose values differ between `a` and `b`; a table
+/// Copies the pools' policies and knobs of `next` into `running`.
+fn set_pd_policies(running: &mut GatewayConfig, next: &GatewayConfig) {
+    running.pd.prefill_policy.clone_from(&next.pd.prefill_policy);
+    running.pd.prefill_policy_knobs.clone_from(&next.pd.prefill_policy_knobs);
+    running.pd.decode_policy.clone_from(&next.pd.decode_policy);
+    running.pd.decode_policy_knobs.clone_from(&next.pd.decode_policy_knobs);
+}
+
+/// The keys, other than [`LIVE_KEYS`] and [`LIVE_PD_KEYS`], whose values differ between `a` and `b`; a table
 /// (`health`) is compared key by key (`health.interval_secs`).
 pub fn restart_keys(a: &GatewayConfig, b: &GatewayConfig) -> Vec<String> {
     use serde_json::Value;
@@ -244,7 +271,10 @@ pub fn restart_keys(a: &GatewayConfig, b: &GatewayConfig) -> Vec<String> {
         match (va, b.get(k)) {
             (va, Some(vb)) if va == vb => {}
             (Value::Object(ta), Some(Value::Object(tb))) => {
-                keys.extend(ta.iter().filter(|(s, v)| tb.get(*s) != Some(*v)).map(|(s, _)| format!("{k}.{s}")));
+                let live = |s: &str| k == "pd" && LIVE_PD_KEYS.contains(&s);
+                keys.extend(
+                    ta.iter().filter(|(s, v)| !live(s) && tb.get(*s) != Some(*v)).map(|(s, _)| format!("{k}.{s}")),
+                );
             }
             _ => keys.push(k.clone()),
         }

@@ -11,10 +11,11 @@
 //! Decision details (`x-kvroute-worker`, `x-kvroute-decision`, `x-kvroute-cascade`) go
 //! only to requests carrying the admin token, unless `expose_decision_headers` is set.
 
-use crate::state::AppState;
+use crate::api_keys::ApiKeys;
+use crate::config::GatewayConfig;
 use axum::body::Bytes;
 use axum::http::HeaderMap;
-use kvroute_core::tenant::TenantSalt;
+use kvroute_core::tenant::{Scopes, TenantSalt};
 use kvroute_protocol::openai::RoutingInfo;
 
 /// Longest `tenant_header` value used as a tenant name (bytes); a longer one is cut.
@@ -27,21 +28,87 @@ pub const DECISION_HEADERS: [&str; 3] = ["x-kvroute-worker", "x-kvroute-decision
 /// `Authorization` header carries the API key there).
 pub const ADMIN_TOKEN_HEADER: &str = "x-kvroute-admin-token";
 
-/// The cache salt of the request with `headers`, or `None` when it is not salted
-/// (isolation off, or no tenants configured).
-pub fn salt_of(s: &AppState, headers: &HeaderMap) -> Option<TenantSalt> {
-    if !s.cfg.tenant_isolation {
-        return None;
+/// The tenancy settings, read once at start: who a request's tenant is, its salt, and who
+/// sees decision details.
+#[derive(Debug)]
+pub struct Tenancy {
+    /// `tenant_isolation`.
+    pub isolation: bool,
+    /// Each tenant's cache scope (`shared_prefix_tenants`).
+    pub scopes: Scopes,
+    /// `tenant_header`, parsed.
+    pub header: Option<http::HeaderName>,
+    /// `expose_decision_headers`.
+    pub expose_decisions: bool,
+    /// `admin_token`.
+    pub admin_token: Option<String>,
+}
+
+/// A tenancy setting the configuration got wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum TenancyError {
+    /// `shared_prefix_tenants` is refused.
+    #[error("shared_prefix_tenants: {0}")]
+    Groups(String),
+    /// `tenant_header` is no header name.
+    #[error("tenant_header: {0}")]
+    Header(#[from] http::header::InvalidHeaderName),
+}
+
+impl Tenancy {
+    /// The tenancy settings of `cfg`.
+    ///
+    /// # Errors
+    /// [`TenancyError`] naming the key.
+    pub fn new(cfg: &GatewayConfig) -> Result<Tenancy, TenancyError> {
+        let scopes = Scopes::new(&cfg.shared_prefix_tenants).map_err(|m| TenancyError::Groups(m.to_string()))?;
+        let header = cfg.tenant_header.as_ref().map(|h| http::HeaderName::from_bytes(h.as_bytes())).transpose()?;
+        Ok(Tenancy {
+            isolation: cfg.tenant_isolation,
+            scopes,
+            header,
+            expose_decisions: cfg.expose_decision_headers,
+            admin_token: cfg.admin_token.clone(),
+        })
     }
-    if let Some(keys) = &s.api_keys {
-        // An unknown key never gets here (401 first); an anonymous salt all the same.
-        let tenant = keys.authenticate(headers).map(|k| k.cache_tenant.clone()).unwrap_or_default();
-        return Some(s.tenant_scopes.salt(&tenant));
+
+    /// The cache salt of the request with `headers` (its tenant from `keys` when the router
+    /// has API keys, else from `tenant_header`), or `None` when it is not salted (isolation
+    /// off, or no tenants configured).
+    pub fn salt_of(&self, keys: Option<&ApiKeys>, headers: &HeaderMap) -> Option<TenantSalt> {
+        if !self.isolation {
+            return None;
+        }
+        if let Some(keys) = keys {
+            // An unknown key never gets here (401 first); an anonymous salt all the same.
+            let tenant = keys.authenticate(headers).map(|k| k.cache_tenant.clone()).unwrap_or_default();
+            return Some(self.scopes.salt(&tenant));
+        }
+        let name = self.header.as_ref()?;
+        let value = headers.get(name).map(|v| v.as_bytes()).unwrap_or_default();
+        let value = &value[..value.len().min(MAX_TENANT_NAME)];
+        Some(self.scopes.salt(&String::from_utf8_lossy(value)))
     }
-    let name = s.tenant_header.as_ref()?;
-    let value = headers.get(name).map(|v| v.as_bytes()).unwrap_or_default();
-    let value = &value[..value.len().min(MAX_TENANT_NAME)];
-    Some(s.tenant_scopes.salt(&String::from_utf8_lossy(value)))
+
+    /// The salt of the tenant named `name` (`None` with isolation off).
+    pub fn salt_of_name(&self, name: &str) -> Option<TenantSalt> {
+        self.isolation.then(|| self.scopes.salt(name))
+    }
+
+    /// Whether the response to the request with `headers` may carry decision details:
+    /// `expose_decision_headers`, or the admin token presented in `x-kvroute-admin-token` or
+    /// as `Authorization: Bearer` (compared in constant time).
+    pub fn may_see_decisions(&self, headers: &HeaderMap) -> bool {
+        if self.expose_decisions {
+            return true;
+        }
+        let Some(token) = self.admin_token.as_deref() else { return false };
+        let presented = [
+            headers.get(ADMIN_TOKEN_HEADER).and_then(|v| v.to_str().ok()).map(str::trim),
+            crate::api_keys::bearer(headers),
+        ];
+        presented.into_iter().flatten().any(|p| crate::api_keys::same_secret(p, token))
+    }
 }
 
 /// `info`'s routing key (text, token ids, session) salted for its tenant, in place.
@@ -87,21 +154,6 @@ pub fn with_cache_salt(body: &Bytes, salt: TenantSalt) -> Bytes {
     out.extend_from_slice(b"\"");
     out.extend_from_slice(&body[end..]);
     Bytes::from(out)
-}
-
-/// Whether the response to the request with `headers` may carry decision details:
-/// `expose_decision_headers`, or the admin token presented in `x-kvroute-admin-token` or as
-/// `Authorization: Bearer` (compared in constant time).
-pub fn may_see_decisions(s: &AppState, headers: &HeaderMap) -> bool {
-    if s.cfg.expose_decision_headers {
-        return true;
-    }
-    let Some(token) = s.cfg.admin_token.as_deref() else { return false };
-    let presented = [
-        headers.get(ADMIN_TOKEN_HEADER).and_then(|v| v.to_str().ok()).map(str::trim),
-        crate::api_keys::bearer(headers),
-    ];
-    presented.into_iter().flatten().any(|p| crate::api_keys::same_secret(p, token))
 }
 
 /// Removes the decision headers from a response the client may not see them on.

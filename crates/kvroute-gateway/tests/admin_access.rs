@@ -11,7 +11,7 @@ use axum::http::HeaderMap;
 use axum::response::IntoResponse;
 use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use kvroute_gateway::GatewayConfig;
-use kvroute_gateway::state::AppState;
+use kvroute_gateway::app::AppState;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;

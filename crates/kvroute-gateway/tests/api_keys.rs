@@ -96,7 +96,7 @@ async fn a_bad_key_file_stops_the_router_naming_the_line() {
     let file = std::env::temp_dir().join(format!("kvroute-badkeys-{}.txt", std::process::id()));
     std::fs::write(&file, "sk-a\nsk-b rpm=fast\n").expect("write");
     let config = GatewayConfig { api_key_file: Some(file.display().to_string()), ..GatewayConfig::default() };
-    let err = kvroute_gateway::state::AppState::new(config).expect_err("refused");
+    let err = kvroute_gateway::app::AppState::new(config).expect_err("refused");
     let msg = format!("{err:#}");
     assert!(msg.contains("line 2") && msg.contains("rpm"), "{msg}");
     let _ = std::fs::remove_file(&file);

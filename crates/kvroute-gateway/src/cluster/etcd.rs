@@ -14,9 +14,10 @@
 //! replica started during an etcd outage routes to the workers etcd last knew, marked
 //! stale until etcd answers and its list replaces them.
 
-use super::{WorkerRecord, last_known};
+use super::last_known;
+use crate::app::AppState;
 use crate::metrics::PolicyUpdateLabels;
-use crate::state::AppState;
+use crate::model::registration::WorkerRecord;
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, WatchOptions};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -206,7 +207,7 @@ async fn session(state: &Arc<AppState>, known: &mut Known) -> anyhow::Result<()>
     let listed = client.get(workers_prefix.as_str(), Some(GetOptions::new().with_prefix())).await?;
     let revision = listed.header().map_or(0, |h| h.revision());
     let mut now_registered = HashMap::new();
-    for kv in listed.kvs().iter().take(crate::fleet::MAX_WORKERS) {
+    for kv in listed.kvs().iter().take(crate::model::worker_url::MAX_WORKERS) {
         now_registered.insert(String::from_utf8_lossy(kv.key()).into_owned(), kv.value().to_vec());
     }
     reconcile(state, known, now_registered).await;
@@ -348,9 +349,10 @@ fn apply_policy(state: &AppState, known: &mut Known, value: &[u8], revision: i64
     let result = if value.len() > super::MAX_VALUE_BYTES {
         Err(format!("value of {} bytes (at most {})", value.len(), super::MAX_VALUE_BYTES))
     } else {
-        serde_json::from_slice::<serde_json::Value>(value)
-            .map_err(|e| format!("not JSON: {e}"))
-            .and_then(|v| crate::admin::apply_policy(state, &v, true).map_err(|(field, e)| format!("{field}: {e}")))
+        serde_json::from_slice::<serde_json::Value>(value).map_err(|e| format!("not JSON: {e}")).and_then(|v| {
+            crate::policy_control::apply(state, &v, crate::policy_control::Form::Cognitora)
+                .map_err(|(field, e)| format!("{field}: {e}"))
+        })
     };
     let outcome = match result {
         Ok(knobs) => {

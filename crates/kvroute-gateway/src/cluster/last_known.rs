@@ -12,7 +12,7 @@
 //! large, unreadable, of another version or of another `etcd_prefix` is ignored with a
 //! warning.
 
-use super::WorkerRecord;
+use crate::model::registration::WorkerRecord;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -141,9 +141,9 @@ pub fn load(dir: &Path, prefix: &str) -> Result<Option<Loaded>, String> {
     }
     let mut workers = BTreeMap::new();
     let mut refused = 0;
-    for (key, value) in saved.workers.into_iter().take(crate::fleet::MAX_WORKERS) {
+    for (key, value) in saved.workers.into_iter().take(crate::model::worker_url::MAX_WORKERS) {
         let parsed = serde_json::to_vec(&value)
-            .map_err(|e| crate::cluster::RecordError::NotARecord { reason: e.to_string() })
+            .map_err(|e| crate::model::registration::RecordError::NotARecord { reason: e.to_string() })
             .and_then(|v| WorkerRecord::parse(&v));
         match parsed {
             Ok(r) => {
@@ -228,7 +228,7 @@ mod tests {
         save(dir.path(), "/k", 1, &small).expect("save");
         // 2,000 records of the largest labels allowed: ~26 MB of JSON.
         let mut r = record("http://10.0.0.1:8000");
-        for j in 0..crate::cluster::MAX_LABELS {
+        for j in 0..crate::model::registration::MAX_LABELS {
             r.labels.insert(format!("{j:03}{}", "k".repeat(125)), "v".repeat(256));
         }
         let big: BTreeMap<String, WorkerRecord> = (0..2000).map(|i| (format!("/k/workers/{i}"), r.clone())).collect();

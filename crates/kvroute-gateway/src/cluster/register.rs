@@ -9,7 +9,7 @@
 //! revoked, so routers drop the worker at once. etcd being unreachable is retried with a
 //! capped backoff; the worker then stays registered until its lease lapses.
 
-use super::WorkerRecord;
+use crate::model::registration::WorkerRecord;
 use etcd_client::{Client, PutOptions};
 use std::future::Future;
 use std::time::Duration;

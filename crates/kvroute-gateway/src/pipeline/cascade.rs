@@ -21,8 +21,8 @@
 //! for the whole small-model answer, which defeats streaming.
 
 use super::dispatch::MAX_RESPONSE_BYTES;
+use crate::app::AppState;
 use crate::metrics::CascadeLabels;
-use crate::state::AppState;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::Response;

@@ -12,10 +12,10 @@
 
 use super::keys::Precise;
 use super::route::{Routed, order};
+use crate::app::AppState;
 use crate::fleet::WorkerEntry;
 use crate::metrics::WorkerLabel;
 use crate::routers::ModelRouter;
-use crate::state::AppState;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
 use kvroute_core::ledger::LoadTicket;
@@ -315,7 +315,17 @@ pub async fn send(
             };
             let predicted = if committed { None } else { commit(s, routed, &req, w.id) };
             committed = true;
-            let shared = s.sync.as_ref().map(|sync| sync.routed(routed, &req, &w.url, uncached, output));
+            let shared = s.sync.as_ref().map(|sync| {
+                sync.routed(crate::cluster::sync::Announce {
+                    pool: crate::cluster::sync::Pool::Main,
+                    router: &routed.router,
+                    key: &routed.key,
+                    req: &req,
+                    worker_url: &w.url,
+                    uncached,
+                    decode: output,
+                })
+            });
             // llama.cpp (OpenAI-compatible endpoints only; it serves no `/generate`).
             let slot = routed.slot_key.as_ref().filter(|_| api != Api::Generate).and_then(|k| SlotHold::take(s, w, k));
             let pinned = slot.as_ref().and_then(|h| with_id_slot(bytes, h.slot));

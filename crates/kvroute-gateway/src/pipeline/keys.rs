@@ -1,7 +1,7 @@
 //! Stage 2, the routing key: token ids from the local tokenizer when one is configured, the
 //! engine's own token ids when workers publish KV events, else the routing text.
 
-use crate::state::AppState;
+use crate::app::AppState;
 use kvroute_core::types::{RequestView, Role, estimate_tokens};
 use kvroute_protocol::openai::{Api, RoutingInfo};
 use std::sync::Arc;
@@ -30,7 +30,7 @@ pub async fn resolve(s: &Arc<AppState>, api: Api, bytes: &[u8], info: &mut Routi
     if s.cfg.kv_events.is_empty() {
         return Precise::Off;
     }
-    match crate::kv_subscriber::request_tokens(s, bytes, info).await {
+    match crate::kv_tokens::request_tokens(s.token_sources(), bytes, info).await {
         Ok(t) => Precise::Tokens(t),
         Err(reason) => Precise::Unavailable(reason),
     }

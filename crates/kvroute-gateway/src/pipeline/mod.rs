@@ -21,12 +21,13 @@
 pub mod cascade;
 pub mod dispatch;
 pub mod keys;
+pub mod lora;
 pub mod pd;
 pub mod respond;
 pub mod route;
 
 use crate::api_keys::KeyEntry;
-use crate::state::AppState;
+use crate::app::AppState;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
@@ -62,7 +63,7 @@ async fn handle(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Body) -> R
                 Err((e, branch)) => error_response(&s, e, branch),
             };
             std::mem::forget(gone);
-            if !crate::tenant::may_see_decisions(&s, &headers) {
+            if !s.tenancy.may_see_decisions(&headers) {
                 crate::tenant::hide_decisions(r.headers_mut());
             }
             r
@@ -134,7 +135,7 @@ async fn run(
         admit_tokens(s, key, &info).map_err(|e| (e, ""))?;
     }
     // The engine isolates the tenant's KV cache by the same salt (vLLM `cache_salt`).
-    let bytes = match crate::tenant::salt_of(s, headers) {
+    let bytes = match s.tenancy.salt_of(s.api_keys.as_ref(), headers) {
         Some(salt) if s.cfg.engine_cache_salt && api != Api::Generate => crate::tenant::with_cache_salt(&bytes, salt),
         _ => bytes,
     };
@@ -156,9 +157,9 @@ pub async fn route_and_send(
     mut info: kvroute_protocol::openai::RoutingInfo,
     t0: Instant,
 ) -> Result<Response, (ApiError, &'static str)> {
-    crate::lora::ensure_loaded(s, &info.model).await.map_err(|e| (e, ""))?;
+    lora::ensure_loaded(s, &info.model).await.map_err(|e| (e, ""))?;
     let precise = keys::resolve(s, api, bytes, &mut info).await;
-    if let Some(salt) = crate::tenant::salt_of(s, headers) {
+    if let Some(salt) = s.tenancy.salt_of(s.api_keys.as_ref(), headers) {
         crate::tenant::salt_routing_key(&mut info, salt);
     }
     let model = route::model_of(s, &info).map_err(|e| (e, ""))?;

@@ -26,12 +26,12 @@
 use super::dispatch::{self, Blame, DispatchError, Failure, Sent};
 use super::keys::{Precise, precise_view};
 use super::route::{self, Routed};
-use crate::cluster::sync::{Pool, SharedTicket};
+use crate::app::AppState;
+use crate::cluster::sync::{Announce, Pool, SharedTicket};
 use crate::fleet::WorkerEntry;
 use crate::metrics::count_outcome;
 use crate::pd::{PdProtocol, PdRouters};
 use crate::routers::Routers;
-use crate::state::AppState;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
@@ -222,8 +222,28 @@ impl Pair<'_> {
             // The other replicas of the cluster see both halves (their pools' prefix and
             // load); the prefill half is done when its answer is, the decode half with the
             // response.
-            let shared_p = s.sync.as_ref().map(|y| y.routed_in(Pool::Prefill, self.rp, &req, &pw.url, uncached, 1));
-            let shared_d = s.sync.as_ref().map(|y| y.routed_in(Pool::Decode, self.rd, &req, &dw.url, 0, output));
+            let shared_p = s.sync.as_ref().map(|y| {
+                y.routed(Announce {
+                    pool: Pool::Prefill,
+                    router: &self.rp.router,
+                    key: &self.rp.key,
+                    req: &req,
+                    worker_url: &pw.url,
+                    uncached: uncached,
+                    decode: 1,
+                })
+            });
+            let shared_d = s.sync.as_ref().map(|y| {
+                y.routed(Announce {
+                    pool: Pool::Decode,
+                    router: &self.rd.router,
+                    key: &self.rd.key,
+                    req: &req,
+                    worker_url: &dw.url,
+                    uncached: 0,
+                    decode: output,
+                })
+            });
             let result = match self.pd.cfg.protocol {
                 PdProtocol::Sglang => self.sglang(pw, dw, p_ticket, Arc::clone(&permit_p), shared_p).await,
                 PdProtocol::Vllm => self.vllm(pw, dw, p_ticket, shared_p).await,
@@ -325,7 +345,7 @@ impl Pair<'_> {
         shared_p: Option<SharedTicket>,
     ) -> Result<(reqwest::Response, Option<Bytes>, Option<tokio::time::Instant>), PairError> {
         let s = self.s;
-        let room = crate::state::os_random_u64() >> 1;
+        let room = crate::model::random::os_random_u64() >> 1;
         let host = reqwest::Url::parse(&pw.url).ok().and_then(|u| u.host_str().map(str::to_string)).unwrap_or_default();
         let mut body = self.body.clone();
         body.insert("bootstrap_host".into(), Value::String(host));

@@ -4,9 +4,9 @@
 //! counted once.
 
 use super::dispatch::{Observe, Predicted, Sent};
+use crate::app::AppState;
 use crate::fleet::WorkerEntry;
 use crate::metrics::RequestLabels;
-use crate::state::AppState;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::Response;

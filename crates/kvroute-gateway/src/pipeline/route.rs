@@ -3,9 +3,9 @@
 //! every prefix index, session table and load counter as it was.
 
 use super::keys::{Precise, precise_view};
+use crate::app::AppState;
 use crate::fleet::Candidates;
 use crate::routers::ModelRouter;
-use crate::state::AppState;
 use axum::http::StatusCode;
 use kvroute_core::admission::Permit;
 use kvroute_core::hash::{HashAlgo, hash_token_blocks};

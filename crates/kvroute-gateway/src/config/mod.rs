@@ -1,6 +1,10 @@
 //! Gateway configuration: one TOML file, flags and `KVROUTE_*` environment variables with
 //! the same names (see `docs/configuration.md` and `kvroute.example.toml`).
 
+pub mod lora;
+pub mod pd;
+
+use crate::model::worker_url::{WorkerUrlError, check_worker_url};
 use serde::{Deserialize, Serialize};
 
 /// Active health checks.
@@ -237,12 +241,12 @@ pub struct GatewayConfig {
     /// Capacity facts per worker URL (`[capacity."http://gpu-1:8000"]` with `tp_size`,
     /// `dtype`, `vram_gb`, `free_model_slots`, `max_concurrent`), over what the worker's
     /// registration and its own `/server_info` or `/props` say. Live on reload.
-    pub capacity: std::collections::BTreeMap<String, crate::cluster::Capacity>,
+    pub capacity: std::collections::BTreeMap<String, crate::model::capacity::Capacity>,
     /// Prefill/decode disaggregation (`[pd]`, `[[pd.prefill]]`; SGLang router's
     /// `--pd-disaggregation --prefill URL [PORT] --decode URL`).
-    pub pd: crate::pd::PdConfig,
+    pub pd: crate::config::pd::PdConfig,
     /// Model multiplexing with runtime-loaded LoRA adapters (`[lora]`, `[[lora.adapters]]`).
-    pub lora: crate::lora::LoraConfig,
+    pub lora: crate::config::lora::LoraConfig,
     /// Model cascades (Cognitora cgn-router): `[[cascade.chain]]` tables; none = off.
     /// Live: a SIGHUP reload or the etcd policy key's `cascade` field replaces them.
     pub cascade: kvroute_core::cascade::CascadeConfig,
@@ -400,8 +404,8 @@ impl Default for GatewayConfig {
             seed: 0,
             health: HealthConfig::default(),
             capacity: std::collections::BTreeMap::new(),
-            lora: crate::lora::LoraConfig::default(),
-            pd: crate::pd::PdConfig::default(),
+            lora: crate::config::lora::LoraConfig::default(),
+            pd: crate::config::pd::PdConfig::default(),
             cascade: kvroute_core::cascade::CascadeConfig::default(),
             kv_events: Vec::new(),
             kv_lower_tier_weight: 0.5,
@@ -434,7 +438,7 @@ impl GatewayConfig {
     }
 
     /// The `capacity` table's entry for a worker URL (compared normalised).
-    pub fn capacity_of(&self, url: &str) -> Option<crate::cluster::Capacity> {
+    pub fn capacity_of(&self, url: &str) -> Option<crate::model::capacity::Capacity> {
         self.capacity.iter().find(|(k, _)| check_worker_url(k).is_ok_and(|k| k == url)).map(|(_, c)| c.clone())
     }
 
@@ -564,8 +568,8 @@ impl GatewayConfig {
             let u = check_worker_url(u).map_err(|m| err("pd", m))?;
             self.check_worker_allowed(&u).map_err(|m| err("pd", m))?;
         }
-        if self.capacity.len() > crate::fleet::MAX_WORKERS {
-            return Err(err("capacity", format!("at most {} workers", crate::fleet::MAX_WORKERS)));
+        if self.capacity.len() > crate::model::worker_url::MAX_WORKERS {
+            return Err(err("capacity", format!("at most {} workers", crate::model::worker_url::MAX_WORKERS)));
         }
         for (url, c) in &self.capacity {
             check_worker_url(url).map_err(|m| err("capacity", m))?;
@@ -668,88 +672,6 @@ impl GatewayConfig {
     }
 }
 
-/// Why a worker URL (or a `worker_allow` entry) is refused. The messages name the URL,
-/// with any `user:password@` redacted.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum WorkerUrlError {
-    /// Not parsable as a URL.
-    #[error("`{url}` is not a URL: {reason}")]
-    NotAUrl {
-        /// The URL as given.
-        url: String,
-        /// The parser's message.
-        reason: String,
-    },
-    /// Not `http` or `https`.
-    #[error("`{url}`: only http and https worker URLs are accepted")]
-    Scheme {
-        /// The URL as given.
-        url: String,
-    },
-    /// No host (`http:///x`).
-    #[error("`{url}`: no host")]
-    NoHost {
-        /// The URL as given.
-        url: String,
-    },
-    /// `user:password@` in the URL.
-    #[error(
-        "`{url}`: credentials in a worker URL are refused (they would show in metrics, logs and \
-         `/workers`); workers receive the client's `Authorization` header (`forward_headers`)"
-    )]
-    Credentials {
-        /// The URL, credentials redacted.
-        url: String,
-    },
-    /// A query or a fragment.
-    #[error("`{url}`: a worker URL has no query or fragment")]
-    QueryOrFragment {
-        /// The URL as given.
-        url: String,
-    },
-    /// A `worker_allow` entry that is no host, address or network.
-    #[error("`{entry}`: expected a host name, an IP address or a CIDR")]
-    BadAllowEntry {
-        /// The entry.
-        entry: String,
-    },
-    /// The host is not in `worker_allow`.
-    #[error("`{url}`: host `{host}` is not in `worker_allow`")]
-    NotAllowed {
-        /// The normalised URL.
-        url: String,
-        /// Its host.
-        host: String,
-    },
-}
-
-/// Accepts only absolute http(s) URLs with a host and no query or fragment; returns the
-/// URL without a trailing slash.
-///
-/// # Errors
-/// [`WorkerUrlError`] saying what is wrong.
-pub fn check_worker_url(u: &str) -> Result<String, WorkerUrlError> {
-    let u = u.trim();
-    let url = || u.to_string();
-    let parsed = url::Url::parse(u).map_err(|e| WorkerUrlError::NotAUrl { url: url(), reason: e.to_string() })?;
-    if !matches!(parsed.scheme(), "http" | "https") {
-        return Err(WorkerUrlError::Scheme { url: url() });
-    }
-    // The URL standard reads `http:///x` as host `x`; a worker URL must name its host.
-    let authority = u.split_once("://").map_or("", |(_, rest)| rest);
-    if parsed.host_str().is_none_or(str::is_empty) || authority.starts_with('/') || authority.is_empty() {
-        return Err(WorkerUrlError::NoHost { url: url() });
-    }
-    if !parsed.username().is_empty() || parsed.password().is_some() {
-        return Err(WorkerUrlError::Credentials { url: redact_userinfo(u) });
-    }
-    if parsed.query().is_some() || parsed.fragment().is_some() {
-        return Err(WorkerUrlError::QueryOrFragment { url: url() });
-    }
-    // Lower-case scheme and host, default port dropped (the parser does both), no trailing '/'.
-    Ok(parsed.as_str().trim_end_matches('/').to_string())
-}
-
 /// Longest accepted timeout or interval (one year), seconds.
 pub const MAX_TIMEOUT_SECS: f64 = 31_536_000.0;
 
@@ -803,20 +725,6 @@ impl GatewayConfig {
             _ => false,
         });
         if ok { Ok(()) } else { Err(WorkerUrlError::NotAllowed { url: u.to_string(), host: host.to_string() }) }
-    }
-}
-
-/// `u` with any `user:password@` replaced by `***@`, for error messages.
-fn redact_userinfo(u: &str) -> String {
-    match u.split_once("://") {
-        Some((scheme, rest)) => {
-            let end = rest.find('/').unwrap_or(rest.len());
-            match rest[..end].rfind('@') {
-                Some(at) => format!("{scheme}://***@{}", &rest[at + 1..]),
-                None => u.to_string(),
-            }
-        }
-        None => u.to_string(),
     }
 }
 
@@ -909,7 +817,7 @@ mod tests {
 
     #[test]
     fn the_example_file_is_the_defaults() {
-        let text = include_str!("../../../kvroute.example.toml");
+        let text = include_str!("../../../../kvroute.example.toml");
         let cfg = GatewayConfig::from_toml(text).expect("example parses");
         let def = GatewayConfig { worker_urls: cfg.worker_urls.clone(), ..GatewayConfig::default() };
         assert_eq!(cfg, def);

@@ -1,0 +1,197 @@
+//! The application state: the gateway's components composed once at start (fleet, routers,
+//! admission, metrics, HTTP client, optional recorder, API keys, LoRA multiplexer, P/D
+//! routers, replica sync). Composition only: what the gateway does with them lives in the
+//! floors above (`membership`, `policy_control`, `pipeline`, the background tasks).
+
+use crate::config::GatewayConfig;
+use crate::fleet::Fleet;
+use crate::metrics::Metrics;
+use crate::routers::Routers;
+use kvroute_core::admission::Admission;
+use kvroute_core::types::Nanos;
+use parking_lot::{Mutex, RwLock};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Everything the handlers share.
+#[derive(Debug)]
+pub struct AppState {
+    /// Configuration (immutable after start).
+    pub cfg: GatewayConfig,
+    /// The workers (read without a lock).
+    pub fleet: Fleet,
+    /// One router per model, running the live policy.
+    pub routers: Routers,
+    /// Admission counters per (model, role).
+    pub admission: RwLock<Admission>,
+    /// HTTP client to the workers.
+    pub client: reqwest::Client,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Monotonic origin of [`AppState::now`].
+    pub start: Instant,
+    /// Engine-reported prefix state of the workers that publish KV events.
+    pub precise: RwLock<kvroute_core::precise::PreciseIndex>,
+    /// Request token ids from `/tokenize`, for precise matching.
+    pub tokens: Mutex<crate::kv_tokens::TokenCache>,
+    /// The local tokenizer (`tokenizer`), when configured.
+    pub tokenizer: Option<Arc<crate::tokenizer::LocalTokenizer>>,
+    /// Client headers forwarded to workers (`forward_headers`, parsed once).
+    pub forward_headers: Vec<http::HeaderName>,
+    /// Shutdown has begun: `/readiness` answers 503 while in-flight requests drain.
+    pub draining: std::sync::atomic::AtomicBool,
+    /// Cancelled just before the drain deadline: streams still open end with an SSE
+    /// error event before their connection is dropped.
+    pub cut_streams: tokio_util::sync::CancellationToken,
+    /// Client API keys (`api_key_file`); `None`: every client is served.
+    pub api_keys: Option<crate::api_keys::ApiKeys>,
+    /// The traffic recorder (`record`), when configured.
+    pub recorder: Option<crate::record::Recorder>,
+    /// The cluster sync over NATS (`nats`), when configured.
+    pub sync: Option<Arc<crate::cluster::sync::ReplicaSync>>,
+    /// The static workers: `worker_urls` of the configuration in effect, normalised
+    /// ([`crate::model::worker_url::static_set`]) — the startup list, then each reload's. A reload
+    /// removes only these; etcd never removes them. Swapped whole by a reload.
+    pub static_workers: arc_swap::ArcSwap<Vec<String>>,
+    /// The model cascades in effect (`cascade`), swapped whole by a reload or the etcd
+    /// policy key; read once per request without a lock.
+    pub cascade: arc_swap::ArcSwap<kvroute_core::cascade::CascadeConfig>,
+    /// The LoRA multiplexer (`[[lora.adapters]]`), when there is a catalogue.
+    pub lora: Option<crate::lora::Multiplexer>,
+    /// The prefill and decode pools' routers, when disaggregation is on (`[pd]`).
+    pub pd: Option<crate::pd::PdRouters>,
+    /// Who a request's tenant is, its cache salt, who sees decision details
+    /// ([`crate::tenant`]).
+    pub tenancy: crate::tenant::Tenancy,
+    /// This replica's id: `replica_id`, or a random one per start (also its id in the
+    /// NATS cluster sync).
+    pub replica_id: String,
+    /// This replica's name in `Via` (`kvroute-<replica_id>`, [`crate::hops`]).
+    pub via_name: String,
+    /// The addresses this router's listeners are bound to (set by the server before any
+    /// worker is added; empty for an embedder that serves no listener): a worker URL
+    /// pointing at one of them is refused.
+    pub listen_addrs: RwLock<Vec<std::net::SocketAddr>>,
+}
+
+impl AppState {
+    /// Builds the state (policy from the registry; no workers yet).
+    ///
+    /// # Errors
+    /// Bad policy or knobs; HTTP client construction failure.
+    pub fn new(cfg: GatewayConfig) -> anyhow::Result<Arc<AppState>> {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let routers = Routers::new(&cfg.policy, cfg.knobs_json(), cfg.seed)?;
+        let precise_cfg = kvroute_core::precise::PreciseConfig {
+            lower_tier_weight: cfg.kv_lower_tier_weight,
+            predict_window_secs: cfg.kv_predict_window_secs,
+            ..Default::default()
+        };
+        let tokenizer = match &cfg.tokenizer {
+            Some(p) => {
+                let t = crate::tokenizer::LocalTokenizer::load(std::path::Path::new(p))?;
+                tracing::info!(source = t.source(), "local tokenizer loaded");
+                Some(Arc::new(t))
+            }
+            None => None,
+        };
+        // Idle pooled connections are dropped after 4 s: llama-server (cpp-httplib) and
+        // uvicorn (vLLM, SGLang) close keep-alive connections idle for 5 s, and a request
+        // written to one as the worker closes it fails (a request to llama-server after
+        // 5.02 s idle did, in a scratch test). The proxy also sends a request whose pooled
+        // connection closed under it once more to the same worker (`proxy`).
+        let mut client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout_secs))
+            .pool_max_idle_per_host(256)
+            .pool_idle_timeout(Duration::from_secs(4));
+        if let Some(ca) = &cfg.worker_ca_file {
+            client = client.tls_certs_merge(crate::tls::worker_roots(std::path::Path::new(ca))?);
+        }
+        let client = client.build()?;
+        let forward_headers = cfg
+            .forward_headers
+            .iter()
+            .map(|h| http::HeaderName::from_bytes(h.as_bytes()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| anyhow::anyhow!("forward_headers: {e}"))?;
+        let api_keys = match &cfg.api_key_file {
+            Some(p) => Some(crate::api_keys::ApiKeys::load(p, cfg.api_key_rpm, cfg.api_key_tpm)?),
+            None => None,
+        };
+        let tenancy = crate::tenant::Tenancy::new(&cfg)?;
+        let metrics = Metrics::new();
+        let recorder = match &cfg.record {
+            Some(path) => Some(crate::record::Recorder::start(
+                &crate::record::RecordConfig {
+                    path: path.into(),
+                    max_bytes: cfg.record_max_bytes,
+                    files: cfg.record_files,
+                    block_tokens: cfg.record_block_tokens,
+                },
+                &metrics,
+            )?),
+            None => None,
+        };
+        let replica_id =
+            cfg.replica_id.clone().unwrap_or_else(|| format!("r{:016x}", crate::model::random::os_random_u64()));
+        let sync = cfg
+            .nats
+            .as_ref()
+            .map(|_| crate::cluster::sync::ReplicaSync::new(&cfg.cluster, Some(&replica_id), &metrics));
+        Ok(Arc::new(AppState {
+            via_name: crate::hops::via_name(&replica_id),
+            replica_id,
+            listen_addrs: RwLock::new(Vec::new()),
+            recorder,
+            tenancy,
+            static_workers: arc_swap::ArcSwap::from_pointee(crate::model::worker_url::static_set(&cfg.worker_urls)),
+            cascade: arc_swap::ArcSwap::from_pointee(cfg.cascade.clone()),
+            lora: crate::lora::Multiplexer::new(&cfg.lora),
+            pd: crate::pd::PdRouters::new(&cfg.pd, cfg.seed)?,
+            sync,
+            api_keys,
+            forward_headers,
+            draining: std::sync::atomic::AtomicBool::new(false),
+            cut_streams: tokio_util::sync::CancellationToken::new(),
+            admission: RwLock::new(Admission::with_role_limits(
+                cfg.max_in_flight_per_model,
+                cfg.pd.max_in_flight_prefill,
+                cfg.pd.max_in_flight_decode,
+            )),
+            routers,
+            cfg,
+            fleet: Fleet::default(),
+            client,
+            metrics,
+            start: Instant::now(),
+            precise: RwLock::new(kvroute_core::precise::PreciseIndex::new(precise_cfg)),
+            tokens: Mutex::new(Default::default()),
+            tokenizer,
+        }))
+    }
+
+    /// The handles [`crate::kv_tokens::request_tokens`] reads.
+    pub fn token_sources(&self) -> crate::kv_tokens::TokenSources<'_> {
+        crate::kv_tokens::TokenSources {
+            client: &self.client,
+            cache: &self.tokens,
+            fleet: &self.fleet,
+            precise: &self.precise,
+        }
+    }
+
+    /// Time since start, as the routing core's clock.
+    pub fn now(&self) -> Nanos {
+        Nanos(self.start.elapsed().as_nanos().min(u64::MAX as u128) as u64)
+    }
+
+    /// Every router set: the main one and, with disaggregation, both pools'.
+    pub fn all_routers(&self) -> Vec<&crate::routers::Routers> {
+        let mut v = vec![&self.routers];
+        if let Some(pd) = &self.pd {
+            v.push(&pd.prefill);
+            v.push(&pd.decode);
+        }
+        v
+    }
+}
