@@ -97,7 +97,8 @@ impl Profile {
     /// - `a100-llama3-8b`: same model on an A100 80GB (312 TFLOP/s, 2.0 TB/s): prefill ≈
     ///   3.2× slower per token (160 µs), decode step 9 ms, 0.065 µs per context token.
     /// - `cpu-smollm2-135m`: the llama.cpp worker measured on this 2-core machine
-    ///   (`scripts/llama-workers.sh`; cold/warm prefix probe in docs/real-engines.md): ≈70 prompt
+    ///   (`scripts/llama-workers.sh`; cold/warm prefix probe in
+    ///   docs/lab/2026-11-26-llama-cpp-prefix-probe.md): ≈70 prompt
     ///   tokens/s (14 ms/token), ≈30 ms per decode step, 2 slots, 8192-token context per
     ///   slot, started with `--cache-ram 0` as `scripts/llama-workers.sh` does: `slots` 2.
     pub fn named(name: &str) -> Option<Profile> {
