@@ -6,7 +6,7 @@
 # Targets (fuzz/fuzz_targets/): request_parse (chat, completions, /generate bodies),
 # sse_tap (the load generator's SSE parser), trace_read (Mooncake, session and Azure
 # traces), config_toml (the gateway's configuration file), api_keys (the API-key file),
-# kv_events_decode (the KV-event decoder). Not part of CI; results in docs/benchmarks.md.
+# kv_events_decode (the KV-event decoder). Not part of CI; results in docs/lab/2026-11-26-benchmark-runs.md.
 # Needs the machine's nightly toolchain and cargo-fuzz (installed from crates.io on first
 # use). Corpora and crash files stay under $KVROUTE_CACHE/fuzz, builds under
 # $KVROUTE_CACHE/fuzz-target, so the repository stays clean.

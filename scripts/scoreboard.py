@@ -603,7 +603,8 @@ def write_reports(args, fams, fam_meta, points, fleets, seeds, loads, elapsed):
                      f"{me['ttft_mean_s'] / bm['ttft_mean_s']:.2f} | {bm['policy']} | "
                      f"{me['ttft_p99_s'] / bp['ttft_p99_s']:.2f} | {bp['policy']} |")
 
-    # The goal (docs/replay.md): the default against the best reference policy.
+    # The goal (docs/lab/2026-11-26-replay-measurements.md, "least_ttft, the default, against
+    # the goal"): the default against the best reference policy.
     lines += goal_check(points)
 
     lines += ["", "## Every point", ""]

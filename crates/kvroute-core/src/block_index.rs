@@ -72,7 +72,8 @@ fn secs(now: Nanos) -> u32 {
 /// Layout: a `HashMap<u64, SmallVec<[Holder; 2]>>` keyed by block hash (already uniformly
 /// distributed, hashed again cheaply with foldhash). A block held by one or two workers
 /// costs one map slot (8-byte key + 24-byte inline holder list + 1 control byte) and no
-/// heap allocation of its own; see `docs/benchmarks.md` for the measured bytes per entry.
+/// heap allocation of its own; see `docs/lab/2026-11-26-benchmark-runs.md` ("Index memory")
+/// for the measured bytes per entry.
 ///
 /// Worker ids must be below 2³¹ (the top bit tags precise entries).
 #[derive(Debug)]

@@ -36,14 +36,14 @@ pub const MAX_SLOT_BLOCKS: usize = 65_536;
 /// missing costs the recomputed prefix *and* the prompt the idle slot held. With 0.5 a
 /// request waits behind the running one only, never behind another waiting one.
 ///
-/// Chosen in the replay (docs/replay.md, "llama.cpp slots"): never waiting while a slot is
-/// idle gave 0.30–0.70 × the knee 2.96–6.27 s mean TTFT against 2.45–5.07 s; 0.25 and 0.75
-/// were no better; counting the queue (rather than waiting behind any number) lowered
-/// ×0.3–×0.5's mean and p99. Not waiting for a slot whose running request is still in
-/// prefill (its prompt not there yet) was worse — 2.63 / 4.12 / 9.72 s at ×0.3 / ×0.5 / ×0.7
-/// against 2.45 / 3.38 / 5.07 s: the prefix is then computed twice, in two slots. (These
-/// numbers predate the engine model's slots keeping their generated tokens; with that model
-/// the table's least_ttft/slots row reads 1.97 / 2.86 / 4.00 s.)
+/// Chosen in the replay (docs/lab/2026-11-26-replay-measurements.md, "llama.cpp slots"):
+/// never waiting while a slot is idle gave 0.30–0.70 × the knee 2.96–6.27 s mean TTFT against
+/// 2.45–5.07 s; 0.25 and 0.75 were no better; counting the queue (rather than waiting behind
+/// any number) lowered ×0.3–×0.5's mean and p99. Not waiting for a slot whose running request
+/// is still in prefill (its prompt not there yet) was worse — 2.63 / 4.12 / 9.72 s at ×0.3 /
+/// ×0.5 / ×0.7 against 2.45 / 3.38 / 5.07 s: the prefix is then computed twice, in two slots.
+/// (These numbers predate the engine model's slots keeping their generated tokens; with that
+/// model the table's least_ttft/slots row reads 1.97 / 2.86 / 4.00 s.)
 pub const WAIT_SHARE: f64 = 0.5;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

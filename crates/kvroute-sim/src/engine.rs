@@ -5,53 +5,32 @@
 //! clock scaled by `--time-scale`). It does no I/O and reads no clock: the caller passes
 //! `now` and asks for [`Engine::next_event_time`].
 //!
-//! ## KV cache
-//! The cache holds `kv_blocks` blocks of `block_tokens` tokens. A request's prompt blocks
-//! are identified by chained block hashes, so a block is reusable only together with its
-//! whole prefix: the cache hit of a request is the longest *leading* run of its blocks
-//! present ([`KvCache::lookup`]). Blocks used by running requests are pinned; blocks of
-//! finished requests stay cached and are evicted least-recently-used first when space is
-//! needed (the tail of a prompt before its head, as vLLM's free-block queue does). Output
-//! (decode) tokens take anonymous blocks freed at completion.
+//! - **KV cache** ([`KvCache`]): `kv_blocks` blocks of `block_tokens` tokens named by
+//!   chained block hashes, so a block is reusable only with its whole prefix and a request's
+//!   hit is the longest *leading* run of its blocks present. Running requests' blocks are
+//!   pinned; finished ones stay cached and are evicted least-recently-used first, a
+//!   prompt's tail before its head (vLLM's free-block queue). Output tokens take anonymous
+//!   blocks freed at completion.
+//! - **One step** (vLLM's scheduler with chunked prefill): every decoding request gets one
+//!   token; the rest of the `max_batched_tokens` budget goes to prefill chunks, running
+//!   requests first, then waiting ones admitted FIFO while the batch has fewer than
+//!   `max_batch` requests and the cache can hold their blocks. A request whose blocks
+//!   exceed the whole cache is rejected.
+//! - **Transferred KV** ([`EngineRequest::kv_transferred`], the decode half of a P/D split,
+//!   [`crate::pd`]): admitted like any other, its blocks written whole, no prefill work; its
+//!   first token comes from its first decode step (SGLang's decode workers, vLLM's NIXL
+//!   connector with `do_remote_prefill`).
+//! - **Slots**: a profile with `slots` > 0 models `llama-server --parallel N --cache-ram 0`
+//!   instead of the paged cache (the rules are on `SlotState`).
 //!
-//! ## Scheduling (one engine step)
-//! Like vLLM's scheduler with chunked prefill: every running request in decode gets one
-//! token; the remaining token budget (`max_batched_tokens`) goes to prefill chunks, first
-//! of running requests, then of waiting requests admitted FIFO while the batch has fewer
-//! than `max_batch` requests and the KV cache can hold the request's blocks. A request whose
-//! blocks exceed the whole cache is rejected.
-//!
-//! ## Transferred KV (prefill/decode disaggregation)
-//! A request submitted with [`EngineRequest::kv_transferred`] is the decode half of a
-//! split request: its prompt's KV was computed by a prefill engine and copied here (see
-//! [`crate::pd`]). It is admitted like any other (FIFO, batch and KV space), its blocks are
-//! written into the cache whole (a leading run already cached is shared), it does no
-//! prefill work, and its first token is sampled by its first decode step — what SGLang's
-//! decode workers and vLLM's NIXL connector (`do_remote_prefill`) do.
-//!
-//! ## Slots (llama.cpp without a host prompt cache)
-//! A profile with `slots` > 0 models `llama-server --parallel N --cache-ram 0` instead of the
-//! paged cache: at most N requests run, each in a slot, and a slot keeps the context of the
-//! last request it ran (its prompt, then the tokens it generated), nothing else. A request's
-//! hit is the longest common leading run of its blocks with the slot's prompt's; a prompt
-//! that holds all of them and is longer than the slot's context is taken for the next turn
-//! of that conversation and finds the whole context, generated tokens included (llama.cpp
-//! matches tokens; the model has no hashes for generated ones). Its slot is the one it names ([`EngineRequest::slot`],
-//! llama.cpp's `id_slot`; it waits while that slot is busy, and requests behind it that
-//! can run elsewhere go first), else, among idle slots, the one sharing the largest
-//! fraction of the prompt above llama.cpp's `--slot-prompt-similarity` default (0.1), else
-//! the least recently used (llama.cpp `get_available_slot`). Slots publish no KV events
-//! (llama.cpp has none).
-//!
-//! ## Step time
-//! `step = step_overhead + prefill_tokens × prefill_per_token + prefill_pairs ×
-//!        prefill_attention + decode_seqs × decode_per_seq + context_tokens ×
-//!        context_per_token` — a linear roofline: prefill is compute bound (per token, and
-//! per pair of a computed token and a token it attends to, 0 on the GPU profiles), decode
-//! is memory bound (weights once per step, KV per context token).
-//! Runs of identical decode-only steps are coalesced into one event (the context grows by
-//! one token per step; the span uses its mean context), which keeps replay of an hour of
-//! traffic to seconds.
+//! ```text
+//! step = step_overhead + prefill_tokens × prefill_per_token + prefill_pairs × prefill_attention
+//!      + decode_seqs × decode_per_seq + context_tokens × context_per_token
+//! ```
+//! A linear roofline: prefill is compute bound (per token, and per pair of a computed token
+//! and a token it attends to, 0 on the GPU profiles), decode memory bound (weights once per
+//! step, KV per context token). Runs of identical decode-only steps are coalesced into one
+//! event at their mean context, which keeps replaying an hour of traffic to seconds.
 
 use kvroute_core::slots::common_prefix;
 use kvroute_core::types::{BlockHash, Nanos};
@@ -118,7 +97,8 @@ impl Profile {
     /// - `a100-llama3-8b`: same model on an A100 80GB (312 TFLOP/s, 2.0 TB/s): prefill ≈
     ///   3.2× slower per token (160 µs), decode step 9 ms, 0.065 µs per context token.
     /// - `cpu-smollm2-135m`: the llama.cpp worker measured on this 2-core machine
-    ///   (`scripts/llama-workers.sh`; cold/warm prefix probe in docs/real-engines.md): ≈70 prompt
+    ///   (`scripts/llama-workers.sh`; cold/warm prefix probe in
+    ///   docs/lab/2026-11-26-llama-cpp-prefix-probe.md): ≈70 prompt
     ///   tokens/s (14 ms/token), ≈30 ms per decode step, 2 slots, 8192-token context per
     ///   slot, started with `--cache-ram 0` as `scripts/llama-workers.sh` does: `slots` 2.
     pub fn named(name: &str) -> Option<Profile> {
@@ -506,7 +486,20 @@ struct Running {
     slot: Option<usize>,
 }
 
-/// One llama.cpp slot of a profile with `slots`.
+/// One llama.cpp slot of a profile with `slots` (`llama-server --parallel N --cache-ram 0`).
+///
+/// A profile with `slots` > 0 models `llama-server --parallel N --cache-ram 0` instead of the
+/// paged cache: at most N requests run, each in a slot, and a slot keeps the context of the
+/// last request it ran (its prompt, then the tokens it generated), nothing else. A request's
+/// hit is the longest common leading run of its blocks with the slot's prompt's; a prompt
+/// that holds all of them and is longer than the slot's context is taken for the next turn
+/// of that conversation and finds the whole context, generated tokens included (llama.cpp
+/// matches tokens; the model has no hashes for generated ones). Its slot is the one it names ([`EngineRequest::slot`],
+/// llama.cpp's `id_slot`; it waits while that slot is busy, and requests behind it that
+/// can run elsewhere go first), else, among idle slots, the one sharing the largest
+/// fraction of the prompt above llama.cpp's `--slot-prompt-similarity` default (0.1), else
+/// the least recently used (llama.cpp `get_available_slot`). Slots publish no KV events
+/// (llama.cpp has none).
 #[derive(Debug, Clone, Default)]
 struct SlotState {
     /// Full blocks of the last prompt it ran.

@@ -456,7 +456,7 @@ pub fn rescale_blocks(trace: &mut [TraceRequest], block_tokens: u32) {
 /// with at least `min_turns` requests in that span whose prompts are all at most
 /// `max_input_tokens` long. Requests without a session count as one-request sessions.
 /// Used to cut a trace down to a size a CPU engine serves in minutes while keeping its
-/// real arrival times and prefix reuse (docs/real-engines.md's Mooncake slice).
+/// real arrival times and prefix reuse (the Mooncake slice of docs/lab/2026-11-23-llama-cpp-runs.md).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SessionSlice {
     /// Start of the span, seconds from the trace start.

@@ -1,47 +1,34 @@
 //! `kv_score`: cgn-router's four-term linear KV-aware score (Cognitora cgn-router,
 //! "Routing — KV-aware scoring deep dive").
 //!
-//! For every routable worker `n`:
-//!
 //! ```text
 //! score(n) = w_kv · overlap(prefix, n) + w_load · (1 − util(n))
 //!          + w_pwr · (1 − norm_watts(n)) + w_cap · capacity(n)
 //! ```
 //!
 //! each term in [0, 1], highest score wins:
-//! - `overlap`: the prompt's first `prefix_tokens` (64) tokens are cut into `block_tokens`
-//!   (16) blocks and hashed as a chain (xxh3 by default, BLAKE3 as cgn-router names); overlap
-//!   = leading blocks the worker holds / blocks hashed. Holdings come from a
-//!   [`BlockIndex`] fed by this policy's own routing decisions (approximate, expiring after
-//!   `ttl_secs`). Requests carrying precomputed block hashes (traces) use as many of
-//!   them as cover `prefix_tokens` tokens at their own block size (at least one). Text without tokens is cut into
-//!   `block_tokens × 4`-byte chunks.
-//!   For a worker that publishes KV events (`WorkerView::cached_tokens` set), overlap is
-//!   instead the engine-reported cached share of the first `prefix_tokens` tokens.
-//! - `util = max(in_flight / max_concurrent, sm_util)`, clamped to [0, 1].
+//! - `overlap`: the prompt's first `prefix_tokens` tokens (default 1,048,576, i.e. the whole
+//!   prompt; cgn-router's is 64) are cut into `block_tokens` (16) blocks and hashed as a
+//!   chain (xxh3, or BLAKE3 as cgn-router names); overlap = leading blocks the worker holds /
+//!   blocks hashed, from a [`BlockIndex`] fed by this policy's own decisions (expiring after
+//!   `ttl_secs`). Precomputed block hashes (traces) count as many blocks as cover
+//!   `prefix_tokens` at their own block size (at least one); text without tokens is cut
+//!   into `block_tokens × 4`-byte chunks. With KV events (`WorkerView::cached_tokens`
+//!   set), the engine-reported cached share of the first `prefix_tokens` tokens.
+//! - `util` ([`LoadSignal`]): by default (`queue`) the worker's queued work over the fleet's
+//!   most loaded; cgn-router's (`seed`) is `max(in_flight / max_concurrent, sm_util)`,
+//!   which saturates on any busy engine so that a shared system prompt wins every request.
 //! - `norm_watts = watts / max watts over the candidates` (0 when unknown).
-//! - `capacity`: static capacity `tp_size × vram_gib / dtype_bytes` (memory for KV per
-//!   weight byte) normalised by the candidates' maximum; 0 for a worker with no free model
-//!   slot. It mostly breaks ties between equally busy, equally cached workers.
+//! - `capacity`: `tp_size × vram_gib / dtype_bytes` normalised by the candidates' maximum;
+//!   0 for a worker with no free model slot.
 //!
-//! **Tie-break**: workers within `epsilon` (0.01) of the best score are decided by the
-//! largest stable hash of (worker id, prefix hash) — [`crate::hash::stable_hash`], the same
-//! in every process and version — so a prefix-bound request keeps hitting the same worker
-//! across retries and router replicas. Branch `tie_break`, else `score`.
-//!
-//! **Live weights**: the four weights have one home, the policy's config; they change with
-//! [`Policy::set_knobs`] (`PUT /policy`), which the gateway applies to each model's router
-//! in turn without stopping the others.
-//!
-//! | knob | default | unit |
-//! |---|---|---|
-//! | `w_kv`, `w_load`, `w_pwr`, `w_cap` | 0.55, 0.25, 0.10, 0.10 | weight ≥ 0 |
-//! | `epsilon` | 0.01 | score |
-//! | `prefix_tokens` | 64 | tokens |
-//! | `block_tokens` | 16 | tokens |
-//! | `hash` | `xxh3` | `xxh3` or `blake3` |
-//! | `ttl_secs` | 120 | seconds |
-//! | `max_entries` | 4,194,304 | (block, worker) entries |
+//! **Tie-break**: workers within `epsilon` (0.01) of the best score are ordered by a hash
+//! of (worker id, prefix hash) ([`tie_hash`]), so a prefix-bound request keeps the same
+//! worker across retries. The hash is the same in every process, but the worker id is
+//! this router's (handed out in the order workers are added): replicas agree only when
+//! they added the same workers in the same order. Branch `tie_break`, else `score`.
+//! Weights change live with [`Policy::set_knobs`] (`PUT /policy`). Knobs:
+//! [`KvScoreConfig`]; why the defaults differ from cgn-router's: docs/replay.md, "Choosing a policy".
 
 use crate::block_index::{BlockIndex, BlockIndexConfig};
 use crate::hash::{HashAlgo, prefix_key, request_blocks, stable_hash};
@@ -183,8 +170,8 @@ impl KvScore {
     fn hash_request(&self, req: &RequestView<'_>) -> Vec<BlockHash> {
         // Cognitora cgn-router hashes the first `prefix_tokens` tokens. Precomputed blocks
         // (traces, KV events) have their own block size, so take as many of them as cover
-        // that many tokens (at least one): with Mooncake's 512-token blocks that is one
-        // block, as the gateway's 64 real tokens are.
+        // that many tokens (at least one): the whole prompt by default; with cgn-router's
+        // 64 tokens and Mooncake's 512-token blocks, one block.
         let block_tokens = req.blocks.map_or(self.cfg.block_tokens, |seq| seq.block_tokens.max(1));
         let max_blocks = self.cfg.prefix_tokens.div_ceil(block_tokens).max(1) as usize;
         let mut blocks = Vec::new();
@@ -201,7 +188,9 @@ fn capacity_raw(w: &WorkerView) -> f64 {
     f64::from(c.tp_size) * c.vram_gib.max(0.0) / f64::from(c.dtype_bytes.max(1))
 }
 
-/// The tie-break hash of (worker id, prefix hash): stable across calls and processes.
+/// The tie-break hash of (worker id, prefix hash). The hash function is the same in every
+/// process; the worker id is this router's, so replicas agree only when they handed out
+/// the same ids (the same workers added in the same order).
 pub fn tie_hash(worker: WorkerId, prefix_hash: u64) -> u64 {
     let mut b = [0u8; 12];
     b[..4].copy_from_slice(&worker.0.to_le_bytes());

@@ -1,8 +1,6 @@
 //! `least_ttft`: kvroute's default policy — route to the worker where the request's
 //! predicted TTFT, plus the delay its own uncached prefill adds for the requests queued
-//! behind it, is least; each worker's profile is calibrated online from what its requests
-//! really met, and every decision carries its TTFT prediction so the router can export the
-//! prediction error.
+//! behind it, is least; each worker is calibrated online from what its requests met.
 //!
 //! ```text
 //! uncached(req, w) = input − hit_factor(w) × cached(req, w)
@@ -15,155 +13,23 @@
 //! predicted TTFT   = overhead(w) + scale(w) × work(w) / prefill_tokens_per_sec
 //! ```
 //!
-//! - **The ranking.** TTFT on a continuous-batching engine is the prefill work queued
-//!   ahead of the request, plus its own uncached prefill, plus the time the running
-//!   requests' decode steps take from both, over the worker's prefill throughput: `work(w)`,
-//!   with the queued work and the running requests from the router's ledger
-//!   ([`WorkerView::pending_prefill_tokens`], [`WorkerView::load`]). `cached(req, w)` is
-//!   the engine's own count when the worker publishes KV events
-//!   ([`WorkerView::cached_tokens`]), else the router's LRU block set sized like the
-//!   engine's cache. To the request's own TTFT the score adds what its miss costs the
-//!   others, `miss(w)` per uncached token: with chunked prefill it stalls the requests
-//!   already running there (`stall(w)`, see [`crate::policy::prefill_cost`]), and it is
-//!   paid again by every request that will queue behind it — but only when there is a
-//!   queue. `prefill_cost` charges the second part always (`miss_weight` 8); here it grows
-//!   with the fleet's queue (`mean_waiting`, requests without a first token per worker, from
-//!   the ledger) and is full from `miss_queue_scale` (32) waiting requests per worker, or
-//!   from the workers' mean `max_concurrent` when that is smaller (a llama.cpp worker runs
-//!   as many requests as it has slots, often 1–4: two waiting there is a long queue). In a
-//!   light fleet a request goes where its own TTFT is least, even if that means computing
-//!   a prefix another worker holds (a popular tool prompt, a conversation's history); in a
-//!   queued one, misses are avoided as in `prefill_cost`, which keeps capacity for the
-//!   queue. With `miss_queue_scale = 0`, `decode_occupancy_full = 0`, `hit_factor = 1` and
-//!   no new session (below) the ranking is `prefill_cost`'s exactly (with
-//!   `waiting_delay_weight = 0` too).
-//!
-//!   Measured on the scoreboard (docs/replay.md; `miss_queue_scale` chosen on 8 engines,
-//!   arrival seed 1, over the agentic, RAG, MT-bench and Mooncake families at 0.25–1 × the
-//!   knee, then checked on 4 and 16 engines, the other seeds and the Azure families):
-//!   against `prefill_cost`'s fixed charge, in the same scoreboard run, the agentic family's
-//!   worst mean TTFT over the best reference policy is 1.21× instead of 2.00×, RAG's below
-//!   the knee 1.00× instead of 1.16×, MT-bench's at light load 1.02× instead of 1.24×, and
-//!   the goal of docs/replay.md is met at 31 of 72 points instead of 19 (35 instead of 23
-//!   since each worker's estimate is sized to its reported KV cache, 44 with the session
-//!   balance gate below); with the full charge dropped altogether (`miss_weight` 1) RAG
-//!   past the knee lost 5–13 %.
-//! - **The decode charge waits for the batch to fill.** `D(n)` is `prefill_cost`'s decode
-//!   charge. A request still waiting for its first token (`waiting(w)`, the router's ledger)
-//!   is ahead of the new one in the prefill queue and is charged in full; a running one is
-//!   charged by how full the worker's batch is (`load / max_concurrent`: SGLang
-//!   `max_running_requests`, vLLM `max_num_seqs`, llama.cpp slots): nothing up to 40 %,
-//!   all from 80 %, linearly between. On the simulator's H100 (`h100-llama3-8b`) a running
-//!   request adds 30 µs and 0.04 µs per context token to each step, what 3 prefill tokens
-//!   cost (50 µs each) for a 3,000-token context, so below a full batch the running
-//!   requests hardly delay a new prefill, while the whole charge (64
-//!   tokens a request, and more as they crowd) spread MT-bench's arrivals by request count
-//!   and made least_ttft lose to round_robin below the knee (1.08–1.09× its mean, up to
-//!   1.24× its p99); near the batch's cap requests start to queue for a place in it, and
-//!   there the charge is what keeps workers apart (without any charge, MT-bench at the knee
-//!   on 8 engines: 1.44× the best mean, 3.92× its p99). Measured on the scoreboard
-//!   (docs/replay.md): the goal met at 51 of 72 points instead of 47, and at 49 instead of
-//!   45 on the held-out run; it costs azure_code (no prefix reuse, 28-token answers) 2
-//!   points, where the running requests' count also stood for queued prefills. On a
-//!   llama.cpp worker with 2 slots one running request is half the batch (a quarter of its
-//!   charge), and the replays of docs/real-engines.md's runs route exactly as before.
-//! - **The requests waiting on the worker share the request's prefill.** `shared(w)`
-//!   charges each uncached token again `waiting_delay_weight` (0.2) times per request
-//!   waiting for its first token on the worker (`waiting(w)`, the router's ledger). A
-//!   continuous-batching engine with chunked prefill (vLLM `max_num_batched_tokens`, SGLang
-//!   `chunked_prefill_size`) puts the waiting prompts into the same steps, up to the step's
-//!   token budget, and a prompt's first token comes only when the step that finishes it
-//!   ends: the new request's uncached prefill lengthens the steps some of those requests
-//!   finish in, and so their TTFT. `miss(w)` charges what a miss costs the queue in
-//!   general, from the fleet's mean queue; this term is the worker's own queue, so among
-//!   workers that would all compute the prompt a long one goes where fewer requests wait.
-//!   At most `waiting_delay_cap` (16) waiting requests count: only those that share a step
-//!   with the new prompt are delayed, and a step holds a handful of prompts; uncapped, with
-//!   tens of requests waiting, long prompts were kept off every queued worker and the short
-//!   ones queued there (the Azure conversation trace past the knee: p99 1.36–1.43× the
-//!   best). Measured on the scoreboard (docs/replay.md; weights 0.1–1 and caps 4–32 tried):
-//!   the goal met at 58 of 72 points instead of 51, and at 55 instead of 49 on the held-out
-//!   run; the Azure code trace (2,048-token prompts, 28-token answers, no prefix reuse) meets
-//!   it at 11 of 12 points instead of 4, its mean 0.98–1.01× the best reference policy's
-//!   instead of 1.00–1.05×. Held out, it costs RAG on 4 engines at the knee (p99 1.13× the
-//!   best, from 1.03×). A llama.cpp worker's queue is its slots' (one or two waiting), and
-//!   replays of the recorded runs of docs/real-engines.md with `--prefix-state slots` route
-//!   exactly as without the term.
-//! - **Session balance gate (new sessions only).** A request that opens a session — a
-//!   session id (`x-session-id`, else the OpenAI `user` field) the router has not bound — is
-//!   routed only among the workers whose load with it stays at most `max(session_balance_rel
-//!   × mean load, mean load + session_balance_abs)` (1.25 and 2 requests), while one does;
-//!   its later requests are ranked freely, and follow their cache. A session's first
-//!   placement decides where its whole history will be cached and so where all its later
-//!   calls run: ranked by its own TTFT alone, every new agent session went to a worker
-//!   already holding its popular tool prompt, those workers collected the sessions (load
-//!   imbalance 2.6 on 16 engines against 1.2–1.5 for sticky and consistent hashing) and
-//!   their long contexts slowed every decode step there. The gate pays the shared prefix's
-//!   prefill once on a lighter worker, which then holds that prefix too: Preble's E2
-//!   scheduler likewise explores by load instead of exploiting a cache that would overload,
-//!   and replicates popular prefixes (Srivatsa et al., "Preble: Efficient Distributed
-//!   Prompt Scheduling for LLM Serving", ICLR 2025); SGLang router cache_aware's balance
-//!   thresholds bound the spread of every request. Requests without a session id are
-//!   never gated (a new and a continuing request look alike by their cached prefix). The
-//!   gate balances the batch, so it applies only while its bound is at most the workers'
-//!   mean `max_concurrent` (SGLang `max_running_requests`, a llama.cpp worker's slots):
-//!   past the batch a worker's extra requests wait in its queue, which the score already
-//!   prices (queued prefill, slot waits), and a gated new session only pays its miss. On
-//!   4 llama.cpp workers with 2 slots each (docs/real-engines.md) the gate without this
-//!   condition sent 5–6 of 40 new conversations away from their document's worker. The
-//!   decision's branch is `new_binding` when the gate excluded a worker. Measured on the
-//!   scoreboard (docs/replay.md): the goal met at 44 of 72 points instead of 35 (agentic
-//!   0 → 6, MT-bench 2 → 5), and on traces not tuned on (generator seed 2, arrival seeds
-//!   4–6) at 42 instead of 34 (47 and 45 since the estimate keeps no partial tail block).
-//!   It costs about 5 % of the mean on Mooncake with 4 engines near the knee (1.005 s
-//!   against 0.958 s at ×0.99, arrival seeds 1–3), where the replay's stand-in sessions
-//!   (a trace request's first two blocks) group conversations that share a system prompt.
-//! - **Hit calibration (closed loop, used in the ranking).** `hit_ratio(w)` is the share of
-//!   the cached tokens the router predicted on `w` that its engine reported really cached
-//!   (`usage.prompt_tokens_details.cached_tokens`, SGLang `meta_info.cached_tokens`,
-//!   llama.cpp `timings.cache_n`), a moving average in `[0, 1]`; `hit_factor(w) = min(1,
-//!   (hit_ratio(w) / the best hit_ratio of the fleet) / 0.5)`. A worker that delivers less
-//!   than half the hits its peers deliver for what the router predicts — llama.cpp slots
-//!   that swap prompts, an engine with a far smaller KV cache than the others — gets its
-//!   predicted hits discounted, so they stop attracting requests that then miss. The
-//!   discount is relative and has that dead zone because the ordinary shortfall is noise
-//!   shared by all workers: the router's unit (text blocks of 4 characters a token against
-//!   the engine's tokenizer) or its LRU guess of evictions, which hit old prefixes and spare
-//!   recent ones. Discounting every hit alike made the cache count for less against the
-//!   load everywhere (the demo's slice replayed: 48.5 % hit and 0.432 s mean TTFT against
-//!   50.1 % and 0.411 s uncalibrated), and discounting each worker by its ratio to the best
-//!   moved requests off their caches on chance differences (0.451 s).
-//! - **TTFT calibration (the prediction).** Per worker, a straight-line fit of the measured
-//!   TTFT against the uncalibrated prediction, `measured ≈ overhead(w) + scale(w) ×
-//!   predicted`, from exponentially weighted sums ([`WorkerProfile::fit`]); a worker not
-//!   fitted yet takes the fleet's fit, so a new worker in a fleet of slow ones is not
-//!   predicted fast. The front end hands each request's prediction back with what it
-//!   measured ([`Policy::observe`]) and exports measured / predicted per worker
-//!   (`kvroute_ttft_prediction_ratio`). **The fit does not enter the ranking**: measured on
-//!   the scoreboard's MT-bench family (8 engines at the knee), the TTFT of mostly cached
-//!   requests hardly depends on the routing work, so the fitted slopes came out between
-//!   0.02 and 0.7 on identical engines and the fitted overheads (13–34 ms) decided instead
-//!   of the caches: mean TTFT 1.99 s against 0.098 s with the ranking kept uncalibrated
-//!   (`kvroute replay --trace mtbench.jsonl --engines 8 --rate-scale 1.297 --policy
-//!   least_ttft`, docs/replay.md). Routing a heterogeneous fleet by calibrated throughput
-//!   needs a throughput signal the fit cannot separate from queueing (llama.cpp's
-//!   `timings.prompt_ms`, engine prefill-time histograms); until then a slower worker is
-//!   given its own `[capacity."URL"]` and served by the load terms.
-//!
-//! | knob | default | unit |
-//! |---|---|---|
-//! | every `prefill_cost` knob | as there | — |
-//! | `prefill_tokens_per_sec` | 20,000 | prior prefill throughput per worker, tokens/s (Llama-3.1-8B on an H100, the simulator's `h100-llama3-8b`): the unit of the score and of the uncalibrated prediction |
-//! | `calibration_rate` | 0.05 | weight of a new observation: the hit ratio's moving average (the first observations averaged), and the decay of the TTFT fit's sums (0: no calibration) |
-//! | `calibrate_hits` | true | learn `hit_ratio(w)` from engine-reported cached tokens and discount each worker's predicted hits by `hit_factor(w)` |
-//! | `max_scale` | 1,000 | bound of the fitted `scale(w)`, both ways (`[1/max_scale, max_scale]`) |
-//! | `miss_queue_scale` | 32 | mean waiting requests per worker at which a miss is charged its full `miss_weight` (0: always, as `prefill_cost`) |
-//! | `session_balance_rel` | 1.25 | × the mean load: the session balance gate's relative bound (0: gate off; else ≥ 1) |
-//! | `session_balance_abs` | 2 | requests above the mean load the gate allows in any case |
-//! | `decode_occupancy_free` | 0.4 | batch occupancy (`load / max_concurrent`) up to which running requests are not charged `D` |
-//! | `decode_occupancy_full` | 0.8 | batch occupancy from which they are charged all of it (0: always all, `prefill_cost`'s charge) |
-//! | `waiting_delay_weight` | 0.2 | per request waiting on the worker, the share of each uncached token charged again (0: off) |
-//! | `waiting_delay_cap` | 16 | requests: the most waiting requests that charge counts on a worker |
+//! - `work(w)`: on a continuous-batching engine TTFT is the prefill queued ahead, the
+//!   request's own uncached prefill and the running requests' decode steps, over the
+//!   prefill throughput. `cached` is the engine's count with KV events
+//!   ([`WorkerView::cached_tokens`]), else `prefill_cost`'s LRU estimate.
+//! - `miss(w)`: a miss also costs others — it stalls the running requests (`stall(w)`,
+//!   [`crate::policy::prefill_cost`]) and, only when the fleet has a queue, every request
+//!   behind it (full from `miss_queue_scale` waiting per worker, or the workers' mean
+//!   `max_concurrent` if smaller); `shared(w)`: chunked prefill runs the worker's waiting
+//!   prompts in the same steps, so a long miss goes where fewer wait. `decode(w)`: waiting
+//!   requests count in full, running ones only as the batch fills.
+//! - **Session balance gate**: a request opening a session goes only to workers whose load
+//!   stays within `max(session_balance_rel × mean, mean + session_balance_abs)` (branch
+//!   `new_binding`), since its first placement decides where its history is cached; off
+//!   when the bound exceeds the mean `max_concurrent` (the score already prices queues).
+//! - `hit_factor(w)` discounts a worker whose engine reports under half the hits its peers
+//!   do; the TTFT fit (`overhead`, `scale`) is exported, not ranked on. The measurements
+//!   behind each term: docs/lab/2026-11-26-policy-module-history.md.
 
 use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig};
 use crate::policy::util::{mean_load, mean_max_concurrent, mean_waiting, rotate};

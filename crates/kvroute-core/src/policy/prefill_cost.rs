@@ -9,90 +9,27 @@
 //! stall(w) = min(stall_weight × (1 + mean_waiting / stall_queue_scale) × load(w), stall_cap)
 //! ```
 //!
-//! - `pending_prefill_tokens(w)`: prompt tokens dispatched to `w` whose first token has not
-//!   come back, minus their estimated cached part (the router's ledger). This is the queue
-//!   of prefill work the request will wait behind, in the unit that decides TTFT.
-//! - `uncached_tokens(req, w) = input − cached(w)`, where `cached(w)` is the longest leading
-//!   run of the request's block hashes in a per-worker LRU block set sized like the engine's
-//!   KV cache (the worker's reported `Capacity::kv_tokens`, else `cache_tokens`), so the
-//!   estimate forgets what the engine has evicted. Sized at 1 M tokens against a simulated
-//!   H100's 420 k, the estimate kept evicted prefixes and `least_ttft` met the scoreboard's
-//!   goal at 31 of 72 points instead of 35 (docs/replay.md). The estimate holds a
-//!   request's full blocks only, as the engine does (see `cacheable_blocks`): with each
-//!   trace request's partial tail block counted too, it forgot agent sessions sooner than
-//!   the engine, and `least_ttft` met the goal at 44 points instead of 47. For a
-//!   worker that publishes KV events (`WorkerView::cached_tokens` set), `cached(w)` is the
-//!   engine-reported count instead (decision unit `tokens`).
-//! - `miss_weight` (8) > 1 because a miss is paid more than once: by the request, by every
-//!   request queued behind it on that worker, and by the fleet whose capacity the extra
-//!   prefill consumes. With weight 1 the policy spreads prompts away from their caches as
-//!   queues grow and loses hits exactly when capacity is scarce. A conversation's next turn
-//!   finds its context on the worker that served the last one, so this term alone keeps
-//!   sessions in place; B3 `cache_aware_proxy.py`'s session gate (`session_affinity`) is available but off.
-//! - `stall(w)`: with chunked prefill (vLLM, SGLang) an uncached prompt is computed in the
-//!   same steps as every request already on the worker, so each of the `load(w)` requests
-//!   there waits through it (decodes stall — Sarathi-Serve's "generation stalls", Agrawal et
-//!   al., OSDI 2024 — and queued prefills start later). The charge grows with the fleet's
-//!   queue (`mean_waiting`, requests without a first token per worker, from the ledger),
-//!   because under queueing the stalled steps delay the queue too. It is capped
-//!   at `stall_cap` (8, the default miss weight) per token. On Azure's conversation trace
-//!   (short prompts, many requests per worker) the uncapped charge passes 8 — that takes
-//!   `load × (1 + mean_waiting / 10)` > 160 — outweighs the queued work and piles long
-//!   prompts onto the least crowded workers, nearly doubling the p99 TTFT near saturation;
-//!   capped, its p99 there is within 7 % of the best reference policy's.
-//! - `decode_weight × load(w) × (1 + load(w) / decode_queue_scale)`: every running request
-//!   costs the batch a little time per step, and a crowded worker more than that: past the
-//!   engine's batch size requests queue without any prefill work, which
-//!   `pending_prefill_tokens` does not see. Linear alone (the charge before
-//!   `decode_queue_scale`), this term let requests whose long prefix one worker holds — an
-//!   agent's shared tool and system prompt — pile onto that worker: on the scoreboard's
-//!   agentic family (docs/replay.md) the mean TTFT was up to 13.6× and the p99 43× the best
-//!   policy's. With the quadratic part (scale 16) that falls to 2.1× and 6.7×, MT-bench's
-//!   worst mean from 6.0× to 1.24×, and Mooncake's worst ratio stays where it was (1.07×
-//!   against 1.08×), though at its 8-engine saturation it costs 7 % of the mean and 13 %
-//!   of the p99 (below).
+//! - `pending_prefill_tokens(w)`: prompt tokens dispatched to `w` without a first token yet,
+//!   minus their estimated cached part (the router's ledger): the queue the request waits
+//!   behind, in the unit that decides TTFT.
+//! - `uncached_tokens = input − cached(w)`: `cached(w)` is the longest leading run of the
+//!   request's full blocks in a per-worker LRU block set sized like the engine's KV cache
+//!   (`Capacity::kv_tokens`, else `cache_tokens`), so the estimate forgets what the engine
+//!   evicts; with KV events, the engine's own count ([`WorkerView::cached_tokens`]).
+//! - `miss_weight` > 1: a miss is paid by the request, by every request queued behind it
+//!   and by the fleet's capacity; with 1, prompts leave their caches as queues grow. It
+//!   alone keeps a conversation where its context is (`session_affinity`, B3's gate, is off).
+//! - `stall(w)`: with chunked prefill an uncached prompt runs in the same steps as every
+//!   request on the worker, stalling them (Sarathi-Serve's "generation stalls"), more so
+//!   under queueing; capped at `stall_cap` so long prompts are not all piled onto the
+//!   emptiest workers. It separates long and short prefills, as size-interval task
+//!   assignment does.
+//! - The decode term: each running request costs the batch time per step, and past the
+//!   batch size requests queue without prefill work, hence the quadratic part; linear, it
+//!   let agents pile onto the worker holding their shared prefix.
 //!
-//! Ties (equal cost) go to the worker holding more of the prefix, then rotate.
-//!
-//! **Why it wins near saturation.** TTFT is queueing time plus prefill time, and both are
-//! proportional to prefill tokens. `cache_aware` and `prefix_affinity` switch between "follow
-//! the cache" and "follow the load" on thresholds over request *counts*; LMetric (B3 `cache_aware_proxy.py`)
-//! multiplies all the prefill work, queued and new, by the batch size, which over-penalises
-//! a worker busy decoding short requests and under-penalises one queued behind a single
-//! 100k-token prompt. Here the queue counts in tokens, a miss is charged what it costs the
-//! fleet, and only the request's *own* uncached prefill is charged per request it would
-//! stall. That last term sends long uncached prompts to workers with few requests and lets
-//! short or cached ones join busy workers, so long and short prefills separate (as
-//! size-interval task assignment does in a server farm) and short requests stop queueing
-//! behind long ones. The cap bounds that separation, so that the long prompts do not pay
-//! for it with the tail.
-//!
-//! Measured (`scripts/replay-realisations.py --engines 8 --rates 2.5,2.75,3,3.25`:
-//! Mooncake conversation trace, h100-llama3-8b engines, each point averaged over 5 arrival
-//! realisations; docs/replay.md): below saturation (×2.5, ×2.75) it is first or within 3 %
-//! of the best mean and p99 of all 13 policies in both prefix states. At ×3, the highest
-//! load 8 engines still serve, its mean is within 2.5 % of the best (1.789 s against
-//! unified's 1.746 s, approximate state) or first (1.496 s, precise), but kv_score's p99 is
-//! about 21 % lower (9.63 against 12.24 s approximate; 7.87 against 10.04 s precise). With
-//! the linear decode charge (`decode_queue_scale = 0`, the default until the scoreboard)
-//! its ×3 figures were 1.678 / 10.83 s and 1.497 / 9.54 s: the quadratic charge costs 7 %
-//! of the mean and 13 % of the p99 at Mooncake's saturation, and buys the agentic and
-//! MT-bench families above. `docs/results/scoreboard.md` has it on six families.
-//!
-//! | knob | default | unit |
-//! |---|---|---|
-//! | `block_tokens` | 16 | tokens per hashed block of token ids or text (vLLM's default block size; llama.cpp and SGLang reuse any token prefix, so a small block loses little of a match). Trace blocks and engine KV events keep their own size |
-//! | `cache_tokens` | 1,000,000 | tokens of KV cache assumed for a worker that does not report its own (`Capacity::kv_tokens`: SGLang `max_total_num_tokens`, vLLM `num_gpu_blocks × block_size`, llama.cpp slots × `n_ctx`, `[capacity."URL"] kv_tokens`) |
-//! | `decode_weight` | 64 | prefill tokens charged per request on the worker |
-//! | `miss_weight` | 8 | multiplier on the request's own uncached tokens |
-//! | `stall_weight` | 0.05 | per uncached token, per request on the worker |
-//! | `stall_queue_scale` | 10 | mean waiting requests per worker at which `stall_weight` doubles (0: fixed) |
-//! | `stall_cap` | 8 | upper bound of the stall charge, per uncached token |
-//! | `session_affinity` | false | B3 `cache_aware_proxy.py`'s gate before the cost: stay on the session's last worker while it holds more than half of the prompt and its load is at most `overload_factor` × the mean (branch `sticky`) |
-//! | `overload_factor` | 1.5 | × mean load, the gate's overload bound |
-//! | `max_sessions` | 1,048,576 | session bindings kept (LRU) |
-//! | `batch_factor` | 0 | cost × (1 + batch_factor × load); 0 keeps the additive cost (an LMetric-like multiplier, kept for comparison in docs/replay.md) |
-//! | `decode_queue_scale` | 16 | requests on a worker at which its decode charge per request doubles (0: linear, the charge before the scoreboard) |
+//! Ties go to the worker holding more of the prefix, then rotate. Knobs: [`PrefillCostConfig`]
+//! (`kvroute policies`). Measurements: docs/lab/2026-11-26-policy-module-history.md.
 
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::LruBlockSet;

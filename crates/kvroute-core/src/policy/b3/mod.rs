@@ -16,11 +16,10 @@
 //! - **`load_only`** (`pick_load_only`): the first worker with the fewest `num_requests` (Python's `min`
 //!   returns the first seen, so ties pin worker 0 at low load — kept on purpose: the study
 //!   reports it as part of its result). Branch `least_load`.
-//! - **`sticky`** (`pick_sticky`): a bound session always returns to its worker, whatever its load;
-//!   an unbound one is bound to the least-loaded worker. A binding is only replaced when
-//!   its worker is unhealthy or gone — kvroute never routes to an unhealthy worker. A
-//!   request without a session id is routed as `load_only` and binds nothing. Branches
-//!   `sticky`, `new_binding`, `least_load`.
+//! - **`sticky`** (`pick_sticky`): a bound session always returns to its worker, whatever
+//!   its load, until that worker is unhealthy or gone; an unbound one is bound to the
+//!   least-loaded worker; no session id: `load_only`. Branches `sticky`, `new_binding`,
+//!   `least_load`.
 //! - **`unified`** (`pick_unified`): sticks to the session's worker only when its hit ratio
 //!   `cache_hit / max(input, 1) > hit_ratio_threshold` (0.5) *and* its `num_requests ≤
 //!   max(mean num_requests, 1) × overload_factor` (2.0); otherwise LMetric with the 4-key
@@ -28,20 +27,9 @@
 //!   workers tied on the first three). The session is (re)bound to the worker chosen.
 //!   Branches `sticky`, `affinity_broken` (bound but the gate failed), `tie_break`, `score`.
 //!
-//! `capped` is not a picker: it is `lmetric` on a trace passed through
-//! [`crate::trace::cap_turns`].
-//!
-//! Session bindings live in a bounded LRU map (`max_sessions`), so a trace with millions of
-//! sessions cannot grow the router without bound; an evicted binding behaves as a new
-//! session.
-//!
-//! | knob | default | unit |
-//! |---|---|---|
-//! | `block_tokens` | 512 | tokens per block (Mooncake `hash_ids` are 512-token blocks) |
-//! | `cache_blocks` | 2048 | blocks per worker LRU set |
-//! | `overload_factor` | 2.0 | × mean `num_requests` (`unified`) |
-//! | `hit_ratio_threshold` | 0.5 | cache-hit ratio, 0.0–1.0 (`unified`) |
-//! | `max_sessions` | 1,048,576 | session bindings kept (`sticky`, `unified`) |
+//! `capped` is `lmetric` on a trace passed through [`crate::trace::cap_turns`]. Session
+//! bindings live in a bounded LRU map (`max_sessions`; an evicted binding is a new
+//! session). Knobs: [`B3Config`] (`block_tokens` 512, Mooncake's `hash_ids` blocks).
 
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, LruBlockSet};
