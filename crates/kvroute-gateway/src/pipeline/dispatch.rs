@@ -465,20 +465,7 @@ async fn attempt_on(ctx: &RequestCtx<'_>, routed: &Routed, w: &Arc<WorkerEntry>,
         tracing::warn!(worker = %w.url, "routing loop: the worker sent the request back here (508)");
         s.record_failure(w);
     }
-    let req = ctx.view();
-    let observe = (w.id == d.worker && resp.status().is_success()).then(|| Observe {
-        router: Arc::clone(&routed.router),
-        worker: w.id,
-        url: Arc::clone(&w.url),
-        obs: Observation {
-            input_tokens: req.input_tokens,
-            predicted: d.predicted_ttft,
-            predicted_cached_tokens: d.cached_tokens_estimate(req.input_tokens),
-            ttft_secs: None,
-            cached_tokens: None,
-        },
-        started,
-    });
+    let observe = (w.id == d.worker && resp.status().is_success()).then(|| observe_of(ctx, routed, w, started));
     let Committed { ticket, predicted, shared } = c;
     let worker = Arc::clone(w);
     Attempt::Answered(Box::new(Sent {
@@ -493,6 +480,24 @@ async fn attempt_on(ctx: &RequestCtx<'_>, routed: &Routed, w: &Arc<WorkerEntry>,
         observe,
         slot,
     }))
+}
+
+/// The decision's predictions for the chosen worker, to hand back with what it met.
+fn observe_of(ctx: &RequestCtx<'_>, routed: &Routed, w: &WorkerEntry, started: Instant) -> Observe {
+    let (req, d) = (ctx.view(), &routed.decision);
+    Observe {
+        router: Arc::clone(&routed.router),
+        worker: w.id,
+        url: Arc::clone(&w.url),
+        obs: Observation {
+            input_tokens: req.input_tokens,
+            predicted: d.predicted_ttft,
+            predicted_cached_tokens: d.cached_tokens_estimate(req.input_tokens),
+            ttft_secs: None,
+            cached_tokens: None,
+        },
+        started,
+    }
 }
 
 /// A failed attempt's outcome: a timeout and an oversized answer end the request (504,

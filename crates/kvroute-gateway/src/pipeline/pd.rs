@@ -213,19 +213,7 @@ impl Pair<'_> {
             };
             match result {
                 Ok((resp, body, first_byte_by)) => {
-                    let sent = Sent {
-                        resp,
-                        body,
-                        first: None,
-                        worker: Arc::clone(dw),
-                        ticket: d_half.ticket,
-                        shared: d_half.shared,
-                        predicted: None,
-                        first_byte_by,
-                        observe: None,
-                        slot: None,
-                    };
-                    return Ok((sent, pw.url.to_string()));
+                    return Ok((decode_answer(dw, d_half, (resp, body), first_byte_by), pw.url.to_string()));
                 }
                 Err(PairError::Prefill(e)) => {
                     tracing::warn!(worker = %pw.url, error = %e, "pd: prefill failed; trying the next prefill worker");
@@ -305,7 +293,7 @@ impl Pair<'_> {
         permit_p: Arc<kvroute_core::admission::Permit>,
     ) -> Result<(reqwest::Response, Option<Bytes>, Option<tokio::time::Instant>), PairError> {
         let s = self.ctx.s;
-        let dispatch::Committed { ticket: mut p_ticket, shared: shared_p, .. } = p_half;
+        let dispatch::Committed { ticket: p_ticket, shared: shared_p, .. } = p_half;
         let room = crate::model::random::os_random_u64() >> 1;
         let host = reqwest::Url::parse(&pw.url).ok().and_then(|u| u.host_str().map(str::to_string)).unwrap_or_default();
         let mut body = self.body.clone();
@@ -315,39 +303,18 @@ impl Pair<'_> {
         let bytes = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
         // The prefill request runs on its own task: once the decode answer is the client's,
         // the prefill answer is drained there, bounded by the handshake timeout.
-        let prefill = {
-            let (s, pw, bytes, headers, api) =
-                (Arc::clone(s), Arc::clone(pw), bytes.clone(), self.ctx.headers.clone(), self.ctx.api);
-            let handshake = self.handshake();
-            tokio::spawn(async move {
-                let _permit = permit_p;
-                let _shared = shared_p;
-                let drained = tokio::time::timeout(handshake, async {
-                    match dispatch::attempt(Hop { s: &s, api, headers: &headers }, &pw, &bytes, handshake, None).await {
-                        Ok(mut resp) if resp.status().is_success() => {
-                            while let Ok(Some(_)) = resp.chunk().await {}
-                            Ok(())
-                        }
-                        Ok(resp) => Err(format!("{}: prefill answered {}", pw.url, resp.status())),
-                        Err(Failure::Retry(e) | Failure::TooLarge(e)) => Err(e),
-                        Err(Failure::Timeout { .. }) => {
-                            Err(format!("{}: no prefill answer within the {handshake:?} handshake timeout", pw.url))
-                        }
-                    }
-                })
-                .await
-                .unwrap_or_else(|_| {
-                    Err(format!("{}: no prefill answer within the {handshake:?} handshake timeout", pw.url))
-                });
-                p_ticket.first_token();
-                p_ticket.close();
-                match &drained {
-                    Ok(()) => pw.record_success(),
-                    Err(_) => s.record_failure(&pw),
-                }
-                drained
-            })
-        };
+        let prefill = tokio::spawn(sglang_prefill(
+            SglangPrefill {
+                s: Arc::clone(s),
+                pw: Arc::clone(pw),
+                bytes: bytes.clone(),
+                headers: self.ctx.headers.clone(),
+                api: self.ctx.api,
+                handshake: self.handshake(),
+            },
+            (permit_p, shared_p),
+            p_ticket,
+        ));
         let first_byte_by = self.first_byte_by();
         let decode = self.decode(dw, &bytes, first_byte_by);
         tokio::pin!(decode);
@@ -383,16 +350,9 @@ impl Pair<'_> {
         }
     }
 
-    /// vLLM: the prefill worker first (`do_remote_decode`, one token, not streamed), then
-    /// the decode worker with the `kv_transfer_params` it returned.
-    async fn vllm(
-        &self,
-        pw: &Arc<WorkerEntry>,
-        dw: &Arc<WorkerEntry>,
-        p_half: dispatch::Committed,
-    ) -> Result<(reqwest::Response, Option<Bytes>, Option<tokio::time::Instant>), PairError> {
-        let s = self.ctx.s;
-        let dispatch::Committed { ticket: mut p_ticket, shared: shared_p, .. } = p_half;
+    /// The vLLM prefill worker's body: the request with `do_remote_decode`, one token, not
+    /// streamed.
+    fn vllm_prefill_body(&self) -> Map<String, Value> {
         let mut pbody = self.body.clone();
         pbody.insert(
             "kv_transfer_params".into(),
@@ -415,6 +375,20 @@ impl Pair<'_> {
                 }
             }
         }
+        pbody
+    }
+
+    /// vLLM: the prefill worker first (`do_remote_decode`, one token, not streamed), then
+    /// the decode worker with the `kv_transfer_params` it returned.
+    async fn vllm(
+        &self,
+        pw: &Arc<WorkerEntry>,
+        dw: &Arc<WorkerEntry>,
+        p_half: dispatch::Committed,
+    ) -> Result<(reqwest::Response, Option<Bytes>, Option<tokio::time::Instant>), PairError> {
+        let s = self.ctx.s;
+        let dispatch::Committed { ticket: mut p_ticket, shared: shared_p, .. } = p_half;
+        let pbody = self.vllm_prefill_body();
         let pbytes = Bytes::from(serde_json::to_vec(&pbody).unwrap_or_default());
         let handshake = self.handshake();
         let answer = tokio::time::timeout(handshake, async {
@@ -477,6 +451,71 @@ impl Pair<'_> {
             }
         }
     }
+}
+
+/// The decode worker's answer as the respond stage takes it (its ticket and sync event from
+/// the decode half's commit).
+fn decode_answer(
+    dw: &Arc<WorkerEntry>,
+    d_half: dispatch::Committed,
+    (resp, body): (reqwest::Response, Option<Bytes>),
+    first_byte_by: Option<tokio::time::Instant>,
+) -> Sent {
+    Sent {
+        resp,
+        body,
+        first: None,
+        worker: Arc::clone(dw),
+        ticket: d_half.ticket,
+        shared: d_half.shared,
+        predicted: None,
+        first_byte_by,
+        observe: None,
+        slot: None,
+    }
+}
+
+/// An SGLang prefill request, owned by its task.
+struct SglangPrefill {
+    s: Arc<AppState>,
+    pw: Arc<WorkerEntry>,
+    bytes: Bytes,
+    headers: axum::http::HeaderMap,
+    api: Api,
+    handshake: Duration,
+}
+
+/// Sends the SGLang prefill request and drains its answer within the handshake timeout,
+/// holding the prefill pool's permit and the sync's event until then; settles the prefill
+/// ticket and charges or clears the worker.
+async fn sglang_prefill(
+    p: SglangPrefill,
+    held: (Arc<kvroute_core::admission::Permit>, Option<crate::cluster::sync::SharedTicket>),
+    mut p_ticket: kvroute_core::ledger::LoadTicket,
+) -> Result<(), String> {
+    let _held = held;
+    let SglangPrefill { s, pw, bytes, headers, api, handshake } = p;
+    let late = || format!("{}: no prefill answer within the {handshake:?} handshake timeout", pw.url);
+    let drained = tokio::time::timeout(handshake, async {
+        match dispatch::attempt(Hop { s: &s, api, headers: &headers }, &pw, &bytes, handshake, None).await {
+            Ok(mut resp) if resp.status().is_success() => {
+                while let Ok(Some(_)) = resp.chunk().await {}
+                Ok(())
+            }
+            Ok(resp) => Err(format!("{}: prefill answered {}", pw.url, resp.status())),
+            Err(Failure::Retry(e) | Failure::TooLarge(e)) => Err(e),
+            Err(Failure::Timeout { .. }) => Err(late()),
+        }
+    })
+    .await
+    .unwrap_or_else(|_| Err(late()));
+    p_ticket.first_token();
+    p_ticket.close();
+    match &drained {
+        Ok(()) => pw.record_success(),
+        Err(_) => s.record_failure(&pw),
+    }
+    drained
 }
 
 #[cfg(test)]
