@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Checks that the gateway's modules import only downward (docs/architecture.md, "Floors").
+"""Checks that the gateway's modules import only downward (docs/architecture.md, "Floors"),
+and that no crate's modules import each other in a circle.
 
 usage: scripts/layers.py [--graph]   (run from the repository root)
 
@@ -14,6 +15,7 @@ import re
 import sys
 
 SRC = pathlib.Path("crates/kvroute-gateway/src")
+CRATES = pathlib.Path("crates")
 
 # module path prefix -> floor. The longest matching prefix wins.
 FLOORS = {
@@ -40,15 +42,15 @@ FLOORS = {
 # Same-floor imports between different units that are allowed: (from, to).
 NEIGHBOURS = set()
 
-def module_of(path: pathlib.Path) -> str:
-    rel = path.relative_to(SRC).with_suffix("")
+def module_of(path: pathlib.Path, src: pathlib.Path = SRC) -> str:
+    rel = path.relative_to(src).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "mod":
         parts.pop()
     return "::".join(parts) or "lib"
 
-def known_modules():
-    return {module_of(p) for p in SRC.rglob("*.rs")}
+def known_modules(src: pathlib.Path = SRC):
+    return {module_of(p, src) for p in src.rglob("*.rs")}
 
 def resolve(path: str, modules) -> str | None:
     parts = path.split("::")
@@ -95,14 +97,14 @@ def group_paths(body: str):
     expand(body, "")
     return out
 
-def edges():
-    modules = known_modules()
+def edges(src: pathlib.Path = SRC):
+    modules = known_modules(src)
     result = set()
-    for p in sorted(SRC.rglob("*.rs")):
-        me = module_of(p)
+    for p in sorted(src.rglob("*.rs")):
+        me = module_of(p, src)
         text = p.read_text()
         # test modules may reach anything
-        text = re.split(r"#\[cfg\(test\)\]\s*mod tests", text)[0]
+        text = re.split(r"#\[cfg\(test\)\]\s*(?:pub(?:\(crate\))?\s+)?mod tests", text)[0]
         text = re.sub(r"//.*", "", text)
         paths = CRATE_PATH.findall(text)
         for body in USE_GROUP.findall(text):
@@ -159,20 +161,26 @@ def main():
     for a, b in es:
         ka, kb = floor_key(a), floor_key(b)
         if ka is None or kb is None:
-            bad.append(f"{a} -> {b}: module without a floor (add it to FLOORS in scripts/layers.py)")
+            bad.append(f"no floor: {a} -> {b}: module without a floor (add it to FLOORS in scripts/layers.py)")
             continue
         fa, fb = FLOORS[ka], FLOORS[kb]
         same_unit = ka == kb
         if fb < fa or same_unit or (ka, kb) in NEIGHBOURS:
             continue
-        bad.append(f"{a} (F{fa}) -> {b} (F{fb})")
+        bad.append(f"back-edge: {a} (F{fa}) -> {b} (F{fb})")
+    # Every other crate: no circle between its modules either.
+    for src in sorted(CRATES.glob("*/src")):
+        if src == SRC:
+            continue
+        for group in cycles(sorted(edges(src))):
+            bad.append(f"import circle in {src.parent.name}: " + ", ".join(group))
     if "--graph" in sys.argv:
         for a, b in es:
             print(f"{a} -> {b}")
     for line in bad:
-        print("back-edge: " + line, file=sys.stderr)
+        print(line, file=sys.stderr)
     if bad:
-        print(f"{len(bad)} import(s) against the gateway's floors (docs/architecture.md)", file=sys.stderr)
+        print(f"{len(bad)} import(s) against the floors or in a circle (docs/architecture.md, \"Floors\")", file=sys.stderr)
         return 1
     return 0
 

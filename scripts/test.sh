@@ -2,7 +2,10 @@
 # The project's test command (README: "Test"). Runs:
 #   1. the purity check: kvroute-core and kvroute-protocol must not depend on an async
 #      runtime or do I/O; the gateway must not depend on the simulators; nothing in code,
-#      scripts or docs names a path beside the checkout (the sibling shared directory);
+#      scripts or docs names a path beside the checkout (the sibling shared directory); the
+#      gateway's modules import only downward and no crate has an import circle
+#      (scripts/layers.py); no function over 80 lines in the gateway and the binary
+#      (scripts/long-fns.py);
 #   2. every unit, property and integration test with cargo-nextest (installed with
 #      `cargo install --locked` when missing);
 #   3. doctests (nextest skips them).
@@ -54,6 +57,14 @@ if cargo tree -p kvroute-gateway -e normal --prefix none --format '{p}' | grep -
   echo "kvroute-gateway depends on kvroute-sim or kvroute-engine-sim (only its tests may)" >&2
   exit 1
 fi
+echo "ok"
+
+echo "== floors: the gateway's modules import only downward; no crate's modules import each other in a circle"
+python3 scripts/layers.py
+echo "ok"
+
+echo "== short functions: none over 80 lines outside tests in the gateway and the binary"
+python3 scripts/long-fns.py 80 crates/kvroute-gateway/src crates/kvroute/src
 echo "ok"
 
 # cargo-nextest runs the tests: each test in its own process (tests that start servers, set
