@@ -235,9 +235,14 @@ pub async fn get_policy(State(s): State<Arc<AppState>>) -> Response {
         }
         calibration.insert(model, c);
     }
-    Json(serde_json::json!({"policy": s.routers.policy_name(), "knobs": s.routers.knobs(),
-        "cascade": *s.cascade.load_full(), "calibration": calibration}))
-    .into_response()
+    let mut v = serde_json::json!({"policy": s.routers.policy_name(), "knobs": s.routers.knobs(),
+        "cascade": *s.cascade.load_full(), "calibration": calibration});
+    if let Some(pd) = &s.pd {
+        for (field, routers) in [("prefill", &pd.prefill), ("decode", &pd.decode)] {
+            v[field] = serde_json::json!({"policy": routers.policy_name(), "knobs": routers.knobs()});
+        }
+    }
+    Json(v).into_response()
 }
 
 /// `PUT /policy`: `{"knobs": {...}}` (or the knobs object itself) patches knobs live;

@@ -373,6 +373,18 @@ mod tests {
     }
 
     #[test]
+    fn the_pools_policies_are_live_and_other_pd_keys_need_a_restart() {
+        let a = GatewayConfig::default();
+        let mut b = a.clone();
+        b.pd.prefill_policy = "round_robin".into();
+        b.pd.decode_policy_knobs.insert("x".into(), toml::Value::Integer(1));
+        assert_eq!(restart_keys(&a, &b), Vec::<String>::new());
+        assert_ne!(pd_policies(&a), pd_policies(&b));
+        b.pd.colocate_below_tokens = 1;
+        assert_eq!(restart_keys(&a, &b), ["pd.colocate_below_tokens"]);
+    }
+
+    #[test]
     fn the_static_set_is_normalised_and_deduplicated_in_order() {
         let urls = ["http://B:80/".to_string(), "http://a:1".into(), "http://b".into(), "ftp://x".into()];
         assert_eq!(static_set(&urls), ["http://b", "http://a:1"]);

@@ -247,3 +247,52 @@ async fn the_handshake_has_a_timeout_and_a_stream_failing_after_its_first_byte_e
     stop_s.cancel();
     stop.cancel();
 }
+
+/// The pools' policies change live through the one policy apply: `PUT /policy` with
+/// `prefill`/`decode` fields sets them (checked before anything changes) and `GET /policy`
+/// shows them; a router without disaggregation refuses those fields.
+#[tokio::test]
+async fn put_policy_sets_the_prefill_and_decode_pools_policies() {
+    guard(pools_policies()).await;
+}
+
+async fn pools_policies() {
+    let stop = CancellationToken::new();
+    let f = fleet(vec![sim(Role::Prefill)], vec![sim(Role::Decode)], &stop).await;
+    let (router, _) = common::start_router(config(&f, PdProtocol::Sglang), stop.clone()).await;
+    let c = common::client();
+    let get = |c: &reqwest::Client| {
+        let url = format!("{router}/policy");
+        let c = c.clone();
+        async move { c.get(url).send().await.expect("get").json::<Value>().await.expect("json") }
+    };
+    let before = get(&c).await;
+    assert_eq!(before["prefill"]["policy"], "cache_aware", "{before}");
+    assert_eq!(before["decode"]["policy"], "least_load", "{before}");
+    // A bad pool knob changes nothing, the main policy included.
+    let bad = json!({"policy": "round_robin", "prefill": {"policy": "cache_aware", "knobs": {"no_such_knob": 1}}});
+    let r = c.put(format!("{router}/policy")).json(&bad).send().await.expect("put");
+    assert_eq!(r.status(), 400);
+    let after_bad = get(&c).await;
+    assert_eq!(after_bad["policy"], before["policy"], "{after_bad}");
+    assert_eq!(after_bad["prefill"]["policy"], "cache_aware");
+    let good = json!({"prefill": {"policy": "round_robin"}, "decode": {"knobs": {}}});
+    let r = c.put(format!("{router}/policy")).json(&good).send().await.expect("put");
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    let after = get(&c).await;
+    assert_eq!(after["prefill"]["policy"], "round_robin", "{after}");
+    assert_eq!(after["decode"]["policy"], "least_load", "{after}");
+    assert_eq!(after["policy"], before["policy"], "the main policy stays: {after}");
+    // Requests are still split and served.
+    let a = send(&c, &router, &chat(&prompt("after the switch", 400), false)).await;
+    assert_eq!(a.status, 200, "{}", a.text);
+    assert!(a.decision.contains("policy=round_robin+least_load"), "{}", a.decision);
+
+    // Without disaggregation the fields are refused, naming the field.
+    let (plain, _) = common::start_router(common::config(&[f.decode[0].0.as_str()], "cache_aware"), stop.clone()).await;
+    let r = c.put(format!("{plain}/policy")).json(&json!({"prefill": {"policy": "round_robin"}})).send().await;
+    let r = r.expect("put");
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap_or_default().contains("prefill"));
+    stop.cancel();
+}
