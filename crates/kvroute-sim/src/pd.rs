@@ -8,16 +8,17 @@
 //! without recomputing the prompt. Short prompts run colocated: the copy would cost more
 //! than the prefill it saves.
 //!
-//! ## Transfer model
-//! [`TransferModel::delay`]: `latency_secs + kv_bytes_per_token × tokens /
-//! (link_gbytes_per_s × 1e9)` simulated seconds, where `tokens` is the prompt's token count
-//! (the whole prompt's KV is copied; the one output token of the prefill is not). Each
-//! transfer is modelled alone: no link contention between concurrent transfers, no
-//! pipelining of the copy with the prefill (the copy starts when the prefill ends).
+//! The transfer model and the settings live in [`crate::types`] (shared with the colocated
+//! replay); they are re-exported here.
 
 use crate::engine::{Engine, EngineEvent, EngineRequest, InvalidSetting};
-use crate::replay::{BusyWindow, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, RouterView};
 use crate::trace::TraceRequest;
+use crate::types::{
+    BusyWindow, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, RouterView, request_view,
+};
+pub use crate::types::{
+    DEFAULT_COLOCATE_BELOW_TOKENS, DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_LINK_GBYTES_PER_S, PdConfig, TransferModel,
+};
 use kvroute_core::disagg::{DisaggConfig, DisaggPlan, plan};
 use kvroute_core::ledger::{LoadLedger, Ticket};
 use kvroute_core::policy::{PickCtx, Policy, route};
@@ -25,132 +26,8 @@ use kvroute_core::precise::PredictWindow;
 use kvroute_core::registry;
 use kvroute_core::types::{Nanos, Role, WorkerId, WorkerView};
 use rand_core::SeedableRng;
-use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-
-/// Default KV bytes per token: 131,072 (128 KiB), Llama-3-8B in fp16/bf16 — 32 layers × 8
-/// KV heads × 128 dims × 2 (K and V) × 2 bytes.
-pub const DEFAULT_KV_BYTES_PER_TOKEN: u64 = 131_072;
-
-/// Default link bandwidth, GB/s (10^9 bytes per second): 25 GB/s, a 200 Gb/s RDMA NIC
-/// (ConnectX-6/7 class), the link SGLang's Mooncake and vLLM's NIXL transfers run over.
-pub const DEFAULT_LINK_GBYTES_PER_S: f64 = 25.0;
-
-/// Default prompt length at or below which a request runs colocated, tokens (the
-/// gateway's `[router.disagg] colocate_below_tokens` default, [`DisaggConfig`]).
-pub const DEFAULT_COLOCATE_BELOW_TOKENS: u32 = 2048;
-
-/// How long copying a prompt's KV cache from a prefill to a decode engine takes.
-/// See the module docs for the formula and what it leaves out.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct TransferModel {
-    /// KV cache bytes per prompt token (all layers, K and V), ≥ 1. Default
-    /// [`DEFAULT_KV_BYTES_PER_TOKEN`] (Llama-3-8B fp16).
-    pub kv_bytes_per_token: u64,
-    /// Link bandwidth, GB/s (10^9 bytes/s), finite and > 0. Default
-    /// [`DEFAULT_LINK_GBYTES_PER_S`].
-    pub link_gbytes_per_s: f64,
-    /// Fixed cost of one transfer (handshake, completion notification), seconds, finite
-    /// and ≥ 0. Default 0.
-    pub latency_secs: f64,
-}
-
-impl Default for TransferModel {
-    fn default() -> Self {
-        TransferModel {
-            kv_bytes_per_token: DEFAULT_KV_BYTES_PER_TOKEN,
-            link_gbytes_per_s: DEFAULT_LINK_GBYTES_PER_S,
-            latency_secs: 0.0,
-        }
-    }
-}
-
-impl TransferModel {
-    /// Checks the knobs: `kv_bytes_per_token` ≥ 1, `link_gbytes_per_s` finite and > 0,
-    /// `latency_secs` finite and ≥ 0.
-    ///
-    /// # Errors
-    /// [`InvalidSetting`] naming the field and its `--kv-*` flag.
-    pub fn validate(&self) -> Result<(), InvalidSetting> {
-        if self.kv_bytes_per_token == 0 {
-            return Err(InvalidSetting::new("kv_bytes_per_token (--kv-bytes-per-token)", "must be at least 1, got 0"));
-        }
-        if !(self.link_gbytes_per_s.is_finite() && self.link_gbytes_per_s > 0.0) {
-            return Err(InvalidSetting::new(
-                "link_gbytes_per_s (--kv-link-gbytes-per-s)",
-                format!("must be finite and > 0, got {}", self.link_gbytes_per_s),
-            ));
-        }
-        if !(self.latency_secs.is_finite() && self.latency_secs >= 0.0) {
-            return Err(InvalidSetting::new(
-                "latency_secs (--kv-transfer-latency-secs)",
-                format!("must be finite and >= 0, got {}", self.latency_secs),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Bytes copied for a prompt of `tokens` tokens (saturating at `u64::MAX`).
-    pub fn bytes(&self, tokens: u64) -> u64 {
-        tokens.saturating_mul(self.kv_bytes_per_token)
-    }
-
-    /// Simulated time to copy a prompt of `tokens` tokens: `latency_secs + bytes /
-    /// (link_gbytes_per_s × 1e9)` (assumes valid knobs).
-    pub fn delay(&self, tokens: u64) -> Nanos {
-        Nanos::from_secs_f64(self.latency_secs + self.bytes(tokens) as f64 / (self.link_gbytes_per_s * 1e9))
-    }
-}
-
-/// Disaggregation settings of a replay ([`replay_pd`]).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct PdConfig {
-    /// Prefill engines (P ≥ 1): engines `0..P` of the replay.
-    pub prefill_engines: usize,
-    /// Decode engines (D ≥ 1): engines `P..P+D`.
-    pub decode_engines: usize,
-    /// Prompts of at most this many tokens run colocated on a decode engine; longer ones
-    /// are split (as [`kvroute_core::disagg::plan`] decides for the gateway).
-    pub colocate_below_tokens: u32,
-    /// Policy routing decode phases and colocated requests over the D decode engines
-    /// (default knobs). The prefill policy is [`ReplayConfig::policy`], with its knobs.
-    pub decode_policy: String,
-    /// KV transfer cost.
-    pub transfer: TransferModel,
-}
-
-impl PdConfig {
-    /// P prefill and D decode engines with the defaults: colocated at ≤ 2048 prompt
-    /// tokens, `least_load` for decode, the default [`TransferModel`].
-    pub fn new(prefill_engines: usize, decode_engines: usize) -> Self {
-        PdConfig {
-            prefill_engines,
-            decode_engines,
-            colocate_below_tokens: DEFAULT_COLOCATE_BELOW_TOKENS,
-            decode_policy: "least_load".into(),
-            transfer: TransferModel::default(),
-        }
-    }
-
-    /// Checks P ≥ 1, D ≥ 1 and the transfer knobs.
-    ///
-    /// # Errors
-    /// [`InvalidSetting`] naming the bad setting.
-    pub fn validate(&self) -> Result<(), InvalidSetting> {
-        if self.prefill_engines == 0 || self.decode_engines == 0 {
-            return Err(InvalidSetting::new(
-                "--pd",
-                format!(
-                    "{}:{}: at least one prefill and one decode engine are needed",
-                    self.prefill_engines, self.decode_engines
-                ),
-            ));
-        }
-        self.transfer.validate()
-    }
-}
 
 /// Replays `trace` onto `pd.prefill_engines` prefill engines and `pd.decode_engines` decode
 /// engines (`cfg.engines` must be their sum; `cfg.policy` with `cfg.knobs` is the prefill
@@ -236,7 +113,7 @@ pub fn replay_pd(
         let split = plan(&disagg, r.input_tokens, true, true) == DisaggPlan::Split;
         sim.views(&mut prefill_views, 0..p, Role::Prefill, cfg, &mut util, r, now);
         sim.views(&mut decode_views, p..n, Role::Decode, cfg, &mut util, r, now);
-        let mut req = crate::replay::request_view(r, if split { Role::Prefill } else { Role::Both });
+        let mut req = request_view(r, if split { Role::Prefill } else { Role::Both });
         if split {
             let mut ctx = PickCtx { now, rng: &mut rng };
             let Ok(pre) = route(prefill_policy.as_mut(), &req, &prefill_views, &mut ctx) else {

@@ -2,7 +2,7 @@
 
 pub use crate::latency::Slo;
 use crate::latency::{Latencies, LatencySummary};
-use crate::replay::ReplayResult;
+use crate::types::ReplayResult;
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -64,7 +64,7 @@ pub struct PdSummary {
     /// Decode policy (the prefill policy is the report's `policy`).
     pub decode_policy: String,
     /// The transfer model.
-    pub transfer: crate::pd::TransferModel,
+    pub transfer: crate::types::TransferModel,
     /// Requests routed split (prefill engine, then decode engine).
     pub split_requests: u64,
     /// Requests routed colocated on a decode engine.
@@ -152,7 +152,7 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
 }
 
 /// The [`PdSummary`] of a PD replay whose makespan is `makespan` seconds.
-fn pd_summary(r: &ReplayResult, pd: &crate::pd::PdConfig, makespan: f64) -> PdSummary {
+fn pd_summary(r: &ReplayResult, pd: &crate::types::PdConfig, makespan: f64) -> PdSummary {
     let (mut split, mut colocated, mut bytes, mut copies, mut delay_s) = (0u64, 0u64, 0u64, 0u64, 0.0f64);
     let mut hits = [(0u64, 0u64); 2]; // (hit, queried) of split, colocated
     for o in &r.outcomes {
