@@ -153,7 +153,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.lora.len() > a.lora_slots {
         anyhow::bail!("{} adapters given with --lora but --lora-slots is {}", a.lora.len(), a.lora_slots);
     }
-    let profile = crate::cmd_replay::load_profile(&a.profile, a.profile_set.as_deref())?;
+    let profile = crate::sim_args::load_profile(&a.profile, a.profile_set.as_deref())?;
     let role = match a.role.as_str() {
         "prefill" => Role::Prefill,
         "decode" => Role::Decode,
