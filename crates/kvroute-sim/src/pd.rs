@@ -14,7 +14,7 @@
 use crate::engine::{Engine, EngineEvent, EngineRequest, InvalidSetting};
 use crate::trace::TraceRequest;
 use crate::types::{
-    BusyWindow, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, RouterView, request_view,
+    BusyWindow, Maintenance, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, RouterView, request_view,
 };
 pub use crate::types::{
     DEFAULT_COLOCATE_BELOW_TOKENS, DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_LINK_GBYTES_PER_S, PdConfig, TransferModel,
@@ -64,91 +64,30 @@ pub fn replay_pd(
     pd: &PdConfig,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayResult, ReplayError> {
-    pd.validate().map_err(ReplayError::Config)?;
-    let p = pd.prefill_engines;
-    let n = p + pd.decode_engines;
-    if cfg.engines != n {
-        return Err(ReplayError::Config(InvalidSetting::new(
-            "engines",
-            format!("{} engines given but --pd {}:{} needs {n}", cfg.engines, pd.prefill_engines, pd.decode_engines),
-        )));
-    }
-    cfg.profile.validate().map_err(ReplayError::Config)?;
-    let mut prefill_policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
-    let mut decode_policy: Box<dyn Policy> = registry::build(&pd.decode_policy, &serde_json::Value::Null)?;
-    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed);
+    check_config(cfg, pd)?;
+    let mut routers = Routers::new(cfg, pd)?;
     let disagg = disagg_config(pd.colocate_below_tokens);
-    let mut sim = Sim {
-        trace,
-        prefill_engines: p,
-        transfer: pd.transfer,
-        engines: (0..n).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect(),
-        ledger: LoadLedger::new(),
-        prefill_tickets: (0..trace.len()).map(|_| None).collect(),
-        decode_tickets: (0..trace.len()).map(|_| None).collect(),
-        outcomes: trace.iter().map(Outcome::pending).collect(),
-        transfers: BinaryHeap::new(),
-        predicted: match cfg.prefix_state {
-            PrefixState::Precise { predict_window } => PredictWindow::new(predict_window, 1 << 22),
-            PrefixState::Approximate => PredictWindow::new(Nanos(0), 1),
-        },
-    };
+    let mut sim = Sim::new(trace, cfg, pd);
+    let (p, n) = (pd.prefill_engines, cfg.engines);
     let mut events = Vec::new();
-    let mut maintain = [prefill_policy.maintenance_interval(), decode_policy.maintenance_interval()]
-        .map(|i| (i, i.unwrap_or(Nanos(u64::MAX))));
-    let mut util: Vec<BusyWindow> = (0..n).map(|_| BusyWindow::default()).collect();
     let mut prefill_views: Vec<WorkerView> = Vec::with_capacity(p);
     let mut decode_views: Vec<WorkerView> = Vec::with_capacity(n - p);
-
     for (i, r) in trace.iter().enumerate() {
         let now = r.arrival;
         sim.run_until(now, &mut events);
-        for (k, pol) in [&mut prefill_policy, &mut decode_policy].into_iter().enumerate() {
-            let (interval, next) = &mut maintain[k];
-            while now >= *next {
-                pol.maintain(*next, usize::MAX);
-                *next = next.saturating_add(interval.unwrap_or(Nanos(u64::MAX)));
-            }
-        }
+        routers.prefill_maintenance.run(routers.prefill.as_mut(), now);
+        routers.decode_maintenance.run(routers.decode.as_mut(), now);
         let split = plan(&disagg, r.input_tokens, true, true) == DisaggPlan::Split;
-        sim.views(&mut prefill_views, 0..p, Role::Prefill, cfg, &mut util, r, now);
-        sim.views(&mut decode_views, p..n, Role::Decode, cfg, &mut util, r, now);
-        let mut req = request_view(r, if split { Role::Prefill } else { Role::Both });
-        if split {
-            let mut ctx = PickCtx { now, rng: &mut rng };
-            let Ok(pre) = route(prefill_policy.as_mut(), &req, &prefill_views, &mut ctx) else {
-                sim.outcomes[i].rejected = true;
-                continue;
-            };
-            req.role = Role::Decode;
-            let mut ctx = PickCtx { now, rng: &mut rng };
-            let Ok(dec) = route(decode_policy.as_mut(), &req, &decode_views, &mut ctx) else {
-                sim.outcomes[i].rejected = true;
-                continue;
-            };
-            sim.predicted.predict(pre.worker, &r.blocks, now, Nanos(u64::MAX));
-            let est = pre.cached_tokens_estimate(r.input_tokens);
-            sim.prefill_tickets[i] = Some(sim.ledger.dispatched(pre.worker, u64::from(r.input_tokens) - est, 1));
-            sim.decode_tickets[i] = Some(sim.ledger.dispatched(dec.worker, 0, u64::from(r.output_tokens)));
-            let o = &mut sim.outcomes[i];
-            o.worker = Some(dec.worker.0);
-            o.prefill_worker = Some(pre.worker.0);
-            o.branch = pre.branch.as_str();
-            sim.submit(pre.worker.index(), i, now, 1, false, &mut events);
+        sim.views(&mut prefill_views, 0..p, Role::Prefill, r, now);
+        sim.views(&mut decode_views, p..n, Role::Decode, r, now);
+        let placed = if split {
+            sim.place_split(i, &mut routers, &prefill_views, &decode_views, &mut events)
         } else {
-            let mut ctx = PickCtx { now, rng: &mut rng };
-            let Ok(d) = route(decode_policy.as_mut(), &req, &decode_views, &mut ctx) else {
-                sim.outcomes[i].rejected = true;
-                continue;
-            };
-            sim.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
-            let est = d.cached_tokens_estimate(r.input_tokens);
-            sim.decode_tickets[i] =
-                Some(sim.ledger.dispatched(d.worker, u64::from(r.input_tokens) - est, u64::from(r.output_tokens)));
-            let o = &mut sim.outcomes[i];
-            o.worker = Some(d.worker.0);
-            o.branch = d.branch.as_str();
-            sim.submit(d.worker.index(), i, now, r.output_tokens, false, &mut events);
+            sim.place_colocated(i, &mut routers, &decode_views, &mut events)
+        };
+        if !placed {
+            sim.outcomes[i].rejected = true;
+            continue;
         }
         if i % 256 == 255 {
             progress(i + 1);
@@ -165,6 +104,46 @@ pub fn replay_pd(
     })
 }
 
+/// The settings a PD replay cannot run with: bad PD settings, `cfg.engines` other than
+/// P + D, a bad profile.
+fn check_config(cfg: &ReplayConfig, pd: &PdConfig) -> Result<(), ReplayError> {
+    pd.validate().map_err(ReplayError::Config)?;
+    let n = pd.prefill_engines + pd.decode_engines;
+    if cfg.engines != n {
+        return Err(ReplayError::Config(InvalidSetting::new(
+            "engines",
+            format!("{} engines given but --pd {}:{} needs {n}", cfg.engines, pd.prefill_engines, pd.decode_engines),
+        )));
+    }
+    cfg.profile.validate().map_err(ReplayError::Config)
+}
+
+/// The two routers of a PD replay (prefill and decode policies, each with its maintenance
+/// clock) and their shared random source.
+struct Routers {
+    prefill: Box<dyn Policy>,
+    decode: Box<dyn Policy>,
+    prefill_maintenance: Maintenance,
+    decode_maintenance: Maintenance,
+    rng: rand_xoshiro::Xoshiro256PlusPlus,
+}
+
+impl Routers {
+    /// `cfg.policy` with its knobs for prefills, `pd.decode_policy` with default knobs for
+    /// decodes.
+    fn new(cfg: &ReplayConfig, pd: &PdConfig) -> Result<Routers, ReplayError> {
+        let prefill: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
+        let decode: Box<dyn Policy> = registry::build(&pd.decode_policy, &serde_json::Value::Null)?;
+        Ok(Routers {
+            prefill_maintenance: Maintenance::new(prefill.as_ref()),
+            decode_maintenance: Maintenance::new(decode.as_ref()),
+            prefill,
+            decode,
+            rng: rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
+        })
+    }
+}
+
 /// The gateway's disaggregation config, enabled with `colocate_below_tokens`, field by field
 /// (so fields added to it keep their defaults).
 #[allow(clippy::field_reassign_with_default)]
@@ -175,9 +154,23 @@ fn disagg_config(colocate_below_tokens: u32) -> DisaggConfig {
     c
 }
 
+/// What an engine is asked to do with a request.
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    /// Prefill only, for a decode engine elsewhere: one output token.
+    Prefill,
+    /// The whole request on one engine.
+    Colocated,
+    /// Decode, its KV copied from the prefill engine.
+    Decode,
+}
+
 /// The state of one PD replay.
 struct Sim<'t> {
     trace: &'t [TraceRequest],
+    cfg: &'t ReplayConfig,
+    /// What the router's SM-utilisation signal has seen of each engine.
+    util: Vec<BusyWindow>,
     prefill_engines: usize,
     transfer: TransferModel,
     engines: Vec<Engine>,
@@ -190,38 +183,110 @@ struct Sim<'t> {
     predicted: PredictWindow,
 }
 
-impl Sim<'_> {
+impl<'t> Sim<'t> {
+    /// The state of a PD replay of `trace` before its first arrival.
+    fn new(trace: &'t [TraceRequest], cfg: &'t ReplayConfig, pd: &PdConfig) -> Self {
+        let n = cfg.engines;
+        Sim {
+            trace,
+            cfg,
+            util: (0..n).map(|_| BusyWindow::default()).collect(),
+            prefill_engines: pd.prefill_engines,
+            transfer: pd.transfer,
+            engines: (0..n).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect(),
+            ledger: LoadLedger::new(),
+            prefill_tickets: (0..trace.len()).map(|_| None).collect(),
+            decode_tickets: (0..trace.len()).map(|_| None).collect(),
+            outcomes: trace.iter().map(Outcome::pending).collect(),
+            transfers: BinaryHeap::new(),
+            predicted: match cfg.prefix_state {
+                PrefixState::Precise { predict_window } => PredictWindow::new(predict_window, 1 << 22),
+                PrefixState::Approximate => PredictWindow::new(Nanos(0), 1),
+            },
+        }
+    }
+
     /// Fills `out` with the router's views of `engines` (global ids) for request `r`.
-    #[allow(clippy::too_many_arguments)]
     fn views(
-        &self,
+        &mut self,
         out: &mut Vec<WorkerView>,
         engines: std::ops::Range<usize>,
         role: Role,
-        cfg: &ReplayConfig,
-        util: &mut [BusyWindow],
         r: &TraceRequest,
         now: Nanos,
     ) {
         out.clear();
-        let view = RouterView { ledger: &self.ledger, predicted: &self.predicted, cfg, now };
+        let view = RouterView { ledger: &self.ledger, predicted: &self.predicted, cfg: self.cfg, now };
         for w in engines {
-            out.push(view.of(w, role, &self.engines[w], &mut util[w], r));
+            out.push(view.of(w, role, &self.engines[w], &mut self.util[w], r));
         }
     }
 
-    /// Submits request `i` to engine `k` at `now` (the engine must have run up to `now`).
-    #[allow(clippy::too_many_arguments)]
-    fn submit(
+    /// Routes request `i` split: a prefill engine and a decode engine, both at routing
+    /// time; the prefill submitted (one output token). `false` when either router finds
+    /// no engine.
+    fn place_split(
         &mut self,
-        k: usize,
         i: usize,
-        now: Nanos,
-        output_tokens: u32,
-        kv_transferred: bool,
+        routers: &mut Routers,
+        prefill_views: &[WorkerView],
+        decode_views: &[WorkerView],
         events: &mut Vec<EngineEvent>,
-    ) {
+    ) -> bool {
+        let trace = self.trace;
+        let (r, now) = (&trace[i], trace[i].arrival);
+        let mut req = request_view(r, Role::Prefill);
+        let mut ctx = PickCtx { now, rng: &mut routers.rng };
+        let Ok(pre) = route(routers.prefill.as_mut(), &req, prefill_views, &mut ctx) else { return false };
+        req.role = Role::Decode;
+        let mut ctx = PickCtx { now, rng: &mut routers.rng };
+        let Ok(dec) = route(routers.decode.as_mut(), &req, decode_views, &mut ctx) else { return false };
+        self.predicted.predict(pre.worker, &r.blocks, now, Nanos(u64::MAX));
+        let est = pre.cached_tokens_estimate(r.input_tokens);
+        self.prefill_tickets[i] = Some(self.ledger.dispatched(pre.worker, u64::from(r.input_tokens) - est, 1));
+        self.decode_tickets[i] = Some(self.ledger.dispatched(dec.worker, 0, u64::from(r.output_tokens)));
+        let o = &mut self.outcomes[i];
+        o.worker = Some(dec.worker.0);
+        o.prefill_worker = Some(pre.worker.0);
+        o.branch = pre.branch.as_str();
+        self.submit(pre.worker.index(), i, now, Phase::Prefill, events);
+        true
+    }
+
+    /// Routes request `i` colocated on a decode engine and submits it. `false` when the
+    /// decode router finds no engine.
+    fn place_colocated(
+        &mut self,
+        i: usize,
+        routers: &mut Routers,
+        decode_views: &[WorkerView],
+        events: &mut Vec<EngineEvent>,
+    ) -> bool {
+        let trace = self.trace;
+        let (r, now) = (&trace[i], trace[i].arrival);
+        let req = request_view(r, Role::Both);
+        let mut ctx = PickCtx { now, rng: &mut routers.rng };
+        let Ok(d) = route(routers.decode.as_mut(), &req, decode_views, &mut ctx) else { return false };
+        self.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
+        let est = d.cached_tokens_estimate(r.input_tokens);
+        self.decode_tickets[i] =
+            Some(self.ledger.dispatched(d.worker, u64::from(r.input_tokens) - est, u64::from(r.output_tokens)));
+        let o = &mut self.outcomes[i];
+        o.worker = Some(d.worker.0);
+        o.branch = d.branch.as_str();
+        self.submit(d.worker.index(), i, now, Phase::Colocated, events);
+        true
+    }
+
+    /// Submits request `i` to engine `k` at `now` for `phase` (the engine must have run up
+    /// to `now`).
+    fn submit(&mut self, k: usize, i: usize, now: Nanos, phase: Phase, events: &mut Vec<EngineEvent>) {
         let r = &self.trace[i];
+        let (output_tokens, kv_transferred) = match phase {
+            Phase::Prefill => (1, false),
+            Phase::Colocated => (r.output_tokens, false),
+            Phase::Decode => (r.output_tokens, true),
+        };
         let req = EngineRequest {
             id: i as u64,
             input_tokens: r.input_tokens,
@@ -259,7 +324,7 @@ impl Sim<'_> {
                 let Some(k) = self.outcomes[i].worker.map(|w| w as usize) else { continue };
                 self.engines[k].advance(t, events);
                 self.handle(k, events);
-                self.submit(k, i, t, self.trace[i].output_tokens, true, events);
+                self.submit(k, i, t, Phase::Decode, events);
             }
         }
     }

@@ -11,12 +11,12 @@
 
 use crate::engine::{CacheEvent, Engine, EngineEvent, EngineRequest};
 use crate::trace::TraceRequest;
-use crate::types::RouterView;
 pub use crate::types::{
     BusyWindow, KvOracle, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, UTIL_WINDOW, request_view,
 };
+use crate::types::{Maintenance, RouterView};
 use kvroute_core::ledger::{LoadLedger, Ticket};
-use kvroute_core::policy::{Observation, PickCtx, Policy, route};
+use kvroute_core::policy::{Decision, Observation, PickCtx, Policy, RouteError, route};
 use kvroute_core::precise::PredictWindow;
 use kvroute_core::registry;
 use kvroute_core::slots::SlotTable;
@@ -370,6 +370,24 @@ pub fn replay(
     cfg: &ReplayConfig,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayResult, ReplayError> {
+    check_config(cfg)?;
+    let mut run = Replay::new(trace, cfg)?;
+    let mut routed = 0usize;
+    while let Some((now, i)) = run.next_arrival() {
+        run.arrive(i, now);
+        routed += 1;
+        if routed.is_multiple_of(256) {
+            progress(routed);
+        }
+    }
+    let result = run.finish();
+    progress(trace.len());
+    Ok(result)
+}
+
+/// The settings a replay cannot run with: no engines, a bad profile, a `host_slowdown`
+/// value that is not a slow-down.
+fn check_config(cfg: &ReplayConfig) -> Result<(), ReplayError> {
     if cfg.engines == 0 {
         return Err(ReplayError::Config(crate::engine::InvalidSetting::new(
             "engines",
@@ -383,119 +401,195 @@ pub fn replay(
             format!("{bad} is not a positive finite slow-down"),
         )));
     }
-    let mut policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
-    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed);
-    let mut engines: Vec<Engine> =
-        (0..cfg.engines).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect();
-    let mut events = Vec::new();
-    let interval = policy.maintenance_interval();
-    let mut next_maintain = interval.unwrap_or(Nanos(u64::MAX));
-    let mut views: Vec<WorkerView> = Vec::with_capacity(cfg.engines);
-    let mut util: Vec<BusyWindow> = (0..cfg.engines).map(|_| BusyWindow::default()).collect();
-    let mut book = Book::new(trace, cfg);
-    let mut routed = 0usize;
-    // Every block computed so far, for `KvOracle::Store` (fed by the engines' cache events).
-    let mut store: std::collections::HashSet<BlockHash> = Default::default();
-    let mut cache_events = Vec::new();
-    if cfg.kv_oracle == KvOracle::Store {
-        engines.iter_mut().for_each(|e| e.record_cache_events(true));
+    Ok(())
+}
+
+/// The router of a colocated replay: its policy with its random source and maintenance
+/// clock, and what it sees of each engine.
+struct Router {
+    policy: Box<dyn Policy>,
+    rng: rand_xoshiro::Xoshiro256PlusPlus,
+    maintenance: Maintenance,
+    views: Vec<WorkerView>,
+    util: Vec<BusyWindow>,
+}
+
+impl Router {
+    /// The router of `cfg`.
+    fn new(cfg: &ReplayConfig) -> Result<Router, ReplayError> {
+        let policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
+        Ok(Router {
+            rng: rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
+            maintenance: Maintenance::new(policy.as_ref()),
+            policy,
+            views: Vec::with_capacity(cfg.engines),
+            util: (0..cfg.engines).map(|_| BusyWindow::default()).collect(),
+        })
     }
 
-    while let Some((now, i)) = book.next_arrival(&mut engines, &mut events, policy.as_mut()) {
-        let r = &trace[i];
-        book.host.advance(&mut engines, now, &mut events);
-        book.handle(&mut events, policy.as_mut());
-        while now >= next_maintain {
-            policy.maintain(next_maintain, usize::MAX);
-            next_maintain = next_maintain.saturating_add(interval.unwrap_or(Nanos(u64::MAX)));
-        }
-        views.clear();
+    /// Routes `r` at `now` over views of every engine (with the slot a llama.cpp engine
+    /// would serve it from, under slot routing).
+    fn pick(
+        &mut self,
+        book: &Book<'_>,
+        engines: &[Engine],
+        cfg: &ReplayConfig,
+        r: &TraceRequest,
+        now: Nanos,
+    ) -> Result<Decision, RouteError> {
+        self.views.clear();
         for (w, e) in engines.iter().enumerate() {
             let view = RouterView { ledger: &book.ledger, predicted: &book.predicted, cfg, now };
-            let mut v = view.of(w, Role::Both, e, &mut util[w], r);
+            let mut v = view.of(w, Role::Both, e, &mut self.util[w], r);
             if let Some(cached) = book.slots.cached_tokens(w, r) {
                 v.cached_tokens = Some(cached);
             }
-            views.push(v);
+            self.views.push(v);
         }
         let req = request_view(r, Role::Both);
-        let mut ctx = PickCtx { now, rng: &mut rng };
-        match route(policy.as_mut(), &req, &views, &mut ctx) {
-            Ok(d) => {
-                let w = d.worker.index();
-                // Predicted until its prefill is over (settled at its first token).
-                book.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
-                let o = &mut book.outcomes[i];
-                o.worker = Some(d.worker.0);
-                o.branch = d.branch.as_str();
-                let est = d.cached_tokens_estimate(r.input_tokens);
-                book.tickets[i] =
-                    Some(book.ledger.dispatched(d.worker, r.input_tokens as u64 - est, r.output_tokens as u64));
-                book.expected[i] = Some(Observation {
-                    input_tokens: r.input_tokens,
-                    predicted: d.predicted_ttft,
-                    predicted_cached_tokens: est,
-                    ttft_secs: None,
-                    cached_tokens: None,
-                });
-                let slot = book.slots.start(w, i, r, now);
-                let found = match cfg.kv_oracle {
-                    KvOracle::Off => 0,
-                    KvOracle::Fleet => engines.iter().map(|e| e.cache().lookup(&r.blocks)).max().unwrap_or(0),
-                    KvOracle::Store => {
-                        for e in engines.iter_mut() {
-                            e.drain_cache_events(&mut cache_events);
-                        }
-                        for ev in cache_events.drain(..) {
-                            if let CacheEvent::Stored { hashes, .. } = ev {
-                                store.extend(hashes);
-                            }
-                        }
-                        r.blocks.iter().take_while(|h| store.contains(h)).count()
-                    }
-                };
-                if found > 0 {
-                    engines[w].import_prefix(&r.blocks[..found], r.block_tokens);
-                }
-                let at = book.host.virtual_at(now);
-                let first = events.len();
-                engines[w].submit(
-                    EngineRequest {
-                        id: i as u64,
-                        input_tokens: r.input_tokens,
-                        output_tokens: r.output_tokens,
-                        blocks: r.blocks.clone(),
-                        block_tokens: r.block_tokens,
-                        token_ids: None,
-                        kv_transferred: false,
-                        slot,
-                    },
-                    at,
-                    &mut events,
-                );
-                book.host.make_real(&mut events[first..]);
-                book.host.resync(now, &engines);
-                book.handle(&mut events, policy.as_mut());
-            }
-            Err(_) => {
-                book.outcomes[i].rejected = true;
-                book.ended(i, now);
-            }
+        let mut ctx = PickCtx { now, rng: &mut self.rng };
+        route(self.policy.as_mut(), &req, &self.views, &mut ctx)
+    }
+}
+
+/// The KV oracle of a replay ([`KvOracle`]): what prefix of a request it hands its engine.
+struct Oracle {
+    kind: KvOracle,
+    /// Every block computed so far, for `KvOracle::Store` (fed by the engines' cache events).
+    store: std::collections::HashSet<BlockHash>,
+    cache_events: Vec<CacheEvent>,
+}
+
+impl Oracle {
+    /// The oracle `kind`; `Store` has the engines record their cache events.
+    fn new(kind: KvOracle, engines: &mut [Engine]) -> Oracle {
+        if kind == KvOracle::Store {
+            engines.iter_mut().for_each(|e| e.record_cache_events(true));
         }
-        routed += 1;
-        if routed.is_multiple_of(256) {
-            progress(routed);
+        Oracle { kind, store: Default::default(), cache_events: Vec::new() }
+    }
+
+    /// How many leading blocks of `blocks` the oracle's source holds now (0 when off).
+    fn found(&mut self, engines: &mut [Engine], blocks: &[BlockHash]) -> usize {
+        match self.kind {
+            KvOracle::Off => 0,
+            KvOracle::Fleet => engines.iter().map(|e| e.cache().lookup(blocks)).max().unwrap_or(0),
+            KvOracle::Store => {
+                for e in engines.iter_mut() {
+                    e.drain_cache_events(&mut self.cache_events);
+                }
+                for ev in self.cache_events.drain(..) {
+                    if let CacheEvent::Stored { hashes, .. } = ev {
+                        self.store.extend(hashes);
+                    }
+                }
+                blocks.iter().take_while(|h| self.store.contains(h)).count()
+            }
         }
     }
-    book.host.advance(&mut engines, Nanos(u64::MAX), &mut events);
-    book.handle(&mut events, policy.as_mut());
-    let outcomes = book.outcomes;
-    progress(trace.len());
-    Ok(ReplayResult {
-        policy: cfg.policy.clone(),
-        outcomes,
-        busy_ns: engines.iter().map(|e| e.stats().busy_ns).collect(),
-        evictions: engines.iter().map(|e| e.cache().evictions()).collect(),
-        pd: None,
-    })
+}
+
+/// One colocated replay under way: the engines, the record of every request, the router
+/// and the oracle.
+struct Replay<'a> {
+    cfg: &'a ReplayConfig,
+    engines: Vec<Engine>,
+    events: Vec<EngineEvent>,
+    book: Book<'a>,
+    router: Router,
+    oracle: Oracle,
+}
+
+impl<'a> Replay<'a> {
+    /// A replay of `trace` under `cfg` (checked), before its first arrival.
+    fn new(trace: &'a [TraceRequest], cfg: &'a ReplayConfig) -> Result<Replay<'a>, ReplayError> {
+        let router = Router::new(cfg)?;
+        let mut engines: Vec<Engine> =
+            (0..cfg.engines).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect();
+        let book = Book::new(trace, cfg);
+        let oracle = Oracle::new(cfg.kv_oracle, &mut engines);
+        Ok(Replay { cfg, engines, events: Vec::new(), book, router, oracle })
+    }
+
+    /// The next arrival `(time, request)` ([`Book::next_arrival`]).
+    fn next_arrival(&mut self) -> Option<(Nanos, usize)> {
+        self.book.next_arrival(&mut self.engines, &mut self.events, self.router.policy.as_mut())
+    }
+
+    /// Request `i` arrives at `now`: the engines are brought up to it, the policy
+    /// maintained, and the request routed and submitted (or rejected).
+    fn arrive(&mut self, i: usize, now: Nanos) {
+        let trace = self.book.trace;
+        let r = &trace[i];
+        self.book.host.advance(&mut self.engines, now, &mut self.events);
+        self.book.handle(&mut self.events, self.router.policy.as_mut());
+        self.router.maintenance.run(self.router.policy.as_mut(), now);
+        match self.router.pick(&self.book, &self.engines, self.cfg, r, now) {
+            Ok(d) => self.dispatch(i, &d, now),
+            Err(_) => {
+                self.book.outcomes[i].rejected = true;
+                self.book.ended(i, now);
+            }
+        }
+    }
+
+    /// Request `i`, routed by `d` at `now`: recorded (prediction, outcome, ledger ticket,
+    /// expected observation), handed the oracle's prefix, and submitted to its engine.
+    fn dispatch(&mut self, i: usize, d: &Decision, now: Nanos) {
+        let trace = self.book.trace;
+        let r = &trace[i];
+        let book = &mut self.book;
+        let w = d.worker.index();
+        // Predicted until its prefill is over (settled at its first token).
+        book.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
+        let o = &mut book.outcomes[i];
+        o.worker = Some(d.worker.0);
+        o.branch = d.branch.as_str();
+        let est = d.cached_tokens_estimate(r.input_tokens);
+        book.tickets[i] = Some(book.ledger.dispatched(d.worker, r.input_tokens as u64 - est, r.output_tokens as u64));
+        book.expected[i] = Some(Observation {
+            input_tokens: r.input_tokens,
+            predicted: d.predicted_ttft,
+            predicted_cached_tokens: est,
+            ttft_secs: None,
+            cached_tokens: None,
+        });
+        let slot = book.slots.start(w, i, r, now);
+        let found = self.oracle.found(&mut self.engines, &r.blocks);
+        if found > 0 {
+            self.engines[w].import_prefix(&r.blocks[..found], r.block_tokens);
+        }
+        let at = self.book.host.virtual_at(now);
+        let first = self.events.len();
+        self.engines[w].submit(
+            EngineRequest {
+                id: i as u64,
+                input_tokens: r.input_tokens,
+                output_tokens: r.output_tokens,
+                blocks: r.blocks.clone(),
+                block_tokens: r.block_tokens,
+                token_ids: None,
+                kv_transferred: false,
+                slot,
+            },
+            at,
+            &mut self.events,
+        );
+        self.book.host.make_real(&mut self.events[first..]);
+        self.book.host.resync(now, &self.engines);
+        self.book.handle(&mut self.events, self.router.policy.as_mut());
+    }
+
+    /// Runs the engines to the end and returns the result.
+    fn finish(mut self) -> ReplayResult {
+        self.book.host.advance(&mut self.engines, Nanos(u64::MAX), &mut self.events);
+        self.book.handle(&mut self.events, self.router.policy.as_mut());
+        ReplayResult {
+            policy: self.cfg.policy.clone(),
+            outcomes: self.book.outcomes,
+            busy_ns: self.engines.iter().map(|e| e.stats().busy_ns).collect(),
+            evictions: self.engines.iter().map(|e| e.cache().evictions()).collect(),
+            pd: None,
+        }
+    }
 }

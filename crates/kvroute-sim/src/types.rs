@@ -426,3 +426,26 @@ impl RouterView<'_> {
         v
     }
 }
+
+/// When a policy is next maintained: its interval, and the next instant due (never for a
+/// policy without maintenance).
+pub(crate) struct Maintenance {
+    interval: Option<Nanos>,
+    next: Nanos,
+}
+
+impl Maintenance {
+    /// The maintenance clock of `policy`, first due one interval after time 0.
+    pub(crate) fn new(policy: &dyn kvroute_core::policy::Policy) -> Maintenance {
+        let interval = policy.maintenance_interval();
+        Maintenance { interval, next: interval.unwrap_or(Nanos(u64::MAX)) }
+    }
+
+    /// Runs every maintenance due at or before `now`.
+    pub(crate) fn run(&mut self, policy: &mut dyn kvroute_core::policy::Policy, now: Nanos) {
+        while now >= self.next {
+            policy.maintain(self.next, usize::MAX);
+            self.next = self.next.saturating_add(self.interval.unwrap_or(Nanos(u64::MAX)));
+        }
+    }
+}
