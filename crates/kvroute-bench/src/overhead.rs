@@ -435,6 +435,8 @@ pub async fn run<L: Launcher>(cfg: &Config, launcher: &L) -> anyhow::Result<Repo
     }
 }
 
+/// Checks the settings, writes wrk's script, starts the workers, runs every round (its
+/// table printed as it ends) and the summary of several rounds.
 async fn run_inner<L: Launcher>(cfg: &Config, launcher: &L) -> anyhow::Result<Report> {
     if cfg.duration_secs == 0 || cfg.rounds == 0 || cfg.workers == 0 {
         bail!("--duration, --rounds and --workers must be at least 1");
@@ -456,55 +458,7 @@ async fn run_inner<L: Launcher>(cfg: &Config, launcher: &L) -> anyhow::Result<Re
     let (kids, urls) = launcher.workers(cfg.workers).await.context("starting the instant workers")?;
     let mut absent: Vec<(usize, String)> = Vec::new();
     for round in 1..=cfg.rounds {
-        let mut rows = Vec::new();
-        eprintln!(
-            "round {round}/{}: load average {}",
-            cfg.rounds,
-            load_average().map_or_else(|| "?".into(), |l| format!("{:.2} {:.2} {:.2}", l[0], l[1], l[2]))
-        );
-        let mut direct = Row::new(round, "direct", "-");
-        measure(cfg, &script, &urls[0], "direct", &mut direct).await.context("wrk against a worker directly")?;
-        eprintln!("  direct: {}", progress_line(&direct));
-        rows.push(direct);
-        // Rotate the order from round to round so no router always runs first or last.
-        let n = cfg.targets.len();
-        let mut order: Vec<usize> = (0..n).collect();
-        order.rotate_left((round - 1) % n.max(1));
-        let mut measured: Vec<(usize, Row)> = Vec::new();
-        for i in order {
-            let t = &cfg.targets[i];
-            let mut row = Row::new(round, &t.router, &t.policy);
-            if let Some((_, why)) = absent.iter().find(|(j, _)| *j == i) {
-                row.skipped = Some(why.clone());
-                measured.push((i, row));
-                continue;
-            }
-            match launcher.router(t, &urls).await {
-                Ok((proc, url)) => {
-                    let name = t.label().replace(' ', "-");
-                    let m = measure(cfg, &script, &url, &name, &mut row).await;
-                    row.rss_kib = L::pid(&proc).and_then(tree_rss_kib);
-                    launcher.stop(proc).await;
-                    match m {
-                        Ok(()) => eprintln!("  {}: {}", t.label(), progress_line(&row)),
-                        Err(e) => {
-                            eprintln!("  {}: failed: {e:#}", t.label());
-                            row.skipped = Some(format!("{e:#}"));
-                        }
-                    }
-                }
-                Err(e) => {
-                    eprintln!("  {}: skipped: {e:#}", t.label());
-                    if L::not_installed(&e) {
-                        absent.push((i, format!("{e:#}")));
-                    }
-                    row.skipped = Some(format!("{e:#}"));
-                }
-            }
-            measured.push((i, row));
-        }
-        measured.sort_by_key(|(i, _)| *i);
-        rows.extend(measured.into_iter().map(|(_, r)| r));
+        let rows = run_round(cfg, launcher, &script, &urls, round, &mut absent).await?;
         println!("{}", round_table(&rows, round, cfg.rounds));
         report.rows.extend(rows);
     }
@@ -516,6 +470,81 @@ async fn run_inner<L: Launcher>(cfg: &Config, launcher: &L) -> anyhow::Result<Re
         println!("{}", summary_table(&report));
     }
     Ok(report)
+}
+
+/// One round: the direct path, then every router in an order rotated from round to round
+/// (so no router always runs first or last); rows come back in target order.
+async fn run_round<L: Launcher>(
+    cfg: &Config,
+    launcher: &L,
+    script: &Path,
+    urls: &[String],
+    round: usize,
+    absent: &mut Vec<(usize, String)>,
+) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    eprintln!(
+        "round {round}/{}: load average {}",
+        cfg.rounds,
+        load_average().map_or_else(|| "?".into(), |l| format!("{:.2} {:.2} {:.2}", l[0], l[1], l[2]))
+    );
+    let mut direct = Row::new(round, "direct", "-");
+    measure(cfg, script, &urls[0], "direct", &mut direct).await.context("wrk against a worker directly")?;
+    eprintln!("  direct: {}", progress_line(&direct));
+    rows.push(direct);
+    let n = cfg.targets.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.rotate_left((round - 1) % n.max(1));
+    let mut measured: Vec<(usize, Row)> = Vec::new();
+    for i in order {
+        let row = router_row(cfg, launcher, script, urls, round, i, absent).await;
+        measured.push((i, row));
+    }
+    measured.sort_by_key(|(i, _)| *i);
+    rows.extend(measured.into_iter().map(|(_, r)| r));
+    Ok(rows)
+}
+
+/// The row of target `i` in `round`: skipped when it was found not installed before, else
+/// its router started, measured (with its RSS) and stopped; a failure is recorded in the row.
+async fn router_row<L: Launcher>(
+    cfg: &Config,
+    launcher: &L,
+    script: &Path,
+    urls: &[String],
+    round: usize,
+    i: usize,
+    absent: &mut Vec<(usize, String)>,
+) -> Row {
+    let t = &cfg.targets[i];
+    let mut row = Row::new(round, &t.router, &t.policy);
+    if let Some((_, why)) = absent.iter().find(|(j, _)| *j == i) {
+        row.skipped = Some(why.clone());
+        return row;
+    }
+    match launcher.router(t, urls).await {
+        Ok((proc, url)) => {
+            let name = t.label().replace(' ', "-");
+            let m = measure(cfg, script, &url, &name, &mut row).await;
+            row.rss_kib = L::pid(&proc).and_then(tree_rss_kib);
+            launcher.stop(proc).await;
+            match m {
+                Ok(()) => eprintln!("  {}: {}", t.label(), progress_line(&row)),
+                Err(e) => {
+                    eprintln!("  {}: failed: {e:#}", t.label());
+                    row.skipped = Some(format!("{e:#}"));
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("  {}: skipped: {e:#}", t.label());
+            if L::not_installed(&e) {
+                absent.push((i, format!("{e:#}")));
+            }
+            row.skipped = Some(format!("{e:#}"));
+        }
+    }
+    row
 }
 
 fn progress_line(r: &Row) -> String {

@@ -43,7 +43,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvroute_core::hash::{HashAlgo, hash_text_blocks, stable_hash};
 use kvroute_core::types::{BlockHash, Nanos, estimate_tokens};
-use kvroute_protocol::openai::{Api, parse};
+use kvroute_protocol::openai::{Api, RoutingInfo, parse};
 /// The engine profile a simulated worker runs (re-exported from `kvroute_sim::engine`).
 pub use kvroute_sim::engine::Profile;
 use kvroute_sim::engine::{Engine, EngineEvent, EngineRequest};
@@ -997,38 +997,101 @@ fn resolve_model(
     Err(ApiError::new(StatusCode::NOT_FOUND, format!("The model `{model}` does not exist.")).with_param("model"))
 }
 
+/// Serves one completion (chat, completions or SGLang `/generate`): reads the request,
+/// injects faults, waits for a decode's KV, runs it on the engine and answers, streamed or
+/// whole.
 async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
     let t0 = Instant::now();
-    let info = match parse(api, &body, None) {
-        Ok(x) => x,
-        Err(e) => return e.into_response(),
+    let req = match Incoming::read(&s, api, &body) {
+        Ok(r) => r,
+        Err(resp) => return *resp,
     };
-    let opts = serde_json::from_slice::<Options>(&body).unwrap_or_default();
-    // llama.cpp reads `id_slot` as an integer; -1 (its default) lets the engine pick.
-    let id_slot = match &opts.id_slot {
-        None | Some(serde_json::Value::Null) => None,
-        Some(v) => match v.as_i64() {
-            Some(n) if n < 0 => None,
-            Some(n) => Some(u32::try_from(n).unwrap_or(u32::MAX)),
-            None => return err(StatusCode::BAD_REQUEST, "`id_slot` must be an integer"),
-        },
-    };
-    let ask = match opts.ask(api) {
-        Ok(a) => a,
-        Err(e) => return e.into_response(),
-    };
-    let adapter = match resolve_model(&s, api, &info.model, opts.lora_path.as_ref()) {
-        Ok(a) => a,
-        Err(e) => return e.into_response(),
-    };
-    let mode = match pd::mode(s.pd.role, &serde_json::from_slice::<pd::Fields>(&body).unwrap_or_default()) {
-        Ok(m) => m,
-        Err(e) => return e.into_response(),
-    };
-    let mut handoff = match &mode {
+    let mut handoff = match &req.mode {
         pd::Mode::SglangPrefill(room) => Some(pd::Handoff::new(&s.pd, room)),
         _ => None,
     };
+    if let Some(resp) = inject_faults(&s, &mut handoff).await {
+        return resp;
+    }
+    let transferred = match receive_kv(&s, &req.mode).await {
+        Ok(t) => t,
+        Err(resp) => return resp,
+    };
+    if req.adapter.is_some() {
+        s.lora.count_request();
+    }
+    let prompt = prompt_blocks(&req.info, req.adapter.as_deref(), req.opts.cache_salt.as_deref());
+    let input_tokens = prompt.input_tokens;
+    let (mut rx, id, output) = match enqueue(&s, &req, prompt, transferred.is_some()).await {
+        Ok(x) => x,
+        Err(resp) => return resp,
+    };
+    let first = match first_token(&mut rx, &mut handoff).await {
+        Ok(f) => f,
+        Err(resp) => return resp,
+    };
+    let kv_params = publish_kv(&s, handoff.take(), &req.mode, input_tokens);
+    s.metrics.ttft.observe(t0.elapsed().as_secs_f64());
+    let cached = count_prompt(&s, transferred, first, input_tokens);
+    let answer = Answer::new(&s, api, &req, id, input_tokens, output, cached);
+    // vLLM's prefill for a remote decode always answers in one piece (with its
+    // `kv_transfer_params`).
+    if req.info.stream && kv_params.is_none() {
+        let s2 = Arc::clone(&s);
+        let stream = async_stream(rx, output, decode_step(&s), answer, move || count_finished(&s2, output, t0));
+        return Response::builder()
+            .status(200)
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(Body::from_stream(stream))
+            .unwrap_or_else(|_| err(StatusCode::INTERNAL_SERVER_ERROR, "response"));
+    }
+    full_response(&s, rx, &answer, kv_params, t0).await
+}
+
+/// A request as read from its body: what routing reads, the simulator's own options, and
+/// how it is served (slot, logprobs, adapter, P/D mode).
+struct Incoming {
+    info: RoutingInfo,
+    opts: Options,
+    id_slot: Option<u32>,
+    ask: Option<quality::Ask>,
+    adapter: Option<String>,
+    mode: pd::Mode,
+}
+
+impl Incoming {
+    /// Reads `body`; the error answer (boxed: it is large) for a bad field, an unknown model
+    /// or bad P/D fields.
+    fn read(s: &EngineSim, api: Api, body: &[u8]) -> Result<Incoming, Box<Response>> {
+        let info = parse(api, body, None).map_err(boxed)?;
+        let opts = serde_json::from_slice::<Options>(body).unwrap_or_default();
+        // llama.cpp reads `id_slot` as an integer; -1 (its default) lets the engine pick.
+        let id_slot = match &opts.id_slot {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => match v.as_i64() {
+                Some(n) if n < 0 => None,
+                Some(n) => Some(u32::try_from(n).unwrap_or(u32::MAX)),
+                None => return Err(Box::new(err(StatusCode::BAD_REQUEST, "`id_slot` must be an integer"))),
+            },
+        };
+        let ask = opts.ask(api).map_err(boxed)?;
+        let adapter = resolve_model(s, api, &info.model, opts.lora_path.as_ref()).map_err(boxed)?;
+        let mode =
+            pd::mode(s.pd.role, &serde_json::from_slice::<pd::Fields>(body).unwrap_or_default()).map_err(boxed)?;
+        Ok(Incoming { info, opts, id_slot, ask, adapter, mode })
+    }
+}
+
+/// An error answer, boxed.
+fn boxed(e: impl IntoResponse) -> Box<Response> {
+    Box::new(e.into_response())
+}
+
+/// Failure injection: exits after `--crash-after` requests, answers 500 to a share
+/// `--error-rate` of them (failing an SGLang prefill's handoff) and never answers a share
+/// `--hang-rate`. `None`: serve the request.
+async fn inject_faults(s: &EngineSim, handoff: &mut Option<pd::Handoff<'_>>) -> Option<Response> {
     let n = s.served.fetch_add(1, Ordering::Relaxed) + 1;
     if s.cfg.crash_after.is_some_and(|c| n > c) {
         tracing::error!("engine-sim: crash injected after {} requests", n - 1);
@@ -1039,133 +1102,165 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         if let Some(h) = handoff.take() {
             h.fail("injected failure");
         }
-        return err(StatusCode::INTERNAL_SERVER_ERROR, "injected failure");
+        return Some(err(StatusCode::INTERNAL_SERVER_ERROR, "injected failure"));
     }
     if roll < s.cfg.error_rate + s.cfg.hang_rate {
         std::future::pending::<()>().await;
     }
-    // A decode waits for its KV before anything is answered (a streamed request's error
-    // comes before any byte).
-    let transferred: Option<u64> = match &mode {
+    None
+}
+
+/// A decode waits for its KV before anything is answered (a streamed request's error
+/// comes before any byte): the transferred prompt tokens, or `None` for a request that
+/// computes its own prompt.
+async fn receive_kv(s: &EngineSim, mode: &pd::Mode) -> Result<Option<u64>, Response> {
+    match mode {
         pd::Mode::Decode(src) => match s.pd.receive(src, pd::wall_secs(s.cfg.bootstrap_timeout_secs)).await {
-            Ok((tokens, _bytes)) => Some(tokens),
-            Err(e) => return e.into_response(),
+            Ok((tokens, _bytes)) => Ok(Some(tokens)),
+            Err(e) => Err(e.into_response()),
         },
         pd::Mode::LocalPrefill => {
             s.pd.count_local_prefill();
-            None
+            Ok(None)
         }
-        _ => None,
-    };
-    // An adapter's blocks hash on a chain seeded by its name: never shared with the base
-    // model's or another adapter's (vLLM keys prefix-cache blocks by LoRA id).
-    // A `cache_salt` roots the chain apart in the same way (vLLM's per-tenant isolation).
-    let chain_seed = match (adapter.as_deref().map(lora::adapter_seed), opts.cache_salt.as_deref()) {
+        _ => Ok(None),
+    }
+}
+
+/// A prompt as the engine sees it.
+struct Prompt {
+    /// Prompt tokens (given, or estimated from the text).
+    input_tokens: u32,
+    /// Its full blocks' hashes.
+    blocks: Vec<BlockHash>,
+    /// Its token ids (given, or pseudo-tokens of the text), for KV events.
+    ids: Vec<u32>,
+}
+
+/// The prompt's blocks. An adapter's blocks hash on a chain seeded by its name: never
+/// shared with the base model's or another adapter's (vLLM keys prefix-cache blocks by
+/// LoRA id). A `cache_salt` roots the chain apart in the same way (vLLM's per-tenant
+/// isolation).
+fn prompt_blocks(info: &RoutingInfo, adapter: Option<&str>, cache_salt: Option<&str>) -> Prompt {
+    let chain_seed = match (adapter.map(lora::adapter_seed), cache_salt) {
         (seed, None) => seed,
         (seed, Some(salt)) => Some(HashAlgo::Xxh3.chain(
             seed.unwrap_or(kvroute_core::hash::ROOT_SEED),
             &[b"cache_salt\0".as_slice(), salt.as_bytes()].concat(),
         )),
     };
-    if adapter.is_some() {
-        s.lora.count_request();
-    }
-    let (input_tokens, blocks, ids) = match &info.token_ids {
+    let mut blocks: Vec<BlockHash> = Vec::new();
+    match &info.token_ids {
         Some(t) => {
-            let mut b = Vec::new();
             match chain_seed {
                 None => {
-                    kvroute_core::hash::hash_token_blocks(t, BLOCK_TOKENS as usize, usize::MAX, HashAlgo::Xxh3, &mut b);
+                    kvroute_core::hash::hash_token_blocks(
+                        t,
+                        BLOCK_TOKENS as usize,
+                        usize::MAX,
+                        HashAlgo::Xxh3,
+                        &mut blocks,
+                    );
                 }
-                Some(seed) => lora::token_blocks(t, BLOCK_TOKENS as usize, seed, &mut b),
+                Some(seed) => lora::token_blocks(t, BLOCK_TOKENS as usize, seed, &mut blocks),
             }
-            (t.len() as u32, b, t.clone())
+            Prompt { input_tokens: t.len() as u32, blocks, ids: t.clone() }
         }
         None => {
-            let mut b: Vec<BlockHash> = Vec::new();
             match chain_seed {
                 None => {
-                    hash_text_blocks(&info.text, BLOCK_TOKENS as usize, usize::MAX, HashAlgo::Xxh3, &mut b);
+                    hash_text_blocks(&info.text, BLOCK_TOKENS as usize, usize::MAX, HashAlgo::Xxh3, &mut blocks);
                 }
-                Some(seed) => lora::text_blocks(&info.text, BLOCK_TOKENS as usize, seed, &mut b),
+                Some(seed) => lora::text_blocks(&info.text, BLOCK_TOKENS as usize, seed, &mut blocks),
             }
-            (estimate_tokens(&info.text).max(1), b, pseudo_tokens(&info.text))
+            Prompt { input_tokens: estimate_tokens(&info.text).max(1), blocks, ids: pseudo_tokens(&info.text) }
         }
-    };
-    let token_ids: Option<Arc<[u32]>> = s.cfg.kv_events.is_some().then(|| ids.into());
+    }
+}
+
+/// Hands the request to the engine (`--instant`: answers it at once, one token); its
+/// events, its id and its output tokens (one for a prefill of a remote decode). 503 when
+/// the engine has stopped.
+async fn enqueue(
+    s: &EngineSim,
+    req: &Incoming,
+    prompt: Prompt,
+    kv_transferred: bool,
+) -> Result<(mpsc::Receiver<EngineEvent>, u64, u32), Response> {
+    let token_ids: Option<Arc<[u32]>> = s.cfg.kv_events.is_some().then(|| prompt.ids.into());
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
-    let (tx, mut rx) = mpsc::channel(4);
-    let output = if s.cfg.instant {
+    let (tx, rx) = mpsc::channel(4);
+    if s.cfg.instant {
         // No engine: the first token and the end are already there.
         let _ = tx.try_send(EngineEvent::FirstToken { id, at: Nanos(0), cached_tokens: 0 });
         let _ = tx.try_send(EngineEvent::Finished { id, at: Nanos(0) });
-        1
-    } else {
-        // A prefill for a remote decode produces one token.
-        let output = if mode.is_prefill() { 1 } else { info.max_tokens.unwrap_or(16).clamp(1, 8192) };
-        let req = EngineRequest {
-            id,
-            input_tokens,
-            output_tokens: output,
-            blocks,
-            block_tokens: BLOCK_TOKENS,
-            token_ids,
-            kv_transferred: transferred.is_some(),
-            slot: id_slot,
-        };
-        if s.tx.send(Cmd::Submit { req, reply: tx }).await.is_err() {
-            return err(StatusCode::SERVICE_UNAVAILABLE, "engine stopped");
-        }
-        if let Some(t) = s.driver.get() {
-            t.unpark();
-        }
-        output
+        return Ok((rx, id, 1));
+    }
+    // A prefill for a remote decode produces one token.
+    let output = if req.mode.is_prefill() { 1 } else { req.info.max_tokens.unwrap_or(16).clamp(1, 8192) };
+    let engine_req = EngineRequest {
+        id,
+        input_tokens: prompt.input_tokens,
+        output_tokens: output,
+        blocks: prompt.blocks,
+        block_tokens: BLOCK_TOKENS,
+        token_ids,
+        kv_transferred,
+        slot: req.id_slot,
     };
-    let seed = stable_hash(info.text.as_bytes());
-    let toks = Arc::new(quality::Tokens::new(
-        seed,
-        prompt_mean_logprob(&s.cfg, &info.text),
-        output,
-        s.cfg.quality_spread > 0.0,
-        matches!(ask, Some(quality::Ask::Completions { .. })),
-    ));
-    let created = 1_700_000_000u64;
-    let rid = format!("kvsim-{id}");
-    let model = match &adapter {
-        Some(a) => a.clone(),
-        None if s.cfg.model.is_empty() => info.model.clone(),
-        None => s.cfg.model.clone(),
-    };
-    let step = Duration::from_secs_f64(
-        (s.cfg.profile.step_overhead_s + s.cfg.profile.decode_per_seq_s) / s.cfg.time_scale.max(1e-6),
-    );
-    // Wait for the first token.
-    let first = match rx.recv().await {
-        Some(EngineEvent::FirstToken { cached_tokens, .. }) => cached_tokens,
+    if s.tx.send(Cmd::Submit { req: engine_req, reply: tx }).await.is_err() {
+        return Err(err(StatusCode::SERVICE_UNAVAILABLE, "engine stopped"));
+    }
+    if let Some(t) = s.driver.get() {
+        t.unpark();
+    }
+    Ok((rx, id, output))
+}
+
+/// Waits for the first token: the prompt tokens the engine found in its cache. 503 (and a
+/// failed handoff) when the engine rejected the request.
+async fn first_token(
+    rx: &mut mpsc::Receiver<EngineEvent>,
+    handoff: &mut Option<pd::Handoff<'_>>,
+) -> Result<u32, Response> {
+    match rx.recv().await {
+        Some(EngineEvent::FirstToken { cached_tokens, .. }) => Ok(cached_tokens),
         Some(EngineEvent::Rejected { .. }) | None => {
             if let Some(h) = handoff.take() {
                 h.fail("request does not fit in the KV cache or the queue is full");
             }
-            return err(StatusCode::SERVICE_UNAVAILABLE, "request does not fit in the KV cache or the queue is full");
+            Err(err(StatusCode::SERVICE_UNAVAILABLE, "request does not fit in the KV cache or the queue is full"))
         }
-        Some(EngineEvent::Finished { .. }) => 0,
-    };
-    // The prefill is over: its KV is ready on the bootstrap server after the copy time.
+        Some(EngineEvent::Finished { .. }) => Ok(0),
+    }
+}
+
+/// The prefill is over: its KV is ready on the bootstrap server after the copy time
+/// (SGLang: through the handoff; vLLM: under a key returned as `kv_transfer_params`).
+fn publish_kv(
+    s: &EngineSim,
+    handoff: Option<pd::Handoff<'_>>,
+    mode: &pd::Mode,
+    input_tokens: u32,
+) -> Option<serde_json::Value> {
     let kv_delay = Duration::from_secs_f64(
         s.cfg.kv_transfer.delay(u64::from(input_tokens)).as_secs_f64() / s.cfg.time_scale.max(1e-6),
     );
     let kv_bytes = s.cfg.kv_transfer.bytes(u64::from(input_tokens));
-    if let Some(h) = handoff.take() {
+    if let Some(h) = handoff {
         h.publish(u64::from(input_tokens), kv_bytes, kv_delay);
     }
-    let kv_params = (mode == pd::Mode::VllmPrefill).then(|| {
+    (*mode == pd::Mode::VllmPrefill).then(|| {
         let (block_ids, key) = s.pd.vllm_transfer(u64::from(input_tokens));
         s.pd.publish(&key, u64::from(input_tokens), kv_bytes, kv_delay);
         s.pd.vllm_params(&block_ids)
-    });
-    s.metrics.ttft.observe(t0.elapsed().as_secs_f64());
-    // Transferred KV is not a prefix-cache lookup; its tokens are reported as cached.
-    let first = match transferred {
+    })
+}
+
+/// Counts the prompt in the metrics; returns the tokens reported as cached. Transferred
+/// KV is not a prefix-cache lookup; its tokens are reported as cached.
+fn count_prompt(s: &EngineSim, transferred: Option<u64>, first: u32, input_tokens: u32) -> u32 {
+    let cached = match transferred {
         Some(t) => u32::try_from(t).unwrap_or(u32::MAX),
         None => {
             s.metrics.hits.inc_by(u64::from(first));
@@ -1174,21 +1269,78 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
         }
     };
     s.metrics.prompt_tokens.inc_by(u64::from(input_tokens));
-    let usage = serde_json::json!({"prompt_tokens": input_tokens, "completion_tokens": output,
-        "total_tokens": input_tokens + output, "prompt_tokens_details": {"cached_tokens": first}});
-    let s2 = Arc::clone(&s);
-    let finish = move |rx: &mut mpsc::Receiver<EngineEvent>| {
-        let _ = rx;
-        s2.metrics.generation_tokens.inc_by(u64::from(output));
-        s2.metrics.requests.inc();
-        s2.metrics.e2e.observe(t0.elapsed().as_secs_f64());
-    };
-    let (rid_c, model_c, toks_c) = (rid.clone(), model.clone(), Arc::clone(&toks));
-    let chunk = move |i: u32| -> serde_json::Value {
-        let (rid, model, toks) = (&rid_c, &model_c, &toks_c);
+    cached
+}
+
+/// Counts a finished request: its output tokens, the request and its end-to-end time.
+fn count_finished(s: &EngineSim, output: u32, t0: Instant) {
+    s.metrics.generation_tokens.inc_by(u64::from(output));
+    s.metrics.requests.inc();
+    s.metrics.e2e.observe(t0.elapsed().as_secs_f64());
+}
+
+/// Wall time of one decode step of the profile.
+fn decode_step(s: &EngineSim) -> Duration {
+    Duration::from_secs_f64(
+        (s.cfg.profile.step_overhead_s + s.cfg.profile.decode_per_seq_s) / s.cfg.time_scale.max(1e-6),
+    )
+}
+
+/// One answer: its id, model and tokens, and how each API writes it (stream chunks, the
+/// last chunk with usage, or the whole body).
+struct Answer {
+    api: Api,
+    rid: String,
+    model: String,
+    created: u64,
+    toks: quality::Tokens,
+    ask: Option<quality::Ask>,
+    input_tokens: u32,
+    output: u32,
+    cached: u32,
+}
+
+impl Answer {
+    /// The answer to `req`, engine request `id`.
+    fn new(s: &EngineSim, api: Api, req: &Incoming, id: u64, input_tokens: u32, output: u32, cached: u32) -> Answer {
+        let toks = quality::Tokens::new(
+            stable_hash(req.info.text.as_bytes()),
+            prompt_mean_logprob(&s.cfg, &req.info.text),
+            output,
+            s.cfg.quality_spread > 0.0,
+            matches!(req.ask, Some(quality::Ask::Completions { .. })),
+        );
+        let model = match &req.adapter {
+            Some(a) => a.clone(),
+            None if s.cfg.model.is_empty() => req.info.model.clone(),
+            None => s.cfg.model.clone(),
+        };
+        Answer {
+            api,
+            rid: format!("kvsim-{id}"),
+            model,
+            created: 1_700_000_000u64,
+            toks,
+            ask: req.ask,
+            input_tokens,
+            output,
+            cached,
+        }
+    }
+
+    /// OpenAI's `usage`.
+    fn usage(&self) -> serde_json::Value {
+        let (input_tokens, output) = (self.input_tokens, self.output);
+        serde_json::json!({"prompt_tokens": input_tokens, "completion_tokens": output,
+            "total_tokens": input_tokens + output, "prompt_tokens_details": {"cached_tokens": self.cached}})
+    }
+
+    /// The stream chunk of output token `i`.
+    fn chunk(&self, i: u32) -> serde_json::Value {
+        let (rid, model, created, toks) = (&self.rid, &self.model, self.created, &self.toks);
         let w = toks.text(i);
-        let lp = ask.map(|a| quality::logprobs_json(a, toks, i..i + 1));
-        match api {
+        let lp = self.ask.map(|a| quality::logprobs_json(a, toks, i..i + 1));
+        match self.api {
             Api::Chat => {
                 serde_json::json!({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": w}, "logprobs": lp, "finish_reason": null}]})
@@ -1205,46 +1357,67 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
                 c
             }
         }
-    };
-    // vLLM's prefill for a remote decode always answers in one piece (with its
-    // `kv_transfer_params`).
-    if info.stream && kv_params.is_none() {
-        let stream =
-            async_stream(rx, output, step, chunk, finish, usage.clone(), api, rid.clone(), model.clone(), created);
-        return Response::builder()
-            .status(200)
-            .header(header::CONTENT_TYPE, "text/event-stream")
-            .header(header::CACHE_CONTROL, "no-cache")
-            .body(Body::from_stream(stream))
-            .unwrap_or_else(|_| err(StatusCode::INTERNAL_SERVER_ERROR, "response"));
     }
-    // Non-streaming: wait for completion.
-    let mut rx = rx;
+
+    /// The stream's last chunk: the finish reason and the usage.
+    fn last_chunk(&self) -> serde_json::Value {
+        let (rid, model, created, usage) = (&self.rid, &self.model, self.created, self.usage());
+        match self.api {
+            Api::Chat => {
+                serde_json::json!({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": usage})
+            }
+            Api::Completions => {
+                serde_json::json!({"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": usage})
+            }
+            Api::Generate => {
+                serde_json::json!({"text": "", "meta_info": {"id": rid, "finish_reason": {"type": "length"}, "usage": usage}})
+            }
+        }
+    }
+
+    /// The whole answer of a request not streamed.
+    fn body(&self) -> serde_json::Value {
+        let (rid, model, created, usage) = (&self.rid, &self.model, self.created, self.usage());
+        let text = self.toks.full_text();
+        let lp = self.ask.map(|a| quality::logprobs_json(a, &self.toks, 0..self.output));
+        match self.api {
+            Api::Chat => serde_json::json!({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": "length"}],
+                "usage": usage}),
+            Api::Completions => {
+                serde_json::json!({"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": "length"}], "usage": usage})
+            }
+            Api::Generate => {
+                let mut b = serde_json::json!({"text": text, "meta_info": {"id": rid, "prompt_tokens": self.input_tokens,
+                    "completion_tokens": self.output, "cached_tokens": self.cached, "finish_reason": {"type": "length"}}});
+                if let Some(lp) = lp {
+                    b["meta_info"]["output_token_logprobs"] = lp;
+                }
+                b
+            }
+        }
+    }
+}
+
+/// A request not streamed: answered whole once the engine has finished it (with vLLM's
+/// `kv_transfer_params` for a prefill of a remote decode).
+async fn full_response(
+    s: &EngineSim,
+    mut rx: mpsc::Receiver<EngineEvent>,
+    answer: &Answer,
+    kv_params: Option<serde_json::Value>,
+    t0: Instant,
+) -> Response {
     while let Some(ev) = rx.recv().await {
         if matches!(ev, EngineEvent::Finished { .. }) {
             break;
         }
     }
-    finish(&mut rx);
-    let text = toks.full_text();
-    let lp = ask.map(|a| quality::logprobs_json(a, &toks, 0..output));
-    let mut body = match api {
-        Api::Chat => serde_json::json!({"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": "length"}],
-            "usage": usage}),
-        Api::Completions => {
-            serde_json::json!({"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": "length"}], "usage": usage})
-        }
-        Api::Generate => {
-            let mut b = serde_json::json!({"text": text, "meta_info": {"id": rid, "prompt_tokens": input_tokens,
-                "completion_tokens": output, "cached_tokens": first, "finish_reason": {"type": "length"}}});
-            if let Some(lp) = lp {
-                b["meta_info"]["output_token_logprobs"] = lp;
-            }
-            b
-        }
-    };
+    count_finished(s, answer.output, t0);
+    let mut body = answer.body();
     if let Some(p) = kv_params {
         body["kv_transfer_params"] = p;
     }
@@ -1253,78 +1426,55 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
 
 /// The SSE stream: first token now, then one token per decode step until the engine says
 /// the request finished (remaining tokens are flushed then), a final usage chunk and
-/// `[DONE]`.
-#[allow(clippy::too_many_arguments)]
+/// `[DONE]`. `finish` runs once the engine has finished the request.
 fn async_stream(
     rx: mpsc::Receiver<EngineEvent>,
     output: u32,
     step: Duration,
-    chunk: impl Fn(u32) -> serde_json::Value + Send + 'static,
-    finish: impl FnOnce(&mut mpsc::Receiver<EngineEvent>) + Send + 'static,
-    usage: serde_json::Value,
-    api: Api,
-    rid: String,
-    model: String,
-    created: u64,
+    answer: Answer,
+    finish: impl FnOnce() + Send + 'static,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send {
-    struct St<C, F> {
+    struct St<F> {
         rx: mpsc::Receiver<EngineEvent>,
         i: u32,
         done: bool,
         finished_engine: bool,
-        chunk: C,
+        answer: Answer,
         finish: Option<F>,
         tail_sent: bool,
     }
-    let st = St { rx, i: 0, done: false, finished_engine: false, chunk, finish: Some(finish), tail_sent: false };
-    futures_util::stream::unfold(st, move |mut st| {
-        let usage = usage.clone();
-        let rid = rid.clone();
-        let model = model.clone();
-        async move {
-            if st.done {
-                return None;
-            }
-            if st.i < output {
-                if st.i > 0 && !st.finished_engine {
-                    tokio::select! {
-                        ev = st.rx.recv() => {
-                            if matches!(ev, Some(EngineEvent::Finished { .. }) | None) { st.finished_engine = true; }
-                        }
-                        () = tokio::time::sleep(step) => {}
-                    }
-                }
-                let c = (st.chunk)(st.i);
-                st.i += 1;
-                return Some((Ok(Bytes::from(format!("data: {c}\n\n"))), st));
-            }
-            if !st.tail_sent {
-                while !st.finished_engine {
-                    match st.rx.recv().await {
-                        Some(EngineEvent::Finished { .. }) | None => st.finished_engine = true,
-                        _ => {}
-                    }
-                }
-                if let Some(f) = st.finish.take() {
-                    f(&mut st.rx);
-                }
-                st.tail_sent = true;
-                let last = match api {
-                    Api::Chat => {
-                        serde_json::json!({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": usage})
-                    }
-                    Api::Completions => {
-                        serde_json::json!({"id": rid, "object": "text_completion", "created": created, "model": model,
-                        "choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": usage})
-                    }
-                    Api::Generate => {
-                        serde_json::json!({"text": "", "meta_info": {"id": rid, "finish_reason": {"type": "length"}, "usage": usage}})
-                    }
-                };
-                return Some((Ok(Bytes::from(format!("data: {last}\n\ndata: [DONE]\n\n"))), st));
-            }
-            None
+    let st = St { rx, i: 0, done: false, finished_engine: false, answer, finish: Some(finish), tail_sent: false };
+    futures_util::stream::unfold(st, move |mut st| async move {
+        if st.done {
+            return None;
         }
+        if st.i < output {
+            if st.i > 0 && !st.finished_engine {
+                tokio::select! {
+                    ev = st.rx.recv() => {
+                        if matches!(ev, Some(EngineEvent::Finished { .. }) | None) { st.finished_engine = true; }
+                    }
+                    () = tokio::time::sleep(step) => {}
+                }
+            }
+            let c = st.answer.chunk(st.i);
+            st.i += 1;
+            return Some((Ok(Bytes::from(format!("data: {c}\n\n"))), st));
+        }
+        if !st.tail_sent {
+            while !st.finished_engine {
+                match st.rx.recv().await {
+                    Some(EngineEvent::Finished { .. }) | None => st.finished_engine = true,
+                    _ => {}
+                }
+            }
+            if let Some(f) = st.finish.take() {
+                f();
+            }
+            st.tail_sent = true;
+            let last = st.answer.last_chunk();
+            return Some((Ok(Bytes::from(format!("data: {last}\n\ndata: [DONE]\n\n"))), st));
+        }
+        None
     })
 }

@@ -190,14 +190,10 @@ pub(crate) fn bind(cfg: &crate::EngineSimConfig) -> std::io::Result<Option<std::
     Ok(Some(l))
 }
 
-impl Pd {
-    /// The PD state of `cfg`, its metrics registered in `registry`, its bootstrap server
-    /// started on `listener` (must run inside a tokio runtime).
-    pub(crate) fn new(
-        cfg: &crate::EngineSimConfig,
-        registry: &mut Registry,
-        listener: Option<std::net::TcpListener>,
-    ) -> Self {
+impl PdMetrics {
+    /// The PD counters, registered in `registry`, and the `kvroute_sim_role` gauge set to
+    /// `role`.
+    fn register(registry: &mut Registry, role: Role) -> PdMetrics {
         let transfers = Counter::default();
         registry.register(
             "kvroute_sim_pd_transfers",
@@ -232,45 +228,74 @@ impl Pd {
         registry.register("kvroute_sim_pd_waiting_for_kv", "Decode requests waiting for their KV", waiting.clone());
         let role_gauge = Family::<Vec<(String, String)>, Gauge>::default();
         registry.register("kvroute_sim_role", "Disaggregation role of this worker (1 on its role)", role_gauge.clone());
-        role_gauge.get_or_create(&vec![("role".to_string(), cfg.role.as_str().to_string())]).set(1);
+        role_gauge.get_or_create(&vec![("role".to_string(), role.as_str().to_string())]).set(1);
+        PdMetrics { transfers, transfer_bytes, transfer_failures, local_prefills, kv_published, waiting }
+    }
+}
 
+/// Starts the bootstrap server on `l` (until `shutdown`); its port, or `None` (logged)
+/// when the listener cannot be used.
+fn start_bootstrap(
+    l: std::net::TcpListener,
+    store: &Arc<KvStore>,
+    timeout_secs: f64,
+    shutdown: &CancellationToken,
+) -> Option<u16> {
+    match l.local_addr().and_then(|a| tokio::net::TcpListener::from_std(l).map(|l| (a, l))) {
+        Ok((addr, l)) => {
+            let app = bootstrap_app(Arc::clone(store), timeout_secs);
+            let stop = shutdown.clone();
+            tokio::spawn(async move {
+                let _ = axum::serve(l, app).with_graceful_shutdown(async move { stop.cancelled().await }).await;
+            });
+            Some(addr.port())
+        }
+        Err(e) => {
+            tracing::error!("engine-sim: bootstrap server not started: {e}");
+            None
+        }
+    }
+}
+
+/// This worker's engine id for vLLM's `kv_transfer_params`: a hash of the time, the
+/// process id and the bootstrap port.
+fn engine_id(bootstrap_port: Option<u16>) -> String {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let id = kvroute_core::hash::stable_hash(
+        &[
+            t.as_nanos().to_le_bytes().as_slice(),
+            &std::process::id().to_le_bytes(),
+            &bootstrap_port.unwrap_or(0).to_le_bytes(),
+        ]
+        .concat(),
+    );
+    format!("kvsim-{id:016x}")
+}
+
+impl Pd {
+    /// The PD state of `cfg`, its metrics registered in `registry`, its bootstrap server
+    /// started on `listener` (must run inside a tokio runtime).
+    pub(crate) fn new(
+        cfg: &crate::EngineSimConfig,
+        registry: &mut Registry,
+        listener: Option<std::net::TcpListener>,
+    ) -> Self {
+        let metrics = PdMetrics::register(registry, cfg.role);
         let ttl = KEY_TTL_MIN.max(wall_secs(2.0 * cfg.bootstrap_timeout_secs));
         let store = Arc::new(KvStore::new(ttl));
         let shutdown = CancellationToken::new();
-        let mut bootstrap_port = None;
-        if let Some(l) = listener {
-            match l.local_addr().and_then(|a| tokio::net::TcpListener::from_std(l).map(|l| (a, l))) {
-                Ok((addr, l)) => {
-                    bootstrap_port = Some(addr.port());
-                    let app = bootstrap_app(Arc::clone(&store), cfg.bootstrap_timeout_secs);
-                    let stop = shutdown.clone();
-                    tokio::spawn(async move {
-                        let _ = axum::serve(l, app).with_graceful_shutdown(async move { stop.cancelled().await }).await;
-                    });
-                }
-                Err(e) => tracing::error!("engine-sim: bootstrap server not started: {e}"),
-            }
-        }
+        let bootstrap_port = listener.and_then(|l| start_bootstrap(l, &store, cfg.bootstrap_timeout_secs, &shutdown));
         let advertised_host = match cfg.bootstrap_host.parse::<std::net::IpAddr>() {
             Ok(ip) if ip.is_unspecified() => "127.0.0.1".to_string(),
             _ => cfg.bootstrap_host.clone(),
         };
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        let id = kvroute_core::hash::stable_hash(
-            &[
-                t.as_nanos().to_le_bytes().as_slice(),
-                &std::process::id().to_le_bytes(),
-                &bootstrap_port.unwrap_or(0).to_le_bytes(),
-            ]
-            .concat(),
-        );
         Pd {
             role: cfg.role,
             store,
-            metrics: PdMetrics { transfers, transfer_bytes, transfer_failures, local_prefills, kv_published, waiting },
+            metrics,
             bootstrap_port,
             advertised_host,
-            engine_id: format!("kvsim-{id:016x}"),
+            engine_id: engine_id(bootstrap_port),
             next_block: AtomicU64::new(0),
             shutdown,
         }

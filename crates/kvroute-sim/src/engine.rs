@@ -357,22 +357,10 @@ impl KvCache {
         }
     }
 
-    /// Prefill done: releases `reserved` engine blocks, pins the `new` computed prompt
-    /// blocks (each `weight` engine blocks; already-cached ones just gain a reference) and
-    /// adds `anon` anonymous blocks.
-    /// `parent` is the block before `new[0]` and `tokens` the token ids of `new` (for the
-    /// event log; may be empty).
-    #[allow(clippy::too_many_arguments)]
-    pub fn commit(
-        &mut self,
-        new: &[BlockHash],
-        parent: Option<BlockHash>,
-        tokens: &[u32],
-        block_size: u32,
-        weight: u64,
-        reserved: u64,
-        anon: u64,
-    ) {
+    /// Prefill done: releases `reserved` engine blocks, pins the computed prompt blocks
+    /// (already-cached ones just gain a reference) and adds `anon` anonymous blocks.
+    pub fn commit(&mut self, computed: Computed<'_>, reserved: u64, anon: u64) {
+        let Computed { new, parent, tokens, block_size, weight } = computed;
         self.reserved -= reserved.min(self.reserved);
         let bs = block_size as usize;
         let mut run: Option<(usize, usize)> = None; // [start, end) of newly stored blocks
@@ -414,6 +402,21 @@ impl KvCache {
         self.anonymous -= anon.min(self.anonymous);
         self.reserved -= reserved.min(self.reserved);
     }
+}
+
+/// The prompt blocks a prefill computed, as [`KvCache::commit`] stores them.
+#[derive(Debug, Clone, Copy)]
+pub struct Computed<'a> {
+    /// The computed blocks' hashes.
+    pub new: &'a [BlockHash],
+    /// The block before `new[0]` (for the event log).
+    pub parent: Option<BlockHash>,
+    /// The token ids of `new` (for the event log; may be empty).
+    pub tokens: &'a [u32],
+    /// Tokens per block of `new`.
+    pub block_size: u32,
+    /// Engine blocks each of `new` takes.
+    pub weight: u64,
 }
 
 /// A request submitted to an [`Engine`].
@@ -785,7 +788,8 @@ impl Engine {
             let parent = start.checked_sub(1).map(|i| r.req.blocks[i]);
             let bs = r.req.block_tokens as usize;
             let toks: &[u32] = r.req.token_ids.as_deref().and_then(|t| t.get(start * bs..full * bs)).unwrap_or(&[]);
-            self.cache.commit(new, parent, toks, r.req.block_tokens, weight, r.reserved_blocks, anon);
+            let computed = Computed { new, parent, tokens: toks, block_size: r.req.block_tokens, weight };
+            self.cache.commit(computed, r.reserved_blocks, anon);
             r.anon_blocks = anon;
             r.reserved_blocks = 0;
         }
@@ -825,12 +829,24 @@ impl Engine {
                 chunks.push((i, n));
             }
         }
-        if !self.slots.is_empty() {
+        if self.slots.is_empty() {
+            self.admit_fifo(&mut budget, &mut decode_seqs, &mut chunks);
+        } else {
             self.admit_to_slots(now, &mut budget, &mut decode_seqs, &mut chunks);
         }
+        if self.running.is_empty() {
+            self.step = None;
+            return;
+        }
+        self.schedule_step(now, chunks, decode_seqs);
+    }
+
+    /// Admits waiting requests FIFO (a profile without slots) while the step's token
+    /// budget, the batch and the KV cache allow: each joins with its first prefill chunk,
+    /// or in decode when its KV was transferred.
+    fn admit_fifo(&mut self, budget: &mut u64, decode_seqs: &mut u64, chunks: &mut Vec<(usize, u32)>) {
         let p = &self.profile;
-        // Admit waiting requests FIFO.
-        while self.slots.is_empty() && budget > 0 && (self.running.len() as u32) < p.max_batch {
+        while *budget > 0 && (self.running.len() as u32) < p.max_batch {
             let Some(req) = self.waiting.front() else { break };
             let hit_blocks = self.cache.lookup(&req.blocks);
             let hit_tokens = (hit_blocks as u64 * req.block_tokens as u64).min(req.input_tokens as u64);
@@ -847,8 +863,8 @@ impl Engine {
                 // The prompt's KV arrived whole: it joins the batch in decode, one token of
                 // the step's budget, no prefill chunk.
                 self.stats.transferred_tokens += req.input_tokens as u64;
-                budget -= 1;
-                decode_seqs += 1;
+                *budget -= 1;
+                *decode_seqs += 1;
                 self.running.push(Running {
                     cached_tokens: req.input_tokens,
                     hit_blocks,
@@ -865,8 +881,8 @@ impl Engine {
             self.stats.prefix_queries_tokens += req.input_tokens as u64;
             self.stats.prefix_hit_tokens += hit_tokens;
             let prefill = (req.input_tokens as u64 - hit_tokens).max(1) as u32;
-            let n = (prefill as u64).min(budget) as u32;
-            budget -= n as u64;
+            let n = (prefill as u64).min(*budget) as u32;
+            *budget -= n as u64;
             let idx = self.running.len();
             self.running.push(Running {
                 cached_tokens: hit_tokens as u32,
@@ -881,10 +897,12 @@ impl Engine {
             });
             chunks.push((idx, n));
         }
-        if self.running.is_empty() {
-            self.step = None;
-            return;
-        }
+    }
+
+    /// The next step from `now`: with prefill `chunks`, one step timed by its prefill
+    /// tokens and attention pairs; decode-only, a span of identical steps up to the first
+    /// completion.
+    fn schedule_step(&mut self, now: Nanos, chunks: Vec<(usize, u32)>, decode_seqs: u64) {
         let p = &self.profile;
         let context: u64 =
             self.running.iter().map(|r| (r.req.input_tokens - r.prefill_left) as u64 + r.decoded as u64).sum();

@@ -9,6 +9,9 @@
 //! - [`replay`]: replays a trace through a routing policy onto N engines on a logical clock.
 //! - [`pd`]: prefill/decode disaggregation: the KV transfer model shared with
 //!   `kvroute engine-sim`, and the replay of a trace onto P prefill and D decode engines.
+//! - [`types`]: the vocabulary both replays share (settings, outcomes, the transfer model,
+//!   what the router sees of an engine), so that [`replay`] and [`pd`] import it and not
+//!   each other.
 //! - [`report`]: per-policy results, tables, JSON/CSV and plots.
 //! - [`latency`]: the one latency summary (TTFT, TPOT, E2E) and SLO shared with `kvroute bench`.
 #![forbid(unsafe_code)]
@@ -20,3 +23,4 @@ pub mod pd;
 pub mod replay;
 pub mod report;
 pub mod trace;
+pub mod types;

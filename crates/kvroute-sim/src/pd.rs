@@ -8,16 +8,17 @@
 //! without recomputing the prompt. Short prompts run colocated: the copy would cost more
 //! than the prefill it saves.
 //!
-//! ## Transfer model
-//! [`TransferModel::delay`]: `latency_secs + kv_bytes_per_token × tokens /
-//! (link_gbytes_per_s × 1e9)` simulated seconds, where `tokens` is the prompt's token count
-//! (the whole prompt's KV is copied; the one output token of the prefill is not). Each
-//! transfer is modelled alone: no link contention between concurrent transfers, no
-//! pipelining of the copy with the prefill (the copy starts when the prefill ends).
+//! The transfer model and the settings live in [`crate::types`] (shared with the colocated
+//! replay); they are re-exported here.
 
 use crate::engine::{Engine, EngineEvent, EngineRequest, InvalidSetting};
-use crate::replay::{BusyWindow, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, RouterView};
 use crate::trace::TraceRequest;
+use crate::types::{
+    BusyWindow, Maintenance, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, RouterView, request_view,
+};
+pub use crate::types::{
+    DEFAULT_COLOCATE_BELOW_TOKENS, DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_LINK_GBYTES_PER_S, PdConfig, TransferModel,
+};
 use kvroute_core::disagg::{DisaggConfig, DisaggPlan, plan};
 use kvroute_core::ledger::{LoadLedger, Ticket};
 use kvroute_core::policy::{PickCtx, Policy, route};
@@ -25,132 +26,8 @@ use kvroute_core::precise::PredictWindow;
 use kvroute_core::registry;
 use kvroute_core::types::{Nanos, Role, WorkerId, WorkerView};
 use rand_core::SeedableRng;
-use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-
-/// Default KV bytes per token: 131,072 (128 KiB), Llama-3-8B in fp16/bf16 — 32 layers × 8
-/// KV heads × 128 dims × 2 (K and V) × 2 bytes.
-pub const DEFAULT_KV_BYTES_PER_TOKEN: u64 = 131_072;
-
-/// Default link bandwidth, GB/s (10^9 bytes per second): 25 GB/s, a 200 Gb/s RDMA NIC
-/// (ConnectX-6/7 class), the link SGLang's Mooncake and vLLM's NIXL transfers run over.
-pub const DEFAULT_LINK_GBYTES_PER_S: f64 = 25.0;
-
-/// Default prompt length at or below which a request runs colocated, tokens (the
-/// gateway's `[router.disagg] colocate_below_tokens` default, [`DisaggConfig`]).
-pub const DEFAULT_COLOCATE_BELOW_TOKENS: u32 = 2048;
-
-/// How long copying a prompt's KV cache from a prefill to a decode engine takes.
-/// See the module docs for the formula and what it leaves out.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct TransferModel {
-    /// KV cache bytes per prompt token (all layers, K and V), ≥ 1. Default
-    /// [`DEFAULT_KV_BYTES_PER_TOKEN`] (Llama-3-8B fp16).
-    pub kv_bytes_per_token: u64,
-    /// Link bandwidth, GB/s (10^9 bytes/s), finite and > 0. Default
-    /// [`DEFAULT_LINK_GBYTES_PER_S`].
-    pub link_gbytes_per_s: f64,
-    /// Fixed cost of one transfer (handshake, completion notification), seconds, finite
-    /// and ≥ 0. Default 0.
-    pub latency_secs: f64,
-}
-
-impl Default for TransferModel {
-    fn default() -> Self {
-        TransferModel {
-            kv_bytes_per_token: DEFAULT_KV_BYTES_PER_TOKEN,
-            link_gbytes_per_s: DEFAULT_LINK_GBYTES_PER_S,
-            latency_secs: 0.0,
-        }
-    }
-}
-
-impl TransferModel {
-    /// Checks the knobs: `kv_bytes_per_token` ≥ 1, `link_gbytes_per_s` finite and > 0,
-    /// `latency_secs` finite and ≥ 0.
-    ///
-    /// # Errors
-    /// [`InvalidSetting`] naming the field and its `--kv-*` flag.
-    pub fn validate(&self) -> Result<(), InvalidSetting> {
-        if self.kv_bytes_per_token == 0 {
-            return Err(InvalidSetting::new("kv_bytes_per_token (--kv-bytes-per-token)", "must be at least 1, got 0"));
-        }
-        if !(self.link_gbytes_per_s.is_finite() && self.link_gbytes_per_s > 0.0) {
-            return Err(InvalidSetting::new(
-                "link_gbytes_per_s (--kv-link-gbytes-per-s)",
-                format!("must be finite and > 0, got {}", self.link_gbytes_per_s),
-            ));
-        }
-        if !(self.latency_secs.is_finite() && self.latency_secs >= 0.0) {
-            return Err(InvalidSetting::new(
-                "latency_secs (--kv-transfer-latency-secs)",
-                format!("must be finite and >= 0, got {}", self.latency_secs),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Bytes copied for a prompt of `tokens` tokens (saturating at `u64::MAX`).
-    pub fn bytes(&self, tokens: u64) -> u64 {
-        tokens.saturating_mul(self.kv_bytes_per_token)
-    }
-
-    /// Simulated time to copy a prompt of `tokens` tokens: `latency_secs + bytes /
-    /// (link_gbytes_per_s × 1e9)` (assumes valid knobs).
-    pub fn delay(&self, tokens: u64) -> Nanos {
-        Nanos::from_secs_f64(self.latency_secs + self.bytes(tokens) as f64 / (self.link_gbytes_per_s * 1e9))
-    }
-}
-
-/// Disaggregation settings of a replay ([`replay_pd`]).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct PdConfig {
-    /// Prefill engines (P ≥ 1): engines `0..P` of the replay.
-    pub prefill_engines: usize,
-    /// Decode engines (D ≥ 1): engines `P..P+D`.
-    pub decode_engines: usize,
-    /// Prompts of at most this many tokens run colocated on a decode engine; longer ones
-    /// are split (as [`kvroute_core::disagg::plan`] decides for the gateway).
-    pub colocate_below_tokens: u32,
-    /// Policy routing decode phases and colocated requests over the D decode engines
-    /// (default knobs). The prefill policy is [`ReplayConfig::policy`], with its knobs.
-    pub decode_policy: String,
-    /// KV transfer cost.
-    pub transfer: TransferModel,
-}
-
-impl PdConfig {
-    /// P prefill and D decode engines with the defaults: colocated at ≤ 2048 prompt
-    /// tokens, `least_load` for decode, the default [`TransferModel`].
-    pub fn new(prefill_engines: usize, decode_engines: usize) -> Self {
-        PdConfig {
-            prefill_engines,
-            decode_engines,
-            colocate_below_tokens: DEFAULT_COLOCATE_BELOW_TOKENS,
-            decode_policy: "least_load".into(),
-            transfer: TransferModel::default(),
-        }
-    }
-
-    /// Checks P ≥ 1, D ≥ 1 and the transfer knobs.
-    ///
-    /// # Errors
-    /// [`InvalidSetting`] naming the bad setting.
-    pub fn validate(&self) -> Result<(), InvalidSetting> {
-        if self.prefill_engines == 0 || self.decode_engines == 0 {
-            return Err(InvalidSetting::new(
-                "--pd",
-                format!(
-                    "{}:{}: at least one prefill and one decode engine are needed",
-                    self.prefill_engines, self.decode_engines
-                ),
-            ));
-        }
-        self.transfer.validate()
-    }
-}
 
 /// Replays `trace` onto `pd.prefill_engines` prefill engines and `pd.decode_engines` decode
 /// engines (`cfg.engines` must be their sum; `cfg.policy` with `cfg.knobs` is the prefill
@@ -187,91 +64,30 @@ pub fn replay_pd(
     pd: &PdConfig,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayResult, ReplayError> {
-    pd.validate().map_err(ReplayError::Config)?;
-    let p = pd.prefill_engines;
-    let n = p + pd.decode_engines;
-    if cfg.engines != n {
-        return Err(ReplayError::Config(InvalidSetting::new(
-            "engines",
-            format!("{} engines given but --pd {}:{} needs {n}", cfg.engines, pd.prefill_engines, pd.decode_engines),
-        )));
-    }
-    cfg.profile.validate().map_err(ReplayError::Config)?;
-    let mut prefill_policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
-    let mut decode_policy: Box<dyn Policy> = registry::build(&pd.decode_policy, &serde_json::Value::Null)?;
-    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed);
+    check_config(cfg, pd)?;
+    let mut routers = Routers::new(cfg, pd)?;
     let disagg = disagg_config(pd.colocate_below_tokens);
-    let mut sim = Sim {
-        trace,
-        prefill_engines: p,
-        transfer: pd.transfer,
-        engines: (0..n).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect(),
-        ledger: LoadLedger::new(),
-        prefill_tickets: (0..trace.len()).map(|_| None).collect(),
-        decode_tickets: (0..trace.len()).map(|_| None).collect(),
-        outcomes: trace.iter().map(Outcome::pending).collect(),
-        transfers: BinaryHeap::new(),
-        predicted: match cfg.prefix_state {
-            PrefixState::Precise { predict_window } => PredictWindow::new(predict_window, 1 << 22),
-            PrefixState::Approximate => PredictWindow::new(Nanos(0), 1),
-        },
-    };
+    let mut sim = Sim::new(trace, cfg, pd);
+    let (p, n) = (pd.prefill_engines, cfg.engines);
     let mut events = Vec::new();
-    let mut maintain = [prefill_policy.maintenance_interval(), decode_policy.maintenance_interval()]
-        .map(|i| (i, i.unwrap_or(Nanos(u64::MAX))));
-    let mut util: Vec<BusyWindow> = (0..n).map(|_| BusyWindow::default()).collect();
     let mut prefill_views: Vec<WorkerView> = Vec::with_capacity(p);
     let mut decode_views: Vec<WorkerView> = Vec::with_capacity(n - p);
-
     for (i, r) in trace.iter().enumerate() {
         let now = r.arrival;
         sim.run_until(now, &mut events);
-        for (k, pol) in [&mut prefill_policy, &mut decode_policy].into_iter().enumerate() {
-            let (interval, next) = &mut maintain[k];
-            while now >= *next {
-                pol.maintain(*next, usize::MAX);
-                *next = next.saturating_add(interval.unwrap_or(Nanos(u64::MAX)));
-            }
-        }
+        routers.prefill_maintenance.run(routers.prefill.as_mut(), now);
+        routers.decode_maintenance.run(routers.decode.as_mut(), now);
         let split = plan(&disagg, r.input_tokens, true, true) == DisaggPlan::Split;
-        sim.views(&mut prefill_views, 0..p, Role::Prefill, cfg, &mut util, r, now);
-        sim.views(&mut decode_views, p..n, Role::Decode, cfg, &mut util, r, now);
-        let mut req = crate::replay::request_view(r, if split { Role::Prefill } else { Role::Both });
-        if split {
-            let mut ctx = PickCtx { now, rng: &mut rng };
-            let Ok(pre) = route(prefill_policy.as_mut(), &req, &prefill_views, &mut ctx) else {
-                sim.outcomes[i].rejected = true;
-                continue;
-            };
-            req.role = Role::Decode;
-            let mut ctx = PickCtx { now, rng: &mut rng };
-            let Ok(dec) = route(decode_policy.as_mut(), &req, &decode_views, &mut ctx) else {
-                sim.outcomes[i].rejected = true;
-                continue;
-            };
-            sim.predicted.predict(pre.worker, &r.blocks, now, Nanos(u64::MAX));
-            let est = pre.cached_tokens_estimate(r.input_tokens);
-            sim.prefill_tickets[i] = Some(sim.ledger.dispatched(pre.worker, u64::from(r.input_tokens) - est, 1));
-            sim.decode_tickets[i] = Some(sim.ledger.dispatched(dec.worker, 0, u64::from(r.output_tokens)));
-            let o = &mut sim.outcomes[i];
-            o.worker = Some(dec.worker.0);
-            o.prefill_worker = Some(pre.worker.0);
-            o.branch = pre.branch.as_str();
-            sim.submit(pre.worker.index(), i, now, 1, false, &mut events);
+        sim.views(&mut prefill_views, 0..p, Role::Prefill, r, now);
+        sim.views(&mut decode_views, p..n, Role::Decode, r, now);
+        let placed = if split {
+            sim.place_split(i, &mut routers, &prefill_views, &decode_views, &mut events)
         } else {
-            let mut ctx = PickCtx { now, rng: &mut rng };
-            let Ok(d) = route(decode_policy.as_mut(), &req, &decode_views, &mut ctx) else {
-                sim.outcomes[i].rejected = true;
-                continue;
-            };
-            sim.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
-            let est = d.cached_tokens_estimate(r.input_tokens);
-            sim.decode_tickets[i] =
-                Some(sim.ledger.dispatched(d.worker, u64::from(r.input_tokens) - est, u64::from(r.output_tokens)));
-            let o = &mut sim.outcomes[i];
-            o.worker = Some(d.worker.0);
-            o.branch = d.branch.as_str();
-            sim.submit(d.worker.index(), i, now, r.output_tokens, false, &mut events);
+            sim.place_colocated(i, &mut routers, &decode_views, &mut events)
+        };
+        if !placed {
+            sim.outcomes[i].rejected = true;
+            continue;
         }
         if i % 256 == 255 {
             progress(i + 1);
@@ -288,6 +104,46 @@ pub fn replay_pd(
     })
 }
 
+/// The settings a PD replay cannot run with: bad PD settings, `cfg.engines` other than
+/// P + D, a bad profile.
+fn check_config(cfg: &ReplayConfig, pd: &PdConfig) -> Result<(), ReplayError> {
+    pd.validate().map_err(ReplayError::Config)?;
+    let n = pd.prefill_engines + pd.decode_engines;
+    if cfg.engines != n {
+        return Err(ReplayError::Config(InvalidSetting::new(
+            "engines",
+            format!("{} engines given but --pd {}:{} needs {n}", cfg.engines, pd.prefill_engines, pd.decode_engines),
+        )));
+    }
+    cfg.profile.validate().map_err(ReplayError::Config)
+}
+
+/// The two routers of a PD replay (prefill and decode policies, each with its maintenance
+/// clock) and their shared random source.
+struct Routers {
+    prefill: Box<dyn Policy>,
+    decode: Box<dyn Policy>,
+    prefill_maintenance: Maintenance,
+    decode_maintenance: Maintenance,
+    rng: rand_xoshiro::Xoshiro256PlusPlus,
+}
+
+impl Routers {
+    /// `cfg.policy` with its knobs for prefills, `pd.decode_policy` with default knobs for
+    /// decodes.
+    fn new(cfg: &ReplayConfig, pd: &PdConfig) -> Result<Routers, ReplayError> {
+        let prefill: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
+        let decode: Box<dyn Policy> = registry::build(&pd.decode_policy, &serde_json::Value::Null)?;
+        Ok(Routers {
+            prefill_maintenance: Maintenance::new(prefill.as_ref()),
+            decode_maintenance: Maintenance::new(decode.as_ref()),
+            prefill,
+            decode,
+            rng: rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
+        })
+    }
+}
+
 /// The gateway's disaggregation config, enabled with `colocate_below_tokens`, field by field
 /// (so fields added to it keep their defaults).
 #[allow(clippy::field_reassign_with_default)]
@@ -298,9 +154,23 @@ fn disagg_config(colocate_below_tokens: u32) -> DisaggConfig {
     c
 }
 
+/// What an engine is asked to do with a request.
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    /// Prefill only, for a decode engine elsewhere: one output token.
+    Prefill,
+    /// The whole request on one engine.
+    Colocated,
+    /// Decode, its KV copied from the prefill engine.
+    Decode,
+}
+
 /// The state of one PD replay.
 struct Sim<'t> {
     trace: &'t [TraceRequest],
+    cfg: &'t ReplayConfig,
+    /// What the router's SM-utilisation signal has seen of each engine.
+    util: Vec<BusyWindow>,
     prefill_engines: usize,
     transfer: TransferModel,
     engines: Vec<Engine>,
@@ -313,38 +183,110 @@ struct Sim<'t> {
     predicted: PredictWindow,
 }
 
-impl Sim<'_> {
+impl<'t> Sim<'t> {
+    /// The state of a PD replay of `trace` before its first arrival.
+    fn new(trace: &'t [TraceRequest], cfg: &'t ReplayConfig, pd: &PdConfig) -> Self {
+        let n = cfg.engines;
+        Sim {
+            trace,
+            cfg,
+            util: (0..n).map(|_| BusyWindow::default()).collect(),
+            prefill_engines: pd.prefill_engines,
+            transfer: pd.transfer,
+            engines: (0..n).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect(),
+            ledger: LoadLedger::new(),
+            prefill_tickets: (0..trace.len()).map(|_| None).collect(),
+            decode_tickets: (0..trace.len()).map(|_| None).collect(),
+            outcomes: trace.iter().map(Outcome::pending).collect(),
+            transfers: BinaryHeap::new(),
+            predicted: match cfg.prefix_state {
+                PrefixState::Precise { predict_window } => PredictWindow::new(predict_window, 1 << 22),
+                PrefixState::Approximate => PredictWindow::new(Nanos(0), 1),
+            },
+        }
+    }
+
     /// Fills `out` with the router's views of `engines` (global ids) for request `r`.
-    #[allow(clippy::too_many_arguments)]
     fn views(
-        &self,
+        &mut self,
         out: &mut Vec<WorkerView>,
         engines: std::ops::Range<usize>,
         role: Role,
-        cfg: &ReplayConfig,
-        util: &mut [BusyWindow],
         r: &TraceRequest,
         now: Nanos,
     ) {
         out.clear();
-        let view = RouterView { ledger: &self.ledger, predicted: &self.predicted, cfg, now };
+        let view = RouterView { ledger: &self.ledger, predicted: &self.predicted, cfg: self.cfg, now };
         for w in engines {
-            out.push(view.of(w, role, &self.engines[w], &mut util[w], r));
+            out.push(view.of(w, role, &self.engines[w], &mut self.util[w], r));
         }
     }
 
-    /// Submits request `i` to engine `k` at `now` (the engine must have run up to `now`).
-    #[allow(clippy::too_many_arguments)]
-    fn submit(
+    /// Routes request `i` split: a prefill engine and a decode engine, both at routing
+    /// time; the prefill submitted (one output token). `false` when either router finds
+    /// no engine.
+    fn place_split(
         &mut self,
-        k: usize,
         i: usize,
-        now: Nanos,
-        output_tokens: u32,
-        kv_transferred: bool,
+        routers: &mut Routers,
+        prefill_views: &[WorkerView],
+        decode_views: &[WorkerView],
         events: &mut Vec<EngineEvent>,
-    ) {
+    ) -> bool {
+        let trace = self.trace;
+        let (r, now) = (&trace[i], trace[i].arrival);
+        let mut req = request_view(r, Role::Prefill);
+        let mut ctx = PickCtx { now, rng: &mut routers.rng };
+        let Ok(pre) = route(routers.prefill.as_mut(), &req, prefill_views, &mut ctx) else { return false };
+        req.role = Role::Decode;
+        let mut ctx = PickCtx { now, rng: &mut routers.rng };
+        let Ok(dec) = route(routers.decode.as_mut(), &req, decode_views, &mut ctx) else { return false };
+        self.predicted.predict(pre.worker, &r.blocks, now, Nanos(u64::MAX));
+        let est = pre.cached_tokens_estimate(r.input_tokens);
+        self.prefill_tickets[i] = Some(self.ledger.dispatched(pre.worker, u64::from(r.input_tokens) - est, 1));
+        self.decode_tickets[i] = Some(self.ledger.dispatched(dec.worker, 0, u64::from(r.output_tokens)));
+        let o = &mut self.outcomes[i];
+        o.worker = Some(dec.worker.0);
+        o.prefill_worker = Some(pre.worker.0);
+        o.branch = pre.branch.as_str();
+        self.submit(pre.worker.index(), i, now, Phase::Prefill, events);
+        true
+    }
+
+    /// Routes request `i` colocated on a decode engine and submits it. `false` when the
+    /// decode router finds no engine.
+    fn place_colocated(
+        &mut self,
+        i: usize,
+        routers: &mut Routers,
+        decode_views: &[WorkerView],
+        events: &mut Vec<EngineEvent>,
+    ) -> bool {
+        let trace = self.trace;
+        let (r, now) = (&trace[i], trace[i].arrival);
+        let req = request_view(r, Role::Both);
+        let mut ctx = PickCtx { now, rng: &mut routers.rng };
+        let Ok(d) = route(routers.decode.as_mut(), &req, decode_views, &mut ctx) else { return false };
+        self.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
+        let est = d.cached_tokens_estimate(r.input_tokens);
+        self.decode_tickets[i] =
+            Some(self.ledger.dispatched(d.worker, u64::from(r.input_tokens) - est, u64::from(r.output_tokens)));
+        let o = &mut self.outcomes[i];
+        o.worker = Some(d.worker.0);
+        o.branch = d.branch.as_str();
+        self.submit(d.worker.index(), i, now, Phase::Colocated, events);
+        true
+    }
+
+    /// Submits request `i` to engine `k` at `now` for `phase` (the engine must have run up
+    /// to `now`).
+    fn submit(&mut self, k: usize, i: usize, now: Nanos, phase: Phase, events: &mut Vec<EngineEvent>) {
         let r = &self.trace[i];
+        let (output_tokens, kv_transferred) = match phase {
+            Phase::Prefill => (1, false),
+            Phase::Colocated => (r.output_tokens, false),
+            Phase::Decode => (r.output_tokens, true),
+        };
         let req = EngineRequest {
             id: i as u64,
             input_tokens: r.input_tokens,
@@ -382,7 +324,7 @@ impl Sim<'_> {
                 let Some(k) = self.outcomes[i].worker.map(|w| w as usize) else { continue };
                 self.engines[k].advance(t, events);
                 self.handle(k, events);
-                self.submit(k, i, t, self.trace[i].output_tokens, true, events);
+                self.submit(k, i, t, Phase::Decode, events);
             }
         }
     }

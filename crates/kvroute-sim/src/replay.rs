@@ -9,267 +9,21 @@
 //! With [`PrefixState::Precise`] the views also carry each engine's real cache contents for
 //! the request, as a router fed by KV events sees them.
 
-use crate::engine::{CacheEvent, Engine, EngineEvent, EngineRequest, Profile};
+use crate::engine::{CacheEvent, Engine, EngineEvent, EngineRequest};
 use crate::trace::TraceRequest;
+pub use crate::types::{
+    BusyWindow, KvOracle, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, UTIL_WINDOW, request_view,
+};
+use crate::types::{Maintenance, RouterView};
 use kvroute_core::ledger::{LoadLedger, Ticket};
-use kvroute_core::policy::{Observation, PickCtx, Policy, route};
+use kvroute_core::policy::{Decision, Observation, PickCtx, Policy, RouteError, route};
 use kvroute_core::precise::PredictWindow;
 use kvroute_core::registry;
 use kvroute_core::slots::SlotTable;
-use kvroute_core::types::{BlockHash, BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
+use kvroute_core::types::{BlockHash, Nanos, Role, WorkerId, WorkerView};
 use rand_core::SeedableRng;
-use serde::Serialize;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-
-/// Settings of one replay.
-#[derive(Debug, Clone)]
-pub struct ReplayConfig {
-    /// Number of engines.
-    pub engines: usize,
-    /// Engine profile.
-    pub profile: Profile,
-    /// Policy name (see `kvroute policies`).
-    pub policy: String,
-    /// Policy knobs (JSON object or null).
-    pub knobs: serde_json::Value,
-    /// Seed of the policy's random source.
-    pub seed: u64,
-    /// Waiting-queue bound per engine; beyond it a request is rejected.
-    pub max_waiting: usize,
-    /// Whether the router sees the engines' own queue/running/KV-usage counters (as when
-    /// scraping `/metrics`); otherwise only its own ledger.
-    pub engine_signals: bool,
-    /// Where the router's prefix state comes from.
-    pub prefix_state: PrefixState,
-    /// With a profile with llama.cpp `slots`: the router keeps a
-    /// [`kvroute_core::slots::SlotTable`] per engine, as `kvroute serve` does with
-    /// `llama_slot_routing` — each view's `cached_tokens` is what the chosen slot holds of
-    /// the request, and the request names that slot (llama.cpp `id_slot`). Off, or a
-    /// paged-cache profile: requests name no slot and the engine picks.
-    pub slot_routing: bool,
-    /// Closed-loop sessions, for traces of closed-loop traffic (a chat client sends a turn
-    /// when the previous one has answered; `kvroute serve --record` traces of such clients):
-    /// a request with a session arrives no earlier than the end of its session's previous
-    /// request, and as much later than its recorded time as that request arrived late.
-    /// Off (the default), every request arrives at its trace time.
-    pub closed_sessions: bool,
-    /// A load generator's closed-loop clients: at most this many sessions at once, each
-    /// sending its next request the instant the previous one has ended, as `kvroute bench
-    /// --conversation-concurrency N` (and AIPerf `--concurrency` with sessions) sends them.
-    /// Implies `closed_sessions`, without its recorded gaps between turns: in a recording of
-    /// such clients those gaps are the recorded run's own service times. The first N
-    /// sessions (in order of their first request; a request without a session is a session
-    /// of one) start at their trace times; each later one starts when a session ends (its
-    /// last request finishes or is rejected), at that instant, whatever its trace time. 0
-    /// (the default) = no limit.
-    pub session_concurrency: usize,
-    /// The engines share this many CPU cores, one thread each (llama.cpp workers started with
-    /// `-t 1` on one host, as `scripts/llama-workers.sh` does): while `n` engines are busy
-    /// each runs at `min(1, cores / n)` of its profile's speed (processor sharing; an idle
-    /// engine takes no CPU). The profile's times are then those of an engine alone on a
-    /// core. Engine-side counters (`ReplayResult::busy_ns`, the `sm_util` signal) count
-    /// work at full speed. 0 (the default) = every engine has its own hardware.
-    pub host_cores: u32,
-    /// The measured slow-down of each busy engine while k = 1, 2, … engines are busy on the
-    /// shared host (`scripts/llama-calibrate.py --levels 1,2,3,4` writes it as
-    /// `host_slowdown`): element k − 1 is the time a step takes with k busy engines over its
-    /// time alone, so while k engines are busy each runs at `1 / host_slowdown[k − 1]` of
-    /// its profile's speed (a value below 1 counts as 1). Past the list's end, its last
-    /// value grows in proportion: `last × k / len`. It replaces `host_cores`' processor
-    /// sharing, which leaves out what engines on one host slow each other down by besides
-    /// the cores (caches, memory bandwidth): 1.06 at 2 busy workers on this 2-core virtual
-    /// machine one evening, 0.94–1.12 the next day. Empty (the default) = `host_cores`
-    /// alone decides.
-    pub host_slowdown: Vec<f64>,
-    /// An oracle that gives each request more of its prefix than any router could: a bound
-    /// on what placement can gain from caching, not a routing policy. Off by default.
-    pub kv_oracle: KvOracle,
-}
-
-/// A free KV transfer before each request's prefill, for bounds: the request finds cached,
-/// wherever it is sent, the longest prefix of it that the oracle's source holds, as if the
-/// blocks had been copied to its engine at no cost (they are stored there as evictable
-/// blocks and can be evicted again before it is admitted, like any other). Routed with a
-/// load-only policy (`least_load`, `round_robin`), such a replay shows the TTFT that
-/// perfect placement of every cached prefix would allow with balance for free. Profiles
-/// with llama.cpp `slots` have no paged cache and ignore it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KvOracle {
-    /// No oracle: each engine has only what it computed itself.
-    #[default]
-    Off,
-    /// The longest prefix that any engine of the fleet holds at the request's arrival
-    /// (within the fleet's own KV capacity, as a perfect KV-transfer fabric between the
-    /// engines would give it).
-    Fleet,
-    /// The longest prefix of it that any engine has ever computed, without bound (a shared
-    /// KV store of unlimited size, as LMCache or Mooncake Store with unlimited host memory:
-    /// the infinite-cache hit, minus prefixes still being computed).
-    Store,
-}
-
-impl KvOracle {
-    /// `off`, `fleet` or `store`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            KvOracle::Off => "off",
-            KvOracle::Fleet => "fleet",
-            KvOracle::Store => "store",
-        }
-    }
-}
-
-/// Where the router's prefix state comes from in a replay.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PrefixState {
-    /// Approximate: each policy's own index of what it routed (no engine feedback).
-    #[default]
-    Approximate,
-    /// Precise: every worker view carries the tokens of the request that the engine's KV
-    /// cache really holds at routing time ([`WorkerView::cached_tokens`]) — what the router
-    /// knows from loss-free, zero-delay KV events (`BlockStored` is sent when a prefill
-    /// ends, as in vLLM and SGLang) — plus the predict-on-route window
-    /// ([`kvroute_core::precise::PredictWindow`]; zero turns it off).
-    Precise {
-        /// Predict-on-route window.
-        predict_window: Nanos,
-    },
-}
-
-impl PrefixState {
-    /// `approximate` or `precise`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            PrefixState::Approximate => "approximate",
-            PrefixState::Precise { .. } => "precise",
-        }
-    }
-}
-
-/// What happened to one request.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct Outcome {
-    /// Engine it was sent to (`None` when no worker was routable).
-    pub worker: Option<u32>,
-    /// Arrival.
-    pub arrival: Nanos,
-    /// First token, when produced.
-    pub first_token: Option<Nanos>,
-    /// Completion, when finished.
-    pub finished: Option<Nanos>,
-    /// Prompt tokens.
-    pub input_tokens: u32,
-    /// Output tokens.
-    pub output_tokens: u32,
-    /// Prompt tokens served from the engine's prefix cache.
-    pub cached_tokens: u32,
-    /// Rejected (engine queue full, too large, or no routable worker).
-    pub rejected: bool,
-    /// Decision branch label.
-    pub branch: &'static str,
-    /// Prefill engine of a split request ([`crate::pd::replay_pd`]; `worker` is then its
-    /// decode engine and `cached_tokens` the prefill engine's prefix hit); `None` when the
-    /// request ran colocated on one engine.
-    pub prefill_worker: Option<u32>,
-    /// KV bytes copied from the prefill to the decode engine (0 unless split and its
-    /// prefill finished).
-    pub transfer_bytes: u64,
-}
-
-impl Outcome {
-    /// A request of the trace before it is routed.
-    pub fn pending(r: &TraceRequest) -> Outcome {
-        Outcome {
-            worker: None,
-            arrival: r.arrival,
-            first_token: None,
-            finished: None,
-            input_tokens: r.input_tokens,
-            output_tokens: r.output_tokens,
-            cached_tokens: 0,
-            rejected: false,
-            branch: "",
-            prefill_worker: None,
-            transfer_bytes: 0,
-        }
-    }
-}
-
-/// Raw results of one replay, summarised by [`crate::report`].
-#[derive(Debug, Clone)]
-pub struct ReplayResult {
-    /// Policy name.
-    pub policy: String,
-    /// Per-request outcomes, in trace order.
-    pub outcomes: Vec<Outcome>,
-    /// Busy time per engine, nanoseconds.
-    pub busy_ns: Vec<u64>,
-    /// Blocks evicted per engine.
-    pub evictions: Vec<u64>,
-    /// The disaggregation settings of a [`crate::pd::replay_pd`] run (engines
-    /// `0..prefill_engines` prefill, the rest decode); `None` for a colocated replay.
-    pub pd: Option<crate::pd::PdConfig>,
-}
-
-/// Why a replay could not run.
-#[derive(Debug, thiserror::Error)]
-pub enum ReplayError {
-    /// Bad policy name or knobs.
-    #[error(transparent)]
-    Policy(#[from] registry::BuildError),
-    /// Bad settings.
-    #[error(transparent)]
-    Config(#[from] crate::engine::InvalidSetting),
-}
-
-/// Compute utilisation as an engine exporter reports it (DCGM's SM activity is an average
-/// over its sampling period): the busy fraction of the engine over the last
-/// [`UTIL_WINDOW`], refreshed once per window.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct BusyWindow {
-    since: Nanos,
-    busy_at_since: u64,
-    value: f64,
-}
-
-/// Averaging period of the simulated SM utilisation.
-pub const UTIL_WINDOW: Nanos = Nanos::from_secs(1);
-
-impl BusyWindow {
-    /// The utilisation in [0, 1] at `now`, given the engine's cumulative busy time
-    /// `busy_ns` and whether a step is running; recomputed once a window has passed since
-    /// the last refresh, else the last value.
-    pub fn observe(&mut self, now: Nanos, busy_ns: u64, stepping: bool) -> f64 {
-        let dt = now.0.saturating_sub(self.since.0);
-        if dt >= UTIL_WINDOW.0 {
-            let busy = busy_ns.saturating_sub(self.busy_at_since) as f64;
-            self.value = (busy / dt as f64).clamp(0.0, 1.0);
-            // A step still running counts as busy (its time is added when it ends).
-            if stepping && self.value == 0.0 {
-                self.value = 1.0;
-            }
-            self.since = now;
-            self.busy_at_since = busy_ns;
-        }
-        self.value
-    }
-}
-
-/// What a policy sees of a trace request routed as `role`: its block hashes (when the trace
-/// has them), its token counts and its session.
-pub fn request_view(r: &TraceRequest, role: Role) -> RequestView<'_> {
-    RequestView {
-        model: "trace",
-        text: None,
-        token_ids: None,
-        blocks: (!r.blocks.is_empty()).then_some(BlockSeq { block_tokens: r.block_tokens, hashes: &r.blocks }),
-        input_tokens: r.input_tokens,
-        output_tokens: Some(r.output_tokens),
-        session_id: r.session.as_deref(),
-        role,
-    }
-}
 
 /// The full blocks of a trace request's prompt: what a llama.cpp slot keeps of it.
 fn slot_blocks(r: &TraceRequest) -> &[kvroute_core::types::BlockHash] {
@@ -599,43 +353,6 @@ impl<'a> Book<'a> {
     }
 }
 
-/// What the router sees of the engines at one instant: its ledger, its predictions of the
-/// engines' caches (precise prefix state), the replay's settings and the time.
-pub(crate) struct RouterView<'a> {
-    pub(crate) ledger: &'a LoadLedger,
-    pub(crate) predicted: &'a PredictWindow,
-    pub(crate) cfg: &'a ReplayConfig,
-    pub(crate) now: Nanos,
-}
-
-impl RouterView<'_> {
-    /// The router's view of engine `e` (global id `w`, serving `role`) for request `r`: the
-    /// ledger's load, the engine's own signals (`engine_signals`), and with precise prefix
-    /// state the request's cached tokens there (cache or prediction).
-    pub(crate) fn of(&self, w: usize, role: Role, e: &Engine, util: &mut BusyWindow, r: &TraceRequest) -> WorkerView {
-        let mut v = WorkerView::idle(WorkerId(w as u32));
-        v.role = role;
-        // What the gateway's capacity probe reads: SGLang `max_running_requests`, llama.cpp
-        // `total_slots`; the KV cache size (SGLang `max_total_num_tokens`, vLLM's
-        // `num_gpu_blocks × block_size`, llama.cpp slots × `n_ctx`).
-        let p = &self.cfg.profile;
-        v.capacity.max_concurrent = if p.slots > 0 { p.slots } else { p.max_batch };
-        v.capacity.kv_tokens = Some(p.kv_tokens);
-        self.ledger.fill(&mut v);
-        if self.cfg.engine_signals {
-            v.engine_queue = Some(e.num_waiting());
-            v.engine_running = Some(e.num_running());
-            v.kv_cache_usage = Some(e.kv_usage());
-            v.sm_util = Some(util.observe(self.now, e.stats().busy_ns, e.next_event_time().is_some()));
-        }
-        if matches!(self.cfg.prefix_state, PrefixState::Precise { .. }) && !r.blocks.is_empty() {
-            let run = self.predicted.run(v.id, &r.blocks, self.now, |h| e.cache().contains(h)) as u64;
-            v.cached_tokens = Some((run * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)));
-        }
-        v
-    }
-}
-
 /// The first value of a [`ReplayConfig::host_slowdown`] list that is not a slow-down
 /// (positive and finite), if any.
 pub fn not_a_slowdown(list: &[f64]) -> Option<f64> {
@@ -653,6 +370,24 @@ pub fn replay(
     cfg: &ReplayConfig,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayResult, ReplayError> {
+    check_config(cfg)?;
+    let mut run = Replay::new(trace, cfg)?;
+    let mut routed = 0usize;
+    while let Some((now, i)) = run.next_arrival() {
+        run.arrive(i, now);
+        routed += 1;
+        if routed.is_multiple_of(256) {
+            progress(routed);
+        }
+    }
+    let result = run.finish();
+    progress(trace.len());
+    Ok(result)
+}
+
+/// The settings a replay cannot run with: no engines, a bad profile, a `host_slowdown`
+/// value that is not a slow-down.
+fn check_config(cfg: &ReplayConfig) -> Result<(), ReplayError> {
     if cfg.engines == 0 {
         return Err(ReplayError::Config(crate::engine::InvalidSetting::new(
             "engines",
@@ -666,119 +401,195 @@ pub fn replay(
             format!("{bad} is not a positive finite slow-down"),
         )));
     }
-    let mut policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
-    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed);
-    let mut engines: Vec<Engine> =
-        (0..cfg.engines).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect();
-    let mut events = Vec::new();
-    let interval = policy.maintenance_interval();
-    let mut next_maintain = interval.unwrap_or(Nanos(u64::MAX));
-    let mut views: Vec<WorkerView> = Vec::with_capacity(cfg.engines);
-    let mut util: Vec<BusyWindow> = (0..cfg.engines).map(|_| BusyWindow::default()).collect();
-    let mut book = Book::new(trace, cfg);
-    let mut routed = 0usize;
-    // Every block computed so far, for `KvOracle::Store` (fed by the engines' cache events).
-    let mut store: std::collections::HashSet<BlockHash> = Default::default();
-    let mut cache_events = Vec::new();
-    if cfg.kv_oracle == KvOracle::Store {
-        engines.iter_mut().for_each(|e| e.record_cache_events(true));
+    Ok(())
+}
+
+/// The router of a colocated replay: its policy with its random source and maintenance
+/// clock, and what it sees of each engine.
+struct Router {
+    policy: Box<dyn Policy>,
+    rng: rand_xoshiro::Xoshiro256PlusPlus,
+    maintenance: Maintenance,
+    views: Vec<WorkerView>,
+    util: Vec<BusyWindow>,
+}
+
+impl Router {
+    /// The router of `cfg`.
+    fn new(cfg: &ReplayConfig) -> Result<Router, ReplayError> {
+        let policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
+        Ok(Router {
+            rng: rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
+            maintenance: Maintenance::new(policy.as_ref()),
+            policy,
+            views: Vec::with_capacity(cfg.engines),
+            util: (0..cfg.engines).map(|_| BusyWindow::default()).collect(),
+        })
     }
 
-    while let Some((now, i)) = book.next_arrival(&mut engines, &mut events, policy.as_mut()) {
-        let r = &trace[i];
-        book.host.advance(&mut engines, now, &mut events);
-        book.handle(&mut events, policy.as_mut());
-        while now >= next_maintain {
-            policy.maintain(next_maintain, usize::MAX);
-            next_maintain = next_maintain.saturating_add(interval.unwrap_or(Nanos(u64::MAX)));
-        }
-        views.clear();
+    /// Routes `r` at `now` over views of every engine (with the slot a llama.cpp engine
+    /// would serve it from, under slot routing).
+    fn pick(
+        &mut self,
+        book: &Book<'_>,
+        engines: &[Engine],
+        cfg: &ReplayConfig,
+        r: &TraceRequest,
+        now: Nanos,
+    ) -> Result<Decision, RouteError> {
+        self.views.clear();
         for (w, e) in engines.iter().enumerate() {
             let view = RouterView { ledger: &book.ledger, predicted: &book.predicted, cfg, now };
-            let mut v = view.of(w, Role::Both, e, &mut util[w], r);
+            let mut v = view.of(w, Role::Both, e, &mut self.util[w], r);
             if let Some(cached) = book.slots.cached_tokens(w, r) {
                 v.cached_tokens = Some(cached);
             }
-            views.push(v);
+            self.views.push(v);
         }
         let req = request_view(r, Role::Both);
-        let mut ctx = PickCtx { now, rng: &mut rng };
-        match route(policy.as_mut(), &req, &views, &mut ctx) {
-            Ok(d) => {
-                let w = d.worker.index();
-                // Predicted until its prefill is over (settled at its first token).
-                book.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
-                let o = &mut book.outcomes[i];
-                o.worker = Some(d.worker.0);
-                o.branch = d.branch.as_str();
-                let est = d.cached_tokens_estimate(r.input_tokens);
-                book.tickets[i] =
-                    Some(book.ledger.dispatched(d.worker, r.input_tokens as u64 - est, r.output_tokens as u64));
-                book.expected[i] = Some(Observation {
-                    input_tokens: r.input_tokens,
-                    predicted: d.predicted_ttft,
-                    predicted_cached_tokens: est,
-                    ttft_secs: None,
-                    cached_tokens: None,
-                });
-                let slot = book.slots.start(w, i, r, now);
-                let found = match cfg.kv_oracle {
-                    KvOracle::Off => 0,
-                    KvOracle::Fleet => engines.iter().map(|e| e.cache().lookup(&r.blocks)).max().unwrap_or(0),
-                    KvOracle::Store => {
-                        for e in engines.iter_mut() {
-                            e.drain_cache_events(&mut cache_events);
-                        }
-                        for ev in cache_events.drain(..) {
-                            if let CacheEvent::Stored { hashes, .. } = ev {
-                                store.extend(hashes);
-                            }
-                        }
-                        r.blocks.iter().take_while(|h| store.contains(h)).count()
-                    }
-                };
-                if found > 0 {
-                    engines[w].import_prefix(&r.blocks[..found], r.block_tokens);
-                }
-                let at = book.host.virtual_at(now);
-                let first = events.len();
-                engines[w].submit(
-                    EngineRequest {
-                        id: i as u64,
-                        input_tokens: r.input_tokens,
-                        output_tokens: r.output_tokens,
-                        blocks: r.blocks.clone(),
-                        block_tokens: r.block_tokens,
-                        token_ids: None,
-                        kv_transferred: false,
-                        slot,
-                    },
-                    at,
-                    &mut events,
-                );
-                book.host.make_real(&mut events[first..]);
-                book.host.resync(now, &engines);
-                book.handle(&mut events, policy.as_mut());
-            }
-            Err(_) => {
-                book.outcomes[i].rejected = true;
-                book.ended(i, now);
-            }
+        let mut ctx = PickCtx { now, rng: &mut self.rng };
+        route(self.policy.as_mut(), &req, &self.views, &mut ctx)
+    }
+}
+
+/// The KV oracle of a replay ([`KvOracle`]): what prefix of a request it hands its engine.
+struct Oracle {
+    kind: KvOracle,
+    /// Every block computed so far, for `KvOracle::Store` (fed by the engines' cache events).
+    store: std::collections::HashSet<BlockHash>,
+    cache_events: Vec<CacheEvent>,
+}
+
+impl Oracle {
+    /// The oracle `kind`; `Store` has the engines record their cache events.
+    fn new(kind: KvOracle, engines: &mut [Engine]) -> Oracle {
+        if kind == KvOracle::Store {
+            engines.iter_mut().for_each(|e| e.record_cache_events(true));
         }
-        routed += 1;
-        if routed.is_multiple_of(256) {
-            progress(routed);
+        Oracle { kind, store: Default::default(), cache_events: Vec::new() }
+    }
+
+    /// How many leading blocks of `blocks` the oracle's source holds now (0 when off).
+    fn found(&mut self, engines: &mut [Engine], blocks: &[BlockHash]) -> usize {
+        match self.kind {
+            KvOracle::Off => 0,
+            KvOracle::Fleet => engines.iter().map(|e| e.cache().lookup(blocks)).max().unwrap_or(0),
+            KvOracle::Store => {
+                for e in engines.iter_mut() {
+                    e.drain_cache_events(&mut self.cache_events);
+                }
+                for ev in self.cache_events.drain(..) {
+                    if let CacheEvent::Stored { hashes, .. } = ev {
+                        self.store.extend(hashes);
+                    }
+                }
+                blocks.iter().take_while(|h| self.store.contains(h)).count()
+            }
         }
     }
-    book.host.advance(&mut engines, Nanos(u64::MAX), &mut events);
-    book.handle(&mut events, policy.as_mut());
-    let outcomes = book.outcomes;
-    progress(trace.len());
-    Ok(ReplayResult {
-        policy: cfg.policy.clone(),
-        outcomes,
-        busy_ns: engines.iter().map(|e| e.stats().busy_ns).collect(),
-        evictions: engines.iter().map(|e| e.cache().evictions()).collect(),
-        pd: None,
-    })
+}
+
+/// One colocated replay under way: the engines, the record of every request, the router
+/// and the oracle.
+struct Replay<'a> {
+    cfg: &'a ReplayConfig,
+    engines: Vec<Engine>,
+    events: Vec<EngineEvent>,
+    book: Book<'a>,
+    router: Router,
+    oracle: Oracle,
+}
+
+impl<'a> Replay<'a> {
+    /// A replay of `trace` under `cfg` (checked), before its first arrival.
+    fn new(trace: &'a [TraceRequest], cfg: &'a ReplayConfig) -> Result<Replay<'a>, ReplayError> {
+        let router = Router::new(cfg)?;
+        let mut engines: Vec<Engine> =
+            (0..cfg.engines).map(|_| Engine::new(cfg.profile.clone(), cfg.max_waiting)).collect();
+        let book = Book::new(trace, cfg);
+        let oracle = Oracle::new(cfg.kv_oracle, &mut engines);
+        Ok(Replay { cfg, engines, events: Vec::new(), book, router, oracle })
+    }
+
+    /// The next arrival `(time, request)` ([`Book::next_arrival`]).
+    fn next_arrival(&mut self) -> Option<(Nanos, usize)> {
+        self.book.next_arrival(&mut self.engines, &mut self.events, self.router.policy.as_mut())
+    }
+
+    /// Request `i` arrives at `now`: the engines are brought up to it, the policy
+    /// maintained, and the request routed and submitted (or rejected).
+    fn arrive(&mut self, i: usize, now: Nanos) {
+        let trace = self.book.trace;
+        let r = &trace[i];
+        self.book.host.advance(&mut self.engines, now, &mut self.events);
+        self.book.handle(&mut self.events, self.router.policy.as_mut());
+        self.router.maintenance.run(self.router.policy.as_mut(), now);
+        match self.router.pick(&self.book, &self.engines, self.cfg, r, now) {
+            Ok(d) => self.dispatch(i, &d, now),
+            Err(_) => {
+                self.book.outcomes[i].rejected = true;
+                self.book.ended(i, now);
+            }
+        }
+    }
+
+    /// Request `i`, routed by `d` at `now`: recorded (prediction, outcome, ledger ticket,
+    /// expected observation), handed the oracle's prefix, and submitted to its engine.
+    fn dispatch(&mut self, i: usize, d: &Decision, now: Nanos) {
+        let trace = self.book.trace;
+        let r = &trace[i];
+        let book = &mut self.book;
+        let w = d.worker.index();
+        // Predicted until its prefill is over (settled at its first token).
+        book.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
+        let o = &mut book.outcomes[i];
+        o.worker = Some(d.worker.0);
+        o.branch = d.branch.as_str();
+        let est = d.cached_tokens_estimate(r.input_tokens);
+        book.tickets[i] = Some(book.ledger.dispatched(d.worker, r.input_tokens as u64 - est, r.output_tokens as u64));
+        book.expected[i] = Some(Observation {
+            input_tokens: r.input_tokens,
+            predicted: d.predicted_ttft,
+            predicted_cached_tokens: est,
+            ttft_secs: None,
+            cached_tokens: None,
+        });
+        let slot = book.slots.start(w, i, r, now);
+        let found = self.oracle.found(&mut self.engines, &r.blocks);
+        if found > 0 {
+            self.engines[w].import_prefix(&r.blocks[..found], r.block_tokens);
+        }
+        let at = self.book.host.virtual_at(now);
+        let first = self.events.len();
+        self.engines[w].submit(
+            EngineRequest {
+                id: i as u64,
+                input_tokens: r.input_tokens,
+                output_tokens: r.output_tokens,
+                blocks: r.blocks.clone(),
+                block_tokens: r.block_tokens,
+                token_ids: None,
+                kv_transferred: false,
+                slot,
+            },
+            at,
+            &mut self.events,
+        );
+        self.book.host.make_real(&mut self.events[first..]);
+        self.book.host.resync(now, &self.engines);
+        self.book.handle(&mut self.events, self.router.policy.as_mut());
+    }
+
+    /// Runs the engines to the end and returns the result.
+    fn finish(mut self) -> ReplayResult {
+        self.book.host.advance(&mut self.engines, Nanos(u64::MAX), &mut self.events);
+        self.book.handle(&mut self.events, self.router.policy.as_mut());
+        ReplayResult {
+            policy: self.cfg.policy.clone(),
+            outcomes: self.book.outcomes,
+            busy_ns: self.engines.iter().map(|e| e.stats().busy_ns).collect(),
+            evictions: self.engines.iter().map(|e| e.cache().evictions()).collect(),
+            pd: None,
+        }
+    }
 }

@@ -2,7 +2,7 @@
 
 pub use crate::latency::Slo;
 use crate::latency::{Latencies, LatencySummary};
-use crate::replay::ReplayResult;
+use crate::types::ReplayResult;
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -64,7 +64,7 @@ pub struct PdSummary {
     /// Decode policy (the prefill policy is the report's `policy`).
     pub decode_policy: String,
     /// The transfer model.
-    pub transfer: crate::pd::TransferModel,
+    pub transfer: crate::types::TransferModel,
     /// Requests routed split (prefill engine, then decode engine).
     pub split_requests: u64,
     /// Requests routed colocated on a decode engine.
@@ -152,7 +152,7 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
 }
 
 /// The [`PdSummary`] of a PD replay whose makespan is `makespan` seconds.
-fn pd_summary(r: &ReplayResult, pd: &crate::pd::PdConfig, makespan: f64) -> PdSummary {
+fn pd_summary(r: &ReplayResult, pd: &crate::types::PdConfig, makespan: f64) -> PdSummary {
     let (mut split, mut colocated, mut bytes, mut copies, mut delay_s) = (0u64, 0u64, 0u64, 0u64, 0.0f64);
     let mut hits = [(0u64, 0u64); 2]; // (hit, queried) of split, colocated
     for o in &r.outcomes {
@@ -276,6 +276,16 @@ pub fn table(reports: &[PolicyReport]) -> String {
 pub fn write_csv(path: &Path, reports: &[PolicyReport]) -> Result<(), csv::Error> {
     let mut w = csv::Writer::from_path(path)?;
     let with_pd = reports.iter().any(|r| r.pd.is_some());
+    w.write_record(csv_header(with_pd))?;
+    for r in reports {
+        w.write_record(csv_row(r, with_pd))?;
+    }
+    w.flush()?;
+    Ok(())
+}
+
+/// The CSV's column names ([`write_csv`]).
+fn csv_header(with_pd: bool) -> Vec<&'static str> {
     let mut header = vec![
         "policy",
         "rate_scale",
@@ -311,51 +321,51 @@ pub fn write_csv(path: &Path, reports: &[PolicyReport]) -> Result<(), csv::Error
             "pd_decode_busy",
         ]);
     }
-    w.write_record(&header)?;
-    for r in reports {
-        let f = |x: f64| format!("{x:.6}");
-        let mut row = vec![
-            r.policy.clone(),
-            f(r.rate_scale),
-            f(r.offered_rps),
-            r.requests.to_string(),
-            r.completed.to_string(),
-            f(r.rejection_rate),
-            f(r.hit_ratio),
-            f(r.infinite_cache_hit_ratio),
-            f(r.latency.ttft_mean_s),
-            f(r.latency.ttft_p50_s),
-            f(r.latency.ttft_p90_s),
-            f(r.latency.ttft_p99_s),
-            f(r.latency.tpot_p50_s),
-            f(r.latency.tpot_p99_s),
-            f(r.latency.e2e_p50_s),
-            f(r.latency.e2e_p99_s),
-            f(r.throughput_tok_s),
-            f(r.throughput_rps),
-            f(r.goodput_rps),
-            f(r.load_imbalance),
-        ];
-        if with_pd {
-            match &r.pd {
-                Some(pd) => row.extend([
-                    pd.prefill_engines.to_string(),
-                    pd.decode_engines.to_string(),
-                    pd.split_requests.to_string(),
-                    pd.transfer_bytes.to_string(),
-                    f(pd.transfer_mean_s),
-                    f(pd.split_hit_ratio),
-                    f(pd.colocated_hit_ratio),
-                    f(pd.prefill_busy),
-                    f(pd.decode_busy),
-                ]),
-                None => row.extend(std::iter::repeat_n(String::new(), 9)),
-            }
+    header
+}
+
+/// One report's CSV row, times and ratios to 6 decimals ([`write_csv`]).
+fn csv_row(r: &PolicyReport, with_pd: bool) -> Vec<String> {
+    let f = |x: f64| format!("{x:.6}");
+    let mut row = vec![
+        r.policy.clone(),
+        f(r.rate_scale),
+        f(r.offered_rps),
+        r.requests.to_string(),
+        r.completed.to_string(),
+        f(r.rejection_rate),
+        f(r.hit_ratio),
+        f(r.infinite_cache_hit_ratio),
+        f(r.latency.ttft_mean_s),
+        f(r.latency.ttft_p50_s),
+        f(r.latency.ttft_p90_s),
+        f(r.latency.ttft_p99_s),
+        f(r.latency.tpot_p50_s),
+        f(r.latency.tpot_p99_s),
+        f(r.latency.e2e_p50_s),
+        f(r.latency.e2e_p99_s),
+        f(r.throughput_tok_s),
+        f(r.throughput_rps),
+        f(r.goodput_rps),
+        f(r.load_imbalance),
+    ];
+    if with_pd {
+        match &r.pd {
+            Some(pd) => row.extend([
+                pd.prefill_engines.to_string(),
+                pd.decode_engines.to_string(),
+                pd.split_requests.to_string(),
+                pd.transfer_bytes.to_string(),
+                f(pd.transfer_mean_s),
+                f(pd.split_hit_ratio),
+                f(pd.colocated_hit_ratio),
+                f(pd.prefill_busy),
+                f(pd.decode_busy),
+            ]),
+            None => row.extend(std::iter::repeat_n(String::new(), 9)),
         }
-        w.write_record(&row)?;
     }
-    w.flush()?;
-    Ok(())
+    row
 }
 
 /// Font used for PNG and SVG plots: `KVROUTE_FONT`, else DejaVu Sans from the usual system

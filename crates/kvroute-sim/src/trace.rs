@@ -207,6 +207,9 @@ fn uint(path: &Path, line: usize, field: &str, v: Option<&serde_json::Value>, ma
 /// Largest prompt or output length accepted (tokens).
 pub const MAX_TOKENS: u64 = 10_000_000;
 
+/// Reads Mooncake JSONL, or session JSONL (`sessions`: `session_id` on each line,
+/// `turn_id` and `hash_ids` optional); blank lines are skipped. Mooncake's turns are numbered
+/// within each depth-2 prefix group.
 fn read_jsonl(reader: impl BufRead, path: &Path, sessions: bool) -> Result<Vec<TraceRequest>, TraceError> {
     let mut out = Vec::new();
     for (i, line) in reader.lines().enumerate() {
@@ -217,87 +220,103 @@ fn read_jsonl(reader: impl BufRead, path: &Path, sessions: bool) -> Result<Vec<T
         }
         let j: JsonLine =
             serde_json::from_str(&line).map_err(|e| field_err(path, n, "line", format!("not a JSON object: {e}")))?;
-        let ts = j.timestamp.as_ref().ok_or_else(|| field_err(path, n, "timestamp", "missing"))?;
-        let ts_ms = ts
-            .as_f64()
-            .filter(|t| t.is_finite() && *t >= 0.0)
-            .ok_or_else(|| field_err(path, n, "timestamp", format!("expected milliseconds >= 0, got {ts}")))?;
-        let input = uint(path, n, "input_length", j.input_length.as_ref(), MAX_TOKENS)?;
-        let output = uint(path, n, "output_length", j.output_length.as_ref(), MAX_TOKENS)?;
-        let blocks = match &j.hash_ids {
-            None if sessions => Vec::new(),
-            None => return Err(field_err(path, n, "hash_ids", "missing")),
-            Some(v) => {
-                let arr =
-                    v.as_array().ok_or_else(|| field_err(path, n, "hash_ids", "expected an array of integers"))?;
-                let mut b = Vec::with_capacity(arr.len());
-                for (k, x) in arr.iter().enumerate() {
-                    let id = x.as_u64().ok_or_else(|| {
-                        field_err(path, n, "hash_ids", format!("element {k} is not a non-negative integer: {x}"))
-                    })?;
-                    b.push(BlockHash(id));
-                }
-                b
-            }
-        };
-        let block_tokens = match &j.block_size {
-            None => 512,
-            Some(v) => uint(path, n, "block_size", Some(v), 1 << 20)? as u32,
-        };
-        if block_tokens == 0 {
-            return Err(field_err(path, n, "block_size", "must be at least 1"));
-        }
-        let (session, turn) = if sessions {
-            let s = j.session_id.as_ref().ok_or_else(|| field_err(path, n, "session_id", "missing"))?;
-            let s = match s {
-                serde_json::Value::String(s) => s.clone(),
-                serde_json::Value::Number(x) => x.to_string(),
-                other => {
-                    return Err(field_err(path, n, "session_id", format!("expected a string or number, got {other}")));
-                }
-            };
-            let turn = match &j.turn_id {
-                None => 0,
-                Some(v) => uint(path, n, "turn_id", Some(v), u64::MAX)?,
-            };
-            (Some(s), turn)
-        } else {
-            // Mooncake: the depth-2 prefix group stands in for the session.
-            (blocks.get(1).map(|b| format!("{}-{}", blocks[0].0, b.0)), 0)
-        };
-        let tenant = match &j.tenant {
-            None | Some(serde_json::Value::Null) => None,
-            Some(serde_json::Value::String(t)) => Some(t.clone()),
-            Some(serde_json::Value::Number(x)) => Some(x.to_string()),
-            Some(other) => {
-                return Err(field_err(path, n, "tenant", format!("expected a string or number, got {other}")));
-            }
-        };
-        out.push(TraceRequest {
-            tenant,
-            // Rounded to the nanosecond: milliseconds / 1000 as seconds lost 1 ns on some
-            // stamps (4264637 ms read back as 4264636999999 ns).
-            arrival: Nanos((ts_ms * 1e6).round() as u64),
-            input_tokens: input.max(1) as u32,
-            output_tokens: output.max(1) as u32,
-            blocks,
-            block_tokens,
-            session,
-            turn,
-        });
+        out.push(json_request(&j, path, n, sessions)?);
     }
     if !sessions {
-        // Turn numbers within each depth-2 group, in arrival order.
-        let mut seen: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
-        for r in &mut out {
-            if let Some(s) = &r.session {
-                let t = seen.entry(s.clone()).or_insert(0);
-                r.turn = *t;
-                *t += 1;
-            }
-        }
+        number_mooncake_turns(&mut out);
     }
     Ok(out)
+}
+
+/// The request of JSON line `n`, each field checked and named in its error.
+fn json_request(j: &JsonLine, path: &Path, n: usize, sessions: bool) -> Result<TraceRequest, TraceError> {
+    let ts = j.timestamp.as_ref().ok_or_else(|| field_err(path, n, "timestamp", "missing"))?;
+    let ts_ms = ts
+        .as_f64()
+        .filter(|t| t.is_finite() && *t >= 0.0)
+        .ok_or_else(|| field_err(path, n, "timestamp", format!("expected milliseconds >= 0, got {ts}")))?;
+    let input = uint(path, n, "input_length", j.input_length.as_ref(), MAX_TOKENS)?;
+    let output = uint(path, n, "output_length", j.output_length.as_ref(), MAX_TOKENS)?;
+    let blocks = match &j.hash_ids {
+        None if sessions => Vec::new(),
+        None => return Err(field_err(path, n, "hash_ids", "missing")),
+        Some(v) => hash_ids(v, path, n)?,
+    };
+    let block_tokens = match &j.block_size {
+        None => 512,
+        Some(v) => uint(path, n, "block_size", Some(v), 1 << 20)? as u32,
+    };
+    if block_tokens == 0 {
+        return Err(field_err(path, n, "block_size", "must be at least 1"));
+    }
+    let (session, turn) = if sessions {
+        json_session(j, path, n)?
+    } else {
+        // Mooncake: the depth-2 prefix group stands in for the session.
+        (blocks.get(1).map(|b| format!("{}-{}", blocks[0].0, b.0)), 0)
+    };
+    let tenant = match &j.tenant {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::String(t)) => Some(t.clone()),
+        Some(serde_json::Value::Number(x)) => Some(x.to_string()),
+        Some(other) => {
+            return Err(field_err(path, n, "tenant", format!("expected a string or number, got {other}")));
+        }
+    };
+    Ok(TraceRequest {
+        tenant,
+        // Rounded to the nanosecond: milliseconds / 1000 as seconds lost 1 ns on some
+        // stamps (4264637 ms read back as 4264636999999 ns).
+        arrival: Nanos((ts_ms * 1e6).round() as u64),
+        input_tokens: input.max(1) as u32,
+        output_tokens: output.max(1) as u32,
+        blocks,
+        block_tokens,
+        session,
+        turn,
+    })
+}
+
+/// `hash_ids`: an array of non-negative integers.
+fn hash_ids(v: &serde_json::Value, path: &Path, n: usize) -> Result<Vec<BlockHash>, TraceError> {
+    let arr = v.as_array().ok_or_else(|| field_err(path, n, "hash_ids", "expected an array of integers"))?;
+    let mut b = Vec::with_capacity(arr.len());
+    for (k, x) in arr.iter().enumerate() {
+        let id = x
+            .as_u64()
+            .ok_or_else(|| field_err(path, n, "hash_ids", format!("element {k} is not a non-negative integer: {x}")))?;
+        b.push(BlockHash(id));
+    }
+    Ok(b)
+}
+
+/// A session line's `session_id` (string or number) and `turn_id` (0 when absent).
+fn json_session(j: &JsonLine, path: &Path, n: usize) -> Result<(Option<String>, u64), TraceError> {
+    let s = j.session_id.as_ref().ok_or_else(|| field_err(path, n, "session_id", "missing"))?;
+    let s = match s {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Number(x) => x.to_string(),
+        other => {
+            return Err(field_err(path, n, "session_id", format!("expected a string or number, got {other}")));
+        }
+    };
+    let turn = match &j.turn_id {
+        None => 0,
+        Some(v) => uint(path, n, "turn_id", Some(v), u64::MAX)?,
+    };
+    Ok((Some(s), turn))
+}
+
+/// Mooncake: turn numbers within each depth-2 group, in arrival order.
+fn number_mooncake_turns(out: &mut [TraceRequest]) {
+    let mut seen: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+    for r in out {
+        if let Some(s) = &r.session {
+            let t = seen.entry(s.clone()).or_insert(0);
+            r.turn = *t;
+            *t += 1;
+        }
+    }
 }
 
 fn read_azure(reader: impl std::io::Read, path: &Path) -> Result<Vec<TraceRequest>, TraceError> {

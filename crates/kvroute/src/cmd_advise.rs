@@ -21,7 +21,6 @@
 //!    and `store` (the longest prefix any engine has computed, without bound: a shared KV
 //!    store of unlimited size). The best of each is a bound, not a router.
 
-use crate::cmd_replay::load_profile;
 use anyhow::{Context, bail};
 use kvroute_sim::engine::Profile;
 use kvroute_sim::replay::{KvOracle, PrefixState, ReplayConfig, replay};
@@ -40,12 +39,8 @@ pub struct Args {
     /// Number of simulated engines (the fleet the advice is for).
     #[arg(long, default_value_t = 8)]
     pub engines: usize,
-    /// Engine profile (h100-llama3-8b, a100-llama3-8b, cpu-smollm2-135m).
-    #[arg(long, default_value = "h100-llama3-8b")]
-    pub profile: String,
-    /// Overrides of profile constants as a JSON object, e.g. '{"kv_tokens": 200000}'.
-    #[arg(long)]
-    pub profile_set: Option<String>,
+    #[command(flatten)]
+    pub profile: crate::sim_args::ProfileArgs,
     /// Arrival-rate multiplier (1 = the trace's own load; 1.5 = the same traffic 50 % busier).
     #[arg(long, default_value_t = 1.0)]
     pub rate_scale: f64,
@@ -103,9 +98,8 @@ pub struct Args {
     /// Write the ranking and the recommendation as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Parallel replays (default: available cores).
-    #[arg(long)]
-    pub jobs: Option<usize>,
+    #[command(flatten)]
+    pub jobs: crate::sim_args::JobsArgs,
     /// Also bound what routing leaves on the table: the recommendation, the best three
     /// policies and round_robin (when a candidate) replayed with `kvroute replay --kv-oracle fleet` (perfect
     /// placement of the fleet's cached prefixes) and `store` (a shared KV store without
@@ -204,16 +198,24 @@ struct Clients {
     host_slowdown: Vec<f64>,
 }
 
+/// What every candidate is replayed on: the realisations of the trace, the fleet, how
+/// clients send and how many replays run at once.
+struct Bench {
+    traces: Vec<Vec<TraceRequest>>,
+    engines: usize,
+    profile: Profile,
+    clients: Clients,
+    jobs: usize,
+}
+
 /// Replays `(policy, knobs)` on every realisation (in parallel over `jobs` threads).
 fn evaluate(
+    bench: &Bench,
     runs: &[(String, serde_json::Value)],
-    traces: &[Vec<TraceRequest>],
-    engines: usize,
-    profile: &Profile,
-    clients: &Clients,
-    jobs: usize,
     kv_oracle: KvOracle,
 ) -> anyhow::Result<Vec<Candidate>> {
+    let Bench { traces, engines, profile, clients, jobs } = bench;
+    let (engines, jobs) = (*engines, *jobs);
     let infinite = trace::infinite_cache_hit(&traces[0]);
     let slo = Slo { ttft_s: 2.0, tpot_s: 0.1 };
     let work: Vec<(usize, usize)> = (0..runs.len()).flat_map(|i| (0..traces.len()).map(move |k| (i, k))).collect();
@@ -315,8 +317,107 @@ fn knob_variants(policy: &str) -> Vec<serde_json::Value> {
     out
 }
 
-/// Runs `kvroute advise`.
+/// The recommendation's expected change against the current policy, percent.
+struct Change {
+    /// Mean TTFT, averaged over the realisations.
+    mean: f64,
+    /// Lowest and highest change of the mean TTFT over the realisations.
+    range: (f64, f64),
+    /// p99 TTFT, averaged.
+    p99: f64,
+}
+
+impl Change {
+    /// `best` against `current`.
+    fn of(best: &Candidate, current: &Candidate) -> Change {
+        let changes: Vec<f64> =
+            best.ttft_mean_s.iter().zip(&current.ttft_mean_s).map(|(b, c)| 100.0 * (b / c - 1.0)).collect();
+        let range = changes.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), &x| (l.min(x), h.max(x)));
+        Change {
+            mean: 100.0 * (best.mean() / current.mean() - 1.0),
+            range,
+            p99: 100.0 * (best.p99() / current.p99() - 1.0),
+        }
+    }
+}
+
+/// Runs `kvroute advise`: checks the flags, replays every candidate on each realisation
+/// of the trace, searches knobs on the best, prints the ranking and the recommendation
+/// (with the headroom bounds when asked) and writes the JSON.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    let policies = candidate_policies(&a)?;
+    crate::sim_args::check_host_slowdown(&a.host_slowdown)?;
+    let profile = a.profile.load()?;
+    if a.headroom && profile.slots > 0 {
+        bail!("--headroom: profile `{}` has llama.cpp slots, no paged KV cache to bound", profile.name);
+    }
+    let base = load_trace(&a)?;
+    let bench = Bench {
+        traces: (1..=a.realisations).map(|k| realisation(&base, k, a.jitter_ms, a.rate_scale)).collect(),
+        engines: a.engines,
+        profile,
+        clients: Clients {
+            closed_sessions: a.closed_sessions,
+            session_concurrency: a.session_concurrency,
+            host_cores: a.host_cores,
+            host_slowdown: a.host_slowdown.clone(),
+        },
+        jobs: a.jobs.jobs(),
+    };
+    eprintln!(
+        "kvroute advise: {} requests, {} policies × {} realisations on {} engines ({})",
+        base.len(),
+        policies.len(),
+        a.realisations,
+        a.engines,
+        bench.profile.name
+    );
+    let runs: Vec<(String, serde_json::Value)> = policies.iter().map(|p| (p.clone(), serde_json::json!({}))).collect();
+    let mut cands = evaluate(&bench, &runs, KvOracle::Off)?;
+    sort(&mut cands);
+    let tuned = if a.no_knob_search { Vec::new() } else { knob_search(&bench, &cands, a.search_top)? };
+    let mut all = cands.clone();
+    all.extend(tuned.iter().cloned());
+    sort(&mut all);
+    let best = all.first().context("no candidate")?.clone();
+    let current = cands.iter().find(|c| c.policy == a.current).context("the current policy was not replayed")?;
+    print_ranking(&all);
+    let change = Change::of(&best, current);
+    println!();
+    print_recommendation(&best, current, &change, a.realisations);
+    let flags = serve_flags(&best);
+    println!("kvroute serve {flags}");
+    let bounds = if a.headroom { headroom(&bench, &best, &cands)? } else { Vec::new() };
+    println!(
+        "(simulated: {} engines of profile {}, the trace at ×{}; a prediction, not a measurement)",
+        a.engines, bench.profile.name, a.rate_scale
+    );
+    if let Some(p) = &a.json {
+        let doc = serde_json::json!({
+            "trace": a.trace.display().to_string(),
+            "requests": base.len(),
+            "engines": a.engines,
+            "profile": bench.profile.name,
+            "rate_scale": a.rate_scale,
+            "realisations": a.realisations,
+            "current": current,
+            "ranking": all,
+            "recommended": best,
+            "mean_ttft_change_pct": change.mean,
+            "mean_ttft_change_pct_range": [change.range.0, change.range.1],
+            "p99_ttft_change_pct": change.p99,
+            "serve_flags": flags,
+            "headroom": bounds,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("--json {}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// Checks the numeric flags and returns the candidates: `--policies` (`all` expanded) and
+/// `--current`, each once.
+fn candidate_policies(a: &Args) -> anyhow::Result<Vec<String>> {
     if a.engines == 0 {
         bail!("--engines must be at least 1");
     }
@@ -348,11 +449,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut seen = std::collections::HashSet::new();
     policies.retain(|p| seen.insert(p.clone()));
-    crate::cmd_replay::check_host_slowdown(&a.host_slowdown)?;
-    let profile = load_profile(&a.profile, a.profile_set.as_deref())?;
-    if a.headroom && profile.slots > 0 {
-        bail!("--headroom: profile `{}` has llama.cpp slots, no paged KV cache to bound", profile.name);
-    }
+    Ok(policies)
+}
+
+/// Reads the trace and shapes it as the flags say (slice, tenants, output cap, limit).
+fn load_trace(a: &Args) -> anyhow::Result<Vec<TraceRequest>> {
     let mut base = trace::read(&a.trace, None).with_context(|| format!("--trace {}", a.trace.display()))?;
     if a.slice.is_set() {
         base = a.slice.apply(base)?;
@@ -361,60 +462,43 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.tenant_isolation {
         trace::isolate_tenants(&mut base);
     }
-    crate::cmd_replay::cap_outputs(&mut base, a.max_output)?;
+    crate::sim_args::cap_outputs(&mut base, a.max_output)?;
     if let Some(n) = a.limit {
         trace::truncate(&mut base, n);
     }
     if base.is_empty() {
         bail!("{}: no requests", a.trace.display());
     }
-    let traces: Vec<Vec<TraceRequest>> =
-        (1..=a.realisations).map(|k| realisation(&base, k, a.jitter_ms, a.rate_scale)).collect();
-    let jobs = a.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
-    eprintln!(
-        "kvroute advise: {} requests, {} policies × {} realisations on {} engines ({})",
-        base.len(),
-        policies.len(),
-        a.realisations,
-        a.engines,
-        profile.name
-    );
-    let runs: Vec<(String, serde_json::Value)> = policies.iter().map(|p| (p.clone(), serde_json::json!({}))).collect();
-    let clients = Clients {
-        closed_sessions: a.closed_sessions,
-        session_concurrency: a.session_concurrency,
-        host_cores: a.host_cores,
-        host_slowdown: a.host_slowdown.clone(),
-    };
-    let mut cands = evaluate(&runs, &traces, a.engines, &profile, &clients, jobs, KvOracle::Off)?;
-    sort(&mut cands);
+    Ok(base)
+}
 
-    // Knob search on the best few.
+/// Knob search on the best `top` candidates: the variants that beat their policy's
+/// defaults in every realisation (and reject no more), best first.
+fn knob_search(bench: &Bench, cands: &[Candidate], top: usize) -> anyhow::Result<Vec<Candidate>> {
     let mut tuned: Vec<Candidate> = Vec::new();
-    if !a.no_knob_search {
-        let mut variants = Vec::new();
-        for c in cands.iter().take(a.search_top) {
-            variants.extend(knob_variants(&c.policy).into_iter().map(|k| (c.policy.clone(), k)));
-        }
-        if !variants.is_empty() {
-            eprintln!("kvroute advise: knob search, {} variants", variants.len());
-            for v in evaluate(&variants, &traces, a.engines, &profile, &clients, jobs, KvOracle::Off)? {
-                let Some(plain) = cands.iter().find(|c| c.policy == v.policy) else { continue };
-                let everywhere = v.ttft_mean_s.iter().zip(&plain.ttft_mean_s).all(|(x, y)| x < y)
-                    && v.rejections() <= plain.rejections() + 1e-9;
-                if everywhere {
-                    tuned.push(v);
-                }
-            }
-            sort(&mut tuned);
+    let mut variants = Vec::new();
+    for c in cands.iter().take(top) {
+        variants.extend(knob_variants(&c.policy).into_iter().map(|k| (c.policy.clone(), k)));
+    }
+    if variants.is_empty() {
+        return Ok(tuned);
+    }
+    eprintln!("kvroute advise: knob search, {} variants", variants.len());
+    for v in evaluate(bench, &variants, KvOracle::Off)? {
+        let Some(plain) = cands.iter().find(|c| c.policy == v.policy) else { continue };
+        let everywhere = v.ttft_mean_s.iter().zip(&plain.ttft_mean_s).all(|(x, y)| x < y)
+            && v.rejections() <= plain.rejections() + 1e-9;
+        if everywhere {
+            tuned.push(v);
         }
     }
-    let mut all = cands.clone();
-    all.extend(tuned.iter().cloned());
-    sort(&mut all);
-    let best = all.first().context("no candidate")?.clone();
-    let current = cands.iter().find(|c| c.policy == a.current).context("the current policy was not replayed")?;
+    sort(&mut tuned);
+    Ok(tuned)
+}
 
+/// The ranking table: every candidate with its mean TTFT (and its range over the
+/// realisations), p99, hit ratio and rejections.
+fn print_ranking(all: &[Candidate]) {
     println!(
         "{:<4} {:<48} {:>10} {:>20} {:>10} {:>8} {:>7}",
         "rank", "policy", "TTFT mean", "(min–max)", "TTFT p99", "hit %", "rej %"
@@ -433,12 +517,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             100.0 * c.rejections()
         );
     }
-    let changes: Vec<f64> =
-        best.ttft_mean_s.iter().zip(&current.ttft_mean_s).map(|(b, c)| 100.0 * (b / c - 1.0)).collect();
-    let (lo, hi) = changes.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), &x| (l.min(x), h.max(x)));
-    let mean_change = 100.0 * (best.mean() / current.mean() - 1.0);
-    let p99_change = 100.0 * (best.p99() / current.p99() - 1.0);
-    println!();
+}
+
+/// The recommendation line: keep the current policy, or switch with the expected change.
+fn print_recommendation(best: &Candidate, current: &Candidate, change: &Change, realisations: u64) {
     if best.policy == current.policy && best.knobs.as_object().is_none_or(|o| o.is_empty()) {
         println!("Recommended: keep {} (no candidate does better on this trace).", current.policy);
     } else {
@@ -448,75 +530,59 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             best.mean(),
             current.mean(),
             current.policy,
-            mean_change,
-            lo,
-            hi,
-            a.realisations,
-            p99_change
+            change.mean,
+            change.range.0,
+            change.range.1,
+            realisations,
+            change.p99
         );
     }
+}
+
+/// The `kvroute serve` flags that select `best`.
+fn serve_flags(best: &Candidate) -> String {
     let mut flags = format!("--policy {}", best.policy);
     if best.knobs.as_object().is_some_and(|o| !o.is_empty()) {
         flags.push_str(&format!(" --policy-knobs '{}'", best.knobs));
     }
-    println!("kvroute serve {flags}");
-    let mut bounds = Vec::new();
-    if a.headroom {
-        let mut runs: Vec<(String, serde_json::Value)> = vec![(best.policy.clone(), best.knobs.clone())];
-        for c in cands.iter().take(3).chain(cands.iter().filter(|c| c.policy == "round_robin")) {
-            if !runs.iter().any(|(p, k)| *p == c.policy && *k == c.knobs) {
-                runs.push((c.policy.clone(), c.knobs.clone()));
-            }
-        }
-        eprintln!("kvroute advise: headroom, {} candidates with each KV oracle", runs.len());
-        println!();
-        println!("Headroom (bounds, not routers; the best of {} candidates with each KV oracle):", runs.len());
-        for oracle in [KvOracle::Fleet, KvOracle::Store] {
-            let mut with = evaluate(&runs, &traces, a.engines, &profile, &clients, jobs, oracle)?;
-            sort(&mut with);
-            let Some(top) = with.into_iter().next() else { continue };
-            let change = 100.0 * (top.mean() / best.mean() - 1.0);
-            let what = match oracle {
-                KvOracle::Fleet => "every cached prefix found wherever a request goes (--kv-oracle fleet)",
-                _ => "a shared KV store without bound (--kv-oracle store)",
-            };
-            println!(
-                "  {what}: mean TTFT {:.3} s ({change:+.1} % against the recommendation), p99 {:.3} s, hit {:.1} %, with {}",
-                top.mean(),
-                top.p99(),
-                100.0 * Candidate::avg(&top.hit_ratio),
-                top.label()
-            );
-            bounds.push(Bound { kv_oracle: oracle.as_str(), best: top, mean_ttft_change_pct: change });
-        }
-    }
-    println!(
-        "(simulated: {} engines of profile {}, the trace at ×{}; a prediction, not a measurement)",
-        a.engines, profile.name, a.rate_scale
-    );
-    if let Some(p) = &a.json {
-        let doc = serde_json::json!({
-            "trace": a.trace.display().to_string(),
-            "requests": base.len(),
-            "engines": a.engines,
-            "profile": profile.name,
-            "rate_scale": a.rate_scale,
-            "realisations": a.realisations,
-            "current": current,
-            "ranking": all,
-            "recommended": best,
-            "mean_ttft_change_pct": mean_change,
-            "mean_ttft_change_pct_range": [lo, hi],
-            "p99_ttft_change_pct": p99_change,
-            "serve_flags": flags,
-            "headroom": bounds,
-        });
-        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
-            .with_context(|| format!("--json {}", p.display()))?;
-    }
-    Ok(())
+    flags
 }
 
+/// `--headroom`: the recommendation, the best three and round_robin replayed with each KV
+/// oracle; prints and returns the best of each (bounds, not routers).
+fn headroom(bench: &Bench, best: &Candidate, cands: &[Candidate]) -> anyhow::Result<Vec<Bound>> {
+    let mut bounds = Vec::new();
+    let mut runs: Vec<(String, serde_json::Value)> = vec![(best.policy.clone(), best.knobs.clone())];
+    for c in cands.iter().take(3).chain(cands.iter().filter(|c| c.policy == "round_robin")) {
+        if !runs.iter().any(|(p, k)| *p == c.policy && *k == c.knobs) {
+            runs.push((c.policy.clone(), c.knobs.clone()));
+        }
+    }
+    eprintln!("kvroute advise: headroom, {} candidates with each KV oracle", runs.len());
+    println!();
+    println!("Headroom (bounds, not routers; the best of {} candidates with each KV oracle):", runs.len());
+    for oracle in [KvOracle::Fleet, KvOracle::Store] {
+        let mut with = evaluate(bench, &runs, oracle)?;
+        sort(&mut with);
+        let Some(top) = with.into_iter().next() else { continue };
+        let change = 100.0 * (top.mean() / best.mean() - 1.0);
+        let what = match oracle {
+            KvOracle::Fleet => "every cached prefix found wherever a request goes (--kv-oracle fleet)",
+            _ => "a shared KV store without bound (--kv-oracle store)",
+        };
+        println!(
+            "  {what}: mean TTFT {:.3} s ({change:+.1} % against the recommendation), p99 {:.3} s, hit {:.1} %, with {}",
+            top.mean(),
+            top.p99(),
+            100.0 * Candidate::avg(&top.hit_ratio),
+            top.label()
+        );
+        bounds.push(Bound { kv_oracle: oracle.as_str(), best: top, mean_ttft_change_pct: change });
+    }
+    Ok(bounds)
+}
+
+/// Sorts best first ([`Candidate::better_than`]).
 fn sort(c: &mut [Candidate]) {
     c.sort_by(|a, b| {
         if a.better_than(b) {

@@ -191,8 +191,40 @@ async fn run_policy(
     })
 }
 
-/// Runs `kvroute demo`.
+/// Runs `kvroute demo`: checks the flags, cuts the trace slice, runs every policy in turn
+/// over HTTP, prints the table and the plot, and with `--serve` keeps a router running.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    let policies = check_args(&a)?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let path = kvroute_sim::trace::find_default(a.trace.as_deref())?;
+    let reqs = load_slice(&a, &path)?;
+    print_intro(&a, &path, &reqs);
+    let load = workload::from_trace(&reqs, a.time_scale, a.max_output);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async {
+        let bar = indicatif::ProgressBar::new((reqs.len() * policies.len()) as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} {msg:<12} [{bar:40}] {pos}/{len} requests ({elapsed})")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        let mut rows = Vec::new();
+        for p in &policies {
+            rows.push(run_policy(&a, &load, p, &bar).await?);
+        }
+        bar.finish_and_clear();
+        print_table(&rows);
+        if !a.plot.is_empty() {
+            plot(&a, &rows);
+        }
+        if a.serve {
+            serve(&a, &policies).await?;
+        }
+        Ok(())
+    })
+}
+
+/// Checks the numeric flags and returns the policies, each one the registry knows.
+fn check_args(a: &Args) -> anyhow::Result<Vec<String>> {
     if a.engines == 0 || a.requests == 0 {
         bail!("--engines and --requests must be at least 1");
     }
@@ -213,9 +245,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     for p in &policies {
         kvroute_core::registry::build(p, &serde_json::Value::Null).with_context(|| format!("--policies: `{p}`"))?;
     }
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let path = kvroute_sim::trace::find_default(a.trace.as_deref())?;
-    let mut reqs = trace::read(&path, None)?;
+    Ok(policies)
+}
+
+/// The slice of the trace the demo sends: its conversations of `--min-turns` or more in
+/// the window, from time 0, at `--rate-scale`, at most `--requests`.
+fn load_slice(a: &Args, path: &std::path::Path) -> anyhow::Result<Vec<trace::TraceRequest>> {
+    let mut reqs = trace::read(path, None)?;
     trace::spread_seconds(&mut reqs);
     let slice = trace::SessionSlice {
         start_secs: a.start_secs,
@@ -230,8 +266,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if reqs.is_empty() {
         bail!("no request left in the slice: widen --window-secs or lower --min-turns");
     }
-    let bound = trace::infinite_cache_hit(&reqs);
-    let load = workload::from_trace(&reqs, a.time_scale, a.max_output);
+    Ok(reqs)
+}
+
+/// The opening line: what is sent, how much of it a cache could serve, and onto what.
+fn print_intro(a: &Args, path: &std::path::Path, reqs: &[trace::TraceRequest]) {
+    let bound = trace::infinite_cache_hit(reqs);
     let span = reqs.last().map_or(0.0, |r| r.arrival.as_secs_f64());
     println!(
         "kvroute demo: {} requests of Mooncake conversations with >= {} turns (trace {}, {:.0}-{:.0} s, x{} rate: \
@@ -239,7 +279,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
          H100 engines (Llama-3-8B profile, {}x faster than real time), over real HTTP through the kvroute gateway",
         reqs.len(),
         a.min_turns,
-        path.canonicalize().unwrap_or_else(|_| path.clone()).display(),
+        path.canonicalize().unwrap_or_else(|_| path.to_path_buf()).display(),
         a.start_secs,
         a.start_secs + a.window_secs,
         a.rate_scale,
@@ -249,70 +289,70 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.engines,
         a.time_scale
     );
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(async {
-        let bar = indicatif::ProgressBar::new((reqs.len() * policies.len()) as u64);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("{spinner} {msg:<12} [{bar:40}] {pos}/{len} requests ({elapsed})")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+}
+
+/// The side-by-side table, and the best policy against the first (the baseline).
+fn print_table(rows: &[DemoRow]) {
+    println!();
+    println!(
+        "{:<14} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10}",
+        "policy", "ok/sent", "hit %", "TTFT mean", "TTFT p50", "TTFT p99", "req/s"
+    );
+    for r in rows {
+        println!(
+            "{:<14} {:>4}/{:<4} {:>8.1} {:>9.3}s {:>9.3}s {:>9.3}s {:>10.2}",
+            r.policy,
+            r.ok,
+            r.sent,
+            r.hit_ratio * 100.0,
+            r.ttft_mean,
+            r.ttft_p50,
+            r.ttft_p99,
+            r.throughput
         );
-        let mut rows = Vec::new();
-        for p in &policies {
-            rows.push(run_policy(&a, &load, p, &bar).await?);
-        }
-        bar.finish_and_clear();
-        println!();
-        println!("{:<14} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10}", "policy", "ok/sent", "hit %", "TTFT mean", "TTFT p50", "TTFT p99", "req/s");
-        for r in &rows {
-            println!(
-                "{:<14} {:>4}/{:<4} {:>8.1} {:>9.3}s {:>9.3}s {:>9.3}s {:>10.2}",
-                r.policy,
-                r.ok,
-                r.sent,
-                r.hit_ratio * 100.0,
-                r.ttft_mean,
-                r.ttft_p50,
-                r.ttft_p99,
-                r.throughput
-            );
-        }
-        println!("(TTFT in simulated seconds, measured at the client; hit % = prompt tokens served from the engines' prefix caches)");
-        if let (Some(base), Some(best)) =
-            (rows.first(), rows.iter().skip(1).min_by(|x, y| x.ttft_mean.total_cmp(&y.ttft_mean)))
-            && best.ttft_mean > 0.0
-        {
-            println!(
-                "{} against {}: mean TTFT {:.2}x, p99 {:.2}x, prompt tokens served from cache {:.1} % against {:.1} %",
-                best.policy,
-                base.policy,
-                best.ttft_mean / base.ttft_mean,
-                best.ttft_p99 / base.ttft_p99.max(1e-9),
-                100.0 * best.hit_ratio,
-                100.0 * base.hit_ratio
-            );
-        }
-        if !a.plot.is_empty() {
-            let stem = PathBuf::from(&a.plot);
-            let series: Vec<(&str, &[(f64, f64)])> =
-                rows.iter().map(|r| (r.policy.as_str(), r.ttft_cdf.as_slice())).collect();
-            let max_x = rows.iter().map(|r| r.ttft_p99).fold(0.1_f64, f64::max) * 1.2;
-            let title = format!("kvroute demo: TTFT CDF, {} engines, Mooncake conversations", a.engines);
-            match kvroute_sim::report::plot_cdf_series(&stem, &series, max_x, &title) {
-                Ok(()) => println!("plot: {}", stem.with_extension("png").display()),
-                Err(e) => eprintln!("kvroute: warning: plot skipped: {e}"),
-            }
-        }
-        if a.serve {
-            let fleet = start_fleet(a.engines, 1.0).await?;
-            let last = policies.last().map_or(kvroute_core::registry::DEFAULT_POLICY, String::as_str);
-            let url = start_router(&fleet.urls, last, a.port, fleet.stop.clone()).await?;
-            println!("\nrouter on {url} (policy {last}), {} simulated engines; Ctrl-C to stop. Try:", a.engines);
-            println!(
-                "  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"sim-llama-3-8b\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}],\"max_tokens\":8}}' -D - "
-            );
-            crate::cmd_serve::shutdown_signal().await;
-            fleet.stop.cancel();
-        }
-        Ok(())
-    })
+    }
+    println!(
+        "(TTFT in simulated seconds, measured at the client; hit % = prompt tokens served from the engines' prefix caches)"
+    );
+    if let (Some(base), Some(best)) =
+        (rows.first(), rows.iter().skip(1).min_by(|x, y| x.ttft_mean.total_cmp(&y.ttft_mean)))
+        && best.ttft_mean > 0.0
+    {
+        println!(
+            "{} against {}: mean TTFT {:.2}x, p99 {:.2}x, prompt tokens served from cache {:.1} % against {:.1} %",
+            best.policy,
+            base.policy,
+            best.ttft_mean / base.ttft_mean,
+            best.ttft_p99 / base.ttft_p99.max(1e-9),
+            100.0 * best.hit_ratio,
+            100.0 * base.hit_ratio
+        );
+    }
+}
+
+/// `--plot`: the TTFT CDF of every policy as PLOT.png and PLOT.svg (a failure is a warning).
+fn plot(a: &Args, rows: &[DemoRow]) {
+    let stem = PathBuf::from(&a.plot);
+    let series: Vec<(&str, &[(f64, f64)])> = rows.iter().map(|r| (r.policy.as_str(), r.ttft_cdf.as_slice())).collect();
+    let max_x = rows.iter().map(|r| r.ttft_p99).fold(0.1_f64, f64::max) * 1.2;
+    let title = format!("kvroute demo: TTFT CDF, {} engines, Mooncake conversations", a.engines);
+    match kvroute_sim::report::plot_cdf_series(&stem, &series, max_x, &title) {
+        Ok(()) => println!("plot: {}", stem.with_extension("png").display()),
+        Err(e) => eprintln!("kvroute: warning: plot skipped: {e}"),
+    }
+}
+
+/// `--serve`: a fresh fleet at real time and a router with the last policy on `--port`,
+/// until Ctrl-C.
+async fn serve(a: &Args, policies: &[String]) -> anyhow::Result<()> {
+    let fleet = start_fleet(a.engines, 1.0).await?;
+    let last = policies.last().map_or(kvroute_core::registry::DEFAULT_POLICY, String::as_str);
+    let url = start_router(&fleet.urls, last, a.port, fleet.stop.clone()).await?;
+    println!("\nrouter on {url} (policy {last}), {} simulated engines; Ctrl-C to stop. Try:", a.engines);
+    println!(
+        "  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"sim-llama-3-8b\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello!\"}}],\"max_tokens\":8}}' -D - "
+    );
+    crate::cmd_serve::shutdown_signal().await;
+    fleet.stop.cancel();
+    Ok(())
 }

@@ -130,8 +130,38 @@ fn parse_lora(s: &str) -> Result<(String, String), String> {
     }
 }
 
-/// Runs `kvroute engine-sim`.
+/// Runs `kvroute engine-sim`: checks the flags, builds the worker's configuration and
+/// serves it until Ctrl-C or SIGTERM.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    check_args(&a)?;
+    let (host, port) = (a.host.clone(), a.port);
+    let cfg = config(a)?;
+    cfg.validate().map_err(|e| anyhow::anyhow!("kvroute engine-sim: {e}"))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind((host.as_str(), port))
+            .await
+            .with_context(|| format!("cannot listen on {host}:{port}"))?;
+        eprintln!("kvroute engine-sim: model {} on http://{}", cfg.model, listener.local_addr()?);
+        if cfg.role != Role::Both {
+            // The bound port is reported by /server_info (disaggregation_bootstrap_port).
+            eprintln!(
+                "kvroute engine-sim: role {}, bootstrap server on {}:{}",
+                cfg.role.as_str(),
+                cfg.bootstrap_host,
+                cfg.bootstrap_port
+                    .filter(|p| *p != 0)
+                    .map_or("any free port (see /server_info)".to_string(), |p| p.to_string())
+            );
+        }
+        serve(listener, cfg, crate::cmd_serve::shutdown_signal()).await?;
+        Ok(())
+    })
+}
+
+/// The checks clap cannot make: rates in [0, 1], a positive time scale, power idle ≤ TDP,
+/// LoRA adapters within the slots.
+fn check_args(a: &Args) -> anyhow::Result<()> {
     for (k, v) in [("--error-rate", a.error_rate), ("--hang-rate", a.hang_rate)] {
         if !(0.0..=1.0).contains(&v) {
             anyhow::bail!("{k} must be in [0, 1], got {v}");
@@ -153,7 +183,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.lora.len() > a.lora_slots {
         anyhow::bail!("{} adapters given with --lora but --lora-slots is {}", a.lora.len(), a.lora_slots);
     }
-    let profile = crate::cmd_replay::load_profile(&a.profile, a.profile_set.as_deref())?;
+    Ok(())
+}
+
+/// `--role`, and the bootstrap port it implies (SGLang's 8998 for a prefill worker).
+fn role_and_bootstrap_port(a: &Args) -> anyhow::Result<(Role, Option<u16>)> {
     let role = match a.role.as_str() {
         "prefill" => Role::Prefill,
         "decode" => Role::Decode,
@@ -167,30 +201,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         (Role::Prefill, None) => Some(SGLANG_DEFAULT_BOOTSTRAP_PORT),
         _ => None,
     };
-    let cfg = EngineSimConfig {
+    Ok((role, bootstrap_port))
+}
+
+/// The worker's configuration from the flags (unvalidated).
+fn config(a: Args) -> anyhow::Result<EngineSimConfig> {
+    let profile = crate::sim_args::load_profile(&a.profile, a.profile_set.as_deref())?;
+    let (role, bootstrap_port) = role_and_bootstrap_port(&a)?;
+    Ok(EngineSimConfig {
         profile,
         time_scale: a.time_scale,
-        model: a.model,
         error_rate: a.error_rate,
         hang_rate: a.hang_rate,
         crash_after: a.crash_after,
         fault_seed: a.fault_seed.unwrap_or(if a.port != 0 { u64::from(a.port) } else { u64::from(std::process::id()) }),
         slow_start_secs: a.slow_start_secs,
         max_waiting: 4096,
-        kv_events: a.kv_events,
-        kv_replay: a.kv_replay,
         kv_encoding: if a.kv_encoding == "legacy" {
             kvroute_protocol::kv_events::Encoding::Legacy
         } else {
             kvroute_protocol::kv_events::Encoding::Map
         },
-        kv_topic: a.kv_topic,
-        kv_hash_salt: a.kv_hash_salt.unwrap_or_else(|| {
-            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-            kvroute_core::hash::stable_hash(
-                &[t.as_nanos().to_le_bytes().as_slice(), &std::process::id().to_le_bytes()].concat(),
-            )
-        }),
+        kv_hash_salt: a.kv_hash_salt.unwrap_or_else(random_hash_salt),
         instant: a.instant,
         power_idle_watts: a.power_idle_watts,
         power_tdp_watts: a.power_tdp_watts,
@@ -198,10 +230,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         quality_spread: a.quality_spread,
         lora_slots: a.lora_slots,
         lora_load_secs: a.lora_load_secs,
-        loras: a.lora,
-        lora_fail: a.lora_fail,
         tp_size: a.tp_size,
-        dtype: a.dtype,
         vram_gb: a.vram_gb,
         role,
         bootstrap_host: a.host.clone(),
@@ -212,26 +241,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             link_gbytes_per_s: a.kv_link_gbytes_per_s,
             latency_secs: a.kv_transfer_latency_secs,
         },
-    };
-    cfg.validate().map_err(|e| anyhow::anyhow!("kvroute engine-sim: {e}"))?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
-            .await
-            .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
-        eprintln!("kvroute engine-sim: model {} on http://{}", cfg.model, listener.local_addr()?);
-        if cfg.role != Role::Both {
-            // The bound port is reported by /server_info (disaggregation_bootstrap_port).
-            eprintln!(
-                "kvroute engine-sim: role {}, bootstrap server on {}:{}",
-                cfg.role.as_str(),
-                cfg.bootstrap_host,
-                cfg.bootstrap_port
-                    .filter(|p| *p != 0)
-                    .map_or("any free port (see /server_info)".to_string(), |p| p.to_string())
-            );
-        }
-        serve(listener, cfg, crate::cmd_serve::shutdown_signal()).await?;
-        Ok(())
+        model: a.model,
+        kv_events: a.kv_events,
+        kv_replay: a.kv_replay,
+        kv_topic: a.kv_topic,
+        loras: a.lora,
+        lora_fail: a.lora_fail,
+        dtype: a.dtype,
     })
+}
+
+/// A hash salt of this process (time and pid), as vLLM's hash seed without PYTHONHASHSEED.
+fn random_hash_salt() -> u64 {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    kvroute_core::hash::stable_hash(
+        &[t.as_nanos().to_le_bytes().as_slice(), &std::process::id().to_le_bytes()].concat(),
+    )
 }

@@ -56,12 +56,8 @@ pub struct Args {
     /// With --pd: fixed cost of one KV transfer, seconds.
     #[arg(long, default_value_t = 0.0, requires = "pd", value_name = "S", allow_hyphen_values = true)]
     pub kv_transfer_latency_secs: f64,
-    /// Engine profile (h100-llama3-8b, a100-llama3-8b, cpu-smollm2-135m).
-    #[arg(long, default_value = "h100-llama3-8b")]
-    pub profile: String,
-    /// Overrides of profile constants as a JSON object, e.g. '{"kv_tokens": 200000}'.
-    #[arg(long)]
-    pub profile_set: Option<String>,
+    #[command(flatten)]
+    pub profile: crate::sim_args::ProfileArgs,
     /// Arrival-rate multipliers, comma-separated (a load sweep when several).
     #[arg(long, default_value = "1")]
     pub rate_scale: String,
@@ -165,9 +161,8 @@ pub struct Args {
     /// Write plots (ttft_cdf.{png,svg}, and sweep.{png,svg} for several rates) into this directory.
     #[arg(long)]
     pub plot_dir: Option<PathBuf>,
-    /// Parallel replays (default: available cores).
-    #[arg(long)]
-    pub jobs: Option<usize>,
+    #[command(flatten)]
+    pub jobs: crate::sim_args::JobsArgs,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -239,40 +234,6 @@ fn parse_rates(spec: &str) -> anyhow::Result<Vec<f64>> {
         .collect()
 }
 
-/// Caps every request's output tokens at `cap` (`--max-output`, as `kvroute bench` and
-/// `kvroute demo` send them); `None` leaves them.
-///
-/// # Errors
-/// A cap of 0.
-pub fn cap_outputs(trace: &mut [TraceRequest], cap: Option<u32>) -> anyhow::Result<()> {
-    let Some(cap) = cap else { return Ok(()) };
-    if cap == 0 {
-        bail!("--max-output must be at least 1");
-    }
-    for r in trace {
-        r.output_tokens = r.output_tokens.min(cap);
-    }
-    Ok(())
-}
-
-/// Loads the profile with overrides.
-pub fn load_profile(name: &str, set: Option<&str>) -> anyhow::Result<Profile> {
-    let base = Profile::named(name)
-        .with_context(|| format!("--profile: unknown profile `{name}`; known: {}", Profile::NAMES.join(", ")))?;
-    let Some(set) = set else { return Ok(base) };
-    let patch: serde_json::Value = serde_json::from_str(set).context("--profile-set: not JSON")?;
-    let mut v = serde_json::to_value(&base)?;
-    let (Some(obj), Some(p)) = (v.as_object_mut(), patch.as_object()) else {
-        bail!("--profile-set: expected a JSON object");
-    };
-    for (k, x) in p {
-        obj.insert(k.clone(), x.clone());
-    }
-    let prof: Profile = serde_json::from_value(v).context("--profile-set")?;
-    prof.validate().map_err(|e| anyhow::anyhow!("--profile-set: {e}"))?;
-    Ok(prof)
-}
-
 /// Reads and transforms the trace as the flags say.
 pub fn load_trace(args: &Args) -> anyhow::Result<Vec<TraceRequest>> {
     let format = match args.format.as_deref() {
@@ -294,7 +255,7 @@ pub fn load_trace(args: &Args) -> anyhow::Result<Vec<TraceRequest>> {
     if args.tenant_isolation {
         trace::isolate_tenants(&mut t);
     }
-    cap_outputs(&mut t, args.max_output)?;
+    crate::sim_args::cap_outputs(&mut t, args.max_output)?;
     if args.sample < 1.0 {
         t = trace::sample(t, args.sample, args.seed);
     }
@@ -339,33 +300,75 @@ fn parse_pd(args: &Args) -> anyhow::Result<Option<PdConfig>> {
     Ok(Some(pd))
 }
 
-/// `--host-slowdown` (of `kvroute replay` and `kvroute advise`): every value a slow-down.
-///
-/// # Errors
-/// The first value that is not positive and finite, named with the flag.
-pub(crate) fn check_host_slowdown(list: &[f64]) -> anyhow::Result<()> {
-    match kvroute_sim::replay::not_a_slowdown(list) {
-        Some(bad) => bail!("--host-slowdown: {bad} is not a positive slow-down (1 = as fast as alone)"),
-        None => Ok(()),
-    }
+/// What every replay of one `kvroute replay` shares, from the flags: the fleet, the
+/// policies with their knobs, the rates, prefix states and disaggregation settings.
+struct Setup {
+    profile: Profile,
+    knobs: serde_json::Value,
+    rates: Vec<f64>,
+    pd: Option<PdConfig>,
+    kv_oracle: KvOracle,
+    /// `(policy, label, capped)` of each `--policy` (or `--prefill-policy`) entry.
+    policies: Vec<(String, String, bool)>,
+    /// `--prefix-state` entries: a prefix state and whether the router tracks slots.
+    states: Vec<(PrefixState, bool)>,
+    engines: usize,
 }
 
-/// Runs `kvroute replay`.
+/// The trace as the flags shape it, its capped version (`--policy capped`, `b3`) and its
+/// infinite-cache hit (the bound every report is compared with).
+struct Traces {
+    base: Vec<TraceRequest>,
+    capped: Vec<TraceRequest>,
+    infinite: (u64, u64),
+}
+
+/// Runs `kvroute replay`: reads the settings and the trace, plans one replay per rate,
+/// prefix state and policy, runs them in parallel, and reports.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let profile = load_profile(&args.profile, args.profile_set.as_deref())?;
+    let setup = setup(&args)?;
+    let base = load_trace(&args)?;
+    let traces = Traces {
+        capped: trace::cap_sessions(base.clone(), kvroute_core::trace::MAX_TURNS),
+        infinite: trace::infinite_cache_hit(&base),
+        base,
+    };
+    // Validate every policy's knobs before spending time.
+    for (p, _, _) in &setup.policies {
+        kvroute_core::registry::build(p, &setup.knobs).with_context(|| format!("--knobs for `{p}`"))?;
+    }
+    let runs = plan_runs(&setup);
+    let reports = replay_all(&args, &setup, &traces, &runs)?;
+    print_header(&args, &setup, &traces.base);
+    print!("{}", table(&reports));
+    if let Some(p) = &args.json {
+        write_json(p, &args, &setup, &traces.base, &reports)?;
+    }
+    if let Some(p) = &args.csv {
+        write_csv(p, &reports).with_context(|| format!("--csv {}", p.display()))?;
+    }
+    if let Some(dir) = &args.plot_dir {
+        write_plots(dir, &setup, &reports)?;
+    }
+    Ok(())
+}
+
+/// Parses and cross-checks the flags that configure the replays (the trace aside).
+fn setup(args: &Args) -> anyhow::Result<Setup> {
+    let profile = args.profile.load()?;
     let knobs: serde_json::Value = match &args.knobs {
         Some(k) => serde_json::from_str(k).context("--knobs: not JSON")?,
         None => serde_json::Value::Null,
     };
     let rates = parse_rates(&args.rate_scale)?;
-    let pd = parse_pd(&args)?;
+    let pd = parse_pd(args)?;
     if pd.is_some() && args.closed_sessions {
         bail!("--closed-sessions: not supported with --pd");
     }
     if pd.is_some() && (args.session_concurrency > 0 || args.host_cores > 0 || !args.host_slowdown.is_empty()) {
         bail!("--session-concurrency, --host-cores and --host-slowdown: not supported with --pd");
     }
-    check_host_slowdown(&args.host_slowdown)?;
+    crate::sim_args::check_host_slowdown(&args.host_slowdown)?;
     let kv_oracle = match args.kv_oracle.as_str() {
         "fleet" => KvOracle::Fleet,
         "store" => KvOracle::Store,
@@ -376,7 +379,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "--kv-oracle: not supported with --pd or a profile with llama.cpp slots (no paged KV cache to copy into)"
         );
     }
-    let pols = policies(args.prefill_policy.as_deref().unwrap_or(&args.policy))?;
+    let policies = policies(args.prefill_policy.as_deref().unwrap_or(&args.policy))?;
     let states = parse_prefix_states(&args.prefix_state, args.predict_window_secs)?;
     if profile.slots == 0 && states.iter().any(|s| s.1) {
         bail!(
@@ -391,22 +394,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if engines == 0 {
         bail!("--engines must be at least 1");
     }
-    let base = load_trace(&args)?;
-    let capped = trace::cap_sessions(base.clone(), kvroute_core::trace::MAX_TURNS);
-    let infinite = trace::infinite_cache_hit(&base);
-    // Validate every policy's knobs before spending time.
-    for (p, _, _) in &pols {
-        kvroute_core::registry::build(p, &knobs).with_context(|| format!("--knobs for `{p}`"))?;
-    }
+    Ok(Setup { profile, knobs, rates, pd, kv_oracle, policies, states, engines })
+}
+
+/// One run per rate, prefix state and policy, labelled with its prefix state and oracle;
+/// a prefix-blind policy routes the same with either prefix state, so it runs once (slot
+/// routing changes which slot it takes: it runs then).
+fn plan_runs(setup: &Setup) -> Vec<Run> {
     let prefix_aware: Vec<&str> =
         kvroute_core::registry::list().into_iter().filter(|i| i.prefix_aware).map(|i| i.name).collect();
-    let first_plain = states.iter().find(|s| !s.1).map(|s| s.0);
+    let first_plain = setup.states.iter().find(|s| !s.1).map(|s| s.0);
     let mut runs = Vec::new();
-    for &rate in &rates {
-        for &(prefix_state, slot_routing) in &states {
-            for (p, label, cap) in &pols {
-                // A prefix-blind policy routes the same with either prefix state: run it once
-                // (slot routing changes which slot it takes: run it).
+    for &rate in &setup.rates {
+        for &(prefix_state, slot_routing) in &setup.states {
+            for (p, label, cap) in &setup.policies {
                 let blind = !prefix_aware.contains(&p.as_str());
                 if blind && !slot_routing && Some(prefix_state) != first_plain {
                     continue;
@@ -416,7 +417,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     PrefixState::Precise { .. } if !blind => format!("{label}/precise"),
                     _ => label.clone(),
                 };
-                let label = match kv_oracle {
+                let label = match setup.kv_oracle {
                     KvOracle::Off => label,
                     o => format!("{label}/oracle-{}", o.as_str()),
                 };
@@ -424,14 +425,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
-    let total: u64 = runs.iter().map(|r| if r.capped { capped.len() } else { base.len() } as u64).sum();
+    runs
+}
+
+/// Runs every replay over `--jobs` threads behind one progress bar; the reports in run
+/// order, or the first failure.
+fn replay_all(args: &Args, setup: &Setup, traces: &Traces, runs: &[Run]) -> anyhow::Result<Vec<PolicyReport>> {
+    let total: u64 = runs.iter().map(|r| if r.capped { traces.capped.len() } else { traces.base.len() } as u64).sum();
     let bar = if args.quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(total) };
     bar.set_style(
         indicatif::ProgressStyle::with_template("{spinner} replay [{bar:40}] {pos}/{len} requests {msg} ({eta})")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let jobs = args.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
-    let slo = Slo { ttft_s: args.slo_ttft, tpot_s: args.slo_tpot };
+    let jobs = args.jobs.jobs();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let results: Vec<parking_lot_free::Slot> = (0..runs.len()).map(|_| parking_lot_free::Slot::default()).collect();
     std::thread::scope(|s| {
@@ -440,61 +446,78 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 loop {
                     let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let Some(run) = runs.get(i) else { break };
-                    let mut t = if run.capped { capped.clone() } else { base.clone() };
-                    trace::scale_rate(&mut t, run.rate);
-                    let cfg = ReplayConfig {
-                        engines,
-                        profile: profile.clone(),
-                        policy: run.policy.clone(),
-                        knobs: knobs.clone(),
-                        seed: args.seed,
-                        max_waiting: args.max_waiting,
-                        engine_signals: !args.no_engine_signals,
-                        prefix_state: run.prefix_state,
-                        slot_routing: run.slot_routing,
-                        closed_sessions: args.closed_sessions,
-                        session_concurrency: args.session_concurrency,
-                        host_cores: args.host_cores,
-                        host_slowdown: args.host_slowdown.clone(),
-                        kv_oracle,
-                    };
-                    let mut last = 0usize;
-                    let mut tick = |n: usize| {
-                        bar.inc((n - last) as u64);
-                        last = n;
-                    };
-                    let r = match &pd {
-                        Some(pd) => replay_pd(&t, &cfg, pd, &mut tick),
-                        None => replay(&t, &cfg, &mut tick),
-                    };
-                    let r = r.map(|mut res| {
-                        res.policy = run.label.clone();
-                        summarise(&res, run.rate, infinite, slo)
-                    });
-                    results[i].set(r.map_err(|e| e.to_string()));
+                    results[i].set(replay_one(args, setup, traces, run, &bar));
                 }
             });
         }
     });
     bar.finish_and_clear();
     let mut reports: Vec<PolicyReport> = Vec::new();
-    for (slot, run) in results.into_iter().zip(&runs) {
+    for (slot, run) in results.into_iter().zip(runs) {
         match slot.take() {
             Some(Ok(r)) => reports.push(r),
             Some(Err(e)) => bail!("replay of `{}` failed: {e}", run.label),
             None => bail!("replay of `{}` did not run", run.label),
         }
     }
+    Ok(reports)
+}
+
+/// One replay (colocated, or disaggregated with `--pd`) of the trace at `run`'s rate,
+/// summarised under `run`'s label; progress goes to `bar`.
+fn replay_one(
+    args: &Args,
+    setup: &Setup,
+    traces: &Traces,
+    run: &Run,
+    bar: &indicatif::ProgressBar,
+) -> Result<PolicyReport, String> {
+    let mut t = if run.capped { traces.capped.clone() } else { traces.base.clone() };
+    trace::scale_rate(&mut t, run.rate);
+    let cfg = ReplayConfig {
+        engines: setup.engines,
+        profile: setup.profile.clone(),
+        policy: run.policy.clone(),
+        knobs: setup.knobs.clone(),
+        seed: args.seed,
+        max_waiting: args.max_waiting,
+        engine_signals: !args.no_engine_signals,
+        prefix_state: run.prefix_state,
+        slot_routing: run.slot_routing,
+        closed_sessions: args.closed_sessions,
+        session_concurrency: args.session_concurrency,
+        host_cores: args.host_cores,
+        host_slowdown: args.host_slowdown.clone(),
+        kv_oracle: setup.kv_oracle,
+    };
+    let mut last = 0usize;
+    let mut tick = |n: usize| {
+        bar.inc((n - last) as u64);
+        last = n;
+    };
+    let r = match &setup.pd {
+        Some(pd) => replay_pd(&t, &cfg, pd, &mut tick),
+        None => replay(&t, &cfg, &mut tick),
+    };
+    let r = r.map(|mut res| {
+        res.policy = run.label.clone();
+        summarise(&res, run.rate, traces.infinite, Slo { ttft_s: args.slo_ttft, tpot_s: args.slo_tpot })
+    });
+    r.map_err(|e| e.to_string())
+}
+
+/// The lines above the table: the trace, the fleet, and the disaggregation settings.
+fn print_header(args: &Args, setup: &Setup, base: &[TraceRequest]) {
     println!(
         "trace {} ({} requests, {:.0} s), {} engines, profile {}, seed {}",
         args.trace.display(),
         base.len(),
         base.last().map_or(0.0, |r| r.arrival.as_secs_f64()),
-        engines,
-        profile.name,
+        setup.engines,
+        setup.profile.name,
         args.seed
     );
-    if let Some(pd) = &pd {
+    if let Some(pd) = &setup.pd {
         println!(
             "prefill/decode {}:{}: prompts over {} tokens split (prefill policy: the policy column; decode policy {}), \
              KV {} bytes/token over {} GB/s + {} s",
@@ -507,44 +530,52 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             pd.transfer.latency_secs
         );
     }
-    print!("{}", table(&reports));
-    if let Some(p) = &args.json {
-        let mut doc = serde_json::json!({
-            "trace": args.trace.display().to_string(),
-            "requests": base.len(),
-            "engines": engines,
-            "profile": profile,
-            "seed": args.seed,
-            "arrivals": match (args.no_spread, args.arrival_seed) {
-                (true, _) => "trace".to_string(),
-                (false, Some(s)) => format!("random spread, seed {s}"),
-                (false, None) => "even spread".to_string(),
-            },
-            "reports": reports,
-        });
-        if let (Some(pd), Some(obj)) = (&pd, doc.as_object_mut()) {
-            obj.insert("pd".into(), serde_json::to_value(pd)?);
-        }
-        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
-            .with_context(|| format!("--json {}", p.display()))?;
+}
+
+/// `--json`: the trace, the fleet, how arrivals were spread, the reports (and `pd`).
+fn write_json(
+    p: &std::path::Path,
+    args: &Args,
+    setup: &Setup,
+    base: &[TraceRequest],
+    reports: &[PolicyReport],
+) -> anyhow::Result<()> {
+    let mut doc = serde_json::json!({
+        "trace": args.trace.display().to_string(),
+        "requests": base.len(),
+        "engines": setup.engines,
+        "profile": setup.profile,
+        "seed": args.seed,
+        "arrivals": match (args.no_spread, args.arrival_seed) {
+            (true, _) => "trace".to_string(),
+            (false, Some(s)) => format!("random spread, seed {s}"),
+            (false, None) => "even spread".to_string(),
+        },
+        "reports": reports,
+    });
+    if let (Some(pd), Some(obj)) = (&setup.pd, doc.as_object_mut()) {
+        obj.insert("pd".into(), serde_json::to_value(pd)?);
     }
-    if let Some(p) = &args.csv {
-        write_csv(p, &reports).with_context(|| format!("--csv {}", p.display()))?;
-    }
-    if let Some(dir) = &args.plot_dir {
-        std::fs::create_dir_all(dir).with_context(|| format!("--plot-dir {}", dir.display()))?;
-        let first_rate: Vec<PolicyReport> = reports.iter().filter(|r| r.rate_scale == rates[0]).cloned().collect();
-        let title = match &pd {
-            Some(pd) => format!("TTFT CDF, PD {}:{}, rate x{}", pd.prefill_engines, pd.decode_engines, rates[0]),
-            None => format!("TTFT CDF, {} engines, rate x{}", engines, rates[0]),
-        };
-        if let Err(e) = plot_ttft_cdf(&dir.join("ttft_cdf"), &first_rate, &title) {
-            eprintln!("kvroute: warning: plots skipped: {e}");
-        } else if rates.len() > 1
-            && let Err(e) = plot_sweep(&dir.join("sweep"), &reports)
-        {
-            eprintln!("kvroute: warning: sweep plot skipped: {e}");
-        }
+    std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n").with_context(|| format!("--json {}", p.display()))?;
+    Ok(())
+}
+
+/// `--plot-dir`: the TTFT CDF at the first rate, and the sweep over several rates (a plot
+/// that fails is a warning).
+fn write_plots(dir: &std::path::Path, setup: &Setup, reports: &[PolicyReport]) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("--plot-dir {}", dir.display()))?;
+    let rates = &setup.rates;
+    let first_rate: Vec<PolicyReport> = reports.iter().filter(|r| r.rate_scale == rates[0]).cloned().collect();
+    let title = match &setup.pd {
+        Some(pd) => format!("TTFT CDF, PD {}:{}, rate x{}", pd.prefill_engines, pd.decode_engines, rates[0]),
+        None => format!("TTFT CDF, {} engines, rate x{}", setup.engines, rates[0]),
+    };
+    if let Err(e) = plot_ttft_cdf(&dir.join("ttft_cdf"), &first_rate, &title) {
+        eprintln!("kvroute: warning: plots skipped: {e}");
+    } else if rates.len() > 1
+        && let Err(e) = plot_sweep(&dir.join("sweep"), reports)
+    {
+        eprintln!("kvroute: warning: sweep plot skipped: {e}");
     }
     Ok(())
 }

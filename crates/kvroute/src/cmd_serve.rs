@@ -239,13 +239,29 @@ pub struct Args {
 /// # Errors
 /// Unreadable file, invalid TOML, or an invalid value naming its key.
 pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
-    let mut cfg = match &a.config {
+    let mut cfg = read_config_file(a)?;
+    scalar_flags(a, &mut cfg);
+    cluster_flags(a, &mut cfg);
+    security_flags(a, &mut cfg);
+    worker_flags(a, &mut cfg)?;
+    pd_flags(a, &mut cfg)?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// `--config FILE`, or the defaults.
+fn read_config_file(a: &Args) -> anyhow::Result<GatewayConfig> {
+    Ok(match &a.config {
         Some(p) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("--config {}", p.display()))?;
             GatewayConfig::from_toml(&text).with_context(|| format!("--config {}", p.display()))?
         }
         None => GatewayConfig::default(),
-    };
+    })
+}
+
+/// The flags that set one top-level field of the same name, when given.
+fn scalar_flags(a: &Args, cfg: &mut GatewayConfig) {
     macro_rules! set {
         ($($f:ident),*) => { $( if let Some(v) = a.$f.clone() { cfg.$f = v; } )* };
     }
@@ -285,6 +301,10 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
         record_files,
         record_block_tokens
     );
+}
+
+/// Cluster mode, the state directory and recording: etcd, NATS, replica id, `--record`.
+fn cluster_flags(a: &Args, cfg: &mut GatewayConfig) {
     if !a.etcd.is_empty() {
         cfg.etcd = a.etcd.clone();
     }
@@ -305,6 +325,10 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
     if let Some(c) = &a.cluster {
         cfg.cluster.clone_from(c);
     }
+}
+
+/// Keys, tenants, the admin listener, TLS, forwarded headers and the worker allow-list.
+fn security_flags(a: &Args, cfg: &mut GatewayConfig) {
     if a.api_key_file.is_some() {
         cfg.api_key_file = a.api_key_file.clone();
     }
@@ -337,6 +361,11 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
     if !a.worker_allow.is_empty() {
         cfg.worker_allow = a.worker_allow.clone();
     }
+}
+
+/// The workers and what the router reads from them: URLs, tokenizer, power metric,
+/// health interval, KV-event sources and the policy's knobs.
+fn worker_flags(a: &Args, cfg: &mut GatewayConfig) -> anyhow::Result<()> {
     if a.tokenizer.is_some() {
         cfg.tokenizer = a.tokenizer.clone();
     }
@@ -356,9 +385,7 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
     if let Some(k) = &a.policy_knobs {
         cfg.policy_knobs = knobs_from_json(k).context("--policy-knobs")?;
     }
-    pd_flags(a, &mut cfg)?;
-    cfg.validate()?;
-    Ok(cfg)
+    Ok(())
 }
 
 /// The disaggregation flags over the file's `[pd]`.

@@ -13,6 +13,7 @@ mod cmd_policies;
 mod cmd_register;
 mod cmd_replay;
 mod cmd_serve;
+mod sim_args;
 
 /// KV-cache-aware request router for LLM inference fleets.
 #[derive(Debug, Parser)]

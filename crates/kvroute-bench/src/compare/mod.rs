@@ -236,6 +236,33 @@ struct Ctx {
 const DYNAMO_SHIM: &str = include_str!("../../../../scripts/dynamo-shim.py");
 
 impl Ctx {
+    /// A launcher for this binary's workers and kvroute, and the peers under `peers_dir`,
+    /// logging into `logs`; `llama` names llama-server and its model when the workers are
+    /// llama.cpp (requests then ask for the model `smollm2`).
+    fn new(
+        peers_dir: PathBuf,
+        logs: PathBuf,
+        scrape_secs: f64,
+        llama: Option<(PathBuf, PathBuf)>,
+        llama_cache_ram: u32,
+    ) -> anyhow::Result<Ctx> {
+        let exe = std::env::current_exe().context("locating the kvroute binary")?;
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let model = if llama.is_some() { "smollm2".to_string() } else { MODEL.to_string() };
+        Ok(Ctx {
+            exe,
+            peers_dir,
+            logs,
+            client: reqwest::Client::builder().build()?,
+            seq: Default::default(),
+            scrape_secs,
+            model,
+            llama,
+            llama_cache_ram,
+            kv_events: Default::default(),
+        })
+    }
+
     fn spawn(&self, program: &std::path::Path, args: &[String], name: &str) -> anyhow::Result<Child> {
         let n = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let log = self.logs.join(format!("{n:03}-{name}.log"));
@@ -344,33 +371,35 @@ impl Ctx {
     /// forwards a chat completion.
     async fn router(&self, t: &Target, workers: &[String]) -> anyhow::Result<(Child, String)> {
         let (port, prom) = (free_port()?, free_port()?);
+        let (program, mut args) = self.router_command(t, workers, port, prom)?;
+        if !program.exists() {
+            bail!("{} is not installed (run scripts/compare-peers.sh, which installs the peers)", program.display());
+        }
+        args.shrink_to_fit();
+        let child = self.spawn(&program, &args, &t.label().replace([' ', '/'], "-"))?;
+        let url = format!("http://127.0.0.1:{port}");
+        let warm = serde_json::json!({"model": self.model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1});
+        self.wait_ok(&format!("{url}/v1/chat/completions"), Some(&warm), Duration::from_secs(90))
+            .await
+            .with_context(|| format!("{} did not come up (logs in {})", t.label(), self.logs.display()))?;
+        Ok((child, url))
+    }
+
+    /// The program and arguments that start the router of `t` on `port` (peers: their
+    /// Prometheus exporter, or Dynamo's selection service, on `prom`) in front of `workers`.
+    fn router_command(
+        &self,
+        t: &Target,
+        workers: &[String],
+        port: u16,
+        prom: u16,
+    ) -> anyhow::Result<(PathBuf, Vec<String>)> {
         let host = ["--host".to_string(), "127.0.0.1".into(), "--port".into(), port.to_string()];
         let worker_args: Vec<String> =
             std::iter::once("--worker-urls".to_string()).chain(workers.iter().cloned()).collect();
         let policy = ["--policy".to_string(), t.policy.clone()];
-        let (program, mut args): (PathBuf, Vec<String>) = match t.router.as_str() {
-            "kvroute" => {
-                let mut a = vec!["serve".to_string()];
-                a.extend(host.iter().cloned());
-                match t.policy.strip_suffix(SLOTS_SUFFIX) {
-                    Some(name) => a.extend(["--policy", name, "--llama-slot-routing", "true"].map(String::from)),
-                    None => a.extend(policy.iter().cloned()),
-                }
-                a.push("--worker-urls".into());
-                a.push(workers.join(","));
-                // Engine signals as deployed in front of vLLM: /metrics scraped every
-                // simulated 5 s (Cognitora cgn-router's heartbeat).
-                a.extend(["--scrape-metrics".to_string(), "true".into()]);
-                // The bench's one client reads the serving worker from `x-kvroute-worker`.
-                a.extend(["--expose-decision-headers".to_string(), "true".into()]);
-                a.extend(["--health-interval-secs".to_string(), self.scrape_secs.to_string()]);
-                // In front of llama.cpp: the model's own tokenizer, as deployed (routing keys
-                // are the worker's token ids).
-                if let Some((_, model)) = &self.llama {
-                    a.extend(["--tokenizer".to_string(), model.display().to_string()]);
-                }
-                (self.exe.clone(), a)
-            }
+        Ok(match t.router.as_str() {
+            "kvroute" => (self.exe.clone(), self.kvroute_args(t, &host, workers)),
             "sglang-router" => {
                 let mut a = vec!["-m".to_string(), "sglang_router.launch_router".into()];
                 a.extend(host.iter().cloned());
@@ -396,35 +425,52 @@ impl Ctx {
                 a.extend(["--prometheus-port".to_string(), prom.to_string()]);
                 (self.peers_dir.join("smg/bin/smg"), a)
             }
-            "dynamo" => {
-                if self.llama.is_some() {
-                    bail!("dynamo runs only in front of simulated workers (the shim uses engine-sim's token ids)");
-                }
-                let shim = self.logs.join("dynamo-shim.py");
-                std::fs::write(&shim, DYNAMO_SHIM).with_context(|| format!("writing {}", shim.display()))?;
-                let mut a = vec![shim.display().to_string()];
-                a.extend(["--port".to_string(), port.to_string(), "--select-port".into(), prom.to_string()]);
-                a.extend(["--model".to_string(), self.model.clone()]);
-                let kv = self.kv_events.lock().map_err(|_| anyhow::anyhow!("kv_events lock"))?;
-                for w in workers {
-                    let Some(e) = kv.get(w) else { bail!("worker {w} publishes no KV events, which dynamo needs") };
-                    a.extend(["--worker".to_string(), format!("{w}={e}")]);
-                }
-                (self.peers_dir.join("dynamo/bin/python"), a)
-            }
+            "dynamo" => (self.peers_dir.join("dynamo/bin/python"), self.dynamo_args(workers, port, prom)?),
             other => bail!("unknown router {other}"),
-        };
-        if !program.exists() {
-            bail!("{} is not installed (run scripts/compare-peers.sh, which installs the peers)", program.display());
+        })
+    }
+
+    /// `kvroute serve`'s arguments for `t`, deployed as in front of vLLM (or llama.cpp).
+    fn kvroute_args(&self, t: &Target, host: &[String], workers: &[String]) -> Vec<String> {
+        let mut a = vec!["serve".to_string()];
+        a.extend(host.iter().cloned());
+        match t.policy.strip_suffix(SLOTS_SUFFIX) {
+            Some(name) => a.extend(["--policy", name, "--llama-slot-routing", "true"].map(String::from)),
+            None => a.extend(["--policy".to_string(), t.policy.clone()]),
         }
-        args.shrink_to_fit();
-        let child = self.spawn(&program, &args, &t.label().replace([' ', '/'], "-"))?;
-        let url = format!("http://127.0.0.1:{port}");
-        let warm = serde_json::json!({"model": self.model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1});
-        self.wait_ok(&format!("{url}/v1/chat/completions"), Some(&warm), Duration::from_secs(90))
-            .await
-            .with_context(|| format!("{} did not come up (logs in {})", t.label(), self.logs.display()))?;
-        Ok((child, url))
+        a.push("--worker-urls".into());
+        a.push(workers.join(","));
+        // Engine signals as deployed in front of vLLM: /metrics scraped every
+        // simulated 5 s (Cognitora cgn-router's heartbeat).
+        a.extend(["--scrape-metrics".to_string(), "true".into()]);
+        // The bench's one client reads the serving worker from `x-kvroute-worker`.
+        a.extend(["--expose-decision-headers".to_string(), "true".into()]);
+        a.extend(["--health-interval-secs".to_string(), self.scrape_secs.to_string()]);
+        // In front of llama.cpp: the model's own tokenizer, as deployed (routing keys
+        // are the worker's token ids).
+        if let Some((_, model)) = &self.llama {
+            a.extend(["--tokenizer".to_string(), model.display().to_string()]);
+        }
+        a
+    }
+
+    /// The Dynamo shim's arguments (the shim written into the log directory first): its
+    /// port, its selection service's port and each worker with its KV-event endpoint.
+    fn dynamo_args(&self, workers: &[String], port: u16, prom: u16) -> anyhow::Result<Vec<String>> {
+        if self.llama.is_some() {
+            bail!("dynamo runs only in front of simulated workers (the shim uses engine-sim's token ids)");
+        }
+        let shim = self.logs.join("dynamo-shim.py");
+        std::fs::write(&shim, DYNAMO_SHIM).with_context(|| format!("writing {}", shim.display()))?;
+        let mut a = vec![shim.display().to_string()];
+        a.extend(["--port".to_string(), port.to_string(), "--select-port".into(), prom.to_string()]);
+        a.extend(["--model".to_string(), self.model.clone()]);
+        let kv = self.kv_events.lock().map_err(|_| anyhow::anyhow!("kv_events lock"))?;
+        for w in workers {
+            let Some(e) = kv.get(w) else { bail!("worker {w} publishes no KV events, which dynamo needs") };
+            a.extend(["--worker".to_string(), format!("{w}={e}")]);
+        }
+        Ok(a)
     }
 
     /// Sums of the workers' prefix-cache counters and per-worker finished requests.
@@ -479,6 +525,23 @@ struct Row {
     later_turns: Option<Summary>,
 }
 
+impl Row {
+    /// The row of `t`, without numbers yet.
+    fn new(t: &Target) -> Row {
+        Row {
+            router: t.router.clone(),
+            policy: t.policy.clone(),
+            skipped: None,
+            overhead_c1: None,
+            overhead_c32: None,
+            quality: None,
+            hit_ratio: None,
+            worker_share: Vec::new(),
+            later_turns: None,
+        }
+    }
+}
+
 fn overhead_load(secs: f64, conc: usize) -> RunConfig {
     RunConfig {
         url: String::new(),
@@ -521,9 +584,91 @@ fn cores_busy_now(window: Duration) -> Option<f64> {
     (t1 > t0).then(|| cores * (b1 - b0) as f64 / (t1 - t0) as f64)
 }
 
-/// Runs `kvroute bench compare`.
+/// `--peers-dir`, or `~/.cache/kvroute/peers`.
+fn peers_dir(flag: Option<&PathBuf>) -> PathBuf {
+    flag.cloned().unwrap_or_else(|| {
+        std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from).join(".cache/kvroute/peers")
+    })
+}
+
+/// `--log-dir`, or a new `kvroute-{what}-{pid}` under the temp dir; created.
+fn log_dir(flag: Option<&PathBuf>, what: &str) -> anyhow::Result<PathBuf> {
+    let logs = match flag {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir().join(format!("kvroute-{what}-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    Ok(logs)
+}
+
+/// What the machine was doing when the run started (recorded in the JSON).
+struct MachineAtStart {
+    /// 1-minute load average.
+    load: Option<f64>,
+    /// Cores busy over the second before the start (`--engine llama` only).
+    busy: Option<f64>,
+}
+
+/// The requests of the routing-quality runs: a trace slice or synthetic workload, or
+/// MT-bench conversations.
+struct QualityLoad {
+    /// The Mooncake trace (default or `--trace`), also when a workload replaces it.
+    trace: PathBuf,
+    /// MT-bench conversations (`--workload mtbench`).
+    conversations: Option<Vec<workload::Conversation>>,
+    /// Independent requests otherwise.
+    requests: Vec<workload::BenchRequest>,
+    /// Requests in all.
+    n: usize,
+}
+
+/// Runs `kvroute bench compare`: checks the flags, builds both workloads, measures proxy
+/// overhead and routing quality for every router and policy, and reports them.
 pub fn run(mut a: Args) -> anyhow::Result<()> {
-    let load_at_start = load_average();
+    let load = load_average();
+    let busy = check_args(&mut a)?;
+    let machine = MachineAtStart { load, busy };
+    let logs = log_dir(a.log_dir.as_ref(), "compare")?;
+    let quality = quality_load(&a)?;
+    // The overhead workload: 256 distinct ~64-token chats, one output token, cycled.
+    let overhead_reqs = workload::independent(256, Arrivals::Constant(1.0), 64, 1, 7);
+    let targets = targets(&a);
+    let llama = llama_paths(&a)?;
+    let scrape_secs = (5.0 / a.time_scale).max(0.05);
+    let ctx = Ctx::new(peers_dir(a.peers_dir.as_ref()), logs, scrape_secs, llama, a.llama_cache_ram)?;
+    let slo = Slo { ttft_s: a.slo_ttft, tpot_s: a.slo_tpot };
+    println!(
+        "kvroute bench compare: {} configurations × {} {} workers; logs in {}",
+        targets.len(),
+        a.workers,
+        if a.engine == "llama" { "llama.cpp" } else { "simulated" },
+        ctx.logs.display()
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async {
+        let mut rows: Vec<Row> = targets.iter().map(Row::new).collect();
+        let mut direct = None;
+        if !a.skip_overhead {
+            direct = Some(measure_overhead(&ctx, &a, &targets, &mut rows, &overhead_reqs, slo).await?);
+        }
+        if !a.skip_quality {
+            measure_quality(&ctx, &a, &targets, &mut rows, &quality, slo).await?;
+        }
+        print_table(&rows, direct.as_ref(), &a);
+        if let Some(p) = &a.json {
+            write_json(p, &a, &quality, &machine, direct.as_ref(), &rows)?;
+        }
+        if let Some(dir) = &a.plots {
+            write_plots(dir, &a, &rows)?;
+        }
+        Ok(())
+    })
+}
+
+/// Checks the flags and fits them to the engine: `--engine llama` runs in real time
+/// without the overhead part. Returns the cores busy before the start with llama.cpp
+/// workers (warning when the machine is busy).
+fn check_args(a: &mut Args) -> anyhow::Result<Option<f64>> {
     let mut busy_at_start = None;
     // `--peers ""` compares kvroute's policies alone.
     a.peers.retain(|p| !p.is_empty());
@@ -542,19 +687,7 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         }
         a.time_scale = 1.0;
         a.skip_overhead = true;
-        // Real engines share the cores with whatever else runs: their timings compare only
-        // with runs on an equally idle machine (docs/real-engines.md, "Runs on a quiet machine").
-        // Measured over a second before anything starts: the load average would still count
-        // the workers of a run that ended a minute ago.
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        busy_at_start = cores_busy_now(Duration::from_secs(1));
-        if let Some(busy) = busy_at_start.filter(|&b| b >= 0.5) {
-            eprintln!(
-                "kvroute bench compare: warning: the machine is busy ({busy:.2} of its {cores} cores in use over the \
-                 last second before the start): the llama.cpp workers will share the cores with that work, and \
-                 their timings will not compare with an idle machine's"
-            );
-        }
+        busy_at_start = warn_if_busy();
     }
     if a.workers == 0 {
         bail!("--workers must be at least 1");
@@ -568,39 +701,36 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         let name = p.strip_suffix(SLOTS_SUFFIX).unwrap_or(p);
         kvroute_core::registry::build(name, &serde_json::Value::Null).with_context(|| format!("--policies: {p}"))?;
     }
-    let peers_dir = a.peers_dir.clone().unwrap_or_else(|| {
-        std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from).join(".cache/kvroute/peers")
-    });
-    let logs = match &a.log_dir {
-        Some(d) => d.clone(),
-        None => std::env::temp_dir().join(format!("kvroute-compare-{}", std::process::id())),
-    };
-    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
-    // The quality workload: a Mooncake slice by its timestamps, time_scale × faster.
+    Ok(busy_at_start)
+}
+
+/// Cores busy over the second before the start, with a warning when half a core or more
+/// is: real engines share the cores with whatever else runs, so their timings compare only
+/// with runs on an equally idle machine (docs/real-engines.md, "Runs on a quiet machine").
+/// Measured now: the load average would still count the workers of a run that ended a
+/// minute ago.
+fn warn_if_busy() -> Option<f64> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let busy_at_start = cores_busy_now(Duration::from_secs(1));
+    if let Some(busy) = busy_at_start.filter(|&b| b >= 0.5) {
+        eprintln!(
+            "kvroute bench compare: warning: the machine is busy ({busy:.2} of its {cores} cores in use over the \
+             last second before the start): the llama.cpp workers will share the cores with that work, and \
+             their timings will not compare with an idle machine's"
+        );
+    }
+    busy_at_start
+}
+
+/// The quality workload: a Mooncake slice by its timestamps, a synthetic workload or
+/// MT-bench conversations, `time_scale` × faster.
+fn quality_load(a: &Args) -> anyhow::Result<QualityLoad> {
     let trace = match &a.trace {
         Some(t) => t.clone(),
         None => kvroute_sim::trace::find_default(None)?,
     };
     let conversations = match a.workload.as_deref() {
-        Some("mtbench") => {
-            let path = match &a.mtbench {
-                Some(p) => p.clone(),
-                None => trace.with_file_name("mtbench_question.jsonl"),
-            };
-            let text = std::fs::read_to_string(&path).with_context(|| format!("--mtbench {}", path.display()))?;
-            let arrivals = Arrivals::Poisson(a.rate * a.time_scale * a.rate_scale);
-            let mut c = workload::mtbench(&text, a.conversations, arrivals, a.output_tokens, 0)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-            if a.document_tokens > 0 {
-                workload::attach_documents(&mut c, a.document_tokens, a.documents, 0);
-            }
-            if a.conversation_concurrency > 0 {
-                for x in &mut c {
-                    x.at = Duration::ZERO;
-                }
-            }
-            Some(c)
-        }
+        Some("mtbench") => Some(mtbench_conversations(a, &trace)?),
         _ => None,
     };
     let synthetic = a.workload.is_some();
@@ -621,11 +751,36 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         question_tokens: a.question_tokens,
         seed: 0,
     };
-    let quality_reqs = if conversations.is_some() { Vec::new() } else { wl.build()? };
-    let quality_n = conversations.as_ref().map_or(quality_reqs.len(), |c| c.iter().map(|c| c.turns.len()).sum());
-    // The overhead workload: 256 distinct ~64-token chats, one output token, cycled.
-    let overhead_reqs = workload::independent(256, Arrivals::Constant(1.0), 64, 1, 7);
+    let requests = if conversations.is_some() { Vec::new() } else { wl.build()? };
+    let n = conversations.as_ref().map_or(requests.len(), |c| c.iter().map(|c| c.turns.len()).sum());
+    Ok(QualityLoad { trace, conversations, requests, n })
+}
 
+/// `--workload mtbench`: the questions file (`--mtbench`, or beside `trace`) as two-turn
+/// conversations, with documents attached; a closed loop starts them all at zero.
+fn mtbench_conversations(a: &Args, trace: &std::path::Path) -> anyhow::Result<Vec<workload::Conversation>> {
+    let path = match &a.mtbench {
+        Some(p) => p.clone(),
+        None => trace.with_file_name("mtbench_question.jsonl"),
+    };
+    let text = std::fs::read_to_string(&path).with_context(|| format!("--mtbench {}", path.display()))?;
+    let arrivals = Arrivals::Poisson(a.rate * a.time_scale * a.rate_scale);
+    let mut c = workload::mtbench(&text, a.conversations, arrivals, a.output_tokens, 0)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    if a.document_tokens > 0 {
+        workload::attach_documents(&mut c, a.document_tokens, a.documents, 0);
+    }
+    if a.conversation_concurrency > 0 {
+        for x in &mut c {
+            x.at = Duration::ZERO;
+        }
+    }
+    Ok(c)
+}
+
+/// The routers under test: kvroute with each `--policies`, then each peer with each
+/// `--peer-policies` (Dynamo once, with its KV router).
+fn targets(a: &Args) -> Vec<Target> {
     let mut targets: Vec<Target> =
         a.policies.iter().map(|p| Target { router: "kvroute".into(), policy: p.clone() }).collect();
     for peer in &a.peers {
@@ -637,246 +792,258 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
             targets.push(Target { router: peer.clone(), policy: p.clone() });
         }
     }
-    let exe = std::env::current_exe().context("locating the kvroute binary")?;
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = reqwest::Client::builder().build()?;
-    let scrape_secs = (5.0 / a.time_scale).max(0.05);
-    let llama = match a.engine.as_str() {
-        "llama" => {
-            let (Some(bin), Some(model)) = (a.llama_server.clone(), a.llama_model.clone()) else {
-                bail!(
-                    "--engine llama needs --llama-server and --llama-model (scripts/llama-workers.sh paths prints them)"
-                );
-            };
-            for p in [&bin, &model] {
-                if !p.exists() {
-                    bail!("{} does not exist (run scripts/llama-workers.sh install)", p.display());
-                }
-            }
-            Some((bin, model))
+    targets
+}
+
+/// With `--engine llama`: llama-server and the model, which must exist.
+fn llama_paths(a: &Args) -> anyhow::Result<Option<(PathBuf, PathBuf)>> {
+    if a.engine != "llama" {
+        return Ok(None);
+    }
+    let (Some(bin), Some(model)) = (a.llama_server.clone(), a.llama_model.clone()) else {
+        bail!("--engine llama needs --llama-server and --llama-model (scripts/llama-workers.sh paths prints them)");
+    };
+    for p in [&bin, &model] {
+        if !p.exists() {
+            bail!("{} does not exist (run scripts/llama-workers.sh install)", p.display());
         }
-        _ => None,
-    };
-    let model = if llama.is_some() { "smollm2".to_string() } else { MODEL.to_string() };
-    let ctx = Ctx {
-        exe,
-        peers_dir,
-        logs,
-        client,
-        seq: Default::default(),
-        scrape_secs,
-        model,
-        llama,
-        llama_cache_ram: a.llama_cache_ram,
-        kv_events: Default::default(),
-    };
-    let slo = Slo { ttft_s: a.slo_ttft, tpot_s: a.slo_tpot };
-    println!(
-        "kvroute bench compare: {} configurations × {} {} workers; logs in {}",
-        targets.len(),
-        a.workers,
-        if a.engine == "llama" { "llama.cpp" } else { "simulated" },
-        ctx.logs.display()
-    );
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(async {
-        let mut rows: Vec<Row> = targets
-            .iter()
-            .map(|t| Row {
-                router: t.router.clone(),
-                policy: t.policy.clone(),
-                skipped: None,
-                overhead_c1: None,
-                overhead_c32: None,
-                quality: None,
-                hit_ratio: None,
-                worker_share: Vec::new(),
-                later_turns: None,
-            })
-            .collect();
-        let mut direct: Option<(Summary, Summary)> = None;
-        if !a.skip_overhead {
-            eprintln!("proxy overhead: instant workers, closed loop, {} s per point", a.overhead_secs);
-            // Instant workers publish no KV events; Dynamo is registered with their endpoints.
-            let with_kv = targets.iter().any(|t| t.router == "dynamo");
-            let (kids, urls) = ctx.workers_kv(a.workers, &["--instant"], with_kv).await?;
-            let measure = |url: String, label: String| {
-                let reqs = &overhead_reqs;
-                async move {
-                    let mut out = Vec::new();
-                    for conc in [1usize, 32] {
-                        let cfg = RunConfig { url: url.clone(), ..overhead_load(a.overhead_secs, conc) };
-                        let res = runner::run(&cfg, reqs, None).await?;
-                        out.push(summary::summarise(&format!("{label} c={conc}"), &res, 1.0, slo));
+    }
+    Ok(Some((bin, model)))
+}
+
+/// c=1 and c=32 summaries of the overhead load sent to `url`.
+async fn overhead_point(
+    url: &str,
+    label: &str,
+    secs: f64,
+    reqs: &[workload::BenchRequest],
+    slo: Slo,
+) -> anyhow::Result<(Summary, Summary)> {
+    let mut out = Vec::new();
+    for conc in [1usize, 32] {
+        let cfg = RunConfig { url: url.to_string(), ..overhead_load(secs, conc) };
+        let res = runner::run(&cfg, reqs, None).await?;
+        out.push(summary::summarise(&format!("{label} c={conc}"), &res, 1.0, slo));
+    }
+    Ok((out.remove(0), out.remove(0)))
+}
+
+/// Proxy overhead: instant workers, the load straight to one of them, then through each
+/// router in turn (a router that fails is marked skipped in its row). Returns the direct
+/// c=1 and c=32 summaries.
+async fn measure_overhead(
+    ctx: &Ctx,
+    a: &Args,
+    targets: &[Target],
+    rows: &mut [Row],
+    reqs: &[workload::BenchRequest],
+    slo: Slo,
+) -> anyhow::Result<(Summary, Summary)> {
+    eprintln!("proxy overhead: instant workers, closed loop, {} s per point", a.overhead_secs);
+    // Instant workers publish no KV events; Dynamo is registered with their endpoints.
+    let with_kv = targets.iter().any(|t| t.router == "dynamo");
+    let (kids, urls) = ctx.workers_kv(a.workers, &["--instant"], with_kv).await?;
+    let d = overhead_point(&urls[0], "direct", a.overhead_secs, reqs, slo).await?;
+    eprintln!("  direct: c=1 p50 {:.3} ms, c=32 {:.0} req/s", d.0.latency.e2e_p50_s * 1e3, d.1.throughput_rps);
+    for (t, row) in targets.iter().zip(rows.iter_mut()) {
+        match ctx.router(t, &urls).await {
+            Ok((child, url)) => {
+                let m = overhead_point(&url, &t.label(), a.overhead_secs, reqs, slo).await;
+                child.stop().await;
+                match m {
+                    Ok((c1, c32)) => {
+                        eprintln!(
+                            "  {}: c=1 p50 {:.3} ms, c=32 {:.0} req/s",
+                            t.label(),
+                            c1.latency.e2e_p50_s * 1e3,
+                            c32.throughput_rps
+                        );
+                        row.overhead_c1 = Some(c1);
+                        row.overhead_c32 = Some(c32);
                     }
-                    anyhow::Ok((out.remove(0), out.remove(0)))
-                }
-            };
-            let d = measure(urls[0].clone(), "direct".into()).await?;
-            eprintln!("  direct: c=1 p50 {:.3} ms, c=32 {:.0} req/s", d.0.latency.e2e_p50_s * 1e3, d.1.throughput_rps);
-            direct = Some(d);
-            for (t, row) in targets.iter().zip(rows.iter_mut()) {
-                match ctx.router(t, &urls).await {
-                    Ok((child, url)) => {
-                        let m = measure(url, t.label()).await;
-                        child.stop().await;
-                        match m {
-                            Ok((c1, c32)) => {
-                                eprintln!(
-                                    "  {}: c=1 p50 {:.3} ms, c=32 {:.0} req/s",
-                                    t.label(),
-                                    c1.latency.e2e_p50_s * 1e3,
-                                    c32.throughput_rps
-                                );
-                                row.overhead_c1 = Some(c1);
-                                row.overhead_c32 = Some(c32);
-                            }
-                            Err(e) => row.skipped = Some(format!("{e:#}")),
-                        }
-                    }
-                    Err(e) => {
-                        eprintln!("  {}: skipped: {e:#}", t.label());
-                        row.skipped = Some(format!("{e:#}"));
-                    }
+                    Err(e) => row.skipped = Some(format!("{e:#}")),
                 }
             }
+            Err(e) => {
+                eprintln!("  {}: skipped: {e:#}", t.label());
+                row.skipped = Some(format!("{e:#}"));
+            }
+        }
+    }
+    for k in kids {
+        k.stop().await;
+    }
+    Ok(d)
+}
+
+/// Routing quality: for each router not missing, cold workers, the router, the quality
+/// load by its timestamps, and the workers' counters before and after.
+async fn measure_quality(
+    ctx: &Ctx,
+    a: &Args,
+    targets: &[Target],
+    rows: &mut [Row],
+    q: &QualityLoad,
+    slo: Slo,
+) -> anyhow::Result<()> {
+    // Arrivals: a closed loop of conversations has no schedule to span (every start
+    // time is zero; each starts when another ends), an open loop spans its last arrival.
+    let arrivals = match &q.conversations {
+        Some(c) if a.conversation_concurrency > 0 => {
+            format!("{} conversations, {} at a time (closed loop)", c.len(), a.conversation_concurrency)
+        }
+        Some(c) => format!("arrivals over {:.0} s wall", c.last().map_or(0.0, |c| c.at.as_secs_f64())),
+        None => format!("arrivals over {:.0} s wall", q.requests.last().map_or(0.0, |r| r.at.as_secs_f64())),
+    };
+    eprintln!(
+        "routing quality: {} {} requests, {arrivals} ({}× real time), workers restarted cold per run",
+        q.n,
+        a.workload.as_deref().unwrap_or("Mooncake"),
+        a.time_scale
+    );
+    for (t, row) in targets.iter().zip(rows.iter_mut()) {
+        if row.skipped.as_deref().is_some_and(|s| s.contains("not installed")) {
+            continue;
+        }
+        quality_run(ctx, a, t, row, q, slo).await?;
+    }
+    Ok(())
+}
+
+/// One router's quality run, written into its row (or the row marked skipped when the
+/// router does not start).
+async fn quality_run(ctx: &Ctx, a: &Args, t: &Target, row: &mut Row, q: &QualityLoad, slo: Slo) -> anyhow::Result<()> {
+    let ts = a.time_scale.to_string();
+    let mut sim = vec!["--time-scale", ts.as_str(), "--profile", a.sim_profile.as_str()];
+    if let Some(set) = &a.sim_profile_set {
+        sim.extend(["--profile-set", set.as_str()]);
+    }
+    let (kids, urls) = ctx.workers_kv(a.workers, &sim, t.router == "dynamo").await?;
+    let (child, url) = match ctx.router(t, &urls).await {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("  {}: skipped: {e:#}", t.label());
+            row.skipped = Some(format!("{e:#}"));
             for k in kids {
                 k.stop().await;
             }
+            return Ok(());
         }
-        if !a.skip_quality {
-            // Arrivals: a closed loop of conversations has no schedule to span (every start
-            // time is zero; each starts when another ends), an open loop spans its last arrival.
-            let arrivals = match &conversations {
-                Some(c) if a.conversation_concurrency > 0 => {
-                    format!("{} conversations, {} at a time (closed loop)", c.len(), a.conversation_concurrency)
-                }
-                Some(c) => format!("arrivals over {:.0} s wall", c.last().map_or(0.0, |c| c.at.as_secs_f64())),
-                None => format!("arrivals over {:.0} s wall", quality_reqs.last().map_or(0.0, |r| r.at.as_secs_f64())),
-            };
-            eprintln!(
-                "routing quality: {} {} requests, {arrivals} ({}× real time), workers restarted cold per run",
-                quality_n,
-                a.workload.as_deref().unwrap_or("Mooncake"),
-                a.time_scale
-            );
-            let ts = a.time_scale.to_string();
-            for (t, row) in targets.iter().zip(rows.iter_mut()) {
-                if row.skipped.as_deref().is_some_and(|s| s.contains("not installed")) {
-                    continue;
-                }
-                let mut sim = vec!["--time-scale", ts.as_str(), "--profile", a.sim_profile.as_str()];
-                if let Some(set) = &a.sim_profile_set {
-                    sim.extend(["--profile-set", set.as_str()]);
-                }
-                let (kids, urls) = ctx.workers_kv(a.workers, &sim, t.router == "dynamo").await?;
-                let started = match ctx.router(t, &urls).await {
-                    Ok(x) => x,
-                    Err(e) => {
-                        eprintln!("  {}: skipped: {e:#}", t.label());
-                        row.skipped = Some(format!("{e:#}"));
-                        for k in kids {
-                            k.stop().await;
-                        }
-                        continue;
-                    }
-                };
-                let (child, url) = started;
-                let before = ctx.counters(&urls).await?;
-                let cfg = RunConfig {
-                    url,
-                    model: ctx.model.clone(),
-                    api: Api::Chat,
-                    stream: true,
-                    mode: Mode::Open,
-                    max_concurrency: if conversations.is_some() && a.conversation_concurrency > 0 {
-                        a.conversation_concurrency
-                    } else {
-                        1024
-                    },
-                    duration: None,
-                    timeout: Duration::from_secs(300),
-                };
-                let bar = cmd_bench::progress(quality_n as u64, &t.label(), a.quiet);
-                let res = match &conversations {
-                    Some(c) => runner::run_conversations(&cfg, c, Some(&bar)).await?,
-                    None => runner::run(&cfg, &quality_reqs, Some(&bar)).await?,
-                };
-                bar.finish_and_clear();
-                let after = ctx.counters(&urls).await?;
-                child.stop().await;
-                for k in kids {
-                    k.stop().await;
-                }
-                let mut s = summary::summarise(&t.label(), &res, a.time_scale, slo);
-                // Conversations: the later turns alone (the ones a prefix cache can serve).
-                if let Some(c) = &conversations {
-                    let turns = c.iter().map(|c| c.turns.len()).max().unwrap_or(1).max(1);
-                    let later: Vec<_> = res.iter().filter(|r| r.index % turns > 0).cloned().collect();
-                    let l = summary::summarise(&format!("{} turn 2+", t.label()), &later, a.time_scale, slo);
-                    eprintln!(
-                        "  {}: later turns TTFT mean {:.3} s p90 {:.3} s ({} requests)",
-                        t.label(),
-                        l.latency.ttft_mean_s,
-                        l.latency.ttft_p90_s,
-                        later.len()
-                    );
-                    row.later_turns = Some(l);
-                }
-                let hit = (after.0 - before.0) / (after.1 - before.1).max(1.0);
-                let done: Vec<f64> = after.2.iter().zip(&before.2).map(|(x, y)| x - y).collect();
-                let total: f64 = done.iter().sum::<f64>().max(1.0);
-                row.worker_share = done.iter().map(|d| d / total).collect();
-                s.worker_share =
-                    row.worker_share.iter().enumerate().map(|(i, x)| (format!("w{i}"), *x)).collect::<BTreeMap<_, _>>();
-                eprintln!(
-                    "  {}: hit {:.1}%, TTFT mean {:.3} s p99 {:.3} s, {} ok / {} rejected / {} errors",
-                    t.label(),
-                    hit * 100.0,
-                    s.latency.ttft_mean_s,
-                    s.latency.ttft_p99_s,
-                    s.ok,
-                    s.rejected,
-                    s.errors
-                );
-                row.hit_ratio = Some(hit);
-                row.quality = Some(s);
-            }
-        }
-        print_table(&rows, direct.as_ref(), &a);
-        if let Some(p) = &a.json {
-            let doc = serde_json::json!({
-                "workers": a.workers, "time_scale": a.time_scale, "rate_scale": a.rate_scale,
-                "requests": a.requests, "trace": trace, "overhead_secs": a.overhead_secs,
-                "engine": a.engine, "sim_profile": (a.engine == "sim").then_some(&a.sim_profile),
-                "sim_profile_set": a.sim_profile_set,
-                "workload": a.workload, "quality_requests": quality_n,
-                "rate": a.rate, "output_tokens": a.output_tokens, "conversations": a.conversations,
-                "document_tokens": a.document_tokens, "documents": a.documents,
-                "conversation_concurrency": a.conversation_concurrency,
-                "block_tokens": a.block_tokens, "trace_start": a.slice.trace_start,
-                "trace_window": a.slice.trace_window, "min_turns": a.slice.min_turns,
-                "max_input_tokens": a.slice.max_input_tokens,
-                "llama_cache_ram_mib": a.llama_cache_ram, "load_average_at_start": load_at_start,
-                "cores_busy_at_start": busy_at_start,
-                "direct": direct.as_ref().map(|d| [&d.0, &d.1]), "rows": rows,
-            });
-            std::fs::write(p, serde_json::to_vec_pretty(&doc)?).with_context(|| format!("writing {}", p.display()))?;
-        }
-        if let Some(dir) = &a.plots {
-            let q: Vec<Summary> = rows.iter().filter_map(|r| r.quality.clone()).collect();
-            if !q.is_empty() {
-                let title = match (a.engine.as_str(), a.workload.as_deref()) {
-                    ("llama", Some(w)) => format!("TTFT CDF, {w}, llama.cpp SmolLM2-135M workers"),
-                    ("llama", None) => "TTFT CDF, Mooncake slice, llama.cpp SmolLM2-135M workers".to_string(),
-                    (_, Some(w)) => format!("TTFT CDF, {w}, simulated H100 workers"),
-                    _ => "TTFT CDF, Mooncake slice, simulated H100 workers".to_string(),
-                };
-                cmd_bench::write_plots(dir, "compare", &q, &title)?;
-            }
-        }
-        Ok(())
-    })
+    };
+    let before = ctx.counters(&urls).await?;
+    let cfg = RunConfig {
+        url,
+        model: ctx.model.clone(),
+        api: Api::Chat,
+        stream: true,
+        mode: Mode::Open,
+        max_concurrency: if q.conversations.is_some() && a.conversation_concurrency > 0 {
+            a.conversation_concurrency
+        } else {
+            1024
+        },
+        duration: None,
+        timeout: Duration::from_secs(300),
+    };
+    let bar = cmd_bench::progress(q.n as u64, &t.label(), a.quiet);
+    let res = match &q.conversations {
+        Some(c) => runner::run_conversations(&cfg, c, Some(&bar)).await?,
+        None => runner::run(&cfg, &q.requests, Some(&bar)).await?,
+    };
+    bar.finish_and_clear();
+    let after = ctx.counters(&urls).await?;
+    child.stop().await;
+    for k in kids {
+        k.stop().await;
+    }
+    let mut s = summary::summarise(&t.label(), &res, a.time_scale, slo);
+    if let Some(c) = &q.conversations {
+        row.later_turns = Some(later_turns(&t.label(), c, &res, a.time_scale, slo));
+    }
+    let hit = (after.0 - before.0) / (after.1 - before.1).max(1.0);
+    let done: Vec<f64> = after.2.iter().zip(&before.2).map(|(x, y)| x - y).collect();
+    let total: f64 = done.iter().sum::<f64>().max(1.0);
+    row.worker_share = done.iter().map(|d| d / total).collect();
+    s.worker_share =
+        row.worker_share.iter().enumerate().map(|(i, x)| (format!("w{i}"), *x)).collect::<BTreeMap<_, _>>();
+    eprintln!(
+        "  {}: hit {:.1}%, TTFT mean {:.3} s p99 {:.3} s, {} ok / {} rejected / {} errors",
+        t.label(),
+        hit * 100.0,
+        s.latency.ttft_mean_s,
+        s.latency.ttft_p99_s,
+        s.ok,
+        s.rejected,
+        s.errors
+    );
+    row.hit_ratio = Some(hit);
+    row.quality = Some(s);
+    Ok(())
+}
+
+/// Conversations: the summary of the later turns alone (the ones a prefix cache can serve).
+fn later_turns(
+    label: &str,
+    c: &[workload::Conversation],
+    res: &[runner::RequestResult],
+    time_scale: f64,
+    slo: Slo,
+) -> Summary {
+    let turns = c.iter().map(|c| c.turns.len()).max().unwrap_or(1).max(1);
+    let later: Vec<_> = res.iter().filter(|r| r.index % turns > 0).cloned().collect();
+    let l = summary::summarise(&format!("{label} turn 2+"), &later, time_scale, slo);
+    eprintln!(
+        "  {label}: later turns TTFT mean {:.3} s p90 {:.3} s ({} requests)",
+        l.latency.ttft_mean_s,
+        l.latency.ttft_p90_s,
+        later.len()
+    );
+    l
+}
+
+/// `--json`: the run's settings, the machine's load at the start, the direct path and
+/// every row.
+fn write_json(
+    p: &std::path::Path,
+    a: &Args,
+    q: &QualityLoad,
+    machine: &MachineAtStart,
+    direct: Option<&(Summary, Summary)>,
+    rows: &[Row],
+) -> anyhow::Result<()> {
+    let doc = serde_json::json!({
+        "workers": a.workers, "time_scale": a.time_scale, "rate_scale": a.rate_scale,
+        "requests": a.requests, "trace": q.trace, "overhead_secs": a.overhead_secs,
+        "engine": a.engine, "sim_profile": (a.engine == "sim").then_some(&a.sim_profile),
+        "sim_profile_set": a.sim_profile_set,
+        "workload": a.workload, "quality_requests": q.n,
+        "rate": a.rate, "output_tokens": a.output_tokens, "conversations": a.conversations,
+        "document_tokens": a.document_tokens, "documents": a.documents,
+        "conversation_concurrency": a.conversation_concurrency,
+        "block_tokens": a.block_tokens, "trace_start": a.slice.trace_start,
+        "trace_window": a.slice.trace_window, "min_turns": a.slice.min_turns,
+        "max_input_tokens": a.slice.max_input_tokens,
+        "llama_cache_ram_mib": a.llama_cache_ram, "load_average_at_start": machine.load,
+        "cores_busy_at_start": machine.busy,
+        "direct": direct.map(|d| [&d.0, &d.1]), "rows": rows,
+    });
+    std::fs::write(p, serde_json::to_vec_pretty(&doc)?).with_context(|| format!("writing {}", p.display()))?;
+    Ok(())
+}
+
+/// `--plots`: the TTFT CDF and worker shares of the quality runs (none without one).
+fn write_plots(dir: &std::path::Path, a: &Args, rows: &[Row]) -> anyhow::Result<()> {
+    let q: Vec<Summary> = rows.iter().filter_map(|r| r.quality.clone()).collect();
+    if q.is_empty() {
+        return Ok(());
+    }
+    let title = match (a.engine.as_str(), a.workload.as_deref()) {
+        ("llama", Some(w)) => format!("TTFT CDF, {w}, llama.cpp SmolLM2-135M workers"),
+        ("llama", None) => "TTFT CDF, Mooncake slice, llama.cpp SmolLM2-135M workers".to_string(),
+        (_, Some(w)) => format!("TTFT CDF, {w}, simulated H100 workers"),
+        _ => "TTFT CDF, Mooncake slice, simulated H100 workers".to_string(),
+    };
+    cmd_bench::write_plots(dir, "compare", &q, &title)
 }
 
 fn ms(x: f64) -> String {

@@ -21,7 +21,7 @@ pub struct Args {
     /// Peers to measure (any of sglang-router, vllm-router, smg; `""` for kvroute alone).
     #[arg(long, value_delimiter = ',', default_value = "sglang-router,vllm-router,smg")]
     pub peers: Vec<String>,
-    /// kvroute policies to run (`cache_aware` is `kvroute serve`'s default).
+    /// kvroute policies to run (neither is `kvroute serve`'s default, `least_ttft`).
     #[arg(long, value_delimiter = ',', default_value = "cache_aware,round_robin")]
     pub policies: Vec<String>,
     /// Peer policies to run.
@@ -73,55 +73,22 @@ impl Launcher for Ctx {
     }
 }
 
-/// Runs `kvroute bench overhead`.
+/// Runs `kvroute bench overhead`: checks the flags, starts the workers and routers through
+/// `bench compare`'s launcher, measures them with wrk, prints the notes and writes the JSON.
 pub fn run(mut a: Args) -> anyhow::Result<()> {
-    a.peers.retain(|p| !p.is_empty());
-    for p in &a.peers {
-        if !["sglang-router", "vllm-router", "smg"].contains(&p.as_str()) {
-            anyhow::bail!("--peers: unknown peer `{p}` (sglang-router, vllm-router, smg)");
-        }
-    }
-    for p in &a.policies {
-        kvroute_core::registry::build(p, &serde_json::Value::Null).with_context(|| format!("--policies: {p}"))?;
-    }
+    check_args(&mut a)?;
     let wrk = overhead::find_wrk(a.wrk.as_deref())?;
-    let logs = match &a.log_dir {
-        Some(d) => d.clone(),
-        None => std::env::temp_dir().join(format!("kvroute-overhead-{}", std::process::id())),
-    };
-    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
-    let mut targets: Vec<overhead::Target> =
-        a.policies.iter().map(|p| overhead::Target { router: "kvroute".into(), policy: p.clone() }).collect();
-    for peer in &a.peers {
-        for p in &a.peer_policies {
-            targets.push(overhead::Target { router: peer.clone(), policy: p.clone() });
-        }
-    }
-    let peers_dir = a.peers_dir.clone().unwrap_or_else(|| {
-        std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from).join(".cache/kvroute/peers")
-    });
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let ctx = Ctx {
-        exe: std::env::current_exe().context("locating the kvroute binary")?,
-        peers_dir,
-        logs: logs.clone(),
-        client: reqwest::Client::builder().build()?,
-        seq: Default::default(),
-        // kvroute serve's default health-check interval (the Ctx also turns the /metrics
-        // scrape on, as `bench compare` runs kvroute; every 10 s it is two small GETs).
-        scrape_secs: 10.0,
-        model: MODEL.to_string(),
-        llama: None,
-        llama_cache_ram: 0,
-        kv_events: Default::default(),
-    };
+    let logs = super::log_dir(a.log_dir.as_ref(), "overhead")?;
+    // kvroute serve's default health-check interval (the Ctx also turns the /metrics
+    // scrape on, as `bench compare` runs kvroute; every 10 s it is two small GETs).
+    let ctx = Ctx::new(super::peers_dir(a.peers_dir.as_ref()), logs.clone(), 10.0, None, 0)?;
     let cfg = Config {
         wrk,
         duration_secs: a.duration,
         warmup_secs: a.warmup,
         rounds: a.rounds,
         workers: a.workers,
-        targets,
+        targets: targets(&a),
         model: MODEL.to_string(),
         request_timeout_secs: a.timeout.max(1),
         dir: logs.clone(),
@@ -137,6 +104,42 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
     );
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let report = rt.block_on(overhead::run(&cfg, &ctx))?;
+    print_notes(&report);
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&report)?).with_context(|| format!("writing {}", p.display()))?;
+    }
+    fail_on_errors(&report)
+}
+
+/// Drops empty `--peers` entries and checks every peer and kvroute policy is known.
+fn check_args(a: &mut Args) -> anyhow::Result<()> {
+    a.peers.retain(|p| !p.is_empty());
+    for p in &a.peers {
+        if !["sglang-router", "vllm-router", "smg"].contains(&p.as_str()) {
+            anyhow::bail!("--peers: unknown peer `{p}` (sglang-router, vllm-router, smg)");
+        }
+    }
+    for p in &a.policies {
+        kvroute_core::registry::build(p, &serde_json::Value::Null).with_context(|| format!("--policies: {p}"))?;
+    }
+    Ok(())
+}
+
+/// The routers to measure: kvroute with each `--policies`, then each peer with each
+/// `--peer-policies`.
+fn targets(a: &Args) -> Vec<overhead::Target> {
+    let mut targets: Vec<overhead::Target> =
+        a.policies.iter().map(|p| overhead::Target { router: "kvroute".into(), policy: p.clone() }).collect();
+    for peer in &a.peers {
+        for p in &a.peer_policies {
+            targets.push(overhead::Target { router: peer.clone(), policy: p.clone() });
+        }
+    }
+    targets
+}
+
+/// The line under the table: what the columns mean and how busy the machine was.
+fn print_notes(report: &overhead::Report) {
     println!(
         "(added p50 = router c=1 p50 − direct c=1 p50 of the same round; errors = non-2xx answers + socket errors in both runs; RSS = VmRSS of the router's process tree after its runs; {} CPUs, load average {} before, {} after; {})",
         report.cpus,
@@ -144,9 +147,10 @@ pub fn run(mut a: Args) -> anyhow::Result<()> {
         report.load_after.map_or_else(|| "?".into(), |l| format!("{:.2}", l[0])),
         report.wrk_version
     );
-    if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_vec_pretty(&report)?).with_context(|| format!("writing {}", p.display()))?;
-    }
+}
+
+/// An error naming every router whose runs had failed requests.
+fn fail_on_errors(report: &overhead::Report) -> anyhow::Result<()> {
     let failing = report.failing();
     if !failing.is_empty() {
         let names: Vec<String> = failing

@@ -1,0 +1,451 @@
+//! The vocabulary of a replay, shared by the colocated replay ([`crate::replay`]) and the
+//! disaggregated one ([`crate::pd`]): its settings ([`ReplayConfig`], [`PrefixState`],
+//! [`KvOracle`], [`PdConfig`] with its [`TransferModel`]), its results ([`Outcome`],
+//! [`ReplayResult`], [`ReplayError`]), and what the router sees of an engine (`RouterView`,
+//! [`BusyWindow`]). Both replays import it; it imports neither, so the imports go one way.
+//!
+//! ## Transfer model
+//! [`TransferModel::delay`]: `latency_secs + kv_bytes_per_token × tokens /
+//! (link_gbytes_per_s × 1e9)` simulated seconds, where `tokens` is the prompt's token count
+//! (the whole prompt's KV is copied; the one output token of the prefill is not). Each
+//! transfer is modelled alone: no link contention between concurrent transfers, no
+//! pipelining of the copy with the prefill (the copy starts when the prefill ends).
+
+use crate::engine::{Engine, InvalidSetting, Profile};
+use crate::trace::TraceRequest;
+use kvroute_core::ledger::LoadLedger;
+use kvroute_core::precise::PredictWindow;
+use kvroute_core::registry;
+use kvroute_core::types::{BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
+use serde::{Deserialize, Serialize};
+
+/// Default KV bytes per token: 131,072 (128 KiB), Llama-3-8B in fp16/bf16 — 32 layers × 8
+/// KV heads × 128 dims × 2 (K and V) × 2 bytes.
+pub const DEFAULT_KV_BYTES_PER_TOKEN: u64 = 131_072;
+
+/// Default link bandwidth, GB/s (10^9 bytes per second): 25 GB/s, a 200 Gb/s RDMA NIC
+/// (ConnectX-6/7 class), the link SGLang's Mooncake and vLLM's NIXL transfers run over.
+pub const DEFAULT_LINK_GBYTES_PER_S: f64 = 25.0;
+
+/// Default prompt length at or below which a request runs colocated, tokens (the
+/// gateway's `[router.disagg] colocate_below_tokens` default, [`kvroute_core::disagg::DisaggConfig`]).
+pub const DEFAULT_COLOCATE_BELOW_TOKENS: u32 = 2048;
+
+/// How long copying a prompt's KV cache from a prefill to a decode engine takes.
+/// See the module docs for the formula and what it leaves out.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransferModel {
+    /// KV cache bytes per prompt token (all layers, K and V), ≥ 1. Default
+    /// [`DEFAULT_KV_BYTES_PER_TOKEN`] (Llama-3-8B fp16).
+    pub kv_bytes_per_token: u64,
+    /// Link bandwidth, GB/s (10^9 bytes/s), finite and > 0. Default
+    /// [`DEFAULT_LINK_GBYTES_PER_S`].
+    pub link_gbytes_per_s: f64,
+    /// Fixed cost of one transfer (handshake, completion notification), seconds, finite
+    /// and ≥ 0. Default 0.
+    pub latency_secs: f64,
+}
+
+impl Default for TransferModel {
+    fn default() -> Self {
+        TransferModel {
+            kv_bytes_per_token: DEFAULT_KV_BYTES_PER_TOKEN,
+            link_gbytes_per_s: DEFAULT_LINK_GBYTES_PER_S,
+            latency_secs: 0.0,
+        }
+    }
+}
+
+impl TransferModel {
+    /// Checks the knobs: `kv_bytes_per_token` ≥ 1, `link_gbytes_per_s` finite and > 0,
+    /// `latency_secs` finite and ≥ 0.
+    ///
+    /// # Errors
+    /// [`InvalidSetting`] naming the field and its `--kv-*` flag.
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
+        if self.kv_bytes_per_token == 0 {
+            return Err(InvalidSetting::new("kv_bytes_per_token (--kv-bytes-per-token)", "must be at least 1, got 0"));
+        }
+        if !(self.link_gbytes_per_s.is_finite() && self.link_gbytes_per_s > 0.0) {
+            return Err(InvalidSetting::new(
+                "link_gbytes_per_s (--kv-link-gbytes-per-s)",
+                format!("must be finite and > 0, got {}", self.link_gbytes_per_s),
+            ));
+        }
+        if !(self.latency_secs.is_finite() && self.latency_secs >= 0.0) {
+            return Err(InvalidSetting::new(
+                "latency_secs (--kv-transfer-latency-secs)",
+                format!("must be finite and >= 0, got {}", self.latency_secs),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes copied for a prompt of `tokens` tokens (saturating at `u64::MAX`).
+    pub fn bytes(&self, tokens: u64) -> u64 {
+        tokens.saturating_mul(self.kv_bytes_per_token)
+    }
+
+    /// Simulated time to copy a prompt of `tokens` tokens: `latency_secs + bytes /
+    /// (link_gbytes_per_s × 1e9)` (assumes valid knobs).
+    pub fn delay(&self, tokens: u64) -> Nanos {
+        Nanos::from_secs_f64(self.latency_secs + self.bytes(tokens) as f64 / (self.link_gbytes_per_s * 1e9))
+    }
+}
+
+/// Disaggregation settings of a replay ([`crate::pd::replay_pd`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PdConfig {
+    /// Prefill engines (P ≥ 1): engines `0..P` of the replay.
+    pub prefill_engines: usize,
+    /// Decode engines (D ≥ 1): engines `P..P+D`.
+    pub decode_engines: usize,
+    /// Prompts of at most this many tokens run colocated on a decode engine; longer ones
+    /// are split (as [`kvroute_core::disagg::plan`] decides for the gateway).
+    pub colocate_below_tokens: u32,
+    /// Policy routing decode phases and colocated requests over the D decode engines
+    /// (default knobs). The prefill policy is [`ReplayConfig::policy`], with its knobs.
+    pub decode_policy: String,
+    /// KV transfer cost.
+    pub transfer: TransferModel,
+}
+
+impl PdConfig {
+    /// P prefill and D decode engines with the defaults: colocated at ≤ 2048 prompt
+    /// tokens, `least_load` for decode, the default [`TransferModel`].
+    pub fn new(prefill_engines: usize, decode_engines: usize) -> Self {
+        PdConfig {
+            prefill_engines,
+            decode_engines,
+            colocate_below_tokens: DEFAULT_COLOCATE_BELOW_TOKENS,
+            decode_policy: "least_load".into(),
+            transfer: TransferModel::default(),
+        }
+    }
+
+    /// Checks P ≥ 1, D ≥ 1 and the transfer knobs.
+    ///
+    /// # Errors
+    /// [`InvalidSetting`] naming the bad setting.
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
+        if self.prefill_engines == 0 || self.decode_engines == 0 {
+            return Err(InvalidSetting::new(
+                "--pd",
+                format!(
+                    "{}:{}: at least one prefill and one decode engine are needed",
+                    self.prefill_engines, self.decode_engines
+                ),
+            ));
+        }
+        self.transfer.validate()
+    }
+}
+/// Settings of one replay.
+#[derive(Debug, Clone)]
+pub struct ReplayConfig {
+    /// Number of engines.
+    pub engines: usize,
+    /// Engine profile.
+    pub profile: Profile,
+    /// Policy name (see `kvroute policies`).
+    pub policy: String,
+    /// Policy knobs (JSON object or null).
+    pub knobs: serde_json::Value,
+    /// Seed of the policy's random source.
+    pub seed: u64,
+    /// Waiting-queue bound per engine; beyond it a request is rejected.
+    pub max_waiting: usize,
+    /// Whether the router sees the engines' own queue/running/KV-usage counters (as when
+    /// scraping `/metrics`); otherwise only its own ledger.
+    pub engine_signals: bool,
+    /// Where the router's prefix state comes from.
+    pub prefix_state: PrefixState,
+    /// With a profile with llama.cpp `slots`: the router keeps a
+    /// [`kvroute_core::slots::SlotTable`] per engine, as `kvroute serve` does with
+    /// `llama_slot_routing` — each view's `cached_tokens` is what the chosen slot holds of
+    /// the request, and the request names that slot (llama.cpp `id_slot`). Off, or a
+    /// paged-cache profile: requests name no slot and the engine picks.
+    pub slot_routing: bool,
+    /// Closed-loop sessions, for traces of closed-loop traffic (a chat client sends a turn
+    /// when the previous one has answered; `kvroute serve --record` traces of such clients):
+    /// a request with a session arrives no earlier than the end of its session's previous
+    /// request, and as much later than its recorded time as that request arrived late.
+    /// Off (the default), every request arrives at its trace time.
+    pub closed_sessions: bool,
+    /// A load generator's closed-loop clients: at most this many sessions at once, each
+    /// sending its next request the instant the previous one has ended, as `kvroute bench
+    /// --conversation-concurrency N` (and AIPerf `--concurrency` with sessions) sends them.
+    /// Implies `closed_sessions`, without its recorded gaps between turns: in a recording of
+    /// such clients those gaps are the recorded run's own service times. The first N
+    /// sessions (in order of their first request; a request without a session is a session
+    /// of one) start at their trace times; each later one starts when a session ends (its
+    /// last request finishes or is rejected), at that instant, whatever its trace time. 0
+    /// (the default) = no limit.
+    pub session_concurrency: usize,
+    /// The engines share this many CPU cores, one thread each (llama.cpp workers started with
+    /// `-t 1` on one host, as `scripts/llama-workers.sh` does): while `n` engines are busy
+    /// each runs at `min(1, cores / n)` of its profile's speed (processor sharing; an idle
+    /// engine takes no CPU). The profile's times are then those of an engine alone on a
+    /// core. Engine-side counters (`ReplayResult::busy_ns`, the `sm_util` signal) count
+    /// work at full speed. 0 (the default) = every engine has its own hardware.
+    pub host_cores: u32,
+    /// The measured slow-down of each busy engine while k = 1, 2, … engines are busy on the
+    /// shared host (`scripts/llama-calibrate.py --levels 1,2,3,4` writes it as
+    /// `host_slowdown`): element k − 1 is the time a step takes with k busy engines over its
+    /// time alone, so while k engines are busy each runs at `1 / host_slowdown[k − 1]` of
+    /// its profile's speed (a value below 1 counts as 1). Past the list's end, its last
+    /// value grows in proportion: `last × k / len`. It replaces `host_cores`' processor
+    /// sharing, which leaves out what engines on one host slow each other down by besides
+    /// the cores (caches, memory bandwidth): 1.06 at 2 busy workers on this 2-core virtual
+    /// machine one evening, 0.94–1.12 the next day. Empty (the default) = `host_cores`
+    /// alone decides.
+    pub host_slowdown: Vec<f64>,
+    /// An oracle that gives each request more of its prefix than any router could: a bound
+    /// on what placement can gain from caching, not a routing policy. Off by default.
+    pub kv_oracle: KvOracle,
+}
+
+/// A free KV transfer before each request's prefill, for bounds: the request finds cached,
+/// wherever it is sent, the longest prefix of it that the oracle's source holds, as if the
+/// blocks had been copied to its engine at no cost (they are stored there as evictable
+/// blocks and can be evicted again before it is admitted, like any other). Routed with a
+/// load-only policy (`least_load`, `round_robin`), such a replay shows the TTFT that
+/// perfect placement of every cached prefix would allow with balance for free. Profiles
+/// with llama.cpp `slots` have no paged cache and ignore it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvOracle {
+    /// No oracle: each engine has only what it computed itself.
+    #[default]
+    Off,
+    /// The longest prefix that any engine of the fleet holds at the request's arrival
+    /// (within the fleet's own KV capacity, as a perfect KV-transfer fabric between the
+    /// engines would give it).
+    Fleet,
+    /// The longest prefix of it that any engine has ever computed, without bound (a shared
+    /// KV store of unlimited size, as LMCache or Mooncake Store with unlimited host memory:
+    /// the infinite-cache hit, minus prefixes still being computed).
+    Store,
+}
+
+impl KvOracle {
+    /// `off`, `fleet` or `store`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            KvOracle::Off => "off",
+            KvOracle::Fleet => "fleet",
+            KvOracle::Store => "store",
+        }
+    }
+}
+
+/// Where the router's prefix state comes from in a replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefixState {
+    /// Approximate: each policy's own index of what it routed (no engine feedback).
+    #[default]
+    Approximate,
+    /// Precise: every worker view carries the tokens of the request that the engine's KV
+    /// cache really holds at routing time ([`WorkerView::cached_tokens`]) — what the router
+    /// knows from loss-free, zero-delay KV events (`BlockStored` is sent when a prefill
+    /// ends, as in vLLM and SGLang) — plus the predict-on-route window
+    /// ([`kvroute_core::precise::PredictWindow`]; zero turns it off).
+    Precise {
+        /// Predict-on-route window.
+        predict_window: Nanos,
+    },
+}
+
+impl PrefixState {
+    /// `approximate` or `precise`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            PrefixState::Approximate => "approximate",
+            PrefixState::Precise { .. } => "precise",
+        }
+    }
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Outcome {
+    /// Engine it was sent to (`None` when no worker was routable).
+    pub worker: Option<u32>,
+    /// Arrival.
+    pub arrival: Nanos,
+    /// First token, when produced.
+    pub first_token: Option<Nanos>,
+    /// Completion, when finished.
+    pub finished: Option<Nanos>,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Output tokens.
+    pub output_tokens: u32,
+    /// Prompt tokens served from the engine's prefix cache.
+    pub cached_tokens: u32,
+    /// Rejected (engine queue full, too large, or no routable worker).
+    pub rejected: bool,
+    /// Decision branch label.
+    pub branch: &'static str,
+    /// Prefill engine of a split request ([`crate::pd::replay_pd`]; `worker` is then its
+    /// decode engine and `cached_tokens` the prefill engine's prefix hit); `None` when the
+    /// request ran colocated on one engine.
+    pub prefill_worker: Option<u32>,
+    /// KV bytes copied from the prefill to the decode engine (0 unless split and its
+    /// prefill finished).
+    pub transfer_bytes: u64,
+}
+
+impl Outcome {
+    /// A request of the trace before it is routed.
+    pub fn pending(r: &TraceRequest) -> Outcome {
+        Outcome {
+            worker: None,
+            arrival: r.arrival,
+            first_token: None,
+            finished: None,
+            input_tokens: r.input_tokens,
+            output_tokens: r.output_tokens,
+            cached_tokens: 0,
+            rejected: false,
+            branch: "",
+            prefill_worker: None,
+            transfer_bytes: 0,
+        }
+    }
+}
+
+/// Raw results of one replay, summarised by [`crate::report`].
+#[derive(Debug, Clone)]
+pub struct ReplayResult {
+    /// Policy name.
+    pub policy: String,
+    /// Per-request outcomes, in trace order.
+    pub outcomes: Vec<Outcome>,
+    /// Busy time per engine, nanoseconds.
+    pub busy_ns: Vec<u64>,
+    /// Blocks evicted per engine.
+    pub evictions: Vec<u64>,
+    /// The disaggregation settings of a [`crate::pd::replay_pd`] run (engines
+    /// `0..prefill_engines` prefill, the rest decode); `None` for a colocated replay.
+    pub pd: Option<PdConfig>,
+}
+
+/// Why a replay could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// Bad policy name or knobs.
+    #[error(transparent)]
+    Policy(#[from] registry::BuildError),
+    /// Bad settings.
+    #[error(transparent)]
+    Config(#[from] crate::engine::InvalidSetting),
+}
+
+/// Compute utilisation as an engine exporter reports it (DCGM's SM activity is an average
+/// over its sampling period): the busy fraction of the engine over the last
+/// [`UTIL_WINDOW`], refreshed once per window.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct BusyWindow {
+    since: Nanos,
+    busy_at_since: u64,
+    value: f64,
+}
+
+/// Averaging period of the simulated SM utilisation.
+pub const UTIL_WINDOW: Nanos = Nanos::from_secs(1);
+
+impl BusyWindow {
+    /// The utilisation in [0, 1] at `now`, given the engine's cumulative busy time
+    /// `busy_ns` and whether a step is running; recomputed once a window has passed since
+    /// the last refresh, else the last value.
+    pub fn observe(&mut self, now: Nanos, busy_ns: u64, stepping: bool) -> f64 {
+        let dt = now.0.saturating_sub(self.since.0);
+        if dt >= UTIL_WINDOW.0 {
+            let busy = busy_ns.saturating_sub(self.busy_at_since) as f64;
+            self.value = (busy / dt as f64).clamp(0.0, 1.0);
+            // A step still running counts as busy (its time is added when it ends).
+            if stepping && self.value == 0.0 {
+                self.value = 1.0;
+            }
+            self.since = now;
+            self.busy_at_since = busy_ns;
+        }
+        self.value
+    }
+}
+
+/// What a policy sees of a trace request routed as `role`: its block hashes (when the trace
+/// has them), its token counts and its session.
+pub fn request_view(r: &TraceRequest, role: Role) -> RequestView<'_> {
+    RequestView {
+        model: "trace",
+        text: None,
+        token_ids: None,
+        blocks: (!r.blocks.is_empty()).then_some(BlockSeq { block_tokens: r.block_tokens, hashes: &r.blocks }),
+        input_tokens: r.input_tokens,
+        output_tokens: Some(r.output_tokens),
+        session_id: r.session.as_deref(),
+        role,
+    }
+}
+
+/// What the router sees of the engines at one instant: its ledger, its predictions of the
+/// engines' caches (precise prefix state), the replay's settings and the time.
+pub(crate) struct RouterView<'a> {
+    pub(crate) ledger: &'a LoadLedger,
+    pub(crate) predicted: &'a PredictWindow,
+    pub(crate) cfg: &'a ReplayConfig,
+    pub(crate) now: Nanos,
+}
+
+impl RouterView<'_> {
+    /// The router's view of engine `e` (global id `w`, serving `role`) for request `r`: the
+    /// ledger's load, the engine's own signals (`engine_signals`), and with precise prefix
+    /// state the request's cached tokens there (cache or prediction).
+    pub(crate) fn of(&self, w: usize, role: Role, e: &Engine, util: &mut BusyWindow, r: &TraceRequest) -> WorkerView {
+        let mut v = WorkerView::idle(WorkerId(w as u32));
+        v.role = role;
+        // What the gateway's capacity probe reads: SGLang `max_running_requests`, llama.cpp
+        // `total_slots`; the KV cache size (SGLang `max_total_num_tokens`, vLLM's
+        // `num_gpu_blocks × block_size`, llama.cpp slots × `n_ctx`).
+        let p = &self.cfg.profile;
+        v.capacity.max_concurrent = if p.slots > 0 { p.slots } else { p.max_batch };
+        v.capacity.kv_tokens = Some(p.kv_tokens);
+        self.ledger.fill(&mut v);
+        if self.cfg.engine_signals {
+            v.engine_queue = Some(e.num_waiting());
+            v.engine_running = Some(e.num_running());
+            v.kv_cache_usage = Some(e.kv_usage());
+            v.sm_util = Some(util.observe(self.now, e.stats().busy_ns, e.next_event_time().is_some()));
+        }
+        if matches!(self.cfg.prefix_state, PrefixState::Precise { .. }) && !r.blocks.is_empty() {
+            let run = self.predicted.run(v.id, &r.blocks, self.now, |h| e.cache().contains(h)) as u64;
+            v.cached_tokens = Some((run * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)));
+        }
+        v
+    }
+}
+
+/// When a policy is next maintained: its interval, and the next instant due (never for a
+/// policy without maintenance).
+pub(crate) struct Maintenance {
+    interval: Option<Nanos>,
+    next: Nanos,
+}
+
+impl Maintenance {
+    /// The maintenance clock of `policy`, first due one interval after time 0.
+    pub(crate) fn new(policy: &dyn kvroute_core::policy::Policy) -> Maintenance {
+        let interval = policy.maintenance_interval();
+        Maintenance { interval, next: interval.unwrap_or(Nanos(u64::MAX)) }
+    }
+
+    /// Runs every maintenance due at or before `now`.
+    pub(crate) fn run(&mut self, policy: &mut dyn kvroute_core::policy::Policy, now: Nanos) {
+        while now >= self.next {
+            policy.maintain(self.next, usize::MAX);
+            self.next = self.next.saturating_add(self.interval.unwrap_or(Nanos(u64::MAX)));
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! Flags and helpers shared by `kvroute replay` and `kvroute advise` (and the profile
+//! loader by `kvroute engine-sim`): both replay a trace on simulated engines, so the engine
+//! profile, its overrides and the number of parallel replays mean the same in both.
+//!
+//! Flags that mean the same but are documented differently in each command (the arrival
+//! and host flags, `--trace`, `--max-output`, `--tenant-isolation`) stay in each command,
+//! so that every flag keeps its help text.
+
+use anyhow::{Context, bail};
+use kvroute_sim::engine::Profile;
+use kvroute_sim::trace::TraceRequest;
+
+/// The simulated engines' profile: `--profile` and `--profile-set`.
+#[derive(Debug, clap::Args)]
+pub struct ProfileArgs {
+    /// Engine profile (h100-llama3-8b, a100-llama3-8b, cpu-smollm2-135m).
+    #[arg(long, default_value = "h100-llama3-8b")]
+    pub profile: String,
+    /// Overrides of profile constants as a JSON object, e.g. '{"kv_tokens": 200000}'.
+    #[arg(long)]
+    pub profile_set: Option<String>,
+}
+
+impl ProfileArgs {
+    /// The named profile with the overrides applied ([`load_profile`]).
+    pub fn load(&self) -> anyhow::Result<Profile> {
+        load_profile(&self.profile, self.profile_set.as_deref())
+    }
+}
+
+/// `--jobs`: how many replays run at once.
+#[derive(Debug, clap::Args)]
+pub struct JobsArgs {
+    /// Parallel replays (default: available cores).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+}
+
+impl JobsArgs {
+    /// `--jobs`, or the available cores; at least 1.
+    pub fn jobs(&self) -> usize {
+        self.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1)
+    }
+}
+
+/// Loads the profile with overrides.
+pub(crate) fn load_profile(name: &str, set: Option<&str>) -> anyhow::Result<Profile> {
+    let base = Profile::named(name)
+        .with_context(|| format!("--profile: unknown profile `{name}`; known: {}", Profile::NAMES.join(", ")))?;
+    let Some(set) = set else { return Ok(base) };
+    let patch: serde_json::Value = serde_json::from_str(set).context("--profile-set: not JSON")?;
+    let mut v = serde_json::to_value(&base)?;
+    let (Some(obj), Some(p)) = (v.as_object_mut(), patch.as_object()) else {
+        bail!("--profile-set: expected a JSON object");
+    };
+    for (k, x) in p {
+        obj.insert(k.clone(), x.clone());
+    }
+    let prof: Profile = serde_json::from_value(v).context("--profile-set")?;
+    prof.validate().map_err(|e| anyhow::anyhow!("--profile-set: {e}"))?;
+    Ok(prof)
+}
+
+/// Caps every request's output tokens at `cap` (`--max-output`, as `kvroute bench` and
+/// `kvroute demo` send them); `None` leaves them.
+///
+/// # Errors
+/// A cap of 0.
+pub(crate) fn cap_outputs(trace: &mut [TraceRequest], cap: Option<u32>) -> anyhow::Result<()> {
+    let Some(cap) = cap else { return Ok(()) };
+    if cap == 0 {
+        bail!("--max-output must be at least 1");
+    }
+    for r in trace {
+        r.output_tokens = r.output_tokens.min(cap);
+    }
+    Ok(())
+}
+
+/// `--host-slowdown` (of `kvroute replay` and `kvroute advise`): every value a slow-down.
+///
+/// # Errors
+/// The first value that is not positive and finite, named with the flag.
+pub(crate) fn check_host_slowdown(list: &[f64]) -> anyhow::Result<()> {
+    match kvroute_sim::replay::not_a_slowdown(list) {
+        Some(bad) => bail!("--host-slowdown: {bad} is not a positive slow-down (1 = as fast as alone)"),
+        None => Ok(()),
+    }
+}
