@@ -24,9 +24,15 @@
 //!   instead of the paged cache (the rules are on `SlotState`).
 //!
 //! ```text
-//! step = step_overhead + prefill_tokens × prefill_per_token + prefill_pairs × prefill_attention
+//! step = step_overhead + [prefill_step_overhead if the step prefills]
+//!      + prefill_tokens × prefill_per_token + prefill_pairs × prefill_attention
+//!      + prefill_context × prefill_context_per_token
 //!      + decode_seqs × decode_per_seq + context_tokens × context_per_token
 //! ```
+//! A prefill chunk of n new tokens after c tokens already in its KV cache contributes n
+//! prefill tokens, `n × c + n (n + 1) / 2` pairs and `c + n` context tokens: so a short
+//! suffix on a long cached context (a conversation's next turn) costs more per new token
+//! than a fresh prompt, as measured on an H100 (`Profile::h100_llama3_8b_grid`).
 //! A linear roofline: prefill is compute bound (per token, and per pair of a computed token
 //! and a token it attends to, 0 on the GPU profiles), decode memory bound (weights once per
 //! step, KV per context token). Runs of identical decode-only steps are coalesced into one
@@ -78,6 +84,30 @@ pub struct Profile {
     /// the paged prefix cache of vLLM and SGLang.
     #[serde(default)]
     pub slots: u32,
+    /// Extra fixed cost of a step that computes any prefill, seconds (a prefill pass's own
+    /// launch overhead over a decode step's). 0 by default.
+    #[serde(default)]
+    pub prefill_step_overhead_s: f64,
+    /// Cost per context token of each prefill chunk in a step (its cached tokens and its own,
+    /// `c + n`), seconds: reading (and, in an eager engine, copying) the KV the chunk attends
+    /// to, paid once per pass whatever the chunk's length. 0 by default.
+    #[serde(default)]
+    pub prefill_context_per_token_s: f64,
+}
+
+/// What one engine step computes, for [`Profile::step_time`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepWork {
+    /// Prompt tokens computed (every chunk's new tokens).
+    pub prefill_tokens: u64,
+    /// Pairs of a computed prompt token and a token it attends to.
+    pub prefill_pairs: u64,
+    /// Context tokens of the prefill chunks (`c + n` each).
+    pub prefill_context: u64,
+    /// Sequences decoding one token.
+    pub decode_seqs: u64,
+    /// Context tokens of every sequence in the batch.
+    pub context_tokens: u64,
 }
 
 impl Profile {
@@ -116,6 +146,8 @@ impl Profile {
                 context_per_token_s: 0.065e-6,
                 prefill_attention_s: 0.0,
                 slots: 0,
+                prefill_step_overhead_s: 0.0,
+                prefill_context_per_token_s: 0.0,
             },
             "cpu-smollm2-135m" => Profile {
                 name: name.into(),
@@ -129,6 +161,8 @@ impl Profile {
                 context_per_token_s: 0.0,
                 prefill_attention_s: 0.0,
                 slots: 2,
+                prefill_step_overhead_s: 0.0,
+                prefill_context_per_token_s: 0.0,
             },
             _ => return None,
         };
@@ -149,6 +183,8 @@ impl Profile {
             context_per_token_s: 0.04e-6,
             prefill_attention_s: 0.0,
             slots: 0,
+            prefill_step_overhead_s: 0.0,
+            prefill_context_per_token_s: 0.0,
         }
     }
 
@@ -173,6 +209,8 @@ impl Profile {
             ("decode_per_seq_s", self.decode_per_seq_s),
             ("context_per_token_s", self.context_per_token_s),
             ("prefill_attention_s", self.prefill_attention_s),
+            ("prefill_step_overhead_s", self.prefill_step_overhead_s),
+            ("prefill_context_per_token_s", self.prefill_context_per_token_s),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(InvalidSetting::new(k, format!("must be a finite number >= 0, got {v}")));
@@ -193,17 +231,35 @@ impl Profile {
         Ok(())
     }
 
-    /// Duration of one step: `prefill_tokens` computed, `prefill_pairs` of them and the
-    /// tokens they attend to ([`Profile::prefill_attention_s`]), `decode_seqs` sequences
-    /// decoding, `context_tokens` in the batch.
-    pub fn step_time(&self, prefill_tokens: u64, prefill_pairs: u64, decode_seqs: u64, context_tokens: u64) -> Nanos {
-        Nanos::from_secs_f64(
-            self.step_overhead_s
-                + prefill_tokens as f64 * self.prefill_per_token_s
-                + prefill_pairs as f64 * self.prefill_attention_s
-                + decode_seqs as f64 * self.decode_per_seq_s
-                + context_tokens as f64 * self.context_per_token_s,
-        )
+    /// Duration of one step doing `w` (the module docs' formula).
+    pub fn step_time(&self, w: StepWork) -> Nanos {
+        Nanos::from_secs_f64(self.step_secs(w))
+    }
+
+    /// [`Profile::step_time`] in seconds.
+    pub fn step_secs(&self, w: StepWork) -> f64 {
+        let prefill_overhead = if w.prefill_tokens > 0 { self.prefill_step_overhead_s } else { 0.0 };
+        self.step_overhead_s
+            + prefill_overhead
+            + w.prefill_tokens as f64 * self.prefill_per_token_s
+            + w.prefill_pairs as f64 * self.prefill_attention_s
+            + w.prefill_context as f64 * self.prefill_context_per_token_s
+            + w.decode_seqs as f64 * self.decode_per_seq_s
+            + w.context_tokens as f64 * self.context_per_token_s
+    }
+
+    /// Seconds of one step that prefills `new` tokens on `cached` tokens already in the KV
+    /// cache, alone (no decode): what `kvroute profile show --prefill CACHED,NEW` prints and
+    /// what a measured grid is fitted to.
+    pub fn prefill_secs(&self, cached: u64, new: u64) -> f64 {
+        self.step_secs(StepWork {
+            prefill_tokens: new,
+            prefill_pairs: new * cached + new * (new + 1) / 2,
+            prefill_context: cached + new,
+            decode_seqs: 0,
+            // As `Engine` counts a step's batch context: the tokens in the KV cache before it.
+            context_tokens: cached,
+        })
     }
 }
 
@@ -917,20 +973,21 @@ impl Engine {
                 count = 1;
             }
             let mean_context = context + decode_seqs * (count - 1) / 2;
-            let dt = p.step_time(0, 0, decode_seqs, mean_context);
+            let dt = p.step_time(StepWork { decode_seqs, context_tokens: mean_context, ..StepWork::default() });
             self.step = Some(Step { start: now, dt, count });
         } else {
             // Each chunk's tokens attend to what is before them: the request's tokens already
             // in the KV cache (cached or prefilled in earlier steps) and the chunk's own.
-            let pairs: u64 = chunks
-                .iter()
-                .map(|&(i, n)| {
-                    let r = &self.running[i];
-                    let (n, before) = (n as u64, r.req.input_tokens.saturating_sub(r.prefill_left) as u64);
-                    n * before + n * (n + 1) / 2
-                })
-                .sum();
-            let dt = p.step_time(prefill_tokens, pairs, decode_seqs, context);
+            let (mut prefill_pairs, mut prefill_context) = (0, 0);
+            for &(i, n) in &chunks {
+                let r = &self.running[i];
+                let (n, before) = (n as u64, r.req.input_tokens.saturating_sub(r.prefill_left) as u64);
+                prefill_pairs += n * before + n * (n + 1) / 2;
+                prefill_context += before + n;
+            }
+            let work =
+                StepWork { prefill_tokens, prefill_pairs, prefill_context, decode_seqs, context_tokens: context };
+            let dt = p.step_time(work);
             self.step = Some(Step { start: now, dt, count: 1 });
             self.chunks = chunks;
         }
@@ -1050,6 +1107,8 @@ mod tests {
             context_per_token_s: 0.0,
             prefill_attention_s: 0.0,
             slots: 0,
+            prefill_step_overhead_s: 0.0,
+            prefill_context_per_token_s: 0.0,
         }
     }
 

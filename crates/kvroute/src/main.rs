@@ -10,6 +10,7 @@ mod cmd_bench;
 mod cmd_demo;
 mod cmd_engine_sim;
 mod cmd_policies;
+mod cmd_profile;
 mod cmd_register;
 mod cmd_replay;
 mod cmd_serve;
@@ -40,6 +41,8 @@ enum Command {
     Bench(Box<cmd_bench::Args>),
     /// List every routing policy with its knobs, defaults and source.
     Policies(cmd_policies::Args),
+    /// Engine profiles: their constants and predicted prefill times (`profile show`).
+    Profile(cmd_profile::Args),
     /// Keep a worker registered in the cluster registry (etcd) while its /health passes.
     Register(cmd_register::Args),
 }
@@ -74,6 +77,7 @@ fn main() -> std::process::ExitCode {
         Command::Replay(a) => cmd_replay::run(a),
         Command::Advise(a) => cmd_advise::run(a),
         Command::Policies(a) => cmd_policies::run(a),
+        Command::Profile(a) => cmd_profile::run(a),
         Command::Bench(a) => cmd_bench::run(*a),
         Command::Register(a) => cmd_register::run(a),
     };

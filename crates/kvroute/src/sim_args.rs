@@ -19,12 +19,16 @@ pub struct ProfileArgs {
     /// Overrides of profile constants as a JSON object, e.g. '{"kv_tokens": 200000}'.
     #[arg(long)]
     pub profile_set: Option<String>,
+    /// A profile file (TOML, the constants of `kvroute profile show NAME --toml`; e.g. one
+    /// written by scripts/fit-profile.py) over --profile; --profile-set applies after it.
+    #[arg(long)]
+    pub profile_file: Option<std::path::PathBuf>,
 }
 
 impl ProfileArgs {
-    /// The named profile with the overrides applied ([`load_profile`]).
+    /// The named profile with the file and the overrides applied ([`load_profile`]).
     pub fn load(&self) -> anyhow::Result<Profile> {
-        load_profile(&self.profile, self.profile_set.as_deref())
+        load_profile(&self.profile, self.profile_file.as_deref(), self.profile_set.as_deref())
     }
 }
 
@@ -43,22 +47,45 @@ impl JobsArgs {
     }
 }
 
-/// Loads the profile with overrides.
-pub(crate) fn load_profile(name: &str, set: Option<&str>) -> anyhow::Result<Profile> {
+/// Loads the named profile, then the constants of `file` (TOML) over it, then the JSON
+/// overrides `set`; the result is validated.
+///
+/// # Errors
+/// An unknown name; a file that cannot be read, is not TOML or names an unknown constant
+/// (the message names the file, and the line for a syntax error); bad JSON; a constant out
+/// of range (named).
+pub(crate) fn load_profile(name: &str, file: Option<&std::path::Path>, set: Option<&str>) -> anyhow::Result<Profile> {
     let base = Profile::named(name)
         .with_context(|| format!("--profile: unknown profile `{name}`; known: {}", Profile::NAMES.join(", ")))?;
-    let Some(set) = set else { return Ok(base) };
-    let patch: serde_json::Value = serde_json::from_str(set).context("--profile-set: not JSON")?;
     let mut v = serde_json::to_value(&base)?;
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path).with_context(|| format!("--profile-file {}", path.display()))?;
+        let table: toml::Table = toml::from_str(&text).with_context(|| format!("--profile-file {}", path.display()))?;
+        overlay(&mut v, &serde_json::to_value(table)?).with_context(|| format!("--profile-file {}", path.display()))?;
+    }
+    if let Some(set) = set {
+        let patch: serde_json::Value = serde_json::from_str(set).context("--profile-set: not JSON")?;
+        overlay(&mut v, &patch).context("--profile-set")?;
+    }
+    let what = match (file, set) {
+        (Some(p), _) => format!("--profile-file {}", p.display()),
+        (None, Some(_)) => "--profile-set".to_string(),
+        (None, None) => return Ok(base),
+    };
+    let prof: Profile = serde_json::from_value(v).with_context(|| what.clone())?;
+    prof.validate().map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+    Ok(prof)
+}
+
+/// Sets every key of the object `patch` on the object `v`.
+fn overlay(v: &mut serde_json::Value, patch: &serde_json::Value) -> anyhow::Result<()> {
     let (Some(obj), Some(p)) = (v.as_object_mut(), patch.as_object()) else {
-        bail!("--profile-set: expected a JSON object");
+        bail!("expected an object (a table of profile constants)");
     };
     for (k, x) in p {
         obj.insert(k.clone(), x.clone());
     }
-    let prof: Profile = serde_json::from_value(v).context("--profile-set")?;
-    prof.validate().map_err(|e| anyhow::anyhow!("--profile-set: {e}"))?;
-    Ok(prof)
+    Ok(())
 }
 
 /// Caps every request's output tokens at `cap` (`--max-output`, as `kvroute bench` and
