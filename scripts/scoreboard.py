@@ -4,7 +4,8 @@
     scripts/scoreboard.py [--out docs/results/scoreboard] [--families mooncake,agentic]
         [--fleets 4,8,16] [--seeds 1,2,3] [--loads 0.25,0.5,0.8,1,1.2] [--limit rag=3000]
 
-For each workload family x fleet (4, 8 and 16 simulated engines, profile h100-llama3-8b):
+For each workload family x fleet (4, 8 and 16 simulated engines, profile `--profile`,
+default h100-llama3-8b):
 
 1. **Knee.** round_robin's mean TTFT, averaged over the arrival seeds, is measured on a
    geometric ladder of rate multipliers (`--rate-scale`): from 0.125 (halved while that is
@@ -100,6 +101,7 @@ class Runner:
         self.kvroute = args.kvroute
         self.work = work
         self.prefix_state = args.prefix_state
+        self.profile = args.profile
         self.kv_oracle = None
         self.calls = 0
 
@@ -109,7 +111,7 @@ class Runner:
         self.calls += 1
         cmd = [self.kvroute, "replay", "--trace", str(trace), "--policy", policy, "--engines", str(engines),
                "--rate-scale", ",".join(fmt_rate(r) for r in rates), "--quiet", "--json", str(out),
-               "--prefix-state", self.prefix_state]
+               "--prefix-state", self.prefix_state, "--profile", self.profile]
         if seed is not None:
             cmd += ["--arrival-seed", str(seed)]
         if limit:
@@ -260,6 +262,7 @@ def main() -> int:
     ap.add_argument("--limit", help="first N requests of each trace: N, or FAMILY=N,...")
     ap.add_argument("--gen-seed", type=int, default=1, help="seed of the generated traces")
     ap.add_argument("--prefix-state", default="approximate", help="passed to kvroute replay")
+    ap.add_argument("--profile", default="h100-llama3-8b", help="engine profile, passed to kvroute replay")
     ap.add_argument("--work", help="directory for traces and per-run JSON (default: a temporary one)")
     ap.add_argument("--out", help="writes OUT.md and OUT.json (default docs/results/scoreboard; with --bound, "
                                   "nothing unless given)")
@@ -375,6 +378,7 @@ def load_saved(args, path, flag, work):
         raise SystemExit(f"{flag} {path}: not a scoreboard JSON ({e})")
     args.families = ",".join(families)
     args.prefix_state = saved.get("prefix_state", args.prefix_state)
+    args.profile = saved.get("profile", args.profile)
     args.limit = ",".join(f"{n}={m['limit']}" for n, m in families.items() if m.get("limit"))
     for m in families.values():
         src = m.get("source", "")
@@ -627,7 +631,7 @@ def write_reports(args, fams, fam_meta, points, fleets, seeds, loads, elapsed):
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
         "elapsed_s": round(elapsed, 1),
-        "profile": "h100-llama3-8b",
+        "profile": args.profile,
         "prefix_state": args.prefix_state,
         "seeds": seeds,
         "loads": loads,

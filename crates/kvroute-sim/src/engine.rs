@@ -112,18 +112,35 @@ pub struct StepWork {
 
 impl Profile {
     /// Names of the built-in profiles.
-    pub const NAMES: [&'static str; 3] = ["h100-llama3-8b", "a100-llama3-8b", "cpu-smollm2-135m"];
+    pub const NAMES: [&'static str; 4] =
+        ["h100-llama3-8b", "h100-llama3-8b-roofline", "a100-llama3-8b", "cpu-smollm2-135m"];
 
     /// A built-in profile by name, or `None`.
     ///
-    /// - `h100-llama3-8b`: Llama-3.1-8B, bf16, one H100 SXM (989 TFLOP/s dense bf16,
-    ///   3.35 TB/s HBM). Weights 16 GB; KV 128 KiB/token (32 layers × 8 KV heads × 128 dims ×
-    ///   2 × 2 bytes), 55 GB free for KV → 420k tokens. Prefill 2 × 8e9 FLOP/token at ≈30%
-    ///   MFU → 50 µs/token (20k tokens/s, the order vLLM reports for 8B on H100). Decode step:
-    ///   weights read once, 16 GB / 3.35 TB/s ≈ 4.8 ms, plus ≈1 ms scheduler/launch overhead
-    ///   → 6 ms; KV read 128 KiB / 3.35 TB/s ≈ 0.04 µs per context token; 30 µs per sequence
-    ///   for sampling and bookkeeping. vLLM defaults `max_num_seqs` 256 and
-    ///   `max_num_batched_tokens` 8192.
+    /// - `h100-llama3-8b` (the default): Llama-3.1-8B, bf16, one H100 80GB. Its prefill is
+    ///   fitted to a measured forward pass (data/gpu/README.md: an 8B-shaped decoder, random
+    ///   bf16 weights, PyTorch SDPA, eager mode, batch 1; 30 grid points of N new tokens on
+    ///   C cached, N 64…8192, C 0…32768) by `scripts/fit-profile.py`, minimising the largest
+    ///   relative error over the points with N ≥ 256:
+    ///   `t = 6 ms + 7.15 ms + 23.6 µs·N + 2.18 ns·(N·C + N(N+1)/2) + 0.64 µs·(C + N)
+    ///   + 0.04 µs·C` (the 6 ms and 0.04 µs·C are the decode step's overhead and KV read,
+    ///   kept from the roofline below). Worst error 15.4 % over those 24 points (+15.4 % at
+    ///   4,096 cached + 1,024 new, −15.4 % at 32,768 + 256), 54 % at N = 64 where eager
+    ///   mode's ~20 ms launch floor dominates; the grid itself is not monotone in C in places
+    ///   (±10 % noise). Caveat: HF eager attention, not vLLM's or SGLang's kernels, which
+    ///   are faster per token, especially at long context; the shape (a cache hit on a long
+    ///   context is worth ~20×, not 88×) matters more than the constants. Decode, KV
+    ///   capacity and batch limits as `h100-llama3-8b-roofline`.
+    /// - `h100-llama3-8b-roofline` (the default until 2026-11-26): the same GPU from its data
+    ///   sheet (989 TFLOP/s dense bf16, 3.35 TB/s HBM). Weights 16 GB; KV 128 KiB/token (32
+    ///   layers × 8 KV heads × 128 dims × 2 × 2 bytes), 55 GB free for KV → 420k tokens.
+    ///   Prefill 2 × 8e9 FLOP/token at ≈30% MFU → 50 µs/token flat, whatever is cached.
+    ///   Decode step: weights read once, 16 GB / 3.35 TB/s ≈ 4.8 ms, plus ≈1 ms
+    ///   scheduler/launch overhead → 6 ms; KV read 128 KiB / 3.35 TB/s ≈ 0.04 µs per context
+    ///   token; 30 µs per sequence for sampling and bookkeeping. vLLM defaults
+    ///   `max_num_seqs` 256 and `max_num_batched_tokens` 8192. Against the measured grid it
+    ///   is 0.28–1.69× the measured time (`kvroute profile show h100-llama3-8b-roofline
+    ///   --grid data/gpu/h100-llama3-8b-prefill-grid.jsonl`).
     /// - `a100-llama3-8b`: same model on an A100 80GB (312 TFLOP/s, 2.0 TB/s): prefill ≈
     ///   3.2× slower per token (160 µs), decode step 9 ms, 0.065 µs per context token.
     /// - `cpu-smollm2-135m`: the llama.cpp worker measured on this 2-core machine
@@ -134,6 +151,14 @@ impl Profile {
     pub fn named(name: &str) -> Option<Profile> {
         let p = match name {
             "h100-llama3-8b" => Profile::h100_llama3_8b(),
+            "h100-llama3-8b-roofline" => Profile {
+                name: name.into(),
+                prefill_step_overhead_s: 0.0,
+                prefill_per_token_s: 50e-6,
+                prefill_attention_s: 0.0,
+                prefill_context_per_token_s: 0.0,
+                ..Profile::h100_llama3_8b()
+            },
             "a100-llama3-8b" => Profile {
                 name: name.into(),
                 block_tokens: 16,
@@ -169,7 +194,8 @@ impl Profile {
         Some(p)
     }
 
-    /// The default profile, `h100-llama3-8b` (see [`Profile::named`] for its sources).
+    /// The default profile, `h100-llama3-8b` (see [`Profile::named`] for its sources and
+    /// its fit to the measured H100 grid).
     pub fn h100_llama3_8b() -> Profile {
         Profile {
             name: "h100-llama3-8b".into(),
@@ -178,13 +204,13 @@ impl Profile {
             max_batch: 256,
             max_batched_tokens: 8192,
             step_overhead_s: 0.006,
-            prefill_per_token_s: 50e-6,
+            prefill_step_overhead_s: 0.007148,
+            prefill_per_token_s: 23.6e-6,
+            prefill_attention_s: 2.179e-9,
+            prefill_context_per_token_s: 0.6389e-6,
             decode_per_seq_s: 30e-6,
             context_per_token_s: 0.04e-6,
-            prefill_attention_s: 0.0,
             slots: 0,
-            prefill_step_overhead_s: 0.0,
-            prefill_context_per_token_s: 0.0,
         }
     }
 
