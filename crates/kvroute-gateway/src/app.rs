@@ -87,51 +87,16 @@ impl AppState {
             predict_window_secs: cfg.kv_predict_window_secs,
             ..Default::default()
         };
-        let tokenizer = match &cfg.tokenizer {
-            Some(p) => {
-                let t = crate::tokenizer::LocalTokenizer::load(std::path::Path::new(p))?;
-                tracing::info!(source = t.source(), "local tokenizer loaded");
-                Some(Arc::new(t))
-            }
-            None => None,
-        };
-        // Idle pooled connections are dropped after 4 s: llama-server (cpp-httplib) and
-        // uvicorn (vLLM, SGLang) close keep-alive connections idle for 5 s, and a request
-        // written to one as the worker closes it fails (a request to llama-server after
-        // 5.02 s idle did, in a scratch test). The proxy also sends a request whose pooled
-        // connection closed under it once more to the same worker (`proxy`).
-        let mut client = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout_secs))
-            .pool_max_idle_per_host(256)
-            .pool_idle_timeout(Duration::from_secs(4));
-        if let Some(ca) = &cfg.worker_ca_file {
-            client = client.tls_certs_merge(crate::tls::worker_roots(std::path::Path::new(ca))?);
-        }
-        let client = client.build()?;
-        let forward_headers = cfg
-            .forward_headers
-            .iter()
-            .map(|h| http::HeaderName::from_bytes(h.as_bytes()))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| anyhow::anyhow!("forward_headers: {e}"))?;
+        let tokenizer = load_tokenizer(&cfg)?;
+        let client = worker_client(&cfg)?;
+        let forward_headers = forward_headers(&cfg)?;
         let api_keys = match &cfg.api_key_file {
             Some(p) => Some(crate::api_keys::ApiKeys::load(p, cfg.api_key_rpm, cfg.api_key_tpm)?),
             None => None,
         };
         let tenancy = crate::tenant::Tenancy::new(&cfg)?;
         let metrics = Metrics::new();
-        let recorder = match &cfg.record {
-            Some(path) => Some(crate::record::Recorder::start(
-                &crate::record::RecordConfig {
-                    path: path.into(),
-                    max_bytes: cfg.record_max_bytes,
-                    files: cfg.record_files,
-                    block_tokens: cfg.record_block_tokens,
-                },
-                &metrics,
-            )?),
-            None => None,
-        };
+        let recorder = start_recorder(&cfg, &metrics)?;
         let replica_id =
             cfg.replica_id.clone().unwrap_or_else(|| format!("r{:016x}", crate::model::random::os_random_u64()));
         let sync = cfg
@@ -194,4 +159,59 @@ impl AppState {
         }
         v
     }
+}
+
+/// The local tokenizer of `tokenizer`, when configured.
+fn load_tokenizer(cfg: &GatewayConfig) -> anyhow::Result<Option<Arc<crate::tokenizer::LocalTokenizer>>> {
+    Ok(match &cfg.tokenizer {
+        Some(p) => {
+            let t = crate::tokenizer::LocalTokenizer::load(std::path::Path::new(p))?;
+            tracing::info!(source = t.source(), "local tokenizer loaded");
+            Some(Arc::new(t))
+        }
+        None => None,
+    })
+}
+
+/// The HTTP client to the workers: connect timeout, idle pool, and the CAs of
+/// `worker_ca_file`.
+fn worker_client(cfg: &GatewayConfig) -> anyhow::Result<reqwest::Client> {
+    // Idle pooled connections are dropped after 4 s: llama-server (cpp-httplib) and
+    // uvicorn (vLLM, SGLang) close keep-alive connections idle for 5 s, and a request
+    // written to one as the worker closes it fails (a request to llama-server after
+    // 5.02 s idle did, in a scratch test). The proxy also sends a request whose pooled
+    // connection closed under it once more to the same worker (`proxy`).
+    let mut client = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout_secs))
+        .pool_max_idle_per_host(256)
+        .pool_idle_timeout(Duration::from_secs(4));
+    if let Some(ca) = &cfg.worker_ca_file {
+        client = client.tls_certs_merge(crate::tls::worker_roots(std::path::Path::new(ca))?);
+    }
+    Ok(client.build()?)
+}
+
+/// `forward_headers`, parsed once.
+fn forward_headers(cfg: &GatewayConfig) -> anyhow::Result<Vec<http::HeaderName>> {
+    cfg.forward_headers
+        .iter()
+        .map(|h| http::HeaderName::from_bytes(h.as_bytes()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow::anyhow!("forward_headers: {e}"))
+}
+
+/// The traffic recorder of `record`, started, when configured.
+fn start_recorder(cfg: &GatewayConfig, metrics: &Metrics) -> anyhow::Result<Option<crate::record::Recorder>> {
+    Ok(match &cfg.record {
+        Some(path) => Some(crate::record::Recorder::start(
+            &crate::record::RecordConfig {
+                path: path.into(),
+                max_bytes: cfg.record_max_bytes,
+                files: cfg.record_files,
+                block_tokens: cfg.record_block_tokens,
+            },
+            metrics,
+        )?),
+        None => None,
+    })
 }

@@ -1,77 +1,38 @@
 //! Active health checks, model discovery, engine `/metrics` scraping and policy maintenance.
 
 use crate::app::AppState;
+use crate::config::HealthConfig;
 use crate::fleet::WorkerEntry;
 use crate::membership::tokenizer_parity;
 use crate::metrics::WorkerLabel;
-use crate::upstream::{fetch_models, get_text, probe_capacity, try_get_text};
+use crate::upstream::{GetError, fetch_models, get_text, probe_capacity, try_get_text};
 use kvroute_core::types::Health;
 use kvroute_protocol::engine_metrics::{engine_hit_ratio, engine_signals, metric_sum, slot_counts, sm_utilisation};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
+/// One round of a worker's checks: `/health` against the thresholds (in or out of
+/// routing), the inference probe of an ejected worker, its model list when due, and its
+/// engine `/metrics` (`scrape_metrics`).
 async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
     let h = &s.cfg.health;
     let url = w.url.to_string();
     let checked = try_get_text(&s.client, &format!("{url}{}", h.path), h.timeout_secs).await;
     let ok = matches!(checked, Ok((200, _)));
     let mut refresh_models = false;
-    let mut healthy_now = None;
     if ok {
-        w.check_failures.store(0, Relaxed);
-        if w.health() != Health::Healthy {
-            let n = w.check_successes.fetch_add(1, Relaxed) + 1;
-            if n >= h.success_threshold {
-                w.set_health(Health::Healthy);
-                w.check_successes.store(0, Relaxed);
-                healthy_now = Some(true);
-                refresh_models = w.models.load().is_empty();
-            }
+        if count_success(h, &w) {
+            refresh_models = w.models.load().is_empty();
+            came_up(&s, &url, &w).await;
         }
-    } else {
-        w.check_successes.store(0, Relaxed);
-        let n = w.check_failures.fetch_add(1, Relaxed) + 1;
-        if n == h.failure_threshold {
-            // Once per run of failures: why (a worker that never passed logs nothing else).
-            let why = match &checked {
-                Ok((status, _)) => format!("status {status}"),
-                Err(e) => e.causes.clone(),
-            };
-            tracing::warn!(worker = %url, reason = %why, failures = n, "health check failing");
-        }
-        if n >= h.failure_threshold && w.health() == Health::Healthy {
-            // Requests waiting on it for a first byte fail over now (dispatch).
-            w.mark_down();
-            healthy_now = Some(false);
-        }
-    }
-    if let Some(hn) = healthy_now {
-        s.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.clone() }).set(i64::from(hn));
-        if hn {
-            // A worker back from an outage may have been restarted with other settings.
-            let probed = probe_capacity(&s.client, &url, h.timeout_secs).await;
-            w.set_capacity(crate::fleet::CapacitySource::Probed, Some(probed.0));
-        }
-        if hn && s.tokenizer.is_some() {
-            tokio::spawn(tokenizer_parity(Arc::clone(&s), url.clone()));
-        }
-        if !hn {
-            tracing::warn!(worker = %url, "health checks failing: out of routing");
-            s.forget_worker(w.id);
-        }
+    } else if count_failure(h, &w, &url, &checked) {
+        went_down(&s, &url, &w);
     }
     // A worker ejected by failed requests answers `/health` but may fail every request:
     // only a real inference request readmits it, probed with capped exponential backoff.
     if ok && w.probe_due(s.now()) {
-        let passed = inference_probe(&s, &w).await;
-        w.probe_result(passed, s.now());
-        if passed {
-            tracing::info!(worker = %url, "inference probe passed: back in routing");
-            s.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.clone() }).set(1);
-        } else {
-            tracing::warn!(worker = %url, "inference probe failed: stays out of routing");
-        }
+        probe_ejected(&s, &url, &w).await;
     }
     // Loaded models and LoRA adapters change at run time (vLLM and SGLang load adapters on
     // request): read them again every `models_refresh_secs`.
@@ -79,8 +40,88 @@ async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
     let every = (h.models_refresh_secs * 1e9) as u64;
     let last = w.models_read_at.load(Relaxed);
     refresh_models |= ok && every > 0 && now.saturating_sub(last) >= every;
-    if refresh_models
-        && let Some(models) = fetch_models(&s.client, &url, h.timeout_secs).await
+    if refresh_models {
+        read_models(&s, &url, &w, now).await;
+    }
+    if ok
+        && s.cfg.scrape_metrics
+        && let Some((200, body)) = get_text(&s.client, &format!("{url}/metrics"), h.timeout_secs).await
+    {
+        scrape(&s, &w, &body).await;
+    }
+}
+
+/// Counts a passed `/health` check; `true` when the worker has just reached
+/// `success_threshold` and is healthy again.
+fn count_success(h: &HealthConfig, w: &WorkerEntry) -> bool {
+    w.check_failures.store(0, Relaxed);
+    if w.health() != Health::Healthy {
+        let n = w.check_successes.fetch_add(1, Relaxed) + 1;
+        if n >= h.success_threshold {
+            w.set_health(Health::Healthy);
+            w.check_successes.store(0, Relaxed);
+            return true;
+        }
+    }
+    false
+}
+
+/// Counts a failed `/health` check (logging why once per run of failures); `true` when a
+/// healthy worker has just reached `failure_threshold` and is marked down.
+fn count_failure(h: &HealthConfig, w: &WorkerEntry, url: &str, checked: &Result<(u16, String), GetError>) -> bool {
+    w.check_successes.store(0, Relaxed);
+    let n = w.check_failures.fetch_add(1, Relaxed) + 1;
+    if n == h.failure_threshold {
+        // Once per run of failures: why (a worker that never passed logs nothing else).
+        let why = match checked {
+            Ok((status, _)) => format!("status {status}"),
+            Err(e) => e.causes.clone(),
+        };
+        tracing::warn!(worker = %url, reason = %why, failures = n, "health check failing");
+    }
+    if n >= h.failure_threshold && w.health() == Health::Healthy {
+        // Requests waiting on it for a first byte fail over now (dispatch).
+        w.mark_down();
+        return true;
+    }
+    false
+}
+
+/// A worker back in routing: its gauge, its capacity probed again, and its tokenizer
+/// parity checked when there is a local tokenizer.
+async fn came_up(s: &Arc<AppState>, url: &str, w: &WorkerEntry) {
+    s.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.to_string() }).set(1);
+    // A worker back from an outage may have been restarted with other settings.
+    let probed = probe_capacity(&s.client, url, s.cfg.health.timeout_secs).await;
+    w.set_capacity(crate::fleet::CapacitySource::Probed, Some(probed.0));
+    if s.tokenizer.is_some() {
+        tokio::spawn(tokenizer_parity(Arc::clone(s), url.to_string()));
+    }
+}
+
+/// A worker out of routing: its gauge, and the state kept for it dropped.
+fn went_down(s: &AppState, url: &str, w: &WorkerEntry) {
+    s.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.to_string() }).set(0);
+    tracing::warn!(worker = %url, "health checks failing: out of routing");
+    s.forget_worker(w.id);
+}
+
+/// Sends an ejected worker its due inference probe; it is back in routing when it passes.
+async fn probe_ejected(s: &AppState, url: &str, w: &WorkerEntry) {
+    let passed = inference_probe(s, w).await;
+    w.probe_result(passed, s.now());
+    if passed {
+        tracing::info!(worker = %url, "inference probe passed: back in routing");
+        s.metrics.worker_healthy.get_or_create(&WorkerLabel { worker: url.to_string() }).set(1);
+    } else {
+        tracing::warn!(worker = %url, "inference probe failed: stays out of routing");
+    }
+}
+
+/// Reads a worker's models (`/v1/models`) and makes sure admission knows each; read at
+/// `now`.
+async fn read_models(s: &AppState, url: &str, w: &WorkerEntry, now: u64) {
+    if let Some(models) = fetch_models(&s.client, url, s.cfg.health.timeout_secs).await
         // A worker that listed models and now lists none (its `/v1/models` failing for a
         // moment) keeps its list rather than becoming a worker that serves any name.
         && (!models.is_empty() || w.models.load().is_empty())
@@ -93,12 +134,6 @@ async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
             }
         }
         w.models.store(Arc::new(models));
-    }
-    if ok
-        && s.cfg.scrape_metrics
-        && let Some((200, body)) = get_text(&s.client, &format!("{url}/metrics"), h.timeout_secs).await
-    {
-        scrape(&s, &w, &body).await;
     }
 }
 

@@ -19,7 +19,7 @@ use crate::metrics::WorkerLabel;
 use bytes::Bytes;
 use kvroute_core::precise::{StoredBlocks, Tier};
 use kvroute_core::types::WorkerId;
-use kvroute_protocol::kv_events::{KvEvent, REPLAY_END, decode, parse_frames};
+use kvroute_protocol::kv_events::{EventBatch, KvEvent, REPLAY_END, decode, parse_frames};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -57,6 +57,8 @@ fn worker_id(s: &AppState, url: &str) -> Option<WorkerId> {
     s.fleet.by_url(url).map(|w| w.id)
 }
 
+/// Follows one worker's KV-event publisher until `cancel`: connects (with backoff),
+/// applies its batches, and reconnects when the connection is lost.
 async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, cancel: CancellationToken) {
     let label = WorkerLabel {
         worker: crate::model::worker_url::check_worker_url(&src.worker)
@@ -64,82 +66,132 @@ async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, cancel: 
     };
     let mut backoff = Duration::from_millis(100);
     loop {
-        let mut sock = zeromq::SubSocket::new();
-        let connected = tokio::select! {
-            () = cancel.cancelled() => return,
-            r = sock.connect(&src.endpoint) => r,
+        let mut sock = match connect(&src, &cancel, &mut backoff).await {
+            Ok(sock) => sock,
+            Err(Stop::Retry) => continue,
+            Err(Stop::Cancelled) => return,
         };
-        if let Err(e) = connected.map(|_| ()) {
-            tracing::warn!(endpoint = %src.endpoint, error = %e, "kv events: cannot connect; retrying");
-            tokio::select! {
-                () = cancel.cancelled() => return,
-                () = tokio::time::sleep(backoff) => {}
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
-            continue;
-        }
-        if let Err(e) = sock.subscribe("").await {
-            tracing::warn!(endpoint = %src.endpoint, error = %e, "kv events: subscribe failed");
-            continue;
-        }
-        backoff = Duration::from_millis(100);
         tracing::info!(worker = %label.worker, endpoint = %src.endpoint, "kv events: subscribed");
-        let mut last: HashMap<Option<i64>, u64> = HashMap::new();
-        loop {
-            let msg = tokio::select! {
-                () = cancel.cancelled() => return,
-                m = sock.recv() => m,
-            };
-            let Ok(msg) = msg else {
-                tracing::warn!(endpoint = %src.endpoint, "kv events: connection lost; reconnecting");
-                break;
-            };
-            let Some(w) = worker_id(&s, &label.worker) else { continue };
-            s.precise.write().track(w);
-            let (seq, payload) = match parse_frames(&msg.into_vec()) {
-                Ok((_, seq, p)) => (seq, p),
-                Err(e) => {
-                    s.metrics.kv_errors.get_or_create(&label).inc();
-                    tracing::debug!(error = %e, "kv events: bad message");
-                    continue;
-                }
-            };
-            let batch = match decode(&payload) {
-                Ok((b, stats)) => {
-                    let skipped = stats.unknown_events + stats.unknown_fields;
-                    if skipped > 0 {
-                        s.metrics.kv_skipped.get_or_create(&label).inc_by(skipped);
-                    }
-                    b
-                }
-                Err(e) => {
-                    s.metrics.kv_errors.get_or_create(&label).inc();
-                    tracing::debug!(error = %e, "kv events: bad batch");
-                    continue;
-                }
-            };
-            let rank = batch.dp_rank;
-            let expected = match last.get(&rank) {
-                None => 0,
-                Some(&l) if seq <= l => {
-                    // The publisher restarted: everything it said before is void.
-                    s.metrics.kv_restarts.get_or_create(&label).inc();
-                    tracing::info!(worker = %label.worker, seq, last = l, "kv events: publisher restarted; state cleared");
-                    s.precise.write().clear(w);
-                    0
-                }
-                Some(&l) => l + 1,
-            };
-            if seq > expected {
-                s.metrics.kv_gaps.get_or_create(&label).inc();
-                if let Some(r) = &src.replay {
-                    let got = replay(&s, w, &label, r, expected, seq).await;
-                    s.metrics.kv_replayed.get_or_create(&label).inc_by(got);
-                }
-            }
-            apply(&s, w, &label, &batch.events);
-            last.insert(rank, seq);
+        if let Stop::Cancelled = follow(&s, &src, &label, &mut sock, &cancel).await {
+            return;
         }
+    }
+}
+
+/// Why a subscription ended, or did not start.
+enum Stop {
+    /// `cancel`: the subscriber stops.
+    Cancelled,
+    /// The connection failed or was lost: connect again.
+    Retry,
+}
+
+/// Connects to the publisher and subscribes to everything; after a failed connect, waits
+/// `backoff` (doubled for the next time, up to 5 s; reset once connected).
+async fn connect(
+    src: &crate::config::KvEventSource,
+    cancel: &CancellationToken,
+    backoff: &mut Duration,
+) -> Result<zeromq::SubSocket, Stop> {
+    let mut sock = zeromq::SubSocket::new();
+    let connected = tokio::select! {
+        () = cancel.cancelled() => return Err(Stop::Cancelled),
+        r = sock.connect(&src.endpoint) => r,
+    };
+    if let Err(e) = connected.map(|_| ()) {
+        tracing::warn!(endpoint = %src.endpoint, error = %e, "kv events: cannot connect; retrying");
+        tokio::select! {
+            () = cancel.cancelled() => return Err(Stop::Cancelled),
+            () = tokio::time::sleep(*backoff) => {}
+        }
+        *backoff = (*backoff * 2).min(Duration::from_secs(5));
+        return Err(Stop::Retry);
+    }
+    if let Err(e) = sock.subscribe("").await {
+        tracing::warn!(endpoint = %src.endpoint, error = %e, "kv events: subscribe failed");
+        return Err(Stop::Retry);
+    }
+    *backoff = Duration::from_millis(100);
+    Ok(sock)
+}
+
+/// Applies the batches of one connection in sequence order per data-parallel rank (a gap
+/// is replayed first when the worker has a replay socket), until the connection is lost
+/// or `cancel`.
+async fn follow(
+    s: &AppState,
+    src: &crate::config::KvEventSource,
+    label: &WorkerLabel,
+    sock: &mut zeromq::SubSocket,
+    cancel: &CancellationToken,
+) -> Stop {
+    let mut last: HashMap<Option<i64>, u64> = HashMap::new();
+    loop {
+        let msg = tokio::select! {
+            () = cancel.cancelled() => return Stop::Cancelled,
+            m = sock.recv() => m,
+        };
+        let Ok(msg) = msg else {
+            tracing::warn!(endpoint = %src.endpoint, "kv events: connection lost; reconnecting");
+            return Stop::Retry;
+        };
+        let Some(w) = worker_id(s, &label.worker) else { continue };
+        s.precise.write().track(w);
+        let Some((seq, batch)) = read_batch(s, label, &msg.into_vec()) else { continue };
+        let rank = batch.dp_rank;
+        let expected = expected_seq(s, w, label, last.get(&rank).copied(), seq);
+        if seq > expected {
+            s.metrics.kv_gaps.get_or_create(label).inc();
+            if let Some(r) = &src.replay {
+                let got = replay(s, w, label, r, expected, seq).await;
+                s.metrics.kv_replayed.get_or_create(label).inc_by(got);
+            }
+        }
+        apply(s, w, label, &batch.events);
+        last.insert(rank, seq);
+    }
+}
+
+/// A message's sequence number and decoded batch (skipped events and fields counted);
+/// `None`, counted as an error, when it is malformed.
+fn read_batch(s: &AppState, label: &WorkerLabel, frames: &[Bytes]) -> Option<(u64, EventBatch)> {
+    let (seq, payload) = match parse_frames(frames) {
+        Ok((_, seq, p)) => (seq, p),
+        Err(e) => {
+            s.metrics.kv_errors.get_or_create(label).inc();
+            tracing::debug!(error = %e, "kv events: bad message");
+            return None;
+        }
+    };
+    match decode(&payload) {
+        Ok((b, stats)) => {
+            let skipped = stats.unknown_events + stats.unknown_fields;
+            if skipped > 0 {
+                s.metrics.kv_skipped.get_or_create(label).inc_by(skipped);
+            }
+            Some((seq, b))
+        }
+        Err(e) => {
+            s.metrics.kv_errors.get_or_create(label).inc();
+            tracing::debug!(error = %e, "kv events: bad batch");
+            None
+        }
+    }
+}
+
+/// The sequence number expected from a rank whose last batch was `last`: a `seq` not past
+/// it means the publisher restarted, and everything it said before is void (the worker's
+/// state is cleared; 0 is expected).
+fn expected_seq(s: &AppState, w: WorkerId, label: &WorkerLabel, last: Option<u64>, seq: u64) -> u64 {
+    match last {
+        None => 0,
+        Some(l) if seq <= l => {
+            s.metrics.kv_restarts.get_or_create(label).inc();
+            tracing::info!(worker = %label.worker, seq, last = l, "kv events: publisher restarted; state cleared");
+            s.precise.write().clear(w);
+            0
+        }
+        Some(l) => l + 1,
     }
 }
 

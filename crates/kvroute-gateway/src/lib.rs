@@ -151,37 +151,68 @@ pub async fn serve_with_reload(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     cfg.validate()?;
-    let tls = match (&cfg.tls_cert, &cfg.tls_key) {
-        (Some(c), Some(k)) => Some(tls::ServerTls::load(c.as_ref(), k.as_ref())?),
-        _ => None,
-    };
+    let tls = load_tls(&cfg)?;
     // Registered before the first connection is accepted, so a SIGHUP reloads rather than
     // ending the process; one arriving before the handler task starts waits for it.
     let hup = reload::Hangup::install()?;
     let state = AppState::new(cfg)?;
     let cancel = tokio_util::sync::CancellationToken::new();
-    // With `admin_listen`, the admin API moves to its own listener and the main port
-    // serves only the public endpoints; without it, the main port serves the admin API only
-    // when `admin_token` is set.
-    let admin = match &state.cfg.admin_listen {
+    let admin = bind_admin(&state).await?;
+    let main_app = app(Arc::clone(&state));
+    refuse_own_addresses(&state, &listener, admin.as_ref().map(|(l, _)| l)).await?;
+    state.add_initial_workers().await;
+    let reloader = tokio::spawn(reload::run(hup, tls.clone(), reload, Arc::clone(&state)));
+    let mut tasks = spawn_background(&state, &cancel);
+    let limits = server::Limits::from_config(&state.cfg);
+    tasks.extend(admin.map(|(l, a)| spawn_admin(l, a, limits, tls.clone(), cancel.clone())));
+    let deadline = server::serve(listener, main_app, limits, tls, shutdown, drain_hooks(&state)).await;
+    // The background tasks (health checks, KV events, etcd, NATS) stop now; none may hold
+    // the process past the drain deadline (a NATS flush or an etcd call to a server that
+    // is down would wait forever): what is left at the deadline is abandoned.
+    cancel.cancel();
+    reloader.abort();
+    stop_by(deadline, tasks).await;
+    Ok(())
+}
+
+/// The TLS certificate and key of `tls_cert` and `tls_key`, when both are set.
+fn load_tls(cfg: &GatewayConfig) -> anyhow::Result<Option<Arc<tls::ServerTls>>> {
+    Ok(match (&cfg.tls_cert, &cfg.tls_key) {
+        (Some(c), Some(k)) => Some(tls::ServerTls::load(c.as_ref(), k.as_ref())?),
+        _ => None,
+    })
+}
+
+/// With `admin_listen`, binds the admin API's own listener (the main port then serves only
+/// the public endpoints); without it, the main port serves the admin API only when
+/// `admin_token` is set.
+async fn bind_admin(state: &Arc<AppState>) -> anyhow::Result<Option<(tokio::net::TcpListener, Router)>> {
+    Ok(match &state.cfg.admin_listen {
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr.as_str())
                 .await
                 .map_err(|e| anyhow::anyhow!("admin_listen {addr}: {e}"))?;
             tracing::info!(addr = %l.local_addr()?, "admin API listening");
-            Some((l, admin_app(Arc::clone(&state))))
+            Some((l, admin_app(Arc::clone(state))))
         }
         None if state.cfg.admin_token.is_none() => {
             tracing::info!("admin API off: set `admin_listen` (loopback) or `admin_token` to serve it");
             None
         }
         None => None,
-    };
-    let main_app = app(Arc::clone(&state));
-    // Known before any worker is added: a worker URL pointing at one of them is refused
-    // (a router as its own worker loops), and a configured one stops the start.
+    })
+}
+
+/// Records the listeners' addresses before any worker is added, and stops the start when a
+/// configured worker (`worker_urls`, the P/D pools) points at one of them: a router as its
+/// own worker loops.
+async fn refuse_own_addresses(
+    state: &AppState,
+    listener: &tokio::net::TcpListener,
+    admin: Option<&tokio::net::TcpListener>,
+) -> anyhow::Result<()> {
     let mut own = vec![listener.local_addr()?];
-    if let Some((l, _)) = &admin {
+    if let Some(l) = admin {
         own.push(l.local_addr()?);
     }
     *state.listen_addrs.write() = own;
@@ -191,25 +222,45 @@ pub async fn serve_with_reload(
             .await
             .map_err(|m| config::ConfigError { key: "worker_urls".into(), message: m.to_string() })?;
     }
-    state.add_initial_workers().await;
-    let reloader = tokio::spawn(reload::run(hup, tls.clone(), reload, Arc::clone(&state)));
-    let bg = tokio::spawn(health::run_background(Arc::clone(&state), cancel.clone()));
-    let kv = tokio::spawn(kv_subscriber::run(Arc::clone(&state), cancel.clone()));
-    let etcd = tokio::spawn(cluster::etcd::run(Arc::clone(&state), cancel.clone()));
-    let nats = tokio::spawn(cluster::sync_task::run(Arc::clone(&state), cancel.clone()));
-    let limits = server::Limits::from_config(&state.cfg);
-    let admin_task = admin.map(|(l, a)| {
-        let stop = cancel.clone();
-        let tls = tls.clone();
-        // The admin listener stops accepting as soon as the main one has drained.
-        let limits = server::Limits { drain_delay: Duration::ZERO, ..limits };
-        tokio::spawn(async move {
-            server::serve(l, a, limits, tls, async move { stop.cancelled().await }, server::Drain::default()).await;
-        })
-    });
-    let draining = Arc::clone(&state);
+    Ok(())
+}
+
+/// Starts the background tasks that run until `cancel`: health checks, KV events, the etcd
+/// registry and the NATS cluster sync.
+fn spawn_background(
+    state: &Arc<AppState>,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    vec![
+        tokio::spawn(health::run_background(Arc::clone(state), cancel.clone())),
+        tokio::spawn(kv_subscriber::run(Arc::clone(state), cancel.clone())),
+        tokio::spawn(cluster::etcd::run(Arc::clone(state), cancel.clone())),
+        tokio::spawn(cluster::sync_task::run(Arc::clone(state), cancel.clone())),
+    ]
+}
+
+/// Serves the admin listener until `stop`: it stops accepting as soon as the main one has
+/// drained (no drain delay of its own).
+fn spawn_admin(
+    listener: tokio::net::TcpListener,
+    admin: Router,
+    limits: server::Limits,
+    tls: Option<Arc<tls::ServerTls>>,
+    stop: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let limits = server::Limits { drain_delay: Duration::ZERO, ..limits };
+    tokio::spawn(async move {
+        server::serve(listener, admin, limits, tls, async move { stop.cancelled().await }, server::Drain::default())
+            .await;
+    })
+}
+
+/// The main listener's shutdown besides closing connections: `/readiness` answers 503 from
+/// the signal on, and open streams are cut just before the drain deadline.
+fn drain_hooks(state: &Arc<AppState>) -> server::Drain {
+    let draining = Arc::clone(state);
     let delay = state.cfg.drain_delay_secs;
-    let drain = server::Drain {
+    server::Drain {
         on_signal: Some(Box::new(move || {
             // `/readiness` answers 503 from here on, so load balancers stop sending.
             draining.draining.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -219,19 +270,14 @@ pub async fn serve_with_reload(
             );
         })),
         cut_streams: state.cut_streams.clone(),
-    };
-    let deadline = server::serve(listener, main_app, limits, tls, shutdown, drain).await;
-    // The background tasks (health checks, KV events, etcd, NATS) stop now; none may hold
-    // the process past the drain deadline (a NATS flush or an etcd call to a server that
-    // is down would wait forever): what is left at the deadline is abandoned.
-    cancel.cancel();
-    reloader.abort();
-    let mut tasks = vec![bg, kv, etcd, nats];
-    tasks.extend(admin_task);
+    }
+}
+
+/// Waits for `tasks` (already cancelled) until `deadline`, then aborts those still running.
+async fn stop_by(deadline: tokio::time::Instant, tasks: Vec<tokio::task::JoinHandle<()>>) {
     let aborts: Vec<_> = tasks.iter().map(|t| t.abort_handle()).collect();
     if tokio::time::timeout_at(deadline, futures_util::future::join_all(tasks)).await.is_err() {
         tracing::warn!("drain deadline passed with background tasks still stopping: abandoned");
         aborts.iter().for_each(tokio::task::AbortHandle::abort);
     }
-    Ok(())
 }

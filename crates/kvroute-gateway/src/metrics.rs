@@ -235,309 +235,319 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Registers every metric.
+    /// Registers every metric, family by family, in the order `/metrics` lists them.
     pub fn new() -> Self {
-        let mut registry = Registry::default();
-        let requests = Family::<RequestLabels, Counter>::default();
-        registry.register(
+        let mut m = Self::unregistered();
+        m.register_requests();
+        m.register_dispatch();
+        m.register_workers();
+        m.register_kv_events();
+        m.register_worker_signals();
+        m.register_etcd();
+        m.register_serving_modes();
+        m.register_sync();
+        m.register_operations();
+        m
+    }
+
+    /// Every metric at zero, none registered yet; each histogram's buckets are chosen here.
+    fn unregistered() -> Self {
+        Metrics {
+            registry: Registry::default(),
+            requests: Family::default(),
+            request_series: parking_lot::Mutex::default(),
+            tenant_requests: Family::default(),
+            decision_seconds: Histogram::new(exponential_buckets(1e-7, 2.0, 20)),
+            decision_cpu_seconds: Histogram::new(exponential_buckets(1e-7, 2.0, 20)),
+            match_rate: Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]),
+            ttft_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 18)),
+            e2e_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 20)),
+            index_size: Gauge::default(),
+            admission_rejections: Family::default(),
+            decisions_redone: Counter::default(),
+            retries: Counter::default(),
+            stale_connection_resends: Counter::default(),
+            llama_slot_requests: Counter::default(),
+            llama_slot_waits: Counter::default(),
+            worker_healthy: Family::default(),
+            worker_in_flight: Family::default(),
+            kv_batches: Family::default(),
+            kv_gaps: Family::default(),
+            kv_replayed: Family::default(),
+            kv_restarts: Family::default(),
+            kv_errors: Family::default(),
+            kv_skipped: Family::default(),
+            kv_parity: Family::default(),
+            prefix_source: Family::default(),
+            local_tokenize: Family::default(),
+            ejections: Family::default(),
+            tokenizer_parity: Family::default(),
+            engine_prefix_hit_ratio: Family::default(),
+            worker_slots: Family::default(),
+            ttft_prediction_ratio: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.125, std::f64::consts::SQRT_2, 13))
+            }),
+            cached_tokens_predicted: Family::default(),
+            cached_tokens_reported: Family::default(),
+            etcd_connected: Gauge::default(),
+            etcd_workers: Gauge::default(),
+            etcd_connects: Counter::default(),
+            etcd_registry_stale: Gauge::default(),
+            policy_updates: Family::default(),
+            lora_requests: Family::default(),
+            lora_loads: Family::default(),
+            pd_requests: Family::default(),
+            pd_failures: Family::default(),
+            cascade_steps: Family::default(),
+            cascade_tokens: Family::default(),
+            nats_connected: Gauge::default(),
+            sync_events: Family::default(),
+            sync_gaps: Counter::default(),
+            sync_lag_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 18)),
+            sync_remote_in_flight: Gauge::default(),
+            sync_peers: Gauge::default(),
+            config_reloads: Family::default(),
+            record_lines: Family::default(),
+        }
+    }
+
+    /// Requests and their decisions: counts by outcome and tenant, decision time, match
+    /// rate, latency, the policy's index size.
+    fn register_requests(&mut self) {
+        let r = &mut self.registry;
+        r.register(
             "kvroute_requests",
             "Requests by worker, policy, decision branch and outcome",
-            requests.clone(),
+            self.requests.clone(),
         );
-        let tenant_requests = Family::<TenantLabels, Counter>::default();
-        registry.register(
+        r.register(
             "kvroute_tenant_requests",
             "Requests by API-key tenant and outcome (admitted, rate_limited_requests, rate_limited_tokens)",
-            tenant_requests.clone(),
+            self.tenant_requests.clone(),
         );
-        let decision_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
-        registry.register("kvroute_decision_seconds", "Routing decision time", decision_seconds.clone());
-        let decision_cpu_seconds = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
-        registry.register(
+        r.register("kvroute_decision_seconds", "Routing decision time", self.decision_seconds.clone());
+        r.register(
             "kvroute_decision_cpu_seconds",
             "CPU time of the deciding thread during a routing decision (its own work, without preemption)",
-            decision_cpu_seconds.clone(),
+            self.decision_cpu_seconds.clone(),
         );
-        let match_rate = Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]);
-        registry.register("kvroute_match_rate", "Matched prefix over routing key length", match_rate.clone());
-        let ttft_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 18));
-        registry.register("kvroute_ttft_seconds", "Time to first response byte at the router", ttft_seconds.clone());
-        let e2e_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 20));
-        registry.register("kvroute_e2e_seconds", "Time to the last response byte at the router", e2e_seconds.clone());
-        let index_size = Gauge::default();
-        registry.register(
+        r.register("kvroute_match_rate", "Matched prefix over routing key length", self.match_rate.clone());
+        r.register("kvroute_ttft_seconds", "Time to first response byte at the router", self.ttft_seconds.clone());
+        r.register("kvroute_e2e_seconds", "Time to the last response byte at the router", self.e2e_seconds.clone());
+        r.register(
             "kvroute_index_size",
             "Size of the policy's prefix index (chars, tokens or blocks)",
-            index_size.clone(),
+            self.index_size.clone(),
         );
-        let admission_rejections = Family::<ModelLabel, Counter>::default();
-        registry.register(
+    }
+
+    /// Admission and dispatch: rejections, redone decisions, retries, resends, llama.cpp slots.
+    fn register_dispatch(&mut self) {
+        let r = &mut self.registry;
+        r.register(
             "kvroute_admission_rejections",
             "Requests rejected by admission (503)",
-            admission_rejections.clone(),
+            self.admission_rejections.clone(),
         );
-        let retries = Counter::default();
-        registry.register("kvroute_retries", "Attempts retried (on the same worker or the next)", retries.clone());
-        let decisions_redone = Counter::default();
-        registry.register(
+        r.register("kvroute_retries", "Attempts retried (on the same worker or the next)", self.retries.clone());
+        r.register(
             "kvroute_decisions_redone",
             "Decisions made again because a request was sent to the chosen worker meanwhile",
-            decisions_redone.clone(),
+            self.decisions_redone.clone(),
         );
-        let stale_connection_resends = Counter::default();
-        registry.register(
+        r.register(
             "kvroute_stale_connection_resends",
             "Requests sent again to the same worker after its keep-alive connection closed under them",
-            stale_connection_resends.clone(),
+            self.stale_connection_resends.clone(),
         );
-        let llama_slot_requests = Counter::default();
-        registry.register(
+        r.register(
             "kvroute_llama_slot_requests",
             "Requests sent to a named llama.cpp slot (llama_slot_routing)",
-            llama_slot_requests.clone(),
+            self.llama_slot_requests.clone(),
         );
-        let llama_slot_waits = Counter::default();
-        registry.register(
+        r.register(
             "kvroute_llama_slot_waits",
             "Requests sent to a busy llama.cpp slot that holds their prefix (they wait for it)",
-            llama_slot_waits.clone(),
+            self.llama_slot_waits.clone(),
         );
-        let worker_healthy = Family::<WorkerLabel, Gauge>::default();
-        registry.register("kvroute_worker_healthy", "1 when the worker is routable", worker_healthy.clone());
-        let worker_in_flight = Family::<WorkerLabel, Gauge>::default();
-        registry.register("kvroute_worker_in_flight", "Requests in flight per worker", worker_in_flight.clone());
-        let kv_batches = Family::<WorkerLabel, Counter>::default();
-        registry.register("kvroute_kv_event_batches", "KV-event batches applied", kv_batches.clone());
-        let kv_gaps = Family::<WorkerLabel, Counter>::default();
-        registry.register("kvroute_kv_event_gaps", "KV-event sequence gaps", kv_gaps.clone());
-        let kv_replayed = Family::<WorkerLabel, Counter>::default();
-        registry.register("kvroute_kv_event_replayed", "KV-event batches recovered by replay", kv_replayed.clone());
-        let kv_restarts = Family::<WorkerLabel, Counter>::default();
-        registry.register(
+    }
+
+    /// Each worker's health and load.
+    fn register_workers(&mut self) {
+        let r = &mut self.registry;
+        r.register("kvroute_worker_healthy", "1 when the worker is routable", self.worker_healthy.clone());
+        r.register("kvroute_worker_in_flight", "Requests in flight per worker", self.worker_in_flight.clone());
+    }
+
+    /// The engines' KV events per worker, and where each decision's prefix state came from.
+    fn register_kv_events(&mut self) {
+        let r = &mut self.registry;
+        r.register("kvroute_kv_event_batches", "KV-event batches applied", self.kv_batches.clone());
+        r.register("kvroute_kv_event_gaps", "KV-event sequence gaps", self.kv_gaps.clone());
+        r.register("kvroute_kv_event_replayed", "KV-event batches recovered by replay", self.kv_replayed.clone());
+        r.register(
             "kvroute_kv_event_restarts",
             "KV-event publisher restarts (sequence went back; worker state cleared)",
-            kv_restarts.clone(),
+            self.kv_restarts.clone(),
         );
-        let kv_errors = Family::<WorkerLabel, Counter>::default();
-        registry.register("kvroute_kv_event_errors", "Malformed KV-event messages", kv_errors.clone());
-        let kv_skipped = Family::<WorkerLabel, Counter>::default();
-        registry.register(
+        r.register("kvroute_kv_event_errors", "Malformed KV-event messages", self.kv_errors.clone());
+        r.register(
             "kvroute_kv_event_skipped",
             "KV events or fields skipped (unknown, or not the main attention group)",
-            kv_skipped.clone(),
+            self.kv_skipped.clone(),
         );
-        let kv_parity = Family::<WorkerLabel, Gauge>::default();
-        registry.register(
+        r.register(
             "kvroute_kv_parity",
             "Startup KV-event parity check: 1 router and engine hash the same tokens, 0 mismatch, -1 inconclusive",
-            kv_parity.clone(),
+            self.kv_parity.clone(),
         );
-        let prefix_source = Family::<SourceLabels, Counter>::default();
-        registry.register(
+        r.register(
             "kvroute_prefix_source",
             "Decisions by the source of the chosen worker's prefix state",
-            prefix_source.clone(),
+            self.prefix_source.clone(),
         );
-        let ejections = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
+    }
+
+    /// What the router learns of the workers: ejections, local tokenization and its parity,
+    /// the engines' own cache and slot figures, the accuracy of its predictions.
+    fn register_worker_signals(&mut self) {
+        let r = &mut self.registry;
+        r.register(
             "kvroute_worker_ejections",
             "Workers reaching max_worker_retries failures in a row: ejected, or capped by max_ejection_share",
-            ejections.clone(),
+            self.ejections.clone(),
         );
         // Both outcomes are exposed from the start at 0: a series born at 1 shows no
         // increase()/rate() in Prometheus, so a router's first ejection would not show.
         for outcome in ["ejected", "capped"] {
-            drop(ejections.get_or_create(&OutcomeLabel { outcome: outcome.into() }));
+            drop(self.ejections.get_or_create(&OutcomeLabel { outcome: outcome.into() }));
         }
-        let local_tokenize = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
+        r.register(
             "kvroute_local_tokenize",
             "Requests tokenized locally for routing keys, by outcome",
-            local_tokenize.clone(),
+            self.local_tokenize.clone(),
         );
-        let tokenizer_parity = Family::<WorkerLabel, Gauge>::default();
-        registry.register(
+        r.register(
             "kvroute_tokenizer_parity",
             "Startup tokenizer parity: 1 local tokens equal the worker's, 0 mismatch, -1 inconclusive",
-            tokenizer_parity.clone(),
+            self.tokenizer_parity.clone(),
         );
-        let engine_prefix_hit_ratio = Family::<WorkerLabel, FloatGauge>::default();
-        registry.register(
+        r.register(
             "kvroute_engine_prefix_hit_ratio",
             "Engine-reported prefix-cache hit ratio of prompt tokens since the worker started",
-            engine_prefix_hit_ratio.clone(),
+            self.engine_prefix_hit_ratio.clone(),
         );
-        let worker_slots = Family::<WorkerLabel, Gauge>::default();
-        registry.register("kvroute_worker_slots", "Decode slots of a worker (llama.cpp /slots)", worker_slots.clone());
-        let ttft_prediction_ratio: Family<WorkerLabel, Histogram, fn() -> Histogram> =
-            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.125, std::f64::consts::SQRT_2, 13)));
-        registry.register(
+        r.register("kvroute_worker_slots", "Decode slots of a worker (llama.cpp /slots)", self.worker_slots.clone());
+        r.register(
             "kvroute_ttft_prediction_ratio",
             "Measured TTFT over the routing policy's predicted TTFT, per worker (1 = exact)",
-            ttft_prediction_ratio.clone(),
+            self.ttft_prediction_ratio.clone(),
         );
-        let cached_tokens_predicted = Family::<WorkerLabel, Counter>::default();
-        registry.register(
+        r.register(
             "kvroute_cached_tokens_predicted",
             "Prompt tokens the router expected cached, for requests whose engine reported its cached tokens",
-            cached_tokens_predicted.clone(),
+            self.cached_tokens_predicted.clone(),
         );
-        let cached_tokens_reported = Family::<WorkerLabel, Counter>::default();
-        registry.register(
+        r.register(
             "kvroute_cached_tokens_reported",
             "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens, timings.cache_n)",
-            cached_tokens_reported.clone(),
+            self.cached_tokens_reported.clone(),
         );
-        let etcd_connected = Gauge::default();
-        registry.register(
+    }
+
+    /// The etcd registry and live policy.
+    fn register_etcd(&mut self) {
+        let r = &mut self.registry;
+        r.register(
             "kvroute_etcd_connected",
             "1 while the etcd connection of the cluster registry and live policy is up",
-            etcd_connected.clone(),
+            self.etcd_connected.clone(),
         );
-        let etcd_workers = Gauge::default();
-        registry.register("kvroute_etcd_workers", "Workers currently registered through etcd", etcd_workers.clone());
-        let etcd_connects = Counter::default();
-        registry.register(
+        r.register("kvroute_etcd_workers", "Workers currently registered through etcd", self.etcd_workers.clone());
+        r.register(
             "kvroute_etcd_connects",
             "etcd sessions established (connect, list, watch); each after the first is a reconnect and a full re-list",
-            etcd_connects.clone(),
+            self.etcd_connects.clone(),
         );
-        let etcd_registry_stale = Gauge::default();
-        registry.register(
+        r.register(
             "kvroute_etcd_registry_stale",
             "1 while the registry in use is the last known list from state_dir (etcd not reached since the start)",
-            etcd_registry_stale.clone(),
+            self.etcd_registry_stale.clone(),
         );
-        let policy_updates = Family::<PolicyUpdateLabels, Counter>::default();
-        registry.register(
+        r.register(
             "kvroute_policy_updates",
             "Live policy settings received, by source and outcome (rejected: the last good policy stays)",
-            policy_updates.clone(),
+            self.policy_updates.clone(),
         );
-        let lora_requests = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
+    }
+
+    /// LoRA adapters, prefill/decode disaggregation and model cascades.
+    fn register_serving_modes(&mut self) {
+        let r = &mut self.registry;
+        r.register(
             "kvroute_lora_requests",
             "Requests for catalogue LoRA adapters, by outcome (loaded, load, unavailable)",
-            lora_requests.clone(),
+            self.lora_requests.clone(),
         );
-        let lora_loads = Family::<OutcomeLabel, Counter>::default();
-        registry.register("kvroute_lora_loads", "LoRA adapter loads asked of workers, by outcome", lora_loads.clone());
-        let pd_requests = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
+        r.register("kvroute_lora_loads", "LoRA adapter loads asked of workers, by outcome", self.lora_loads.clone());
+        r.register(
             "kvroute_pd_requests",
             "Requests of a disaggregated fleet, by placement (split, colocated)",
-            pd_requests.clone(),
+            self.pd_requests.clone(),
         );
-        let pd_failures = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
+        r.register(
             "kvroute_pd_failures",
             "Failed halves of split requests, by phase (prefill, decode); each is retried with the next worker",
-            pd_failures.clone(),
+            self.pd_failures.clone(),
         );
-        let cascade_steps = Family::<CascadeLabels, Counter>::default();
-        registry.register(
+        r.register(
             "kvroute_cascade_steps",
             "Model cascade steps, by model and outcome (accepted, escalated, failed)",
-            cascade_steps.clone(),
+            self.cascade_steps.clone(),
         );
-        let cascade_tokens = Family::<CascadeLabels, Counter>::default();
-        registry.register(
+        r.register(
             "kvroute_cascade_tokens",
             "Tokens of model cascade steps, by model and kind (prompt, completion)",
-            cascade_tokens.clone(),
+            self.cascade_tokens.clone(),
         );
+    }
 
-        let nats_connected = Gauge::default();
-        registry.register(
+    /// The cluster sync over NATS.
+    fn register_sync(&mut self) {
+        let r = &mut self.registry;
+        r.register(
             "kvroute_nats_connected",
             "1 while the cluster sync's NATS connection is up, else 0",
-            nats_connected.clone(),
+            self.nats_connected.clone(),
         );
-        let sync_events = Family::<OutcomeLabel, Counter>::default();
-        registry.register("kvroute_sync_events", "Cluster sync routing events, by outcome", sync_events.clone());
-        let sync_gaps = Counter::default();
-        registry.register("kvroute_sync_gaps", "Event batches of other replicas that never arrived", sync_gaps.clone());
-        let sync_lag_seconds = Histogram::new(exponential_buckets(1e-4, 2.0, 18));
-        registry.register(
+        r.register("kvroute_sync_events", "Cluster sync routing events, by outcome", self.sync_events.clone());
+        r.register("kvroute_sync_gaps", "Event batches of other replicas that never arrived", self.sync_gaps.clone());
+        r.register(
             "kvroute_sync_lag_seconds",
             "Time from another replica publishing an event batch to its application here",
-            sync_lag_seconds.clone(),
+            self.sync_lag_seconds.clone(),
         );
-        let sync_remote_in_flight = Gauge::default();
-        registry.register(
+        r.register(
             "kvroute_sync_remote_in_flight",
             "Requests other replicas report in flight",
-            sync_remote_in_flight.clone(),
+            self.sync_remote_in_flight.clone(),
         );
-        let sync_peers = Gauge::default();
-        registry.register("kvroute_sync_peers", "Other replicas heard from in the last 10 s", sync_peers.clone());
-        let config_reloads = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
+        r.register("kvroute_sync_peers", "Other replicas heard from in the last 10 s", self.sync_peers.clone());
+    }
+
+    /// Configuration reloads and the traffic recorder.
+    fn register_operations(&mut self) {
+        let r = &mut self.registry;
+        r.register(
             "kvroute_config_reloads",
             "Configuration reloads on SIGHUP, by outcome",
-            config_reloads.clone(),
+            self.config_reloads.clone(),
         );
-        let record_lines = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
+        r.register(
             "kvroute_record_lines",
             "Trace lines of the traffic recorder (record), by outcome",
-            record_lines.clone(),
+            self.record_lines.clone(),
         );
-        Metrics {
-            record_lines,
-            etcd_connected,
-            etcd_workers,
-            etcd_connects,
-            etcd_registry_stale,
-            policy_updates,
-            cascade_steps,
-            cascade_tokens,
-            lora_requests,
-            lora_loads,
-            pd_requests,
-            pd_failures,
-            nats_connected,
-            sync_events,
-            sync_gaps,
-            sync_lag_seconds,
-            sync_remote_in_flight,
-            sync_peers,
-            config_reloads,
-            local_tokenize,
-            ejections,
-            tokenizer_parity,
-            engine_prefix_hit_ratio,
-            worker_slots,
-            ttft_prediction_ratio,
-            cached_tokens_predicted,
-            cached_tokens_reported,
-            kv_batches,
-            kv_gaps,
-            kv_replayed,
-            kv_restarts,
-            kv_errors,
-            kv_skipped,
-            kv_parity,
-            prefix_source,
-            registry,
-            requests,
-            request_series: parking_lot::Mutex::default(),
-            tenant_requests,
-            decision_seconds,
-            decision_cpu_seconds,
-            match_rate,
-            ttft_seconds,
-            e2e_seconds,
-            index_size,
-            admission_rejections,
-            retries,
-            decisions_redone,
-            stale_connection_resends,
-            llama_slot_requests,
-            llama_slot_waits,
-            worker_healthy,
-            worker_in_flight,
-        }
     }
 
     /// Counts one request in `kvroute_requests_total`. A label set seen for the first time

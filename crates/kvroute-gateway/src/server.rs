@@ -370,6 +370,34 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
     drain: Drain,
 ) -> Instant {
+    let Drain { on_signal, cut_streams } = drain;
+    let signalled = drain_signal(shutdown, on_signal, limits);
+    tokio::pin!(signalled);
+    let mut conns = Connections::new(app, limits, tls);
+    let t0 = conns.accept_until(&listener, signalled).await;
+    drop(listener);
+    conns.closing.cancel();
+    drain_connections(conns.tasks, t0, limits, cut_streams).await
+}
+
+/// Waits for `shutdown`, calls `on_signal`, then waits `drain_delay` (at most
+/// `drain_timeout`) while connections are still accepted; returns the signal's instant.
+async fn drain_signal(
+    shutdown: impl Future<Output = ()>,
+    on_signal: Option<Box<dyn FnOnce() + Send>>,
+    limits: Limits,
+) -> Instant {
+    shutdown.await;
+    let t0 = Instant::now();
+    if let Some(f) = on_signal {
+        f();
+    }
+    tokio::time::sleep(limits.drain_delay.min(limits.drain_timeout)).await;
+    t0
+}
+
+/// The HTTP/1 and HTTP/2 connection settings of `limits` (head timeout, PINGs).
+fn http_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout);
     let mut h2 = builder.http2();
@@ -377,73 +405,95 @@ pub async fn serve(
     if let Some(k) = limits.http2_keep_alive {
         h2.keep_alive_interval(k).keep_alive_timeout(k);
     }
-    let builder = Arc::new(builder);
-    let main = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    let reserve = Arc::new(Semaphore::new(limits.probe_connections));
-    let per_client = Arc::new(PerClient::default());
-    // Cancelled when the server stops accepting: every connection shuts down gracefully.
-    let closing = CancellationToken::new();
-    // Every connection's task, so the ones still open at the drain deadline can be ended.
-    let mut conns = tokio::task::JoinSet::new();
-    let Drain { on_signal, cut_streams } = drain;
-    let signalled = async {
-        shutdown.await;
-        let t0 = Instant::now();
-        if let Some(f) = on_signal {
-            f();
+    builder
+}
+
+/// The accepting side of [`serve`]: what every connection shares, and their tasks.
+struct Connections {
+    app: Router,
+    limits: Limits,
+    tls: Option<Arc<ServerTls>>,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    /// The `max_connections` slots.
+    main: Arc<Semaphore>,
+    /// The probe reserve (`probe_connections`).
+    reserve: Arc<Semaphore>,
+    per_client: Arc<PerClient>,
+    /// Cancelled when the server stops accepting: every connection shuts down gracefully.
+    closing: CancellationToken,
+    /// Every connection's task, so the ones still open at the drain deadline can be ended.
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl Connections {
+    /// No connection yet.
+    fn new(app: Router, limits: Limits, tls: Option<Arc<ServerTls>>) -> Connections {
+        Connections {
+            app,
+            limits,
+            tls,
+            builder: Arc::new(http_builder(&limits)),
+            main: Arc::new(Semaphore::new(limits.max_connections.max(1))),
+            reserve: Arc::new(Semaphore::new(limits.probe_connections)),
+            per_client: Arc::new(PerClient::default()),
+            closing: CancellationToken::new(),
+            tasks: tokio::task::JoinSet::new(),
         }
-        tokio::time::sleep(limits.drain_delay.min(limits.drain_timeout)).await;
-        t0
-    };
-    tokio::pin!(signalled);
-    let t0 = loop {
-        while conns.try_join_next().is_some() {}
-        let slot = tokio::select! {
-            biased;
-            t0 = &mut signalled => break t0,
-            Ok(p) = Arc::clone(&main).acquire_owned() => Slot::Main(p),
-            Ok(p) = Arc::clone(&reserve).acquire_owned() => Slot::Probe(p),
-        };
-        let (tcp, peer) = tokio::select! {
-            biased;
-            t0 = &mut signalled => break t0,
-            r = listener.accept() => match r {
-                Ok(c) => c,
-                Err(e) => {
-                    // Out of file descriptors or a connection reset before accept: wait a
-                    // little instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        // A reserve slot taken while waiting: a regular one may have freed since.
-        let slot = match slot {
-            Slot::Probe(p) => match Arc::clone(&main).try_acquire_owned() {
-                Ok(m) => {
-                    drop(p);
-                    Slot::Main(m)
-                }
-                Err(_) => Slot::Probe(p),
-            },
-            s => s,
-        };
-        let Some(client) = per_client.admit(peer.ip(), limits.max_connections_per_client) else {
-            tracing::debug!(%peer, "connection closed: max_connections_per_client reached for this address");
-            continue;
-        };
-        // Small request/response exchanges: do not let Nagle's algorithm hold segments back.
-        let _ = tcp.set_nodelay(true);
+    }
+
+    /// Accepts connections, each once it has a slot, until `signalled` resolves; returns
+    /// its instant (the shutdown signal's).
+    async fn accept_until(
+        &mut self,
+        listener: &TcpListener,
+        mut signalled: Pin<&mut impl Future<Output = Instant>>,
+    ) -> Instant {
+        loop {
+            while self.tasks.try_join_next().is_some() {}
+            let slot = tokio::select! {
+                biased;
+                t0 = &mut signalled => return t0,
+                Ok(p) = Arc::clone(&self.main).acquire_owned() => Slot::Main(p),
+                Ok(p) = Arc::clone(&self.reserve).acquire_owned() => Slot::Probe(p),
+            };
+            let (tcp, peer) = tokio::select! {
+                biased;
+                t0 = &mut signalled => return t0,
+                r = listener.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of file descriptors or a connection reset before accept: wait a
+                        // little instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let slot = slot.prefer_main(&self.main);
+            let Some(client) = self.per_client.admit(peer.ip(), self.limits.max_connections_per_client) else {
+                tracing::debug!(%peer, "connection closed: max_connections_per_client reached for this address");
+                continue;
+            };
+            // Small request/response exchanges: do not let Nagle's algorithm hold segments back.
+            let _ = tcp.set_nodelay(true);
+            self.spawn(tcp, peer, slot, client);
+        }
+    }
+
+    /// Serves one accepted connection in its own task (after its TLS handshake, with
+    /// `tls`); closes it when no complete request head arrives within the first-request
+    /// deadline (shorter on a reserve slot) or when the server stops accepting.
+    fn spawn(&mut self, tcp: tokio::net::TcpStream, peer: SocketAddr, slot: Slot, client: Option<ClientHold>) {
         let probe_only = matches!(slot, Slot::Probe(_));
         let act = Arc::new(Activity::new());
-        let svc = ConnService { app: app.clone(), peer, act: Arc::clone(&act), probe_only };
-        let first_by =
-            if probe_only { limits.header_read_timeout.min(PROBE_FIRST_REQUEST) } else { limits.header_read_timeout };
-        let builder = Arc::clone(&builder);
-        let acceptor = tls.as_ref().map(|t| t.acceptor());
-        let closing = closing.clone();
-        conns.spawn(async move {
+        let svc = ConnService { app: self.app.clone(), peer, act: Arc::clone(&act), probe_only };
+        let header_read_timeout = self.limits.header_read_timeout;
+        let first_by = if probe_only { header_read_timeout.min(PROBE_FIRST_REQUEST) } else { header_read_timeout };
+        let builder = Arc::clone(&self.builder);
+        let acceptor = self.tls.as_ref().map(|t| t.acceptor());
+        let closing = self.closing.clone();
+        self.tasks.spawn(async move {
             let _held = (slot, client);
             // A reserve connection left idle (HTTP/2 keeps one open) goes as soon.
             let idle = first_by;
@@ -471,9 +521,35 @@ pub async fn serve(
                 ),
             }
         });
-    };
-    drop(listener);
-    closing.cancel();
+    }
+}
+
+impl Slot {
+    /// A reserve slot taken while waiting for a connection, traded for a regular one if one
+    /// has freed since.
+    fn prefer_main(self, main: &Arc<Semaphore>) -> Slot {
+        match self {
+            Slot::Probe(p) => match Arc::clone(main).try_acquire_owned() {
+                Ok(m) => {
+                    drop(p);
+                    Slot::Main(m)
+                }
+                Err(_) => Slot::Probe(p),
+            },
+            s => s,
+        }
+    }
+}
+
+/// Waits for the open connections until the drain deadline (`t0 + drain_timeout`):
+/// `cut_streams` is cancelled shortly before it, and what is still open at it is dropped.
+/// Returns the deadline.
+async fn drain_connections(
+    mut conns: tokio::task::JoinSet<()>,
+    t0: Instant,
+    limits: Limits,
+    cut_streams: CancellationToken,
+) -> Instant {
     let deadline = t0 + limits.drain_timeout;
     let cut_at = deadline.checked_sub(CUT_MARGIN.min(limits.drain_timeout / 10)).unwrap_or(deadline);
     if !conns.is_empty() {

@@ -99,6 +99,107 @@ fn gguf_pre_tokenizer(pre: &str) -> Option<serde_json::Value> {
     })
 }
 
+/// A GGUF file's metadata, read for its tokenizer (errors name the file).
+struct GgufMeta<'a> {
+    path: &'a Path,
+    md: &'a std::collections::BTreeMap<String, serde_json::Value>,
+}
+
+impl<'a> GgufMeta<'a> {
+    /// A string value.
+    fn str(&self, k: &str) -> Option<&'a str> {
+        self.md.get(k).and_then(serde_json::Value::as_str)
+    }
+
+    /// An integer value, as `u32`.
+    fn u32(&self, k: &str) -> Option<u32> {
+        self.md.get(k).and_then(serde_json::Value::as_u64).map(|v| v as u32)
+    }
+
+    /// A boolean value.
+    fn bool(&self, k: &str) -> Option<bool> {
+        self.md.get(k).and_then(serde_json::Value::as_bool)
+    }
+
+    /// The pre-tokenizer of a BPE `gpt2` model; other models, and pre-tokenizers this module
+    /// does not reproduce, are refused.
+    fn bpe_pre_tokenizer(&self) -> Result<serde_json::Value, TokenizerLoadError> {
+        let path = self.path;
+        let kind = self.str("tokenizer.ggml.model").ok_or_else(|| err(path, "no `tokenizer.ggml.model` metadata"))?;
+        if kind != "gpt2" {
+            return Err(err(
+                path,
+                format!("tokenizer model `{kind}` is not supported locally (only BPE `gpt2`); give a tokenizer.json"),
+            ));
+        }
+        let pre_name = self.str("tokenizer.ggml.pre").unwrap_or("default");
+        gguf_pre_tokenizer(pre_name).ok_or_else(|| {
+            err(path, format!("pre-tokenizer `{pre_name}` is not supported locally; give a tokenizer.json"))
+        })
+    }
+
+    /// A string array of the metadata, refused when missing or possibly truncated (gguf-rs
+    /// keeps the first MAX_GGUF_ARRAY entries).
+    fn strings(&self, k: &str) -> Result<Vec<&'a str>, TokenizerLoadError> {
+        let a = self
+            .md
+            .get(k)
+            .and_then(serde_json::Value::as_array)
+            .ok_or_else(|| err(self.path, format!("no `{k}` metadata")))?;
+        if a.len() as u64 >= MAX_GGUF_ARRAY {
+            return Err(err(self.path, format!("`{k}` has {MAX_GGUF_ARRAY} entries or more")));
+        }
+        Ok(a.iter().map(|t| t.as_str().unwrap_or_default()).collect())
+    }
+
+    /// Each token's type (`tokenizer.ggml.token_type`; 1, normal, where unreadable).
+    fn token_types(&self) -> Vec<i64> {
+        self.md
+            .get("tokenizer.ggml.token_type")
+            .and_then(serde_json::Value::as_array)
+            .map(|a| a.iter().map(|t| t.as_i64().unwrap_or(1)).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// The byte-level BPE tokenizer of a GGUF vocabulary: its tokens, merges and token types,
+/// with `pre` as the pre-tokenizer.
+fn bpe_tokenizer(
+    path: &Path,
+    tokens: &[&str],
+    merges: &[&str],
+    types: &[i64],
+    pre: serde_json::Value,
+) -> Result<tokenizers::Tokenizer, TokenizerLoadError> {
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        tokens.iter().enumerate().map(|(i, t)| ((*t).to_string(), serde_json::Value::from(i))).collect();
+    // Control (3) and user-defined (4) tokens are matched whole in the text, as
+    // llama-server does with parse_special.
+    let added: Vec<serde_json::Value> = tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| matches!(types.get(*i), Some(3 | 4)))
+        .map(|(i, t)| {
+            serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": types.get(i) == Some(&3)})
+        })
+        .collect();
+    let spec = serde_json::json!({
+        "version": "1.0",
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre,
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": merges},
+    });
+    let bytes = serde_json::to_vec(&spec).map_err(|e| err(path, e.to_string()))?;
+    tokenizers::Tokenizer::from_bytes(bytes)
+        .map_err(|e| err(path, format!("vocabulary does not build a BPE tokenizer: {e}")))
+}
+
 fn chat_env(path: &Path, template: &str) -> Result<minijinja::Environment<'static>, TokenizerLoadError> {
     let mut env = minijinja::Environment::new();
     minijinja_contrib::add_to_environment(&mut env);
@@ -139,81 +240,27 @@ impl LocalTokenizer {
         let mut c = gguf_rs::get_gguf_container_array_size(p, MAX_GGUF_ARRAY)
             .map_err(|e| err(path, format!("not a GGUF file: {e}")))?;
         let model = c.decode().map_err(|e| err(path, format!("GGUF metadata does not decode: {e}")))?;
-        let md = model.metadata();
-        let get_str = |k: &str| md.get(k).and_then(serde_json::Value::as_str);
-        let get_u32 = |k: &str| md.get(k).and_then(serde_json::Value::as_u64).map(|v| v as u32);
-        let get_bool = |k: &str| md.get(k).and_then(serde_json::Value::as_bool);
-        let kind = get_str("tokenizer.ggml.model").ok_or_else(|| err(path, "no `tokenizer.ggml.model` metadata"))?;
-        if kind != "gpt2" {
-            return Err(err(
-                path,
-                format!("tokenizer model `{kind}` is not supported locally (only BPE `gpt2`); give a tokenizer.json"),
-            ));
-        }
-        let pre_name = get_str("tokenizer.ggml.pre").unwrap_or("default");
-        let pre = gguf_pre_tokenizer(pre_name).ok_or_else(|| {
-            err(path, format!("pre-tokenizer `{pre_name}` is not supported locally; give a tokenizer.json"))
-        })?;
-        // A string array of the metadata, refused when missing or possibly truncated (gguf-rs
-        // keeps the first MAX_GGUF_ARRAY entries).
-        let strings = |k: &str| -> Result<Vec<&str>, TokenizerLoadError> {
-            let a = md
-                .get(k)
-                .and_then(serde_json::Value::as_array)
-                .ok_or_else(|| err(path, format!("no `{k}` metadata")))?;
-            if a.len() as u64 >= MAX_GGUF_ARRAY {
-                return Err(err(path, format!("`{k}` has {MAX_GGUF_ARRAY} entries or more")));
-            }
-            Ok(a.iter().map(|t| t.as_str().unwrap_or_default()).collect())
-        };
-        let tokens = strings("tokenizer.ggml.tokens")?;
-        let merges = strings("tokenizer.ggml.merges")?;
-        let types: Vec<i64> = md
-            .get("tokenizer.ggml.token_type")
-            .and_then(serde_json::Value::as_array)
-            .map(|a| a.iter().map(|t| t.as_i64().unwrap_or(1)).collect())
-            .unwrap_or_default();
-        let vocab: serde_json::Map<String, serde_json::Value> =
-            tokens.iter().enumerate().map(|(i, t)| ((*t).to_string(), serde_json::Value::from(i))).collect();
-        // Control (3) and user-defined (4) tokens are matched whole in the text, as
-        // llama-server does with parse_special.
-        let added: Vec<serde_json::Value> = tokens
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| matches!(types.get(*i), Some(3 | 4)))
-            .map(|(i, t)| {
-                serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false,
-                    "rstrip": false, "normalized": false, "special": types.get(i) == Some(&3)})
-            })
-            .collect();
-        let spec = serde_json::json!({
-            "version": "1.0",
-            "added_tokens": added,
-            "normalizer": null,
-            "pre_tokenizer": pre,
-            "post_processor": null,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                "vocab": vocab, "merges": merges},
-        });
-        let bytes = serde_json::to_vec(&spec).map_err(|e| err(path, e.to_string()))?;
-        let tokenizer = tokenizers::Tokenizer::from_bytes(bytes)
-            .map_err(|e| err(path, format!("vocabulary does not build a BPE tokenizer: {e}")))?;
-        let token_text = |k: &str| get_u32(k).and_then(|i| tokens.get(i as usize)).map(|t| (*t).to_string());
-        let template = get_str("tokenizer.chat_template").map(|t| chat_env(path, t)).transpose()?;
+        let md = GgufMeta { path, md: model.metadata() };
+        let pre = md.bpe_pre_tokenizer()?;
+        let tokens = md.strings("tokenizer.ggml.tokens")?;
+        let merges = md.strings("tokenizer.ggml.merges")?;
+        let tokenizer = bpe_tokenizer(path, &tokens, &merges, &md.token_types(), pre)?;
+        let token_text = |k: &str| md.u32(k).and_then(|i| tokens.get(i as usize)).map(|t| (*t).to_string());
+        let template = md.str("tokenizer.chat_template").map(|t| chat_env(path, t)).transpose()?;
         Ok(LocalTokenizer {
             tokenizer,
             template,
             bos_token: token_text("tokenizer.ggml.bos_token_id").unwrap_or_default(),
             eos_token: token_text("tokenizer.ggml.eos_token_id").unwrap_or_default(),
-            prepend: get_bool("tokenizer.ggml.add_bos_token")
+            prepend: md
+                .bool("tokenizer.ggml.add_bos_token")
                 .unwrap_or(false)
-                .then(|| get_u32("tokenizer.ggml.bos_token_id"))
+                .then(|| md.u32("tokenizer.ggml.bos_token_id"))
                 .flatten(),
-            append: get_bool("tokenizer.ggml.add_eos_token")
+            append: md
+                .bool("tokenizer.ggml.add_eos_token")
                 .unwrap_or(false)
-                .then(|| get_u32("tokenizer.ggml.eos_token_id"))
+                .then(|| md.u32("tokenizer.ggml.eos_token_id"))
                 .flatten(),
             chat_add_special: true,
             source: format!("gguf:{}", path.display()),

@@ -189,29 +189,15 @@ async fn apply_events(
     mut events: async_nats::Subscriber,
     cancel: CancellationToken,
 ) {
-    let mut peers: HashMap<String, Peer> = HashMap::new();
-    let mut tickets = 0usize;
     let ttl = Duration::from_secs_f64(state.cfg.request_timeout_secs) + TICKET_GRACE;
+    let mut peers = Peers { by_name: HashMap::new(), tickets: 0, ttl };
     let mut sweep = tokio::time::interval(Duration::from_secs(1));
     loop {
         let msg = tokio::select! {
             () = cancel.cancelled() => break,
             m = events.next() => match m { Some(m) => m, None => break },
             _ = sweep.tick() => {
-                let now = Instant::now();
-                peers.retain(|name, p| {
-                    let alive = now.duration_since(p.heard) < PEER_SILENCE;
-                    if !alive {
-                        tracing::info!(replica = %name, "cluster peer silent: its in-flight load is released");
-                    }
-                    alive
-                });
-                for p in peers.values_mut() {
-                    p.tickets.retain(|_, (_, deadline)| *deadline > now);
-                }
-                tickets = peers.values().map(|p| p.tickets.len()).sum();
-                state.metrics.sync_remote_in_flight.set(tickets as i64);
-                state.metrics.sync_peers.set(peers.len() as i64);
+                peers.sweep(&state.metrics);
                 continue;
             }
         };
@@ -227,11 +213,49 @@ async fn apply_events(
         }
         let lag = unix_ns().saturating_sub(batch.sent_unix_ns) as f64 / 1e9;
         state.metrics.sync_lag_seconds.observe(lag);
+        peers.apply(state, sync, batch).await;
+    }
+}
+
+/// The other replicas heard from, and the load tickets of theirs this replica holds.
+struct Peers {
+    by_name: HashMap<String, Peer>,
+    /// Tickets held, over every peer (new ones are taken up to [`MAX_REMOTE_TICKETS`]).
+    tickets: usize,
+    /// How long a ticket is held without its `Done`: the request timeout and a grace.
+    ttl: Duration,
+}
+
+impl Peers {
+    /// Forgets the peers silent for [`PEER_SILENCE`] (their in-flight load is released) and
+    /// the tickets past their deadline; sets the remote in-flight and peer gauges.
+    fn sweep(&mut self, metrics: &crate::metrics::Metrics) {
         let now = Instant::now();
-        if !peers.contains_key(&batch.replica) && peers.len() >= MAX_PEERS {
-            continue;
+        self.by_name.retain(|name, p| {
+            let alive = now.duration_since(p.heard) < PEER_SILENCE;
+            if !alive {
+                tracing::info!(replica = %name, "cluster peer silent: its in-flight load is released");
+            }
+            alive
+        });
+        for p in self.by_name.values_mut() {
+            p.tickets.retain(|_, (_, deadline)| *deadline > now);
         }
-        let peer = peers.entry(batch.replica.clone()).or_insert_with(|| {
+        self.tickets = self.by_name.values().map(|p| p.tickets.len()).sum();
+        metrics.sync_remote_in_flight.set(self.tickets as i64);
+        metrics.sync_peers.set(self.by_name.len() as i64);
+    }
+
+    /// Applies one batch of another replica: its sequence number (gaps counted; one that
+    /// goes back drops the replica's tickets), then each event — a routed request committed
+    /// to this replica's router and its load ticket taken, a first token, a request done. A
+    /// new replica beyond [`MAX_PEERS`] is ignored.
+    async fn apply(&mut self, state: &AppState, sync: &ReplicaSync, batch: Batch) {
+        let now = Instant::now();
+        if !self.by_name.contains_key(&batch.replica) && self.by_name.len() >= MAX_PEERS {
+            return;
+        }
+        let peer = self.by_name.entry(batch.replica.clone()).or_insert_with(|| {
             tracing::info!(replica = %batch.replica, "cluster peer joined");
             Peer { last_seq: batch.seq, heard: now, tickets: HashMap::new() }
         });
@@ -239,7 +263,7 @@ async fn apply_events(
             state.metrics.sync_gaps.inc_by(batch.seq - peer.last_seq - 1);
         } else if batch.seq < peer.last_seq {
             // The replica restarted under the same id: what it had in flight is gone.
-            tickets -= peer.tickets.len();
+            self.tickets -= peer.tickets.len();
             peer.tickets.clear();
         }
         peer.last_seq = batch.seq;
@@ -251,10 +275,10 @@ async fn apply_events(
                         sync.count("unknown_worker", 1);
                         continue;
                     };
-                    if tickets < MAX_REMOTE_TICKETS {
+                    if self.tickets < MAX_REMOTE_TICKETS {
                         let t = w.remote_load.dispatched(r.uncached, r.decode);
-                        if peer.tickets.insert(r.id, (t, now + ttl)).is_none() {
-                            tickets += 1;
+                        if peer.tickets.insert(r.id, (t, now + self.ttl)).is_none() {
+                            self.tickets += 1;
                         }
                     }
                     let outcome =
@@ -269,12 +293,12 @@ async fn apply_events(
                 }
                 WireEvent::Done(id) => {
                     if peer.tickets.remove(&id).is_some() {
-                        tickets -= 1;
+                        self.tickets -= 1;
                     }
                 }
             }
         }
-        state.metrics.sync_remote_in_flight.set(tickets as i64);
+        state.metrics.sync_remote_in_flight.set(self.tickets as i64);
     }
 }
 

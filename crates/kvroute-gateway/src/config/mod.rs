@@ -461,11 +461,34 @@ impl GatewayConfig {
         serde_json::to_value(&self.policy_knobs).unwrap_or(serde_json::Value::Null)
     }
 
-    /// Checks ranges, URLs, the policy name and its knobs.
+    /// Checks ranges, URLs, the policy name and its knobs, one section after the other.
     ///
     /// # Errors
     /// [`ConfigError`] naming the key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check_workers()?;
+        self.check_forward_headers()?;
+        self.check_admin_listen()?;
+        self.check_cluster()?;
+        self.check_power()?;
+        self.check_record()?;
+        self.check_tls()?;
+        self.check_serving_modes()?;
+        self.check_capacity()?;
+        self.check_tenancy()?;
+        self.check_admin_token()?;
+        self.check_policy()?;
+        self.check_limits()?;
+        self.check_timeouts()?;
+        self.check_retries()?;
+        self.check_health()?;
+        self.check_kv_events()?;
+        Ok(())
+    }
+
+    /// Worker URLs: the `worker_allow` entries, then each of `worker_urls` and whether it is
+    /// allowed.
+    fn check_workers(&self) -> Result<(), ConfigError> {
         for a in &self.worker_allow {
             parse_allow(a).map_err(|m| err("worker_allow", m))?;
         }
@@ -473,6 +496,11 @@ impl GatewayConfig {
             let u = check_worker_url(u).map_err(|m| err("worker_urls", m))?;
             self.check_worker_allowed(&u).map_err(|m| err("worker_urls", m))?;
         }
+        Ok(())
+    }
+
+    /// `forward_headers`: how many, and that each is a header name.
+    fn check_forward_headers(&self) -> Result<(), ConfigError> {
         if self.forward_headers.len() > MAX_FORWARD_HEADERS {
             return Err(err("forward_headers", format!("at most {MAX_FORWARD_HEADERS} names")));
         }
@@ -480,6 +508,11 @@ impl GatewayConfig {
             http::HeaderName::from_bytes(h.as_bytes())
                 .map_err(|_| err("forward_headers", format!("`{h}` is not a header name")))?;
         }
+        Ok(())
+    }
+
+    /// `admin_listen`: an IP address, loopback unless `admin_token` is set.
+    fn check_admin_listen(&self) -> Result<(), ConfigError> {
         if let Some(a) = &self.admin_listen {
             let addr = a
                 .parse::<std::net::SocketAddr>()
@@ -494,6 +527,12 @@ impl GatewayConfig {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Cluster mode: the etcd endpoints and keys, `state_dir`, NATS, the cluster and replica
+    /// names, the snapshot timeout.
+    fn check_cluster(&self) -> Result<(), ConfigError> {
         for e in &self.etcd {
             let ok = url::Url::parse(e).is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
             if !ok {
@@ -532,6 +571,11 @@ impl GatewayConfig {
         if !(self.sync_snapshot_timeout_secs.is_finite() && (0.0..=600.0).contains(&self.sync_snapshot_timeout_secs)) {
             return Err(err("sync_snapshot_timeout_secs", "expected 0 to 600 seconds"));
         }
+        Ok(())
+    }
+
+    /// Power readings: the exporter URL template and the averaging window.
+    fn check_power(&self) -> Result<(), ConfigError> {
         if let Some(t) = &self.power_exporter {
             let probe = t.replace("{host}", "worker.example");
             if !url::Url::parse(&probe).is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some()) {
@@ -544,6 +588,11 @@ impl GatewayConfig {
         if !(self.power_window_secs.is_finite() && (0.0..=3600.0).contains(&self.power_window_secs)) {
             return Err(err("power_window_secs", "expected 0 to 3600 seconds"));
         }
+        Ok(())
+    }
+
+    /// The traffic recorder: its path, file size and count, block size.
+    fn check_record(&self) -> Result<(), ConfigError> {
         if self.record.as_deref().is_some_and(str::is_empty) {
             return Err(err("record", "expected a file path"));
         }
@@ -556,11 +605,21 @@ impl GatewayConfig {
         if !(1..=65_536).contains(&self.record_block_tokens) {
             return Err(err("record_block_tokens", "expected 1 to 65536 tokens"));
         }
+        Ok(())
+    }
+
+    /// `tls_cert` and `tls_key`: both or neither.
+    fn check_tls(&self) -> Result<(), ConfigError> {
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => return Err(err("tls_key", "`tls_cert` is set but `tls_key` is not")),
             (None, Some(_)) => return Err(err("tls_cert", "`tls_key` is set but `tls_cert` is not")),
             _ => {}
         }
+        Ok(())
+    }
+
+    /// Cascades, the LoRA catalogue and disaggregation, with the P/D pools' worker URLs.
+    fn check_serving_modes(&self) -> Result<(), ConfigError> {
         self.cascade.validate().map_err(|m| err("cascade", m))?;
         self.lora.validate().map_err(|m| err("lora", m))?;
         self.pd.validate().map_err(|(k, m)| err(&k, m))?;
@@ -568,6 +627,11 @@ impl GatewayConfig {
             let u = check_worker_url(u).map_err(|m| err("pd", m))?;
             self.check_worker_allowed(&u).map_err(|m| err("pd", m))?;
         }
+        Ok(())
+    }
+
+    /// The `capacity` table: how many workers, their URLs and fields.
+    fn check_capacity(&self) -> Result<(), ConfigError> {
         if self.capacity.len() > crate::model::worker_url::MAX_WORKERS {
             return Err(err("capacity", format!("at most {} workers", crate::model::worker_url::MAX_WORKERS)));
         }
@@ -581,6 +645,11 @@ impl GatewayConfig {
             }
             c.check().map_err(|m| err("capacity", format!("`{url}`: {m}")))?;
         }
+        Ok(())
+    }
+
+    /// Tenancy: `tenant_header` and the `shared_prefix_tenants` groups.
+    fn check_tenancy(&self) -> Result<(), ConfigError> {
         if let Some(h) = &self.tenant_header {
             http::HeaderName::from_bytes(h.as_bytes())
                 .map_err(|_| err("tenant_header", format!("`{h}` is not a header name")))?;
@@ -589,13 +658,28 @@ impl GatewayConfig {
             return Err(err("shared_prefix_tenants", format!("at most {MAX_TENANT_GROUPS} groups")));
         }
         kvroute_core::tenant::Scopes::new(&self.shared_prefix_tenants).map_err(|m| err("shared_prefix_tenants", m))?;
+        Ok(())
+    }
+
+    /// `admin_token`: not empty when set.
+    fn check_admin_token(&self) -> Result<(), ConfigError> {
         if self.admin_token.as_deref().is_some_and(str::is_empty) {
             return Err(err("admin_token", "must not be empty"));
         }
+        Ok(())
+    }
+
+    /// `policy` and `policy_knobs`: the registry builds them.
+    fn check_policy(&self) -> Result<(), ConfigError> {
         kvroute_core::registry::build(&self.policy, &self.knobs_json()).map_err(|e| match e {
             kvroute_core::registry::BuildError::Unknown { .. } => err("policy", e.to_string()),
             kvroute_core::registry::BuildError::Knobs(k) => err("policy_knobs", k.message),
         })?;
+        Ok(())
+    }
+
+    /// Request and connection limits: prompt tokens, body bytes, connections.
+    fn check_limits(&self) -> Result<(), ConfigError> {
         if self.max_prompt_tokens == 0 {
             return Err(err("max_prompt_tokens", "must be at least 1"));
         }
@@ -605,6 +689,12 @@ impl GatewayConfig {
         if self.max_connections == 0 {
             return Err(err("max_connections", "must be at least 1"));
         }
+        Ok(())
+    }
+
+    /// Timeouts, delays and intervals: positive (or 0 where 0 turns them off), at most
+    /// [`MAX_TIMEOUT_SECS`].
+    fn check_timeouts(&self) -> Result<(), ConfigError> {
         for (k, v) in [
             ("header_read_timeout_secs", self.header_read_timeout_secs),
             ("body_read_timeout_secs", self.body_read_timeout_secs),
@@ -638,6 +728,11 @@ impl GatewayConfig {
                 format!("expected 0 to {MAX_TIMEOUT_SECS} seconds, got {m}"),
             ));
         }
+        Ok(())
+    }
+
+    /// Retries, ejection and the per-model in-flight cap.
+    fn check_retries(&self) -> Result<(), ConfigError> {
         if self.max_total_retries == 0 {
             return Err(err("max_total_retries", "must be at least 1"));
         }
@@ -650,12 +745,22 @@ impl GatewayConfig {
         if self.max_in_flight_per_model == 0 {
             return Err(err("max_in_flight_per_model", "must be at least 1"));
         }
+        Ok(())
+    }
+
+    /// Health checks: their thresholds and path.
+    fn check_health(&self) -> Result<(), ConfigError> {
         if self.health.failure_threshold == 0 || self.health.success_threshold == 0 {
             return Err(err("health", "failure_threshold and success_threshold must be at least 1"));
         }
         if !self.health.path.starts_with('/') {
             return Err(err("health.path", "must start with /"));
         }
+        Ok(())
+    }
+
+    /// KV events: each source, the lower-tier weight and the prediction window.
+    fn check_kv_events(&self) -> Result<(), ConfigError> {
         for k in &self.kv_events {
             k.check().map_err(|m| err("kv_events", m))?;
         }
