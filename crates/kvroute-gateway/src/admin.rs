@@ -82,16 +82,23 @@ pub async fn require_admin(State(s): State<Arc<AppState>>, req: Request, next: N
     }
 }
 
-/// `GET /v1/models`: models of the healthy workers (never fails because one is down).
+/// `GET /v1/models`: models of the healthy workers (never fails because one is down), and
+/// the entry model of each `[[cascade.chain]]`.
 pub async fn models(State(s): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Response {
     if let Some(keys) = &s.api_keys
         && let Err(e) = keys.authenticate(&headers)
     {
         return e.into_response();
     }
-    let data: Vec<serde_json::Value> = s
-        .fleet
-        .models()
+    // The workers' models, then each cascade's entry model (a name clients send, served by
+    // the chain's models) unless a worker serves a model of that name itself.
+    let mut ids = s.fleet.models();
+    for c in &s.cascade.load().chain {
+        if !ids.contains(&c.model) {
+            ids.push(c.model.clone());
+        }
+    }
+    let data: Vec<serde_json::Value> = ids
         .into_iter()
         .map(|m| serde_json::json!({"id": m, "object": "model", "created": 0, "owned_by": "kvroute"}))
         .collect();

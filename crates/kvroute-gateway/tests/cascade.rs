@@ -71,6 +71,14 @@ async fn escalation_happens_only_below_the_threshold_and_usage_is_summed() {
     let (router, _) = common::start_router(config(&[&small, &medium, &large], chains), stop.clone()).await;
     let c = common::client();
 
+    // The entry models are listed with the workers' models: clients discover them.
+    let listed: Value = c.get(format!("{router}/v1/models")).send().await.expect("models").json().await.expect("json");
+    let ids: Vec<&str> = listed["data"].as_array().expect("data").iter().filter_map(|m| m["id"].as_str()).collect();
+    for m in ["small", "medium", "large", "auto", "cheap"] {
+        assert!(ids.contains(&m), "{m} in {ids:?}");
+    }
+    assert_eq!(ids.len(), 5, "each once: {ids:?}");
+
     // small answers at -2.0 < -1.0: escalates; medium at -0.8 >= -1.0: accepted.
     let (status, trail, worker, v) = chat(&c, &router, ask("auto", "why is the sky blue")).await;
     assert_eq!(status, 200, "{v}");
