@@ -27,7 +27,7 @@ use std::sync::Arc;
 /// A request carrying `Forwarded` (RFC 7239), `X-Forwarded-For` or `X-Real-IP` came
 /// through a proxy, and a proxy on the same host connects from loopback whoever its client
 /// is, so such a request is never local. Without a token the admin API is served only on a
-/// loopback `admin_listen` (never on the main port, [`crate::app`]); this check is the
+/// loopback `admin_listen` (never on the main port, [`crate::app()`]); this check is the
 /// second line, for a proxy pointed at that listener.
 ///
 /// # Errors

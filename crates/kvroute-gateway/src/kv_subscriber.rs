@@ -1,7 +1,7 @@
 //! The router side of engine KV events (vLLM's `vllm/distributed/kv_events.py`, which SGLang
-//! follows): one ZeroMQ SUB
-//! subscriber per worker feeding the shared [`PreciseIndex`], and the request side
-//! (token ids for a request, cached) that lets policies use it.
+//! follows): one ZeroMQ SUB subscriber per worker feeding the shared
+//! [`kvroute_core::precise::PreciseIndex`], and each worker's startup parity check. The
+//! request side (a request's token ids, cached) is [`crate::kv_tokens`].
 //!
 //! Sequence tracking per (worker, data-parallel rank):
 //! - the first batch seen with a sequence above 0, or a gap (`seq > last + 1`), asks the

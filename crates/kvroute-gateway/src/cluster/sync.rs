@@ -273,7 +273,7 @@ fn cut_text(t: &str) -> String {
 
 impl ReplicaSync {
     /// The sync of a replica named `replica` (a random id when `None`) in `cluster`; it
-    /// sends nothing until [`run`] connects it.
+    /// sends nothing until [`super::sync_task::run`] connects it.
     pub fn new(cluster: &str, replica: Option<&str>, metrics: &crate::metrics::Metrics) -> Arc<Self> {
         let replica = replica.map_or_else(random_id, str::to_string);
         let (tx, rx) = mpsc::channel(QUEUE);

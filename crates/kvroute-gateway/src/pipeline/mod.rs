@@ -6,17 +6,20 @@
 //! parse    body → routing info (model, text or token ids, session) kvroute_protocol::openai::parse
 //!          (with API keys: the key is checked and its request bucket taken before the body
 //!          is read, its token bucket after the parse — `authenticate`, 401/429)
-//! load     a catalogue LoRA adapter no worker has: one loads it     crate::lora
-//! key      local tokenizer / engine tokens for precise matching    keys::resolve
-//! admit    per-model permit; full → 503, nothing recorded          route::admit
-//! decide   pure: the model's router picks, changes nothing         route::decide
-//! dispatch send, retry; commit each worker really written to       dispatch::send
+//!          → one `ctx::RequestCtx` the later stages share       run (here)
+//! load     a catalogue LoRA adapter no worker has: one loads it     lora::ensure_loaded
+//! key      local tokenizer / engine tokens, tenant salt, model     steps::key, keys::resolve
+//! admit    per-model permit; full → 503, nothing recorded          route::admit_as
+//! decide   pure: the model's router picks, changes nothing         route::decide_in
+//! dispatch send, retry; `commit` each attempt (ledger, index, sync) dispatch::send
 //! respond  relay (streamed or whole); settle ticket, permit, count respond::respond
 //!          (with `record`, each dispatched request is a trace line)      crate::record
 //! ```
 //!
-//! A request for the entry model of a `[[cascade.chain]]` walks key … respond once per
-//! cascade step, each for that step's model ([`cascade`]).
+//! `steps::route_and_send` runs load … respond; with `[pd]` a long prompt is split over a
+//! prefill and a decode worker instead ([`pd`]). A request for the entry model of a
+//! `[[cascade.chain]]` walks load … respond once per cascade step, each for that step's
+//! model ([`cascade`]).
 
 pub mod cascade;
 pub mod ctx;
