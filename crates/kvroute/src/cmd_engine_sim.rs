@@ -12,16 +12,9 @@ pub struct Args {
     /// Listen address.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
-    /// Engine profile (h100-llama3-8b, a100-llama3-8b, cpu-smollm2-135m).
-    #[arg(long, default_value = "h100-llama3-8b")]
-    pub profile: String,
-    /// Overrides of profile constants as JSON, e.g. '{"kv_tokens": 100000}'.
-    #[arg(long)]
-    pub profile_set: Option<String>,
-    /// A profile file (TOML, as `kvroute profile show NAME --toml` prints) over --profile;
-    /// --profile-set applies after it.
-    #[arg(long)]
-    pub profile_file: Option<std::path::PathBuf>,
+    /// The engine profile (`--profile`, `--profile-file`, `--profile-set`), as replay's.
+    #[command(flatten)]
+    pub profile: crate::sim_args::ProfileArgs,
     /// Simulated seconds per wall second (10 = ten times faster than the profile).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
@@ -210,7 +203,7 @@ fn role_and_bootstrap_port(a: &Args) -> anyhow::Result<(Role, Option<u16>)> {
 
 /// The worker's configuration from the flags (unvalidated).
 fn config(a: Args) -> anyhow::Result<EngineSimConfig> {
-    let profile = crate::sim_args::load_profile(&a.profile, a.profile_file.as_deref(), a.profile_set.as_deref())?;
+    let profile = a.profile.load()?;
     let (role, bootstrap_port) = role_and_bootstrap_port(&a)?;
     Ok(EngineSimConfig {
         profile,

@@ -1,6 +1,7 @@
-//! Flags and helpers shared by `kvroute replay` and `kvroute advise` (and the profile
-//! loader by `kvroute engine-sim`): both replay a trace on simulated engines, so the engine
-//! profile, its overrides and the number of parallel replays mean the same in both.
+//! Flags and helpers shared by `kvroute replay` and `kvroute advise` (the profile flags
+//! also by `kvroute engine-sim`, the profile loader by `kvroute profile show`): they run
+//! simulated engines, so the engine profile, its overrides and the number of parallel
+//! replays mean the same in each.
 //!
 //! Flags that mean the same but are documented differently in each command (the arrival
 //! and host flags, `--trace`, `--max-output`, `--tenant-isolation`) stay in each command,
@@ -10,10 +11,11 @@ use anyhow::{Context, bail};
 use kvroute_sim::engine::Profile;
 use kvroute_sim::trace::TraceRequest;
 
-/// The simulated engines' profile: `--profile` and `--profile-set`.
+/// The simulated engines' profile: `--profile`, `--profile-file` and `--profile-set`.
 #[derive(Debug, clap::Args)]
 pub struct ProfileArgs {
-    /// Engine profile (h100-llama3-8b, a100-llama3-8b, cpu-smollm2-135m).
+    /// Engine profile (h100-llama3-8b, h100-llama3-8b-roofline, a100-llama3-8b,
+    /// cpu-smollm2-135m; docs/profiles.md).
     #[arg(long, default_value = "h100-llama3-8b")]
     pub profile: String,
     /// Overrides of profile constants as a JSON object, e.g. '{"kv_tokens": 200000}'.
