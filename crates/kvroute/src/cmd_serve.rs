@@ -28,6 +28,9 @@ pub struct Args {
     /// Policy knobs as a JSON object.
     #[arg(long, env = "KVROUTE_POLICY_KNOBS")]
     pub policy_knobs: Option<String>,
+    /// SGLang router's cache_aware flags, by their SGLang names (`cache_aware`'s knobs).
+    #[command(flatten)]
+    pub sglang: SglangCacheAware,
     /// Worker base URLs.
     #[arg(long, env = "KVROUTE_WORKER_URLS", num_args = 1.., value_delimiter = ',')]
     pub worker_urls: Vec<String>,
@@ -244,6 +247,7 @@ pub fn build_config(a: &Args) -> anyhow::Result<GatewayConfig> {
     cluster_flags(a, &mut cfg);
     security_flags(a, &mut cfg);
     worker_flags(a, &mut cfg)?;
+    sglang_flags(a, &mut cfg)?;
     pd_flags(a, &mut cfg)?;
     cfg.validate()?;
     Ok(cfg)
@@ -384,6 +388,76 @@ fn worker_flags(a: &Args, cfg: &mut GatewayConfig) -> anyhow::Result<()> {
     }
     if let Some(k) = &a.policy_knobs {
         cfg.policy_knobs = knobs_from_json(k).context("--policy-knobs")?;
+    }
+    Ok(())
+}
+
+/// SGLang router's `cache_aware` flags, accepted by their SGLang names so a launch command
+/// moves over unchanged; each sets the `cache_aware` knob named beside it (docs/configuration.md,
+/// "SGLang router's flags").
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct SglangCacheAware {
+    /// SGLang `--cache-threshold` (match rate 0.0–1.0): knob `cache_threshold`.
+    #[arg(long)]
+    pub cache_threshold: Option<f64>,
+    /// SGLang `--balance-abs-threshold` (requests): knob `balance_abs_threshold`.
+    #[arg(long)]
+    pub balance_abs_threshold: Option<u64>,
+    /// SGLang `--balance-rel-threshold` (ratio): knob `balance_rel_threshold`.
+    #[arg(long)]
+    pub balance_rel_threshold: Option<f64>,
+    /// SGLang `--eviction-interval` (seconds): knob `eviction_interval_secs`.
+    #[arg(long)]
+    pub eviction_interval: Option<f64>,
+    /// SGLang `--max-tree-size`: knob `max_tree_size`. SGLang counts tree nodes, kvroute
+    /// counts symbols (characters, tokens or blocks); a node holds at least one, so the same
+    /// number bounds kvroute's tree at most as large as SGLang's.
+    #[arg(long)]
+    pub max_tree_size: Option<u64>,
+}
+
+impl SglangCacheAware {
+    /// The knobs these flags set, by kvroute's names.
+    fn knobs(&self) -> Vec<(&'static str, toml::Value)> {
+        let mut v = Vec::new();
+        if let Some(x) = self.cache_threshold {
+            v.push(("cache_threshold", toml::Value::Float(x)));
+        }
+        if let Some(x) = self.balance_abs_threshold {
+            v.push(("balance_abs_threshold", toml::Value::Integer(x.min(i64::MAX as u64) as i64)));
+        }
+        if let Some(x) = self.balance_rel_threshold {
+            v.push(("balance_rel_threshold", toml::Value::Float(x)));
+        }
+        if let Some(x) = self.eviction_interval {
+            v.push(("eviction_interval_secs", toml::Value::Float(x)));
+        }
+        if let Some(x) = self.max_tree_size {
+            v.push(("max_tree_size", toml::Value::Integer(x.min(i64::MAX as u64) as i64)));
+        }
+        v
+    }
+}
+
+/// SGLang's `cache_aware` flags over the knobs: refused with another policy (they would
+/// change nothing) and when `--policy-knobs` names the same knob.
+fn sglang_flags(a: &Args, cfg: &mut GatewayConfig) -> anyhow::Result<()> {
+    let knobs = a.sglang.knobs();
+    if knobs.is_empty() {
+        return Ok(());
+    }
+    if cfg.policy != "cache_aware" {
+        anyhow::bail!(
+            "--{}: an SGLang cache_aware flag, but the policy is `{}` (add --policy cache_aware)",
+            knobs[0].0.replace('_', "-").replace("-secs", ""),
+            cfg.policy
+        );
+    }
+    for (k, v) in knobs {
+        if a.policy_knobs.is_some() && cfg.policy_knobs.contains_key(k) {
+            anyhow::bail!("--policy-knobs and an SGLang flag both set `{k}`: give it once");
+        }
+        cfg.policy_knobs.insert(k.to_string(), v);
     }
     Ok(())
 }
@@ -651,6 +725,45 @@ mod tests {
         use clap::Parser;
         let cli = Cli::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))?;
         super::build_config(&cli.a)
+    }
+
+    #[test]
+    fn sglang_router_cache_aware_flags_set_the_knobs_and_are_refused_where_they_would_do_nothing() {
+        let cfg = parse(&[
+            "--policy",
+            "cache_aware",
+            "--cache-threshold",
+            "0.3",
+            "--balance-abs-threshold",
+            "16",
+            "--balance-rel-threshold",
+            "1.5",
+            "--eviction-interval",
+            "30",
+            "--max-tree-size",
+            "1000000",
+        ])
+        .expect("valid flags");
+        let k = &cfg.policy_knobs;
+        assert_eq!(k["cache_threshold"], toml::Value::Float(0.3));
+        assert_eq!(k["balance_abs_threshold"], toml::Value::Integer(16));
+        assert_eq!(k["balance_rel_threshold"], toml::Value::Float(1.5));
+        assert_eq!(k["eviction_interval_secs"], toml::Value::Float(30.0));
+        assert_eq!(k["max_tree_size"], toml::Value::Integer(1_000_000));
+        // The knobs are the policy's own: a bad value is refused by its check, naming it.
+        let bad = parse(&["--policy", "cache_aware", "--cache-threshold", "1.5"]).expect_err("out of range");
+        assert!(format!("{bad:#}").contains("cache_threshold"), "{bad:#}");
+        let other = parse(&["--policy", "round_robin", "--eviction-interval", "30"]).expect_err("wrong policy");
+        assert!(format!("{other:#}").contains("--eviction-interval") && format!("{other:#}").contains("round_robin"));
+        let twice = parse(&[
+            "--policy",
+            "cache_aware",
+            "--policy-knobs",
+            r#"{"cache_threshold": 0.2}"#,
+            "--cache-threshold",
+            "0.3",
+        ]);
+        assert!(format!("{:#}", twice.expect_err("twice")).contains("cache_threshold"));
     }
 
     #[test]
