@@ -74,7 +74,7 @@ fn apply_pool(
 /// Validated before anything changes. Returns the running policy's knobs.
 ///
 /// # Errors
-/// The field at fault (`policy` or `knobs`) and why.
+/// The field at fault (`policy`, `knobs`, `cascade`, `prefill` or `decode`) and why.
 pub fn apply(s: &AppState, v: &serde_json::Value, form: Form) -> Result<serde_json::Value, (&'static str, String)> {
     let Some(obj) = v.as_object() else { return Err(("knobs", "expected a JSON object".into())) };
     let cascade = match obj.get("cascade") {
