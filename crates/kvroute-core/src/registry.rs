@@ -162,6 +162,11 @@ const LEAST_TTFT_KNOBS: &[Knob] = &[
         "the most waiting requests waiting_delay_weight counts on a worker (a prefill step holds a bounded number of prompts)",
     ),
     (
+        "context_weight",
+        "prompt tokens per attended token, 0.0-1.0",
+        "extra prefill work per uncached token per token it attends to: own x (1 + w x (cached + own/2)); 0 = flat per token",
+    ),
+    (
         "session_balance_rel",
         "x mean load, 0 or >= 1",
         "a request opening a new session goes only to workers whose load with it is <= max(rel x mean, mean + abs); 0 = off",

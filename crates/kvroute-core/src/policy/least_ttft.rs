@@ -3,7 +3,8 @@
 //! behind it, is least; each worker is calibrated online from what its requests met.
 //!
 //! ```text
-//! uncached(req, w) = input − hit_factor(w) × cached(req, w)
+//! uncached(req, w) = own × (1 + context_weight × (attended + own / 2)),
+//!                    own = input − attended, attended = hit_factor(w) × cached(req, w)
 //! work(w)          = pending_prefill_tokens(w) + uncached(req, w) + decode(w)
 //! decode(w)        = D(waiting(w)) + share(w) × [D(load(w)) − D(waiting(w))],  D(n) = decode_weight × n × (1 + n / decode_queue_scale)
 //! share(w)         = clamp((load(w) / max_concurrent(w) − decode_occupancy_free) / (decode_occupancy_full − decode_occupancy_free), 0, 1)
@@ -82,6 +83,12 @@ pub struct LeastTtftConfig {
     /// requests that share a prefill step with the new one are delayed by it, and a step
     /// holds a bounded number of prompts.
     pub waiting_delay_cap: f64,
+    /// Extra prefill work per uncached token per token it attends to (the cached prefix and
+    /// the prompt's own earlier tokens), in prompt tokens: the request's own prefill costs
+    /// `own × (1 + context_weight × (cached + own / 2))`. An engine's attention makes a
+    /// suffix on a long cached context dearer per token (docs/profiles.md: the H100 grid
+    /// gives `prefill_attention_s / prefill_per_token_s` ≈ 9.2e-5). 0 = a flat cost per token.
+    pub context_weight: f64,
 }
 
 impl Default for LeastTtftConfig {
@@ -98,12 +105,13 @@ impl Default for LeastTtftConfig {
             decode_occupancy_full: 0.8,
             waiting_delay_weight: 0.2,
             waiting_delay_cap: 16.0,
+            context_weight: 0.0,
         }
     }
 }
 
 /// Names of `least_ttft`'s own knobs (the others are `prefill_cost`'s).
-const OWN_KNOBS: [&str; 11] = [
+const OWN_KNOBS: [&str; 12] = [
     "prefill_tokens_per_sec",
     "calibration_rate",
     "calibrate_hits",
@@ -115,6 +123,7 @@ const OWN_KNOBS: [&str; 11] = [
     "decode_occupancy_full",
     "waiting_delay_weight",
     "waiting_delay_cap",
+    "context_weight",
 ];
 
 fn validate(c: &LeastTtftConfig) -> Result<(), String> {
@@ -144,6 +153,9 @@ fn validate(c: &LeastTtftConfig) -> Result<(), String> {
     }
     if !(c.waiting_delay_weight.is_finite() && c.waiting_delay_weight >= 0.0) {
         return Err(format!("waiting_delay_weight must be a finite number >= 0, got {}", c.waiting_delay_weight));
+    }
+    if !(c.context_weight.is_finite() && (0.0..=1.0).contains(&c.context_weight)) {
+        return Err(format!("context_weight must be a number in [0, 1], got {}", c.context_weight));
     }
     if !(c.waiting_delay_cap.is_finite() && c.waiting_delay_cap >= 0.0) {
         return Err(format!("waiting_delay_cap must be a finite number >= 0, got {}", c.waiting_delay_cap));
@@ -324,7 +336,10 @@ impl LeastTtft {
             (true, Some(p)) if best_hit > 0.0 => (p.hit_ratio / best_hit / HIT_SHORTFALL).min(1.0),
             _ => 1.0,
         };
-        let own = input as f64 - cached as f64 * hit_factor;
+        let attended = cached as f64 * hit_factor;
+        let own = input as f64 - attended;
+        // The own prefill's attention over what it follows (0 with `context_weight` 0).
+        let own = own * (1.0 + self.cfg.context_weight * (attended + own / 2.0));
         let load = f64::from(w.load());
         let decode = self.decode_charge(w, load);
         let pending = w.pending_prefill_tokens as f64;
@@ -696,6 +711,24 @@ mod tests {
         assert_eq!(peek(&one, &req(&h), &c).worker, WorkerId(0));
         let e = off.set_knobs(&serde_json::json!({"waiting_delay_weight": -1.0})).expect_err("negative");
         assert!(e.message.contains("waiting_delay_weight"), "{}", e.message);
+    }
+
+    #[test]
+    fn the_context_weight_charges_the_own_prefill_for_what_it_attends_to() {
+        // The same 4,096-token miss on an idle worker: with context_weight w its own work is
+        // 4,096 × (1 + w × 2,048), so the prediction grows by that factor.
+        let h: Vec<BlockHash> = (0..8).map(BlockHash).collect();
+        let c = vec![WorkerView::idle(WorkerId(0))];
+        let flat = peek(&fresh(), &req(&h), &c).predicted_ttft.expect("prediction").uncalibrated_secs;
+        let mut p = fresh();
+        p.set_knobs(&serde_json::json!({"context_weight": 1e-4})).expect("knob");
+        let with = peek(&p, &req(&h), &c).predicted_ttft.expect("prediction").uncalibrated_secs;
+        let own = 4096.0;
+        assert!((with - flat - own * 1e-4 * own / 2.0 / 20_000.0).abs() < 1e-9, "{flat} -> {with}");
+        for bad in [-1e-4, 2.0] {
+            let e = p.set_knobs(&serde_json::json!({"context_weight": bad})).expect_err("refused");
+            assert!(e.message.contains("context_weight"), "{}", e.message);
+        }
     }
 
     #[test]
