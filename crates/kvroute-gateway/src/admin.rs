@@ -296,12 +296,13 @@ pub async fn debug_route(
         };
         let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
         let info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens)?;
-        let mut ctx = RequestCtx::new(&s, api, &headers, std::time::Instant::now(), bytes, info);
         // Keyed as the tenant's own request would be: `?tenant=NAME`, else the tenant the
         // request's headers name (`tenant_header`).
-        if let Some(t) = q.get("tenant") {
-            ctx.salt = s.tenancy.salt_of_name(t);
-        }
+        let salt = match q.get("tenant") {
+            Some(t) => s.tenancy.salt_of_name(t),
+            None => s.tenancy.salt_of(s.api_keys.as_ref(), &headers),
+        };
+        let mut ctx = RequestCtx::new(&s, api, &headers, std::time::Instant::now(), salt, bytes, info);
         crate::pipeline::steps::key(&mut ctx).await?;
         let (info, model) = (&ctx.info, &ctx.model);
         let explain = |routed: &crate::pipeline::route::Routed| {

@@ -11,7 +11,7 @@
 //! Decision details (`x-kvroute-worker`, `x-kvroute-decision`, `x-kvroute-cascade`) go
 //! only to requests carrying the admin token, unless `expose_decision_headers` is set.
 
-use crate::api_keys::ApiKeys;
+use crate::api_keys::{ApiKeys, KeyEntry};
 use crate::config::GatewayConfig;
 use axum::body::Bytes;
 use axum::http::HeaderMap;
@@ -74,15 +74,28 @@ impl Tenancy {
 
     /// The cache salt of the request with `headers` (its tenant from `keys` when the router
     /// has API keys, else from `tenant_header`), or `None` when it is not salted (isolation
-    /// off, or no tenants configured).
+    /// off, or no tenants configured). For a request whose key is not checked yet (a dry run);
+    /// the pipeline has its key already ([`Tenancy::salt_for`]).
     pub fn salt_of(&self, keys: Option<&ApiKeys>, headers: &HeaderMap) -> Option<TenantSalt> {
+        match keys {
+            // An unknown key never reaches inference (401 first); an anonymous salt all the same.
+            Some(keys) => match keys.authenticate(headers) {
+                Ok(key) => self.salt_for(Some(&key), headers),
+                Err(_) => self.salt_of_name(""),
+            },
+            None => self.salt_for(None, headers),
+        }
+    }
+
+    /// The cache salt of a request whose API key is `key` (checked already; `None` when the
+    /// router has no API keys: then its tenant is `tenant_header`'s value), or `None` when it
+    /// is not salted.
+    pub fn salt_for(&self, key: Option<&KeyEntry>, headers: &HeaderMap) -> Option<TenantSalt> {
         if !self.isolation {
             return None;
         }
-        if let Some(keys) = keys {
-            // An unknown key never gets here (401 first); an anonymous salt all the same.
-            let tenant = keys.authenticate(headers).map(|k| k.cache_tenant.clone()).unwrap_or_default();
-            return Some(self.scopes.salt(&tenant));
+        if let Some(key) = key {
+            return Some(self.scopes.salt(&key.cache_tenant));
         }
         let name = self.header.as_ref()?;
         let value = headers.get(name).map(|v| v.as_bytes()).unwrap_or_default();

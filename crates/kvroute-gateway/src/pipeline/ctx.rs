@@ -44,16 +44,17 @@ pub struct RequestCtx<'a> {
 }
 
 impl<'a> RequestCtx<'a> {
-    /// A parsed request, before its key stage.
+    /// A parsed request of the tenant salted `salt` ([`crate::tenant::Tenancy`]), before its
+    /// key stage.
     pub fn new(
         s: &'a Arc<AppState>,
         api: Api,
         headers: &'a HeaderMap,
         t0: Instant,
+        salt: Option<TenantSalt>,
         bytes: Bytes,
         info: RoutingInfo,
     ) -> RequestCtx<'a> {
-        let salt = s.tenancy.salt_of(s.api_keys.as_ref(), headers);
         RequestCtx {
             s,
             api,

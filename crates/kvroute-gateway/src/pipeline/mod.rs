@@ -107,7 +107,9 @@ async fn run(
     if let Some(key) = &key {
         admit_tokens(s, key, &info).map_err(|e| (e, ""))?;
     }
-    let mut ctx = RequestCtx::new(s, api, headers, t0, bytes, info);
+    // The tenant from the key just checked (no second lookup), else `tenant_header`.
+    let salt = s.tenancy.salt_for(key.as_deref(), headers);
+    let mut ctx = RequestCtx::new(s, api, headers, t0, salt, bytes, info);
     // The engine isolates the tenant's KV cache by the same salt (vLLM `cache_salt`).
     if let Some(salt) = ctx.salt.filter(|_| s.cfg.engine_cache_salt && api != Api::Generate) {
         let salted = crate::tenant::with_cache_salt(&ctx.bytes, salt);
