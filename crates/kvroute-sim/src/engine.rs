@@ -95,7 +95,8 @@ pub struct Profile {
     pub prefill_context_per_token_s: f64,
 }
 
-/// What one engine step computes, for [`Profile::step_time`].
+/// What one engine step computes, for [`Profile::step_time`]. [`StepWork::chunk`] is one
+/// prefill chunk's part; steps add their chunks' parts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepWork {
     /// Prompt tokens computed (every chunk's new tokens).
@@ -108,6 +109,20 @@ pub struct StepWork {
     pub decode_seqs: u64,
     /// Context tokens of every sequence in the batch.
     pub context_tokens: u64,
+}
+
+impl StepWork {
+    /// A prefill chunk of `new` tokens after `before` tokens already in its KV cache: `new`
+    /// tokens computed, `new × before + new (new + 1) / 2` attention pairs, `before + new`
+    /// context tokens read.
+    pub fn chunk(new: u64, before: u64) -> StepWork {
+        StepWork {
+            prefill_tokens: new,
+            prefill_pairs: new * before + new * (new + 1) / 2,
+            prefill_context: before + new,
+            ..StepWork::default()
+        }
+    }
 }
 
 impl Profile {
@@ -278,14 +293,8 @@ impl Profile {
     /// cache, alone (no decode): what `kvroute profile show --prefill CACHED,NEW` prints and
     /// what a measured grid is fitted to.
     pub fn prefill_secs(&self, cached: u64, new: u64) -> f64 {
-        self.step_secs(StepWork {
-            prefill_tokens: new,
-            prefill_pairs: new * cached + new * (new + 1) / 2,
-            prefill_context: cached + new,
-            decode_seqs: 0,
-            // As `Engine` counts a step's batch context: the tokens in the KV cache before it.
-            context_tokens: cached,
-        })
+        // As `Engine` counts a step's batch context: the tokens in the KV cache before it.
+        self.step_secs(StepWork { context_tokens: cached, ..StepWork::chunk(new, cached) })
     }
 }
 
@@ -988,7 +997,6 @@ impl Engine {
         let p = &self.profile;
         let context: u64 =
             self.running.iter().map(|r| (r.req.input_tokens - r.prefill_left) as u64 + r.decoded as u64).sum();
-        let prefill_tokens: u64 = chunks.iter().map(|&(_, n)| n as u64).sum();
         if chunks.is_empty() {
             // Decode-only: coalesce identical steps until the first completion. A new
             // arrival cuts the span (see `submit`).
@@ -1004,15 +1012,14 @@ impl Engine {
         } else {
             // Each chunk's tokens attend to what is before them: the request's tokens already
             // in the KV cache (cached or prefilled in earlier steps) and the chunk's own.
-            let (mut prefill_pairs, mut prefill_context) = (0, 0);
+            let mut work = StepWork { decode_seqs, context_tokens: context, ..StepWork::default() };
             for &(i, n) in &chunks {
                 let r = &self.running[i];
-                let (n, before) = (n as u64, r.req.input_tokens.saturating_sub(r.prefill_left) as u64);
-                prefill_pairs += n * before + n * (n + 1) / 2;
-                prefill_context += before + n;
+                let c = StepWork::chunk(n as u64, r.req.input_tokens.saturating_sub(r.prefill_left) as u64);
+                work.prefill_tokens += c.prefill_tokens;
+                work.prefill_pairs += c.prefill_pairs;
+                work.prefill_context += c.prefill_context;
             }
-            let work =
-                StepWork { prefill_tokens, prefill_pairs, prefill_context, decode_seqs, context_tokens: context };
             let dt = p.step_time(work);
             self.step = Some(Step { start: now, dt, count: 1 });
             self.chunks = chunks;
