@@ -417,25 +417,19 @@ pub struct SglangCacheAware {
 }
 
 impl SglangCacheAware {
-    /// The knobs these flags set, by kvroute's names.
-    fn knobs(&self) -> Vec<(&'static str, toml::Value)> {
-        let mut v = Vec::new();
-        if let Some(x) = self.cache_threshold {
-            v.push(("cache_threshold", toml::Value::Float(x)));
-        }
-        if let Some(x) = self.balance_abs_threshold {
-            v.push(("balance_abs_threshold", toml::Value::Integer(x.min(i64::MAX as u64) as i64)));
-        }
-        if let Some(x) = self.balance_rel_threshold {
-            v.push(("balance_rel_threshold", toml::Value::Float(x)));
-        }
-        if let Some(x) = self.eviction_interval {
-            v.push(("eviction_interval_secs", toml::Value::Float(x)));
-        }
-        if let Some(x) = self.max_tree_size {
-            v.push(("max_tree_size", toml::Value::Integer(x.min(i64::MAX as u64) as i64)));
-        }
-        v
+    /// The flags given, each with the knob it sets: (SGLang flag, kvroute knob, value).
+    fn knobs(&self) -> Vec<(&'static str, &'static str, toml::Value)> {
+        let int = |x: u64| toml::Value::Integer(x.min(i64::MAX as u64) as i64);
+        [
+            ("--cache-threshold", "cache_threshold", self.cache_threshold.map(toml::Value::Float)),
+            ("--balance-abs-threshold", "balance_abs_threshold", self.balance_abs_threshold.map(int)),
+            ("--balance-rel-threshold", "balance_rel_threshold", self.balance_rel_threshold.map(toml::Value::Float)),
+            ("--eviction-interval", "eviction_interval_secs", self.eviction_interval.map(toml::Value::Float)),
+            ("--max-tree-size", "max_tree_size", self.max_tree_size.map(int)),
+        ]
+        .into_iter()
+        .filter_map(|(flag, knob, v)| v.map(|v| (flag, knob, v)))
+        .collect()
     }
 }
 
@@ -448,12 +442,12 @@ fn sglang_flags(a: &Args, cfg: &mut GatewayConfig) -> anyhow::Result<()> {
     }
     if cfg.policy != "cache_aware" {
         anyhow::bail!(
-            "--{}: an SGLang cache_aware flag, but the policy is `{}` (add --policy cache_aware)",
-            knobs[0].0.replace('_', "-").replace("-secs", ""),
+            "{}: an SGLang cache_aware flag, but the policy is `{}` (add --policy cache_aware)",
+            knobs[0].0,
             cfg.policy
         );
     }
-    for (k, v) in knobs {
+    for (_, k, v) in knobs {
         if a.policy_knobs.is_some() && cfg.policy_knobs.contains_key(k) {
             anyhow::bail!("--policy-knobs and an SGLang flag both set `{k}`: give it once");
         }
