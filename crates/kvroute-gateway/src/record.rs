@@ -256,10 +256,11 @@ impl Writer {
                     "error"
                 }
             };
-            crate::metrics::count_outcome(&self.outcomes, outcome);
             if rx.is_empty() {
                 let _ = self.out.flush();
             }
+            // Counted once flushed, so a reader who sees the count sees the line too.
+            crate::metrics::count_outcome(&self.outcomes, outcome);
         }
         let _ = self.out.flush();
     }

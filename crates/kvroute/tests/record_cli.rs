@@ -214,13 +214,16 @@ async fn the_trace_rotates_at_its_size_limit_and_keeps_its_file_count() {
             .expect("send");
         assert_eq!(r.status(), 200);
     }
-    let rotated = dir.join("trace.jsonl.1");
+    // The writer counts a line once it is flushed: at 12 written, every rotation is over.
+    let written = "kvroute_record_lines_total{outcome=\"written\"} 12";
     for _ in 0..300 {
-        if rotated.exists() {
+        let m = c.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
+        if m.lines().any(|l| l == written) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let rotated = dir.join("trace.jsonl.1");
     assert!(rotated.exists(), "trace.jsonl.1 after 12 lines of ~3 KB");
     assert!(!dir.join("trace.jsonl.2").exists(), "two files kept in all");
     for f in [&file, &rotated] {
