@@ -36,7 +36,7 @@ FLOORS = {
     # F6 the request pipeline and the background tasks.
     "pipeline": 6, "health": 6, "kv_subscriber": 6, "reload": 6, "cluster": 6,
     # F7 the HTTP surface and serve().
-    "admin": 7, "server": 7, "lib": 8,
+    "admin": 7, "server": 7, "epp": 7, "lib": 8,
 }
 
 # Same-floor imports between different units that are allowed: (from, to).

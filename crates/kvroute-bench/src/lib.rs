@@ -21,6 +21,7 @@
 
 pub mod cli;
 pub mod compare;
+pub mod epp_gateway;
 pub mod overhead;
 pub mod runner;
 pub mod summary;

@@ -294,6 +294,14 @@ impl WorkerEntry {
         self.endpoints.as_ref().map(|e| e[i].clone()).ok_or_else(|| BadWorkerUrl { url: self.url.to_string() })
     }
 
+    /// Its `host:port` (`[v6]:port` for an IPv6 host; the scheme's port when the URL names
+    /// none): how a gateway names it in the endpoint-picker protocol. `None` for a URL
+    /// without a host.
+    pub fn authority(&self) -> Option<String> {
+        let u = url::Url::parse(&self.url).ok()?;
+        Some(format!("{}:{}", u.host_str()?, u.port_or_known_default()?))
+    }
+
     /// Its role.
     pub fn role(&self) -> Role {
         role_of(self.role.load(Relaxed))
@@ -528,6 +536,18 @@ impl Candidates {
     /// The worker with id `id` among the candidates.
     pub fn entry(&self, id: WorkerId) -> Option<&Arc<WorkerEntry>> {
         self.entries.iter().find(|e| e.id == id)
+    }
+
+    /// Keeps the candidates whose entry satisfies `keep` (views and dispatch counts with
+    /// them).
+    pub fn retain(&mut self, mut keep: impl FnMut(&WorkerEntry) -> bool) {
+        let kept: Vec<bool> = self.entries.iter().map(|e| keep(e)).collect();
+        let mut k = kept.iter();
+        self.views.retain(|_| *k.next().unwrap_or(&false));
+        let mut k = kept.iter();
+        self.entries.retain(|_| *k.next().unwrap_or(&false));
+        let mut k = kept.iter();
+        self.dispatches.retain(|_| *k.next().unwrap_or(&false));
     }
 }
 

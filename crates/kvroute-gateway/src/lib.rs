@@ -31,6 +31,7 @@ pub mod api_keys;
 pub mod app;
 pub mod cluster;
 pub mod config;
+pub mod epp;
 pub mod fleet;
 pub mod health;
 pub mod hops;
@@ -158,13 +159,17 @@ pub async fn serve_with_reload(
     let state = AppState::new(cfg)?;
     let cancel = tokio_util::sync::CancellationToken::new();
     let admin = bind_admin(&state).await?;
+    let epp = bind_epp(&state).await?;
     let main_app = app(Arc::clone(&state));
-    refuse_own_addresses(&state, &listener, admin.as_ref().map(|(l, _)| l)).await?;
+    let others: Vec<&tokio::net::TcpListener> =
+        admin.as_ref().map(|(l, _)| l).into_iter().chain(epp.as_ref()).collect();
+    refuse_own_addresses(&state, &listener, &others).await?;
     state.add_initial_workers().await;
     let reloader = tokio::spawn(reload::run(hup, tls.clone(), reload, Arc::clone(&state)));
     let mut tasks = spawn_background(&state, &cancel);
     let limits = server::Limits::from_config(&state.cfg);
     tasks.extend(admin.map(|(l, a)| spawn_admin(l, a, limits, tls.clone(), cancel.clone())));
+    tasks.extend(epp.map(|l| spawn_epp(&state, l, cancel.clone())));
     let deadline = server::serve(listener, main_app, limits, tls, shutdown, drain_hooks(&state)).await;
     // The background tasks (health checks, KV events, etcd, NATS) stop now; none may hold
     // the process past the drain deadline (a NATS flush or an etcd call to a server that
@@ -203,16 +208,40 @@ async fn bind_admin(state: &Arc<AppState>) -> anyhow::Result<Option<(tokio::net:
     })
 }
 
+/// With `epp_listen`, binds the endpoint picker's gRPC listener.
+async fn bind_epp(state: &AppState) -> anyhow::Result<Option<tokio::net::TcpListener>> {
+    let Some(addr) = &state.cfg.epp_listen else { return Ok(None) };
+    let l =
+        tokio::net::TcpListener::bind(addr.as_str()).await.map_err(|e| anyhow::anyhow!("epp_listen {addr}: {e}"))?;
+    tracing::info!(addr = %l.local_addr()?, "endpoint picker (ext_proc gRPC) listening");
+    Ok(Some(l))
+}
+
+/// Serves the endpoint picker until `stop` (the main listener has drained: a gateway's
+/// ext_proc streams are served through the drain delay, as HTTP clients are).
+fn spawn_epp(
+    state: &Arc<AppState>,
+    listener: tokio::net::TcpListener,
+    stop: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let state = Arc::clone(state);
+    tokio::spawn(async move {
+        if let Err(e) = epp::serve(state, listener, stop).await {
+            tracing::error!(error = %e, "endpoint picker stopped");
+        }
+    })
+}
+
 /// Records the listeners' addresses before any worker is added, and stops the start when a
 /// configured worker (`worker_urls`, the P/D pools) points at one of them: a router as its
 /// own worker loops.
 async fn refuse_own_addresses(
     state: &AppState,
     listener: &tokio::net::TcpListener,
-    admin: Option<&tokio::net::TcpListener>,
+    others: &[&tokio::net::TcpListener],
 ) -> anyhow::Result<()> {
     let mut own = vec![listener.local_addr()?];
-    if let Some(l) = admin {
+    for l in others {
         own.push(l.local_addr()?);
     }
     *state.listen_addrs.write() = own;

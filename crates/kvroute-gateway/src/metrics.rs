@@ -226,6 +226,19 @@ pub struct Metrics {
     /// Trace lines of the traffic recorder (`record`), by outcome: `written`, `dropped`
     /// (its queue was full), `error` (the write failed).
     pub record_lines: Family<OutcomeLabel, Counter>,
+    /// Endpoint-picker mode (`epp_listen`): requests picked, by outcome — `picked`, or
+    /// `immediate_<status>` for one answered by kvroute itself (an immediate response).
+    pub epp_requests: Family<OutcomeLabel, Counter>,
+    /// Endpoint-picker mode: which endpoint the gateway reports served a picked request
+    /// (`x-gateway-destination-endpoint-served`) — `chosen`, `fallback` (the gateway
+    /// retried down the list) or `unreported`.
+    pub epp_served: Family<OutcomeLabel, Counter>,
+    /// Endpoint-picker mode: response-side messages observed, by kind (`response_headers`,
+    /// `response_body`, `response_trailers`) and `closed_early` (the gateway closed the
+    /// stream before the response ended: the client went away).
+    pub epp_observed: Family<OutcomeLabel, Counter>,
+    /// Endpoint-picker mode: time from the request's last message to the pick, seconds.
+    pub epp_pick_seconds: Histogram,
 }
 
 impl Default for Metrics {
@@ -308,6 +321,10 @@ impl Metrics {
             sync_peers: Gauge::default(),
             config_reloads: Family::default(),
             record_lines: Family::default(),
+            epp_requests: Family::default(),
+            epp_served: Family::default(),
+            epp_observed: Family::default(),
+            epp_pick_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 24)),
         }
     }
 
@@ -547,6 +564,26 @@ impl Metrics {
             "kvroute_record_lines",
             "Trace lines of the traffic recorder (record), by outcome",
             self.record_lines.clone(),
+        );
+        r.register(
+            "kvroute_epp_requests",
+            "Endpoint-picker mode: requests picked or answered with an immediate response",
+            self.epp_requests.clone(),
+        );
+        r.register(
+            "kvroute_epp_served",
+            "Endpoint-picker mode: the endpoint the gateway reports served a picked request",
+            self.epp_served.clone(),
+        );
+        r.register(
+            "kvroute_epp_observed",
+            "Endpoint-picker mode: response-side messages observed, and streams closed early",
+            self.epp_observed.clone(),
+        );
+        r.register(
+            "kvroute_epp_pick_seconds",
+            "Endpoint-picker mode: time from the request's last message to the pick",
+            self.epp_pick_seconds.clone(),
         );
     }
 

@@ -26,6 +26,45 @@ pub enum BenchCommand {
     /// Proxy overhead with wrk (an external C client): two instant workers, directly and
     /// through kvroute and each peer router, at concurrency 1 and 32.
     Overhead(kvroute_bench::compare::overhead::Args),
+    /// A stand-in for a gateway calling an endpoint picker (Gateway API Inference
+    /// Extension): proxies HTTP requests, asking the picker at --epp where each goes over
+    /// Envoy ext_proc. For measuring `kvroute serve --epp-listen` against `kvroute serve`.
+    EppGateway(EppGatewayArgs),
+}
+
+/// Flags of `kvroute bench epp-gateway`.
+#[derive(Debug, clap::Args)]
+pub struct EppGatewayArgs {
+    /// The endpoint picker's gRPC address, HOST:PORT.
+    #[arg(long)]
+    pub epp: String,
+    /// Listen port on 127.0.0.1 (0 = any free port; the address is printed).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// How the stand-in's ext_proc filter sends bodies.
+    #[arg(long, value_enum, default_value_t = kvroute_bench::epp_gateway::BodyMode::FullDuplex)]
+    pub body_mode: kvroute_bench::epp_gateway::BodyMode,
+}
+
+/// Runs the stand-in gateway until SIGINT or SIGTERM, then prints the picker's round trips.
+fn epp_gateway(a: EppGatewayArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async {
+        let g = kvroute_bench::epp_gateway::Gateway::new(&a.epp, a.body_mode)?;
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", a.port)).await?;
+        println!("epp-gateway listening on http://{}", listener.local_addr()?);
+        let stop = async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                () = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+            }
+        };
+        kvroute_bench::epp_gateway::serve(std::sync::Arc::clone(&g), listener, stop).await?;
+        let (n, p50, p99, p999) = g.pick_micros();
+        println!("picker round trips: {n}, p50 {p50} us, p99 {p99} us, p99.9 {p999} us");
+        Ok(())
+    })
 }
 
 /// Runs `kvroute bench`.
@@ -33,6 +72,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     match a.command {
         Some(BenchCommand::Compare(c)) => return kvroute_bench::compare::run(*c),
         Some(BenchCommand::Overhead(o)) => return kvroute_bench::compare::overhead::run(o),
+        Some(BenchCommand::EppGateway(g)) => return epp_gateway(g),
         None => {}
     }
     let a = a.load;

@@ -7,6 +7,7 @@
 
 use anyhow::{Context, bail};
 use kvroute_gateway::GatewayConfig;
+use kvroute_gateway::config::EppBodyMode;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -97,6 +98,14 @@ pub struct Args {
     /// --admin-token it must be loopback and refuses requests relayed by a proxy.
     #[arg(long, env = "KVROUTE_ADMIN_LISTEN")]
     pub admin_listen: Option<String>,
+    /// Endpoint-picker mode: serve the Gateway API Inference Extension's endpoint-picker
+    /// protocol (Envoy ext_proc gRPC, with gRPC health) on this IP:PORT (docs/kubernetes.md).
+    #[arg(long, env = "KVROUTE_EPP_LISTEN")]
+    pub epp_listen: Option<String>,
+    /// How the gateway's ext_proc filter sends bodies: auto (its protocol_config, else
+    /// full_duplex), buffered, full_duplex.
+    #[arg(long, env = "KVROUTE_EPP_BODY_MODE", value_parser = ["auto", "buffered", "full_duplex"])]
+    pub epp_body_mode: Option<String>,
     /// File of client API keys, one `KEY [TENANT] [rpm=N] [tpm=N]` per line.
     #[arg(long, env = "KVROUTE_API_KEY_FILE")]
     pub api_key_file: Option<String>,
@@ -352,6 +361,15 @@ fn security_flags(a: &Args, cfg: &mut GatewayConfig) {
     if a.admin_listen.is_some() {
         cfg.admin_listen = a.admin_listen.clone();
     }
+    if a.epp_listen.is_some() {
+        cfg.epp_listen = a.epp_listen.clone();
+    }
+    cfg.epp_body_mode = match a.epp_body_mode.as_deref() {
+        Some("buffered") => EppBodyMode::Buffered,
+        Some("full_duplex") => EppBodyMode::FullDuplex,
+        Some(_) => EppBodyMode::Auto,
+        None => cfg.epp_body_mode,
+    };
     for (flag, field) in
         [(&a.tls_cert, &mut cfg.tls_cert), (&a.tls_key, &mut cfg.tls_key), (&a.worker_ca_file, &mut cfg.worker_ca_file)]
     {

@@ -133,6 +133,17 @@ pub struct GatewayConfig {
     /// it must be a loopback address, and it answers only loopback clients whose request
     /// names no proxy (`Forwarded`, `X-Forwarded-For`, `X-Real-IP`).
     pub admin_listen: Option<String>,
+    /// Endpoint-picker mode: serve the Gateway API Inference Extension's endpoint-picker
+    /// protocol (Envoy ext_proc v3 over gRPC, with the gRPC health service) on this
+    /// `IP:PORT`, next to the HTTP port. A gateway then asks kvroute where each request goes
+    /// and forwards it itself (docs/kubernetes.md). Not with `[pd]` or `[[cascade.chain]]`,
+    /// which need kvroute to send the request.
+    pub epp_listen: Option<String>,
+    /// How the gateway's ext_proc filter sends bodies: `auto` (what Envoy's
+    /// `protocol_config` says, else `full_duplex`), `buffered` (request body `BUFFERED`,
+    /// response body `STREAMED`) or `full_duplex` (both `FULL_DUPLEX_STREAMED`, the body
+    /// passed back through kvroute).
+    pub epp_body_mode: EppBodyMode,
     /// Client request headers forwarded to workers (case-insensitive names; at most 32).
     /// `Content-Type` is always set to JSON. Default: `authorization` only, as vLLM and
     /// SGLang servers started with `--api-key` expect.
@@ -372,6 +383,8 @@ impl Default for GatewayConfig {
             max_in_flight_per_model: 4096,
             admin_token: None,
             admin_listen: None,
+            epp_listen: None,
+            epp_body_mode: EppBodyMode::Auto,
             forward_headers: vec!["authorization".into()],
             api_key_file: None,
             api_key_rpm: 0,
@@ -469,6 +482,7 @@ impl GatewayConfig {
         self.check_workers()?;
         self.check_forward_headers()?;
         self.check_admin_listen()?;
+        self.check_epp()?;
         self.check_cluster()?;
         self.check_power()?;
         self.check_record()?;
@@ -526,6 +540,21 @@ impl GatewayConfig {
                     ),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// `epp_listen`: an IP address and port, and no serving mode that needs kvroute to send
+    /// the request itself.
+    fn check_epp(&self) -> Result<(), ConfigError> {
+        let Some(a) = &self.epp_listen else { return Ok(()) };
+        a.parse::<std::net::SocketAddr>()
+            .map_err(|_| err("epp_listen", format!("`{a}`: expected HOST:PORT with an IP host")))?;
+        if self.pd.enabled {
+            return Err(err("epp_listen", "not with [pd]: a split request needs kvroute to send both halves"));
+        }
+        if !self.cascade.chain.is_empty() {
+            return Err(err("epp_listen", "not with [[cascade.chain]]: a cascade needs kvroute to send each step"));
         }
         Ok(())
     }
@@ -831,6 +860,20 @@ impl GatewayConfig {
         });
         if ok { Ok(()) } else { Err(WorkerUrlError::NotAllowed { url: u.to_string(), host: host.to_string() }) }
     }
+}
+
+/// How a gateway's ext_proc filter exchanges bodies with the endpoint picker
+/// (`epp_body_mode`; Envoy's `ProcessingMode.BodySendMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EppBodyMode {
+    /// What the gateway's `protocol_config` says (Envoy ≥ 1.33 sends it), else full duplex.
+    #[default]
+    Auto,
+    /// Request body `BUFFERED` (one message), response body `STREAMED`.
+    Buffered,
+    /// Request and response bodies `FULL_DUPLEX_STREAMED`: kvroute passes every chunk back.
+    FullDuplex,
 }
 
 #[cfg(test)]

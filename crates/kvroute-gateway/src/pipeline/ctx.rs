@@ -41,6 +41,9 @@ pub struct RequestCtx<'a> {
     pub precise: Precise,
     /// The model the request is routed for (the key stage's result).
     pub model: String,
+    /// The endpoints (`host:port`) a gateway allows for this request (the endpoint-picker
+    /// protocol's subset hint): only workers among them are candidates. `None`: any.
+    pub subset: Option<&'a [String]>,
 }
 
 impl<'a> RequestCtx<'a> {
@@ -66,6 +69,7 @@ impl<'a> RequestCtx<'a> {
             json: OnceLock::new(),
             precise: Precise::Off,
             model: String::new(),
+            subset: None,
         }
     }
 
@@ -208,6 +212,13 @@ pub fn count(s: &AppState, worker: &str, branch: &str, outcome: &str) {
 /// (another 5xx), `cancelled` (499: the client left while its body was read) or
 /// `client_error`.
 pub fn error_response(s: &AppState, e: ApiError, branch: &'static str) -> Response {
+    count_error(s, &e, branch);
+    e.into_response()
+}
+
+/// Counts a request that ended in `e` as [`error_response`] does, without building the
+/// answer (the endpoint picker answers it as an immediate response).
+pub fn count_error(s: &AppState, e: &ApiError, branch: &'static str) {
     let outcome = match e.status.as_u16() {
         503 if branch.is_empty() => "rejected",
         504 => "timeout",
@@ -217,5 +228,4 @@ pub fn error_response(s: &AppState, e: ApiError, branch: &'static str) -> Respon
     };
     let (worker, _) = noted();
     count(s, worker.as_deref().unwrap_or(""), branch, outcome);
-    e.into_response()
 }

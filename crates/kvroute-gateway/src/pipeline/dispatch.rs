@@ -483,7 +483,7 @@ async fn attempt_on(ctx: &RequestCtx<'_>, routed: &Routed, w: &Arc<WorkerEntry>,
 }
 
 /// The decision's predictions for the chosen worker, to hand back with what it met.
-fn observe_of(ctx: &RequestCtx<'_>, routed: &Routed, w: &WorkerEntry, started: Instant) -> Observe {
+pub(crate) fn observe_of(ctx: &RequestCtx<'_>, routed: &Routed, w: &WorkerEntry, started: Instant) -> Observe {
     let (req, d) = (ctx.view(), &routed.decision);
     Observe {
         router: Arc::clone(&routed.router),

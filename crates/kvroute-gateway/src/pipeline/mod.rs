@@ -27,6 +27,7 @@ pub mod dispatch;
 pub mod keys;
 pub mod lora;
 pub mod pd;
+pub mod pick;
 pub mod respond;
 pub mod route;
 pub mod steps;
@@ -102,23 +103,42 @@ async fn run(
     crate::hops::check_arrival(headers, &s.via_name).map_err(|e| (e, ""))?;
     let key = authenticate(s, headers).map_err(|e| (e, ""))?;
     let bytes = read_body(s, headers, body).await.map_err(|e| (e, ""))?;
+    let mut ctx = prepare(s, api, headers, t0, key.as_deref(), bytes).map_err(|e| (e, ""))?;
+    if let Some(c) = cascade::start(s, &ctx.info) {
+        return cascade::run(&ctx, c).await;
+    }
+    steps::route_and_send(&mut ctx).await
+}
+
+/// The parse stage on a read body: its routing info, the key's token bucket (`key`: the
+/// client's API key, checked already), the tenant's salt, and the body salted for the
+/// engine (`engine_cache_salt`). Shared by `serve` and the endpoint picker.
+///
+/// # Errors
+/// 400 for a body that is not a valid request (naming the field), 429 over the key's
+/// tokens per minute.
+pub fn prepare<'a>(
+    s: &'a Arc<AppState>,
+    api: Api,
+    headers: &'a HeaderMap,
+    t0: Instant,
+    key: Option<&KeyEntry>,
+    bytes: Bytes,
+) -> Result<RequestCtx<'a>, ApiError> {
     let session = headers.get("x-session-id").and_then(|v| v.to_str().ok());
-    let info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens).map_err(|e| (e, ""))?;
-    if let Some(key) = &key {
-        admit_tokens(s, key, &info).map_err(|e| (e, ""))?;
+    let info = parse_limited(api, &bytes, session, s.cfg.max_prompt_tokens)?;
+    if let Some(key) = key {
+        admit_tokens(s, key, &info)?;
     }
     // The tenant from the key just checked (no second lookup), else `tenant_header`.
-    let salt = s.tenancy.salt_for(key.as_deref(), headers);
+    let salt = s.tenancy.salt_for(key, headers);
     let mut ctx = RequestCtx::new(s, api, headers, t0, salt, bytes, info);
     // The engine isolates the tenant's KV cache by the same salt (vLLM `cache_salt`).
     if let Some(salt) = ctx.salt.filter(|_| s.cfg.engine_cache_salt && api != Api::Generate) {
         let salted = crate::tenant::with_cache_salt(&ctx.bytes, salt);
         ctx.set_bytes(salted);
     }
-    if let Some(c) = cascade::start(s, &ctx.info) {
-        return cascade::run(&ctx, c).await;
-    }
-    steps::route_and_send(&mut ctx).await
+    Ok(ctx)
 }
 
 /// The client's API key, with one request taken from its bucket; `None` when the router

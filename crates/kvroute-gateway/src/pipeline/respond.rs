@@ -207,8 +207,9 @@ fn relay(
 }
 
 /// Accounting of one streamed response: the first byte, completion, failure or the
-/// client's disconnect (drop) each settle the ticket exactly once.
-struct StreamGuard {
+/// client's disconnect (drop) each settle the ticket exactly once. Also the accounting of
+/// an answer the endpoint picker's gateway relays ([`StreamGuard::observed`]).
+pub(crate) struct StreamGuard {
     state: Arc<AppState>,
     worker: Arc<WorkerEntry>,
     ticket: LoadTicket,
@@ -348,7 +349,74 @@ fn answer_usage(body: &[u8]) -> AnswerUsage {
     AnswerUsage { completion_tokens: completion.map(|n| n.min(u64::from(u32::MAX)) as u32), cached_tokens: cached }
 }
 
+/// What a request holds until its answer ends, besides its committed dispatch.
+pub(crate) struct Held {
+    /// The admission permit.
+    pub permit: Permit,
+    /// The decision's branch (the outcome label).
+    pub branch: &'static str,
+    /// The recorder's line.
+    pub record: Option<crate::record::Pending>,
+    /// The decision's predictions, handed back with what the request met.
+    pub observe: Option<Observe>,
+    /// Its llama.cpp slot.
+    pub slot: Option<super::dispatch::SlotHold>,
+}
+
 impl StreamGuard {
+    /// The accounting of an answer relayed by someone else (the endpoint picker's gateway)
+    /// from `worker`, the request having arrived at `t0`: fed with [`StreamGuard::on_bytes`],
+    /// ended by [`StreamGuard::complete`], [`StreamGuard::complete_whole`],
+    /// [`StreamGuard::fail`] or [`StreamGuard::client_error`]; dropped before, counted
+    /// `cancelled`.
+    pub(crate) fn observed(
+        s: &Arc<AppState>,
+        t0: Instant,
+        worker: Arc<WorkerEntry>,
+        c: super::dispatch::Committed,
+        h: Held,
+    ) -> StreamGuard {
+        StreamGuard {
+            state: Arc::clone(s),
+            worker,
+            ticket: c.ticket,
+            shared: c.shared,
+            predicted: c.predicted,
+            t0,
+            first: false,
+            branch: h.branch,
+            tap: (h.record.is_some() || h.observe.is_some()).then(StreamTokens::default),
+            record: h.record,
+            observe: h.observe,
+            _slot: h.slot,
+            _permit: h.permit,
+        }
+    }
+
+    /// A whole (non-streamed) answer ended with `body`: its usage read as [`respond`] reads
+    /// it, then [`StreamGuard::complete`].
+    pub(crate) fn complete_whole(&mut self, body: &[u8]) {
+        if let Some(t) = &mut self.tap {
+            let u = answer_usage(body);
+            t.usage = u.completion_tokens;
+            t.cached = u.cached_tokens;
+        }
+        self.complete();
+    }
+
+    /// The worker answered a 4xx (not 429): the request's fault, not the worker's; nothing
+    /// recorded or observed, counted `client_error`.
+    pub(crate) fn client_error(&mut self) {
+        drop(self.record.take());
+        drop(self.observe.take());
+        if self.ticket.is_open() {
+            self.ticket.close();
+            self.shared = None;
+            self.worker.record_success();
+            count(&self.state, &self.worker.url, self.branch, "client_error");
+        }
+    }
+
     /// The request's recorded line, with the tokens its stream carried; and the policy's
     /// observation, with the cached tokens it reported (only once the stream ended whole:
     /// `complete`; a failed or cancelled stream still gives its TTFT).
@@ -362,7 +430,7 @@ impl StreamGuard {
         }
     }
 
-    fn on_bytes(&mut self, b: &[u8]) {
+    pub(crate) fn on_bytes(&mut self, b: &[u8]) {
         if let Some(t) = &mut self.tap {
             t.scan(b);
         }
@@ -381,7 +449,7 @@ impl StreamGuard {
             }
         }
     }
-    fn complete(&mut self) {
+    pub(crate) fn complete(&mut self) {
         self.finish_record(true);
         if self.ticket.is_open() {
             self.ticket.close();
@@ -392,7 +460,7 @@ impl StreamGuard {
         }
     }
     /// The stream failed (`outcome`: `upstream_error`, or `timeout` for a silent worker).
-    fn fail(&mut self, outcome: &str) {
+    pub(crate) fn fail(&mut self, outcome: &str) {
         self.finish_record(false);
         if self.ticket.is_open() {
             self.ticket.close();

@@ -207,6 +207,22 @@ pub fn decide_in(
         model
     };
     let mut candidates = s.fleet.candidates_in(lookup, roles);
+    if let Some(subset) = ctx.subset {
+        // The gateway's subset hint (endpoint-picker protocol): none of it eligible is 503.
+        candidates.retain(|w| w.authority().is_some_and(|a| subset.contains(&a)));
+        if candidates.entries.is_empty() {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "no worker serving model `{}` is among the gateway's {} allowed endpoints \
+                     (x-gateway-destination-endpoint-subset)",
+                    info.model,
+                    subset.len()
+                ),
+            )
+            .retry_after(1));
+        }
+    }
     if candidates.entries.is_empty() {
         if let Some(r) = roles {
             let names: Vec<&str> = r.iter().map(|r| r.as_str()).collect();
