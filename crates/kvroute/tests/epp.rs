@@ -1,0 +1,261 @@
+//! `kvroute serve --epp-listen`: the Gateway API Inference Extension's endpoint picker over
+//! Envoy ext_proc v3, driven with envoy-types' generated client — whole exchanges through
+//! `kvroute bench epp-gateway`'s gateway stand-in (full duplex and buffered), and single
+//! messages for the subset hint, immediate responses, a fallback endpoint and a client gone
+//! mid-stream. The independent client (Python, envoy-data-plane) is `epp_python_client`.
+
+mod common;
+
+use common::{Proc, client, free_port, ledger_drains, spawn_kvroute, wait_ok};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_request::Request as Msg,
+    processing_response::Response as Reply,
+};
+use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
+use kvroute_bench::epp_gateway::{BodyMode, Gateway};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+fn args(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| (*s).to_string()).collect()
+}
+
+struct Fleet {
+    _procs: Vec<Proc>,
+    router: String,
+    epp: String,
+    workers: Vec<String>,
+}
+
+/// Two engine-sims and a router with the endpoint picker on, `extra` flags added.
+async fn fleet(extra: &[&str]) -> Fleet {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut procs = Vec::new();
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let port = free_port();
+        procs.push(spawn_kvroute(&args(&["engine-sim", "--port", &port.to_string(), "--time-scale", "50"])));
+        workers.push(format!("127.0.0.1:{port}"));
+    }
+    for w in &workers {
+        wait_ok(&format!("http://{w}"), "/health").await;
+    }
+    let (port, epp) = (free_port(), format!("127.0.0.1:{}", free_port()));
+    let urls: Vec<String> = workers.iter().map(|w| format!("http://{w}")).collect();
+    let mut a = args(&["serve", "--port", &port.to_string(), "--worker-urls", &urls.join(","), "--epp-listen", &epp]);
+    a.extend(args(extra));
+    procs.push(spawn_kvroute(&a));
+    let router = format!("http://127.0.0.1:{port}");
+    wait_ok(&router, "/readiness").await;
+    Fleet { _procs: procs, router, epp, workers }
+}
+
+fn chat(model: &str, text: &str, stream: bool) -> serde_json::Value {
+    serde_json::json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4, "stream": stream})
+}
+
+/// `kvroute_requests_total` summed over series whose labels contain `labels`.
+async fn metric(router: &str, name: &str, labels: &str) -> u64 {
+    let text = client().get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Polls [`metric`] until it reads `want` (an outcome is counted just after its ticket
+/// closes); fails after 10 s.
+async fn expect_metric(router: &str, name: &str, labels: &str, want: u64) {
+    let mut got = 0;
+    for _ in 0..200 {
+        got = metric(router, name, labels).await;
+        if got == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{name}{{{labels}}} is {got}, expected {want}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_through_a_gateway_stand_in_are_picked_served_and_settled() {
+    let f = fleet(&[]).await;
+    for mode in [BodyMode::FullDuplex, BodyMode::Buffered] {
+        let g = Gateway::new(&f.epp, mode).expect("gateway");
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", l.local_addr().expect("addr"));
+        let stop = tokio_util::sync::CancellationToken::new();
+        let s2 = stop.clone();
+        let server = tokio::spawn(kvroute_bench::epp_gateway::serve(g.clone(), l, async move { s2.cancelled().await }));
+        let c = reqwest::Client::new();
+        let doc = "a shared document about routing and caches. ".repeat(40);
+        for stream in [false, true] {
+            let r = c
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&chat("sim-llama-3-8b", &format!("{doc} question {stream}"), stream))
+                .send()
+                .await
+                .expect("send");
+            assert_eq!(r.status(), 200, "{mode:?} stream={stream}");
+            let text = r.text().await.expect("body");
+            if stream {
+                assert!(text.contains("data: [DONE]"), "{text}");
+            } else {
+                let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+                assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+            }
+        }
+        let (n, p50, _, _) = g.pick_micros();
+        assert_eq!(n, 2);
+        assert!(p50 > 0);
+        stop.cancel();
+        let _ = server.await;
+    }
+    ledger_drains(&client(), &f.router).await;
+    expect_metric(&f.router, "kvroute_requests_total", "outcome=\"ok\"", 4).await;
+    expect_metric(&f.router, "kvroute_epp_requests_total", "outcome=\"picked\"", 4).await;
+    expect_metric(&f.router, "kvroute_epp_served_total", "outcome=\"chosen\"", 4).await;
+}
+
+/// One ext_proc stream opened by hand.
+struct Raw {
+    tx: mpsc::Sender<ProcessingRequest>,
+    rx: tonic::Streaming<ProcessingResponse>,
+}
+
+async fn open(epp: &str) -> Raw {
+    let mut c = ExternalProcessorClient::connect(format!("http://{epp}")).await.expect("connect");
+    let (tx, rx) = mpsc::channel(16);
+    let out = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+    let rx = c.process(out).await.expect("process").into_inner();
+    Raw { tx, rx }
+}
+
+fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> HttpHeaders {
+    let hs = pairs
+        .iter()
+        .map(|(k, v)| HeaderValue { key: (*k).into(), raw_value: v.as_bytes().to_vec(), ..Default::default() })
+        .collect();
+    HttpHeaders { headers: Some(HeaderMap { headers: hs }), end_of_stream, ..Default::default() }
+}
+
+fn metadata(namespace: &str, key: &str, v: Kind) -> Metadata {
+    let inner = Struct { fields: [(key.to_string(), Value { kind: Some(v) })].into_iter().collect() };
+    Metadata { filter_metadata: [(namespace.to_string(), inner)].into_iter().collect(), ..Default::default() }
+}
+
+impl Raw {
+    async fn send(&self, m: Msg, md: Option<Metadata>) {
+        let r = ProcessingRequest { request: Some(m), metadata_context: md, ..Default::default() };
+        self.tx.send(r).await.expect("send");
+    }
+
+    async fn recv(&mut self) -> Reply {
+        let m = tokio::time::timeout(Duration::from_secs(10), self.rx.message()).await.expect("in time");
+        m.expect("message").expect("not ended").response.expect("a response")
+    }
+
+    /// Sends a chat request (full duplex, optional subset hint) and returns the endpoints
+    /// picked, or the immediate response's status and body.
+    async fn request(&mut self, body: &serde_json::Value, subset: Option<&[&str]>) -> Result<Vec<String>, (u32, String)> {
+        let md = subset.map(|s| {
+            let list = ListValue { values: s.iter().map(|e| Value { kind: Some(Kind::StringValue((*e).into())) }).collect() };
+            metadata("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", Kind::ListValue(list))
+        });
+        let h = headers(&[(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")], false);
+        self.send(Msg::RequestHeaders(h), md).await;
+        let b = HttpBody { body: serde_json::to_vec(body).expect("json"), end_of_stream: true, ..Default::default() };
+        self.send(Msg::RequestBody(b), None).await;
+        match self.recv().await {
+            Reply::ImmediateResponse(i) => {
+                Err((i.status.map_or(0, |s| s.code as u32), String::from_utf8_lossy(&i.body).into_owned()))
+            }
+            Reply::RequestHeaders(h) => {
+                let set = h.response.and_then(|c| c.header_mutation).expect("mutation").set_headers;
+                let dest = set.iter().filter_map(|o| o.header.as_ref()).find(|h| h.key == "x-gateway-destination-endpoint");
+                let dest = String::from_utf8_lossy(&dest.expect("destination").raw_value).into_owned();
+                // The body comes back (full duplex).
+                let Reply::RequestBody(_) = self.recv().await else { panic!("the body passed back") };
+                Ok(dest.split(',').map(str::to_string).collect())
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    /// Reports response headers (`:status`, SSE), the endpoint that served, and reads the reply.
+    async fn response_headers(&mut self, status: &str, served: &str) {
+        let h = headers(&[(":status", status), ("content-type", "text/event-stream")], false);
+        let md = metadata("envoy.lb", "x-gateway-destination-endpoint-served", Kind::StringValue(served.into()));
+        self.send(Msg::ResponseHeaders(h), Some(md)).await;
+        let Reply::ResponseHeaders(_) = self.recv().await else { panic!("response headers answered") };
+    }
+
+    async fn response_body(&mut self, chunk: &str, end: bool) {
+        let b = HttpBody { body: chunk.as_bytes().to_vec(), end_of_stream: end, ..Default::default() };
+        self.send(Msg::ResponseBody(b), None).await;
+        let Reply::ResponseBody(_) = self.recv().await else { panic!("body answered") };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_subset_hint_unknown_models_fallbacks_and_clients_gone() {
+    let f = fleet(&[]).await;
+    // Subset hint: only the second worker is eligible.
+    for i in 0..3 {
+        let mut s = open(&f.epp).await;
+        let picked = s.request(&chat("sim-llama-3-8b", &format!("q{i}"), true), Some(&[&f.workers[1]])).await;
+        assert_eq!(picked.expect("picked")[0], f.workers[1]);
+    }
+    let mut s = open(&f.epp).await;
+    let (status, body) = s.request(&chat("sim-llama-3-8b", "q", true), Some(&[])).await.expect_err("empty subset");
+    assert_eq!(status, 503, "{body}");
+    // Unknown model: serve's 404 and JSON body.
+    let mut s = open(&f.epp).await;
+    let (status, body) = s.request(&chat("no-such-model", "q", true), None).await.expect_err("404");
+    assert_eq!(status, 404);
+    let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert!(v["error"]["message"].as_str().expect("message").contains("no-such-model"), "{v}");
+    // The gateway retried: the other endpoint served. The dispatch moves there and ends ok.
+    let before = metric(&f.router, "kvroute_requests_total", "outcome=\"ok\"").await;
+    let mut s = open(&f.epp).await;
+    let picked = s.request(&chat("sim-llama-3-8b", "retry me", true), None).await.expect("picked");
+    let other = f.workers.iter().find(|w| **w != picked[0]).expect("other");
+    s.response_headers("200", other).await;
+    s.response_body("data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n", false).await;
+    s.response_body("data: [DONE]\n\n", true).await;
+    drop(s);
+    ledger_drains(&client(), &f.router).await;
+    expect_metric(&f.router, "kvroute_epp_served_total", "outcome=\"fallback\"", 1).await;
+    let ok = format!("worker=\"http://{other}\"");
+    assert!(metric(&f.router, "kvroute_requests_total", &ok).await >= 1);
+    expect_metric(&f.router, "kvroute_requests_total", "outcome=\"ok\"", before + 1).await;
+    // A client gone mid-stream: the gateway closes the ext_proc stream; the ledger settles.
+    // (The subset picks above, never answered, were counted cancelled too.)
+    let cancelled = 3;
+    expect_metric(&f.router, "kvroute_requests_total", "outcome=\"cancelled\"", cancelled).await;
+    let mut s = open(&f.epp).await;
+    let picked = s.request(&chat("sim-llama-3-8b", "going away", true), None).await.expect("picked");
+    s.response_headers("200", &picked[0]).await;
+    s.response_body("data: {\"choices\":[]}\n\n", false).await;
+    drop(s);
+    ledger_drains(&client(), &f.router).await;
+    expect_metric(&f.router, "kvroute_requests_total", "outcome=\"cancelled\"", cancelled + 1).await;
+    expect_metric(&f.router, "kvroute_epp_observed_total", "outcome=\"closed_early\"", 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_full_is_an_immediate_503_and_a_dropped_pick_frees_its_place() {
+    let f = fleet(&["--max-in-flight-per-model", "1"]).await;
+    let mut held = open(&f.epp).await;
+    held.request(&chat("sim-llama-3-8b", "first", true), None).await.expect("picked");
+    let mut s = open(&f.epp).await;
+    let (status, body) = s.request(&chat("sim-llama-3-8b", "second", true), None).await.expect_err("full");
+    assert_eq!(status, 503);
+    assert!(body.contains("too many requests in flight"), "{body}");
+    drop(held);
+    ledger_drains(&client(), &f.router).await;
+    let mut s = open(&f.epp).await;
+    s.request(&chat("sim-llama-3-8b", "third", true), None).await.expect("admitted again");
+}
