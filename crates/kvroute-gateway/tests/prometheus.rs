@@ -26,8 +26,10 @@ use common::guard;
 const MODEL: &str = "sim-llama-3-8b";
 
 /// Series prefixes this test's fleet cannot feed (live policy needs etcd, KV-event series
-/// need engines publishing events): dashboard queries on them must run, not return data.
-const NEEDS_OUTSIDE_PIECES: [&str; 2] = ["kvroute_policy_updates", "kvroute_kv_event_"];
+/// need engines publishing events, the endpoint picker's need a gateway calling it — its
+/// series are checked in crates/kvroute/tests/epp.rs): dashboard queries on them must run,
+/// not return data.
+const NEEDS_OUTSIDE_PIECES: [&str; 3] = ["kvroute_policy_updates", "kvroute_kv_event_", "kvroute_epp_"];
 
 /// How long a wait may last before the test fails.
 const DEADLINE: Duration = Duration::from_secs(60);
