@@ -124,6 +124,14 @@ run_ignored "Prometheus scrape test" 'binary(prometheus)' "$have_prometheus" \
 have_nginx=0; [ -n "${KVROUTE_NGINX_BIN:-}" ] && [ -x "${KVROUTE_NGINX_BIN}" ] && have_nginx=1
 run_ignored "admin API behind nginx test" 'test(=add_worker_through_nginx_on_the_same_host_needs_the_token)' \
   "$have_nginx" "${KVROUTE_REQUIRE_NGINX:-0}" "KVROUTE_NGINX_BIN, the nginx binary (Debian nginx-light)"
+# The deploy artefacts: manifests rendered and validated offline, the Dockerfile linted,
+# each overlay's configuration started with the kvroute just built (scripts/check-deploy.py).
+if [ -n "${KVROUTE_DEPLOY_PYTHON:-}" ] && [ -x "${KVROUTE_DEPLOY_PYTHON}" ]; then
+  echo "== deploy artefacts (scripts/check-deploy.py)"
+  "$KVROUTE_DEPLOY_PYTHON" scripts/check-deploy.py --kvroute "${CARGO_TARGET_DIR:-target}/debug/kvroute"
+else
+  skipped+=("deploy artefact checks: needs KVROUTE_DEPLOY_PYTHON, a python with PyYAML, jsonschema, kubernetes-validate (.ci/run installs one)")
+fi
 if [ -z "${KVROUTE_PEERS_DIR:-}" ]; then
   # compare_runs_to_completion itself fails when KVROUTE_REQUIRE_PEERS=1.
   skipped+=("peer routers in compare_runs_to_completion (it ran kvroute alone): needs KVROUTE_PEERS_DIR (bash scripts/compare-peers.sh install)")

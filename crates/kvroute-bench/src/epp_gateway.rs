@@ -363,6 +363,11 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    use axum::serve::ListenerExt;
+    // No Nagle delay on the client's connections (a small answer would wait for an ACK).
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, g.router()).with_graceful_shutdown(shutdown).await?;
     Ok(())
 }
