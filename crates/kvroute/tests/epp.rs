@@ -159,12 +159,20 @@ impl Raw {
 
     /// Sends a chat request (full duplex, optional subset hint) and returns the endpoints
     /// picked, or the immediate response's status and body.
-    async fn request(&mut self, body: &serde_json::Value, subset: Option<&[&str]>) -> Result<Vec<String>, (u32, String)> {
+    async fn request(
+        &mut self,
+        body: &serde_json::Value,
+        subset: Option<&[&str]>,
+    ) -> Result<Vec<String>, (u32, String)> {
         let md = subset.map(|s| {
-            let list = ListValue { values: s.iter().map(|e| Value { kind: Some(Kind::StringValue((*e).into())) }).collect() };
+            let list =
+                ListValue { values: s.iter().map(|e| Value { kind: Some(Kind::StringValue((*e).into())) }).collect() };
             metadata("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", Kind::ListValue(list))
         });
-        let h = headers(&[(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")], false);
+        let h = headers(
+            &[(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")],
+            false,
+        );
         self.send(Msg::RequestHeaders(h), md).await;
         let b = HttpBody { body: serde_json::to_vec(body).expect("json"), end_of_stream: true, ..Default::default() };
         self.send(Msg::RequestBody(b), None).await;
@@ -174,7 +182,8 @@ impl Raw {
             }
             Reply::RequestHeaders(h) => {
                 let set = h.response.and_then(|c| c.header_mutation).expect("mutation").set_headers;
-                let dest = set.iter().filter_map(|o| o.header.as_ref()).find(|h| h.key == "x-gateway-destination-endpoint");
+                let dest =
+                    set.iter().filter_map(|o| o.header.as_ref()).find(|h| h.key == "x-gateway-destination-endpoint");
                 let dest = String::from_utf8_lossy(&dest.expect("destination").raw_value).into_owned();
                 // The body comes back (full duplex).
                 let Reply::RequestBody(_) = self.recv().await else { panic!("the body passed back") };
