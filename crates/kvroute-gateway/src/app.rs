@@ -49,6 +49,8 @@ pub struct AppState {
     pub recorder: Option<crate::record::Recorder>,
     /// The cluster sync over NATS (`nats`), when configured.
     pub sync: Option<Arc<crate::cluster::sync::ReplicaSync>>,
+    /// The prefix state journal, with `state_dir` ([`crate::cluster::journal`]).
+    pub journal: Option<Arc<crate::cluster::journal::PrefixJournal>>,
     /// The static workers: `worker_urls` of the configuration in effect, normalised
     /// ([`crate::model::worker_url::static_set`]) — the startup list, then each reload's. A reload
     /// removes only these; etcd never removes them. Swapped whole by a reload.
@@ -103,6 +105,7 @@ impl AppState {
             .nats
             .as_ref()
             .map(|_| crate::cluster::sync::ReplicaSync::new(&cfg.cluster, Some(&replica_id), &metrics));
+        let journal = cfg.state_dir.as_ref().map(|_| Arc::new(crate::cluster::journal::PrefixJournal::new(&metrics)));
         Ok(Arc::new(AppState {
             via_name: crate::hops::via_name(&replica_id),
             replica_id,
@@ -114,6 +117,7 @@ impl AppState {
             lora: crate::lora::Multiplexer::new(&cfg.lora),
             pd: crate::pd::PdRouters::new(&cfg.pd, cfg.seed)?,
             sync,
+            journal,
             api_keys,
             forward_headers,
             draining: std::sync::atomic::AtomicBool::new(false),

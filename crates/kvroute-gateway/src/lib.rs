@@ -265,6 +265,7 @@ fn spawn_background(
         tokio::spawn(kv_subscriber::run(Arc::clone(state), cancel.clone())),
         tokio::spawn(cluster::etcd::run(Arc::clone(state), cancel.clone())),
         tokio::spawn(cluster::sync_task::run(Arc::clone(state), cancel.clone())),
+        tokio::spawn(cluster::journal_task::run(Arc::clone(state), cancel.clone())),
     ]
 }
 

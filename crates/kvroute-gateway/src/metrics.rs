@@ -226,6 +226,9 @@ pub struct Metrics {
     /// Trace lines of the traffic recorder (`record`), by outcome: `written`, `dropped`
     /// (its queue was full), `error` (the write failed).
     pub record_lines: Family<OutcomeLabel, Counter>,
+    /// The prefix state journal (`state_dir`), by outcome: `recorded`, `dropped` (its queue
+    /// was full), `restored` and `skipped` (at start, from the saved file).
+    pub prefix_state_events: Family<OutcomeLabel, Counter>,
     /// Endpoint-picker mode (`epp_listen`): requests picked, by outcome — `picked`, or
     /// `immediate_<status>` for one answered by kvroute itself (an immediate response).
     pub epp_requests: Family<OutcomeLabel, Counter>,
@@ -321,6 +324,7 @@ impl Metrics {
             sync_peers: Gauge::default(),
             config_reloads: Family::default(),
             record_lines: Family::default(),
+            prefix_state_events: Family::default(),
             epp_requests: Family::default(),
             epp_served: Family::default(),
             epp_observed: Family::default(),
@@ -564,6 +568,11 @@ impl Metrics {
             "kvroute_record_lines",
             "Trace lines of the traffic recorder (record), by outcome",
             self.record_lines.clone(),
+        );
+        r.register(
+            "kvroute_prefix_state_events",
+            "Routed events of the prefix state journal (state_dir), by outcome",
+            self.prefix_state_events.clone(),
         );
         r.register(
             "kvroute_epp_requests",

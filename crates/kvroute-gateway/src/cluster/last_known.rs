@@ -82,13 +82,24 @@ pub fn save<'a>(
         }
         anyhow::bail!("the registry takes {} bytes (at most {MAX_FILE_BYTES}): not saved", bytes.len());
     }
+    write_atomic(dir, FILE_NAME, &bytes)
+}
+
+/// Writes `bytes` to `dir/name` atomically (creating `dir` if missing): a temporary file in
+/// `dir`, flushed to disk and renamed over the old one, so a crash leaves the old file or
+/// the new one, never a mix. Blocking: run it off the async runtime.
+///
+/// # Errors
+/// An I/O error.
+pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> anyhow::Result<()> {
+    let target = dir.join(name);
     std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
     let mut tmp = tempfile::Builder::new()
-        .prefix(".etcd-registry.")
+        .prefix(&format!(".{name}."))
         .suffix(".tmp")
         .tempfile_in(dir)
         .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
-    tmp.write_all(&bytes)?;
+    tmp.write_all(bytes)?;
     tmp.as_file().sync_all()?;
     tmp.persist(&target).map_err(|e| anyhow::anyhow!("{}: {}", target.display(), e.error))?;
     // The rename itself is durable once the directory is synced (best effort: not every

@@ -15,6 +15,8 @@
 //! `cluster/watcher.rs`) and its live weights at `/cognitora/routing/policy`.
 
 pub mod etcd;
+pub mod journal;
+pub mod journal_task;
 pub mod last_known;
 pub mod register;
 pub mod sync;

@@ -130,6 +130,39 @@ pub enum Pool {
 }
 
 impl RoutedEvent {
+    /// The event of dispatch `id` that `a` announces.
+    pub fn of(a: &Announce<'_>, id: u64) -> RoutedEvent {
+        let Announce { pool, router, key, req, worker_url, uncached, decode } = *a;
+        // Only a policy that indexes the prompt itself needs it; the others record the key's
+        // block hashes (`blocks`), 9 bytes per block instead of the prompt's bytes.
+        let prefix = if !router.records_request_prefix {
+            WirePrefix::None
+        } else if let Some(t) = req.text.filter(|t| !t.is_empty()) {
+            WirePrefix::Text(cut_text(t))
+        } else if let Some(t) = req.token_ids.filter(|t| !t.is_empty()) {
+            WirePrefix::Tokens(t[..t.len().min(MAX_EVENT_TOKENS)].to_vec())
+        } else if let Some(b) = req.blocks.filter(|b| !b.hashes.is_empty()) {
+            WirePrefix::Blocks(b.hashes.iter().take(MAX_EVENT_BLOCKS).map(|h| h.0).collect(), b.block_tokens)
+        } else {
+            WirePrefix::None
+        };
+        RoutedEvent {
+            id,
+            model: req.model.to_string(),
+            worker: worker_url.to_string(),
+            policy: router.policy_name.to_string(),
+            prefix,
+            blocks: key.blocks.iter().take(MAX_EVENT_BLOCKS).map(|h| h.0).collect(),
+            block_tokens: key.block_tokens,
+            session: req.session_id.map(str::to_string),
+            input_tokens: req.input_tokens,
+            output_tokens: req.output_tokens,
+            uncached,
+            decode,
+            pool: pool as u8,
+        }
+    }
+
     pub(crate) fn size_estimate(&self) -> usize {
         let prefix = match &self.prefix {
             WirePrefix::None => 0,
@@ -311,36 +344,8 @@ impl ReplicaSync {
     /// Announces that a request was sent (see [`Announce`]). Never blocks: a full queue
     /// drops the event.
     pub fn routed(self: &Arc<Self>, a: Announce<'_>) -> SharedTicket {
-        let Announce { pool, router, key, req, worker_url, uncached, decode } = a;
         let id = self.next_id.fetch_add(1, Relaxed);
-        // Only a policy that indexes the prompt itself needs it; the others record the key's
-        // block hashes (`blocks`), 9 bytes per block instead of the prompt's bytes.
-        let prefix = if !router.records_request_prefix {
-            WirePrefix::None
-        } else if let Some(t) = req.text.filter(|t| !t.is_empty()) {
-            WirePrefix::Text(cut_text(t))
-        } else if let Some(t) = req.token_ids.filter(|t| !t.is_empty()) {
-            WirePrefix::Tokens(t[..t.len().min(MAX_EVENT_TOKENS)].to_vec())
-        } else if let Some(b) = req.blocks.filter(|b| !b.hashes.is_empty()) {
-            WirePrefix::Blocks(b.hashes.iter().take(MAX_EVENT_BLOCKS).map(|h| h.0).collect(), b.block_tokens)
-        } else {
-            WirePrefix::None
-        };
-        let ev = RoutedEvent {
-            id,
-            model: req.model.to_string(),
-            worker: worker_url.to_string(),
-            policy: router.policy_name.to_string(),
-            prefix,
-            blocks: key.blocks.iter().take(MAX_EVENT_BLOCKS).map(|h| h.0).collect(),
-            block_tokens: key.block_tokens,
-            session: req.session_id.map(str::to_string),
-            input_tokens: req.input_tokens,
-            output_tokens: req.output_tokens,
-            uncached,
-            decode,
-            pool: pool as u8,
-        };
+        let ev = RoutedEvent::of(&a, id);
         self.send(Out::Routed(Box::new(ev)));
         SharedTicket { sync: Arc::clone(self), id, first: false }
     }

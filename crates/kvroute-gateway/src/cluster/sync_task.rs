@@ -304,7 +304,7 @@ impl Peers {
 
 /// How [`commit`] takes the router's lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Wait {
+pub(crate) enum Wait {
     /// Take it when free, yielding to the runtime between tries ([`COMMIT_TRIES`], then
     /// wait for it): live events never queue ahead of this replica's own decisions.
     Yield,
@@ -317,7 +317,7 @@ const COMMIT_TRIES: usize = 64;
 
 /// Commits another replica's routed request to this replica's router of its model when it
 /// runs the same policy; `false` when it does not (the event's keys would not match).
-async fn commit(state: &AppState, r: &RoutedEvent, worker: WorkerId, wait: Wait) -> bool {
+pub(crate) async fn commit(state: &AppState, r: &RoutedEvent, worker: WorkerId, wait: Wait) -> bool {
     let now = state.now();
     let routers = match (r.pool, &state.pd) {
         (0, _) => &state.routers,

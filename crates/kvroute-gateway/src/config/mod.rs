@@ -206,6 +206,10 @@ pub struct GatewayConfig {
     /// ([`crate::cluster::last_known`]). One directory per replica. Unset: nothing is
     /// written, and a replica started during an etcd outage has only its static workers.
     pub state_dir: Option<String>,
+    /// With `state_dir`: the prefix state (the last routed requests) is saved there and
+    /// restored at start when the file is at most this old, seconds (0: never restored).
+    /// Older, the engines may have evicted what it says they hold.
+    pub prefix_state_max_age_secs: f64,
     /// NATS server (`nats://HOST:PORT`) over which the router replicas of `cluster` share
     /// their routing events and index snapshots ([`crate::cluster::sync`]); unset = this
     /// replica routes on its own state only.
@@ -402,6 +406,7 @@ impl Default for GatewayConfig {
             etcd_prefix: "/kvroute".into(),
             etcd_policy_key: None,
             state_dir: None,
+            prefix_state_max_age_secs: 600.0,
             nats: None,
             cluster: "default".into(),
             replica_id: None,
@@ -573,6 +578,9 @@ impl GatewayConfig {
         }
         if self.etcd_policy_key.as_deref().is_some_and(|k| k.is_empty() || k.len() > 512) {
             return Err(err("etcd_policy_key", "expected a key of 1 to 512 bytes"));
+        }
+        if !(self.prefix_state_max_age_secs >= 0.0 && self.prefix_state_max_age_secs.is_finite()) {
+            return Err(err("prefix_state_max_age_secs", "expected a number of seconds >= 0"));
         }
         if let Some(d) = &self.state_dir {
             if d.is_empty() || d.len() > 4096 {

@@ -249,8 +249,8 @@ pub(crate) struct Committed {
 
 /// Commits a dispatch — the one place every dispatch (one worker, each half of a P/D pair,
 /// each cascade step) records itself: the load ledger's ticket, the router's prefix index
-/// and session table, predict-on-route for a worker that publishes KV events, and the
-/// cluster sync's event.
+/// and session table, predict-on-route for a worker that publishes KV events, the cluster
+/// sync's event and the prefix state journal (`state_dir`).
 ///
 /// # Errors
 /// [`Blame::Raced`] when `seen` no longer holds: nothing was committed.
@@ -267,17 +267,21 @@ pub(crate) fn commit(ctx: &RequestCtx<'_>, req: &RequestView<'_>, d: Dispatch<'_
         None => w.load.dispatched(d.uncached, d.decode),
     };
     let predicted = if d.index { index(ctx.s, d.routed, req, w.id) } else { None };
-    let shared = ctx.s.sync.as_ref().map(|sync| {
-        sync.routed(crate::cluster::sync::Announce {
-            pool: d.pool,
-            router: &d.routed.router,
-            key: &d.routed.key,
-            req,
-            worker_url: &w.url,
-            uncached: d.uncached,
-            decode: d.decode,
-        })
-    });
+    let announce = crate::cluster::sync::Announce {
+        pool: d.pool,
+        router: &d.routed.router,
+        key: &d.routed.key,
+        req,
+        worker_url: &w.url,
+        uncached: d.uncached,
+        decode: d.decode,
+    };
+    if d.index
+        && let Some(j) = &ctx.s.journal
+    {
+        j.record(&announce);
+    }
+    let shared = ctx.s.sync.as_ref().map(|sync| sync.routed(announce));
     Ok(Committed { ticket, predicted, shared })
 }
 
