@@ -12,6 +12,8 @@
 #   4. the tests that need outside pieces (marked #[ignore] with the reason), each group when
 #      its piece is given, and a closing list of what was skipped and why:
 #        KVROUTE_PYTHON (a python with the `openai` SDK): the SDK client test;
+#        KVROUTE_EPP_PYTHON (a python with envoy-data-plane): the endpoint picker's
+#        independent ext_proc client (crates/kvroute/tests/epp_client.py);
 #        KVROUTE_LLAMA_SERVER + KVROUTE_LLAMA_MODEL (scripts/llama-workers.sh): llama.cpp e2e;
 #        KVROUTE_PEERS_DIR (scripts/compare-peers.sh): peers in the compare test;
 #        KVROUTE_ETCD_BIN (the etcd binary, Debian etcd-server): the cluster registry and
@@ -23,7 +25,7 @@
 #        Grafana-dashboard test;
 #        KVROUTE_NGINX_BIN (the nginx binary, Debian nginx-light): the admin API behind a
 #        same-host reverse proxy.
-#      KVROUTE_REQUIRE_PYTHON / _LLAMA / _PEERS / _ETCD / _PROMETHEUS / _NGINX = 1 make a missing piece a failure
+#      KVROUTE_REQUIRE_PYTHON / _EPP_PYTHON / _LLAMA / _PEERS / _ETCD / _PROMETHEUS / _NGINX = 1 make a missing piece a failure
 #      (CI sets them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -106,6 +108,9 @@ have_llama=0
   && [ -n "${KVROUTE_LLAMA_MODEL:-}" ] && [ -f "${KVROUTE_LLAMA_MODEL}" ] && have_llama=1
 run_ignored "openai SDK client test" 'test(=openai_python_sdk_as_client)' "$have_python" \
   "${KVROUTE_REQUIRE_PYTHON:-0}" "KVROUTE_PYTHON, a python with the openai package"
+have_epp_python=0; [ -n "${KVROUTE_EPP_PYTHON:-}" ] && [ -x "${KVROUTE_EPP_PYTHON}" ] && have_epp_python=1
+run_ignored "endpoint picker's independent client test" 'test(=epp_python_client)' "$have_epp_python" \
+  "${KVROUTE_REQUIRE_EPP_PYTHON:-0}" "KVROUTE_EPP_PYTHON, a python with envoy-data-plane and grpcio-health-checking"
 run_ignored "llama.cpp end-to-end tests" 'binary(llama_e2e)' "$have_llama" \
   "${KVROUTE_REQUIRE_LLAMA:-0}" "KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"
 have_etcd=0; [ -n "${KVROUTE_ETCD_BIN:-}" ] && [ -x "${KVROUTE_ETCD_BIN}" ] && have_etcd=1

@@ -268,3 +268,47 @@ async fn admission_full_is_an_immediate_503_and_a_dropped_pick_frees_its_place()
     let mut s = open(&f.epp).await;
     s.request(&chat("sim-llama-3-8b", "third", true), None).await.expect("admitted again");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs KVROUTE_EPP_PYTHON, a python with envoy-data-plane and grpcio-health-checking (.ci/run installs one)"]
+async fn epp_python_client() {
+    let python = std::env::var("KVROUTE_EPP_PYTHON")
+        .expect("KVROUTE_EPP_PYTHON: a python with envoy-data-plane (this test was asked for, so it must run)");
+    let f = fleet(&[]).await;
+    let full = fleet(&["--max-in-flight-per-model", "1"]).await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/epp_client.py");
+    let a = args(&[
+        script,
+        "--epp",
+        &f.epp,
+        "--router",
+        &f.router,
+        "--workers",
+        &f.workers.join(","),
+        "--admin-token",
+        common::ADMIN_TOKEN,
+        "--full-epp",
+        &full.epp,
+        "--full-router",
+        &full.router,
+    ]);
+    let out = tokio::task::spawn_blocking(move || std::process::Command::new(python).args(a).output())
+        .await
+        .expect("join")
+        .expect("run the Python client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for scenario in [
+        "health",
+        "streamed",
+        "whole",
+        "buffered",
+        "subset",
+        "unknown_model",
+        "fallback",
+        "client_gone",
+        "admission_full",
+    ] {
+        assert!(stdout.lines().any(|l| l == format!("ok {scenario}")), "{scenario} did not pass: {stdout}");
+    }
+}
