@@ -238,7 +238,18 @@ pub struct Args {
     /// Start N worker processes with --worker-cmd and route to them (SGLang router co-launch).
     #[arg(long, env = "KVROUTE_LAUNCH_WORKERS", default_value_t = 0)]
     pub launch_workers: usize,
-    /// Worker command for --launch-workers; `{port}` is replaced by a free port.
+    /// SGLang router's name for the number of workers to launch, one per data-parallel rank
+    /// (the same as --launch-workers).
+    #[arg(long)]
+    pub dp_size: Option<usize>,
+    /// SGLang router's `--model-path`: the model the launched workers serve. Without
+    /// --worker-cmd they are SGLang servers (`python3 -m sglang.launch_server --model-path M
+    /// --host 127.0.0.1 --port {port}`); a --worker-cmd may name it as `{model_path}`.
+    #[arg(long)]
+    pub model_path: Option<String>,
+    /// Worker command for --launch-workers; `{port}` is replaced by a free port, `{rank}`
+    /// and `{gpu}` by the worker's data-parallel rank (0, 1, …), `{model_path}` by
+    /// --model-path. Each runs with CUDA_VISIBLE_DEVICES set to its rank.
     #[arg(long, env = "KVROUTE_WORKER_CMD")]
     pub worker_cmd: Option<String>,
     /// Seconds to wait for launched workers to become healthy.
@@ -568,33 +579,76 @@ fn knobs_from_json(s: &str) -> anyhow::Result<toml::Table> {
     }
 }
 
+/// Starts one launched worker (`sh -c "exec LINE"`, under `setpriv --pdeathsig KILL` when
+/// there is one) with CUDA_VISIBLE_DEVICES set to its rank.
+fn spawn_worker(setpriv: Option<&std::path::Path>, line: &str, rank: usize) -> anyhow::Result<tokio::process::Child> {
+    let mut c = match setpriv {
+        Some(p) => {
+            let mut c = tokio::process::Command::new(p);
+            c.args(["--pdeathsig", "KILL", "--", "sh", "-c"]);
+            c
+        }
+        None => {
+            let mut c = tokio::process::Command::new("sh");
+            c.arg("-c");
+            c
+        }
+    };
+    c.arg(format!("exec {line}"))
+        .env("CUDA_VISIBLE_DEVICES", rank.to_string())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("--worker-cmd: cannot start `{line}`"))
+}
+
+/// `name`'s path on PATH, if it is there.
+fn which(name: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| std::path::Path::new(d).join(name)).find(|p| p.is_file())
+}
+
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 async fn launch(a: &Args, cfg: &mut GatewayConfig) -> anyhow::Result<Launched> {
     let mut children = Launched(Vec::new());
-    if a.launch_workers == 0 {
-        return Ok(children);
-    }
-    let Some(cmd) = &a.worker_cmd else { bail!("--launch-workers needs --worker-cmd '... {{port}} ...'") };
+    let n = match (a.launch_workers, a.dp_size) {
+        (0, None) => return Ok(children),
+        (n, None) | (0, Some(n)) => n,
+        (n, Some(d)) if n == d => n,
+        (n, Some(d)) => bail!("--launch-workers {n} and --dp-size {d}: give one of them"),
+    };
+    let cmd = match (&a.worker_cmd, &a.model_path) {
+        (Some(c), _) => c.clone(),
+        (None, Some(_)) => {
+            "python3 -m sglang.launch_server --model-path {model_path} --host 127.0.0.1 --port {port}".into()
+        }
+        (None, None) => bail!("--launch-workers/--dp-size needs --worker-cmd '... {{port}} ...' or --model-path"),
+    };
     if !cmd.contains("{port}") {
         bail!("--worker-cmd must contain {{port}}");
     }
-    if a.launch_workers > 256 {
+    if cmd.contains("{model_path}") && a.model_path.is_none() {
+        bail!("--worker-cmd names {{model_path}}: give --model-path");
+    }
+    if n > 256 {
         bail!("--launch-workers: at most 256");
     }
+    // A launched worker dies with the router even when the router is killed (SIGKILL):
+    // util-linux's setpriv sets the kernel's parent-death signal before the worker starts.
+    let setpriv = which("setpriv");
+    if setpriv.is_none() {
+        eprintln!("kvroute: setpriv (util-linux) not found: launched workers outlive a router killed with SIGKILL");
+    }
     let mut urls = Vec::new();
-    for _ in 0..a.launch_workers {
+    for rank in 0..n {
         let port = free_port()?;
-        let line = cmd.replace("{port}", &port.to_string());
-        let child = tokio::process::Command::new("sh")
-            .arg("-c")
-            .arg(format!("exec {line}"))
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("--worker-cmd: cannot start `{line}`"))?;
-        children.0.push(child);
+        let line = cmd
+            .replace("{port}", &port.to_string())
+            .replace("{rank}", &rank.to_string())
+            .replace("{gpu}", &rank.to_string())
+            .replace("{model_path}", a.model_path.as_deref().unwrap_or_default());
+        children.0.push(spawn_worker(setpriv.as_deref(), &line, rank)?);
         urls.push(format!("http://127.0.0.1:{port}"));
     }
     let client = reqwest::Client::new();

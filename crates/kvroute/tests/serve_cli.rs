@@ -264,3 +264,51 @@ async fn co_launched_workers_serve_and_stop_with_the_router() {
         assert!(gone, "launched worker {u} still running after the router stopped");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_dp_size_launches_one_worker_per_rank_and_a_killed_router_leaves_none() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let port = free_port();
+    let bin = env!("CARGO_BIN_EXE_kvroute");
+    let dir = tempfile::tempdir().expect("dir");
+    // Each rank writes what it was given ({rank}, {gpu}, {model_path}, CUDA_VISIBLE_DEVICES),
+    // then becomes an engine-sim.
+    let cmd = format!(
+        "sh -c 'echo {{rank}} {{gpu}} {{model_path}} $CUDA_VISIBLE_DEVICES > {}/rank{{rank}}; exec {bin} engine-sim --port {{port}} --time-scale 50'",
+        dir.path().display()
+    );
+    let child = Command::new(bin)
+        .args(["serve", "--port", &port.to_string(), "--dp-size", "2", "--model-path", "m/odel", "--worker-cmd", &cmd])
+        .env("KVROUTE_ADMIN_TOKEN", common::ADMIN_TOKEN)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let mut router = Proc(child);
+    let url = format!("http://127.0.0.1:{port}");
+    let c = common::client();
+    assert!(wait_ready(&c, &url).await, "router with --dp-size 2 never became ready");
+    let workers: serde_json::Value =
+        c.get(format!("{url}/list_workers")).send().await.expect("list").json().await.expect("json");
+    let urls: Vec<String> =
+        workers["urls"].as_array().expect("urls").iter().filter_map(|u| u.as_str().map(String::from)).collect();
+    assert_eq!(urls.len(), 2, "{workers}");
+    for rank in 0..2 {
+        let seen = std::fs::read_to_string(dir.path().join(format!("rank{rank}"))).expect("the rank's file");
+        assert_eq!(seen.trim(), format!("{rank} {rank} m/odel {rank}"));
+    }
+    // SIGKILL: no drain, no cleanup code; the kernel's parent-death signal takes the workers.
+    router.0.kill().expect("SIGKILL");
+    let _ = router.0.wait();
+    for u in &urls {
+        let mut gone = false;
+        for _ in 0..200 {
+            if c.get(format!("{u}/health")).send().await.is_err() {
+                gone = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(gone, "launched worker {u} still running after the router was killed");
+    }
+}
