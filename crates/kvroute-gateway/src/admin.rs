@@ -117,7 +117,9 @@ pub async fn readiness(State(s): State<Arc<AppState>>) -> Response {
     let draining = s.draining.load(std::sync::atomic::Ordering::Relaxed);
     // With cluster sync, ready once the start-up snapshot is in (or its wait ended).
     let synced = s.sync.as_ref().is_none_or(|x| x.is_ready());
-    let ready = healthy > 0 && !draining && synced;
+    // With `state_dir`, ready once the saved prefix state is restored (or there was none).
+    let restored = s.journal.as_ref().is_none_or(|j| j.is_restored());
+    let ready = healthy > 0 && !draining && synced && restored;
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let mut body = serde_json::json!({"ready": ready, "healthy_workers": healthy, "draining": draining});
     if s.sync.is_some() {
@@ -221,7 +223,11 @@ pub async fn workers(State(s): State<Arc<AppState>>) -> Response {
             v
         })
         .collect();
-    Json(serde_json::json!({"workers": rows})).into_response()
+    let mut body = serde_json::json!({"workers": rows});
+    if let Some(j) = &s.journal {
+        body["prefix_state"] = j.status();
+    }
+    Json(body).into_response()
 }
 
 /// `GET /policy`: name and knobs, the cascade, and what a calibrating policy

@@ -91,21 +91,12 @@ async fn a_restarted_router_routes_on_the_prefix_state_it_saved() {
     assert!(dir.path().join("prefix-state.msgpack").exists(), "the prefix state was saved");
 
     let (_second, url) = router(&workers, dir.path()).await;
-    // The restore runs right after start: wait until the router counts it.
-    let mut restored = 0.0;
-    for _ in 0..200 {
-        let m = client().get(format!("{url}/metrics")).send().await.expect("metrics").text().await.expect("text");
-        restored = m
-            .lines()
-            .find(|l| l.starts_with("kvroute_prefix_state_events_total{outcome=\"restored\"}"))
-            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-            .unwrap_or(0.0);
-        if restored >= 6.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(restored, 6.0, "six routed requests restored");
+    // Ready only once the saved state is restored: /workers says how much, and how old.
+    let w: serde_json::Value =
+        client().get(format!("{url}/workers")).send().await.expect("workers").json().await.expect("json");
+    assert_eq!(w["prefix_state"]["restored"], true, "{w}");
+    assert_eq!(w["prefix_state"]["restored_events"], 6, "{w}");
+    assert!(w["prefix_state"]["restored_age_secs"].as_u64().is_some_and(|a| a < 600), "{w}");
     for (d, was) in placed.iter().enumerate() {
         let (worker, decision) = ask(&url, d, "second question").await;
         assert_eq!(&worker, was, "document {d} back on its worker: {decision}");

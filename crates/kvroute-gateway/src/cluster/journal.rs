@@ -59,6 +59,12 @@ pub struct PrefixJournal {
         crate::metrics::OutcomeLabel,
         prometheus_client::metrics::counter::Counter,
     >,
+    /// Whether the start-up restore is over (done, nothing to restore, or refused): the
+    /// router is ready only then.
+    restored: std::sync::atomic::AtomicBool,
+    /// Events restored at start, and the restored file's age then, seconds.
+    restored_events: std::sync::atomic::AtomicU64,
+    restored_age_secs: std::sync::atomic::AtomicU64,
 }
 
 impl PrefixJournal {
@@ -68,7 +74,38 @@ impl PrefixJournal {
         for o in ["recorded", "dropped", "restored", "skipped"] {
             drop(metrics.prefix_state_events.get_or_create(&crate::metrics::OutcomeLabel { outcome: o.into() }));
         }
-        PrefixJournal { tx, rx: parking_lot::Mutex::new(Some(rx)), outcomes: metrics.prefix_state_events.clone() }
+        PrefixJournal {
+            tx,
+            rx: parking_lot::Mutex::new(Some(rx)),
+            outcomes: metrics.prefix_state_events.clone(),
+            restored: std::sync::atomic::AtomicBool::new(false),
+            restored_events: std::sync::atomic::AtomicU64::new(0),
+            restored_age_secs: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Whether the start-up restore is over.
+    pub fn is_restored(&self) -> bool {
+        self.restored.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The start-up restore ended: `events` restored from a file `age_secs` old.
+    pub(crate) fn restore_done(&self, events: u64, age_secs: u64) {
+        use std::sync::atomic::Ordering::{Relaxed, Release};
+        self.restored_events.store(events, Relaxed);
+        self.restored_age_secs.store(age_secs, Relaxed);
+        self.restored.store(true, Release);
+    }
+
+    /// What `GET /workers` shows of it: `{"restored": bool, "restored_events": n,
+    /// "restored_age_secs": s}`.
+    pub fn status(&self) -> serde_json::Value {
+        use std::sync::atomic::Ordering::Relaxed;
+        serde_json::json!({
+            "restored": self.is_restored(),
+            "restored_events": self.restored_events.load(Relaxed),
+            "restored_age_secs": self.restored_age_secs.load(Relaxed),
+        })
     }
 
     /// Records a dispatch (never blocks: a full queue drops it).
@@ -84,6 +121,11 @@ impl PrefixJournal {
 
 fn unix_secs() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// How long ago `saved` was written, seconds (0 when its clock is ahead).
+pub fn age_secs(saved: &Saved) -> u64 {
+    unix_secs().saturating_sub(saved.saved_unix_secs)
 }
 
 /// Writes `events` to `dir` atomically. Blocking: run it off the async runtime.

@@ -50,16 +50,17 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
 async fn restore(state: &AppState, j: &journal::PrefixJournal, dir: &std::path::Path, recent: &mut Recent) {
     let (d, max_age) = (dir.to_path_buf(), state.cfg.prefix_state_max_age_secs);
     if max_age <= 0.0 {
-        return;
+        return j.restore_done(0, 0);
     }
     let saved = match tokio::task::spawn_blocking(move || journal::load(&d, max_age)).await {
         Ok(Ok(Some(s))) => s,
-        Ok(Ok(None)) | Err(_) => return,
+        Ok(Ok(None)) | Err(_) => return j.restore_done(0, 0),
         Ok(Err(m)) => {
             tracing::warn!(error = %m, "prefix state in state_dir not restored");
-            return;
+            return j.restore_done(0, 0);
         }
     };
+    let age = journal::age_secs(&saved);
     let (mut restored, mut skipped) = (0u64, 0u64);
     for r in saved.events {
         let applied = match state.fleet.by_url(&r.worker) {
@@ -75,7 +76,8 @@ async fn restore(state: &AppState, j: &journal::PrefixJournal, dir: &std::path::
     }
     j.count("restored", restored);
     j.count("skipped", skipped);
-    tracing::info!(restored, skipped, "prefix state restored from state_dir");
+    j.restore_done(restored, age);
+    tracing::info!(restored, skipped, age_secs = age, "prefix state restored from state_dir");
 }
 
 async fn save(dir: &std::path::Path, recent: &Recent) {

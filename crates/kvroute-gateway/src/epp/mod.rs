@@ -70,7 +70,8 @@ impl Probes {
             let routable = s.fleet.load().iter().any(|w| w.is_routable());
             let draining = s.draining.load(std::sync::atomic::Ordering::Relaxed);
             let synced = s.sync.as_ref().is_none_or(|x| x.is_ready());
-            if routable && !draining && synced { ServingStatus::Serving } else { ServingStatus::NotServing }
+            let restored = s.journal.as_ref().is_none_or(|j| j.is_restored());
+            if routable && !draining && synced && restored { ServingStatus::Serving } else { ServingStatus::NotServing }
         };
         match service {
             "" | "liveness" => Ok(ServingStatus::Serving),
