@@ -239,6 +239,10 @@ pub struct WorkerView {
     /// set per request by the caller. `None` when the worker publishes no events: prefix
     /// policies then use their own approximate index for this worker.
     pub cached_tokens: Option<u64>,
+    /// The worker's name in every router, for tie-breaks replicas must agree on whatever
+    /// order they list their workers in (the gateway: a stable hash of its URL). `None`:
+    /// its `id`, which is this router's own.
+    pub tie_key: Option<u64>,
     /// Static capacity.
     pub capacity: Capacity,
 }
@@ -260,6 +264,7 @@ impl WorkerView {
             sm_util: None,
             power_watts: None,
             cached_tokens: None,
+            tie_key: None,
             capacity: Capacity::default(),
         }
     }

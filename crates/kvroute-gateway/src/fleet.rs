@@ -90,6 +90,9 @@ pub struct WorkerEntry {
     pub id: WorkerId,
     /// Base URL (normalised, no trailing slash).
     pub url: Arc<str>,
+    /// A stable hash of `url`: the worker's name in every replica's tie-breaks
+    /// ([`kvroute_core::types::WorkerView::tie_key`]).
+    pub tie_key: u64,
     /// The worker's inference endpoints, parsed once (chat, completions, generate): the
     /// request path clones one instead of formatting and parsing a URL per attempt.
     endpoints: Option<[reqwest::Url; 3]>,
@@ -219,6 +222,7 @@ impl WorkerEntry {
         WorkerEntry {
             id,
             url: Arc::from(url),
+            tie_key: kvroute_core::hash::stable_hash(url.as_bytes()),
             endpoints,
             models: ArcSwap::from_pointee(models),
             health: AtomicU8::new(health_code(health)),
@@ -418,6 +422,7 @@ impl WorkerEntry {
         v.decode_tokens = v.decode_tokens.saturating_add(remote.decode_tokens);
         v.capacity = self.capacity.load().1;
         v.role = self.role();
+        v.tie_key = Some(self.tie_key);
         let s = &self.signals;
         v.engine_queue = s.queue.get();
         v.engine_running = s.running.get();

@@ -23,10 +23,13 @@
 //!   0 for a worker with no free model slot.
 //!
 //! **Tie-break**: workers within `epsilon` (0.01) of the best score are ordered by a hash
-//! of (worker id, prefix hash) ([`tie_hash`]), so a prefix-bound request keeps the same
-//! worker across retries. The hash is the same in every process, but the worker id is
-//! this router's (handed out in the order workers are added): replicas agree only when
-//! they added the same workers in the same order. Branch `tie_break`, else `score`.
+//! of (worker, prefix hash) ([`tie_hash_key`]), so a prefix-bound request keeps the same
+//! worker across retries and replicas. The worker is named by its
+//! [`WorkerView::tie_key`] (the gateway: a hash of its URL), so replicas that list the same
+//! workers in another order agree; without one, by its id ([`tie_hash`]). A prompt shorter
+//! than one block is keyed by a hash of its whole text (or tokens), so short prompts
+//! spread over the tied workers instead of all landing on one. Branch `tie_break`, else
+//! `score`.
 //! Weights change live with [`Policy::set_knobs`] (`PUT /policy`). Knobs:
 //! [`KvScoreConfig`]; why the defaults differ from cgn-router's: docs/replay.md, "Choosing a policy".
 
@@ -198,6 +201,28 @@ pub fn tie_hash(worker: WorkerId, prefix_hash: u64) -> u64 {
     stable_hash(&b)
 }
 
+/// The tie-break hash of (worker key, prefix hash), for a worker named by its
+/// [`WorkerView::tie_key`]: the same in every process and on every replica.
+pub fn tie_hash_key(worker_key: u64, prefix_hash: u64) -> u64 {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&worker_key.to_le_bytes());
+    b[8..].copy_from_slice(&prefix_hash.to_le_bytes());
+    stable_hash(&b)
+}
+
+/// The prefix hash of a request: its last block hash, or for a prompt shorter than one
+/// block a hash of the whole prompt.
+fn request_prefix(req: &RequestView<'_>, blocks: &[crate::types::BlockHash]) -> u64 {
+    if !blocks.is_empty() {
+        return prefix_key(blocks);
+    }
+    if let Some(t) = req.token_ids.filter(|t| !t.is_empty()) {
+        let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();
+        return stable_hash(&bytes);
+    }
+    req.text.map_or_else(|| prefix_key(blocks), |t| stable_hash(t.as_bytes()))
+}
+
 impl Policy for KvScore {
     fn name(&self) -> &'static str {
         "kv_score"
@@ -228,7 +253,7 @@ impl Policy for KvScore {
         };
         let max_queued = routable().map(queued).fold(0.0_f64, f64::max);
         let n_blocks = blocks.len();
-        let mut scored: Vec<(f64, WorkerId)> = Vec::with_capacity(c.len());
+        let mut scored: Vec<(f64, WorkerId, Option<u64>)> = Vec::with_capacity(c.len());
         for v in routable() {
             // `overlaps` is sorted by worker id.
             let held = overlaps.binary_search_by_key(&v.id, |(id, _)| *id).map_or(0, |i| overlaps[i].1);
@@ -252,15 +277,15 @@ impl Policy for KvScore {
                 if max_watts > 0.0 { (v.power_watts.unwrap_or(0.0) / max_watts).clamp(0.0, 1.0) } else { 0.0 };
             let capacity = if max_cap > 0.0 { capacity_raw(v) / max_cap } else { 0.0 };
             let score = w.w_kv * overlap + w.w_load * (1.0 - util) + w.w_pwr * (1.0 - norm_watts) + w.w_cap * capacity;
-            scored.push((score, v.id));
+            scored.push((score, v.id, v.tie_key));
         }
         if scored.is_empty() {
             return Err(RouteError::NoWorker);
         }
-        let best = scored.iter().map(|(s, _)| *s).fold(f64::NEG_INFINITY, f64::max);
+        let best = scored.iter().map(|(s, _, _)| *s).fold(f64::NEG_INFINITY, f64::max);
         let eps = self.cfg.epsilon;
-        let prefix = prefix_key(blocks);
-        let tied = scored.iter().filter(|(s, _)| *s >= best - eps).count();
+        let prefix = request_prefix(req, blocks);
+        let tied = scored.iter().filter(|(s, _, _)| *s >= best - eps).count();
         // Order: by score descending, and within the tie band by the stable hash.
         // One sort key per worker (tie band first, by descending stable hash; then by
         // descending score), computed once: hashing inside the comparator cost n log n
@@ -269,15 +294,19 @@ impl Policy for KvScore {
             let b = x.to_bits();
             !(if b >> 63 == 1 { !b } else { b | (1 << 63) })
         };
-        scored.sort_by_cached_key(|&(sc, id)| {
-            if sc >= best - eps { (0u8, !tie_hash(id, prefix), id) } else { (1u8, desc(sc), id) }
+        scored.sort_by_cached_key(|&(sc, id, key)| {
+            let tie = match key {
+                Some(k) => tie_hash_key(k, prefix),
+                None => tie_hash(id, prefix),
+            };
+            if sc >= best - eps { (0u8, !tie, id) } else { (1u8, desc(sc), id) }
         });
-        let (score, winner) = scored[0];
+        let (score, winner, _) = scored[0];
         let held = overlaps.binary_search_by_key(&winner, |(id, _)| *id).map_or(0, |i| overlaps[i].1);
         let mut d = Decision::new(winner, if tied > 1 { Branch::TieBreak } else { Branch::Score })
             .with_match(held as u64, n_blocks as u64, if n_blocks == 0 { MatchUnit::None } else { MatchUnit::Blocks })
             .with_score(score);
-        d.fallbacks = scored[1..].iter().take(MAX_FALLBACKS).map(|(_, id)| *id).collect();
+        d.fallbacks = scored[1..].iter().take(MAX_FALLBACKS).map(|(_, id, _)| *id).collect();
         Ok(d)
     }
 
