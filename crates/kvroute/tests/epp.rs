@@ -32,18 +32,9 @@ struct Fleet {
 /// Two engine-sims and a router with the endpoint picker on, `extra` flags added.
 async fn fleet(extra: &[&str]) -> Fleet {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut procs = Vec::new();
-    let mut workers = Vec::new();
-    for _ in 0..2 {
-        let port = free_port();
-        procs.push(spawn_kvroute(&args(&["engine-sim", "--port", &port.to_string(), "--time-scale", "50"])));
-        workers.push(format!("127.0.0.1:{port}"));
-    }
-    for w in &workers {
-        wait_ok(&format!("http://{w}"), "/health").await;
-    }
+    let (mut procs, urls) = common::engine_sims(2, "50").await;
+    let workers: Vec<String> = urls.iter().map(|u| u.trim_start_matches("http://").to_string()).collect();
     let (port, epp) = (free_port(), format!("127.0.0.1:{}", free_port()));
-    let urls: Vec<String> = workers.iter().map(|w| format!("http://{w}")).collect();
     let mut a = args(&["serve", "--port", &port.to_string(), "--worker-urls", &urls.join(","), "--epp-listen", &epp]);
     a.extend(args(extra));
     procs.push(spawn_kvroute(&a));

@@ -38,16 +38,7 @@ async fn worker_for(router: &str, prompt: &str) -> (String, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_with_reordered_workers_break_ties_alike_and_short_prompts_spread() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut engines = Vec::new();
-    let mut urls = Vec::new();
-    for _ in 0..4 {
-        let port = free_port();
-        engines.push(spawn_kvroute(&args(&["engine-sim", "--port", &port.to_string(), "--time-scale", "50"])));
-        urls.push(format!("http://127.0.0.1:{port}"));
-    }
-    for u in &urls {
-        wait_ok(u, "/health").await;
-    }
+    let (_engines, urls) = common::engine_sims(4, "50").await;
     let (_a, a) = router(&urls).await;
     let reversed: Vec<String> = urls.iter().rev().cloned().collect();
     let (_b, b) = router(&reversed).await;

@@ -60,16 +60,7 @@ fn matched(decision: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_router_routes_on_the_prefix_state_it_saved() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut engines = Vec::new();
-    let mut urls = Vec::new();
-    for _ in 0..3 {
-        let port = free_port();
-        engines.push(spawn_kvroute(&args(&["engine-sim", "--port", &port.to_string(), "--time-scale", "50"])));
-        urls.push(format!("http://127.0.0.1:{port}"));
-    }
-    for u in &urls {
-        wait_ok(u, "/health").await;
-    }
+    let (_engines, urls) = common::engine_sims(3, "50").await;
     let workers = urls.join(",");
     let dir = tempfile::tempdir().expect("state dir");
     let (first, url) = router(&workers, dir.path()).await;

@@ -167,6 +167,28 @@ async fn sighup_reloads_the_config_file_with_the_flags_on_top() {
     assert!(router.0.try_wait().expect("wait").is_none(), "SIGHUP ended the router");
 }
 
+/// The router's workers (`GET /list_workers`, SGLang router).
+async fn list_urls(c: &reqwest::Client, url: &str) -> Vec<String> {
+    let workers: serde_json::Value =
+        c.get(format!("{url}/list_workers")).send().await.expect("list").json().await.expect("json");
+    workers["urls"].as_array().expect("urls").iter().filter_map(|u| u.as_str().map(String::from)).collect()
+}
+
+/// Fails unless every worker of `urls` stops answering within 10 s (`why`: what stopped it).
+async fn assert_gone(c: &reqwest::Client, urls: &[String], why: &str) {
+    for u in urls {
+        let mut gone = false;
+        for _ in 0..200 {
+            if c.get(format!("{u}/health")).send().await.is_err() {
+                gone = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(gone, "launched worker {u} still running after {why}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn co_launched_workers_serve_and_stop_with_the_router() {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -195,10 +217,7 @@ async fn co_launched_workers_serve_and_stop_with_the_router() {
     let url = format!("http://127.0.0.1:{port}");
     let c = common::client();
     assert!(wait_ready(&c, &url).await, "router with co-launched workers never became ready");
-    let workers: serde_json::Value =
-        c.get(format!("{url}/list_workers")).send().await.expect("list").json().await.expect("json");
-    let urls: Vec<String> =
-        workers["urls"].as_array().expect("urls").iter().filter_map(|u| u.as_str().map(String::from)).collect();
+    let urls = list_urls(&c, &url).await;
     assert_eq!(urls.len(), 2);
 
     // Remove and re-add a worker while requests are flowing: every request gets a clean answer.
@@ -252,17 +271,7 @@ async fn co_launched_workers_serve_and_stop_with_the_router() {
     .await
     .expect("router exits on SIGTERM");
     assert!(status.success(), "{status}");
-    for u in &urls {
-        let mut gone = false;
-        for _ in 0..100 {
-            if c.get(format!("{u}/health")).send().await.is_err() {
-                gone = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert!(gone, "launched worker {u} still running after the router stopped");
-    }
+    assert_gone(&c, &urls, "the router stopped").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -288,11 +297,8 @@ async fn sglang_dp_size_launches_one_worker_per_rank_and_a_killed_router_leaves_
     let url = format!("http://127.0.0.1:{port}");
     let c = common::client();
     assert!(wait_ready(&c, &url).await, "router with --dp-size 2 never became ready");
-    let workers: serde_json::Value =
-        c.get(format!("{url}/list_workers")).send().await.expect("list").json().await.expect("json");
-    let urls: Vec<String> =
-        workers["urls"].as_array().expect("urls").iter().filter_map(|u| u.as_str().map(String::from)).collect();
-    assert_eq!(urls.len(), 2, "{workers}");
+    let urls = list_urls(&c, &url).await;
+    assert_eq!(urls.len(), 2, "{urls:?}");
     for rank in 0..2 {
         let seen = std::fs::read_to_string(dir.path().join(format!("rank{rank}"))).expect("the rank's file");
         assert_eq!(seen.trim(), format!("{rank} {rank} m/odel {rank}"));
@@ -300,15 +306,5 @@ async fn sglang_dp_size_launches_one_worker_per_rank_and_a_killed_router_leaves_
     // SIGKILL: no drain, no cleanup code; the kernel's parent-death signal takes the workers.
     router.0.kill().expect("SIGKILL");
     let _ = router.0.wait();
-    for u in &urls {
-        let mut gone = false;
-        for _ in 0..200 {
-            if c.get(format!("{u}/health")).send().await.is_err() {
-                gone = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert!(gone, "launched worker {u} still running after the router was killed");
-    }
+    assert_gone(&c, &urls, "the router was killed").await;
 }

@@ -22,7 +22,6 @@
 
 use super::sync::{Announce, RoutedEvent};
 use serde::{Deserialize, Serialize};
-use std::io::Read;
 use std::path::Path;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -146,16 +145,7 @@ pub fn save(dir: &Path, events: Vec<RoutedEvent>) -> anyhow::Result<()> {
 /// format, or is older than `max_age_secs` (its age named).
 pub fn load(dir: &Path, max_age_secs: f64) -> Result<Option<Saved>, String> {
     let target = dir.join(FILE_NAME);
-    let file = match std::fs::File::open(&target) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", target.display())),
-    };
-    let mut bytes = Vec::new();
-    file.take(MAX_FILE_BYTES as u64 + 1).read_to_end(&mut bytes).map_err(|e| format!("{}: {e}", target.display()))?;
-    if bytes.len() > MAX_FILE_BYTES {
-        return Err(format!("{}: over {MAX_FILE_BYTES} bytes", target.display()));
-    }
+    let Some(bytes) = super::last_known::read_bounded(&target, MAX_FILE_BYTES)? else { return Ok(None) };
     let saved: Saved = rmp_serde::from_slice(&bytes).map_err(|e| format!("{}: {e}", target.display()))?;
     if saved.version != VERSION {
         return Err(format!("{}: version {} (this router reads {VERSION})", target.display(), saved.version));

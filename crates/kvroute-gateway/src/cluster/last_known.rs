@@ -110,6 +110,25 @@ pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> anyhow::Result<()> 
     Ok(())
 }
 
+/// The bytes of the file at `target`, at most `max` of them: `Ok(None)` when there is no
+/// file. Blocking.
+///
+/// # Errors
+/// A message naming the file when it cannot be read or is over `max` bytes.
+pub fn read_bounded(target: &Path, max: usize) -> Result<Option<Vec<u8>>, String> {
+    let file = match std::fs::File::open(target) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{}: {e}", target.display())),
+    };
+    let mut bytes = Vec::new();
+    file.take(max as u64 + 1).read_to_end(&mut bytes).map_err(|e| format!("{}: {e}", target.display()))?;
+    if bytes.len() > max {
+        return Err(format!("{}: over {max} bytes", target.display()));
+    }
+    Ok(Some(bytes))
+}
+
 /// What [`load`] read: the records that passed validation, and the file's age.
 #[derive(Debug)]
 pub struct Loaded {
@@ -129,16 +148,7 @@ pub struct Loaded {
 /// format, or was saved for another prefix.
 pub fn load(dir: &Path, prefix: &str) -> Result<Option<Loaded>, String> {
     let target = path(dir);
-    let file = match std::fs::File::open(&target) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", target.display())),
-    };
-    let mut bytes = Vec::new();
-    file.take(MAX_FILE_BYTES as u64 + 1).read_to_end(&mut bytes).map_err(|e| format!("{}: {e}", target.display()))?;
-    if bytes.len() > MAX_FILE_BYTES {
-        return Err(format!("{}: over {MAX_FILE_BYTES} bytes", target.display()));
-    }
+    let Some(bytes) = read_bounded(&target, MAX_FILE_BYTES)? else { return Ok(None) };
     let saved: Saved = serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", target.display()))?;
     if saved.version != VERSION {
         return Err(format!("{}: version {} (this replica reads {VERSION})", target.display(), saved.version));

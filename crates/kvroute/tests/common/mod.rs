@@ -92,3 +92,24 @@ pub async fn ledger_drains(c: &reqwest::Client, router: &str) {
     }
     panic!("the ledger did not return to zero: (in_flight, waiting, pending_prefill_tokens) = {last:?}");
 }
+
+/// `n` engine-sims (`kvroute engine-sim --time-scale SCALE`) on free ports, once each
+/// answers `/health`: the processes (killed on drop) and their base URLs.
+#[allow(dead_code)]
+pub async fn engine_sims(n: usize, time_scale: &str) -> (Vec<Proc>, Vec<String>) {
+    let mut procs = Vec::new();
+    let mut urls = Vec::new();
+    for _ in 0..n {
+        let port = free_port();
+        let a: Vec<String> = ["engine-sim", "--port", &port.to_string(), "--time-scale", time_scale]
+            .iter()
+            .map(|s| (*s).to_string())
+            .collect();
+        procs.push(spawn_kvroute(&a));
+        urls.push(format!("http://127.0.0.1:{port}"));
+    }
+    for u in &urls {
+        wait_ok(u, "/health").await;
+    }
+    (procs, urls)
+}
