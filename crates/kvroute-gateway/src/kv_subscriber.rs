@@ -4,11 +4,17 @@
 //! request side (a request's token ids, cached) is [`crate::kv_tokens`].
 //!
 //! Sequence tracking per (worker, data-parallel rank):
+//! - on each (re)connection, the worker's replay socket (DEALER → ROUTER) is asked for
+//!   everything it still holds, so a router that starts in front of busy engines routes
+//!   precisely before their next event;
 //! - the first batch seen with a sequence above 0, or a gap (`seq > last + 1`), asks the
-//!   worker's replay socket (DEALER → ROUTER) for the missing batches and applies them first;
+//!   replay socket for the missing batches and applies them first;
 //! - a sequence that goes back means the publisher restarted: the worker's state is cleared
 //!   and rebuilt from what follows (and from the replay buffer of the new process);
 //! - `AllBlocksCleared` clears the worker.
+//!
+//! The parity check is run again while it is inconclusive (an idle engine publishes
+//! nothing), at most [`PARITY_RETRIES`] more times, [`PARITY_RETRY_EVERY`] apart.
 //!
 //! Only the main attention group (`group_idx` 0) is indexed. Everything is bounded: the
 //! replay exchange has a timeout and a batch limit, reconnects back off, the token cache
@@ -42,13 +48,29 @@ pub async fn run(s: Arc<AppState>, cancel: CancellationToken) {
             tasks.push(tokio::spawn(async move {
                 tokio::select! {
                     () = cancel.cancelled() => {}
-                    _ = parity_check(&s, &src.worker) => {}
+                    () = parity_until_conclusive(&s, &src.worker) => {}
                 }
             }));
         }
     }
     for t in tasks {
         let _ = t.await;
+    }
+}
+
+/// Parity checks after an inconclusive one (an idle engine that published nothing, a
+/// worker not up yet): at most this many more, [`PARITY_RETRY_EVERY`] apart.
+pub const PARITY_RETRIES: u32 = 10;
+/// Time between two parity checks of a worker whose last one was inconclusive.
+pub const PARITY_RETRY_EVERY: Duration = Duration::from_secs(30);
+
+/// [`parity_check`] until it is conclusive, at most [`PARITY_RETRIES`] more times.
+async fn parity_until_conclusive(s: &Arc<AppState>, worker: &str) {
+    for _ in 0..=PARITY_RETRIES {
+        if !matches!(parity_check(s, worker).await, Parity::Inconclusive(_)) {
+            return;
+        }
+        tokio::time::sleep(PARITY_RETRY_EVERY).await;
     }
 }
 
@@ -126,6 +148,13 @@ async fn follow(
     cancel: &CancellationToken,
 ) -> Stop {
     let mut last: HashMap<Option<i64>, u64> = HashMap::new();
+    // What the engine published before this subscription (the router just started, or the
+    // connection was lost): asked of its replay socket now, not at the next live batch.
+    if let (Some(r), Some(w)) = (&src.replay, worker_id(s, &label.worker)) {
+        s.precise.write().track(w);
+        let got = replay(s, w, label, r, 0, u64::MAX).await;
+        s.metrics.kv_replayed.get_or_create(label).inc_by(got);
+    }
     loop {
         let msg = tokio::select! {
             () = cancel.cancelled() => return Stop::Cancelled,
