@@ -90,6 +90,10 @@ pub struct Args {
     /// Admission limit per (model, role).
     #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_MODEL")]
     pub max_in_flight_per_model: Option<u32>,
+    /// Requests one worker may have in flight (Ray Serve's `max_ongoing_requests`); a worker
+    /// at its cap is no candidate, and with every worker at it the answer is 503. 0: no cap.
+    #[arg(long, env = "KVROUTE_MAX_ONGOING_REQUESTS")]
+    pub max_ongoing_requests: Option<u32>,
     /// Bearer token for the admin API (without one the main port serves no admin API; it is
     /// then only on a loopback --admin-listen).
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
@@ -311,6 +315,7 @@ fn scalar_flags(a: &Args, cfg: &mut GatewayConfig) {
         max_total_retries,
         max_ejection_share,
         max_in_flight_per_model,
+        max_ongoing_requests,
         scrape_metrics,
         seed,
         kv_predict_window_secs,

@@ -121,6 +121,11 @@ pub struct GatewayConfig {
     pub max_ejection_share: f64,
     /// In-flight requests admitted per (model, role); beyond, 503 at once (Cognitora cgn-router).
     pub max_in_flight_per_model: u32,
+    /// Requests one worker may have in flight, this router's and (with `nats`) the other
+    /// replicas' (Ray Serve's `max_ongoing_requests`): a worker at its cap is no candidate,
+    /// and with every candidate at it the request is answered 503 with `Retry-After` (Ray
+    /// with `max_queued_requests` 0; kvroute does not queue it). 0: no cap.
+    pub max_ongoing_requests: u32,
     /// Bearer token of the admin API (`Authorization: Bearer <admin_token>`). With one, the
     /// admin API is served on the main port (unless `admin_listen` is set) to any client
     /// presenting it. Without one, the main port serves no admin endpoint at all (404): a
@@ -385,6 +390,7 @@ impl Default for GatewayConfig {
             max_total_retries: 6,
             max_ejection_share: 0.5,
             max_in_flight_per_model: 4096,
+            max_ongoing_requests: 0,
             admin_token: None,
             admin_listen: None,
             epp_listen: None,

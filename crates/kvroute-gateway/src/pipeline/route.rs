@@ -197,48 +197,8 @@ pub fn decide_in(
     routers: &crate::routers::Routers,
     roles: Option<&[Role]>,
 ) -> Result<Routed, ApiError> {
-    let (s, info, model, precise) = (&**ctx.s, &ctx.info, ctx.model.as_str(), &ctx.precise);
-    // Candidates serve the model the request names (workers listing no models serve any).
-    let lookup = if !info.model.is_empty() {
-        info.model.as_str()
-    } else if model == "*" {
-        ""
-    } else {
-        model
-    };
-    let mut candidates = s.fleet.candidates_in(lookup, roles);
-    if let Some(subset) = ctx.subset {
-        // The gateway's subset hint (endpoint-picker protocol): none of it eligible is 503.
-        candidates.retain(|w| w.authority().is_some_and(|a| subset.contains(&a)));
-        if candidates.entries.is_empty() {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!(
-                    "no worker serving model `{}` is among the gateway's {} allowed endpoints \
-                     (x-gateway-destination-endpoint-subset)",
-                    info.model,
-                    subset.len()
-                ),
-            )
-            .retry_after(1));
-        }
-    }
-    if candidates.entries.is_empty() {
-        if let Some(r) = roles {
-            let names: Vec<&str> = r.iter().map(|r| r.as_str()).collect();
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("no {} worker serves model `{}`", names.join(" or "), info.model),
-            )
-            .retry_after(1));
-        }
-        return Err(if !s.fleet.load().is_empty() && !info.model.is_empty() {
-            ApiError::new(StatusCode::NOT_FOUND, format!("model `{}` is not served by any worker", info.model))
-                .with_param("model")
-        } else {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no worker is registered")
-        });
-    }
+    let (s, model, precise) = (&**ctx.s, ctx.model.as_str(), &ctx.precise);
+    let mut candidates = candidates_for(ctx, roles)?;
     let engine_blocks = precise_cached_tokens(s, precise, &mut candidates);
     let req = ctx.view();
     let from_events: Vec<WorkerId> =
@@ -264,6 +224,70 @@ pub fn decide_in(
     let chosen_slots =
         !chosen_precise && candidates.views.iter().any(|v| v.id == decision.worker && v.cached_tokens.is_some());
     Ok(Routed { decision, key, router, candidates, chosen_precise, chosen_slots, engine_blocks, slot_key })
+}
+
+/// The request's candidates: the workers of `roles` serving its model, within the
+/// gateway's subset hint (endpoint picker) and under `max_ongoing_requests`.
+///
+/// # Errors
+/// 404 for a model no worker serves; 503 when none is left (no worker registered, none of
+/// the subset, every one at its cap).
+fn candidates_for(ctx: &RequestCtx<'_>, roles: Option<&[Role]>) -> Result<Candidates, ApiError> {
+    let (s, info, model) = (&**ctx.s, &ctx.info, ctx.model.as_str());
+    // Candidates serve the model the request names (workers listing no models serve any).
+    let lookup = if !info.model.is_empty() {
+        info.model.as_str()
+    } else if model == "*" {
+        ""
+    } else {
+        model
+    };
+    let mut candidates = s.fleet.candidates_in(lookup, roles);
+    if let Some(subset) = ctx.subset {
+        // The gateway's subset hint (endpoint-picker protocol): none of it eligible is 503.
+        candidates.retain(|w| w.authority().is_some_and(|a| subset.contains(&a)));
+        if candidates.entries.is_empty() {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "no worker serving model `{}` is among the gateway's {} allowed endpoints \
+                     (x-gateway-destination-endpoint-subset)",
+                    info.model,
+                    subset.len()
+                ),
+            )
+            .retry_after(1));
+        }
+    }
+    if s.cfg.max_ongoing_requests > 0 && !candidates.entries.is_empty() {
+        // Ray Serve's max_ongoing_requests: a worker at its cap takes no more.
+        let cap = s.cfg.max_ongoing_requests;
+        candidates.retain(|w| w.load.get().in_flight.saturating_add(w.remote_load.get().in_flight) < cap);
+        if candidates.entries.is_empty() {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("every worker serving model `{}` has max_ongoing_requests ({cap}) in flight", info.model),
+            )
+            .retry_after(1));
+        }
+    }
+    if candidates.entries.is_empty() {
+        if let Some(r) = roles {
+            let names: Vec<&str> = r.iter().map(|r| r.as_str()).collect();
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("no {} worker serves model `{}`", names.join(" or "), info.model),
+            )
+            .retry_after(1));
+        }
+        return Err(if !s.fleet.load().is_empty() && !info.model.is_empty() {
+            ApiError::new(StatusCode::NOT_FOUND, format!("model `{}` is not served by any worker", info.model))
+                .with_param("model")
+        } else {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no worker is registered")
+        });
+    }
+    Ok(candidates)
 }
 
 /// Sets each precise worker's `cached_tokens` in its view from the KV-event index and
