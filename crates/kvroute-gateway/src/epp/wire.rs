@@ -5,6 +5,7 @@
 //! metadata, pass-through bodies, immediate responses.
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue as HttpValue};
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -120,9 +121,12 @@ pub fn announced_modes(req: &ProcessingRequest) -> Option<(BodySendMode, BodySen
     Some((mode(p.request_body_mode), mode(p.response_body_mode)))
 }
 
+/// Sets `key` to `value`, replacing any value the request or response had: the protocol's
+/// default append action would add to a destination header the client sent itself.
 fn set(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue { key: key.into(), raw_value: value.as_bytes().to_vec(), ..Default::default() }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
         ..Default::default()
     }
 }
@@ -140,7 +144,11 @@ fn destination(endpoints: &str, body: Option<Vec<u8>>) -> (CommonResponse, Struc
         headers.push(set("content-length", &b.len().to_string()));
     }
     let common = CommonResponse {
-        header_mutation: Some(HeaderMutation { set_headers: headers, ..Default::default() }),
+        // kvroute's admin token, if a client sent it to see decisions, goes no further.
+        header_mutation: Some(HeaderMutation {
+            set_headers: headers,
+            remove_headers: vec![crate::tenant::ADMIN_TOKEN_HEADER.to_string()],
+        }),
         body_mutation: body.map(|b| BodyMutation { mutation: Some(body_mutation::Mutation::Body(b)) }),
         clear_route_cache: true,
         ..Default::default()
@@ -310,6 +318,8 @@ mod tests {
         let set = &common.header_mutation.as_ref().expect("mutation").set_headers[0];
         let header = set.header.as_ref().expect("header");
         assert_eq!((header.key.as_str(), &header.raw_value[..]), (DESTINATION, &b"10.0.0.1:8000,10.0.0.2:8000"[..]));
+        // A destination the client sent itself is replaced, not appended to.
+        assert_eq!(set.append_action, HeaderAppendAction::OverwriteIfExistsOrAdd as i32);
         let md = r.dynamic_metadata.as_ref().expect("metadata");
         let Some(Kind::StructValue(lb)) = &md.fields[LB_NAMESPACE].kind else { panic!("envoy.lb struct") };
         assert_eq!(lb.fields[DESTINATION].kind, Some(Kind::StringValue("10.0.0.1:8000,10.0.0.2:8000".into())));
