@@ -30,6 +30,9 @@ pub enum BenchCommand {
     /// Extension): proxies HTTP requests, asking the picker at --epp where each goes over
     /// Envoy ext_proc. For measuring `kvroute serve --epp-listen` against `kvroute serve`.
     EppGateway(EppGatewayArgs),
+    /// Decision time per policy and fleet size (p50/p99/p99.9), index warmed by the
+    /// Mooncake trace: the Criterion decision bench from the release binary.
+    Decision(crate::cmd_bench_decision::Args),
 }
 
 /// Flags of `kvroute bench epp-gateway`.
@@ -73,6 +76,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(BenchCommand::Compare(c)) => return kvroute_bench::compare::run(*c),
         Some(BenchCommand::Overhead(o)) => return kvroute_bench::compare::overhead::run(o),
         Some(BenchCommand::EppGateway(g)) => return epp_gateway(g),
+        Some(BenchCommand::Decision(d)) => return crate::cmd_bench_decision::run(d),
         None => {}
     }
     let a = a.load;

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 mod cmd_advise;
 mod cmd_bench;
+mod cmd_bench_decision;
 mod cmd_demo;
 mod cmd_engine_sim;
 mod cmd_policies;

@@ -254,3 +254,35 @@ fn compare_runs_to_completion() {
     }
     let _ = std::fs::remove_file(&json);
 }
+
+#[test]
+fn bench_decision_prints_one_json_object_per_policy_and_fleet_size() {
+    let out = kvroute(&[
+        "bench",
+        "decision",
+        "--workers",
+        "4,16",
+        "--policy",
+        "round_robin,kv_score",
+        "--decisions",
+        "200",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON object per line"))
+        .collect();
+    assert_eq!(rows.len(), 4);
+    for r in &rows {
+        let ns = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+        assert!(ns("p50_ns") > 0 && ns("p50_ns") <= ns("p99_ns") && ns("p99_ns") <= ns("p999_ns"), "{r}");
+        assert!(r["policy"].is_string() && r["workers"].is_u64(), "{r}");
+    }
+    // kv_score indexes the warming trace; round robin keeps no index.
+    assert!(rows.iter().any(|r| r["policy"] == "kv_score" && r["index_size"].as_u64() > Some(0)));
+    assert!(rows.iter().all(|r| r["policy"] != "round_robin" || r["index_size"] == 0));
+    let bad = kvroute(&["bench", "decision", "--policy", "no_such_policy"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown policy `no_such_policy`"));
+}
