@@ -14,6 +14,11 @@ use rand_core::SeedableRng;
 use std::hint::black_box;
 use std::time::Instant;
 
+/// Longest probe, tokens (its text is 4 bytes a token).
+const MAX_PROMPT_TOKENS: u32 = 1 << 20;
+/// Most decisions timed per policy and fleet size.
+const MAX_DECISIONS: usize = 10_000_000;
+
 /// Tokens per Mooncake block.
 const BLOCK_TOKENS: u32 = 512;
 
@@ -130,8 +135,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             bail!("--policy: unknown policy `{n}`; known: all, {}", registry::names().join(", "));
         }
     }
-    if a.prompt_tokens == 0 || a.decisions == 0 {
-        bail!("--prompt-tokens and --decisions must be at least 1");
+    if !(1..=MAX_PROMPT_TOKENS).contains(&a.prompt_tokens) {
+        bail!("--prompt-tokens: from 1 to {MAX_PROMPT_TOKENS}");
+    }
+    if !(1..=MAX_DECISIONS).contains(&a.decisions) {
+        bail!("--decisions: from 1 to {MAX_DECISIONS}");
     }
     let default = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
     let trace = read_trace(a.trace.as_deref().unwrap_or(std::path::Path::new(default)))?;

@@ -285,4 +285,6 @@ fn bench_decision_prints_one_json_object_per_policy_and_fleet_size() {
     let bad = kvroute(&["bench", "decision", "--policy", "no_such_policy"]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown policy `no_such_policy`"));
+    let huge = kvroute(&["bench", "decision", "--prompt-tokens", "4000000000"]);
+    assert!(String::from_utf8_lossy(&huge.stderr).contains("--prompt-tokens: from 1 to"), "refused before allocating");
 }
