@@ -5,77 +5,18 @@
 //! prints p50/p99 per policy (each call timed on its own) and bytes per cached block.
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use kvroute_core::policy::{PickCtx, Policy, route};
+use kvroute_core::decision_bench::{TraceReq, fleet, parse_mooncake, probe, view, warmed};
+use kvroute_core::policy::PickCtx;
 use kvroute_core::radix::RadixTree;
 use kvroute_core::registry;
-use kvroute_core::types::{BlockHash, BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
+use kvroute_core::types::{Nanos, WorkerId};
 use rand_core::SeedableRng;
 use std::hint::black_box;
 use std::time::Instant;
 
-struct TraceReq {
-    input: u32,
-    blocks: Vec<BlockHash>,
-}
-
 fn mooncake() -> Vec<TraceReq> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .map(|v| TraceReq {
-            input: v["input_length"].as_u64().unwrap_or(0) as u32,
-            blocks: v["hash_ids"]
-                .as_array()
-                .map(|a| a.iter().filter_map(|x| x.as_u64()).map(BlockHash).collect())
-                .unwrap_or_default(),
-        })
-        .collect()
-}
-
-fn fleet(n: usize) -> Vec<WorkerView> {
-    (0..n)
-        .map(|i| {
-            let mut w = WorkerView::idle(WorkerId(i as u32));
-            w.in_flight = (i % 7) as u32;
-            w.pending_prefill_tokens = (i as u64 % 5) * 1000;
-            w
-        })
-        .collect()
-}
-
-fn view<'a>(r: &'a TraceReq, text: Option<&'a str>) -> RequestView<'a> {
-    RequestView {
-        model: "m",
-        text,
-        token_ids: None,
-        blocks: Some(BlockSeq { block_tokens: 512, hashes: &r.blocks }),
-        input_tokens: r.input,
-        output_tokens: Some(256),
-        session_id: None,
-        role: Role::Both,
-    }
-}
-
-/// A policy warmed with the whole trace on `n` workers.
-fn warmed(name: &str, trace: &[TraceReq], n: usize) -> Box<dyn Policy> {
-    let mut p = registry::build(name, &serde_json::Value::Null).unwrap_or_else(|e| panic!("{e}"));
-    let c = fleet(n);
-    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(1);
-    for (i, r) in trace.iter().enumerate() {
-        let mut ctx = PickCtx { now: Nanos::from_millis(i as u64), rng: &mut rng };
-        let _ = route(p.as_mut(), &view(r, None), &c, &mut ctx);
-    }
-    p
-}
-
-/// The probe: a 4,096-token request (8 Mooncake blocks, the first shared with the trace's
-/// system prompt) carrying 16,384 characters of text as well.
-fn probe(trace: &[TraceReq]) -> (TraceReq, String) {
-    let mut blocks = trace.iter().find(|r| r.blocks.len() >= 8).map(|r| r.blocks[..8].to_vec()).unwrap_or_default();
-    blocks[7] = BlockHash(u64::MAX - 7);
-    let text = "You are a helpful assistant. Answer the question using the documents. ".repeat(235);
-    (TraceReq { input: 4096, blocks }, text[..16_384].to_string())
+    parse_mooncake(&std::fs::read_to_string(path).unwrap_or_default()).unwrap_or_default()
 }
 
 #[expect(
@@ -88,7 +29,7 @@ fn bench_decisions(c: &mut Criterion) {
         eprintln!("trace not found; skipping");
         return;
     }
-    let (pr, text) = probe(&trace);
+    let (pr, text) = probe(&trace, 4096);
     let mut summary = Vec::new();
     for n in [8usize, 64, 256] {
         let mut g = c.benchmark_group(format!("decision/{n}_workers"));
@@ -96,8 +37,8 @@ fn bench_decisions(c: &mut Criterion) {
             .measurement_time(std::time::Duration::from_secs(1))
             .warm_up_time(std::time::Duration::from_millis(300));
         for name in registry::names() {
-            let p = warmed(name, &trace, n);
             let cands = fleet(n);
+            let p = warmed(name, &trace, &cands).unwrap_or_else(|e| panic!("{e}"));
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
             let req = view(&pr, Some(&text));
             g.bench_function(name, |b| {

@@ -25,6 +25,7 @@
 pub mod admission;
 pub mod block_index;
 pub mod cascade;
+pub mod decision_bench;
 pub mod disagg;
 pub mod hash;
 pub mod ledger;

@@ -1,15 +1,15 @@
 //! `kvroute bench decision`: decision time per policy from the release binary, no Criterion
 //! build needed. The same measurement as `cargo bench -p kvroute-core --bench decision`:
-//! each policy's index warmed by the whole Mooncake conversation trace (`data/traces`, or
-//! `--trace`) on N workers of uneven load, then a probe request (`--prompt-tokens` long, in
-//! 512-token Mooncake blocks, the first shared with the trace's system prompt, with as much
-//! text) decided `--decisions` times, each call timed on its own (key, pick and fallbacks;
-//! nothing committed).
+//! the fixture of [`kvroute_core::decision_bench`] — each policy's index warmed by the whole
+//! Mooncake conversation trace (`data/traces`, or `--trace`) on N workers of uneven load,
+//! then a probe request `--prompt-tokens` long — decided `--decisions` times, each call
+//! timed on its own (key, pick and fallbacks; nothing committed).
 
 use anyhow::{Context, bail};
-use kvroute_core::policy::{PickCtx, Policy, decide, route};
+use kvroute_core::decision_bench::{TraceReq, fleet, parse_mooncake, probe, view, warmed};
+use kvroute_core::policy::{PickCtx, decide};
 use kvroute_core::registry;
-use kvroute_core::types::{BlockHash, BlockSeq, Nanos, RequestView, Role, WorkerId, WorkerView};
+use kvroute_core::types::Nanos;
 use rand_core::SeedableRng;
 use std::hint::black_box;
 use std::time::Instant;
@@ -18,9 +18,6 @@ use std::time::Instant;
 const MAX_PROMPT_TOKENS: u32 = 1 << 20;
 /// Most decisions timed per policy and fleet size.
 const MAX_DECISIONS: usize = 10_000_000;
-
-/// Tokens per Mooncake block.
-const BLOCK_TOKENS: u32 = 512;
 
 /// Flags of `kvroute bench decision`.
 #[derive(Debug, clap::Args)]
@@ -46,75 +43,13 @@ pub struct Args {
     pub json: bool,
 }
 
-struct TraceReq {
-    input: u32,
-    blocks: Vec<BlockHash>,
-}
-
 fn read_trace(path: &std::path::Path) -> anyhow::Result<Vec<TraceReq>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("--trace {}", path.display()))?;
-    let mut out = Vec::new();
-    for (i, l) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let v: serde_json::Value =
-            serde_json::from_str(l).with_context(|| format!("--trace {} line {}", path.display(), i + 1))?;
-        let Some(ids) = v["hash_ids"].as_array() else {
-            bail!("--trace {} line {}: no `hash_ids` array", path.display(), i + 1);
-        };
-        out.push(TraceReq {
-            input: v["input_length"].as_u64().unwrap_or(0).min(u64::from(u32::MAX)) as u32,
-            blocks: ids.iter().filter_map(serde_json::Value::as_u64).map(BlockHash).collect(),
-        });
-    }
-    if out.is_empty() {
+    let trace = parse_mooncake(&text).map_err(|e| anyhow::anyhow!("--trace {}: {e}", path.display()))?;
+    if trace.is_empty() {
         bail!("--trace {}: no requests", path.display());
     }
-    Ok(out)
-}
-
-/// `n` workers of uneven load (as the Criterion bench's).
-fn fleet(n: usize) -> Vec<WorkerView> {
-    (0..n)
-        .map(|i| {
-            let mut w = WorkerView::idle(WorkerId(i as u32));
-            w.in_flight = (i % 7) as u32;
-            w.pending_prefill_tokens = (i as u64 % 5) * 1000;
-            w
-        })
-        .collect()
-}
-
-fn view<'a>(r: &'a TraceReq, text: Option<&'a str>) -> RequestView<'a> {
-    RequestView {
-        model: "m",
-        text,
-        token_ids: None,
-        blocks: Some(BlockSeq { block_tokens: BLOCK_TOKENS, hashes: &r.blocks }),
-        input_tokens: r.input,
-        output_tokens: Some(256),
-        session_id: None,
-        role: Role::Both,
-    }
-}
-
-fn warmed(name: &str, trace: &[TraceReq], c: &[WorkerView]) -> anyhow::Result<Box<dyn Policy>> {
-    let mut p = registry::build(name, &serde_json::Value::Null).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(1);
-    for (i, r) in trace.iter().enumerate() {
-        let mut ctx = PickCtx { now: Nanos::from_millis(i as u64), rng: &mut rng };
-        let _ = route(p.as_mut(), &view(r, None), c, &mut ctx);
-    }
-    Ok(p)
-}
-
-/// The probe: `tokens` long, its first block the trace's most common first block, the
-/// rest new; about 4 characters of text a token.
-fn probe(trace: &[TraceReq], tokens: u32) -> (TraceReq, String) {
-    let n = tokens.div_ceil(BLOCK_TOKENS).max(1) as usize;
-    let first = trace.iter().find_map(|r| r.blocks.first().copied()).unwrap_or(BlockHash(1));
-    let blocks: Vec<BlockHash> = std::iter::once(first).chain((1..n).map(|i| BlockHash(u64::MAX - i as u64))).collect();
-    let chars = tokens as usize * 4;
-    let text = "You are a helpful assistant. Answer the question using the documents. ".repeat(chars / 70 + 1);
-    (TraceReq { input: tokens, blocks }, text[..chars].to_string())
+    Ok(trace)
 }
 
 /// Runs `kvroute bench decision`.
@@ -150,7 +85,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     for &n in &sizes {
         let c = fleet(n);
         for name in &names {
-            let p = warmed(name, &trace, &c)?;
+            let p = warmed(name, &trace, &c).map_err(|e| anyhow::anyhow!("{e}"))?;
             let req = view(&pr, Some(&text));
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
             let mut h = hdrhistogram::Histogram::<u64>::new(3).context("histogram")?;
