@@ -3,28 +3,11 @@
 
 mod common;
 
-use common::{Proc, client, free_port, spawn_kvroute, wait_ok};
-
-fn args(a: &[&str]) -> Vec<String> {
-    a.iter().map(|s| (*s).to_string()).collect()
-}
+use common::{Proc, client};
 
 async fn router(workers: &[String]) -> (Proc, String) {
-    let port = free_port();
-    let p = spawn_kvroute(&args(&[
-        "serve",
-        "--port",
-        &port.to_string(),
-        "--worker-urls",
-        &workers.join(","),
-        "--policy",
-        "kv_score",
-        "--expose-decision-headers",
-        "true",
-    ]));
-    let url = format!("http://127.0.0.1:{port}");
-    wait_ok(&url, "/readiness").await;
-    (p, url)
+    common::serve(&["--worker-urls", &workers.join(","), "--policy", "kv_score", "--expose-decision-headers", "true"])
+        .await
 }
 
 async fn worker_for(router: &str, prompt: &str) -> (String, String) {

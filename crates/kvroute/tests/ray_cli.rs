@@ -3,22 +3,14 @@
 
 mod common;
 
-use common::{client, free_port, spawn_kvroute, wait_ok};
+use common::client;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_at_max_ongoing_requests_takes_no_more() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     // Real time: a 300-token answer takes seconds, long enough to hold a place.
     let (_engines, urls) = common::engine_sims(1, "1").await;
-    let port = free_port();
-    let a: Vec<String> =
-        ["serve", "--port", &port.to_string(), "--worker-urls", &urls[0], "--max-ongoing-requests", "1"]
-            .iter()
-            .map(|s| (*s).to_string())
-            .collect();
-    let _router = spawn_kvroute(&a);
-    let url = format!("http://127.0.0.1:{port}");
-    wait_ok(&url, "/readiness").await;
+    let (_router, url) = common::serve(&["--worker-urls", &urls[0], "--max-ongoing-requests", "1"]).await;
     let chat = |n: u32, stream: bool| {
         serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": "tell me"}],
             "max_tokens": n, "stream": stream})

@@ -4,33 +4,16 @@
 
 mod common;
 
-use common::{Proc, client, free_port, spawn_kvroute, wait_ok};
+use common::{Proc, client};
 use std::process::Command;
 use std::time::Duration;
 
-fn args(a: &[&str]) -> Vec<String> {
-    a.iter().map(|s| (*s).to_string()).collect()
-}
-
 /// A router on `workers` with `state_dir` (decision headers exposed, drain delay 0).
 async fn router(workers: &str, state_dir: &std::path::Path) -> (Proc, String) {
-    let port = free_port();
-    let p = spawn_kvroute(&args(&[
-        "serve",
-        "--port",
-        &port.to_string(),
-        "--worker-urls",
-        workers,
-        "--expose-decision-headers",
-        "true",
-        "--state-dir",
-        state_dir.to_str().expect("utf-8"),
-        "--drain-delay-secs",
-        "0",
-    ]));
-    let url = format!("http://127.0.0.1:{port}");
-    wait_ok(&url, "/readiness").await;
-    (p, url)
+    let dir = state_dir.to_str().expect("utf-8");
+    let a =
+        ["--worker-urls", workers, "--expose-decision-headers", "true", "--state-dir", dir, "--drain-delay-secs", "0"];
+    common::serve(&a).await
 }
 
 /// Sends document `d` with `question`; returns the worker and the decision header.

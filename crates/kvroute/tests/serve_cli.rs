@@ -194,26 +194,20 @@ async fn co_launched_workers_serve_and_stop_with_the_router() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let port = free_port();
     let bin = env!("CARGO_BIN_EXE_kvroute");
-    let child = Command::new(bin)
-        .args([
-            "serve",
-            "--port",
-            &port.to_string(),
-            "--policy",
-            "cache_aware",
-            "--health-interval-secs",
-            "0.5",
-            "--launch-workers",
-            "2",
-            "--worker-cmd",
-            &format!("{bin} engine-sim --port {{port}} --time-scale 50"),
-        ])
-        .env("KVROUTE_ADMIN_TOKEN", common::ADMIN_TOKEN)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
-    let mut router = Proc(child);
+    let a = [
+        "serve",
+        "--port",
+        &port.to_string(),
+        "--policy",
+        "cache_aware",
+        "--health-interval-secs",
+        "0.5",
+        "--launch-workers",
+        "2",
+        "--worker-cmd",
+        &format!("{bin} engine-sim --port {{port}} --time-scale 50"),
+    ];
+    let mut router = common::spawn_kvroute(&a.map(String::from));
     let url = format!("http://127.0.0.1:{port}");
     let c = common::client();
     assert!(wait_ready(&c, &url).await, "router with co-launched workers never became ready");
@@ -286,14 +280,8 @@ async fn sglang_dp_size_launches_one_worker_per_rank_and_a_killed_router_leaves_
         "sh -c 'echo {{rank}} {{gpu}} {{model_path}} $CUDA_VISIBLE_DEVICES > {}/rank{{rank}}; exec {bin} engine-sim --port {{port}} --time-scale 50'",
         dir.path().display()
     );
-    let child = Command::new(bin)
-        .args(["serve", "--port", &port.to_string(), "--dp-size", "2", "--model-path", "m/odel", "--worker-cmd", &cmd])
-        .env("KVROUTE_ADMIN_TOKEN", common::ADMIN_TOKEN)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
-    let mut router = Proc(child);
+    let a = ["serve", "--port", &port.to_string(), "--dp-size", "2", "--model-path", "m/odel", "--worker-cmd", &cmd];
+    let mut router = common::spawn_kvroute(&a.map(String::from));
     let url = format!("http://127.0.0.1:{port}");
     let c = common::client();
     assert!(wait_ready(&c, &url).await, "router with --dp-size 2 never became ready");

@@ -113,3 +113,16 @@ pub async fn engine_sims(n: usize, time_scale: &str) -> (Vec<Proc>, Vec<String>)
     }
     (procs, urls)
 }
+
+/// `kvroute serve --port P ARGS...` on a free port, once `/readiness` answers 200: the
+/// process (killed on drop) and its base URL.
+#[allow(dead_code)]
+pub async fn serve(args: &[&str]) -> (Proc, String) {
+    let port = free_port().to_string();
+    let mut a: Vec<String> = vec!["serve".into(), "--port".into(), port.clone()];
+    a.extend(args.iter().map(|s| (*s).to_string()));
+    let p = spawn_kvroute(&a);
+    let url = format!("http://127.0.0.1:{port}");
+    wait_ok(&url, "/readiness").await;
+    (p, url)
+}
