@@ -93,6 +93,8 @@ pub struct WorkerEntry {
     /// A stable hash of `url`: the worker's name in every replica's tie-breaks
     /// ([`kvroute_core::types::WorkerView::tie_key`]).
     pub tie_key: u64,
+    /// `url`'s `host:port`, parsed once ([`WorkerEntry::authority`]).
+    authority: Option<String>,
     /// The worker's inference endpoints, parsed once (chat, completions, generate): the
     /// request path clones one instead of formatting and parsing a URL per attempt.
     endpoints: Option<[reqwest::Url; 3]>,
@@ -223,6 +225,9 @@ impl WorkerEntry {
             id,
             url: Arc::from(url),
             tie_key: kvroute_core::hash::stable_hash(url.as_bytes()),
+            authority: url::Url::parse(url)
+                .ok()
+                .and_then(|u| Some(format!("{}:{}", u.host_str()?, u.port_or_known_default()?))),
             endpoints,
             models: ArcSwap::from_pointee(models),
             health: AtomicU8::new(health_code(health)),
@@ -301,9 +306,8 @@ impl WorkerEntry {
     /// Its `host:port` (`[v6]:port` for an IPv6 host; the scheme's port when the URL names
     /// none): how a gateway names it in the endpoint-picker protocol. `None` for a URL
     /// without a host.
-    pub fn authority(&self) -> Option<String> {
-        let u = url::Url::parse(&self.url).ok()?;
-        Some(format!("{}:{}", u.host_str()?, u.port_or_known_default()?))
+    pub fn authority(&self) -> Option<&str> {
+        self.authority.as_deref()
     }
 
     /// Its role.

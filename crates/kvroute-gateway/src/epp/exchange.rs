@@ -236,7 +236,7 @@ async fn pass_through(s: &AppState, io: &mut Io, modes: Modes, subset: Option<&[
     let best = fleet
         .iter()
         .filter(|w| w.is_routable())
-        .filter_map(|w| Some((w.authority()?, w.load.get().in_flight)))
+        .filter_map(|w| Some((w.authority()?.to_string(), w.load.get().in_flight)))
         .filter(|(a, _)| subset.is_none_or(|s| s.contains(a)))
         .min_by_key(|(_, n)| *n);
     let Some((endpoint, _)) = best else {
@@ -338,9 +338,9 @@ impl Answer {
         let served = wire::served_of(m);
         let label = match served.as_deref() {
             None => "unreported",
-            Some(ep) if p.worker.authority().as_deref() == Some(ep) => "chosen",
+            Some(ep) if p.worker.authority() == Some(ep) => "chosen",
             Some(ep) => {
-                let other = p.routed.candidates.entries.iter().find(|w| w.authority().as_deref() == Some(ep)).cloned();
+                let other = p.routed.candidates.entries.iter().find(|w| w.authority() == Some(ep)).cloned();
                 match other.map(|w| p.served_by(ctx, w)) {
                     Some(Ok(())) => "fallback",
                     _ => "unknown",

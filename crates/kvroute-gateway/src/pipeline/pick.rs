@@ -111,7 +111,7 @@ pub async fn pick(ctx: &mut RequestCtx<'_>, original: &Bytes) -> Result<Picked, 
     let endpoints: Vec<String> = order(&routed.decision)
         .filter_map(|id| routed.candidates.entry(id))
         .filter(|w| w.id == worker.id || w.is_routable())
-        .filter_map(|w| w.authority())
+        .filter_map(|w| w.authority().map(str::to_string))
         .take(MAX_ENDPOINTS)
         .collect();
     super::ctx::note_worker(&worker.url, branch);

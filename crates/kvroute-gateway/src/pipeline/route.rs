@@ -245,7 +245,7 @@ fn candidates_for(ctx: &RequestCtx<'_>, roles: Option<&[Role]>) -> Result<Candid
     let mut candidates = s.fleet.candidates_in(lookup, roles);
     if let Some(subset) = ctx.subset {
         // The gateway's subset hint (endpoint-picker protocol): none of it eligible is 503.
-        candidates.retain(|w| w.authority().is_some_and(|a| subset.contains(&a)));
+        candidates.retain(|w| w.authority().is_some_and(|a| subset.iter().any(|s| s == a)));
         if candidates.entries.is_empty() {
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
