@@ -317,17 +317,9 @@ impl LeastTtft {
                 * (whole - waiting)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn terms(
-        &self,
-        w: &WorkerView,
-        key: &RequestKey,
-        input: u64,
-        stall: f64,
-        miss_share: f64,
-        fleet: (f64, f64),
-        best_hit: f64,
-    ) -> Candidate {
+    /// One worker's charge and TTFT prediction for the request `a` describes.
+    fn terms(&self, w: &WorkerView, a: &Ask<'_>) -> Candidate {
+        let Ask { key, input, stall, miss_share, fleet, best_hit } = *a;
         let c = &self.cost.cfg;
         let (cached, hit) = self.cost.cached(w, key, input);
         let profile = self.profiles.get(&w.id);
@@ -357,6 +349,23 @@ impl LeastTtft {
             prediction: TtftPrediction { secs: overhead + scale * uncalibrated_secs, uncalibrated_secs },
         }
     }
+}
+
+/// What one decision knows of the request and the fleet before it scores a worker.
+#[derive(Clone, Copy)]
+struct Ask<'a> {
+    /// The request's routing key.
+    key: &'a RequestKey,
+    /// Its prompt tokens.
+    input: u64,
+    /// The stall charge's weight over the fleet's mean waiting queue (`PrefillCost::stall_weight`).
+    stall: f64,
+    /// The share of `miss_weight − 1` charged now ([`LeastTtft::miss_share`]).
+    miss_share: f64,
+    /// The fleet's fit (scale, overhead seconds), used for a worker not fitted yet.
+    fleet: (f64, f64),
+    /// The best `hit_ratio` of the workers with hit observations.
+    best_hit: f64,
 }
 
 /// The share of the running requests' decode charge `w` pays at `load` requests: 0 up to a
@@ -403,6 +412,7 @@ impl Policy for LeastTtft {
         let fleet = self.fleet_fit();
         let miss_share = self.miss_share(c);
         let best_hit = self.best_hit_ratio();
+        let ask = Ask { key, input, stall, miss_share, fleet, best_hit };
         let cc = &self.cost.cfg;
         if cc.session_affinity
             && let Some(sid) = req.session_id
@@ -410,7 +420,7 @@ impl Policy for LeastTtft {
             && let Some(a) = c.iter().find(|w| w.id == bound && w.is_routable())
         {
             let mean = mean_load(c).unwrap_or(0.0).max(1.0);
-            let t = self.terms(a, key, input, stall, miss_share, fleet, best_hit);
+            let t = self.terms(a, &ask);
             if t.cached * 2 > input && f64::from(a.load()) <= mean * cc.overload_factor {
                 let mut d =
                     Decision::new(a.id, Branch::Sticky).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score);
@@ -422,7 +432,7 @@ impl Policy for LeastTtft {
         let mut best: Option<Candidate> = None;
         let mut ties: SmallVec<[Candidate; 8]> = SmallVec::new();
         for w in c.iter().filter(|w| w.is_routable() && cap.is_none_or(|cap| within(w, cap))) {
-            let t = self.terms(w, key, input, stall, miss_share, fleet, best_hit);
+            let t = self.terms(w, &ask);
             match &best {
                 Some(b) if tied(t.score, b.score) && t.cached == b.cached => ties.push(t),
                 Some(b) if t.score > b.score || (tied(t.score, b.score) && t.cached < b.cached) => {}

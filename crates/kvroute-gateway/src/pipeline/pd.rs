@@ -149,6 +149,31 @@ struct Pair<'a> {
     body: &'a Map<String, Value>,
 }
 
+/// Why an SGLang prefill request failed (the decode half then waits for KV that never comes).
+#[derive(Debug, thiserror::Error)]
+enum PrefillError {
+    /// The prefill worker answered with a non-success status.
+    #[error("{url}: prefill answered {status}")]
+    Status {
+        /// The prefill worker.
+        url: String,
+        /// Its answer's status.
+        status: reqwest::StatusCode,
+    },
+    /// The request failed on the way (connection, stream, an oversized answer): the
+    /// dispatcher's message, naming the worker.
+    #[error("{0}")]
+    Transport(String),
+    /// No complete answer within the handshake timeout.
+    #[error("{url}: no prefill answer within the {handshake:?} handshake timeout")]
+    Late {
+        /// The prefill worker.
+        url: String,
+        /// The handshake timeout.
+        handshake: Duration,
+    },
+}
+
 /// How one pair attempt ended.
 enum PairError {
     /// The prefill worker failed: try the next one.
@@ -332,14 +357,14 @@ impl Pair<'_> {
                     }
                 },
                 // The decode worker would wait for KV that never comes: drop it, retry.
-                Ok(Err(e)) => Err(PairError::Prefill(e)),
+                Ok(Err(e)) => Err(PairError::Prefill(e.to_string())),
                 Err(e) => Err(PairError::Prefill(format!("prefill task: {e}"))),
             },
             d = &mut decode => match d {
                 // A decode worker fails when its prefill worker did (the KV never came):
                 // charge the prefill worker when its answer says so.
                 Err(PairError::Decode(e)) => match tokio::time::timeout(Duration::from_secs(1), &mut prefill).await {
-                    Ok(Ok(Err(pe))) => Err(PairError::Prefill(pe)),
+                    Ok(Ok(Err(pe))) => Err(PairError::Prefill(pe.to_string())),
                     _ => {
                         s.record_failure(dw);
                         Err(PairError::Decode(e))
@@ -492,18 +517,18 @@ async fn sglang_prefill(
     p: SglangPrefill,
     held: (Arc<kvroute_core::admission::Permit>, Option<crate::cluster::sync::SharedTicket>),
     mut p_ticket: kvroute_core::ledger::LoadTicket,
-) -> Result<(), String> {
+) -> Result<(), PrefillError> {
     let _held = held;
     let SglangPrefill { s, pw, bytes, headers, api, handshake } = p;
-    let late = || format!("{}: no prefill answer within the {handshake:?} handshake timeout", pw.url);
+    let late = || PrefillError::Late { url: pw.url.to_string(), handshake };
     let drained = tokio::time::timeout(handshake, async {
         match dispatch::attempt(Hop { s: &s, api, headers: &headers }, &pw, &bytes, handshake, None).await {
             Ok(mut resp) if resp.status().is_success() => {
                 while let Ok(Some(_)) = resp.chunk().await {}
                 Ok(())
             }
-            Ok(resp) => Err(format!("{}: prefill answered {}", pw.url, resp.status())),
-            Err(Failure::Retry(e) | Failure::TooLarge(e)) => Err(e),
+            Ok(resp) => Err(PrefillError::Status { url: pw.url.to_string(), status: resp.status() }),
+            Err(Failure::Retry(e) | Failure::TooLarge(e)) => Err(PrefillError::Transport(e)),
             Err(Failure::Timeout { .. }) => Err(late()),
         }
     })
