@@ -92,15 +92,19 @@ const KV_SCORE_KNOBS: &[Knob] = &[
     ("w_pwr", "weight >= 0", "weight of 1 - watts/fleet max watts"),
     ("w_cap", "weight >= 0", "weight of static capacity (TP x VRAM / dtype, normalised by fleet max)"),
     ("epsilon", "score", "scores within this of the best are tied; a stable hash breaks the tie"),
-    ("prefix_tokens", "tokens", "leading prompt tokens hashed for the overlap (Cognitora cgn-router: 64)"),
+    (
+        "prefix_tokens",
+        "tokens",
+        "leading prompt tokens hashed for the overlap (Cognitora cgn-router's ~64; 1048576 for the whole prompt)",
+    ),
     ("block_tokens", "tokens", "tokens per hashed block"),
-    ("hash", "xxh3 | blake3", "block hash function"),
+    ("hash", "blake3 | xxh3", "block hash function (Cognitora cgn-router: a BLAKE3 chain)"),
     ("ttl_secs", "seconds", "index entry lifetime after last use"),
     ("max_entries", "entries", "block index budget in (block, worker) entries"),
     (
         "load_signal",
-        "queue | seed",
-        "util: queued prefill tokens + 1,000 per request, over the fleet's most loaded (queue); max(in_flight/max_concurrent, sm_util) (seed, Cognitora cgn-router)",
+        "seed | queue",
+        "util: max(in_flight/max_concurrent, sm_util) (seed, Cognitora cgn-router's); queued prefill tokens + 1,000 per request, over the fleet's most loaded (queue)",
     ),
 ];
 const PREFILL_COST_KNOBS: &[Knob] = &[

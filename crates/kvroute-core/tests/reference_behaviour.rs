@@ -192,7 +192,31 @@ fn kv_score_overlap_beats_small_load_difference_and_loses_to_saturation() {
 /// kv_score with Cognitora cgn-router's own defaults (64 leading tokens, the saturating
 /// utilisation); kvroute's defaults differ (the whole prompt, the queue).
 fn kv_score_seed() -> Box<dyn Policy> {
-    build("kv_score", &serde_json::json!({"prefix_tokens": 64, "load_signal": "seed"})).expect("build")
+    build("kv_score", &serde_json::Value::Null).expect("build")
+}
+
+/// kvroute's alternative to cgn-router's kv_score defaults: the whole prompt, xxh3, queues.
+fn kv_score_whole_prompt() -> Box<dyn Policy> {
+    build("kv_score", &serde_json::json!({"prefix_tokens": 1_048_576, "hash": "xxh3", "load_signal": "queue"}))
+        .expect("build")
+}
+
+#[test]
+fn kv_score_defaults_are_cognitora_cgn_routers() {
+    let k = kv_score_seed().knobs();
+    for (knob, v) in [
+        ("prefix_tokens", serde_json::json!(64)),
+        ("block_tokens", serde_json::json!(16)),
+        ("hash", serde_json::json!("blake3")),
+        ("load_signal", serde_json::json!("seed")),
+        ("epsilon", serde_json::json!(0.01)),
+        ("w_kv", serde_json::json!(0.55)),
+        ("w_load", serde_json::json!(0.25)),
+        ("w_pwr", serde_json::json!(0.1)),
+        ("w_cap", serde_json::json!(0.1)),
+    ] {
+        assert_eq!(k[knob], v, "{knob}");
+    }
 }
 
 #[test]
@@ -225,12 +249,12 @@ fn kv_score_with_the_seed_defaults_hashes_the_first_64_tokens_whatever_the_block
 }
 
 #[test]
-fn kv_score_by_default_weighs_the_whole_prompt_and_spreads_a_shared_system_prompt_by_queue() {
+fn kv_score_over_the_whole_prompt_by_queue_spreads_a_shared_system_prompt_and_the_defaults_do_not() {
     use kvroute_core::types::{BlockHash, BlockSeq};
-    // Requests share block 0 (the system prompt) and nothing else. With the seed's
+    // Requests share block 0 (the system prompt) and nothing else. With cgn-router's
     // defaults the holder of block 0 has full overlap for every one of them and gets them
-    // all, however long its queue; by default the overlap is over the whole prompt (1 of 4
-    // blocks) and the worker's queued prefill counts against it.
+    // all, however long its queue; over the whole prompt (1 of 4 blocks) with the queue
+    // signal, the worker's queued prefill counts against it.
     static A: [BlockHash; 4] = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4)];
     static B: [BlockHash; 4] = [BlockHash(1), BlockHash(9), BlockHash(10), BlockHash(11)];
     let view = |h: &'static [BlockHash]| RequestView {
@@ -238,9 +262,7 @@ fn kv_score_by_default_weighs_the_whole_prompt_and_spreads_a_shared_system_promp
         input_tokens: 2048,
         ..RequestView::from_text("m", "")
     };
-    for (mut p, spreads) in
-        [(build("kv_score", &serde_json::Value::Null).expect("build"), true), (kv_score_seed(), false)]
-    {
+    for (mut p, spreads) in [(kv_score_whole_prompt(), true), (kv_score_seed(), false)] {
         let mut c = fleet(&[0, 0, 0, 0]);
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
         let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
@@ -292,6 +314,37 @@ fn kv_score_weights_change_live_in_their_one_home() {
     c[0].capacity.max_concurrent = 10;
     c[1].capacity.max_concurrent = 10;
     assert_eq!(go(&mut p, "hello", &c, 1).worker, WorkerId(1));
+}
+
+#[test]
+fn kv_score_weights_change_through_a_shared_reference_and_other_knobs_do_not() {
+    use kvroute_core::policy::kv_score::KvScore;
+    let mut p = KvScore::new(Default::default());
+    let mut c = fleet(&[5, 1]);
+    c[0].capacity.max_concurrent = 10;
+    c[1].capacity.max_concurrent = 10;
+    // Only the capacity term: worker 0 is the larger one.
+    c[0].capacity.vram_gib = 80.0;
+    c[1].capacity.vram_gib = 40.0;
+    let only = |w: &str| {
+        let mut v = serde_json::json!({"w_kv": 0.0, "w_load": 0.0, "w_pwr": 0.0, "w_cap": 0.0});
+        v[w] = serde_json::json!(1.0);
+        v
+    };
+    {
+        let shared: &KvScore = &p;
+        shared.set_live_knobs(&only("w_cap")).expect("live").expect("valid");
+    }
+    assert_eq!(go(&mut p, "hello", &c, 1).worker, WorkerId(0), "capacity alone picks the larger worker");
+    {
+        let shared: &KvScore = &p;
+        shared.set_live_knobs(&only("w_load")).expect("live").expect("valid");
+        let bad = shared.set_live_knobs(&serde_json::json!({"w_kv": -1.0})).expect("live");
+        assert!(bad.expect_err("negative weight").to_string().contains("w_kv"));
+        assert!(shared.set_live_knobs(&serde_json::json!({"w_kv": 0.5, "ttl_secs": 5.0})).is_none());
+    }
+    assert_eq!(p.knobs()["w_load"], serde_json::json!(1.0), "the refused patch changed nothing");
+    assert_eq!(go(&mut p, "hello", &c, 1).worker, WorkerId(1), "load alone picks the less loaded worker");
 }
 
 // ---- all policies ----

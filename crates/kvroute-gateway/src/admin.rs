@@ -18,6 +18,7 @@ use kvroute_protocol::openai::{Api, parse_limited};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Who may use the admin API: with `admin_token` set, a client presenting
 /// `Authorization: Bearer <admin_token>` (compared in constant time), from anywhere; without
@@ -173,37 +174,98 @@ fn url_param(q: &HashMap<String, String>) -> Result<String, ApiError> {
     q.get("url").cloned().ok_or_else(|| ApiError::bad_field("url", "missing query parameter `url`"))
 }
 
-/// `POST /add_worker?url=`.
-pub async fn add_worker(State(s): State<Arc<AppState>>, RawQuery(q): RawQuery) -> Response {
+/// Whether the client asked for JSON (`Accept: application/json`); SGLang router's admin
+/// answers are plain text otherwise.
+fn wants_json(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.split(',').any(|t| t.trim().starts_with("application/json")))
+}
+
+/// `add_worker`'s wait: `None` for `wait=false`, else `timeout_secs` (positive, at most
+/// [`crate::config::MAX_TIMEOUT_SECS`]) or `worker_startup_timeout_secs`.
+fn startup_wait(s: &AppState, q: &HashMap<String, String>) -> Result<Option<Duration>, ApiError> {
+    match q.get("wait").map(|w| w.to_ascii_lowercase()) {
+        None => {}
+        Some(w) if ["true", "1", "yes", ""].contains(&w.as_str()) => {}
+        Some(w) if ["false", "0", "no"].contains(&w.as_str()) => return Ok(None),
+        Some(w) => return Err(ApiError::bad_field("wait", format!("`wait` is true or false, got `{w}`"))),
+    }
+    let secs = match q.get("timeout_secs") {
+        None => s.cfg.worker_startup_timeout_secs,
+        Some(t) => t
+            .parse::<f64>()
+            .ok()
+            .filter(|v| v.is_finite() && *v > 0.0 && *v <= crate::config::MAX_TIMEOUT_SECS)
+            .ok_or_else(|| {
+                ApiError::bad_field(
+                    "timeout_secs",
+                    format!(
+                        "`timeout_secs` is a positive number of seconds up to {}, got `{t}`",
+                        crate::config::MAX_TIMEOUT_SECS
+                    ),
+                )
+            })?,
+    };
+    Ok(Some(Duration::from_secs_f64(secs)))
+}
+
+/// `POST /add_worker?url=[&wait=false][&timeout_secs=S]` (SGLang router): waits for the
+/// worker's health check to pass (at most `timeout_secs`, default
+/// `worker_startup_timeout_secs`) and adds it; a worker that never becomes ready is
+/// refused (400, nothing added). `wait=false` adds it at once, healthy or not. Answers
+/// SGLang's text (`Successfully added worker: URL`), or `{"status": "added", "url", "id"}`
+/// to `Accept: application/json`; errors are JSON.
+pub async fn add_worker(State(s): State<Arc<AppState>>, headers: HeaderMap, RawQuery(q): RawQuery) -> Response {
     let q = params(q);
     let r = async {
         let url = url_param(&q)?;
-        let id = s.add_worker(&url).await.map_err(|m| ApiError::bad_field("url", m.to_string()))?;
+        let added = match startup_wait(&s, &q)? {
+            Some(timeout) => s.add_worker_when_ready(&url, timeout).await,
+            None => s.add_worker(&url).await,
+        };
+        let id = added.map_err(|m| ApiError::bad_field("url", m.to_string()))?;
         let url = s.fleet.by_id(WorkerId(id)).map_or(url, |w| w.url.to_string());
-        Ok::<_, ApiError>(Json(serde_json::json!({"status": "added", "url": url, "id": id})))
+        Ok::<_, ApiError>(if wants_json(&headers) {
+            Json(serde_json::json!({"status": "added", "url": url, "id": id})).into_response()
+        } else {
+            format!("Successfully added worker: {url}").into_response()
+        })
     }
     .await;
-    r.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+    r.unwrap_or_else(IntoResponse::into_response)
 }
 
-/// `POST /remove_worker?url=`.
-pub async fn remove_worker(State(s): State<Arc<AppState>>, RawQuery(q): RawQuery) -> Response {
+/// `POST /remove_worker?url=` (SGLang router): SGLang's text (`Successfully removed
+/// worker: URL`), or `{"status": "removed", "url"}` to `Accept: application/json`; 404
+/// JSON for a URL not in the fleet.
+pub async fn remove_worker(State(s): State<Arc<AppState>>, headers: HeaderMap, RawQuery(q): RawQuery) -> Response {
     let q = params(q);
     let r = (|| {
         let url = url_param(&q)?;
-        if s.remove_worker(&url) {
-            Ok(Json(serde_json::json!({"status": "removed", "url": url})))
-        } else {
-            Err(ApiError::new(StatusCode::NOT_FOUND, format!("no worker `{url}`")).with_param("url"))
+        if !s.remove_worker(&url) {
+            return Err(ApiError::new(StatusCode::NOT_FOUND, format!("no worker `{url}`")).with_param("url"));
         }
+        Ok(if wants_json(&headers) {
+            Json(serde_json::json!({"status": "removed", "url": url})).into_response()
+        } else {
+            format!("Successfully removed worker: {url}").into_response()
+        })
     })();
-    r.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+    r.unwrap_or_else(IntoResponse::into_response)
 }
 
-/// `GET /list_workers`: worker URLs (SGLang router).
+/// `GET /list_workers` (SGLang router): `urls`, the workers requests may go to — SGLang
+/// drops a worker that failed `max_worker_retries` times, so an ejected one is not among
+/// them — and `ejected`, the workers failed requests took out of routing (kvroute keeps
+/// probing them and brings them back; `GET /workers` has the details).
 pub async fn list_workers(State(s): State<Arc<AppState>>) -> Response {
-    let urls: Vec<String> = s.fleet.load().iter().map(|w| w.url.to_string()).collect();
-    Json(serde_json::json!({"urls": urls})).into_response()
+    let fleet = s.fleet.load();
+    let (ejected, routable): (Vec<_>, Vec<_>) = fleet.iter().partition(|w| w.is_ejected());
+    let urls = |ws: Vec<&Arc<crate::fleet::WorkerEntry>>| ws.iter().map(|w| w.url.to_string()).collect::<Vec<_>>();
+    Json(serde_json::json!({"urls": urls(routable), "ejected": urls(ejected)})).into_response()
 }
 
 /// `GET /workers`: the worker table with health, models, load and engine signals.

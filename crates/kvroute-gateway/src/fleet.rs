@@ -117,6 +117,8 @@ pub struct WorkerEntry {
     /// Ejections in a row without a request succeeding in between (the probe backoff's
     /// exponent).
     ejections: AtomicU32,
+    /// Where it runs relative to this router ([`crate::model::locality::Locality`] as `u8`).
+    locality: std::sync::atomic::AtomicU8,
     /// When the next inference probe of an ejected worker is due (gateway clock, ns).
     probe_at: AtomicU64,
     /// The last failed request (gateway clock, ns; 0 = never): with every worker out, the
@@ -237,6 +239,7 @@ impl WorkerEntry {
             check_failures: AtomicU32::new(0),
             check_successes: AtomicU32::new(0),
             ejections: AtomicU32::new(0),
+            locality: std::sync::atomic::AtomicU8::new(crate::model::locality::Locality::Other as u8),
             probe_at: AtomicU64::new(0),
             last_failure_at: AtomicU64::new(0),
             signals: EngineSignals::default(),
@@ -345,6 +348,16 @@ impl WorkerEntry {
         self.down.notified()
     }
 
+    /// Where the worker runs relative to this router.
+    pub fn locality(&self) -> crate::model::locality::Locality {
+        crate::model::locality::Locality::from_u8(self.locality.load(Relaxed))
+    }
+
+    /// Sets where the worker runs relative to this router.
+    pub fn set_locality(&self, l: crate::model::locality::Locality) {
+        self.locality.store(l as u8, Relaxed);
+    }
+
     /// Whether failed requests took the worker out (until an inference probe passes).
     pub fn is_ejected(&self) -> bool {
         self.ejected.load(Relaxed)
@@ -448,6 +461,7 @@ impl WorkerEntry {
             models: self.models.load().as_ref().clone(),
             health: if self.is_ejected() { Health::Unhealthy } else { self.health() },
             ejected: self.is_ejected(),
+            locality: self.locality(),
             consecutive_failures: self.consecutive_failures.load(Relaxed),
             check_failures: self.check_failures.load(Relaxed),
             check_successes: self.check_successes.load(Relaxed),
@@ -482,6 +496,8 @@ pub struct WorkerInfo {
     pub health: Health,
     /// Out of routing after failed requests, until an inference probe passes.
     pub ejected: bool,
+    /// Where it runs relative to this router (`[locality]`): `node`, `zone` or `other`.
+    pub locality: crate::model::locality::Locality,
     /// Consecutive failed requests.
     pub consecutive_failures: u32,
     /// Consecutive failed active checks.

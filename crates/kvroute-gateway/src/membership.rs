@@ -39,6 +39,47 @@ impl AppState {
         self.add_worker_with(url, None).await
     }
 
+    /// [`AppState::add_worker`] once the worker is ready, as SGLang router's `add_worker`:
+    /// a URL not yet in the fleet is checked (refused URLs first, without a request), then
+    /// its health check (`health.path`) is asked every `worker_startup_check_interval_secs`
+    /// until it answers 200, for at most `timeout`; only then is it added. A worker already
+    /// in the fleet is not waited for.
+    ///
+    /// # Errors
+    /// [`AddWorkerError::NotReady`] when the health check never passed (the worker is not
+    /// added); the others of [`AppState::add_worker`].
+    pub async fn add_worker_when_ready(self: &Arc<Self>, url: &str, timeout: Duration) -> Result<u32, AddWorkerError> {
+        let checked = crate::model::worker_url::check_worker_url(url)?;
+        self.cfg.check_worker_allowed(&checked)?;
+        self.check_not_own(&checked).await?;
+        if self.fleet.by_url(&checked).is_none() {
+            self.wait_ready(&checked, timeout).await?;
+        }
+        self.add_worker(url).await
+    }
+
+    /// Asks `url`'s health check until it answers 200 or `timeout` has passed.
+    async fn wait_ready(&self, url: &str, timeout: Duration) -> Result<(), AddWorkerError> {
+        let h = &self.cfg.health;
+        let every = Duration::from_secs_f64(self.cfg.worker_startup_check_interval_secs);
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut last;
+        loop {
+            let check = crate::upstream::try_get_text(&self.client, &format!("{url}{}", h.path), h.timeout_secs).await;
+            last = match check {
+                Ok((200, _)) => return Ok(()),
+                Ok((status, _)) => format!("{} answered {status}", h.path),
+                Err(e) => e.to_string(),
+            };
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                break;
+            }
+            tokio::time::sleep(every.min(deadline - now)).await;
+        }
+        Err(AddWorkerError::NotReady { url: url.to_string(), waited: timeout, last })
+    }
+
     /// Adds a worker, its facts — configured role and capacity, what the worker reports,
     /// and its registration when it comes from etcd — set before it joins the fleet, so no
     /// request sees it without them.
@@ -73,6 +114,7 @@ impl AppState {
         let (w, new) = self.fleet.add_with(&url, models, health, |w| {
             w.models_read_at.store(now.0, std::sync::atomic::Ordering::Relaxed);
             w.set_capacity(crate::fleet::CapacitySource::Config, self.cfg.capacity_of(&url));
+            w.set_locality(self.cfg.locality.rank(&self.cfg.place_of(&url, record.map(|r| &r.labels))));
             if let Some((capacity, port)) = &probed {
                 w.set_capacity(crate::fleet::CapacitySource::Probed, Some(capacity.clone()));
                 w.bootstrap_port.set(port.map(u32::from));
@@ -122,6 +164,7 @@ impl AppState {
                 w.bootstrap_port.set(record.bootstrap_port.map(u32::from));
             }
         }
+        w.set_locality(self.cfg.locality.rank(&self.cfg.place_of(&w.url, Some(&record.labels))));
         w.registration.store(Some(Arc::new(record.clone())));
     }
 
@@ -202,6 +245,19 @@ pub enum AddWorkerError {
     /// The worker table is full.
     #[error(transparent)]
     Full(#[from] crate::fleet::FleetFull),
+    /// Its health check did not pass within the startup timeout (SGLang router's
+    /// `worker_startup_timeout_secs`).
+    #[error(
+        "`{url}` did not become ready within {waited:?} (last health check: {last}); `wait=false` adds it now and the health checker admits it when it answers"
+    )]
+    NotReady {
+        /// The normalised URL.
+        url: String,
+        /// How long it was waited for.
+        waited: Duration,
+        /// What its last health check met.
+        last: String,
+    },
     /// Removed (by another task) while it was being added.
     #[error("`{url}` was removed meanwhile")]
     Removed {

@@ -227,8 +227,10 @@ impl Routers {
         }
     }
 
-    /// Patches the live policy's knobs in every model's router (each one's write lock in
-    /// turn; the others keep routing). Validated first against a fresh policy, so an
+    /// Patches the live policy's knobs in every model's router: knobs the policy swaps
+    /// through a shared cell ([`Policy::set_live_knobs`], kv_score's weights) under each
+    /// router's read lock, so no decision waits; others under each one's write lock in
+    /// turn (the other models keep routing). Validated first against a fresh policy, so an
     /// invalid patch changes nothing anywhere.
     ///
     /// # Errors
@@ -240,8 +242,15 @@ impl Routers {
             .map_err(|e| KnobError { policy: "?", message: e.to_string() })?;
         probe.set_knobs(patch)?;
         let knobs = probe.knobs();
+        // Knobs the policy reads through a shared cell (kv_score's weights) change under the
+        // read lock: decisions go on meanwhile. Others take each model's write lock in turn.
+        let live = probe.set_live_knobs(patch).is_some();
         for r in self.all() {
-            let res = r.policy.write().set_knobs(patch);
+            let shared = if live { r.policy.read().set_live_knobs(patch) } else { None };
+            let res = match shared {
+                Some(res) => res,
+                None => r.policy.write().set_knobs(patch),
+            };
             res?;
             r.reschedule(now);
         }
@@ -273,5 +282,27 @@ impl Routers {
         self.setting.store(Arc::new((policy.to_string(), full.clone())));
         self.map.store(Arc::new(next));
         Ok(full)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_score_weights_change_while_a_decision_holds_the_policy() {
+        let routers = Routers::new("kv_score", serde_json::Value::Null, 1).expect("routers");
+        let r = routers.get("m", Nanos::ZERO);
+        // A decision in flight holds the read lock; a weight change must not wait for it
+        // (it would wait for ever here: the same thread holds the guard).
+        let deciding = r.policy.read();
+        let knobs = routers.set_knobs(&serde_json::json!({"w_kv": 0.7, "epsilon": 0.02}), Nanos::ZERO).expect("valid");
+        assert_eq!((knobs["w_kv"].as_f64(), knobs["epsilon"].as_f64()), (Some(0.7), Some(0.02)));
+        assert_eq!(deciding.knobs()["w_kv"].as_f64(), Some(0.7), "the router in use sees the new weights");
+        drop(deciding);
+        // Another knob takes the write lock (and works once no decision holds the policy).
+        routers.set_knobs(&serde_json::json!({"ttl_secs": 30.0}), Nanos::ZERO).expect("valid");
+        assert_eq!(r.policy.read().knobs()["ttl_secs"].as_f64(), Some(30.0));
+        assert_eq!(r.policy.read().knobs()["w_kv"].as_f64(), Some(0.7), "the weights survive a full patch");
     }
 }

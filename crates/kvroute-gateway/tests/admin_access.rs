@@ -48,7 +48,7 @@ fn chat() -> serde_json::Value {
 /// One request of each admin endpoint against `base`.
 fn admin_calls(c: &reqwest::Client, base: &str) -> Vec<reqwest::RequestBuilder> {
     vec![
-        c.post(format!("{base}/add_worker?url=http://127.0.0.1:9")),
+        c.post(format!("{base}/add_worker?url=http://127.0.0.1:9&wait=false")),
         c.post(format!("{base}/remove_worker?url=http://127.0.0.1:9")),
         c.get(format!("{base}/workers")),
         c.get(format!("{base}/list_workers")),
@@ -200,7 +200,7 @@ async fn worker_urls_are_normalised_and_the_allow_list_holds() {
     config.worker_allow = vec!["127.0.0.0/8".into()];
     let (r, _task) = common::start_router(config, stop.clone()).await;
     let c = common::client();
-    let add = |u: String| c.post(format!("{r}/add_worker?url={u}")).send();
+    let add = |u: String| c.post(format!("{r}/add_worker?url={u}")).header("accept", "application/json").send();
     let upper = w.replace("http://", "HTTP://") + "/";
     let v: serde_json::Value = guard(add(upper)).await.expect("send").json().await.expect("json");
     assert_eq!(v["url"], w.as_str(), "{v}");
@@ -428,4 +428,81 @@ async fn add_worker_through_a_same_host_proxy_written_here_needs_the_token() {
 #[ignore = "needs nginx: KVROUTE_NGINX_BIN (Debian nginx-light); scripts/test.sh runs it"]
 async fn add_worker_through_nginx_on_the_same_host_needs_the_token() {
     add_worker_through_a_same_host_proxy(Proxy::Nginx).await;
+}
+
+/// SGLang router's `add_worker`: waits for a starting worker's health check, answers its
+/// text, and refuses a worker that never becomes ready; `wait=false` adds it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_worker_waits_for_a_starting_worker_and_refuses_one_that_never_starts() {
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    let stop = CancellationToken::new();
+    // A worker whose health check fails three times (loading its model), then passes.
+    let checks = Arc::new(AtomicU32::new(0));
+    let seen = Arc::clone(&checks);
+    let app =
+        axum::Router::new()
+            .route(
+                "/health",
+                axum::routing::get(move || {
+                    let n = seen.fetch_add(1, SeqCst);
+                    async move {
+                        if n < 3 { axum::http::StatusCode::SERVICE_UNAVAILABLE } else { axum::http::StatusCode::OK }
+                    }
+                }),
+            )
+            .route(
+                "/v1/models",
+                axum::routing::get(|| async { axum::Json(serde_json::json!({"data": [{"id": "m"}]})) }),
+            );
+    let starting = serve_as_from(app, "127.0.0.1:9".parse().expect("addr"), stop.clone()).await;
+    let mut config = common::config(&[], "round_robin");
+    config.worker_startup_check_interval_secs = 0.05;
+    config.health.interval_secs = 3600.0;
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let c = common::client();
+
+    let resp = guard(c.post(format!("{r}/add_worker?url={starting}")).send()).await.expect("send");
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"].to_str().expect("ascii").starts_with("text/plain"));
+    assert_eq!(resp.text().await.expect("text"), format!("Successfully added worker: {starting}"));
+    assert!(checks.load(SeqCst) >= 4, "added before its health check passed");
+
+    // Nothing listens here: refused after the timeout, and not added.
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let resp = guard(c.post(format!("{r}/add_worker?url={dead}&timeout_secs=0.2")).send()).await.expect("send");
+    assert_eq!(resp.status(), 400);
+    let v: serde_json::Value = resp.json().await.expect("a JSON error");
+    assert_eq!(v["error"]["param"], "url", "{v}");
+    assert!(v["error"]["message"].as_str().expect("message").contains("did not become ready"), "{v}");
+    let list = || async {
+        guard(c.get(format!("{r}/list_workers")).send())
+            .await
+            .expect("send")
+            .json::<serde_json::Value>()
+            .await
+            .expect("json")
+    };
+    assert_eq!(list().await["urls"], serde_json::json!([starting]));
+
+    // A bad `wait` or `timeout_secs` names itself.
+    for (query, param) in
+        [("wait=maybe", "wait"), ("timeout_secs=-1", "timeout_secs"), ("timeout_secs=x", "timeout_secs")]
+    {
+        let resp = guard(c.post(format!("{r}/add_worker?url={dead}&{query}")).send()).await.expect("send");
+        assert_eq!(resp.status(), 400, "{query}");
+        let v: serde_json::Value = resp.json().await.expect("json");
+        assert_eq!(v["error"]["param"], param, "{query}: {v}");
+    }
+
+    // wait=false adds it now (the health checker admits it when it answers).
+    let resp = guard(c.post(format!("{r}/add_worker?url={dead}&wait=false")).send()).await.expect("send");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(list().await["urls"], serde_json::json!([starting, dead]));
+    let resp = guard(c.post(format!("{r}/remove_worker?url={dead}")).send()).await.expect("send");
+    assert_eq!(resp.text().await.expect("text"), format!("Successfully removed worker: {dead}"));
+    let resp = guard(c.post(format!("{r}/remove_worker?url={dead}")).header("accept", "application/json").send())
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 404);
+    stop.cancel();
 }

@@ -178,6 +178,11 @@ async fn a_worker_with_passing_health_and_failing_inference_stays_out_after_max_
     let v: serde_json::Value = guard(c.get(format!("{r}/workers")).send()).await.expect("w").json().await.expect("j");
     let row = v["workers"].as_array().expect("rows").iter().find(|w| w["url"] == bad.as_str()).cloned().expect("row");
     assert_eq!(row["ejected"], true, "{v}");
+    // SGLang router's list drops a worker that failed max_worker_retries times: it is
+    // listed apart, not among the workers requests may go to.
+    let v: serde_json::Value =
+        guard(c.get(format!("{r}/list_workers")).send()).await.expect("l").json().await.expect("j");
+    assert_eq!(v, serde_json::json!({"urls": [good], "ejected": [bad]}));
     stop.cancel();
     stop_bad.cancel();
     stop_good.cancel();

@@ -94,6 +94,14 @@ pub struct Args {
     /// at its cap is no candidate, and with every worker at it the answer is 503. 0: no cap.
     #[arg(long, env = "KVROUTE_MAX_ONGOING_REQUESTS")]
     pub max_ongoing_requests: Option<u32>,
+    /// Seconds `POST /add_worker` waits for a new worker's health check to pass before it
+    /// refuses the worker (SGLang router's flag; default 300).
+    #[arg(long, env = "KVROUTE_WORKER_STARTUP_TIMEOUT_SECS")]
+    pub worker_startup_timeout_secs: Option<f64>,
+    /// Seconds between those checks (SGLang router's `--worker-startup-check-interval`;
+    /// default 10).
+    #[arg(long = "worker-startup-check-interval", env = "KVROUTE_WORKER_STARTUP_CHECK_INTERVAL")]
+    pub worker_startup_check_interval_secs: Option<f64>,
     /// Bearer token for the admin API (without one the main port serves no admin API; it is
     /// then only on a loopback --admin-listen).
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
@@ -316,6 +324,8 @@ fn scalar_flags(a: &Args, cfg: &mut GatewayConfig) {
         max_ejection_share,
         max_in_flight_per_model,
         max_ongoing_requests,
+        worker_startup_timeout_secs,
+        worker_startup_check_interval_secs,
         scrape_metrics,
         seed,
         kv_predict_window_secs,

@@ -6,18 +6,20 @@
 //!          + w_pwr · (1 − norm_watts(n)) + w_cap · capacity(n)
 //! ```
 //!
-//! each term in [0, 1], highest score wins:
-//! - `overlap`: the prompt's first `prefix_tokens` tokens (default 1,048,576, i.e. the whole
-//!   prompt; cgn-router's is 64) are cut into `block_tokens` (16) blocks and hashed as a
-//!   chain (xxh3, or BLAKE3 as cgn-router names); overlap = leading blocks the worker holds /
-//!   blocks hashed, from a [`BlockIndex`] fed by this policy's own decisions (expiring after
-//!   `ttl_secs`). Precomputed block hashes (traces) count as many blocks as cover
-//!   `prefix_tokens` at their own block size (at least one); text without tokens is cut
-//!   into `block_tokens × 4`-byte chunks. With KV events (`WorkerView::cached_tokens`
+//! each term in [0, 1], highest score wins. The defaults are cgn-router's; kvroute's
+//! alternatives are knobs (docs/configuration.md, "Where each policy differs from its
+//! source", and docs/replay.md, "Choosing a policy", for why they exist):
+//! - `overlap`: the prompt's first `prefix_tokens` tokens (default 64, cgn-router's "~64";
+//!   `1048576` hashes the whole prompt) are cut into `block_tokens` (16) blocks and hashed
+//!   as a chain (`hash`: BLAKE3 as cgn-router, or `xxh3`); overlap = leading blocks the
+//!   worker holds / blocks hashed, from a [`BlockIndex`] fed by this policy's own decisions
+//!   (expiring after `ttl_secs`). Precomputed block hashes (traces) count as many blocks as
+//!   cover `prefix_tokens` at their own block size (at least one); text without tokens is
+//!   cut into `block_tokens × 4`-byte chunks. With KV events (`WorkerView::cached_tokens`
 //!   set), the engine-reported cached share of the first `prefix_tokens` tokens.
-//! - `util` ([`LoadSignal`]): by default (`queue`) the worker's queued work over the fleet's
-//!   most loaded; cgn-router's (`seed`) is `max(in_flight / max_concurrent, sm_util)`,
-//!   which saturates on any busy engine so that a shared system prompt wins every request.
+//! - `util` ([`LoadSignal`]): cgn-router's `max(in_flight / max_concurrent, sm_util)`
+//!   (`seed`, the default), or the worker's queued work over the fleet's most loaded
+//!   (`queue`).
 //! - `norm_watts = watts / max watts over the candidates` (0 when unknown).
 //! - `capacity`: `tp_size × vram_gib / dtype_bytes` normalised by the candidates' maximum;
 //!   0 for a worker with no free model slot.
@@ -30,8 +32,11 @@
 //! than one block is keyed by a hash of its whole text (or tokens), so short prompts
 //! spread over the tied workers instead of all landing on one. Branch `tie_break`, else
 //! `score`.
-//! Weights change live with [`Policy::set_knobs`] (`PUT /policy`). Knobs:
-//! [`KvScoreConfig`]; why the defaults differ from cgn-router's: docs/replay.md, "Choosing a policy".
+//!
+//! **Live weights**: the four weights and `epsilon` sit in an `ArcSwap` swapped whole, as
+//! cgn-router's do: [`Policy::set_live_knobs`] changes them without `&mut self`, so the
+//! gateway applies `PUT /policy` and the etcd policy key under its read lock and no decision
+//! waits. Other knobs go through [`Policy::set_knobs`].
 
 use crate::block_index::{BlockIndex, BlockIndexConfig};
 use crate::hash::{HashAlgo, prefix_key, request_blocks, stable_hash};
@@ -92,15 +97,16 @@ pub struct KvScoreConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LoadSignal {
-    /// Cognitora cgn-router's: `util = max(in_flight / max_concurrent, sm_util)`, at most
-    /// one. It saturates on any busy engine, so with a common system prompt the overlap
-    /// term wins every time and one worker gets everything.
+    /// Cognitora cgn-router's (the default): `util = max(in_flight / max_concurrent,
+    /// sm_util)`, at most one, `sm_util` from the engine's or DCGM's metrics when the
+    /// gateway scrapes them. It saturates on any busy engine, so with a common system
+    /// prompt the overlap term wins every time and one worker gets everything.
+    #[default]
     Seed,
     /// The worker's queued work relative to the fleet's most loaded: `util = q / max q`
     /// with `q` = the prefill tokens it has not started (`pending_prefill_tokens`) plus
     /// 1,000 tokens per request it runs or queues, so a worker's score falls as its queue
     /// grows, whatever the engine's size.
-    #[default]
     Queue,
 }
 
@@ -117,12 +123,12 @@ impl Default for KvScoreConfig {
             w_pwr: w.w_pwr,
             w_cap: w.w_cap,
             epsilon: 0.01,
-            prefix_tokens: 1 << 20,
+            prefix_tokens: 64,
             block_tokens: 16,
-            hash: HashAlgo::Xxh3,
+            hash: HashAlgo::Blake3,
             ttl_secs: 120.0,
             max_entries: 1 << 22,
-            load_signal: LoadSignal::Queue,
+            load_signal: LoadSignal::Seed,
         }
     }
 }
@@ -156,10 +162,30 @@ impl KvScoreConfig {
     }
 }
 
+/// The knobs `kv_score` reads through a shared cell ([`Policy::set_live_knobs`]): the four
+/// weights and `epsilon`, swapped together as cgn-router swaps its weights (`ArcSwap`).
+const LIVE_KNOBS: [&str; 5] = ["w_kv", "w_load", "w_pwr", "w_cap", "epsilon"];
+
+/// The live part of the configuration: weights and tie band.
+#[derive(Debug, Clone, Copy)]
+struct Live {
+    weights: KvWeights,
+    epsilon: f64,
+}
+
+impl Live {
+    fn of(cfg: &KvScoreConfig) -> Self {
+        Live { weights: cfg.weights(), epsilon: cfg.epsilon }
+    }
+}
+
 /// The `kv_score` policy.
 #[derive(Debug)]
 pub struct KvScore {
+    /// Every knob; its weights and `epsilon` are those of the last [`Policy::set_knobs`]
+    /// (the live ones are in `live`).
     cfg: KvScoreConfig,
+    live: arc_swap::ArcSwap<Live>,
     index: BlockIndex,
 }
 
@@ -167,7 +193,21 @@ impl KvScore {
     /// A policy with `cfg` (validate it first).
     pub fn new(cfg: KvScoreConfig) -> Self {
         let index = BlockIndex::new(BlockIndexConfig { ttl_secs: cfg.ttl_secs, max_entries: cfg.max_entries });
-        KvScore { cfg, index }
+        KvScore { live: arc_swap::ArcSwap::from_pointee(Live::of(&cfg)), cfg, index }
+    }
+
+    /// The configuration with the live weights and `epsilon`.
+    fn current(&self) -> KvScoreConfig {
+        let live = self.live.load();
+        let w = live.weights;
+        KvScoreConfig {
+            w_kv: w.w_kv,
+            w_load: w.w_load,
+            w_pwr: w.w_pwr,
+            w_cap: w.w_cap,
+            epsilon: live.epsilon,
+            ..self.cfg.clone()
+        }
     }
 
     fn hash_request(&self, req: &RequestView<'_>) -> Vec<BlockHash> {
@@ -243,7 +283,8 @@ impl Policy for KvScore {
         let blocks = &key.blocks;
         let mut overlaps = Vec::new();
         self.index.overlaps(blocks, ctx.now, &mut overlaps);
-        let w = self.cfg.weights();
+        let live = **self.live.load();
+        let w = live.weights;
         let routable = || c.iter().filter(|w| w.is_routable());
         let max_watts = routable().filter_map(|w| w.power_watts).fold(0.0_f64, f64::max);
         let max_cap = routable().map(capacity_raw).fold(0.0_f64, f64::max);
@@ -283,7 +324,7 @@ impl Policy for KvScore {
             return Err(RouteError::NoWorker);
         }
         let best = scored.iter().map(|(s, _, _)| *s).fold(f64::NEG_INFINITY, f64::max);
-        let eps = self.cfg.epsilon;
+        let eps = live.epsilon;
         let prefix = request_prefix(req, blocks);
         let tied = scored.iter().filter(|(s, _, _)| *s >= best - eps).count();
         // Order: by score descending, and within the tie band by the stable hash.
@@ -329,15 +370,27 @@ impl Policy for KvScore {
     }
 
     fn knobs(&self) -> serde_json::Value {
-        serde_json::to_value(&self.cfg).unwrap_or_default()
+        serde_json::to_value(self.current()).unwrap_or_default()
+    }
+
+    fn set_live_knobs(&self, patch: &serde_json::Value) -> Option<Result<(), KnobError>> {
+        let only_live = patch.as_object()?.keys().all(|k| LIVE_KNOBS.contains(&k.as_str()));
+        if !only_live {
+            return None;
+        }
+        Some(
+            patch_knobs("kv_score", &self.current(), patch, KvScoreConfig::validate)
+                .map(|next| self.live.store(std::sync::Arc::new(Live::of(&next)))),
+        )
     }
 
     fn set_knobs(&mut self, patch: &serde_json::Value) -> Result<(), KnobError> {
-        let next = patch_knobs("kv_score", &self.cfg, patch, KvScoreConfig::validate)?;
+        let next = patch_knobs("kv_score", &self.current(), patch, KvScoreConfig::validate)?;
         if next.ttl_secs != self.cfg.ttl_secs || next.max_entries != self.cfg.max_entries {
             // Index limits changed: rebuild (the approximate state is soft and relearned).
             self.index = BlockIndex::new(BlockIndexConfig { ttl_secs: next.ttl_secs, max_entries: next.max_entries });
         }
+        self.live.store(std::sync::Arc::new(Live::of(&next)));
         self.cfg = next;
         Ok(())
     }

@@ -346,6 +346,18 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     /// [`KnobError`] naming the offending knob.
     fn set_knobs(&mut self, patch: &serde_json::Value) -> Result<(), KnobError>;
 
+    /// Applies `patch` without `&mut self` when every knob in it is one the policy reads
+    /// through a shared cell (an [`arc_swap::ArcSwap`] swapped whole, so a decision sees
+    /// the old set or the new one, never a mix): a front end holding the policy behind a
+    /// lock then changes them under its read lock, and no decision waits. `None` when the
+    /// policy has no such knobs or the patch names another (use [`Policy::set_knobs`]).
+    ///
+    /// # Errors
+    /// `Some(Err(_))`: [`KnobError`] naming the offending knob; nothing changed.
+    fn set_live_knobs(&self, _patch: &serde_json::Value) -> Option<Result<(), KnobError>> {
+        None
+    }
+
     /// Size of the policy's prefix index in its own units (chars, blocks), for metrics.
     fn index_size(&self) -> u64 {
         0

@@ -126,6 +126,12 @@ pub struct GatewayConfig {
     /// and with every candidate at it the request is answered 503 with `Retry-After` (Ray
     /// with `max_queued_requests` 0; kvroute does not queue it). 0: no cap.
     pub max_ongoing_requests: u32,
+    /// How long `POST /add_worker` waits for a new worker to answer its health check
+    /// (`health.path`) before refusing it, seconds (SGLang router's
+    /// `worker_startup_timeout_secs`, 300). `wait=false` in the query adds it at once.
+    pub worker_startup_timeout_secs: f64,
+    /// Seconds between two of those checks (SGLang router's `worker_startup_check_interval`, 10).
+    pub worker_startup_check_interval_secs: f64,
     /// Bearer token of the admin API (`Authorization: Bearer <admin_token>`). With one, the
     /// admin API is served on the main port (unless `admin_listen` is set) to any client
     /// presenting it. Without one, the main port serves no admin endpoint at all (404): a
@@ -262,6 +268,10 @@ pub struct GatewayConfig {
     /// `dtype`, `vram_gb`, `free_model_slots`, `max_concurrent`), over what the worker's
     /// registration and its own `/server_info` or `/props` say. Live on reload.
     pub capacity: std::collections::BTreeMap<String, crate::model::capacity::Capacity>,
+    /// Where this router runs and its workers' node and zone labels (`[locality]`): requests
+    /// go to workers on the router's node when one can take them, else in its zone, else
+    /// anywhere (Ray Serve's `LocalityMixin`). Restart to change.
+    pub locality: crate::model::locality::LocalityConfig,
     /// Prefill/decode disaggregation (`[pd]`, `[[pd.prefill]]`; SGLang router's
     /// `--pd-disaggregation --prefill URL [PORT] --decode URL`).
     pub pd: crate::config::pd::PdConfig,
@@ -391,6 +401,8 @@ impl Default for GatewayConfig {
             max_ejection_share: 0.5,
             max_in_flight_per_model: 4096,
             max_ongoing_requests: 0,
+            worker_startup_timeout_secs: 300.0,
+            worker_startup_check_interval_secs: 10.0,
             admin_token: None,
             admin_listen: None,
             epp_listen: None,
@@ -428,6 +440,7 @@ impl Default for GatewayConfig {
             seed: 0,
             health: HealthConfig::default(),
             capacity: std::collections::BTreeMap::new(),
+            locality: crate::model::locality::LocalityConfig::default(),
             lora: crate::config::lora::LoraConfig::default(),
             pd: crate::config::pd::PdConfig::default(),
             cascade: kvroute_core::cascade::CascadeConfig::default(),
@@ -688,7 +701,29 @@ impl GatewayConfig {
             }
             c.check().map_err(|m| err("capacity", format!("`{url}`: {m}")))?;
         }
+        if self.locality.workers.len() > crate::model::worker_url::MAX_WORKERS {
+            return Err(err("locality.workers", format!("at most {} workers", crate::model::worker_url::MAX_WORKERS)));
+        }
+        for url in self.locality.workers.keys() {
+            check_worker_url(url).map_err(|m| err("locality.workers", m))?;
+        }
         Ok(())
+    }
+
+    /// A worker's node and zone: `[locality.workers."URL"]` (compared normalised), else the
+    /// labels of its registration.
+    pub fn place_of(
+        &self,
+        url: &str,
+        labels: Option<&std::collections::BTreeMap<String, String>>,
+    ) -> crate::model::locality::WorkerPlace {
+        self.locality
+            .workers
+            .iter()
+            .find(|(k, _)| check_worker_url(k).is_ok_and(|k| k == url))
+            .map(|(_, p)| p.clone())
+            .or_else(|| labels.map(crate::model::locality::WorkerPlace::from_labels))
+            .unwrap_or_default()
     }
 
     /// Tenancy: `tenant_header` and the `shared_prefix_tenants` groups.
@@ -748,6 +783,8 @@ impl GatewayConfig {
             ("stream_idle_timeout_secs", self.stream_idle_timeout_secs),
             ("health.interval_secs", self.health.interval_secs),
             ("health.timeout_secs", self.health.timeout_secs),
+            ("worker_startup_timeout_secs", self.worker_startup_timeout_secs),
+            ("worker_startup_check_interval_secs", self.worker_startup_check_interval_secs),
         ] {
             // Bounded above too: `Duration::from_secs_f64` panics on absurd values.
             if !(v.is_finite() && v > 0.0 && v <= MAX_TIMEOUT_SECS) {

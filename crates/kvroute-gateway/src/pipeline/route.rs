@@ -271,6 +271,9 @@ fn candidates_for(ctx: &RequestCtx<'_>, roles: Option<&[Role]>) -> Result<Candid
             .retry_after(1));
         }
     }
+    if s.cfg.locality.active() {
+        prefer_local(&mut candidates);
+    }
     if candidates.entries.is_empty() {
         if let Some(r) = roles {
             let names: Vec<&str> = r.iter().map(|r| r.as_str()).collect();
@@ -288,6 +291,25 @@ fn candidates_for(ctx: &RequestCtx<'_>, roles: Option<&[Role]>) -> Result<Candid
         });
     }
     Ok(candidates)
+}
+
+/// Ray Serve's `LocalityMixin`: the candidates on this router's node when one of them is
+/// routable, else those in its zone when one is, else all of them. A worker at its
+/// `max_ongoing_requests` cap was taken out before, so a full node passes the request on
+/// to the zone as Ray's next attempt does.
+fn prefer_local(c: &mut Candidates) {
+    use crate::model::locality::Locality;
+    let best = c
+        .entries
+        .iter()
+        .zip(&c.views)
+        .filter(|(_, v)| v.is_routable())
+        .map(|(e, _)| e.locality())
+        .min()
+        .unwrap_or(Locality::Other);
+    if best < Locality::Other {
+        c.retain(|e| e.locality() <= best);
+    }
 }
 
 /// Sets each precise worker's `cached_tokens` in its view from the KV-event index and
