@@ -453,9 +453,9 @@ pub struct SglangCacheAware {
     /// SGLang `--eviction-interval` (seconds): knob `eviction_interval_secs`.
     #[arg(long)]
     pub eviction_interval: Option<f64>,
-    /// SGLang `--max-tree-size`: knob `max_tree_size`. SGLang counts tree nodes, kvroute
-    /// counts symbols (characters, tokens or blocks); a node holds at least one, so the same
-    /// number bounds kvroute's tree at most as large as SGLang's.
+    /// SGLang `--max-tree-size` (characters): knob `max_tree_size`, symbols over one tree
+    /// per model — characters for text, as SGLang counts them; tokens or blocks when the
+    /// request carries them.
     #[arg(long)]
     pub max_tree_size: Option<u64>,
 }
