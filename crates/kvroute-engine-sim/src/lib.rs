@@ -96,6 +96,10 @@ pub struct EngineSimConfig {
     /// Answer every request at once with one token, bypassing the engine model (no prefill,
     /// no decode, no cache): an "instant worker" for measuring a router's own overhead.
     pub instant: bool,
+    /// With a slotted profile, prompts kept in a host-memory prompt cache as llama.cpp's
+    /// `--cache-ram` keeps them ([`Engine::with_host_prompt_cache`]); 0 (default) for none,
+    /// as `--cache-ram 0`.
+    pub host_prompt_cache: usize,
     /// Modelled power draw when idle, watts (`DCGM_FI_DEV_POWER_USAGE` =
     /// idle + SM activity × (TDP − idle)). Default 75 W: an assumed idle draw of an H100 SXM
     /// (NVIDIA publishes no idle figure; ~60–90 W is what operators report).
@@ -272,6 +276,7 @@ impl Default for EngineSimConfig {
             kv_topic: "kv-events".into(),
             kv_hash_salt: 0,
             instant: false,
+            host_prompt_cache: 0,
             power_idle_watts: 75.0,
             power_tdp_watts: 700.0,
             quality: -0.1,
@@ -514,7 +519,7 @@ fn drive(
     start: Instant,
     runtime: tokio::runtime::Handle,
 ) {
-    let mut engine = Engine::new(cfg.profile.clone(), cfg.max_waiting);
+    let mut engine = Engine::new(cfg.profile.clone(), cfg.max_waiting).with_host_prompt_cache(cfg.host_prompt_cache);
     let kv_tx = cfg.kv_events.as_ref().map(|endpoint| {
         engine.record_cache_events(true);
         let (tx, rx) = mpsc::channel::<Vec<u8>>(KV_QUEUE);

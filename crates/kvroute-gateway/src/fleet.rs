@@ -117,6 +117,12 @@ pub struct WorkerEntry {
     /// Ejections in a row without a request succeeding in between (the probe backoff's
     /// exponent).
     ejections: AtomicU32,
+    /// Whether requests to it name a llama.cpp slot (`llama_slot_routing`: forced, or
+    /// set by the join probe in `auto`).
+    slot_routing: AtomicBool,
+    /// What the join probe found of a host-memory prompt cache: 0 not probed (or failed),
+    /// 1 none, 2 present.
+    host_prompt_cache: std::sync::atomic::AtomicU8,
     /// Where it runs relative to this router ([`crate::model::locality::Locality`] as `u8`).
     locality: std::sync::atomic::AtomicU8,
     /// When the next inference probe of an ejected worker is due (gateway clock, ns).
@@ -240,6 +246,8 @@ impl WorkerEntry {
             check_successes: AtomicU32::new(0),
             ejections: AtomicU32::new(0),
             locality: std::sync::atomic::AtomicU8::new(crate::model::locality::Locality::Other as u8),
+            slot_routing: AtomicBool::new(false),
+            host_prompt_cache: std::sync::atomic::AtomicU8::new(0),
             probe_at: AtomicU64::new(0),
             last_failure_at: AtomicU64::new(0),
             signals: EngineSignals::default(),
@@ -346,6 +354,38 @@ impl WorkerEntry {
     /// wakes every such future, polled yet or not).
     pub fn marked_down(&self) -> tokio::sync::futures::Notified<'_> {
         self.down.notified()
+    }
+
+    /// Whether requests to this worker name a llama.cpp slot.
+    pub fn slot_routing(&self) -> bool {
+        self.slot_routing.load(Relaxed)
+    }
+
+    /// Sets whether requests to this worker name a llama.cpp slot.
+    pub fn set_slot_routing(&self, on: bool) {
+        self.slot_routing.store(on, Relaxed);
+    }
+
+    /// What the join probe found: `Some(true)` a host-memory prompt cache, `Some(false)`
+    /// none, `None` not probed or inconclusive.
+    pub fn host_prompt_cache(&self) -> Option<bool> {
+        match self.host_prompt_cache.load(Relaxed) {
+            1 => Some(false),
+            2 => Some(true),
+            _ => None,
+        }
+    }
+
+    /// Records what the join probe found ([`WorkerEntry::host_prompt_cache`]).
+    pub fn set_host_prompt_cache(&self, found: Option<bool>) {
+        self.host_prompt_cache.store(
+            match found {
+                None => 0,
+                Some(false) => 1,
+                Some(true) => 2,
+            },
+            Relaxed,
+        );
     }
 
     /// Where the worker runs relative to this router.
@@ -462,6 +502,8 @@ impl WorkerEntry {
             health: if self.is_ejected() { Health::Unhealthy } else { self.health() },
             ejected: self.is_ejected(),
             locality: self.locality(),
+            slot_routing: self.slot_routing(),
+            host_prompt_cache: self.host_prompt_cache(),
             consecutive_failures: self.consecutive_failures.load(Relaxed),
             check_failures: self.check_failures.load(Relaxed),
             check_successes: self.check_successes.load(Relaxed),
@@ -498,6 +540,11 @@ pub struct WorkerInfo {
     pub ejected: bool,
     /// Where it runs relative to this router (`[locality]`): `node`, `zone` or `other`.
     pub locality: crate::model::locality::Locality,
+    /// Whether requests to it name a llama.cpp slot (`llama_slot_routing`).
+    pub slot_routing: bool,
+    /// What the `auto` probe found of a host-memory prompt cache (llama.cpp `--cache-ram`):
+    /// true, false, or null when not probed or inconclusive.
+    pub host_prompt_cache: Option<bool>,
     /// Consecutive failed requests.
     pub consecutive_failures: u32,
     /// Consecutive failed active checks.

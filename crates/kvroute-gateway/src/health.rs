@@ -3,7 +3,7 @@
 use crate::app::AppState;
 use crate::config::HealthConfig;
 use crate::fleet::WorkerEntry;
-use crate::membership::tokenizer_parity;
+use crate::membership::{slot_routing_probe, tokenizer_parity};
 use crate::metrics::WorkerLabel;
 use crate::upstream::{GetError, fetch_models, get_text, probe_capacity, try_get_text};
 use kvroute_core::types::Health;
@@ -94,6 +94,9 @@ async fn came_up(s: &Arc<AppState>, url: &str, w: &WorkerEntry) {
     // A worker back from an outage may have been restarted with other settings.
     let probed = probe_capacity(&s.client, url, s.cfg.health.timeout_secs).await;
     w.set_capacity(crate::fleet::CapacitySource::Probed, Some(probed.0));
+    if let Some(entry) = s.fleet.by_url(url) {
+        tokio::spawn(slot_routing_probe(Arc::clone(s), entry));
+    }
     if s.tokenizer.is_some() {
         tokio::spawn(tokenizer_parity(Arc::clone(s), url.to_string()));
     }

@@ -103,6 +103,15 @@ impl AppState {
         }
         let probed =
             if healthy { Some(crate::upstream::probe_capacity(&self.client, &url, timeout).await) } else { None };
+        // `llama_slot_routing = "auto"`: a llama.cpp worker's prompt cache is probed before it
+        // joins, so it enters routing with its slot routing settled.
+        let slotted = probed.as_ref().is_some_and(|(c, _)| c.llama_slots.is_some())
+            || self.cfg.capacity_of(&url).is_some_and(|c| c.llama_slots.is_some());
+        let host_cache = if healthy && slotted && self.cfg.llama_slot_routing == crate::config::SlotRouting::Auto {
+            host_prompt_cache_probe(self, &url, models.first().map_or("", String::as_str)).await
+        } else {
+            None
+        };
         {
             let mut adm = self.admission.write();
             for m in &models {
@@ -115,6 +124,12 @@ impl AppState {
             w.models_read_at.store(now.0, std::sync::atomic::Ordering::Relaxed);
             w.set_capacity(crate::fleet::CapacitySource::Config, self.cfg.capacity_of(&url));
             w.set_locality(self.cfg.locality.rank(&self.cfg.place_of(&url, record.map(|r| &r.labels))));
+            w.set_host_prompt_cache(host_cache);
+            w.set_slot_routing(match self.cfg.llama_slot_routing {
+                crate::config::SlotRouting::On => true,
+                crate::config::SlotRouting::Off => false,
+                crate::config::SlotRouting::Auto => host_cache == Some(false),
+            });
             if let Some((capacity, port)) = &probed {
                 w.set_capacity(crate::fleet::CapacitySource::Probed, Some(capacity.clone()));
                 w.bootstrap_port.set(port.map(u32::from));
@@ -264,6 +279,73 @@ pub enum AddWorkerError {
         /// The URL.
         url: String,
     },
+}
+
+/// Tokens a probe prompt must find cached, beyond the first, to count as restored from a
+/// host-memory prompt cache (the two prompts share at most their first token).
+const PROBE_RESTORED_TOKENS: u64 = 16;
+
+/// `llama_slot_routing = "auto"` for a llama.cpp worker coming back up (it may have been
+/// restarted with another `--cache-ram`): probes it again ([`host_prompt_cache_probe`])
+/// and sets its slot routing from what it finds. A worker joining is probed before it
+/// joins ([`AppState::add_worker`]).
+pub async fn slot_routing_probe(s: Arc<AppState>, w: Arc<crate::fleet::WorkerEntry>) {
+    if s.cfg.llama_slot_routing != crate::config::SlotRouting::Auto || w.capacity().llama_slots.is_none() {
+        return;
+    }
+    let model = w.models.load().first().cloned().unwrap_or_default();
+    let found = host_prompt_cache_probe(&s, &w.url, &model).await;
+    w.set_host_prompt_cache(found);
+    w.set_slot_routing(found == Some(false));
+}
+
+/// Does the llama.cpp worker at `url` keep prompts outside its slots? Three one-token
+/// completions of `model` on its slot 0 (`id_slot`): prompt P, then Q (a different first
+/// word, so P leaves the slot), then P again. llama.cpp saves a slot's prompt to its
+/// host-memory prompt cache (`--cache-ram`, on by default) when a request that keeps less
+/// than half of it takes the slot, and restores the best match from there
+/// (`server_prompt_cache::load` in llama.cpp's `tools/server/server-task.cpp`): P then
+/// finds most of itself cached. With `--cache-ram 0` it finds at most its first token.
+/// `Some(true)`: a host prompt cache; `Some(false)`: none (slot routing pays); `None`: the
+/// probe failed or the answer reports no cached tokens. The prompts carry a random nonce,
+/// so they share nothing with anyone's. Logged either way.
+async fn host_prompt_cache_probe(s: &AppState, url: &str, model: &str) -> Option<bool> {
+    let nonce = crate::model::random::os_random_u64();
+    let prompt = |word: &str| {
+        format!("{word} {nonce:016x}: ")
+            + &"kvroute checks whether this worker keeps prompts outside its slots. ".repeat(6)
+    };
+    let (p, q) = (prompt("Alpha"), prompt("Bravo"));
+    let timeout = Duration::from_secs_f64(s.cfg.request_timeout_secs.min(300.0));
+    let mut found = None;
+    for (i, text) in [&p, &q, &p].into_iter().enumerate() {
+        let body = serde_json::json!({"model": model, "prompt": text, "max_tokens": 1, "temperature": 0,
+            "id_slot": 0, "cache_prompt": true});
+        let sent = s.client.post(format!("{url}/v1/completions")).json(&body).timeout(timeout).send().await;
+        let answer = match sent {
+            Ok(r) if r.status().is_success() => r.bytes().await.ok(),
+            _ => None,
+        };
+        let Some(answer) = answer else {
+            tracing::warn!(worker = %url, step = i, "llama_slot_routing auto: the prompt-cache probe failed; slot routing stays off");
+            return None;
+        };
+        if i == 2 {
+            found = kvroute_protocol::openai::answer_usage(&answer).cached_tokens.map(|n| n > PROBE_RESTORED_TOKENS);
+        }
+    }
+    tracing::info!(
+        worker = %url,
+        host_prompt_cache = ?found,
+        "llama_slot_routing auto: slot routing {} (a prompt evicted from its slot {})",
+        if found == Some(false) { "on" } else { "off" },
+        match found {
+            Some(true) => "came back from the host prompt cache",
+            Some(false) => "was gone: the worker keeps prompts only in its slots",
+            None => "could not be checked: the answer reports no cached tokens",
+        }
+    );
+    found
 }
 
 /// Startup tokenizer parity of one worker (run when it first becomes healthy): the local

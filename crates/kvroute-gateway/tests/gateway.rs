@@ -7,6 +7,7 @@ use futures_util::StreamExt;
 use kvroute_engine_sim::Profile;
 use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use kvroute_gateway::GatewayConfig;
+use kvroute_gateway::config::SlotRouting;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -590,7 +591,7 @@ async fn the_default_policy_predicts_ttft_and_learns_from_what_engines_report() 
 /// streamed request on A is decoding when another request on A arrives, then one on B.
 /// Returns the cached prompt tokens the engine reported for those two, and the router's
 /// `kvroute_llama_slot_waits_total`.
-async fn two_documents_one_llama_worker(slot_routing: bool) -> (u64, u64, f64) {
+async fn two_documents_one_llama_worker(slot_routing: SlotRouting) -> (u64, u64, f64) {
     let profile = Profile::named("cpu-smollm2-135m").expect("profile");
     assert_eq!(profile.slots, 2);
     let w = worker(EngineSimConfig { profile, time_scale: 20.0, ..EngineSimConfig::default() }).await;
@@ -598,10 +599,11 @@ async fn two_documents_one_llama_worker(slot_routing: bool) -> (u64, u64, f64) {
     config.llama_slot_routing = slot_routing;
     let r = router(config).await;
     let c = common::client();
-    common::eventually("the worker's slots in /workers", async || {
+    let routed = slot_routing != SlotRouting::Off;
+    common::eventually("the worker's slots (and, in auto, the probe's verdict) in /workers", async || {
         let v: serde_json::Value =
             c.get(format!("{}/workers", r.url)).send().await.expect("workers").json().await.expect("json");
-        v.to_string().contains("\"llama_slots\":2")
+        v.to_string().contains("\"llama_slots\":2") && v["workers"][0]["slot_routing"] == routed
     })
     .await;
     let ask = |content: String, max_tokens: u32, stream: bool| {
@@ -638,10 +640,49 @@ async fn two_documents_one_llama_worker(slot_routing: bool) -> (u64, u64, f64) {
 async fn llama_slot_routing_keeps_two_documents_in_their_slots() {
     // Unpinned, the second request on A takes B's idle slot and computes A there, and B's
     // next request finds neither slot holding B: llama.cpp's slot swap.
-    let (a, b, waits) = two_documents_one_llama_worker(false).await;
+    let (a, b, waits) = two_documents_one_llama_worker(SlotRouting::Off).await;
     assert_eq!((a, b, waits), (0, 0, 0.0), "without slot routing");
     // Pinned (`id_slot`), it waits for A's slot and finds A there; B stays in its slot.
-    let (a, b, waits) = two_documents_one_llama_worker(true).await;
-    assert!(a >= 384 && b >= 384, "with slot routing: A {a}, B {b} cached tokens of ~405");
-    assert_eq!(waits, 1.0);
+    // `auto` finds no host prompt cache on this worker and pins as `true` does.
+    for mode in [SlotRouting::On, SlotRouting::Auto] {
+        let (a, b, waits) = two_documents_one_llama_worker(mode).await;
+        assert!(a >= 384 && b >= 384, "{mode:?}: A {a}, B {b} cached tokens of ~405");
+        assert_eq!(waits, 1.0, "{mode:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama_slot_routing_auto_stays_off_for_a_worker_with_a_host_prompt_cache() {
+    // Two llama.cpp-like workers, one keeping prompts in host memory (llama.cpp's default
+    // `--cache-ram`), one not (`--cache-ram 0`): `auto` names slots only on the second.
+    let profile = Profile::named("cpu-smollm2-135m").expect("profile");
+    let with_cache = EngineSimConfig {
+        profile: profile.clone(),
+        time_scale: 20.0,
+        host_prompt_cache: 16,
+        ..EngineSimConfig::default()
+    };
+    let w1 = worker(with_cache).await;
+    let w2 = worker(EngineSimConfig { profile, time_scale: 20.0, ..EngineSimConfig::default() }).await;
+    let r = router(cfg(&[&w1.url, &w2.url], "least_ttft")).await;
+    let c = common::client();
+    let flags = || async {
+        let v: serde_json::Value =
+            c.get(format!("{}/workers", r.url)).send().await.expect("workers").json().await.expect("json");
+        v["workers"]
+            .as_array()
+            .expect("rows")
+            .iter()
+            .map(|w| (w["host_prompt_cache"].clone(), w["slot_routing"].clone()))
+            .collect::<Vec<_>>()
+    };
+    common::eventually("both probes done", async || flags().await.iter().all(|(h, _)| !h.is_null())).await;
+    assert_eq!(
+        flags().await,
+        [(serde_json::json!(true), serde_json::json!(false)), (serde_json::json!(false), serde_json::json!(true))]
+    );
+    r.stop.cancel();
+    let _ = r.task.await;
+    w1.stop.cancel();
+    w2.stop.cancel();
 }

@@ -371,6 +371,56 @@ pub fn parse_limited(
     Ok(info)
 }
 
+/// What a whole answer reports of its tokens.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct AnswerUsage {
+    /// `usage.completion_tokens` (OpenAI) or `meta_info.completion_tokens` (SGLang
+    /// `/generate`).
+    pub completion_tokens: Option<u32>,
+    /// Prompt tokens the engine reported cached: `usage.prompt_tokens_details.cached_tokens`
+    /// (OpenAI; vLLM with `--enable-prompt-tokens-details`), `meta_info.cached_tokens`
+    /// (SGLang), `timings.cache_n` (llama.cpp).
+    pub cached_tokens: Option<u64>,
+}
+
+/// Reads [`AnswerUsage`] from a whole (non-streamed) answer's JSON body; all `None` when it
+/// is not JSON or states neither.
+pub fn answer_usage(body: &[u8]) -> AnswerUsage {
+    #[derive(serde::Deserialize)]
+    struct Details {
+        cached_tokens: Option<u64>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Counted {
+        completion_tokens: Option<u64>,
+        cached_tokens: Option<u64>,
+        prompt_tokens_details: Option<Details>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Timings {
+        cache_n: Option<u64>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        usage: Option<Counted>,
+        meta_info: Option<Counted>,
+        timings: Option<Timings>,
+    }
+    let Ok(a) = serde_json::from_slice::<Answer>(body) else { return AnswerUsage::default() };
+    let completion = a
+        .usage
+        .as_ref()
+        .and_then(|u| u.completion_tokens)
+        .or_else(|| a.meta_info.as_ref().and_then(|m| m.completion_tokens));
+    let cached = a
+        .usage
+        .as_ref()
+        .and_then(|u| u.prompt_tokens_details.as_ref().and_then(|d| d.cached_tokens))
+        .or_else(|| a.meta_info.as_ref().and_then(|m| m.cached_tokens))
+        .or_else(|| a.timings.as_ref().and_then(|t| t.cache_n));
+    AnswerUsage { completion_tokens: completion.map(|n| n.min(u64::from(u32::MAX)) as u32), cached_tokens: cached }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -684,6 +684,11 @@ pub struct Engine {
     wake: Option<Nanos>,
     /// Slots of a profile with `slots` (empty otherwise).
     slots: Vec<SlotState>,
+    /// The host-memory prompt cache of a slotted engine ([`Engine::with_host_prompt_cache`]),
+    /// most recently saved last; at most `host_cache_max` prompts. Off (`host_cache_max`
+    /// 0) unless asked for.
+    host_cache: Vec<SlotState>,
+    host_cache_max: usize,
 }
 
 impl Engine {
@@ -703,6 +708,52 @@ impl Engine {
             max_waiting: max_waiting.max(1),
             wake: None,
             slots,
+            host_cache: Vec::new(),
+            host_cache_max: 0,
+        }
+    }
+
+    /// Gives a slotted engine llama.cpp's host-memory prompt cache (`llama-server
+    /// --cache-ram N`, on by default there) holding up to `prompts` prompts: a slot's prompt
+    /// is saved there when a request that shares less than half of it takes the slot, and
+    /// such a request starts from the saved prompt that holds the most of it (kept at least
+    /// a quarter), as llama.cpp's `server_prompt_cache::load` does. 0 turns it off (`--cache-ram 0`).
+    pub fn with_host_prompt_cache(mut self, prompts: usize) -> Self {
+        self.host_cache_max = prompts;
+        self
+    }
+
+    /// With a host prompt cache: saves slot `k`'s prompt when the request (its full
+    /// `blocks`) keeps less than half of it, and loads the saved prompt holding the most of
+    /// the request when that beats what the slot holds.
+    fn swap_with_host_cache(&mut self, k: usize, blocks: &[BlockHash], block_tokens: u32, input_tokens: u32) {
+        if self.host_cache_max == 0 {
+            return;
+        }
+        let s = &self.slots[k];
+        let (kept, hit) = s.hit(blocks, block_tokens, input_tokens);
+        if !s.blocks.is_empty() && kept * 2 < s.blocks.len() {
+            let saved = SlotState { busy: false, ..s.clone() };
+            self.host_cache.retain(|c| c.blocks != saved.blocks);
+            if self.host_cache.len() >= self.host_cache_max {
+                self.host_cache.remove(0);
+            }
+            self.host_cache.push(saved);
+        }
+        let best = self
+            .host_cache
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (i, c.hit(blocks, block_tokens, input_tokens)))
+            .filter(|(i, (b, _))| *b * 4 >= self.host_cache[*i].blocks.len() && *b > 0)
+            .max_by_key(|(_, (_, t))| *t);
+        if let Some((i, (_, t))) = best
+            && t > hit
+        {
+            let restored = self.host_cache[i].clone();
+            let slot = &mut self.slots[k];
+            slot.blocks = restored.blocks;
+            slot.context_tokens = restored.context_tokens;
         }
     }
 
@@ -1068,6 +1119,7 @@ impl Engine {
                 }
             };
             let Some(req) = self.waiting.remove(i) else { break };
+            self.swap_with_host_cache(slot, &req.blocks[..full], req.block_tokens, req.input_tokens);
             let s = &mut self.slots[slot];
             let (hit_blocks, hit_tokens) = s.hit(&req.blocks[..full], req.block_tokens, req.input_tokens);
             s.blocks.clear();

@@ -58,6 +58,10 @@ pub struct Args {
     /// measuring router overhead.
     #[arg(long)]
     pub instant: bool,
+    /// With a slotted profile (`cpu-smollm2-135m`), keep up to N prompts in a host-memory
+    /// prompt cache as llama.cpp's `--cache-ram` does (its default); 0: none, as `--cache-ram 0`.
+    #[arg(long, default_value_t = 0)]
+    pub host_prompt_cache: usize,
     /// Modelled idle power draw, watts (the DCGM_FI_DEV_POWER_USAGE gauge: idle + SM
     /// activity × (TDP − idle); 75 W, an assumed H100 SXM idle draw).
     #[arg(long, default_value_t = 75.0)]
@@ -221,6 +225,7 @@ fn config(a: Args) -> anyhow::Result<EngineSimConfig> {
         },
         kv_hash_salt: a.kv_hash_salt.unwrap_or_else(random_hash_salt),
         instant: a.instant,
+        host_prompt_cache: a.host_prompt_cache,
         power_idle_watts: a.power_idle_watts,
         power_tdp_watts: a.power_tdp_watts,
         quality: a.quality,

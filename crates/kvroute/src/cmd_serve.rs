@@ -216,10 +216,11 @@ pub struct Args {
     /// Startup parity check of each KV-event worker (true/false; default true).
     #[arg(long, env = "KVROUTE_KV_PARITY_CHECK")]
     pub kv_parity_check: Option<bool>,
-    /// The llama.cpp workers run `--cache-ram 0`: track what each of their slots holds and
-    /// name each request's slot (`id_slot`) (true/false; default false).
+    /// Track what each llama.cpp slot holds and name each request's slot (`id_slot`):
+    /// `auto` (default: per worker, on when a probe at join finds no host-memory prompt
+    /// cache, i.e. `--cache-ram 0`), `true` or `false`.
     #[arg(long, env = "KVROUTE_LLAMA_SLOT_ROUTING")]
-    pub llama_slot_routing: Option<bool>,
+    pub llama_slot_routing: Option<kvroute_gateway::config::SlotRouting>,
     /// Local tokenizer for token-accurate routing keys: a GGUF model file (llama.cpp
     /// workers) or a Hugging Face tokenizer.json (tokenizer_config.json beside it).
     #[arg(long, env = "KVROUTE_TOKENIZER")]

@@ -47,11 +47,16 @@ fn llama_env() -> (PathBuf, PathBuf) {
 }
 
 fn start_worker(bin: &PathBuf, model: &PathBuf, port: u16) -> Proc {
+    start_worker_with_cache_ram(bin, model, port, "0")
+}
+
+/// A llama-server with `--cache-ram MIB` (its host-memory prompt cache; "0" turns it off).
+fn start_worker_with_cache_ram(bin: &PathBuf, model: &PathBuf, port: u16, cache_ram_mib: &str) -> Proc {
     let child = Command::new(bin)
         .args(["-m"])
         .arg(model)
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["-t", "1", "-np", "2", "-c", "4096", "--cache-ram", "0", "--metrics", "--slots", "--no-webui"])
+        .args(["-t", "1", "-np", "2", "-c", "4096", "--cache-ram", cache_ram_mib, "--metrics", "--slots", "--no-webui"])
         .args(["--alias", "smollm2", "--seed", "1"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -360,4 +365,48 @@ async fn llama_slot_routing_keeps_two_documents_in_their_slots_on_llama_server()
     eprintln!("with slot routing: A cache_n {a}, B cache_n {b} (prompt {prompt} tokens), waits {waits}");
     assert!(a * 10 >= prompt * 8 && b * 10 >= prompt * 8, "kept in their slots: A {a}, B {b} of ~{prompt}");
     assert_eq!(waits, 1.0);
+}
+
+/// `--llama-slot-routing auto` (the default) on real llama-servers: the join probe finds
+/// llama.cpp's host-memory prompt cache on a worker started with `--cache-ram 512` and
+/// leaves slot routing off there, and finds none on a `--cache-ram 0` worker and turns it on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama.cpp: KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"]
+async fn llama_slot_routing_auto_tells_a_host_prompt_cache_from_none_on_llama_server() {
+    let (bin, model) = llama_env();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (p1, p2) = (free_port(), free_port());
+    let _w1 = start_worker_with_cache_ram(&bin, &model, p1, "512");
+    let _w2 = start_worker_with_cache_ram(&bin, &model, p2, "0");
+    let (w1, w2) = (format!("http://127.0.0.1:{p1}"), format!("http://127.0.0.1:{p2}"));
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(300)).build().expect("client");
+    wait_healthy(&client, &w1).await;
+    wait_healthy(&client, &w2).await;
+    let (rport, aport) = (free_port(), free_port());
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute"));
+    cmd.args(["serve", "--host", "127.0.0.1", "--port", &rport.to_string()])
+        .args(["--admin-listen", &format!("127.0.0.1:{aport}")])
+        .args(["--worker-urls", &format!("{w1},{w2}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    let admin = format!("http://127.0.0.1:{aport}");
+    let _router = Proc(cmd.spawn().expect("start kvroute serve"));
+    wait_healthy(&client, &format!("http://127.0.0.1:{rport}")).await;
+    let mut flags = Vec::new();
+    for _ in 0..600 {
+        let v: serde_json::Value =
+            client.get(format!("{admin}/workers")).send().await.expect("workers").json().await.expect("json");
+        flags = v["workers"]
+            .as_array()
+            .expect("rows")
+            .iter()
+            .map(|w| (w["host_prompt_cache"].clone(), w["slot_routing"].clone()))
+            .collect();
+        if flags.iter().all(|(h, _)| !h.is_null()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("host_prompt_cache, slot_routing per worker (cache-ram 512, cache-ram 0): {flags:?}");
+    assert_eq!(flags, [(json!(true), json!(false)), (json!(false), json!(true))]);
 }

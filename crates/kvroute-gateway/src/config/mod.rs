@@ -298,15 +298,15 @@ pub struct GatewayConfig {
     /// or a Hugging Face `tokenizer.json` (with `tokenizer_config.json` beside it). Checked
     /// against each worker once at startup (metric `kvroute_tokenizer_parity`).
     pub tokenizer: Option<String>,
-    /// The llama.cpp workers run `--cache-ram 0`: they keep a prompt only in the slot that
-    /// ran it. The router then tracks what each slot of a worker with `llama_slots` (from
-    /// `/props` `total_slots`, or `[capacity."URL"]`) holds, credits the worker with the
-    /// prefix its chosen slot holds (instead of everything the prefix index saw sent
-    /// there), and names the slot in the request (llama.cpp `id_slot`), so two prompts
-    /// sharing a worker stop swapping slots ([`kvroute_core::slots`]). Default false:
-    /// llama.cpp's default host-RAM prompt cache (`--cache-ram 8192`) keeps prompts past
-    /// their slot, and the prefix index models it.
-    pub llama_slot_routing: bool,
+    /// llama.cpp slot routing ([`SlotRouting`]): for a worker that keeps a prompt only in
+    /// the slot that ran it (`--cache-ram 0`), the router tracks what each slot of a worker
+    /// with `llama_slots` (from `/props` `total_slots`, or `[capacity."URL"]`) holds,
+    /// credits the worker with the prefix its chosen slot holds (instead of everything the
+    /// prefix index saw sent there), and names the slot in the request (llama.cpp
+    /// `id_slot`), so two prompts sharing a worker stop swapping slots
+    /// ([`kvroute_core::slots`]). `auto` (default) turns it on per worker when a probe finds
+    /// no host-memory prompt cache; `true` and `false` force it.
+    pub llama_slot_routing: SlotRouting,
 }
 
 /// Where one worker publishes its KV events (vLLM's `--kv-events-config`; the format is
@@ -449,7 +449,7 @@ impl Default for GatewayConfig {
             kv_predict_window_secs: 2.0,
             kv_parity_check: true,
             tokenizer: None,
-            llama_slot_routing: false,
+            llama_slot_routing: SlotRouting::Auto,
         }
     }
 }
@@ -1020,5 +1020,62 @@ mod tests {
         let cfg = GatewayConfig::from_toml(text).expect("example parses");
         let def = GatewayConfig { worker_urls: cfg.worker_urls.clone(), ..GatewayConfig::default() };
         assert_eq!(cfg, def);
+    }
+}
+
+/// `llama_slot_routing`: whether the router names llama.cpp slots ([`GatewayConfig::llama_slot_routing`]).
+///
+/// In TOML and on the command line: `auto`, `true` or `false` (a TOML boolean too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(try_from = "SlotRoutingRaw", into = "SlotRoutingRaw")]
+pub enum SlotRouting {
+    /// Per worker, after a probe at join: on when the worker keeps no prompt outside its
+    /// slots (llama.cpp `--cache-ram 0`), off when it restores one from a host-memory prompt
+    /// cache (llama.cpp's default `--cache-ram 8192`) or the probe fails.
+    #[default]
+    Auto,
+    /// On for every worker with slots.
+    On,
+    /// Off.
+    Off,
+}
+
+/// [`SlotRouting`]'s serialised forms: a boolean or `"auto"`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+enum SlotRoutingRaw {
+    Bool(bool),
+    Text(String),
+}
+
+impl TryFrom<SlotRoutingRaw> for SlotRouting {
+    type Error = String;
+    fn try_from(r: SlotRoutingRaw) -> Result<Self, String> {
+        match r {
+            SlotRoutingRaw::Bool(b) => Ok(if b { SlotRouting::On } else { SlotRouting::Off }),
+            SlotRoutingRaw::Text(t) => t.parse(),
+        }
+    }
+}
+
+impl From<SlotRouting> for SlotRoutingRaw {
+    fn from(s: SlotRouting) -> Self {
+        match s {
+            SlotRouting::Auto => SlotRoutingRaw::Text("auto".into()),
+            SlotRouting::On => SlotRoutingRaw::Bool(true),
+            SlotRouting::Off => SlotRoutingRaw::Bool(false),
+        }
+    }
+}
+
+impl std::str::FromStr for SlotRouting {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(SlotRouting::Auto),
+            "true" | "on" => Ok(SlotRouting::On),
+            "false" | "off" => Ok(SlotRouting::Off),
+            other => Err(format!("llama_slot_routing is auto, true or false, got `{other}`")),
+        }
     }
 }

@@ -120,8 +120,11 @@ pub struct SlotHold {
 
 impl SlotHold {
     /// Chooses `w`'s slot for the request `key` and commits it (one lock of that worker).
-    /// `None` when `w` has no slots.
+    /// `None` when `w` has no slots or slot routing is off for it.
     pub fn take(s: &AppState, w: &Arc<WorkerEntry>, key: &super::route::SlotKey) -> Option<SlotHold> {
+        if !w.slot_routing() {
+            return None;
+        }
         let now = s.now();
         let choice = {
             let mut slots = w.slots.lock();

@@ -13,6 +13,7 @@ use futures_util::StreamExt;
 use kvroute_core::admission::Permit;
 use kvroute_core::ledger::LoadTicket;
 use kvroute_protocol::api_error::ApiError;
+use kvroute_protocol::openai::answer_usage;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -301,54 +302,6 @@ fn number_after(data: &[u8], key: &[u8]) -> Option<u64> {
     std::str::from_utf8(&digits[..end]).ok()?.parse().ok()
 }
 
-/// What a whole answer reports of its tokens.
-#[derive(Debug, Default, PartialEq)]
-struct AnswerUsage {
-    /// `usage.completion_tokens` (OpenAI) or `meta_info.completion_tokens` (SGLang
-    /// `/generate`).
-    completion_tokens: Option<u32>,
-    /// Prompt tokens the engine reported cached: `usage.prompt_tokens_details.cached_tokens`
-    /// (OpenAI; vLLM with `--enable-prompt-tokens-details`), `meta_info.cached_tokens`
-    /// (SGLang), `timings.cache_n` (llama.cpp).
-    cached_tokens: Option<u64>,
-}
-
-fn answer_usage(body: &[u8]) -> AnswerUsage {
-    #[derive(serde::Deserialize)]
-    struct Details {
-        cached_tokens: Option<u64>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Counted {
-        completion_tokens: Option<u64>,
-        cached_tokens: Option<u64>,
-        prompt_tokens_details: Option<Details>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Timings {
-        cache_n: Option<u64>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Answer {
-        usage: Option<Counted>,
-        meta_info: Option<Counted>,
-        timings: Option<Timings>,
-    }
-    let Ok(a) = serde_json::from_slice::<Answer>(body) else { return AnswerUsage::default() };
-    let completion = a
-        .usage
-        .as_ref()
-        .and_then(|u| u.completion_tokens)
-        .or_else(|| a.meta_info.as_ref().and_then(|m| m.completion_tokens));
-    let cached = a
-        .usage
-        .as_ref()
-        .and_then(|u| u.prompt_tokens_details.as_ref().and_then(|d| d.cached_tokens))
-        .or_else(|| a.meta_info.as_ref().and_then(|m| m.cached_tokens))
-        .or_else(|| a.timings.as_ref().and_then(|t| t.cache_n));
-    AnswerUsage { completion_tokens: completion.map(|n| n.min(u64::from(u32::MAX)) as u32), cached_tokens: cached }
-}
-
 /// What a request holds until its answer ends, besides its committed dispatch.
 pub(crate) struct Held {
     /// The admission permit.
@@ -510,6 +463,7 @@ mod tests {
 
     #[test]
     fn cached_prompt_tokens_are_read_from_each_engine_s_answer() {
+        use kvroute_protocol::openai::AnswerUsage;
         let whole = |b: &str| answer_usage(b.as_bytes());
         let openai = r#"{"choices":[],"usage":{"prompt_tokens":900,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":768}}}"#;
         assert_eq!(whole(openai), AnswerUsage { completion_tokens: Some(5), cached_tokens: Some(768) });

@@ -141,11 +141,14 @@ pub const SLOT_BLOCK_TOKENS: u32 = 16;
 /// events set it) to what the slot the request would take there holds of it, and returns
 /// the request's slot key; `None` when no candidate has slots.
 fn slot_cached_tokens(s: &AppState, req: &kvroute_core::RequestView<'_>, c: &mut Candidates) -> Option<SlotKey> {
-    if !s.cfg.llama_slot_routing {
+    if s.cfg.llama_slot_routing == crate::config::SlotRouting::Off {
         return None;
     }
     let mut key: Option<SlotKey> = None;
     for (v, e) in c.views.iter_mut().zip(&c.entries) {
+        if !e.slot_routing() {
+            continue;
+        }
         let slots = e.slots.lock();
         let Some(t) = slots.as_ref() else { continue };
         // Hashed once, at the first candidate with slots.
