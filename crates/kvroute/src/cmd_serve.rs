@@ -454,9 +454,9 @@ pub struct SglangCacheAware {
     /// SGLang `--eviction-interval` (seconds): knob `eviction_interval_secs`.
     #[arg(long)]
     pub eviction_interval: Option<f64>,
-    /// SGLang `--max-tree-size` (characters): knob `max_tree_size`, symbols over one tree
-    /// per model — characters for text, as SGLang counts them; tokens or blocks when the
-    /// request carries them.
+    /// SGLang `--max-tree-size` (characters per worker there): knob `max_tree_size`, symbols
+    /// over one tree per model — UTF-8 bytes of text, tokens or blocks when the request
+    /// carries them (docs/configuration.md, "SGLang router's flags").
     #[arg(long)]
     pub max_tree_size: Option<u64>,
 }

@@ -31,7 +31,7 @@
 //! | `balance_abs_threshold` | 32 | requests |
 //! | `balance_rel_threshold` | 1.0001 | ratio ≥ 1 |
 //! | `eviction_interval_secs` | 60 | seconds (SGLang's `eviction_interval`) |
-//! | `max_tree_size` | 16,777,216 | symbols (chars, tokens or blocks; SGLang counts chars) |
+//! | `max_tree_size` | 16,777,216 | symbols (UTF-8 bytes of text, tokens or blocks; SGLang counts characters per worker) |
 
 use crate::policy::util::{BestMatch, PrefixKey, PrefixTrees, Rotation, argmin_by, load_range, rotate};
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
