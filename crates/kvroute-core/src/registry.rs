@@ -197,6 +197,7 @@ const B3_KNOBS: &[Knob] = &[
     ("overload_factor", "x mean load", "unified: bound worker overloaded above this x mean num_requests"),
     ("hit_ratio_threshold", "ratio 0.0-1.0", "unified: stick only when the hit ratio is strictly above this"),
     ("max_sessions", "sessions", "session bindings kept (LRU beyond)"),
+    ("max_turns", "turns", "capped: turns routed per session; later ones are refused (B3 MAX_TURNS)"),
 ];
 
 fn knobs_of(defaults: serde_json::Value, table: &[Knob]) -> Vec<KnobInfo> {
@@ -275,6 +276,11 @@ pub fn list() -> Vec<PolicyInfo> {
             "stick if hit ratio > 0.5 and load <= 2x mean, else LMetric with 4-key tie-break",
             true,
         ),
+        b3_info(
+            B3Mode::Capped,
+            "LMetric; a session's turns past max_turns (8) are refused (B3's capped workload)",
+            true,
+        ),
         PolicyInfo {
             prefix_aware: true,
             name: "prefill_cost",
@@ -328,6 +334,7 @@ pub fn build(name: &str, knobs: &serde_json::Value) -> Result<Box<dyn Policy>, B
         "load_only" => Box::new(B3::new(B3Mode::LoadOnly, B3Config::default())),
         "sticky" => Box::new(B3::new(B3Mode::Sticky, B3Config::default())),
         "unified" => Box::new(B3::new(B3Mode::Unified, B3Config::default())),
+        "capped" => Box::new(B3::new(B3Mode::Capped, B3Config::default())),
         "prefill_cost" => Box::new(PrefillCost::new(PrefillCostConfig::default())),
         "least_ttft" => Box::new(LeastTtft::new(LeastTtftConfig::default(), PrefillCostConfig::default())),
         other => return Err(unknown(other)),
@@ -343,7 +350,7 @@ mod tests {
     #[test]
     fn every_listed_policy_builds_with_defaults_and_names_match() {
         let infos = list();
-        assert_eq!(infos.len(), 14);
+        assert_eq!(infos.len(), 15);
         let defaults: Vec<&str> = infos.iter().filter(|i| i.default).map(|i| i.name).collect();
         assert_eq!(defaults, [DEFAULT_POLICY], "exactly one policy is marked the default");
         for info in infos {

@@ -223,6 +223,13 @@ pub enum RouteError {
     /// No candidate worker is routable (all unhealthy, draining, or none serve the model).
     #[error("no healthy worker available")]
     NoWorker,
+    /// `capped`: the request's session already sent its `max_turns` turns (B3
+    /// `cache_aware_proxy.py`'s turn-capped workload, run live).
+    #[error("this session has had its {max_turns} turns (policy `capped`, knob `max_turns`)")]
+    SessionCapped {
+        /// The cap.
+        max_turns: u32,
+    },
 }
 
 /// A random source passed into policies (seeded in tests and in the simulator).

@@ -282,6 +282,37 @@ pub fn mean_waiting(candidates: &[WorkerView]) -> f64 {
     if n == 0 { 0.0 } else { sum / f64::from(n) }
 }
 
+/// Turns routed per session (`capped`): a bounded LRU map keyed like [`SessionTable`], so a
+/// trace with millions of sessions cannot grow the router without bound (an evicted session
+/// starts again at 0).
+#[derive(Debug)]
+pub struct SessionTurns {
+    map: lru::LruCache<u64, u32>,
+}
+
+impl SessionTurns {
+    /// A table keeping at most `max_sessions` sessions (at least 1).
+    pub fn new(max_sessions: usize) -> Self {
+        SessionTurns { map: lru::LruCache::new(SessionTable::cap(max_sessions)) }
+    }
+
+    /// Turns routed so far for `session` (read-only).
+    pub fn get(&self, session: &str) -> u32 {
+        self.map.peek(&SessionTable::key(session)).copied().unwrap_or(0)
+    }
+
+    /// Counts one more turn of `session` (and marks it recently used).
+    pub fn record(&mut self, session: &str) {
+        let n = self.map.get_or_insert_mut(SessionTable::key(session), || 0);
+        *n = n.saturating_add(1);
+    }
+
+    /// Changes the bound, evicting least recently used sessions beyond it.
+    pub fn resize(&mut self, max_sessions: usize) {
+        self.map.resize(SessionTable::cap(max_sessions));
+    }
+}
+
 /// Session → worker bindings for session-aware policies: a bounded LRU map keyed by the
 /// stable hash of the session id ([`crate::hash::stable_hash`]), so a trace with millions of
 /// sessions cannot grow the router without bound (an evicted binding behaves as a new

@@ -185,7 +185,8 @@ fn thread_cpu_seconds() -> f64 {
 /// engine-reported cached tokens of precise workers, then the model's router.
 ///
 /// # Errors
-/// 404 for a model no worker serves, 503 when no worker is routable.
+/// 404 for a model no worker serves, 503 when no worker is routable, 429 when `capped`
+/// refuses a session past its `max_turns`.
 pub fn decide(ctx: &RequestCtx<'_>) -> Result<Routed, ApiError> {
     decide_in(ctx, &ctx.s.routers, None)
 }
@@ -218,8 +219,15 @@ pub fn decide_in(
     let wall = t0.elapsed().as_secs_f64();
     s.metrics.decision_cpu_seconds.observe((thread_cpu_seconds() - cpu0).max(0.0));
     s.metrics.decision_seconds.observe(wall);
-    let (decision, key) = decided
-        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no healthy worker available").retry_after(1))?;
+    let (decision, key) = decided.map_err(|e| match e {
+        kvroute_core::policy::RouteError::NoWorker => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no healthy worker available").retry_after(1)
+        }
+        // B3's capped workload, live: the session is over; retrying will not help.
+        capped @ kvroute_core::policy::RouteError::SessionCapped { .. } => {
+            ApiError::new(StatusCode::TOO_MANY_REQUESTS, capped.to_string())
+        }
+    })?;
     if decision.key_len > 0 {
         s.metrics.match_rate.observe(decision.match_rate());
     }

@@ -1,5 +1,5 @@
 //! The B3 study's routing policies (`scripts/cache_aware_proxy.py`, its `pick_instance_*` functions):
-//! `lmetric`, `load_only`, `sticky` and `unified`, sharing one per-worker state machine. Each
+//! `lmetric`, `load_only`, `sticky`, `unified` and `capped`, sharing one per-worker state machine. Each
 //! picker lives in the file of its name ([`lmetric`], [`load_only`], [`sticky`], [`unified`]).
 //!
 //! Shared state, per worker: an LRU set of 512-token block hashes
@@ -27,13 +27,20 @@
 //!   workers tied on the first three). The session is (re)bound to the worker chosen.
 //!   Branches `sticky`, `affinity_broken` (bound but the gate failed), `tie_break`, `score`.
 //!
-//! `capped` is `lmetric` on a trace passed through [`crate::trace::cap_turns`]. Session
-//! bindings live in a bounded LRU map (`max_sessions`; an evicted binding is a new
-//! session). Knobs: [`B3Config`] (`block_tokens` 512, Mooncake's `hash_ids` blocks).
+//! - **`capped`**: B3's `capped` is `lmetric` on a trace whose sessions are cut to their
+//!   first `MAX_TURNS` (8) turns (`build_capped_trace`; in replay, [`crate::trace::cap_turns`]).
+//!   Live, the policy does the same to the traffic: `lmetric`, and a request whose session
+//!   (`x-session-id` or OpenAI `user`) already had `max_turns` turns routed is refused
+//!   ([`RouteError::SessionCapped`]); requests without a session are never capped. Turns
+//!   are counted when a request is committed, so concurrent turns of one session may pass
+//!   the cap by how many run at once. Branch `score`.
+//!
+//! Session bindings and turn counts live in bounded LRU maps (`max_sessions`; an evicted
+//! one is a new session). Knobs: [`B3Config`] (`block_tokens` 512, Mooncake's `hash_ids` blocks).
 
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, LruBlockSet};
-use crate::policy::util::{Rotation, SessionTable};
+use crate::policy::util::{Rotation, SessionTable, SessionTurns};
 use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -55,6 +62,8 @@ pub enum B3Mode {
     Sticky,
     /// `pick_unified`.
     Unified,
+    /// `pick_lmetric` on B3's turn-capped workload: sessions past `max_turns` are refused.
+    Capped,
 }
 
 impl B3Mode {
@@ -69,6 +78,7 @@ impl B3Mode {
             B3Mode::Unified => {
                 &["block_tokens", "cache_blocks", "overload_factor", "hit_ratio_threshold", "max_sessions"]
             }
+            B3Mode::Capped => &["block_tokens", "cache_blocks", "max_turns", "max_sessions"],
         }
     }
 
@@ -79,6 +89,7 @@ impl B3Mode {
             B3Mode::LoadOnly => "load_only",
             B3Mode::Sticky => "sticky",
             B3Mode::Unified => "unified",
+            B3Mode::Capped => "capped",
         }
     }
 }
@@ -95,8 +106,10 @@ pub struct B3Config {
     pub overload_factor: f64,
     /// `unified`: the bound worker's hit ratio must be strictly above this to stick.
     pub hit_ratio_threshold: f64,
-    /// Session bindings kept (LRU beyond).
+    /// Session bindings (and, for `capped`, turn counts) kept (LRU beyond).
     pub max_sessions: usize,
+    /// `capped`: turns routed per session before its later ones are refused (B3 `MAX_TURNS`).
+    pub max_turns: u32,
 }
 
 impl Default for B3Config {
@@ -107,6 +120,7 @@ impl Default for B3Config {
             overload_factor: 2.0,
             hit_ratio_threshold: 0.5,
             max_sessions: 1 << 20,
+            max_turns: 8,
         }
     }
 }
@@ -127,6 +141,9 @@ fn validate(c: &B3Config) -> Result<(), String> {
     if c.max_sessions == 0 {
         return Err("max_sessions must be at least 1".into());
     }
+    if c.max_turns == 0 {
+        return Err("max_turns must be at least 1".into());
+    }
     Ok(())
 }
 
@@ -140,6 +157,7 @@ pub struct B3 {
     cfg: B3Config,
     cached: HashMap<WorkerId, LruBlockSet>,
     affinity: SessionTable,
+    turns: SessionTurns,
     rr_counter: Rotation,
 }
 
@@ -160,7 +178,8 @@ impl B3 {
     /// A B3 picker in `mode` with `cfg` (assumed valid; use [`B3::try_new`] to check).
     pub fn new(mode: B3Mode, cfg: B3Config) -> Self {
         let affinity = SessionTable::new(cfg.max_sessions);
-        B3 { mode, cfg, cached: HashMap::new(), affinity, rr_counter: Rotation::default() }
+        let turns = SessionTurns::new(if mode == B3Mode::Capped { cfg.max_sessions } else { 1 });
+        B3 { mode, cfg, cached: HashMap::new(), affinity, turns, rr_counter: Rotation::default() }
     }
 
     /// Builds after validating `cfg`.
@@ -232,6 +251,12 @@ impl Policy for B3 {
             B3Mode::LoadOnly => self.pick_load_only(req, blocks, candidates),
             B3Mode::Sticky => self.pick_sticky(req, blocks, candidates),
             B3Mode::Unified => self.pick_unified(req, blocks, candidates),
+            B3Mode::Capped => {
+                if req.session_id.is_some_and(|sid| self.turns.get(sid) >= self.cfg.max_turns) {
+                    return Err(RouteError::SessionCapped { max_turns: self.cfg.max_turns });
+                }
+                self.pick_lmetric(req, blocks, candidates)
+            }
         };
         d.ok_or(RouteError::NoWorker)
     }
@@ -246,6 +271,11 @@ impl Policy for B3 {
             && let Some(sid) = req.session_id
         {
             self.affinity.bind(sid, worker);
+        }
+        if self.mode == B3Mode::Capped
+            && let Some(sid) = req.session_id
+        {
+            self.turns.record(sid);
         }
     }
 
@@ -283,6 +313,9 @@ impl Policy for B3 {
         }
         if next.max_sessions != self.cfg.max_sessions {
             self.affinity.resize(next.max_sessions);
+            if self.mode == B3Mode::Capped {
+                self.turns.resize(next.max_sessions);
+            }
         }
         self.cfg = next;
         Ok(())
@@ -332,6 +365,30 @@ mod tests {
 
     fn hashes(n: u64, base: u64) -> Vec<BlockHash> {
         (0..n).map(|i| BlockHash(base + i)).collect()
+    }
+
+    #[test]
+    fn capped_refuses_a_sessions_turns_past_max_turns_once_they_are_committed() {
+        let mut p = B3::try_new(B3Mode::Capped, B3Config { max_turns: 2, ..B3Config::default() }).expect("valid");
+        let blocks = [BlockHash(1), BlockHash(2)];
+        let c = fleet(&[0, 0]);
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(1);
+        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng };
+        // Decisions alone count nothing: a decision changes nothing until it is committed.
+        for _ in 0..3 {
+            assert!(p.pick(&req(&blocks, Some("s")), &p.key(&req(&blocks, Some("s"))), &c, &mut ctx).is_ok());
+        }
+        pick(&mut p, &req(&blocks, Some("s")), &c);
+        pick(&mut p, &req(&blocks, Some("s")), &c);
+        let third = crate::policy::route(&mut p, &req(&blocks, Some("s")), &c, &mut ctx);
+        assert_eq!(third.expect_err("capped"), RouteError::SessionCapped { max_turns: 2 });
+        // Another session, and requests without one, are not.
+        pick(&mut p, &req(&blocks, Some("t")), &c);
+        for _ in 0..4 {
+            pick(&mut p, &req(&blocks, None), &c);
+        }
+        assert!(p.knobs().get("max_turns").is_some() && p.knobs().get("overload_factor").is_none());
+        assert!(B3::try_new(B3Mode::Capped, B3Config { max_turns: 0, ..B3Config::default() }).is_err());
     }
 
     #[test]
