@@ -392,21 +392,7 @@ async fn llama_slot_routing_auto_tells_a_host_prompt_cache_from_none_on_llama_se
     let admin = format!("http://127.0.0.1:{aport}");
     let _router = Proc(cmd.spawn().expect("start kvroute serve"));
     wait_healthy(&client, &format!("http://127.0.0.1:{rport}")).await;
-    let mut flags = Vec::new();
-    for _ in 0..600 {
-        let v: serde_json::Value =
-            client.get(format!("{admin}/workers")).send().await.expect("workers").json().await.expect("json");
-        flags = v["workers"]
-            .as_array()
-            .expect("rows")
-            .iter()
-            .map(|w| (w["host_prompt_cache"].clone(), w["slot_routing"].clone()))
-            .collect();
-        if flags.iter().all(|(h, _)| !h.is_null()) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let flags = common::slot_routing_flags(&client, &admin).await;
     eprintln!("host_prompt_cache, slot_routing per worker (cache-ram 512, cache-ram 0): {flags:?}");
     assert_eq!(flags, [(json!(true), json!(false)), (json!(false), json!(true))]);
 }

@@ -37,20 +37,7 @@ async fn auto_slot_routing_follows_each_workers_prompt_cache() {
     }
     let (_router, url) = common::serve(&["--worker-urls", &urls.join(",")]).await;
     let c = client();
-    let mut flags = Vec::new();
-    for _ in 0..600 {
-        let v: serde_json::Value = c.get(format!("{url}/workers")).send().await.expect("w").json().await.expect("j");
-        flags = v["workers"]
-            .as_array()
-            .expect("rows")
-            .iter()
-            .map(|w| (w["host_prompt_cache"].clone(), w["slot_routing"].clone()))
-            .collect();
-        if flags.iter().all(|(h, _)| !h.is_null()) {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    let flags = common::slot_routing_flags(&c, &url).await;
     assert_eq!(
         flags,
         [(serde_json::json!(true), serde_json::json!(false)), (serde_json::json!(false), serde_json::json!(true))]

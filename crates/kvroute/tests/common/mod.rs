@@ -126,3 +126,25 @@ pub async fn serve(args: &[&str]) -> (Proc, String) {
     wait_ok(&url, "/readiness").await;
     (p, url)
 }
+
+/// Each worker's `(host_prompt_cache, slot_routing)` from `GET {base}/workers`, once every
+/// worker's `llama_slot_routing = "auto"` probe has a verdict (at most 120 s; then as it is).
+#[allow(dead_code)]
+pub async fn slot_routing_flags(c: &reqwest::Client, base: &str) -> Vec<(serde_json::Value, serde_json::Value)> {
+    let mut flags = Vec::new();
+    for _ in 0..600 {
+        let v: serde_json::Value =
+            c.get(format!("{base}/workers")).send().await.expect("workers").json().await.expect("json");
+        flags = v["workers"]
+            .as_array()
+            .expect("rows")
+            .iter()
+            .map(|w| (w["host_prompt_cache"].clone(), w["slot_routing"].clone()))
+            .collect();
+        if flags.iter().all(|(h, _)| !h.is_null()) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    flags
+}
