@@ -451,8 +451,9 @@ pub struct SglangCacheAware {
     /// SGLang `--balance-rel-threshold` (ratio): knob `balance_rel_threshold`.
     #[arg(long)]
     pub balance_rel_threshold: Option<f64>,
-    /// SGLang `--eviction-interval` (seconds): knob `eviction_interval_secs`.
-    #[arg(long)]
+    /// SGLang `--eviction-interval` (seconds; `--eviction-interval-secs` in later
+    /// sgl-router releases, taken too): knob `eviction_interval_secs`.
+    #[arg(long, alias = "eviction-interval-secs")]
     pub eviction_interval: Option<f64>,
     /// SGLang `--max-tree-size` (characters per worker there): knob `max_tree_size`, symbols
     /// over one tree per model — UTF-8 bytes of text, tokens or blocks when the request
@@ -835,6 +836,8 @@ mod tests {
         // The knobs are the policy's own: a bad value is refused by its check, naming it.
         let bad = parse(&["--policy", "cache_aware", "--cache-threshold", "1.5"]).expect_err("out of range");
         assert!(format!("{bad:#}").contains("cache_threshold"), "{bad:#}");
+        let later = parse(&["--policy", "cache_aware", "--eviction-interval-secs", "45"]).expect("later SGLang's name");
+        assert_eq!(later.policy_knobs["eviction_interval_secs"], toml::Value::Float(45.0));
         let other = parse(&["--policy", "round_robin", "--eviction-interval", "30"]).expect_err("wrong policy");
         assert!(format!("{other:#}").contains("--eviction-interval") && format!("{other:#}").contains("round_robin"));
         let twice = parse(&[
