@@ -112,6 +112,8 @@ pub struct Metrics {
     /// CPU time of the deciding thread during the decision, seconds: the decision's own
     /// work, without the time the OS gave the core to another thread.
     pub decision_cpu_seconds: Histogram,
+    /// The part of the decision spent waiting for the model router's read lock, seconds.
+    pub decision_lock_wait_seconds: Histogram,
     /// Matched prefix / routing key per decision.
     pub match_rate: Histogram,
     /// Time to first byte of the response at the router, seconds.
@@ -275,6 +277,7 @@ impl Metrics {
             tenant_requests: Family::default(),
             decision_seconds: Histogram::new(exponential_buckets(1e-7, 2.0, 20)),
             decision_cpu_seconds: Histogram::new(exponential_buckets(1e-7, 2.0, 20)),
+            decision_lock_wait_seconds: Histogram::new(exponential_buckets(1e-7, 2.0, 20)),
             match_rate: Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]),
             ttft_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 18)),
             e2e_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 20)),
@@ -351,6 +354,11 @@ impl Metrics {
             "kvroute_decision_cpu_seconds",
             "CPU time of the deciding thread during a routing decision (its own work, without preemption)",
             self.decision_cpu_seconds.clone(),
+        );
+        r.register(
+            "kvroute_decision_lock_wait_seconds",
+            "Part of a routing decision spent waiting for the model router's lock (held by a commit, observation or eviction slice)",
+            self.decision_lock_wait_seconds.clone(),
         );
         r.register("kvroute_match_rate", "Matched prefix over routing key length", self.match_rate.clone());
         r.register("kvroute_ttft_seconds", "Time to first response byte at the router", self.ttft_seconds.clone());

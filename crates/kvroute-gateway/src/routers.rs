@@ -63,6 +63,24 @@ impl ModelRouter {
         decide(self.policy.read().as_ref(), req, candidates, ctx)
     }
 
+    /// [`ModelRouter::decide`], and how long it waited for the policy's read lock, seconds
+    /// (a commit, an observation or an eviction slice holding the write lock; a holder the
+    /// OS descheduled makes the wait long).
+    ///
+    /// # Errors
+    /// As [`ModelRouter::decide`].
+    pub fn decide_timed(
+        &self,
+        req: &RequestView<'_>,
+        candidates: &[WorkerView],
+        ctx: &mut PickCtx<'_>,
+    ) -> (Result<(Decision, RequestKey), RouteError>, f64) {
+        let t0 = std::time::Instant::now();
+        let policy = self.policy.read();
+        let waited = t0.elapsed().as_secs_f64();
+        (decide(policy.as_ref(), req, candidates, ctx), waited)
+    }
+
     /// Records that `req` was sent to `worker`.
     pub fn commit(&self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) {
         commit(self.policy.write().as_mut(), req, key, worker, now);

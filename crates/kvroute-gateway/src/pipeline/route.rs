@@ -215,8 +215,9 @@ pub fn decide_in(
     let t0 = Instant::now();
     let mut rng = routers.rng();
     let mut ctx = PickCtx { now: s.now(), rng: &mut rng };
-    let decided = router.decide(&req, &candidates.views, &mut ctx);
+    let (decided, lock_wait) = router.decide_timed(&req, &candidates.views, &mut ctx);
     let wall = t0.elapsed().as_secs_f64();
+    s.metrics.decision_lock_wait_seconds.observe(lock_wait);
     s.metrics.decision_cpu_seconds.observe((thread_cpu_seconds() - cpu0).max(0.0));
     s.metrics.decision_seconds.observe(wall);
     let (decision, key) = decided.map_err(|e| match e {
