@@ -18,6 +18,42 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
+    fn fallbacks_are_the_head_of_the_fleet_sorted_by_load_and_round_robin_picks_the_kth_routable(
+        fleet in prop::collection::vec((0u32..20, 0u8..4), 0..300),
+        exclude in 0u32..300,
+        turns in 1usize..5,
+    ) {
+        let views: Vec<WorkerView> = fleet
+            .iter()
+            .enumerate()
+            .map(|(i, &(load, h))| {
+                let mut w = WorkerView::idle(WorkerId(i as u32));
+                w.in_flight = load;
+                w.health = if h == 0 { Health::Unhealthy } else { Health::Healthy };
+                w
+            })
+            .collect();
+        // The full sort the fast path replaces.
+        let mut all: Vec<(u32, WorkerId)> =
+            views.iter().filter(|w| w.is_routable() && w.id != WorkerId(exclude)).map(|w| (w.load(), w.id)).collect();
+        all.sort_unstable();
+        let want: Vec<WorkerId> = all.into_iter().take(kvroute_core::policy::MAX_FALLBACKS).map(|(_, id)| id).collect();
+        let got = kvroute_core::policy::fallbacks_by_load(&views, WorkerId(exclude));
+        prop_assert_eq!(got.to_vec(), want);
+        // Round robin visits the routable workers in order, as indexing the collected list did.
+        let routable: Vec<WorkerId> = views.iter().filter(|w| w.is_routable()).map(|w| w.id).collect();
+        let mut p = build("round_robin", &serde_json::Value::Null).expect("build");
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
+        for t in 0..turns * routable.len().max(1) {
+            let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng };
+            match route(p.as_mut(), &RequestView::from_text("m", "x"), &views, &mut ctx) {
+                Ok(d) => prop_assert_eq!(d.worker, routable[t % routable.len()]),
+                Err(_) => prop_assert!(routable.is_empty()),
+            }
+        }
+    }
+
+    #[test]
     fn match_never_exceeds_input_and_insert_is_found(
         inserts in prop::collection::vec((key(), 0u32..6), 1..30),
         probe in key(),

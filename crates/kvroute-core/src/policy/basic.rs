@@ -58,12 +58,14 @@ impl Policy for RoundRobin {
         c: &[WorkerView],
         _: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
-        let ids = routable_ids(c);
-        if ids.is_empty() {
+        // The k-th routable worker, found in two passes without collecting the fleet.
+        let n = c.iter().filter(|w| w.is_routable()).count();
+        if n == 0 {
             return Err(RouteError::NoWorker);
         }
-        let w = ids[(self.next.next() % ids.len() as u64) as usize];
-        Ok(Decision::new(w, Branch::RoundRobin))
+        let k = (self.next.next() % n as u64) as usize;
+        let w = c.iter().filter(|w| w.is_routable()).nth(k).ok_or(RouteError::NoWorker)?;
+        Ok(Decision::new(w.id, Branch::RoundRobin))
     }
 }
 
