@@ -327,21 +327,31 @@ impl Policy for KvScore {
         let eps = live.epsilon;
         let prefix = request_prefix(req, blocks);
         let tied = scored.iter().filter(|(s, _, _)| *s >= best - eps).count();
-        // Order: by score descending, and within the tie band by the stable hash.
-        // One sort key per worker (tie band first, by descending stable hash; then by
-        // descending score), computed once: hashing inside the comparator cost n log n
-        // hashes per decision.
+        // Order: by score descending, and within the tie band by the stable hash. One sort
+        // key per worker (tie band first, by descending stable hash; then by descending
+        // score), the hash computed only for workers in the band; only the winner and its
+        // fallbacks are needed, so the 1 + MAX_FALLBACKS smallest keys are kept in one pass
+        // instead of sorting the fleet (keys are distinct: they end with the worker id).
         let desc = |x: f64| {
             let b = x.to_bits();
             !(if b >> 63 == 1 { !b } else { b | (1 << 63) })
         };
-        scored.sort_by_cached_key(|&(sc, id, key)| {
-            let tie = match key {
-                Some(k) => tie_hash_key(k, prefix),
-                None => tie_hash(id, prefix),
-            };
-            if sc >= best - eps { (0u8, !tie, id) } else { (1u8, desc(sc), id) }
-        });
+        let sort_key = |&(sc, id, key): &(f64, WorkerId, Option<u64>)| {
+            if sc >= best - eps {
+                let tie = match key {
+                    Some(k) => tie_hash_key(k, prefix),
+                    None => tie_hash(id, prefix),
+                };
+                (0u8, !tie, id)
+            } else {
+                (1u8, desc(sc), id)
+            }
+        };
+        let head = crate::policy::util::smallest_k(
+            scored.iter().enumerate().map(|(i, w)| (sort_key(w), i)),
+            1 + MAX_FALLBACKS,
+        );
+        let scored: Vec<(f64, WorkerId, Option<u64>)> = head.iter().map(|&(_, i)| scored[i]).collect();
         let (score, winner, _) = scored[0];
         let held = overlaps.binary_search_by_key(&winner, |(id, _)| *id).map_or(0, |i| overlaps[i].1);
         let mut d = Decision::new(winner, if tied > 1 { Branch::TieBreak } else { Branch::Score })

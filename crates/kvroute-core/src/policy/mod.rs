@@ -385,22 +385,10 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
 
 /// Routable candidates ordered by (load, id): the default fallback order.
 pub fn fallbacks_by_load(candidates: &[WorkerView], exclude: WorkerId) -> SmallVec<[WorkerId; MAX_FALLBACKS]> {
-    // The MAX_FALLBACKS smallest (load, id) pairs, kept sorted while the candidates are
-    // read once: O(n) without sorting (or allocating for) the whole fleet. (load, id)
-    // pairs are distinct, so the result is exactly the head of the fully sorted list.
-    let mut best: SmallVec<[(u32, WorkerId); MAX_FALLBACKS]> = SmallVec::new();
-    for w in candidates.iter().filter(|w| w.is_routable() && w.id != exclude) {
-        let item = (w.load(), w.id);
-        if best.len() == MAX_FALLBACKS {
-            if best.last().is_some_and(|last| item >= *last) {
-                continue;
-            }
-            best.pop();
-        }
-        let at = best.partition_point(|x| *x < item);
-        best.insert(at, item);
-    }
-    best.into_iter().map(|(_, id)| id).collect()
+    // The MAX_FALLBACKS smallest (load, id) pairs in one pass, without sorting the whole
+    // fleet. (load, id) pairs are distinct, so this is exactly the head of the sorted list.
+    let routable = candidates.iter().filter(|w| w.is_routable() && w.id != exclude).map(|w| (w.load(), w.id));
+    util::smallest_k(routable, MAX_FALLBACKS).into_iter().map(|(_, id)| id).collect()
 }
 
 /// Applies a JSON patch of knobs onto a serde config struct, field by field, rejecting
