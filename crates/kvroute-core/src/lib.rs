@@ -16,6 +16,7 @@
 //! - [`policy`]: the [`policy::Policy`] trait and every policy.
 //! - [`registry`]: build a policy by name; list policies with knobs and defaults.
 //! - [`slots`]: what a llama.cpp worker's slots hold and which slot a request takes.
+//! - [`select`]: the few smallest items of a fleet-sized sequence, without sorting it.
 //! - [`cascade`], [`disagg`]: Cognitora cgn-router's cascade state machine and prefill/decode plan.
 //! - [`tenant`]: per-tenant salts on routing keys (tenant isolation of prefix state).
 //! - [`trace`]: trace transforms shared by the simulator and the load generator.
@@ -34,6 +35,7 @@ pub mod policy;
 pub mod precise;
 pub mod radix;
 pub mod registry;
+pub mod select;
 pub mod slots;
 pub mod tenant;
 pub mod trace;

@@ -347,10 +347,8 @@ impl Policy for KvScore {
                 (1u8, desc(sc), id)
             }
         };
-        let head = crate::policy::util::smallest_k(
-            scored.iter().enumerate().map(|(i, w)| (sort_key(w), i)),
-            1 + MAX_FALLBACKS,
-        );
+        let head =
+            crate::select::smallest_k(scored.iter().enumerate().map(|(i, w)| (sort_key(w), i)), 1 + MAX_FALLBACKS);
         let scored: Vec<(f64, WorkerId, Option<u64>)> = head.iter().map(|&(_, i)| scored[i]).collect();
         let (score, winner, _) = scored[0];
         let held = overlaps.binary_search_by_key(&winner, |(id, _)| *id).map_or(0, |i| overlaps[i].1);

@@ -388,7 +388,7 @@ pub fn fallbacks_by_load(candidates: &[WorkerView], exclude: WorkerId) -> SmallV
     // The MAX_FALLBACKS smallest (load, id) pairs in one pass, without sorting the whole
     // fleet. (load, id) pairs are distinct, so this is exactly the head of the sorted list.
     let routable = candidates.iter().filter(|w| w.is_routable() && w.id != exclude).map(|w| (w.load(), w.id));
-    util::smallest_k(routable, MAX_FALLBACKS).into_iter().map(|(_, id)| id).collect()
+    crate::select::smallest_k(routable, MAX_FALLBACKS).into_iter().map(|(_, id)| id).collect()
 }
 
 /// Applies a JSON patch of knobs onto a serde config struct, field by field, rejecting

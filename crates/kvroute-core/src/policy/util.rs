@@ -282,27 +282,6 @@ pub fn mean_waiting(candidates: &[WorkerView]) -> f64 {
     if n == 0 { 0.0 } else { sum / f64::from(n) }
 }
 
-/// The `k` smallest of `items`, in ascending order, read once without sorting (or holding)
-/// the rest: O(n·k) comparisons, which beats a sort of the whole fleet for the handful a
-/// decision keeps (its winner and fallbacks). Equal items keep their first-seen order.
-pub fn smallest_k<T: Ord>(items: impl IntoIterator<Item = T>, k: usize) -> SmallVec<[T; 16]> {
-    let mut best: SmallVec<[T; 16]> = SmallVec::new();
-    if k == 0 {
-        return best;
-    }
-    for item in items {
-        if best.len() == k {
-            if best.last().is_some_and(|last| item >= *last) {
-                continue;
-            }
-            best.pop();
-        }
-        let at = best.partition_point(|x| *x <= item);
-        best.insert(at, item);
-    }
-    best
-}
-
 /// Turns routed per session (`capped`): a bounded LRU map keyed like [`SessionTable`], so a
 /// trace with millions of sessions cannot grow the router without bound (an evicted session
 /// starts again at 0).
