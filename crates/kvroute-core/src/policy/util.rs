@@ -282,48 +282,20 @@ pub fn mean_waiting(candidates: &[WorkerView]) -> f64 {
     if n == 0 { 0.0 } else { sum / f64::from(n) }
 }
 
-/// Turns routed per session (`capped`): a bounded LRU map keyed like [`SessionTable`], so a
-/// trace with millions of sessions cannot grow the router without bound (an evicted session
-/// starts again at 0).
+/// Per-session state of session-aware policies — by default the worker a session is bound
+/// to, for `capped` its turn count ([`SessionTurns`]): a bounded LRU map keyed by the stable
+/// hash of the session id ([`crate::hash::stable_hash`]), so a trace with millions of
+/// sessions cannot grow the router without bound (an evicted session behaves as a new one).
 #[derive(Debug)]
-pub struct SessionTurns {
-    map: lru::LruCache<u64, u32>,
+pub struct SessionTable<V = WorkerId> {
+    map: lru::LruCache<u64, V>,
 }
 
-impl SessionTurns {
+/// Turns routed per session (`capped`).
+pub type SessionTurns = SessionTable<u32>;
+
+impl<V: Copy> SessionTable<V> {
     /// A table keeping at most `max_sessions` sessions (at least 1).
-    pub fn new(max_sessions: usize) -> Self {
-        SessionTurns { map: lru::LruCache::new(SessionTable::cap(max_sessions)) }
-    }
-
-    /// Turns routed so far for `session` (read-only).
-    pub fn get(&self, session: &str) -> u32 {
-        self.map.peek(&SessionTable::key(session)).copied().unwrap_or(0)
-    }
-
-    /// Counts one more turn of `session` (and marks it recently used).
-    pub fn record(&mut self, session: &str) {
-        let n = self.map.get_or_insert_mut(SessionTable::key(session), || 0);
-        *n = n.saturating_add(1);
-    }
-
-    /// Changes the bound, evicting least recently used sessions beyond it.
-    pub fn resize(&mut self, max_sessions: usize) {
-        self.map.resize(SessionTable::cap(max_sessions));
-    }
-}
-
-/// Session → worker bindings for session-aware policies: a bounded LRU map keyed by the
-/// stable hash of the session id ([`crate::hash::stable_hash`]), so a trace with millions of
-/// sessions cannot grow the router without bound (an evicted binding behaves as a new
-/// session).
-#[derive(Debug)]
-pub struct SessionTable {
-    map: lru::LruCache<u64, WorkerId>,
-}
-
-impl SessionTable {
-    /// A table keeping at most `max_sessions` bindings (at least 1).
     pub fn new(max_sessions: usize) -> Self {
         SessionTable { map: lru::LruCache::new(Self::cap(max_sessions)) }
     }
@@ -336,12 +308,38 @@ impl SessionTable {
         crate::hash::stable_hash(session.as_bytes())
     }
 
-    /// The worker `session` is bound to. Read-only: the binding is marked recently used
-    /// when the request is committed ([`SessionTable::bind`]), not when a decision reads it.
-    pub fn get(&self, session: &str) -> Option<WorkerId> {
+    /// What is kept for `session`. Read-only: the entry is marked recently used when the
+    /// request is committed ([`SessionTable::bind`], [`SessionTurns::record`]), not when a
+    /// decision reads it.
+    pub fn get(&self, session: &str) -> Option<V> {
         self.map.peek(&Self::key(session)).copied()
     }
 
+    /// Changes the bound, evicting least recently used sessions beyond it.
+    pub fn resize(&mut self, max_sessions: usize) {
+        self.map.resize(Self::cap(max_sessions));
+    }
+
+    /// Sessions held.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether no session is held.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+impl SessionTurns {
+    /// Counts one more turn of `session` (and marks it recently used).
+    pub fn record(&mut self, session: &str) {
+        let n = self.map.get_or_insert_mut(Self::key(session), || 0);
+        *n = n.saturating_add(1);
+    }
+}
+
+impl SessionTable<WorkerId> {
     /// Binds `session` to `worker`, replacing any binding (and marking it recently used).
     pub fn bind(&mut self, session: &str, worker: WorkerId) {
         self.map.put(Self::key(session), worker);
@@ -353,20 +351,5 @@ impl SessionTable {
         for k in stale {
             self.map.pop(&k);
         }
-    }
-
-    /// Changes the bound, evicting least recently used bindings beyond it.
-    pub fn resize(&mut self, max_sessions: usize) {
-        self.map.resize(Self::cap(max_sessions));
-    }
-
-    /// Bindings held.
-    pub fn len(&self) -> usize {
-        self.map.len()
-    }
-
-    /// Whether no binding is held.
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
     }
 }

@@ -252,7 +252,7 @@ impl Policy for B3 {
             B3Mode::Sticky => self.pick_sticky(req, blocks, candidates),
             B3Mode::Unified => self.pick_unified(req, blocks, candidates),
             B3Mode::Capped => {
-                if req.session_id.is_some_and(|sid| self.turns.get(sid) >= self.cfg.max_turns) {
+                if req.session_id.is_some_and(|sid| self.turns.get(sid).unwrap_or(0) >= self.cfg.max_turns) {
                     return Err(RouteError::SessionCapped { max_turns: self.cfg.max_turns });
                 }
                 self.pick_lmetric(req, blocks, candidates)
