@@ -49,13 +49,20 @@ impl AppState {
     /// [`AddWorkerError::NotReady`] when the health check never passed (the worker is not
     /// added); the others of [`AppState::add_worker`].
     pub async fn add_worker_when_ready(self: &Arc<Self>, url: &str, timeout: Duration) -> Result<u32, AddWorkerError> {
-        let checked = crate::model::worker_url::check_worker_url(url)?;
-        self.cfg.check_worker_allowed(&checked)?;
-        self.check_not_own(&checked).await?;
+        let checked = self.admissible_url(url).await?;
         if self.fleet.by_url(&checked).is_none() {
             self.wait_ready(&checked, timeout).await?;
         }
-        self.add_worker(url).await
+        self.add_checked(checked, None).await
+    }
+
+    /// `url` normalised, once it passes the checks every new worker does: a well-formed
+    /// http(s) URL, allowed by `worker_allow`, not one of this router's own listeners.
+    async fn admissible_url(&self, url: &str) -> Result<String, AddWorkerError> {
+        let url = crate::model::worker_url::check_worker_url(url)?;
+        self.cfg.check_worker_allowed(&url)?;
+        self.check_not_own(&url).await?;
+        Ok(url)
     }
 
     /// Asks `url`'s health check until it answers 200 or `timeout` has passed.
@@ -88,9 +95,16 @@ impl AppState {
         url: &str,
         record: Option<&crate::model::registration::WorkerRecord>,
     ) -> Result<u32, AddWorkerError> {
-        let url = crate::model::worker_url::check_worker_url(url)?;
-        self.cfg.check_worker_allowed(&url)?;
-        self.check_not_own(&url).await?;
+        let url = self.admissible_url(url).await?;
+        self.add_checked(url, record).await
+    }
+
+    /// [`AppState::add_worker_with`] for a URL [`AppState::admissible_url`] passed.
+    async fn add_checked(
+        self: &Arc<Self>,
+        url: String,
+        record: Option<&crate::model::registration::WorkerRecord>,
+    ) -> Result<u32, AddWorkerError> {
         if let Some(w) = self.fleet.by_url(&url) {
             return Ok(w.id.0);
         }
