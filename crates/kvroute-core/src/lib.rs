@@ -16,6 +16,7 @@
 //! - [`policy`]: the [`policy::Policy`] trait and every policy.
 //! - [`registry`]: build a policy by name; list policies with knobs and defaults.
 //! - [`slots`]: what a llama.cpp worker's slots hold and which slot a request takes.
+//! - [`kv_migration`]: saved prompt prefixes, and when restoring one beats recomputing it.
 //! - [`select`]: the few smallest items of a fleet-sized sequence, without sorting it.
 //! - [`cascade`], [`disagg`]: Cognitora cgn-router's cascade state machine and prefill/decode plan.
 //! - [`tenant`]: per-tenant salts on routing keys (tenant isolation of prefix state).
@@ -29,6 +30,7 @@ pub mod cascade;
 pub mod decision_bench;
 pub mod disagg;
 pub mod hash;
+pub mod kv_migration;
 pub mod ledger;
 pub mod lru_blocks;
 pub mod policy;
