@@ -25,8 +25,9 @@ pub struct SavedPrefix {
     pub name: String,
     /// Model the KV belongs to (a file is only restored for the same model).
     pub model: String,
-    /// Chained block hashes of the prompt it holds (salted per tenant by the caller).
-    pub blocks: Vec<BlockHash>,
+    /// Chained block hashes of the prompt it holds (salted per tenant by the caller);
+    /// shared, so a copy of the registry is cheap.
+    pub blocks: std::sync::Arc<[BlockHash]>,
     /// Tokens per block of `blocks`.
     pub block_tokens: u32,
     /// Tokens the engine wrote (llama.cpp `n_saved`: the prompt and what it generated).
@@ -191,6 +192,16 @@ impl TransferCost {
     }
 }
 
+/// One worker's costs, calibrated online: restoring a file into a slot, and prefilling
+/// what is not cached (what a restore saves).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkerCosts {
+    /// Restore: the call's overhead and seconds per token read.
+    pub restore: TransferCost,
+    /// Prefill: seconds per uncached prompt token.
+    pub prefill: TransferCost,
+}
+
 /// What [`plan_restore`] weighs for one request on the slot it is about to take.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RestoreAsk {
@@ -250,7 +261,7 @@ mod tests {
         SavedPrefix {
             name: name.into(),
             model: "m".into(),
-            blocks: h(blocks),
+            blocks: h(blocks).into(),
             block_tokens: 16,
             tokens: blocks.len() as u64 * 16,
             bytes,

@@ -154,6 +154,20 @@ impl SlotTable {
         s.last_used = s.last_used.max(now);
     }
 
+    /// Takes `slot` for the router's own use (saving its KV to a file) if nothing is on it:
+    /// it counts as busy until [`SlotTable::finish`], so no request is pinned to it
+    /// meanwhile without waiting. `false` (nothing changed) when it is busy or out of range.
+    pub fn hold_if_idle(&mut self, slot: u32, now: Nanos) -> bool {
+        match self.slots.get_mut(slot as usize) {
+            Some(s) if s.busy == 0 => {
+                s.busy = 1;
+                s.last_used = s.last_used.max(now);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Forgets what `slot` holds (the worker restarted, or reported a miss the record did
     /// not expect).
     pub fn clear(&mut self, slot: u32) {
@@ -247,6 +261,12 @@ mod tests {
         assert_eq!(t.choose(&long, 16, u32::MAX).cached_blocks, MAX_SLOT_BLOCKS);
         t.clear(0);
         assert_eq!(t.choose(&long, 16, u32::MAX).cached_blocks, 0);
+        // The router's own hold (a save) only on an idle slot, and it counts as busy.
+        assert!(!t.hold_if_idle(0, Nanos(3)));
+        t.finish(0, Nanos(3));
+        assert!(t.hold_if_idle(0, Nanos(4)));
+        assert_eq!(t.busy(), 1);
+        assert!(!t.hold_if_idle(9, Nanos(4)));
         assert_eq!(SlotTable::new(10_000).len(), MAX_SLOTS);
     }
 }
