@@ -252,10 +252,25 @@ pub fn mtbench(
 /// Gives conversation `i` a system message holding reference document `i % documents`
 /// (`documents` 0: one per conversation) of `tokens × 4` characters of [`synth_text`], as in
 /// workload (b) of docs/real-engines.md, the peers' measurement on llama.cpp (a ~300-token
-/// document per conversation). Fewer documents than conversations share prefixes across conversations.
-pub fn attach_documents(convs: &mut [Conversation], tokens: u32, documents: usize, seed: u64) {
+/// document per conversation). Fewer documents than conversations share prefixes across
+/// conversations. With `hot_share` > 0 that share of the conversations (spread evenly:
+/// conversation `i` when `floor((i + 1) × hot_share) > floor(i × hot_share)`) takes document
+/// 0 instead, and the others take documents 1.. in turn: one hot document.
+pub fn attach_documents(convs: &mut [Conversation], tokens: u32, documents: usize, hot_share: f64, seed: u64) {
+    let hot_share = if hot_share.is_finite() { hot_share.clamp(0.0, 1.0) } else { 0.0 };
+    let mut cold = 0usize;
     for (i, c) in convs.iter_mut().enumerate() {
-        let d = if documents == 0 { i } else { i % documents };
+        let hot = hot_share > 0.0 && ((i + 1) as f64 * hot_share).floor() > (i as f64 * hot_share).floor();
+        let d = if hot {
+            0
+        } else if hot_share > 0.0 && documents > 1 {
+            cold += 1;
+            1 + (cold - 1) % (documents - 1)
+        } else if documents == 0 {
+            i
+        } else {
+            i % documents
+        };
         let mut s = format!("Reference document {d}. ");
         synth_text(seed ^ (0x3000_0000 + d as u64), tokens as usize * CHARS_PER_TOKEN, &mut s);
         c.system = Some(s.into());
@@ -355,9 +370,18 @@ mod tests {
         );
         assert_eq!(mtbench("", 0, Arrivals::Constant(1.0), 8, 1).unwrap_err(), "no conversations");
         let mut c = mtbench("{\"turns\": [\"a\"]}\n".repeat(3).as_str(), 0, Arrivals::Constant(1.0), 8, 1).unwrap();
-        attach_documents(&mut c, 100, 2, 7);
+        attach_documents(&mut c, 100, 2, 0.0, 7);
         let sys: Vec<&str> = c.iter().map(|c| c.system.as_deref().unwrap()).collect();
         assert_eq!((sys[0] == sys[2], sys[0] == sys[1]), (true, false), "document i % 2");
         assert!(sys[0].starts_with("Reference document 0. ") && sys[0].len() == 22 + 400);
+        // A hot document: half the conversations on document 0, the rest on 1, 2, 1, 2, ...
+        let mut c = mtbench("{\"turns\": [\"a\"]}\n".repeat(8).as_str(), 0, Arrivals::Constant(1.0), 8, 1).unwrap();
+        attach_documents(&mut c, 10, 3, 0.5, 7);
+        let doc = |c: &Conversation| c.system.as_deref().unwrap()[..21].to_string();
+        let docs: Vec<String> = c.iter().map(doc).collect();
+        let hot = docs.iter().filter(|d| d.starts_with("Reference document 0.")).count();
+        assert_eq!(hot, 4, "{docs:?}");
+        assert!(docs.iter().any(|d| d.starts_with("Reference document 1.")));
+        assert!(docs.iter().any(|d| d.starts_with("Reference document 2.")));
     }
 }

@@ -180,15 +180,19 @@ impl TransferCost {
         self.overhead_secs + tokens as f64 * self.secs_per_token
     }
 
-    /// Folds in one measurement: `tokens` took `secs` in all. The per-token rate moves
-    /// toward what the measurement implies once the overhead is taken out; a measurement
-    /// that is not finite and positive, or of no tokens, is ignored.
-    pub fn observe(&mut self, tokens: u64, secs: f64) {
+    /// Folds in one measurement: `tokens` took `secs` in all, with `before` measurements
+    /// folded in already. The per-token rate moves toward what the measurement implies
+    /// once the overhead is taken out, by `max(1 / (before + 1), COST_EWMA_WEIGHT)`: the
+    /// first measurement replaces the prior, the first few are averaged, later ones are
+    /// weighted [`COST_EWMA_WEIGHT`]. A measurement that is not finite and positive, or of
+    /// no tokens, is ignored.
+    pub fn observe(&mut self, tokens: u64, secs: f64, before: u32) {
         if tokens == 0 || !(secs.is_finite() && secs > 0.0) {
             return;
         }
         let per = ((secs - self.overhead_secs).max(secs * 0.1)) / tokens as f64;
-        self.secs_per_token += COST_EWMA_WEIGHT * (per - self.secs_per_token);
+        let w = (1.0 / (f64::from(before) + 1.0)).max(COST_EWMA_WEIGHT);
+        self.secs_per_token += w * (per - self.secs_per_token);
     }
 }
 
@@ -200,6 +204,10 @@ pub struct WorkerCosts {
     pub restore: TransferCost,
     /// Prefill: seconds per uncached prompt token.
     pub prefill: TransferCost,
+    /// Restores measured on this worker (0: `restore` is the fleet's estimate).
+    pub restore_samples: u32,
+    /// Prefill samples measured on this worker (0: `prefill` is the fleet's estimate).
+    pub prefill_samples: u32,
 }
 
 /// What [`plan_restore`] weighs for one request on the slot it is about to take.
@@ -345,14 +353,16 @@ mod tests {
     #[test]
     fn the_cost_learns_from_measurements_and_ignores_nonsense() {
         let mut c = TransferCost { overhead_secs: 0.01, secs_per_token: 1e-4 };
-        for _ in 0..50 {
-            c.observe(1_000, 0.01 + 1_000.0 * 5e-6);
-        }
-        assert!((c.secs_per_token - 5e-6).abs() < 1e-7, "{c:?}");
+        // The first measurement replaces the prior.
+        c.observe(1_000, 0.01 + 1_000.0 * 5e-6, 0);
+        assert!((c.secs_per_token - 5e-6).abs() < 1e-12, "{c:?}");
+        // Later ones move it a fifth of the way.
+        c.observe(1_000, 0.01 + 1_000.0 * 15e-6, 10);
+        assert!((c.secs_per_token - 7e-6).abs() < 1e-12, "{c:?}");
         let before = c;
-        c.observe(0, 1.0);
-        c.observe(10, f64::NAN);
-        c.observe(10, -1.0);
+        c.observe(0, 1.0, 0);
+        c.observe(10, f64::NAN, 0);
+        c.observe(10, -1.0, 0);
         assert_eq!(c, before);
     }
 }

@@ -60,6 +60,8 @@ pub struct AppState {
     pub cascade: arc_swap::ArcSwap<kvroute_core::cascade::CascadeConfig>,
     /// The LoRA multiplexer (`[[lora.adapters]]`), when there is a catalogue.
     pub lora: Option<crate::lora::Multiplexer>,
+    /// The KV mover for llama.cpp workers (`[kv_migration]`), when it is on.
+    pub kv_mover: Option<Arc<crate::kv_move::KvMover>>,
     /// The prefill and decode pools' routers, when disaggregation is on (`[pd]`).
     pub pd: Option<crate::pd::PdRouters>,
     /// Who a request's tenant is, its cache salt, who sees decision details
@@ -106,8 +108,10 @@ impl AppState {
             .as_ref()
             .map(|_| crate::cluster::sync::ReplicaSync::new(&cfg.cluster, Some(&replica_id), &metrics));
         let journal = cfg.state_dir.as_ref().map(|_| Arc::new(crate::cluster::journal::PrefixJournal::new(&metrics)));
+        let kv_mover = crate::kv_move::KvMover::new(&cfg.kv_migration, &replica_id, client.clone(), &metrics);
         Ok(Arc::new(AppState {
             via_name: crate::hops::via_name(&replica_id),
+            kv_mover,
             replica_id,
             listen_addrs: RwLock::new(Vec::new()),
             recorder,

@@ -162,6 +162,9 @@ pub struct WorkerEntry {
     /// request is sent to a slot and when it ends. One lock per worker, held for a scan of
     /// its slots.
     pub slots: parking_lot::Mutex<Option<kvroute_core::slots::SlotTable>>,
+    /// Its KV mover costs (restore, prefill), calibrated online (`crate::kv_move`); `None`
+    /// until the mover first needs them.
+    pub kv_costs: parking_lot::Mutex<Option<kvroute_core::kv_migration::WorkerCosts>>,
     /// The resolved capacity facts: configuration over registration over the worker's
     /// own report ([`crate::model::capacity::Capacity`]).
     capacity: ArcSwap<(crate::model::capacity::Capacity, kvroute_core::types::Capacity)>,
@@ -258,6 +261,7 @@ impl WorkerEntry {
             power: parking_lot::Mutex::default(),
             capacity_sources: Mutex::default(),
             slots: parking_lot::Mutex::new(None),
+            kv_costs: parking_lot::Mutex::new(None),
             models_read_at: AtomicU64::new(0),
             role: AtomicU8::new(role_code(Role::Both)),
             bootstrap_port: OptU32::default(),

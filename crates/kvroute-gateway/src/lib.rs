@@ -35,6 +35,7 @@ pub mod epp;
 pub mod fleet;
 pub mod health;
 pub mod hops;
+pub mod kv_move;
 pub mod kv_subscriber;
 pub mod kv_tokens;
 pub mod lora;
@@ -255,7 +256,7 @@ async fn refuse_own_addresses(
 }
 
 /// Starts the background tasks that run until `cancel`: health checks, KV events, the etcd
-/// registry and the NATS cluster sync.
+/// registry, the NATS cluster sync, the prefix journal and the KV mover's file sweep.
 fn spawn_background(
     state: &Arc<AppState>,
     cancel: &tokio_util::sync::CancellationToken,
@@ -266,6 +267,7 @@ fn spawn_background(
         tokio::spawn(cluster::etcd::run(Arc::clone(state), cancel.clone())),
         tokio::spawn(cluster::sync_task::run(Arc::clone(state), cancel.clone())),
         tokio::spawn(cluster::journal_task::run(Arc::clone(state), cancel.clone())),
+        tokio::spawn(kv_move::run_sweeper(state.kv_mover.clone(), cancel.clone())),
     ]
 }
 

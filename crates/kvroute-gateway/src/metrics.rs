@@ -44,6 +44,29 @@ pub struct TenantLabels {
     pub outcome: String,
 }
 
+/// Labels of `kvroute_kv_migrations_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KvMoveLabels {
+    /// `save`, `restore` or `remove` (a file the router deleted).
+    pub op: String,
+    /// `save`: `saved`, `failed`, `skipped` (saves at `max_concurrent_saves`). `restore`:
+    /// `restored`, `failed`, `not_worth` (a file matched but recomputing was predicted
+    /// cheaper). `remove`: `evicted` (limits), `expired` (`file_ttl_secs`), `failed`.
+    pub outcome: String,
+}
+
+/// Label of the KV mover's per-operation byte counter and time histogram.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KvOpLabel {
+    /// `save` or `restore`.
+    pub op: String,
+}
+
+/// Buckets of `kvroute_kv_migration_seconds`, seconds (1 ms to ~65 s).
+fn kv_move_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
 /// Labels of `kvroute_prefix_source`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabels {
@@ -137,6 +160,18 @@ pub struct Metrics {
     /// Of those, requests whose slot was busy: they wait for it rather than recompute
     /// their prefix in another slot.
     pub llama_slot_waits: Counter,
+    /// The KV mover's operations by op and outcome (`[kv_migration]`).
+    pub kv_migrations: Family<KvMoveLabels, Counter>,
+    /// Bytes the KV mover's saves wrote and restores read.
+    pub kv_migration_bytes: Family<KvOpLabel, Counter>,
+    /// Wall time of the KV mover's saves and restores, seconds.
+    pub kv_migration_seconds: Family<KvOpLabel, Histogram, fn() -> Histogram>,
+    /// TTFT a restore was predicted to save (recompute minus restore), seconds.
+    pub kv_migration_predicted_gain_seconds: Histogram,
+    /// Files the KV mover keeps in `slot_save_dir`, and their bytes.
+    pub kv_migration_files: Gauge,
+    /// Bytes of those files.
+    pub kv_migration_file_bytes: Gauge,
     /// 1 when the worker is routable.
     pub worker_healthy: Family<WorkerLabel, Gauge>,
     /// Requests in flight per worker (router's ledger).
@@ -288,6 +323,12 @@ impl Metrics {
             stale_connection_resends: Counter::default(),
             llama_slot_requests: Counter::default(),
             llama_slot_waits: Counter::default(),
+            kv_migrations: Family::default(),
+            kv_migration_bytes: Family::default(),
+            kv_migration_seconds: Family::new_with_constructor(kv_move_histogram),
+            kv_migration_predicted_gain_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            kv_migration_files: Gauge::default(),
+            kv_migration_file_bytes: Gauge::default(),
             worker_healthy: Family::default(),
             worker_in_flight: Family::default(),
             kv_batches: Family::default(),
@@ -398,6 +439,36 @@ impl Metrics {
             "kvroute_llama_slot_waits",
             "Requests sent to a busy llama.cpp slot that holds their prefix (they wait for it)",
             self.llama_slot_waits.clone(),
+        );
+        r.register(
+            "kvroute_kv_migrations",
+            "KV mover operations by op (save, restore, remove) and outcome",
+            self.kv_migrations.clone(),
+        );
+        r.register(
+            "kvroute_kv_migration_bytes",
+            "Bytes the KV mover's saves wrote and restores read",
+            self.kv_migration_bytes.clone(),
+        );
+        r.register(
+            "kvroute_kv_migration_seconds",
+            "Wall time of the KV mover's saves and restores",
+            self.kv_migration_seconds.clone(),
+        );
+        r.register(
+            "kvroute_kv_migration_predicted_gain_seconds",
+            "TTFT a restore was predicted to save (recomputing minus restoring)",
+            self.kv_migration_predicted_gain_seconds.clone(),
+        );
+        r.register(
+            "kvroute_kv_migration_files",
+            "Files the KV mover keeps in slot_save_dir",
+            self.kv_migration_files.clone(),
+        );
+        r.register(
+            "kvroute_kv_migration_file_bytes",
+            "Bytes of the files the KV mover keeps in slot_save_dir",
+            self.kv_migration_file_bytes.clone(),
         );
     }
 

@@ -372,7 +372,7 @@ pub fn parse_limited(
 }
 
 /// What a whole answer reports of its tokens.
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq)]
 pub struct AnswerUsage {
     /// `usage.completion_tokens` (OpenAI) or `meta_info.completion_tokens` (SGLang
     /// `/generate`).
@@ -381,6 +381,9 @@ pub struct AnswerUsage {
     /// (OpenAI; vLLM with `--enable-prompt-tokens-details`), `meta_info.cached_tokens`
     /// (SGLang), `timings.cache_n` (llama.cpp).
     pub cached_tokens: Option<u64>,
+    /// The prefill the engine reported: prompt tokens computed and milliseconds taken
+    /// (llama.cpp `timings.prompt_n`, `timings.prompt_ms`).
+    pub prefill: Option<(u64, f64)>,
 }
 
 /// Reads [`AnswerUsage`] from a whole (non-streamed) answer's JSON body; all `None` when it
@@ -399,6 +402,8 @@ pub fn answer_usage(body: &[u8]) -> AnswerUsage {
     #[derive(serde::Deserialize)]
     struct Timings {
         cache_n: Option<u64>,
+        prompt_n: Option<u64>,
+        prompt_ms: Option<f64>,
     }
     #[derive(serde::Deserialize)]
     struct Answer {
@@ -418,7 +423,12 @@ pub fn answer_usage(body: &[u8]) -> AnswerUsage {
         .and_then(|u| u.prompt_tokens_details.as_ref().and_then(|d| d.cached_tokens))
         .or_else(|| a.meta_info.as_ref().and_then(|m| m.cached_tokens))
         .or_else(|| a.timings.as_ref().and_then(|t| t.cache_n));
-    AnswerUsage { completion_tokens: completion.map(|n| n.min(u64::from(u32::MAX)) as u32), cached_tokens: cached }
+    let prefill = a.timings.as_ref().and_then(|t| Some((t.prompt_n?, t.prompt_ms?)));
+    AnswerUsage {
+        completion_tokens: completion.map(|n| n.min(u64::from(u32::MAX)) as u32),
+        cached_tokens: cached,
+        prefill,
+    }
 }
 
 #[cfg(test)]

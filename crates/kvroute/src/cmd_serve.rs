@@ -221,6 +221,14 @@ pub struct Args {
     /// cache, i.e. `--cache-ram 0`), `true` or `false`.
     #[arg(long, env = "KVROUTE_LLAMA_SLOT_ROUTING")]
     pub llama_slot_routing: Option<kvroute_gateway::config::SlotRouting>,
+    /// Turn the KV mover on (`[kv_migration]`) with this directory: the llama.cpp workers'
+    /// `--slot-save-path`, as this router sees it. A long prompt's slot is saved there when
+    /// it ends, and restored into the slot of another worker a request on it is sent to.
+    #[arg(long, env = "KVROUTE_KV_MIGRATION_DIR")]
+    pub kv_migration_dir: Option<std::path::PathBuf>,
+    /// The KV mover's smallest prefix, tokens (`kv_migration.min_tokens`, default 1024).
+    #[arg(long, env = "KVROUTE_KV_MIGRATION_MIN_TOKENS")]
+    pub kv_migration_min_tokens: Option<u32>,
     /// Local tokenizer for token-accurate routing keys: a GGUF model file (llama.cpp
     /// workers) or a Hugging Face tokenizer.json (tokenizer_config.json beside it).
     #[arg(long, env = "KVROUTE_TOKENIZER")]
@@ -415,6 +423,13 @@ fn security_flags(a: &Args, cfg: &mut GatewayConfig) {
 /// The workers and what the router reads from them: URLs, tokenizer, power metric,
 /// health interval, KV-event sources and the policy's knobs.
 fn worker_flags(a: &Args, cfg: &mut GatewayConfig) -> anyhow::Result<()> {
+    if let Some(d) = &a.kv_migration_dir {
+        cfg.kv_migration.enabled = true;
+        cfg.kv_migration.slot_save_dir = Some(d.clone());
+    }
+    if let Some(n) = a.kv_migration_min_tokens {
+        cfg.kv_migration.min_tokens = n;
+    }
     if a.tokenizer.is_some() {
         cfg.tokenizer = a.tokenizer.clone();
     }

@@ -12,6 +12,9 @@
 //!   (almost) nothing;
 //! - `--llama-slot-routing` on one worker with two documents: without it llama-server's
 //!   slots swap the documents and both miss; with it each stays in its slot.
+//! - the KV mover (`--kv-migration-dir`, workers with `--slot-save-path` on one directory):
+//!   a document's slot is saved on the worker that ran it; with that worker gone, the next
+//!   request on the document is restored into the other worker's slot and served from it.
 //!
 //! Needs `KVROUTE_LLAMA_SERVER` and `KVROUTE_LLAMA_MODEL` (set by `.ci/run` from
 //! `scripts/llama-workers.sh paths`). Without them the test says it skipped, unless
@@ -52,11 +55,17 @@ fn start_worker(bin: &PathBuf, model: &PathBuf, port: u16) -> Proc {
 
 /// A llama-server with `--cache-ram MIB` (its host-memory prompt cache; "0" turns it off).
 fn start_worker_with_cache_ram(bin: &PathBuf, model: &PathBuf, port: u16, cache_ram_mib: &str) -> Proc {
+    start_worker_with(bin, model, port, &["-np", "2", "--cache-ram", cache_ram_mib])
+}
+
+/// A llama-server (one thread, 4,096-token context) with `args` added.
+fn start_worker_with(bin: &PathBuf, model: &PathBuf, port: u16, args: &[&str]) -> Proc {
     let child = Command::new(bin)
         .args(["-m"])
         .arg(model)
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["-t", "1", "-np", "2", "-c", "4096", "--cache-ram", cache_ram_mib, "--metrics", "--slots", "--no-webui"])
+        .args(["-t", "1", "-c", "4096", "--metrics", "--slots", "--no-webui"])
+        .args(args)
         .args(["--alias", "smollm2", "--seed", "1"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -395,4 +404,92 @@ async fn llama_slot_routing_auto_tells_a_host_prompt_cache_from_none_on_llama_se
     let flags = common::slot_routing_flags(&client, &admin).await;
     eprintln!("host_prompt_cache, slot_routing per worker (cache-ram 512, cache-ram 0): {flags:?}");
     assert_eq!(flags, [(json!(true), json!(false)), (json!(false), json!(true))]);
+}
+
+/// The KV mover on two one-slot llama-servers sharing a `--slot-save-path`: a ~600-token
+/// document runs on one of them (the holder) and its slot is saved; the holder leaves the
+/// router (`/remove_worker`: draining or gone); the next request on the document goes to
+/// the other worker, which restores the file into its slot first and reports the document
+/// as cached (`timings.cache_n`). The router's own files are named by it, counted in its
+/// metrics, and nothing restored for a different document.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama.cpp: KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"]
+async fn kv_migration_restores_a_saved_prefix_on_another_llama_server() {
+    let (bin, model) = llama_env();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = tempfile::tempdir().expect("slot dir");
+    let slot_dir = dir.path().to_str().expect("utf-8 path").to_string();
+    let ports = [free_port(), free_port()];
+    let _w: Vec<Proc> = ports
+        .iter()
+        .map(|&p| start_worker_with(&bin, &model, p, &["-np", "1", "--cache-ram", "0", "--slot-save-path", &slot_dir]))
+        .collect();
+    let workers: Vec<String> = ports.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(300)).build().expect("client");
+    for w in &workers {
+        wait_healthy(&client, w).await;
+    }
+    let (rport, aport) = (free_port(), free_port());
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvroute"));
+    cmd.args(["serve", "--host", "127.0.0.1", "--port", &rport.to_string(), "--policy", "least_ttft"])
+        .args(["--admin-listen", &format!("127.0.0.1:{aport}")])
+        .args(["--expose-decision-headers", "true", "--llama-slot-routing", "true"])
+        .args(["--kv-migration-dir", &slot_dir, "--kv-migration-min-tokens", "256"])
+        .arg("--tokenizer")
+        .arg(&model)
+        .args(["--worker-urls", &workers.join(",")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    let _router = Proc(cmd.spawn().expect("start kvroute serve"));
+    let (router, admin) = (format!("http://127.0.0.1:{rport}"), format!("http://127.0.0.1:{aport}"));
+    wait_healthy(&client, &router).await;
+    let doc = format!("{} {}", document(200), document(201));
+    let ask = |q: &str| json!([{"role": "system", "content": doc}, {"role": "user", "content": q}]);
+    let first = chat(&client, &router, &ask("Summarise the document.")).await;
+    assert!(first.prompt_tokens >= 400, "a long document: {} tokens", first.prompt_tokens);
+    // The holder's slot is saved in the background once the answer is in.
+    let mut saved = 0.0;
+    for _ in 0..300 {
+        let m = client.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
+        saved = sample(&m, "kvroute_kv_migrations_total", "outcome=\"saved\"").unwrap_or(0.0);
+        if saved >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(saved, 1.0, "the document's slot was saved");
+    let files: Vec<String> = std::fs::read_dir(dir.path())
+        .expect("read slot dir")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
+    assert!(files.len() == 1 && files[0].starts_with("kvroute-") && files[0].ends_with(".bin"), "{files:?}");
+    // The holder leaves the router; the next request on the document goes to the other one.
+    let r = client.post(format!("{admin}/remove_worker?url={}", first.worker)).send().await.expect("remove");
+    assert!(r.status().is_success(), "remove_worker: {}", r.status());
+    let body = json!({"model": "smollm2", "messages": ask("Which word comes first?"), "max_tokens": MAX_TOKENS, "temperature": 0});
+    let resp = client.post(format!("{router}/v1/chat/completions")).json(&body).send().await.expect("send");
+    assert!(resp.status().is_success(), "status {}", resp.status());
+    let worker = resp.headers()["x-kvroute-worker"].to_str().expect("ascii").to_string();
+    let decision = resp.headers()["x-kvroute-decision"].to_str().expect("ascii").to_string();
+    let v: Value = resp.json().await.expect("json");
+    let cache_n = v["timings"]["cache_n"].as_u64().expect("timings.cache_n");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    eprintln!("holder {}, then {worker}: cache_n {cache_n} of {prompt}; decision: {decision}", first.worker);
+    assert_ne!(worker, first.worker);
+    assert!(decision.contains("kv_restore="), "{decision}");
+    // Everything up to the question is served from the restored slot.
+    assert!(
+        cache_n * 10 >= first.prompt_tokens * 8,
+        "restored: cache_n {cache_n} of the document's {}",
+        first.prompt_tokens
+    );
+    let m = client.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    assert_eq!(sample(&m, "kvroute_kv_migrations_total", "outcome=\"restored\""), Some(1.0));
+    assert!(sample(&m, "kvroute_kv_migration_bytes_total", "op=\"restore\"").unwrap_or(0.0) > 1e6);
+    // A different document finds no file: nothing is restored for it.
+    let other = json!([{"role": "system", "content": document(202)}, {"role": "user", "content": "Summarise."}]);
+    let t = chat(&client, &router, &other).await;
+    assert!(t.cache_n * 2 < t.prompt_tokens, "another document is not served from the file: {}", t.cache_n);
+    let m = client.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    assert_eq!(sample(&m, "kvroute_kv_migrations_total", "outcome=\"restored\""), Some(1.0));
 }

@@ -36,6 +36,14 @@ use std::time::{Duration, Instant};
 /// Suffix of a kvroute policy name in `--policies` that turns on llama.cpp slot routing.
 pub const SLOTS_SUFFIX: &str = "/slots";
 
+/// Suffix of a kvroute policy name in `--policies` that turns on llama.cpp slot routing and
+/// the KV mover (`--kv-migration-dir`, the workers' shared `--slot-save-path`).
+pub const SLOTS_KV_SUFFIX: &str = "/slots+kv";
+
+/// The KV mover's smallest prefix in `bench compare`, tokens: the bench's documents are a
+/// few hundred tokens (`--document-tokens`), below `kv_migration.min_tokens`' default.
+pub const BENCH_KV_MIN_TOKENS: u32 = 128;
+
 /// Flags of `kvroute bench compare`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -50,7 +58,8 @@ pub struct Args {
     pub peers: Vec<String>,
     /// kvroute policies to run. A name ending in `/slots` runs kvroute with
     /// `--llama-slot-routing true` (llama.cpp workers without a host prompt cache:
-    /// `--llama-cache-ram 0`).
+    /// `--llama-cache-ram 0`); `/slots+kv` also turns on the KV mover (the llama.cpp
+    /// workers share a `--slot-save-path` in the log directory).
     #[arg(
         long,
         value_delimiter = ',',
@@ -112,6 +121,10 @@ pub struct Args {
     /// conversations).
     #[arg(long, default_value_t = 0)]
     pub documents: usize,
+    /// mtbench: share of conversations on document 0, the hot one (the rest take the
+    /// others in turn): one document popular enough to overload its holder.
+    #[arg(long, default_value_t = 0.0)]
+    pub hot_document_share: f64,
     /// mtbench: run this many conversations at a time, each starting when one ends (closed
     /// loop; 0: open loop, started at --rate).
     #[arg(long, default_value_t = 0)]
@@ -278,6 +291,11 @@ impl Ctx {
         Ok(Child(child))
     }
 
+    /// The llama.cpp workers' `--slot-save-path` (shared by the workers of a run).
+    fn slot_dir(&self) -> PathBuf {
+        self.logs.join("slots")
+    }
+
     /// Starts `n` workers — engine-sim with `extra` flags, or llama-server (one thread, two
     /// slots, 8192 context, `--cache-ram` from `--llama-cache-ram`, 0 by default as
     /// `scripts/llama-workers.sh` runs them) — and waits until each answers /health.
@@ -290,6 +308,11 @@ impl Ctx {
     /// remembered in `self.kv_events`.
     async fn workers_kv(&self, n: usize, extra: &[&str], kv_events: bool) -> anyhow::Result<(Vec<Child>, Vec<String>)> {
         let (mut kids, mut urls) = (Vec::new(), Vec::new());
+        if self.llama.is_some() {
+            // Each set of cold workers starts with an empty slot directory.
+            let _ = std::fs::remove_dir_all(self.slot_dir());
+            std::fs::create_dir_all(self.slot_dir()).context("creating the workers' slot directory")?;
+        }
         for i in 0..n {
             let port = free_port()?;
             match &self.llama {
@@ -332,6 +355,8 @@ impl Ctx {
                         "--no-webui",
                         "--alias",
                         &self.model,
+                        "--slot-save-path",
+                        &self.slot_dir().display().to_string(),
                     ]
                     .map(String::from)
                     .to_vec();
@@ -434,9 +459,14 @@ impl Ctx {
     fn kvroute_args(&self, t: &Target, host: &[String], workers: &[String]) -> Vec<String> {
         let mut a = vec!["serve".to_string()];
         a.extend(host.iter().cloned());
-        match t.policy.strip_suffix(SLOTS_SUFFIX) {
-            Some(name) => a.extend(["--policy", name, "--llama-slot-routing", "true"].map(String::from)),
-            None => a.extend(["--policy".to_string(), t.policy.clone()]),
+        if let Some(name) = t.policy.strip_suffix(SLOTS_KV_SUFFIX) {
+            a.extend(["--policy", name, "--llama-slot-routing", "true"].map(String::from));
+            a.extend(["--kv-migration-dir".to_string(), self.slot_dir().display().to_string()]);
+            a.extend(["--kv-migration-min-tokens".to_string(), BENCH_KV_MIN_TOKENS.to_string()]);
+        } else if let Some(name) = t.policy.strip_suffix(SLOTS_SUFFIX) {
+            a.extend(["--policy", name, "--llama-slot-routing", "true"].map(String::from));
+        } else {
+            a.extend(["--policy".to_string(), t.policy.clone()]);
         }
         a.push("--worker-urls".into());
         a.push(workers.join(","));
@@ -692,13 +722,19 @@ fn check_args(a: &mut Args) -> anyhow::Result<Option<f64>> {
     if a.workers == 0 {
         bail!("--workers must be at least 1");
     }
+    if !(0.0..=1.0).contains(&a.hot_document_share) {
+        bail!("--hot-document-share must be in [0, 1], got {}", a.hot_document_share);
+    }
+    if a.policies.iter().any(|p| p.ends_with(SLOTS_KV_SUFFIX)) && a.engine != "llama" {
+        bail!("--policies: `{SLOTS_KV_SUFFIX}` needs --engine llama (the KV mover saves and restores llama.cpp slots)");
+    }
     for p in &a.peers {
         if !PEERS.contains(&p.as_str()) {
             bail!("--peers: unknown peer `{p}` ({})", PEERS.join(", "));
         }
     }
     for p in &a.policies {
-        let name = p.strip_suffix(SLOTS_SUFFIX).unwrap_or(p);
+        let name = p.strip_suffix(SLOTS_KV_SUFFIX).or_else(|| p.strip_suffix(SLOTS_SUFFIX)).unwrap_or(p);
         kvroute_core::registry::build(name, &serde_json::Value::Null).with_context(|| format!("--policies: {p}"))?;
     }
     Ok(busy_at_start)
@@ -768,7 +804,7 @@ fn mtbench_conversations(a: &Args, trace: &std::path::Path) -> anyhow::Result<Ve
     let mut c = workload::mtbench(&text, a.conversations, arrivals, a.output_tokens, 0)
         .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     if a.document_tokens > 0 {
-        workload::attach_documents(&mut c, a.document_tokens, a.documents, 0);
+        workload::attach_documents(&mut c, a.document_tokens, a.documents, a.hot_document_share, 0);
     }
     if a.conversation_concurrency > 0 {
         for x in &mut c {

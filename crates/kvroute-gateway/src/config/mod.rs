@@ -1,6 +1,7 @@
 //! Gateway configuration: one TOML file, flags and `KVROUTE_*` environment variables with
 //! the same names (see `docs/configuration.md` and `kvroute.example.toml`).
 
+pub mod kv_migration;
 pub mod lora;
 pub mod pd;
 
@@ -277,6 +278,8 @@ pub struct GatewayConfig {
     pub pd: crate::config::pd::PdConfig,
     /// Model multiplexing with runtime-loaded LoRA adapters (`[lora]`, `[[lora.adapters]]`).
     pub lora: crate::config::lora::LoraConfig,
+    /// The KV mover for llama.cpp workers (`[kv_migration]`, [`crate::config::kv_migration`]).
+    pub kv_migration: crate::config::kv_migration::KvMigrationConfig,
     /// Model cascades (Cognitora cgn-router): `[[cascade.chain]]` tables; none = off.
     /// Live: a SIGHUP reload or the etcd policy key's `cascade` field replaces them.
     pub cascade: kvroute_core::cascade::CascadeConfig,
@@ -442,6 +445,7 @@ impl Default for GatewayConfig {
             capacity: std::collections::BTreeMap::new(),
             locality: crate::model::locality::LocalityConfig::default(),
             lora: crate::config::lora::LoraConfig::default(),
+            kv_migration: crate::config::kv_migration::KvMigrationConfig::default(),
             pd: crate::config::pd::PdConfig::default(),
             cascade: kvroute_core::cascade::CascadeConfig::default(),
             kv_events: Vec::new(),
@@ -674,10 +678,17 @@ impl GatewayConfig {
         Ok(())
     }
 
-    /// Cascades, the LoRA catalogue and disaggregation, with the P/D pools' worker URLs.
+    /// Cascades, the LoRA catalogue, the KV mover and disaggregation, with the P/D pools' worker URLs.
     fn check_serving_modes(&self) -> Result<(), ConfigError> {
         self.cascade.validate().map_err(|m| err("cascade", m))?;
         self.lora.validate().map_err(|m| err("lora", m))?;
+        self.kv_migration.check().map_err(|(k, m)| err(&format!("kv_migration.{k}"), m))?;
+        if self.kv_migration.enabled && self.llama_slot_routing == SlotRouting::Off {
+            return Err(err(
+                "kv_migration.enabled",
+                "needs llama_slot_routing \"auto\" or \"true\": the mover saves and restores the slots requests are pinned to",
+            ));
+        }
         self.pd.validate().map_err(|(k, m)| err(&k, m))?;
         for u in self.pd.urls() {
             let u = check_worker_url(u).map_err(|m| err("pd", m))?;
@@ -958,6 +969,24 @@ mod tests {
         for d in [env!("CARGO_MANIFEST_DIR").to_string(), "/nonexistent/kvroute-state".into()] {
             GatewayConfig { state_dir: Some(d), ..GatewayConfig::default() }.validate().expect("a directory");
         }
+    }
+
+    #[test]
+    fn the_kv_mover_needs_a_directory_and_slot_routing() {
+        let on = |extra: &str| GatewayConfig::from_toml(&format!("[kv_migration]\nenabled = true\n{extra}"));
+        assert_eq!(on("").unwrap_err().key, "kv_migration.slot_save_dir");
+        let ok = on("slot_save_dir = \"/srv/slots\"").expect("a directory is enough");
+        assert_eq!(ok.kv_migration.min_tokens, 1024);
+        assert_eq!(on("slot_save_dir = \"/d\"\nmax_files = 0").unwrap_err().key, "kv_migration.max_files");
+        assert_eq!(
+            on("slot_save_dir = \"/d\"\nprefill_tokens_per_sec = -1.0").unwrap_err().key,
+            "kv_migration.prefill_tokens_per_sec"
+        );
+        let off = GatewayConfig::from_toml(
+            "llama_slot_routing = false\n[kv_migration]\nenabled = true\nslot_save_dir = \"/d\"",
+        );
+        assert_eq!(off.unwrap_err().key, "kv_migration.enabled");
+        assert_eq!(GatewayConfig::from_toml("[kv_migration]\nenabld = true").unwrap_err().key, "enabld");
     }
 
     #[test]

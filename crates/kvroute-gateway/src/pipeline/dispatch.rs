@@ -116,12 +116,22 @@ pub struct SlotHold {
     pub slot: u32,
     taken_at: Nanos,
     taken: Instant,
+    /// Leading blocks of the prompt the slot held when it was chosen.
+    cached_blocks: usize,
+    /// The slot was busy when chosen: the request waits for it.
+    waits: bool,
+    /// With the KV mover: what saving the slot after the request needs.
+    save: Option<crate::kv_move::SaveTicket>,
+    /// The worker answered (the prompt is in the slot): the slot may be saved.
+    prefilled: bool,
+    /// A saved prefix the KV mover restored into the slot before the request was sent.
+    pub restored: Option<crate::kv_move::Restored>,
 }
 
 impl SlotHold {
     /// Chooses `w`'s slot for the request `key` and commits it (one lock of that worker).
     /// `None` when `w` has no slots or slot routing is off for it.
-    pub fn take(s: &AppState, w: &Arc<WorkerEntry>, key: &super::route::SlotKey) -> Option<SlotHold> {
+    pub fn take(s: &AppState, w: &Arc<WorkerEntry>, key: &super::route::SlotKey, model: &str) -> Option<SlotHold> {
         if !w.slot_routing() {
             return None;
         }
@@ -137,7 +147,37 @@ impl SlotHold {
         if choice.waits {
             s.metrics.llama_slot_waits.inc();
         }
-        Some(SlotHold { worker: Arc::clone(w), slot: choice.slot, taken_at: now, taken: Instant::now() })
+        let save = s.kv_mover.as_ref().and_then(|m| m.ticket(model, &key.blocks, key.block_tokens, key.input_tokens));
+        Some(SlotHold {
+            worker: Arc::clone(w),
+            slot: choice.slot,
+            taken_at: now,
+            taken: Instant::now(),
+            cached_blocks: choice.cached_blocks,
+            waits: choice.waits,
+            save,
+            prefilled: false,
+            restored: None,
+        })
+    }
+
+    /// With the KV mover on: restores the best saved prefix of the request into this slot
+    /// before it is sent, if that pays ([`crate::kv_move::KvMover::restore`]).
+    pub async fn restore_before_send(&mut self, s: &AppState, key: &super::route::SlotKey, model: &str) {
+        let Some(m) = s.kv_mover.as_ref() else { return };
+        let at = crate::kv_move::SlotPlace {
+            worker: &self.worker,
+            slot: self.slot,
+            cached_blocks: self.cached_blocks,
+            busy: self.waits,
+        };
+        self.restored = m.restore(at, model, &key.blocks, key.block_tokens).await;
+    }
+
+    /// The worker answered: its slot holds the prompt (and may be saved when the request
+    /// ends).
+    pub fn answered(&mut self) {
+        self.prefilled = true;
     }
 }
 
@@ -146,6 +186,9 @@ impl Drop for SlotHold {
         let now = Nanos(self.taken_at.0.saturating_add(self.taken.elapsed().as_nanos().min(u64::MAX as u128) as u64));
         if let Some(t) = self.worker.slots.lock().as_mut() {
             t.finish(self.slot, now);
+            if let Some(save) = self.save.take().filter(|_| self.prefilled) {
+                crate::kv_move::KvMover::after_request(save, &self.worker, self.slot, t);
+            }
         }
     }
 }
@@ -168,6 +211,8 @@ pub struct Observe {
     router: Arc<ModelRouter>,
     worker: WorkerId,
     url: Arc<str>,
+    /// The worker, for the KV mover's prefill calibration.
+    entry: Arc<WorkerEntry>,
     obs: Observation,
     /// When the attempt that answered was sent.
     started: Instant,
@@ -182,8 +227,10 @@ impl Observe {
     }
 
     /// The answer ended; `cached_tokens` is what its engine reported cached (`None` when
-    /// the answer did not say). Exports the prediction errors and teaches the policy.
-    pub fn finish(mut self, s: &AppState, cached_tokens: Option<u64>) {
+    /// the answer did not say), `prefill` the prompt tokens it computed and the
+    /// milliseconds that took (llama.cpp `timings`). Exports the prediction errors, teaches
+    /// the policy, and calibrates the KV mover's prefill cost for the worker.
+    pub fn finish(mut self, s: &AppState, cached_tokens: Option<u64>, prefill: Option<(u64, f64)>) {
         self.obs.cached_tokens = cached_tokens;
         let label = WorkerLabel { worker: self.url.to_string() };
         if let (Some(p), Some(t)) = (self.obs.predicted, self.obs.ttft_secs)
@@ -194,6 +241,9 @@ impl Observe {
         if let Some(c) = cached_tokens {
             s.metrics.cached_tokens_predicted.get_or_create(&label).inc_by(self.obs.predicted_cached_tokens);
             s.metrics.cached_tokens_reported.get_or_create(&label).inc_by(c);
+        }
+        if let (Some(m), Some((n, ms))) = (s.kv_mover.as_ref(), prefill) {
+            m.observe_prefill(&self.entry, n, ms / 1000.0);
         }
         if self.obs.ttft_secs.is_some() || cached_tokens.is_some() {
             self.router.observe(self.worker, &self.obs);
@@ -424,7 +474,11 @@ async fn attempt_on(ctx: &RequestCtx<'_>, routed: &Routed, w: &Arc<WorkerEntry>,
     let s = ctx.s;
     let d = &routed.decision;
     // llama.cpp (OpenAI-compatible endpoints only; it serves no `/generate`).
-    let slot = routed.slot_key.as_ref().filter(|_| ctx.api != Api::Generate).and_then(|k| SlotHold::take(s, w, k));
+    let key = routed.slot_key.as_ref().filter(|_| ctx.api != Api::Generate);
+    let mut slot = key.and_then(|k| SlotHold::take(s, w, k, &ctx.model));
+    if let (Some(h), Some(k)) = (slot.as_mut(), key) {
+        h.restore_before_send(s, k, &ctx.model).await;
+    }
     let pinned = slot.as_ref().and_then(|h| with_id_slot(ctx, h.slot));
     let started = Instant::now();
     super::ctx::note_worker(&w.url, d.branch.as_str());
@@ -473,6 +527,9 @@ async fn attempt_on(ctx: &RequestCtx<'_>, routed: &Routed, w: &Arc<WorkerEntry>,
         s.record_failure(w);
     }
     let observe = (w.id == d.worker && resp.status().is_success()).then(|| observe_of(ctx, routed, w, started));
+    if let Some(h) = slot.as_mut().filter(|_| resp.status().is_success()) {
+        h.answered();
+    }
     let Committed { ticket, predicted, shared } = c;
     let worker = Arc::clone(w);
     Attempt::Answered(Box::new(Sent {
@@ -490,12 +547,13 @@ async fn attempt_on(ctx: &RequestCtx<'_>, routed: &Routed, w: &Arc<WorkerEntry>,
 }
 
 /// The decision's predictions for the chosen worker, to hand back with what it met.
-pub(crate) fn observe_of(ctx: &RequestCtx<'_>, routed: &Routed, w: &WorkerEntry, started: Instant) -> Observe {
+pub(crate) fn observe_of(ctx: &RequestCtx<'_>, routed: &Routed, w: &Arc<WorkerEntry>, started: Instant) -> Observe {
     let (req, d) = (ctx.view(), &routed.decision);
     Observe {
         router: Arc::clone(&routed.router),
         worker: w.id,
         url: Arc::clone(&w.url),
+        entry: Arc::clone(w),
         obs: Observation {
             input_tokens: req.input_tokens,
             predicted: d.predicted_ttft,

@@ -102,8 +102,11 @@ pub async fn pick(ctx: &mut RequestCtx<'_>, original: &Bytes) -> Result<Picked, 
     let branch = routed.decision.branch.as_str();
     let mut decision = route::decision_header(&routed.router.policy_name, &routed.decision);
     decision.push_str("; epp=1");
-    let slot =
-        routed.slot_key.as_ref().filter(|_| ctx.api != Api::Generate).and_then(|k| SlotHold::take(s, &worker, k));
+    let slot = routed
+        .slot_key
+        .as_ref()
+        .filter(|_| ctx.api != Api::Generate)
+        .and_then(|k| SlotHold::take(s, &worker, k, &ctx.model));
     let body = match &slot {
         Some(h) => dispatch::with_id_slot(ctx, h.slot),
         None => (ctx.bytes != *original).then(|| ctx.bytes.clone()),

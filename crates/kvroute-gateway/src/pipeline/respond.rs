@@ -95,7 +95,7 @@ pub fn respond(ctx: &RequestCtx<'_>, a: Answer<'_>) -> Result<Response, ApiError
             }
         }
         if let Some(o) = observe {
-            o.finish(s, usage.cached_tokens);
+            o.finish(s, usage.cached_tokens, usage.prefill);
         }
     }
     ticket.first_token();
@@ -242,6 +242,9 @@ struct StreamTokens {
     events: u32,
     usage: Option<u32>,
     cached: Option<u64>,
+    /// llama.cpp's `timings.prompt_n` and `timings.prompt_ms` (whole milliseconds), last seen.
+    prompt_n: Option<u64>,
+    prompt_ms: Option<u64>,
     /// The unfinished last line of the chunks so far.
     partial: Vec<u8>,
     /// The current line passed [`MAX_TAP_LINE`]: skip it up to its end.
@@ -286,6 +289,17 @@ impl StreamTokens {
         if let Some(n) = number_after(data, b"\"cached_tokens\":").or_else(|| number_after(data, b"\"cache_n\":")) {
             self.cached = Some(n);
         }
+        if let Some(n) = number_after(data, b"\"prompt_n\":") {
+            self.prompt_n = Some(n);
+        }
+        if let Some(ms) = number_after(data, b"\"prompt_ms\":") {
+            self.prompt_ms = Some(ms);
+        }
+    }
+
+    /// The prefill llama.cpp reported (prompt tokens, milliseconds), for the KV mover.
+    fn prefill(&self) -> Option<(u64, f64)> {
+        Some((self.prompt_n?, self.prompt_ms? as f64))
     }
 
     fn tokens(&self) -> u32 {
@@ -378,8 +392,8 @@ impl StreamGuard {
             r.finish(self.tap.as_ref().map_or(0, StreamTokens::tokens));
         }
         if let Some(o) = self.observe.take() {
-            let cached = if whole { self.tap.as_ref().and_then(|t| t.cached) } else { None };
-            o.finish(&self.state, cached);
+            let tap = self.tap.as_ref().filter(|_| whole);
+            o.finish(&self.state, tap.and_then(|t| t.cached), tap.and_then(StreamTokens::prefill));
         }
     }
 
@@ -466,20 +480,23 @@ mod tests {
         use kvroute_protocol::openai::AnswerUsage;
         let whole = |b: &str| answer_usage(b.as_bytes());
         let openai = r#"{"choices":[],"usage":{"prompt_tokens":900,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":768}}}"#;
-        assert_eq!(whole(openai), AnswerUsage { completion_tokens: Some(5), cached_tokens: Some(768) });
+        assert_eq!(whole(openai), AnswerUsage { completion_tokens: Some(5), cached_tokens: Some(768), prefill: None });
         let sglang = r#"{"text":"x","meta_info":{"prompt_tokens":900,"completion_tokens":3,"cached_tokens":512}}"#;
-        assert_eq!(whole(sglang), AnswerUsage { completion_tokens: Some(3), cached_tokens: Some(512) });
-        let llama = r#"{"choices":[],"usage":{"completion_tokens":2},"timings":{"cache_n":640,"prompt_n":260}}"#;
-        assert_eq!(whole(llama), AnswerUsage { completion_tokens: Some(2), cached_tokens: Some(640) });
+        assert_eq!(whole(sglang), AnswerUsage { completion_tokens: Some(3), cached_tokens: Some(512), prefill: None });
+        let llama = r#"{"choices":[],"usage":{"completion_tokens":2},"timings":{"cache_n":640,"prompt_n":260,"prompt_ms":2671.5}}"#;
+        assert_eq!(
+            whole(llama),
+            AnswerUsage { completion_tokens: Some(2), cached_tokens: Some(640), prefill: Some((260, 2671.5)) }
+        );
         let silent = r#"{"choices":[],"usage":{"completion_tokens":2,"prompt_tokens_details":null}}"#;
-        assert_eq!(whole(silent), AnswerUsage { completion_tokens: Some(2), cached_tokens: None });
+        assert_eq!(whole(silent), AnswerUsage { completion_tokens: Some(2), cached_tokens: None, prefill: None });
         assert_eq!(whole("not json"), AnswerUsage::default());
         // Streams: the last report wins, wherever the chunks are cut; `null` is no report.
         let stream = br#"data: {"choices":[{"text":"a"}]}
 
 data: {"choices":[],"usage":{"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":null}}}
 
-data: {"choices":[],"timings":{"cache_n":96}}
+data: {"choices":[],"timings":{"cache_n":96,"prompt_n":300,"prompt_ms":3012.25}}
 
 data: [DONE]
 
@@ -489,6 +506,7 @@ data: [DONE]
             t.scan(&stream[..cut]);
             t.scan(&stream[cut..]);
             assert_eq!(t.cached, Some(96), "cut at {cut}");
+            assert_eq!(t.prefill(), Some((300, 3012.0)), "cut at {cut}");
         }
     }
 

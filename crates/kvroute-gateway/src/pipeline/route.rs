@@ -139,12 +139,21 @@ pub const SLOT_BLOCK_TOKENS: u32 = 16;
 
 /// With `llama_slot_routing`, sets each slotted worker's `cached_tokens` (unless its KV
 /// events set it) to what the slot the request would take there holds of it, and returns
-/// the request's slot key; `None` when no candidate has slots.
-fn slot_cached_tokens(s: &AppState, req: &kvroute_core::RequestView<'_>, c: &mut Candidates) -> Option<SlotKey> {
+/// the request's slot key; `None` when no candidate has slots. With the KV mover, a worker
+/// whose chosen slot is idle is credited with the saved prefix of `model` the mover would
+/// restore there ([`crate::kv_move::KvMover::restorable_tokens`]): the policy sees every
+/// idle slot as able to hold a saved prefix, and spreads a hot one past its busy holder.
+fn slot_cached_tokens(
+    s: &AppState,
+    req: &kvroute_core::RequestView<'_>,
+    model: &str,
+    c: &mut Candidates,
+) -> Option<SlotKey> {
     if s.cfg.llama_slot_routing == crate::config::SlotRouting::Off {
         return None;
     }
     let mut key: Option<SlotKey> = None;
+    let mut file: Option<Option<kvroute_core::kv_migration::FileMatch>> = None;
     for (v, e) in c.views.iter_mut().zip(&c.entries) {
         if !e.slot_routing() {
             continue;
@@ -166,7 +175,14 @@ fn slot_cached_tokens(s: &AppState, req: &kvroute_core::RequestView<'_>, c: &mut
         });
         if v.cached_tokens.is_none() {
             let choice = t.choose(&k.blocks, k.block_tokens, k.input_tokens);
-            let tokens = choice.cached_blocks as u64 * u64::from(k.block_tokens);
+            let mut tokens = choice.cached_blocks as u64 * u64::from(k.block_tokens);
+            if let Some(m) = s.kv_mover.as_ref().filter(|_| !choice.waits) {
+                // Looked up once per request, at the first idle slot.
+                let f = file.get_or_insert_with(|| m.best_file(model, &k.blocks));
+                if let Some(f) = f {
+                    tokens = tokens.max(m.restorable_tokens(e, f, k.block_tokens, tokens));
+                }
+            }
             v.cached_tokens = Some(tokens.min(u64::from(k.input_tokens)));
         }
     }
@@ -207,7 +223,7 @@ pub fn decide_in(
     let req = ctx.view();
     let from_events: Vec<WorkerId> =
         candidates.views.iter().filter(|v| v.cached_tokens.is_some()).map(|v| v.id).collect();
-    let slot_key = slot_cached_tokens(s, &req, &mut candidates);
+    let slot_key = slot_cached_tokens(s, &req, &ctx.model, &mut candidates);
     let router = routers.get(model, s.now());
     // The CPU clock is a system call (~0.5 µs here): read outside the wall-clock span, so
     // the wall time is the decision's alone and the CPU time carries the clock's own cost.

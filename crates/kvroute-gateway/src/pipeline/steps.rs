@@ -87,7 +87,11 @@ async fn one_worker(ctx: &RequestCtx<'_>, pool: Pool<'_>) -> Result<Response, (A
         }
     };
     let branch = routed.decision.branch.as_str();
-    let decision = decision_header(ctx, &routed, pool.header);
+    let mut decision = decision_header(ctx, &routed, pool.header);
+    if let Some(r) = sent.as_ref().ok().and_then(|x| x.slot.as_ref()).and_then(|h| h.restored) {
+        // The KV mover read the prefix into the slot instead of recomputing it.
+        decision.push_str(&format!("; kv_restore={}tok(gain={:.3}s)", r.gained_tokens, r.predicted_gain_secs));
+    }
     log_decision(&routed, ctx, &decision);
     // Recorded from here on: every request dispatched, whatever its outcome (one refused
     // before any decision stood — unknown model, no routable worker — was not: it returned
