@@ -108,12 +108,21 @@ impl PrefixFiles {
         best.map(|(f, n)| FileMatch { name: f.name.clone(), blocks: n, tokens: f.tokens, bytes: f.bytes })
     }
 
-    /// Adds `file` and returns the names of the files removed to keep the limits (least
-    /// recently used first; `file` itself when it alone is over `max_bytes`).
+    /// Adds `file` and returns the names of the files removed: those of the same model
+    /// whose prompt is a leading part of `file`'s (a conversation's earlier turn: `file`
+    /// serves every request they served), then the least recently used to keep the limits
+    /// (`file` itself when it alone is over `max_bytes`).
     pub fn insert(&mut self, file: SavedPrefix) -> Vec<String> {
+        let mut gone = Vec::new();
+        while let Some(i) = self.files.iter().position(|f| {
+            f.model == file.model
+                && f.blocks.len() <= file.blocks.len()
+                && common_prefix(&f.blocks, &file.blocks) == f.blocks.len()
+        }) {
+            gone.push(self.take(i).name);
+        }
         self.bytes = self.bytes.saturating_add(file.bytes);
         self.files.push(file);
-        let mut gone = Vec::new();
         while self.files.len() > self.limits.max_files || self.bytes > self.limits.max_bytes {
             let Some(i) = self.oldest() else { break };
             gone.push(self.take(i).name);
@@ -311,6 +320,18 @@ mod tests {
         assert_eq!(r.insert(file("e", &[5], 30, 7)), vec!["d".to_string(), "e".to_string()]);
         assert!(r.is_empty());
         assert_eq!(r.bytes(), 0);
+    }
+
+    #[test]
+    fn a_file_replaces_those_whose_prompt_it_extends() {
+        let mut r = PrefixFiles::new(limits(8, 1 << 30));
+        r.insert(file("turn1", &[1, 2, 3], 10, 1));
+        r.insert(file("other", &[1, 2, 9], 10, 2));
+        // Turn 2 extends turn 1's prompt: turn 1's file goes, the sibling stays.
+        assert_eq!(r.insert(file("turn2", &[1, 2, 3, 4, 5], 20, 3)), vec!["turn1".to_string()]);
+        assert_eq!(r.len(), 2);
+        assert_eq!(r.bytes(), 30);
+        assert_eq!(r.best("m", &h(&[1, 2, 3, 7])).expect("a match").name, "turn2");
     }
 
     #[test]

@@ -108,7 +108,24 @@ impl SlotTable {
     /// - With every slot busy: the one holding the longest run, else the one with the
     ///   fewest requests on it, then the least recently used.
     pub fn choose(&self, blocks: &[BlockHash], block_tokens: u32, input_tokens: u32) -> SlotChoice {
-        let lcp: Vec<usize> = self.slots.iter().map(|s| common_prefix(&s.blocks, blocks)).collect();
+        self.choose_with_restore(blocks, block_tokens, input_tokens, 0)
+    }
+
+    /// [`SlotTable::choose`] when any idle slot can be given the request's first
+    /// `restorable` blocks before it runs (a saved prefix the router would restore,
+    /// `kvroute_core::kv_migration`): each idle slot counts as holding at least that many,
+    /// so a busy slot is waited for only when it holds more than a restore would give.
+    /// [`SlotChoice::cached_blocks`] stays what the slot holds now. Pure.
+    pub fn choose_with_restore(
+        &self,
+        blocks: &[BlockHash],
+        block_tokens: u32,
+        input_tokens: u32,
+        restorable: usize,
+    ) -> SlotChoice {
+        let held: Vec<usize> = self.slots.iter().map(|s| common_prefix(&s.blocks, blocks)).collect();
+        let lcp: Vec<usize> =
+            held.iter().zip(&self.slots).map(|(&n, s)| if s.busy == 0 { n.max(restorable) } else { n }).collect();
         let better = |a: usize, b: usize| {
             let (sa, sb) = (&self.slots[a], &self.slots[b]);
             (lcp[a], std::cmp::Reverse(sa.busy), std::cmp::Reverse(sa.last_used))
@@ -133,7 +150,7 @@ impl SlotTable {
             }
             None => best,
         };
-        SlotChoice { slot: pick as u32, cached_blocks: lcp[pick], waits: self.slots[pick].busy > 0 }
+        SlotChoice { slot: pick as u32, cached_blocks: held[pick], waits: self.slots[pick].busy > 0 }
     }
 
     /// Commits a request with `blocks` to `slot` at `now`: the slot now holds that prompt
@@ -233,6 +250,23 @@ mod tests {
         t.start(0, &h(&doc), Nanos(2));
         // With one waiting already, the third takes the idle slot.
         assert_eq!(t.choose(&h(&doc), 16, 320), SlotChoice { slot: 1, cached_blocks: 0, waits: false });
+    }
+
+    #[test]
+    fn a_restorable_prefix_takes_an_idle_slot_instead_of_waiting() {
+        let mut t = SlotTable::new(2);
+        let doc: Vec<u64> = (1..=20).collect();
+        t.start(0, &h(&doc), Nanos(1));
+        t.start(1, &h(&[50, 51]), Nanos(1));
+        t.finish(1, Nanos(2));
+        // Without a restore the request waits for slot 0, which holds the whole document.
+        assert_eq!(t.choose(&h(&doc), 16, 320), SlotChoice { slot: 0, cached_blocks: 20, waits: true });
+        // With 18 of its 20 blocks restorable into an idle slot, it takes slot 1 (holding
+        // nothing of it yet) and does not wait.
+        assert_eq!(
+            t.choose_with_restore(&h(&doc), 16, 320, 18),
+            SlotChoice { slot: 1, cached_blocks: 0, waits: false }
+        );
     }
 
     #[test]

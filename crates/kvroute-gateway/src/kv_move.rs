@@ -89,6 +89,17 @@ pub struct SaveTicket {
     block_tokens: u32,
 }
 
+/// Why a slot save or restore call failed.
+#[derive(Debug, thiserror::Error)]
+enum SlotCallError {
+    /// No answer: connection, timeout, or the body cut off.
+    #[error("no answer: {0}")]
+    Transport(String),
+    /// The worker answered with an error, or with something that is not a slot answer.
+    #[error("refused: {0}")]
+    Refused(String),
+}
+
 /// The KV mover. See the module docs.
 #[derive(Debug)]
 pub struct KvMover {
@@ -242,13 +253,18 @@ impl KvMover {
         self.files.load().best(model, blocks)
     }
 
-    /// Tokens of the prompt that `w`'s idle slot would hold after the restore of `file`
-    /// the mover would do there (`block_tokens` per block of the match), the slot holding
-    /// `slot_tokens` of it now: the file's leading run when [`plan_restore`] says it pays,
-    /// else `slot_tokens`. For the decision: reads only the worker's costs.
-    pub fn restorable_tokens(&self, w: &WorkerEntry, file: &FileMatch, block_tokens: u32, slot_tokens: u64) -> u64 {
-        let ask = self.ask(w, file, block_tokens, slot_tokens);
-        plan_restore(&ask).map_or(slot_tokens, |_| ask.file_cached_tokens)
+    /// Leading blocks of a prompt that an empty idle slot of `w` would hold after the
+    /// restore of `file` the mover would do there: the file's match when [`plan_restore`]
+    /// says it pays (`block_tokens` per block), else 0. For the decision and the slot
+    /// choice ([`kvroute_core::slots::SlotTable::choose_with_restore`]); reads only the
+    /// worker's costs.
+    pub fn restorable_blocks(&self, w: &WorkerEntry, file: &FileMatch, block_tokens: u32) -> usize {
+        plan_restore(&self.ask(w, file, block_tokens, 0)).map_or(0, |_| file.blocks)
+    }
+
+    /// [`KvMover::restorable_blocks`] of `w` for a prompt, the best file looked up first.
+    pub fn restorable_for(&self, w: &WorkerEntry, model: &str, blocks: &[BlockHash], block_tokens: u32) -> usize {
+        self.best_file(model, blocks).map_or(0, |f| self.restorable_blocks(w, &f, block_tokens))
     }
 
     fn ask(&self, w: &WorkerEntry, file: &FileMatch, block_tokens: u32, slot_tokens: u64) -> RestoreAsk {
@@ -304,10 +320,13 @@ impl KvMover {
             Err(e) => {
                 tracing::warn!(worker = %w.url, slot, file = %m.name, error = %e, "kv_migration: restore failed; the request recomputes its prefix");
                 self.metrics.op("restore", "failed");
-                // A file the worker cannot read is not offered again.
-                self.edit(|f| {
-                    f.remove(&m.name);
-                });
+                // A file the worker refused (gone, unreadable) is not offered again; after a
+                // transport failure the file may still be good.
+                if matches!(e, SlotCallError::Refused(_)) {
+                    self.edit(|f| {
+                        f.remove(&m.name);
+                    });
+                }
                 None
             }
         }
@@ -374,24 +393,36 @@ impl KvMover {
         }
     }
 
-    /// `POST {w}/slots/{slot}?action={action}` with the file `name`.
-    async fn slot_call(&self, w: &WorkerEntry, slot: u32, action: &str, name: &str) -> Result<SlotFileAnswer, String> {
+    /// `POST {w}/slots/{slot}?action={action}` with the file `name`. A request that fails
+    /// before any answer (not a timeout or a refused connection: llama-server closed the
+    /// pooled keep-alive connection under it) is sent once more on a fresh connection, as
+    /// requests are (`pipeline::dispatch::attempt`).
+    async fn slot_call(
+        &self,
+        w: &WorkerEntry,
+        slot: u32,
+        action: &str,
+        name: &str,
+    ) -> Result<SlotFileAnswer, SlotCallError> {
         let url = format!("{}/slots/{slot}?action={action}", w.url);
-        let resp = self
+        let rb = self
             .client
             .post(&url)
             .timeout(Duration::from_secs_f64(self.cfg.timeout_secs))
-            .json(&serde_json::json!({ "filename": name }))
-            .send()
-            .await
-            .map_err(|e| e.to_string())?;
+            .json(&serde_json::json!({ "filename": name }));
+        let again = rb.try_clone();
+        let sent = match (rb.send().await, again) {
+            (Err(e), Some(again)) if !e.is_timeout() && !e.is_connect() => again.send().await,
+            (r, _) => r,
+        };
+        let resp = sent.map_err(|e| SlotCallError::Transport(e.to_string()))?;
         let status = resp.status();
-        let body = resp.bytes().await.map_err(|e| e.to_string())?;
+        let body = resp.bytes().await.map_err(|e| SlotCallError::Transport(e.to_string()))?;
         if !status.is_success() {
             let text = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
-            return Err(format!("{status}: {text}"));
+            return Err(SlotCallError::Refused(format!("{status}: {text}")));
         }
-        serde_json::from_slice(&body).map_err(|e| format!("unreadable answer: {e}"))
+        serde_json::from_slice(&body).map_err(|e| SlotCallError::Refused(format!("unreadable answer: {e}")))
     }
 
     /// Applies `f` to a copy of the registry and publishes it; the gauges follow.

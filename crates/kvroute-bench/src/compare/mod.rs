@@ -792,6 +792,24 @@ fn quality_load(a: &Args) -> anyhow::Result<QualityLoad> {
     Ok(QualityLoad { trace, conversations, requests, n })
 }
 
+/// What kvroute's KV mover did, from its `kvroute_kv_migrations_total` series (`op
+/// outcome N, ...`), or why it could not be read.
+async fn mover_counts(client: &reqwest::Client, router: &str) -> String {
+    let text = match client.get(format!("{router}/metrics")).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(e) => return format!("metrics unreadable: {e}"),
+    };
+    let counts: Vec<String> = text
+        .lines()
+        .filter(|l| l.starts_with("kvroute_kv_migrations_total{"))
+        .filter_map(|l| {
+            let label = |k: &str| l.split(&format!("{k}=\"")).nth(1)?.split('"').next();
+            Some(format!("{} {} {}", label("op")?, label("outcome")?, l.rsplit(' ').next()?))
+        })
+        .collect();
+    if counts.is_empty() { "nothing".into() } else { counts.join(", ") }
+}
+
 /// `--workload mtbench`: the questions file (`--mtbench`, or beside `trace`) as two-turn
 /// conversations, with documents attached; a closed loop starts them all at zero.
 fn mtbench_conversations(a: &Args, trace: &std::path::Path) -> anyhow::Result<Vec<workload::Conversation>> {
@@ -988,6 +1006,9 @@ async fn quality_run(ctx: &Ctx, a: &Args, t: &Target, row: &mut Row, q: &Quality
     };
     bar.finish_and_clear();
     let after = ctx.counters(&urls).await?;
+    if t.policy.ends_with(SLOTS_KV_SUFFIX) {
+        eprintln!("  {}: kv mover: {}", t.label(), mover_counts(&ctx.client, &cfg.url).await);
+    }
     child.stop().await;
     for k in kids {
         k.stop().await;

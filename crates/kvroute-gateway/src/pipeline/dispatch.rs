@@ -136,10 +136,13 @@ impl SlotHold {
             return None;
         }
         let now = s.now();
+        // With the KV mover: an idle slot can be given the saved prefix (looked up before
+        // the worker's lock is taken).
+        let restorable = s.kv_mover.as_ref().map_or(0, |m| m.restorable_for(w, model, &key.blocks, key.block_tokens));
         let choice = {
             let mut slots = w.slots.lock();
             let t = slots.as_mut()?;
-            let c = t.choose(&key.blocks, key.block_tokens, key.input_tokens);
+            let c = t.choose_with_restore(&key.blocks, key.block_tokens, key.input_tokens, restorable);
             t.start(c.slot, &key.blocks, now);
             c
         };

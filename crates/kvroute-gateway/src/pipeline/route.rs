@@ -141,7 +141,7 @@ pub const SLOT_BLOCK_TOKENS: u32 = 16;
 /// events set it) to what the slot the request would take there holds of it, and returns
 /// the request's slot key; `None` when no candidate has slots. With the KV mover, a worker
 /// whose chosen slot is idle is credited with the saved prefix of `model` the mover would
-/// restore there ([`crate::kv_move::KvMover::restorable_tokens`]): the policy sees every
+/// restore there ([`crate::kv_move::KvMover::restorable_blocks`]): the policy sees every
 /// idle slot as able to hold a saved prefix, and spreads a hot one past its busy holder.
 fn slot_cached_tokens(
     s: &AppState,
@@ -174,15 +174,15 @@ fn slot_cached_tokens(
             SlotKey { blocks, block_tokens, input_tokens: req.input_tokens }
         });
         if v.cached_tokens.is_none() {
-            let choice = t.choose(&k.blocks, k.block_tokens, k.input_tokens);
-            let mut tokens = choice.cached_blocks as u64 * u64::from(k.block_tokens);
-            if let Some(m) = s.kv_mover.as_ref().filter(|_| !choice.waits) {
-                // Looked up once per request, at the first idle slot.
+            // With the KV mover: the saved prefix it would restore into an idle slot here
+            // (the file looked up once per request).
+            let restorable = s.kv_mover.as_ref().map_or(0, |m| {
                 let f = file.get_or_insert_with(|| m.best_file(model, &k.blocks));
-                if let Some(f) = f {
-                    tokens = tokens.max(m.restorable_tokens(e, f, k.block_tokens, tokens));
-                }
-            }
+                f.as_ref().map_or(0, |f| m.restorable_blocks(e, f, k.block_tokens))
+            });
+            let choice = t.choose_with_restore(&k.blocks, k.block_tokens, k.input_tokens, restorable);
+            let held = if choice.waits { choice.cached_blocks } else { choice.cached_blocks.max(restorable) };
+            let tokens = held as u64 * u64::from(k.block_tokens);
             v.cached_tokens = Some(tokens.min(u64::from(k.input_tokens)));
         }
     }
