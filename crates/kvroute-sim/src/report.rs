@@ -50,6 +50,10 @@ pub struct PolicyReport {
     /// not serialised: colocated reports keep their shape).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pd: Option<PdSummary>,
+    /// What the KV mover did (`--kv-migration`), serialised flat (`kv_restores`,
+    /// `kv_saves`, …); absent otherwise.
+    #[serde(flatten)]
+    pub kv_migration: Option<crate::types::KvMigrationCounts>,
 }
 
 /// What disaggregation did in one replay ([`crate::pd::replay_pd`]).
@@ -148,6 +152,7 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
         branches,
         ttft_cdf: lat.ttft_cdf(),
         pd: r.pd.as_ref().map(|pd| pd_summary(r, pd, makespan)),
+        kv_migration: r.kv_migration,
     }
 }
 
@@ -255,6 +260,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
             );
         }
     }
+    kv_table(&mut s, reports);
     if let Some(r) = reports.first() {
         let _ = writeln!(
             s,
@@ -265,24 +271,75 @@ pub fn table(reports: &[PolicyReport]) -> String {
     s
 }
 
+/// The KV mover's lines of [`table`], for the reports that have them.
+fn kv_table(s: &mut String, reports: &[PolicyReport]) {
+    if reports.iter().all(|r| r.kv_migration.is_none()) {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "{:<18} {:>5} {:>8} {:>10} {:>10} {:>8} {:>10} {:>9} {:>9} {:>7}",
+        "kv migration", "rate", "restores", "rest_tok", "rest_ms", "saves", "saved_MB", "save_ms", "not_worth", "files"
+    );
+    for r in reports {
+        let Some(k) = &r.kv_migration else { continue };
+        let mean_ms = |secs: f64, n: u64| if n > 0 { secs * 1e3 / n as f64 } else { 0.0 };
+        let _ = writeln!(
+            s,
+            "{:<18} {:>5.2} {:>8} {:>10} {:>10.2} {:>8} {:>10.1} {:>9.2} {:>9} {:>7}",
+            r.policy,
+            r.rate_scale,
+            k.kv_restores,
+            k.kv_restored_tokens,
+            mean_ms(k.kv_restore_secs, k.kv_restores),
+            k.kv_saves,
+            k.kv_saved_bytes as f64 / 1e6,
+            mean_ms(k.kv_save_secs, k.kv_saves),
+            k.kv_restores_not_worth,
+            k.kv_files_held
+        );
+    }
+}
+
 /// Writes `reports` as CSV (one row per policy and rate). When any report has
 /// [`PolicyReport::pd`], nine columns follow (`pd_prefill_engines`, `pd_decode_engines`,
 /// `pd_split_requests`, `pd_transfer_bytes`, `pd_transfer_mean_s`, `pd_split_hit_ratio`,
 /// `pd_colocated_hit_ratio`, `pd_prefill_busy`, `pd_decode_busy`; empty for a colocated
-/// report); otherwise the columns are the colocated ones only.
+/// report); otherwise the columns are the colocated ones only. When any report has
+/// [`PolicyReport::kv_migration`], five columns follow (`kv_restores`,
+/// `kv_restored_tokens`, `kv_saves`, `kv_saved_tokens`, `kv_saved_bytes`; empty for a
+/// report without the mover).
 ///
 /// # Errors
 /// I/O or CSV errors.
 pub fn write_csv(path: &Path, reports: &[PolicyReport]) -> Result<(), csv::Error> {
     let mut w = csv::Writer::from_path(path)?;
     let with_pd = reports.iter().any(|r| r.pd.is_some());
-    w.write_record(csv_header(with_pd))?;
+    let with_kv = reports.iter().any(|r| r.kv_migration.is_some());
+    let mut header = csv_header(with_pd);
+    if with_kv {
+        header.extend(KV_COLUMNS);
+    }
+    w.write_record(header)?;
     for r in reports {
-        w.write_record(csv_row(r, with_pd))?;
+        let mut row = csv_row(r, with_pd);
+        if with_kv {
+            match &r.kv_migration {
+                Some(k) => row.extend(
+                    [k.kv_restores, k.kv_restored_tokens, k.kv_saves, k.kv_saved_tokens, k.kv_saved_bytes]
+                        .map(|n| n.to_string()),
+                ),
+                None => row.extend(std::iter::repeat_n(String::new(), KV_COLUMNS.len())),
+            }
+        }
+        w.write_record(row)?;
     }
     w.flush()?;
     Ok(())
 }
+
+/// The KV mover's CSV columns ([`write_csv`]).
+const KV_COLUMNS: [&str; 5] = ["kv_restores", "kv_restored_tokens", "kv_saves", "kv_saved_tokens", "kv_saved_bytes"];
 
 /// The CSV's column names ([`write_csv`]).
 fn csv_header(with_pd: bool) -> Vec<&'static str> {
