@@ -8,6 +8,11 @@
 //!
 //! With [`PrefixState::Precise`] the views also carry each engine's real cache contents for
 //! the request, as a router fed by KV events sees them.
+//!
+//! With [`ReplayConfig::kv_migration`] (llama.cpp slots and slot routing) the router also
+//! saves long prompts' slots to files when their requests end and restores the best file
+//! into the slot a request is sent to when that pays ([`crate::kv_move`]); the replay then
+//! steps the engines event by event, so that a save starts at the instant its request ends.
 
 use crate::engine::{CacheEvent, Engine, EngineEvent, EngineRequest};
 use crate::kv_move::{Mover, slot_blocks};
@@ -405,8 +410,8 @@ pub fn not_a_slowdown(list: &[f64]) -> Option<f64> {
 /// far (every 256 requests and at the end).
 ///
 /// # Errors
-/// [`ReplayError`] for an unknown policy, bad knobs, zero engines, or a `host_slowdown`
-/// value that is not positive and finite.
+/// [`ReplayError`] for an unknown policy, bad knobs, zero engines, a `host_slowdown`
+/// value that is not positive and finite, or `kv_migration` without slots and slot routing.
 pub fn replay(
     trace: &[TraceRequest],
     cfg: &ReplayConfig,
