@@ -200,9 +200,10 @@ fn pd_summary(r: &ReplayResult, pd: &crate::types::PdConfig, makespan: f64) -> P
 /// A fixed-width terminal table of `reports`.
 pub fn table(reports: &[PolicyReport]) -> String {
     let mut s = String::new();
+    let w = label_width(reports);
     let _ = writeln!(
         s,
-        "{:<18} {:>5} {:>7} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>6}",
+        "{:<w$} {:>5} {:>7} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>6}",
         "policy",
         "rate",
         "hit%",
@@ -220,7 +221,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
     for r in reports {
         let _ = writeln!(
             s,
-            "{:<18} {:>5.2} {:>7.2} {:>6.2} {:>8.3} {:>8.3} {:>8.3} {:>8.4} {:>8.4} {:>8.2} {:>8.0} {:>7.2} {:>6.2}",
+            "{:<w$} {:>5.2} {:>7.2} {:>6.2} {:>8.3} {:>8.3} {:>8.3} {:>8.4} {:>8.4} {:>8.2} {:>8.0} {:>7.2} {:>6.2}",
             r.policy,
             r.rate_scale,
             r.hit_ratio * 100.0,
@@ -239,14 +240,14 @@ pub fn table(reports: &[PolicyReport]) -> String {
     if reports.iter().any(|r| r.pd.is_some()) {
         let _ = writeln!(
             s,
-            "{:<18} {:>5} {:>7} {:>9} {:>10} {:>8} {:>8} {:>8} {:>7} {:>7}",
+            "{:<w$} {:>5} {:>7} {:>9} {:>10} {:>8} {:>8} {:>8} {:>7} {:>7}",
             "prefill/decode", "rate", "P:D", "split", "xfer_GB", "xfer_ms", "split_h%", "coloc_h%", "P_busy", "D_busy"
         );
         for r in reports {
             let Some(pd) = &r.pd else { continue };
             let _ = writeln!(
                 s,
-                "{:<18} {:>5.2} {:>7} {:>9} {:>10.2} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2}",
+                "{:<w$} {:>5.2} {:>7} {:>9} {:>10.2} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2}",
                 r.policy,
                 r.rate_scale,
                 format!("{}:{}", pd.prefill_engines, pd.decode_engines),
@@ -271,14 +272,20 @@ pub fn table(reports: &[PolicyReport]) -> String {
     s
 }
 
+/// Width of [`table`]'s first column: 18, or the longest policy label.
+fn label_width(reports: &[PolicyReport]) -> usize {
+    reports.iter().map(|r| r.policy.chars().count()).max().unwrap_or(0).max(18)
+}
+
 /// The KV mover's lines of [`table`], for the reports that have them.
 fn kv_table(s: &mut String, reports: &[PolicyReport]) {
     if reports.iter().all(|r| r.kv_migration.is_none()) {
         return;
     }
+    let w = label_width(reports);
     let _ = writeln!(
         s,
-        "{:<18} {:>5} {:>8} {:>10} {:>10} {:>8} {:>10} {:>9} {:>9} {:>7}",
+        "{:<w$} {:>5} {:>8} {:>10} {:>10} {:>8} {:>10} {:>9} {:>9} {:>7}",
         "kv migration", "rate", "restores", "rest_tok", "rest_ms", "saves", "saved_MB", "save_ms", "not_worth", "files"
     );
     for r in reports {
@@ -286,7 +293,7 @@ fn kv_table(s: &mut String, reports: &[PolicyReport]) {
         let mean_ms = |secs: f64, n: u64| if n > 0 { secs * 1e3 / n as f64 } else { 0.0 };
         let _ = writeln!(
             s,
-            "{:<18} {:>5.2} {:>8} {:>10} {:>10.2} {:>8} {:>10.1} {:>9.2} {:>9} {:>7}",
+            "{:<w$} {:>5.2} {:>8} {:>10} {:>10.2} {:>8} {:>10.1} {:>9.2} {:>9} {:>7}",
             r.policy,
             r.rate_scale,
             k.kv_restores,
