@@ -554,6 +554,8 @@ fn drive(
             let (id, done) = match ev {
                 EngineEvent::FirstToken { id, .. } => (id, false),
                 EngineEvent::Finished { id, .. } | EngineEvent::Rejected { id, .. } => (id, true),
+                // This server takes no slot files (no `/slots` actions).
+                EngineEvent::SlotRestored { .. } | EngineEvent::SlotSaved { .. } => continue,
             };
             if let Some(w) = waiters.get(&id) {
                 let _ = w.try_send(ev);
@@ -1212,6 +1214,7 @@ async fn enqueue(
         token_ids,
         kv_transferred,
         slot: req.id_slot,
+        restore: None,
     };
     if s.tx.send(Cmd::Submit { req: engine_req, reply: tx }).await.is_err() {
         return Err(err(StatusCode::SERVICE_UNAVAILABLE, "engine stopped"));
@@ -1237,6 +1240,8 @@ async fn first_token(
             Err(err(StatusCode::SERVICE_UNAVAILABLE, "request does not fit in the KV cache or the queue is full"))
         }
         Some(EngineEvent::Finished { .. }) => Ok(0),
+        // Never sent to a request (the driver keeps slot-file events).
+        Some(EngineEvent::SlotRestored { .. } | EngineEvent::SlotSaved { .. }) => Ok(0),
     }
 }
 

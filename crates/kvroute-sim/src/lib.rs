@@ -7,6 +7,8 @@
 //! - [`trace`]: trace readers (Mooncake JSONL, Azure CSV, session JSONL) with
 //!   file/line/field errors, and transforms (rate scaling, spreading, sampling, capping).
 //! - [`replay`]: replays a trace through a routing policy onto N engines on a logical clock.
+//! - [`kv_move`]: the KV mover of a replay (llama.cpp slot files saved and restored by the
+//!   router), the router side of `kvroute serve`'s `[kv_migration]`.
 //! - [`pd`]: prefill/decode disaggregation: the KV transfer model shared with
 //!   `kvroute engine-sim`, and the replay of a trace onto P prefill and D decode engines.
 //! - [`types`]: the vocabulary both replays share (settings, outcomes, the transfer model,
@@ -18,6 +20,7 @@
 #![warn(missing_docs)]
 
 pub mod engine;
+pub mod kv_move;
 pub mod latency;
 pub mod pd;
 pub mod replay;

@@ -101,6 +101,7 @@ pub fn replay_pd(
         evictions: sim.engines.iter().map(|e| e.cache().evictions()).collect(),
         outcomes: sim.outcomes,
         pd: Some(pd.clone()),
+        kv_migration: None,
     })
 }
 
@@ -296,6 +297,7 @@ impl<'t> Sim<'t> {
             token_ids: None,
             kv_transferred,
             slot: None,
+            restore: None,
         };
         self.engines[k].submit(req, now, events);
         self.handle(k, events);
@@ -389,6 +391,8 @@ impl<'t> Sim<'t> {
                         self.ledger.failed(t);
                     }
                 }
+                // No slot files in a disaggregated replay.
+                EngineEvent::SlotRestored { .. } | EngineEvent::SlotSaved { .. } => {}
             }
         }
     }

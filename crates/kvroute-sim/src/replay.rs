@@ -8,8 +8,14 @@
 //!
 //! With [`PrefixState::Precise`] the views also carry each engine's real cache contents for
 //! the request, as a router fed by KV events sees them.
+//!
+//! With [`ReplayConfig::kv_migration`] (llama.cpp slots and slot routing) the router also
+//! saves long prompts' slots to files when their requests end and restores the best file
+//! into the slot a request is sent to when that pays ([`crate::kv_move`]); the replay then
+//! steps the engines event by event, so that a save starts at the instant its request ends.
 
 use crate::engine::{CacheEvent, Engine, EngineEvent, EngineRequest};
+use crate::kv_move::{Mover, slot_blocks};
 use crate::trace::TraceRequest;
 pub use crate::types::{
     BusyWindow, KvOracle, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, UTIL_WINDOW, request_view,
@@ -19,17 +25,11 @@ use kvroute_core::ledger::{LoadLedger, Ticket};
 use kvroute_core::policy::{Decision, Observation, PickCtx, Policy, RouteError, route};
 use kvroute_core::precise::PredictWindow;
 use kvroute_core::registry;
-use kvroute_core::slots::SlotTable;
+use kvroute_core::slots::{SlotChoice, SlotTable};
 use kvroute_core::types::{BlockHash, Nanos, Role, WorkerId, WorkerView};
 use rand_core::SeedableRng;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-
-/// The full blocks of a trace request's prompt: what a llama.cpp slot keeps of it.
-fn slot_blocks(r: &TraceRequest) -> &[kvroute_core::types::BlockHash] {
-    let full = (r.input_tokens / r.block_tokens.max(1)) as usize;
-    &r.blocks[..full.min(r.blocks.len())]
-}
 
 /// The router's record of each engine's llama.cpp slots with `slot_routing` (empty
 /// otherwise), and the (engine, slot) each request was sent to.
@@ -48,27 +48,25 @@ impl SlotRouting {
         }
     }
 
-    /// Tokens of `r` that the slot it would take on engine `w` holds (`None` without slot
-    /// routing).
-    fn cached_tokens(&self, w: usize, r: &TraceRequest) -> Option<u64> {
-        let c = self.tables.get(w)?.choose(slot_blocks(r), r.block_tokens, r.input_tokens);
-        Some((c.cached_blocks as u64 * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)))
+    /// The slot `r` would take on engine `w` (`None` without slot routing).
+    fn choose(&self, w: usize, r: &TraceRequest) -> Option<SlotChoice> {
+        Some(self.tables.get(w)?.choose(slot_blocks(r), r.block_tokens, r.input_tokens))
     }
 
-    /// Commits request `i` (`r`) to its slot on engine `w` at `now`; the slot to name.
-    fn start(&mut self, w: usize, i: usize, r: &TraceRequest, now: kvroute_core::types::Nanos) -> Option<u32> {
-        let t = self.tables.get_mut(w)?;
-        let c = t.choose(slot_blocks(r), r.block_tokens, r.input_tokens);
-        t.start(c.slot, slot_blocks(r), now);
-        self.of[i] = Some((w, c.slot));
-        Some(c.slot)
+    /// Commits request `i` (`r`) to the slot `c` on engine `w` at `now`.
+    fn start(&mut self, w: usize, i: usize, r: &TraceRequest, c: SlotChoice, now: Nanos) {
+        if let Some(t) = self.tables.get_mut(w) {
+            t.start(c.slot, slot_blocks(r), now);
+            self.of[i] = Some((w, c.slot));
+        }
     }
 
     /// Request `id` ended (finished or rejected) at `at`: its slot is free in the record.
-    fn finish(&mut self, id: u64, at: kvroute_core::types::Nanos) {
-        if let Some((w, k)) = self.of.get_mut(id as usize).and_then(Option::take) {
-            self.tables[w].finish(k, at);
-        }
+    /// Returns the (engine, slot) it was on.
+    fn finish(&mut self, id: u64, at: Nanos) -> Option<(usize, u32)> {
+        let (w, k) = self.of.get_mut(id as usize).and_then(Option::take)?;
+        self.tables[w].finish(k, at);
+        Some((w, k))
     }
 }
 
@@ -133,10 +131,8 @@ impl HostClock {
     /// Makes the events' times real.
     fn make_real(&self, events: &mut [EngineEvent]) {
         for ev in events {
-            let (EngineEvent::FirstToken { at, .. }
-            | EngineEvent::Finished { at, .. }
-            | EngineEvent::Rejected { at, .. }) = ev;
-            *at = self.real_at(*at);
+            let real = self.real_at(ev.at());
+            *ev.at_mut() = real;
         }
     }
 
@@ -204,6 +200,11 @@ struct Book<'a> {
     /// does.
     expected: Vec<Option<Observation>>,
     slots: SlotRouting,
+    /// The KV mover ([`ReplayConfig::kv_migration`]).
+    mover: Option<Mover>,
+    /// Slot saves the mover decided on while handling events, to ask the engines for:
+    /// (engine, slot, request, when).
+    saves: Vec<(usize, u32, usize, Nanos)>,
     /// Released arrivals, earliest first (ties in trace order).
     arrivals: BinaryHeap<Reverse<(Nanos, usize)>>,
     /// With `closed_sessions`: the next request of each request's session.
@@ -250,6 +251,11 @@ impl<'a> Book<'a> {
             predicted,
             expected: (0..trace.len()).map(|_| None).collect(),
             slots: SlotRouting::new(cfg, trace.len()),
+            mover: cfg
+                .kv_migration
+                .filter(|_| cfg.slot_routing && cfg.profile.slots > 0)
+                .map(|k| Mover::new(k, &cfg.profile, cfg.engines)),
+            saves: Vec::new(),
             arrivals,
             gated: gated.iter().any(|g| *g) || !queued_sessions.is_empty(),
             queued_sessions,
@@ -267,13 +273,15 @@ impl<'a> Book<'a> {
         events: &mut Vec<EngineEvent>,
         policy: &mut dyn Policy,
     ) -> Option<(Nanos, usize)> {
-        if self.gated {
+        // Event by event when an event may release an arrival, or the KV mover acts on an
+        // event at its instant (a save starts when its request ends).
+        if self.gated || self.mover.is_some() {
             loop {
                 let next = self.arrivals.peek().map_or(Nanos(u64::MAX), |Reverse((t, _))| *t);
                 if !self.host.step(engines, next, false, events) {
                     break;
                 }
-                self.handle(events, policy);
+                self.handle(events, engines, policy);
             }
         }
         self.arrivals.pop().map(|Reverse((t, i))| {
@@ -310,31 +318,23 @@ impl<'a> Book<'a> {
     }
 
     /// Applies the engines' events: first tokens and completions to the ledger, the policy's
-    /// observations, the slot record and the outcomes.
-    fn handle(&mut self, events: &mut Vec<EngineEvent>, policy: &mut dyn Policy) {
+    /// observations, the slot record and the outcomes; slot-file events to the KV mover,
+    /// whose saves are then asked of the engines (`engines` are at the events' instant).
+    fn handle(&mut self, events: &mut Vec<EngineEvent>, engines: &mut [Engine], policy: &mut dyn Policy) {
         for ev in events.drain(..) {
             match ev {
                 EngineEvent::FirstToken { id, at, cached_tokens } => {
-                    let id = id as usize;
-                    self.settle(id, at);
-                    let o = &mut self.outcomes[id];
-                    o.first_token = Some(at);
-                    o.cached_tokens = cached_tokens;
-                    if let (Some(mut obs), Some(w)) = (self.expected[id].take(), o.worker) {
-                        obs.ttft_secs = Some(at.saturating_sub(o.arrival).as_secs_f64());
-                        obs.cached_tokens = Some(u64::from(cached_tokens));
-                        policy.observe(WorkerId(w), &obs);
-                    }
-                    if let Some(t) = self.tickets[id].as_mut() {
-                        self.ledger.first_token(t);
-                    }
+                    self.first_token(id as usize, at, cached_tokens, policy)
                 }
                 EngineEvent::Finished { id, at } => {
                     let id = id as usize;
-                    self.slots.finish(id as u64, at);
+                    let place = self.slots.finish(id as u64, at);
                     self.outcomes[id].finished = Some(at);
                     if let Some(t) = self.tickets[id].take() {
                         self.ledger.completed(t);
+                    }
+                    if let Some(place) = place {
+                        self.after_request(id, place, at);
                     }
                     self.ended(id, at);
                 }
@@ -348,7 +348,54 @@ impl<'a> Book<'a> {
                     }
                     self.ended(id, at);
                 }
+                EngineEvent::SlotRestored { id, tokens, took, .. } => {
+                    if let (Some(m), Some(w)) = (self.mover.as_mut(), self.outcomes[id as usize].worker) {
+                        m.restored(w as usize, tokens, took);
+                    }
+                }
+                EngineEvent::SlotSaved { id, at, tokens, took } => {
+                    let r = &self.trace[id as usize];
+                    if let Some((w, k)) = self.mover.as_mut().and_then(|m| m.saved(id as usize, r, tokens, took, at)) {
+                        self.slots.tables[w].finish(k, at);
+                    }
+                }
             }
+        }
+        for (w, k, i, at) in std::mem::take(&mut self.saves) {
+            if !engines[w].save_slot(k, i as u64, self.host.virtual_at(at)) {
+                self.slots.tables[w].finish(k, at);
+                if let Some(m) = self.mover.as_mut() {
+                    m.not_saved(i);
+                }
+            }
+        }
+    }
+
+    /// Request `id`'s first token at `at`, `cached_tokens` of its prompt cached: its
+    /// prediction settled, the policy taught, the ledger told.
+    fn first_token(&mut self, id: usize, at: Nanos, cached_tokens: u32, policy: &mut dyn Policy) {
+        self.settle(id, at);
+        let o = &mut self.outcomes[id];
+        o.first_token = Some(at);
+        o.cached_tokens = cached_tokens;
+        if let (Some(mut obs), Some(w)) = (self.expected[id].take(), o.worker) {
+            obs.ttft_secs = Some(at.saturating_sub(o.arrival).as_secs_f64());
+            obs.cached_tokens = Some(u64::from(cached_tokens));
+            policy.observe(WorkerId(w), &obs);
+        }
+        if let Some(t) = self.tickets[id].as_mut() {
+            self.ledger.first_token(t);
+        }
+    }
+
+    /// Request `id` ended at `at` on slot `place` (engine, slot), now idle in the record:
+    /// with the KV mover, its slot is saved when that is worth it and nothing is on the slot
+    /// (held in the record until the save ends; asked of the engine after the events).
+    fn after_request(&mut self, id: usize, (w, k): (usize, u32), at: Nanos) {
+        let Some(m) = self.mover.as_mut() else { return };
+        if m.wants_save(&self.trace[id]) && self.slots.tables[w].hold_if_idle(k, at) {
+            m.saving(id, w, k);
+            self.saves.push((w, k, id, at));
         }
     }
 }
@@ -363,8 +410,8 @@ pub fn not_a_slowdown(list: &[f64]) -> Option<f64> {
 /// far (every 256 requests and at the end).
 ///
 /// # Errors
-/// [`ReplayError`] for an unknown policy, bad knobs, zero engines, or a `host_slowdown`
-/// value that is not positive and finite.
+/// [`ReplayError`] for an unknown policy, bad knobs, zero engines, a `host_slowdown`
+/// value that is not positive and finite, or `kv_migration` without slots and slot routing.
 pub fn replay(
     trace: &[TraceRequest],
     cfg: &ReplayConfig,
@@ -395,6 +442,12 @@ fn check_config(cfg: &ReplayConfig) -> Result<(), ReplayError> {
         )));
     }
     cfg.profile.validate().map_err(ReplayError::Config)?;
+    if cfg.kv_migration.is_some() && !(cfg.slot_routing && cfg.profile.slots > 0) {
+        return Err(ReplayError::Config(crate::engine::InvalidSetting::new(
+            "kv_migration",
+            "needs a profile with llama.cpp slots and slot routing (the mover saves and restores the slots the router names)",
+        )));
+    }
     if let Some(bad) = not_a_slowdown(&cfg.host_slowdown) {
         return Err(ReplayError::Config(crate::engine::InvalidSetting::new(
             "host_slowdown",
@@ -428,7 +481,7 @@ impl Router {
     }
 
     /// Routes `r` at `now` over views of every engine (with the slot a llama.cpp engine
-    /// would serve it from, under slot routing).
+    /// would serve it from, under slot routing, and what the KV mover would restore into it).
     fn pick(
         &mut self,
         book: &Book<'_>,
@@ -438,11 +491,19 @@ impl Router {
         now: Nanos,
     ) -> Result<Decision, RouteError> {
         self.views.clear();
+        // The best saved file, looked up once per request, at the first idle slot.
+        let mut file = None;
         for (w, e) in engines.iter().enumerate() {
             let view = RouterView { ledger: &book.ledger, predicted: &book.predicted, cfg, now };
             let mut v = view.of(w, Role::Both, e, &mut self.util[w], r);
-            if let Some(cached) = book.slots.cached_tokens(w, r) {
-                v.cached_tokens = Some(cached);
+            if let Some(c) = book.slots.choose(w, r) {
+                let mut tokens = c.cached_blocks as u64 * u64::from(r.block_tokens);
+                if let Some(m) = book.mover.as_ref().filter(|_| !c.waits)
+                    && let Some(f) = file.get_or_insert_with(|| m.best(r))
+                {
+                    tokens = tokens.max(m.restorable_tokens(w, f, r.block_tokens, tokens));
+                }
+                v.cached_tokens = Some(tokens.min(u64::from(r.input_tokens)));
             }
             self.views.push(v);
         }
@@ -522,8 +583,11 @@ impl<'a> Replay<'a> {
         let trace = self.book.trace;
         let r = &trace[i];
         self.book.host.advance(&mut self.engines, now, &mut self.events);
-        self.book.handle(&mut self.events, self.router.policy.as_mut());
+        self.book.handle(&mut self.events, &mut self.engines, self.router.policy.as_mut());
         self.router.maintenance.run(self.router.policy.as_mut(), now);
+        if let Some(m) = self.book.mover.as_mut() {
+            m.expire(now);
+        }
         match self.router.pick(&self.book, &self.engines, self.cfg, r, now) {
             Ok(d) => self.dispatch(i, &d, now),
             Err(_) => {
@@ -554,7 +618,15 @@ impl<'a> Replay<'a> {
             ttft_secs: None,
             cached_tokens: None,
         });
-        let slot = book.slots.start(w, i, r, now);
+        let choice = book.slots.choose(w, r);
+        let restore = match (book.mover.as_mut(), choice) {
+            (Some(m), Some(c)) => m.restore(w, c, r, now),
+            _ => None,
+        };
+        if let Some(c) = choice {
+            book.slots.start(w, i, r, c, now);
+        }
+        let slot = choice.map(|c| c.slot);
         let found = self.oracle.found(&mut self.engines, &r.blocks);
         if found > 0 {
             self.engines[w].import_prefix(&r.blocks[..found], r.block_tokens);
@@ -571,25 +643,34 @@ impl<'a> Replay<'a> {
                 token_ids: None,
                 kv_transferred: false,
                 slot,
+                restore,
             },
             at,
             &mut self.events,
         );
         self.book.host.make_real(&mut self.events[first..]);
         self.book.host.resync(now, &self.engines);
-        self.book.handle(&mut self.events, self.router.policy.as_mut());
+        self.book.handle(&mut self.events, &mut self.engines, self.router.policy.as_mut());
     }
 
     /// Runs the engines to the end and returns the result.
     fn finish(mut self) -> ReplayResult {
-        self.book.host.advance(&mut self.engines, Nanos(u64::MAX), &mut self.events);
-        self.book.handle(&mut self.events, self.router.policy.as_mut());
+        let end = Nanos(u64::MAX);
+        if self.book.mover.is_some() {
+            // Event by event: the saves of the last requests start when they end.
+            while self.book.host.step(&mut self.engines, end, true, &mut self.events) {
+                self.book.handle(&mut self.events, &mut self.engines, self.router.policy.as_mut());
+            }
+        }
+        self.book.host.advance(&mut self.engines, end, &mut self.events);
+        self.book.handle(&mut self.events, &mut self.engines, self.router.policy.as_mut());
         ReplayResult {
             policy: self.cfg.policy.clone(),
             outcomes: self.book.outcomes,
             busy_ns: self.engines.iter().map(|e| e.stats().busy_ns).collect(),
             evictions: self.engines.iter().map(|e| e.cache().evictions()).collect(),
             pd: None,
+            kv_migration: self.book.mover.as_ref().map(Mover::counts),
         }
     }
 }

@@ -50,6 +50,10 @@ pub struct PolicyReport {
     /// not serialised: colocated reports keep their shape).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pd: Option<PdSummary>,
+    /// What the KV mover did (`--kv-migration`), serialised flat (`kv_restores`,
+    /// `kv_saves`, …); absent otherwise.
+    #[serde(flatten)]
+    pub kv_migration: Option<crate::types::KvMigrationCounts>,
 }
 
 /// What disaggregation did in one replay ([`crate::pd::replay_pd`]).
@@ -148,6 +152,7 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
         branches,
         ttft_cdf: lat.ttft_cdf(),
         pd: r.pd.as_ref().map(|pd| pd_summary(r, pd, makespan)),
+        kv_migration: r.kv_migration,
     }
 }
 
@@ -195,9 +200,10 @@ fn pd_summary(r: &ReplayResult, pd: &crate::types::PdConfig, makespan: f64) -> P
 /// A fixed-width terminal table of `reports`.
 pub fn table(reports: &[PolicyReport]) -> String {
     let mut s = String::new();
+    let w = label_width(reports);
     let _ = writeln!(
         s,
-        "{:<18} {:>5} {:>7} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>6}",
+        "{:<w$} {:>5} {:>7} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>6}",
         "policy",
         "rate",
         "hit%",
@@ -215,7 +221,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
     for r in reports {
         let _ = writeln!(
             s,
-            "{:<18} {:>5.2} {:>7.2} {:>6.2} {:>8.3} {:>8.3} {:>8.3} {:>8.4} {:>8.4} {:>8.2} {:>8.0} {:>7.2} {:>6.2}",
+            "{:<w$} {:>5.2} {:>7.2} {:>6.2} {:>8.3} {:>8.3} {:>8.3} {:>8.4} {:>8.4} {:>8.2} {:>8.0} {:>7.2} {:>6.2}",
             r.policy,
             r.rate_scale,
             r.hit_ratio * 100.0,
@@ -234,14 +240,14 @@ pub fn table(reports: &[PolicyReport]) -> String {
     if reports.iter().any(|r| r.pd.is_some()) {
         let _ = writeln!(
             s,
-            "{:<18} {:>5} {:>7} {:>9} {:>10} {:>8} {:>8} {:>8} {:>7} {:>7}",
+            "{:<w$} {:>5} {:>7} {:>9} {:>10} {:>8} {:>8} {:>8} {:>7} {:>7}",
             "prefill/decode", "rate", "P:D", "split", "xfer_GB", "xfer_ms", "split_h%", "coloc_h%", "P_busy", "D_busy"
         );
         for r in reports {
             let Some(pd) = &r.pd else { continue };
             let _ = writeln!(
                 s,
-                "{:<18} {:>5.2} {:>7} {:>9} {:>10.2} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2}",
+                "{:<w$} {:>5.2} {:>7} {:>9} {:>10.2} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>7.2}",
                 r.policy,
                 r.rate_scale,
                 format!("{}:{}", pd.prefill_engines, pd.decode_engines),
@@ -255,6 +261,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
             );
         }
     }
+    kv_table(&mut s, reports);
     if let Some(r) = reports.first() {
         let _ = writeln!(
             s,
@@ -265,24 +272,81 @@ pub fn table(reports: &[PolicyReport]) -> String {
     s
 }
 
+/// Width of [`table`]'s first column: 18, or the longest policy label.
+fn label_width(reports: &[PolicyReport]) -> usize {
+    reports.iter().map(|r| r.policy.chars().count()).max().unwrap_or(0).max(18)
+}
+
+/// The KV mover's lines of [`table`], for the reports that have them.
+fn kv_table(s: &mut String, reports: &[PolicyReport]) {
+    if reports.iter().all(|r| r.kv_migration.is_none()) {
+        return;
+    }
+    let w = label_width(reports);
+    let _ = writeln!(
+        s,
+        "{:<w$} {:>5} {:>8} {:>10} {:>10} {:>8} {:>10} {:>9} {:>9} {:>7}",
+        "kv migration", "rate", "restores", "rest_tok", "rest_ms", "saves", "saved_MB", "save_ms", "not_worth", "files"
+    );
+    for r in reports {
+        let Some(k) = &r.kv_migration else { continue };
+        let mean_ms = |secs: f64, n: u64| if n > 0 { secs * 1e3 / n as f64 } else { 0.0 };
+        let _ = writeln!(
+            s,
+            "{:<w$} {:>5.2} {:>8} {:>10} {:>10.2} {:>8} {:>10.1} {:>9.2} {:>9} {:>7}",
+            r.policy,
+            r.rate_scale,
+            k.kv_restores,
+            k.kv_restored_tokens,
+            mean_ms(k.kv_restore_secs, k.kv_restores),
+            k.kv_saves,
+            k.kv_saved_bytes as f64 / 1e6,
+            mean_ms(k.kv_save_secs, k.kv_saves),
+            k.kv_restores_not_worth,
+            k.kv_files_held
+        );
+    }
+}
+
 /// Writes `reports` as CSV (one row per policy and rate). When any report has
 /// [`PolicyReport::pd`], nine columns follow (`pd_prefill_engines`, `pd_decode_engines`,
 /// `pd_split_requests`, `pd_transfer_bytes`, `pd_transfer_mean_s`, `pd_split_hit_ratio`,
 /// `pd_colocated_hit_ratio`, `pd_prefill_busy`, `pd_decode_busy`; empty for a colocated
-/// report); otherwise the columns are the colocated ones only.
+/// report); otherwise the columns are the colocated ones only. When any report has
+/// [`PolicyReport::kv_migration`], five columns follow (`kv_restores`,
+/// `kv_restored_tokens`, `kv_saves`, `kv_saved_tokens`, `kv_saved_bytes`; empty for a
+/// report without the mover).
 ///
 /// # Errors
 /// I/O or CSV errors.
 pub fn write_csv(path: &Path, reports: &[PolicyReport]) -> Result<(), csv::Error> {
     let mut w = csv::Writer::from_path(path)?;
     let with_pd = reports.iter().any(|r| r.pd.is_some());
-    w.write_record(csv_header(with_pd))?;
+    let with_kv = reports.iter().any(|r| r.kv_migration.is_some());
+    let mut header = csv_header(with_pd);
+    if with_kv {
+        header.extend(KV_COLUMNS);
+    }
+    w.write_record(header)?;
     for r in reports {
-        w.write_record(csv_row(r, with_pd))?;
+        let mut row = csv_row(r, with_pd);
+        if with_kv {
+            match &r.kv_migration {
+                Some(k) => row.extend(
+                    [k.kv_restores, k.kv_restored_tokens, k.kv_saves, k.kv_saved_tokens, k.kv_saved_bytes]
+                        .map(|n| n.to_string()),
+                ),
+                None => row.extend(std::iter::repeat_n(String::new(), KV_COLUMNS.len())),
+            }
+        }
+        w.write_record(row)?;
     }
     w.flush()?;
     Ok(())
 }
+
+/// The KV mover's CSV columns ([`write_csv`]).
+const KV_COLUMNS: [&str; 5] = ["kv_restores", "kv_restored_tokens", "kv_saves", "kv_saved_tokens", "kv_saved_bytes"];
 
 /// The CSV's column names ([`write_csv`]).
 fn csv_header(with_pd: bool) -> Vec<&'static str> {

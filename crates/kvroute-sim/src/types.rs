@@ -204,6 +204,72 @@ pub struct ReplayConfig {
     /// An oracle that gives each request more of its prefix than any router could: a bound
     /// on what placement can gain from caching, not a routing policy. Off by default.
     pub kv_oracle: KvOracle,
+    /// The KV mover of `kvroute serve`'s `[kv_migration]` (llama.cpp slot files, see
+    /// [`crate::kv_move`]): needs a profile with `slots` and `slot_routing`. `None` (the
+    /// default): off.
+    pub kv_migration: Option<KvMigration>,
+}
+
+/// Settings of the replay's KV mover ([`ReplayConfig::kv_migration`]); the defaults are
+/// `kvroute serve`'s `[kv_migration]` defaults but for the byte bound.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct KvMigration {
+    /// A prompt shorter than this is not saved, and a restore adding fewer tokens to the
+    /// slot's hit is not tried, tokens (1,024).
+    pub min_tokens: u32,
+    /// Most files kept (256).
+    pub max_files: usize,
+    /// Most bytes kept, all files together (1 TiB: in effect unbounded; the profile's
+    /// `kv_file_bytes_per_token` sizes the files).
+    pub max_bytes: u64,
+    /// A file not saved or restored for this long is removed (900 s).
+    pub ttl: Nanos,
+    /// Saves under way at once, fleet-wide; a request ending while this many run is not
+    /// saved (2).
+    pub max_concurrent_saves: usize,
+}
+
+impl Default for KvMigration {
+    fn default() -> Self {
+        KvMigration {
+            min_tokens: 1024,
+            max_files: 256,
+            max_bytes: 1 << 40,
+            ttl: Nanos::from_secs(900),
+            max_concurrent_saves: 2,
+        }
+    }
+}
+
+/// What the KV mover did in one replay ([`ReplayConfig::kv_migration`]), summed over the
+/// engines; serialised flat into the report (`kv_restores`, …).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct KvMigrationCounts {
+    /// Slot files restored into the slot a request was sent to.
+    pub kv_restores: u64,
+    /// Tokens those restores read.
+    pub kv_restored_tokens: u64,
+    /// Simulated time the restores took, seconds.
+    pub kv_restore_secs: f64,
+    /// Prompt tokens the restores added to their slots' hits, as planned.
+    pub kv_restore_gained_tokens: u64,
+    /// Restores that would have added at least `min_tokens` but were predicted slower than
+    /// recomputing.
+    pub kv_restores_not_worth: u64,
+    /// Slots saved to files.
+    pub kv_saves: u64,
+    /// Tokens those saves wrote.
+    pub kv_saved_tokens: u64,
+    /// Bytes they wrote (the profile's `kv_file_bytes_per_token`).
+    pub kv_saved_bytes: u64,
+    /// Simulated time the saves took, seconds.
+    pub kv_save_secs: f64,
+    /// Saves not started because `max_concurrent_saves` were running.
+    pub kv_saves_skipped: u64,
+    /// Files removed to keep the limits (count, bytes) or gone cold (age).
+    pub kv_files_removed: u64,
+    /// Files held at the end.
+    pub kv_files_held: u64,
 }
 
 /// A free KV transfer before each request's prefill, for bounds: the request finds cached,
@@ -329,6 +395,8 @@ pub struct ReplayResult {
     /// The disaggregation settings of a [`crate::pd::replay_pd`] run (engines
     /// `0..prefill_engines` prefill, the rest decode); `None` for a colocated replay.
     pub pd: Option<PdConfig>,
+    /// What the KV mover did; `None` without [`ReplayConfig::kv_migration`].
+    pub kv_migration: Option<KvMigrationCounts>,
 }
 
 /// Why a replay could not run.

@@ -5,6 +5,7 @@ use kvroute_core::types::{BlockHash, Nanos};
 use kvroute_sim::engine::Profile;
 use kvroute_sim::replay::{KvOracle, PrefixState, ReplayConfig, ReplayResult, replay};
 use kvroute_sim::trace::TraceRequest;
+use kvroute_sim::types::KvMigration;
 
 fn req(at_ms: u64, blocks: &[u64]) -> TraceRequest {
     TraceRequest {
@@ -35,6 +36,7 @@ fn cfg(policy: &str, engines: usize, prefix_state: PrefixState) -> ReplayConfig 
         host_cores: 0,
         host_slowdown: Vec::new(),
         kv_oracle: KvOracle::Off,
+        kv_migration: None,
     }
 }
 
@@ -363,4 +365,70 @@ fn a_load_generators_client_sends_the_next_turn_when_the_answer_is_in() {
     let client =
         run(&trace, &ReplayConfig { session_concurrency: 1, ..cfg("least_ttft", 1, PrefixState::Approximate) });
     assert_eq!(Some(client.outcomes[1].arrival), client.outcomes[0].finished);
+}
+
+/// One hot 1,536-token document shared by three requests in four, five cold ones taking
+/// the fourth, each request the document and its own 32-token question, one every 4 s.
+fn hot_document() -> Vec<TraceRequest> {
+    (0..48u64)
+        .map(|k| {
+            let doc = if k % 4 == 3 { 1 + (k / 4) % 5 } else { 0 };
+            let blocks: Vec<BlockHash> = (0..96)
+                .map(|b| 10_000 * (doc + 1) + b)
+                .chain([1_000_000 + 2 * k, 1_000_001 + 2 * k])
+                .map(BlockHash)
+                .collect();
+            TraceRequest {
+                tenant: None,
+                arrival: Nanos::from_millis(4_000 * k),
+                input_tokens: 98 * 16,
+                output_tokens: 8,
+                blocks,
+                block_tokens: 16,
+                session: None,
+                turn: 0,
+            }
+        })
+        .collect()
+}
+
+fn mean_ttft(r: &ReplayResult) -> f64 {
+    let t: Vec<f64> =
+        r.outcomes.iter().filter_map(|o| Some(o.first_token?.saturating_sub(o.arrival).as_secs_f64())).collect();
+    t.iter().sum::<f64>() / t.len().max(1) as f64
+}
+
+#[test]
+fn kv_migration_restores_a_hot_document_into_idle_slots_and_lowers_the_mean_ttft() {
+    let trace = hot_document();
+    let slots = ReplayConfig {
+        profile: Profile::named("cpu-smollm2-135m").expect("profile"),
+        slot_routing: true,
+        ..cfg("least_ttft", 2, PrefixState::Approximate)
+    };
+    let kv = ReplayConfig { kv_migration: Some(KvMigration::default()), ..slots.clone() };
+    let (without, with) = (run(&trace, &slots), run(&trace, &kv));
+    assert!(without.kv_migration.is_none());
+    let k = with.kv_migration.expect("the mover's counts");
+    assert!(k.kv_saves > 0 && k.kv_restores > 0, "{k:?}");
+    assert_eq!(k.kv_saved_bytes, k.kv_saved_tokens * 23_040, "{k:?}");
+    // Every restore read a saved document and its answer (1,568 prompt tokens + 7 generated).
+    assert_eq!(k.kv_restored_tokens, k.kv_restores * 1_575, "{k:?}");
+    assert!(with.outcomes.iter().all(|o| o.finished.is_some()), "every request finished");
+    let (a, b) = (mean_ttft(&without), mean_ttft(&with));
+    assert!(b < a, "mean TTFT {b:.2} s with the mover, {a:.2} s without; {k:?}");
+    // Cached tokens up: the restored prefixes count as hits.
+    let hits = |r: &ReplayResult| r.outcomes.iter().map(|o| u64::from(o.cached_tokens)).sum::<u64>();
+    assert!(hits(&with) > hits(&without));
+}
+
+#[test]
+fn kv_migration_without_slot_routing_is_a_config_error() {
+    let c = ReplayConfig {
+        profile: Profile::named("cpu-smollm2-135m").expect("profile"),
+        kv_migration: Some(KvMigration::default()),
+        ..cfg("least_ttft", 2, PrefixState::Approximate)
+    };
+    let e = replay(&hot_document(), &c, &mut |_| {}).expect_err("refused").to_string();
+    assert!(e.contains("kv_migration") && e.contains("slot routing"), "{e}");
 }

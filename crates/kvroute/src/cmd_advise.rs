@@ -242,6 +242,7 @@ fn evaluate(
                         host_cores: clients.host_cores,
                         host_slowdown: clients.host_slowdown.clone(),
                         kv_oracle,
+                        kv_migration: None,
                     };
                     let r = replay(&traces[k], &cfg, &mut |_| {})
                         .map(|res| summarise(&res, 1.0, infinite, slo))

@@ -7,6 +7,7 @@ use kvroute_sim::pd::{PdConfig, TransferModel, replay_pd};
 use kvroute_sim::replay::{KvOracle, PrefixState, ReplayConfig, replay};
 use kvroute_sim::report::{PolicyReport, Slo, plot_sweep, plot_ttft_cdf, summarise, table, write_csv};
 use kvroute_sim::trace::{self, TraceFormat, TraceRequest};
+use kvroute_sim::types::KvMigration;
 use std::path::PathBuf;
 
 /// Flags of `kvroute replay`.
@@ -138,6 +139,20 @@ pub struct Args {
     /// Not with `--pd` or a profile with llama.cpp slots.
     #[arg(long, default_value = "off", value_parser = ["off", "fleet", "store"])]
     pub kv_oracle: String,
+    /// The KV mover of `kvroute serve`'s `[kv_migration]` on the `--prefix-state slots`
+    /// runs: a long prompt's slot is saved to a file when its request ends (write-behind,
+    /// the slot busy meanwhile), and the best saved prefix is restored into the slot a
+    /// request is sent to when that adds at least --kv-min-tokens and reading it beats
+    /// recomputing (the profile's kv_restore_secs_per_token, kv_save_secs_per_token and
+    /// kv_transfer_overhead_secs). Reported as `POLICY/slots+kv` with kv_restores,
+    /// kv_saves, … Needs a profile with llama.cpp slots and `--prefix-state slots`; not
+    /// with --pd.
+    #[arg(long)]
+    pub kv_migration: bool,
+    /// With --kv-migration: prompts shorter than this are not saved, and restores adding
+    /// fewer tokens are not tried (`[kv_migration] min_tokens`).
+    #[arg(long, default_value_t = 1024, requires = "kv_migration", value_name = "TOKENS")]
+    pub kv_min_tokens: u32,
     /// Key each tenant's requests apart, as `kvroute serve` does with tenant isolation (and
     /// an engine honouring vLLM's `cache_salt`): the blocks of trace lines with a `tenant`
     /// are salted per tenant. `false` replays one shared cache, so the two runs show the hit
@@ -318,6 +333,8 @@ struct Setup {
     /// `--prefix-state` entries: a prefix state and whether the router tracks slots.
     states: Vec<(PrefixState, bool)>,
     engines: usize,
+    /// `--kv-migration`: the KV mover of the slot-routing runs.
+    kv_migration: Option<KvMigration>,
 }
 
 /// The trace as the flags shape it, its capped version (`--policy capped`, `b3`) and its
@@ -399,7 +416,34 @@ fn setup(args: &Args) -> anyhow::Result<Setup> {
     if engines == 0 {
         bail!("--engines must be at least 1");
     }
-    Ok(Setup { profile, knobs, rates, pd, kv_oracle, policies, states, engines })
+    let kv_migration = kv_migration(args, &profile, &states, pd.is_some())?;
+    Ok(Setup { profile, knobs, rates, pd, kv_oracle, policies, states, engines, kv_migration })
+}
+
+/// `--kv-migration` and `--kv-min-tokens`, checked against the profile, the prefix states
+/// and `--pd`.
+fn kv_migration(
+    args: &Args,
+    profile: &Profile,
+    states: &[(PrefixState, bool)],
+    pd: bool,
+) -> anyhow::Result<Option<KvMigration>> {
+    if !args.kv_migration {
+        return Ok(None);
+    }
+    if profile.slots == 0 {
+        bail!(
+            "--kv-migration: profile `{}` has no llama.cpp slots to save or restore (cpu-smollm2-135m has 2; or --profile-set '{{\"slots\": N}}')",
+            profile.name
+        );
+    }
+    if !states.iter().any(|s| s.1) {
+        bail!("--kv-migration: needs --prefix-state slots (the mover restores into the slot the router names)");
+    }
+    if pd {
+        bail!("--kv-migration: not supported with --pd");
+    }
+    Ok(Some(KvMigration { min_tokens: args.kv_min_tokens, ..KvMigration::default() }))
 }
 
 /// One run per rate, prefix state and policy, labelled with its prefix state and oracle;
@@ -418,6 +462,7 @@ fn plan_runs(setup: &Setup) -> Vec<Run> {
                     continue;
                 }
                 let label = match prefix_state {
+                    _ if slot_routing && setup.kv_migration.is_some() => format!("{label}/slots+kv"),
                     _ if slot_routing => format!("{label}/slots"),
                     PrefixState::Precise { .. } if !blind => format!("{label}/precise"),
                     _ => label.clone(),
@@ -494,6 +539,7 @@ fn replay_one(
         host_cores: args.host_cores,
         host_slowdown: args.host_slowdown.clone(),
         kv_oracle: setup.kv_oracle,
+        kv_migration: setup.kv_migration.filter(|_| run.slot_routing),
     };
     let mut last = 0usize;
     let mut tick = |n: usize| {

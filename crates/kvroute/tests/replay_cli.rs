@@ -184,3 +184,66 @@ fn a_kv_oracle_replay_is_labelled_as_a_bound_and_refused_where_there_is_no_paged
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("everything"));
 }
+
+/// A Mooncake-format trace of one hot document: 40 requests, one every 8 s, three in four
+/// on a 1,536-token document (three 512-token blocks), the rest on five cold ones, each
+/// with its own 64-token question (a partial fourth block).
+fn hot_document(dir: &Path) -> PathBuf {
+    let mut body = String::new();
+    for k in 0..40u64 {
+        let doc = if k % 4 == 3 { 1 + (k / 4) % 5 } else { 0 };
+        let hashes = [100 * doc, 100 * doc + 1, 100 * doc + 2, 10_000 + k];
+        body.push_str(&format!(
+            "{{\"timestamp\": {}, \"input_length\": 1600, \"output_length\": 8, \"hash_ids\": {:?}}}\n",
+            8_000 * k,
+            hashes
+        ));
+    }
+    let p = dir.join("hot.jsonl");
+    std::fs::write(&p, body).expect("write trace");
+    p
+}
+
+#[test]
+fn kv_migration_restores_on_a_hot_document_and_is_refused_without_slots() {
+    let dir = scratch("kv");
+    let t = hot_document(&dir);
+    let run = |json: &str, extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["replay", "--quiet", "--engines", "2", "--policy", "least_ttft"])
+            .arg("--trace")
+            .arg(&t)
+            .arg("--json")
+            .arg(dir.join(json))
+            .args(extra)
+            .output()
+            .expect("run kvroute replay")
+    };
+    let cpu = ["--profile", "cpu-smollm2-135m", "--prefix-state"];
+    let plain = run("slots.json", &[&cpu[..], &["slots"]].concat());
+    let kv = run("kv.json", &[&cpu[..], &["slots", "--kv-migration"]].concat());
+    let no_slots = run("x.json", &[&cpu[..], &["approximate", "--kv-migration"]].concat());
+    let gpu = run("y.json", &["--kv-migration", "--profile", "h100-llama3-8b"]);
+    let read = |name: &str| -> Option<serde_json::Value> {
+        std::fs::read(dir.join(name)).ok().and_then(|b| serde_json::from_slice(&b).ok())
+    };
+    let (a, b) = (read("slots.json"), read("kv.json"));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
+    assert!(kv.status.success(), "{}", String::from_utf8_lossy(&kv.stderr));
+    let (a, b) = (a.expect("the slots replay's JSON"), b.expect("the kv replay's JSON"));
+    let (a, b) = (&a["reports"][0], &b["reports"][0]);
+    assert_eq!(a["policy"], "least_ttft/slots");
+    assert_eq!(b["policy"], "least_ttft/slots+kv");
+    assert!(a.get("kv_restores").is_none(), "{a}");
+    let restores = b["kv_restores"].as_u64().expect("kv_restores");
+    assert!(restores > 0 && b["kv_saves"].as_u64().expect("kv_saves") > 0, "{b}");
+    let mean = |r: &serde_json::Value| r["ttft_mean_s"].as_f64().expect("ttft_mean_s");
+    assert!(mean(b) < mean(a), "mean TTFT {} s with --kv-migration, {} s without", mean(b), mean(a));
+    assert!(String::from_utf8_lossy(&kv.stdout).contains("kv migration"), "the table has the mover's lines");
+    for (o, what) in [(&no_slots, "--prefix-state slots"), (&gpu, "h100-llama3-8b")] {
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("--kv-migration") && err.contains(what), "{err}");
+    }
+}
