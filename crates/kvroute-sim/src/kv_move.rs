@@ -15,7 +15,7 @@
 //!   `min_tokens`) and, if it pays, the request carries it ([`EngineRequest::restore`]).
 //!   Never into a slot something is on.
 //! - **The policy's view**: an engine whose chosen slot is idle is credited with the tokens
-//!   the restore there would give (the gateway's `restorable_tokens`), so the policy sees
+//!   the restore there would give (the gateway's `restorable_blocks`), so the policy sees
 //!   every idle slot as able to hold a saved prefix.
 //! - **Costs** per engine, as the gateway keeps them ([`WorkerCosts`]): restores calibrated
 //!   from the time the engine model reports for each ([`EngineEvent::SlotRestored`]), an
@@ -123,12 +123,12 @@ impl Mover {
         }
     }
 
-    /// Tokens of the prompt engine `w`'s idle slot would hold after the restore of `file`
-    /// the mover would do there, the slot holding `slot_tokens` now (the gateway's
-    /// `restorable_tokens`).
-    pub(crate) fn restorable_tokens(&self, w: usize, file: &FileMatch, block_tokens: u32, slot_tokens: u64) -> u64 {
-        let ask = self.ask(w, file, block_tokens, slot_tokens);
-        plan_restore(&ask).map_or(slot_tokens, |_| ask.file_cached_tokens)
+    /// Leading blocks of a prompt that an empty idle slot of engine `w` would hold after the
+    /// restore of `file` the mover would do there: the file's match when [`plan_restore`]
+    /// says it pays, else 0 (the gateway's `restorable_blocks`), for
+    /// [`kvroute_core::slots::SlotTable::choose_with_restore`].
+    pub(crate) fn restorable_blocks(&self, w: usize, file: &FileMatch, block_tokens: u32) -> usize {
+        plan_restore(&self.ask(w, file, block_tokens, 0)).map_or(0, |_| file.blocks)
     }
 
     /// Before `r` is sent to the slot `choice` of engine `w` at `now`: the file to restore

@@ -48,9 +48,11 @@ impl SlotRouting {
         }
     }
 
-    /// The slot `r` would take on engine `w` (`None` without slot routing).
-    fn choose(&self, w: usize, r: &TraceRequest) -> Option<SlotChoice> {
-        Some(self.tables.get(w)?.choose(slot_blocks(r), r.block_tokens, r.input_tokens))
+    /// The slot `r` would take on engine `w` (`None` without slot routing), an idle slot
+    /// counting as holding the first `restorable` blocks (a saved prefix the KV mover would
+    /// restore there; 0 without it).
+    fn choose(&self, w: usize, r: &TraceRequest, restorable: usize) -> Option<SlotChoice> {
+        Some(self.tables.get(w)?.choose_with_restore(slot_blocks(r), r.block_tokens, r.input_tokens, restorable))
     }
 
     /// Commits request `i` (`r`) to the slot `c` on engine `w` at `now`.
@@ -491,18 +493,18 @@ impl Router {
         now: Nanos,
     ) -> Result<Decision, RouteError> {
         self.views.clear();
-        // The best saved file, looked up once per request, at the first idle slot.
+        // The best saved file, looked up once per request.
         let mut file = None;
         for (w, e) in engines.iter().enumerate() {
             let view = RouterView { ledger: &book.ledger, predicted: &book.predicted, cfg, now };
             let mut v = view.of(w, Role::Both, e, &mut self.util[w], r);
-            if let Some(c) = book.slots.choose(w, r) {
-                let mut tokens = c.cached_blocks as u64 * u64::from(r.block_tokens);
-                if let Some(m) = book.mover.as_ref().filter(|_| !c.waits)
-                    && let Some(f) = file.get_or_insert_with(|| m.best(r))
-                {
-                    tokens = tokens.max(m.restorable_tokens(w, f, r.block_tokens, tokens));
-                }
+            let restorable = book.mover.as_ref().map_or(0, |m| {
+                let f = file.get_or_insert_with(|| m.best(r));
+                f.as_ref().map_or(0, |f| m.restorable_blocks(w, f, r.block_tokens))
+            });
+            if let Some(c) = book.slots.choose(w, r, restorable) {
+                let held = if c.waits { c.cached_blocks } else { c.cached_blocks.max(restorable) };
+                let tokens = held as u64 * u64::from(r.block_tokens);
                 v.cached_tokens = Some(tokens.min(u64::from(r.input_tokens)));
             }
             self.views.push(v);
@@ -618,7 +620,10 @@ impl<'a> Replay<'a> {
             ttft_secs: None,
             cached_tokens: None,
         });
-        let choice = book.slots.choose(w, r);
+        let restorable = book.mover.as_ref().map_or(0, |m| {
+            m.best(r).map_or(0, |f| m.restorable_blocks(w, &f, r.block_tokens))
+        });
+        let choice = book.slots.choose(w, r, restorable);
         let restore = match (book.mover.as_mut(), choice) {
             (Some(m), Some(c)) => m.restore(w, c, r, now),
             _ => None,
