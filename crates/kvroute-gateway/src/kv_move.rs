@@ -89,6 +89,18 @@ pub struct SaveTicket {
     block_tokens: u32,
 }
 
+/// `e` and its sources, `: `-separated (reqwest's own message hides the cause).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}
+
 /// Why a slot save or restore call failed.
 #[derive(Debug, thiserror::Error)]
 enum SlotCallError {
@@ -415,9 +427,9 @@ impl KvMover {
             (Err(e), Some(again)) if !e.is_timeout() && !e.is_connect() => again.send().await,
             (r, _) => r,
         };
-        let resp = sent.map_err(|e| SlotCallError::Transport(e.to_string()))?;
+        let resp = sent.map_err(|e| SlotCallError::Transport(error_chain(&e)))?;
         let status = resp.status();
-        let body = resp.bytes().await.map_err(|e| SlotCallError::Transport(e.to_string()))?;
+        let body = resp.bytes().await.map_err(|e| SlotCallError::Transport(error_chain(&e)))?;
         if !status.is_success() {
             let text = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
             return Err(SlotCallError::Refused(format!("{status}: {text}")));

@@ -620,9 +620,8 @@ impl<'a> Replay<'a> {
             ttft_secs: None,
             cached_tokens: None,
         });
-        let restorable = book.mover.as_ref().map_or(0, |m| {
-            m.best(r).map_or(0, |f| m.restorable_blocks(w, &f, r.block_tokens))
-        });
+        let restorable =
+            book.mover.as_ref().map_or(0, |m| m.best(r).map_or(0, |f| m.restorable_blocks(w, &f, r.block_tokens)));
         let choice = book.slots.choose(w, r, restorable);
         let restore = match (book.mover.as_mut(), choice) {
             (Some(m), Some(c)) => m.restore(w, c, r, now),
