@@ -236,6 +236,27 @@ pub struct RestoreAsk {
     pub min_tokens: u64,
 }
 
+impl RestoreAsk {
+    /// The ask for restoring `file` (its match counted in blocks of `block_tokens`) into a
+    /// slot holding `slot_tokens` of the prompt, on a worker with `costs`.
+    pub fn for_file(
+        file: &FileMatch,
+        block_tokens: u32,
+        slot_tokens: u64,
+        costs: &WorkerCosts,
+        min_tokens: u32,
+    ) -> Self {
+        RestoreAsk {
+            slot_cached_tokens: slot_tokens,
+            file_cached_tokens: file.blocks as u64 * u64::from(block_tokens),
+            file_tokens: file.tokens,
+            restore: costs.restore,
+            prefill: costs.prefill,
+            min_tokens: u64::from(min_tokens),
+        }
+    }
+}
+
 /// A restore worth doing ([`plan_restore`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RestorePlan {

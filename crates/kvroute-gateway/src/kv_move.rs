@@ -280,15 +280,7 @@ impl KvMover {
     }
 
     fn ask(&self, w: &WorkerEntry, file: &FileMatch, block_tokens: u32, slot_tokens: u64) -> RestoreAsk {
-        let costs = self.costs(w);
-        RestoreAsk {
-            slot_cached_tokens: slot_tokens,
-            file_cached_tokens: file.blocks as u64 * u64::from(block_tokens),
-            file_tokens: file.tokens,
-            restore: costs.restore,
-            prefill: costs.prefill,
-            min_tokens: u64::from(self.cfg.min_tokens),
-        }
+        RestoreAsk::for_file(file, block_tokens, slot_tokens, &self.costs(w), self.cfg.min_tokens)
     }
 
     /// Before a request is sent to the slot `at`: restores the best saved prefix of

@@ -112,15 +112,7 @@ impl Mover {
     }
 
     fn ask(&self, w: usize, file: &FileMatch, block_tokens: u32, slot_tokens: u64) -> RestoreAsk {
-        let costs = self.costs(w);
-        RestoreAsk {
-            slot_cached_tokens: slot_tokens,
-            file_cached_tokens: file.blocks as u64 * u64::from(block_tokens),
-            file_tokens: file.tokens,
-            restore: costs.restore,
-            prefill: costs.prefill,
-            min_tokens: u64::from(self.cfg.min_tokens),
-        }
+        RestoreAsk::for_file(file, block_tokens, slot_tokens, &self.costs(w), self.cfg.min_tokens)
     }
 
     /// Leading blocks of a prompt that an empty idle slot of engine `w` would hold after the
