@@ -30,7 +30,8 @@
 //! - **Files are the router's**, named `kvroute-<replica>-<n>.bin`: bounded in count
 //!   (`max_files`), bytes (`max_mib`) and age (`file_ttl_secs`), least recently used out
 //!   first; the router deletes them from `slot_save_dir`, and at startup the `kvroute-*`
-//!   files older than `file_ttl_secs` a previous run left.
+//!   files not modified for `file_ttl_secs` (a previous run's; a restore sets its file's
+//!   modification time, so a file in use by another replica is never that old).
 //! - **Tenants never share a file:** a file is found by the block hashes of the prompt that
 //!   was saved, and those hashes are salted per tenant as every routing key is
 //!   ([`kvroute_core::tenant`]), so a tenant's request matches only its own files; the names
@@ -319,6 +320,7 @@ impl KvMover {
                 self.metrics.done("restore", a.n_written.unwrap_or(m.bytes), secs);
                 self.metrics.gain.observe(plan.gain_secs());
                 self.edit(|f| f.touch(&m.name, self.now()));
+                self.touch_file(&m.name);
                 Some(Restored { gained_tokens: plan.gained_tokens, predicted_gain_secs: plan.gain_secs(), secs })
             }
             Err(e) => {
@@ -438,6 +440,20 @@ impl KvMover {
         self.metrics.file_bytes.set(next.bytes().min(i64::MAX as u64) as i64);
         self.files.store(Arc::new(next));
         r
+    }
+
+    /// Sets the file's modification time to now (in the background, errors ignored): a
+    /// file in use is not taken for a previous run's by another replica starting on the
+    /// same directory ([`KvMover::clean_stale`] goes by modification time).
+    fn touch_file(&self, name: &str) {
+        let path = self.dir.join(name);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        rt.spawn_blocking(move || {
+            let _ = std::fs::File::options()
+                .append(true)
+                .open(&path)
+                .and_then(|f| f.set_modified(std::time::SystemTime::now()));
+        });
     }
 
     /// Deletes the files `names` from `slot_save_dir`, counted as `why`.
