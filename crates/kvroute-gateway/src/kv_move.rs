@@ -90,18 +90,6 @@ pub struct SaveTicket {
     block_tokens: u32,
 }
 
-/// `e` and its sources, `: `-separated (reqwest's own message hides the cause).
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cause = c.source();
-    }
-    s
-}
-
 /// Why a slot save or restore call failed.
 #[derive(Debug, thiserror::Error)]
 enum SlotCallError {
@@ -275,32 +263,20 @@ impl KvMover {
         plan_restore(&self.ask(w, file, block_tokens, 0)).map_or(0, |_| file.blocks)
     }
 
-    /// [`KvMover::restorable_blocks`] of `w` for a prompt, the best file looked up first.
-    pub fn restorable_for(&self, w: &WorkerEntry, model: &str, blocks: &[BlockHash], block_tokens: u32) -> usize {
-        self.best_file(model, blocks).map_or(0, |f| self.restorable_blocks(w, &f, block_tokens))
-    }
-
     fn ask(&self, w: &WorkerEntry, file: &FileMatch, block_tokens: u32, slot_tokens: u64) -> RestoreAsk {
         RestoreAsk::for_file(file, block_tokens, slot_tokens, &self.costs(w), self.cfg.min_tokens)
     }
 
-    /// Before a request is sent to the slot `at`: restores the best saved prefix of
-    /// `model` for its prompt (`blocks`, `block_tokens` each, tenant-salted hashes) into the
-    /// slot if that pays. `None` when nothing was restored (no file, not worth it, a busy
-    /// slot, or the restore failed — the request then recomputes).
-    pub async fn restore(
-        &self,
-        at: SlotPlace<'_>,
-        model: &str,
-        blocks: &[BlockHash],
-        block_tokens: u32,
-    ) -> Option<Restored> {
+    /// Before a request is sent to the slot `at`: restores `m`, the best saved prefix for
+    /// its prompt ([`KvMover::best_file`], matched in blocks of `block_tokens`), into the
+    /// slot if that pays. `None` when nothing was restored (not worth it, a busy slot, or
+    /// the restore failed — the request then recomputes).
+    pub async fn restore(&self, at: SlotPlace<'_>, m: &FileMatch, block_tokens: u32) -> Option<Restored> {
         let SlotPlace { worker: w, slot, cached_blocks: slot_cached_blocks, busy } = at;
         if busy {
             return None;
         }
-        let m = self.best_file(model, blocks)?;
-        let ask = self.ask(w, &m, block_tokens, slot_cached_blocks as u64 * u64::from(block_tokens));
+        let ask = self.ask(w, m, block_tokens, slot_cached_blocks as u64 * u64::from(block_tokens));
         let Some(plan) = plan_restore(&ask) else {
             if ask.file_cached_tokens.saturating_sub(ask.slot_cached_tokens) >= ask.min_tokens {
                 self.metrics.op("restore", "not_worth");
@@ -421,9 +397,9 @@ impl KvMover {
             (Err(e), Some(again)) if !e.is_timeout() && !e.is_connect() => again.send().await,
             (r, _) => r,
         };
-        let resp = sent.map_err(|e| SlotCallError::Transport(error_chain(&e)))?;
+        let resp = sent.map_err(|e| SlotCallError::Transport(crate::upstream::causes(&e)))?;
         let status = resp.status();
-        let body = resp.bytes().await.map_err(|e| SlotCallError::Transport(error_chain(&e)))?;
+        let body = resp.bytes().await.map_err(|e| SlotCallError::Transport(crate::upstream::causes(&e)))?;
         if !status.is_success() {
             let text = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
             return Err(SlotCallError::Refused(format!("{status}: {text}")));

@@ -123,20 +123,21 @@ impl Mover {
         plan_restore(&self.ask(w, file, block_tokens, 0)).map_or(0, |_| file.blocks)
     }
 
-    /// Before `r` is sent to the slot `choice` of engine `w` at `now`: the file to restore
-    /// into the slot first, when that pays (never into a busy slot).
+    /// Before `r` is sent to the slot `choice` of engine `w` at `now`: `m` (the best file
+    /// for `r`, [`KvMover::best`]) to restore into the slot first, when that pays (never
+    /// into a busy slot).
     pub(crate) fn restore(
         &mut self,
         w: usize,
         choice: SlotChoice,
         r: &TraceRequest,
+        m: &FileMatch,
         now: Nanos,
     ) -> Option<SlotRestore> {
         if choice.waits {
             return None;
         }
-        let m = self.best(r)?;
-        let ask = self.ask(w, &m, r.block_tokens, choice.cached_blocks as u64 * u64::from(r.block_tokens));
+        let ask = self.ask(w, m, r.block_tokens, choice.cached_blocks as u64 * u64::from(r.block_tokens));
         let Some(plan) = plan_restore(&ask) else {
             if ask.file_cached_tokens.saturating_sub(ask.slot_cached_tokens) >= ask.min_tokens {
                 self.counts.kv_restores_not_worth += 1;

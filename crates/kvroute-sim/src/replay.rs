@@ -620,11 +620,15 @@ impl<'a> Replay<'a> {
             ttft_secs: None,
             cached_tokens: None,
         });
-        let restorable =
-            book.mover.as_ref().map_or(0, |m| m.best(r).map_or(0, |f| m.restorable_blocks(w, &f, r.block_tokens)));
+        // The best saved file, looked up once for the slot choice and the restore.
+        let file = book.mover.as_ref().and_then(|m| m.best(r));
+        let restorable = match (book.mover.as_ref(), &file) {
+            (Some(m), Some(f)) => m.restorable_blocks(w, f, r.block_tokens),
+            _ => 0,
+        };
         let choice = book.slots.choose(w, r, restorable);
-        let restore = match (book.mover.as_mut(), choice) {
-            (Some(m), Some(c)) => m.restore(w, c, r, now),
+        let restore = match (book.mover.as_mut(), choice, file) {
+            (Some(m), Some(c), Some(f)) => m.restore(w, c, r, &f, now),
             _ => None,
         };
         if let Some(c) = choice {

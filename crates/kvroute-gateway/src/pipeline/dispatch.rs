@@ -122,6 +122,9 @@ pub struct SlotHold {
     waits: bool,
     /// With the KV mover: what saving the slot after the request needs.
     save: Option<crate::kv_move::SaveTicket>,
+    /// With the KV mover: the saved prefix best matching the prompt when the slot was
+    /// chosen (looked up once, for the choice and the restore).
+    file: Option<kvroute_core::kv_migration::FileMatch>,
     /// The worker answered (the prompt is in the slot): the slot may be saved.
     prefilled: bool,
     /// A saved prefix the KV mover restored into the slot before the request was sent.
@@ -138,7 +141,8 @@ impl SlotHold {
         let now = s.now();
         // With the KV mover: an idle slot can be given the saved prefix (looked up before
         // the worker's lock is taken).
-        let restorable = s.kv_mover.as_ref().map_or(0, |m| m.restorable_for(w, model, &key.blocks, key.block_tokens));
+        let file = s.kv_mover.as_ref().and_then(|m| Some((m, m.best_file(model, &key.blocks)?)));
+        let restorable = file.as_ref().map_or(0, |(m, f)| m.restorable_blocks(w, f, key.block_tokens));
         let choice = {
             let mut slots = w.slots.lock();
             let t = slots.as_mut()?;
@@ -159,22 +163,24 @@ impl SlotHold {
             cached_blocks: choice.cached_blocks,
             waits: choice.waits,
             save,
+            file: file.map(|(_, f)| f),
             prefilled: false,
             restored: None,
         })
     }
 
-    /// With the KV mover on: restores the best saved prefix of the request into this slot
-    /// before it is sent, if that pays ([`crate::kv_move::KvMover::restore`]).
-    pub async fn restore_before_send(&mut self, s: &AppState, key: &super::route::SlotKey, model: &str) {
-        let Some(m) = s.kv_mover.as_ref() else { return };
+    /// With the KV mover on: restores the saved prefix found when the slot was chosen into
+    /// this slot before the request is sent, if that pays
+    /// ([`crate::kv_move::KvMover::restore`]).
+    pub async fn restore_before_send(&mut self, s: &AppState, key: &super::route::SlotKey) {
+        let (Some(m), Some(f)) = (s.kv_mover.as_ref(), self.file.take()) else { return };
         let at = crate::kv_move::SlotPlace {
             worker: &self.worker,
             slot: self.slot,
             cached_blocks: self.cached_blocks,
             busy: self.waits,
         };
-        self.restored = m.restore(at, model, &key.blocks, key.block_tokens).await;
+        self.restored = m.restore(at, &f, key.block_tokens).await;
     }
 
     /// The worker answered: its slot holds the prompt (and may be saved when the request
@@ -480,7 +486,7 @@ async fn attempt_on(ctx: &RequestCtx<'_>, routed: &Routed, w: &Arc<WorkerEntry>,
     let key = routed.slot_key.as_ref().filter(|_| ctx.api != Api::Generate);
     let mut slot = key.and_then(|k| SlotHold::take(s, w, k, &ctx.model));
     if let (Some(h), Some(k)) = (slot.as_mut(), key) {
-        h.restore_before_send(s, k, &ctx.model).await;
+        h.restore_before_send(s, k).await;
     }
     let pinned = slot.as_ref().and_then(|h| with_id_slot(ctx, h.slot));
     let started = Instant::now();
