@@ -57,6 +57,9 @@ use std::time::{Duration, Instant};
 /// prefill cost.
 const MIN_PREFILL_SAMPLE: u64 = 64;
 
+/// Largest answer read from a slot save or restore call (llama.cpp's is ~200 bytes).
+const MAX_SLOT_ANSWER_BYTES: usize = 64 << 10;
+
 /// A restore done before a request was sent ([`KvMover::restore`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Restored {
@@ -399,7 +402,13 @@ impl KvMover {
         };
         let resp = sent.map_err(|e| SlotCallError::Transport(crate::upstream::causes(&e)))?;
         let status = resp.status();
+        if resp.content_length().is_some_and(|n| n > MAX_SLOT_ANSWER_BYTES as u64) {
+            return Err(SlotCallError::Refused(format!("{status}: an answer over {MAX_SLOT_ANSWER_BYTES} bytes")));
+        }
         let body = resp.bytes().await.map_err(|e| SlotCallError::Transport(crate::upstream::causes(&e)))?;
+        if body.len() > MAX_SLOT_ANSWER_BYTES {
+            return Err(SlotCallError::Refused(format!("{status}: an answer over {MAX_SLOT_ANSWER_BYTES} bytes")));
+        }
         if !status.is_success() {
             let text = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
             return Err(SlotCallError::Refused(format!("{status}: {text}")));
