@@ -72,6 +72,15 @@ pub struct PrefixMatch {
     pub tenants: SmallVec<[WorkerId; 8]>,
 }
 
+impl PrefixMatch {
+    /// Whether `id` holds the deepest match. O(log tenants): a prefix every worker holds
+    /// (a system prompt) lists the whole fleet, and a linear search per candidate would make
+    /// a decision quadratic in the fleet.
+    pub fn holds(&self, id: WorkerId) -> bool {
+        self.tenants.binary_search(&id).is_ok()
+    }
+}
+
 /// Children of a node, keyed by the first symbol of the child's edge: a small inline list
 /// (linear scan, cache friendly) that turns into a hash map past [`CHILDREN_MAP_AT`].
 #[derive(Debug, Clone)]

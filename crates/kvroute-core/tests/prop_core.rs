@@ -70,6 +70,11 @@ proptest! {
         let m = t.prefix_match(&probe, None);
         prop_assert!(m.matched <= probe.len());
         prop_assert_eq!(m.tenants.is_empty(), m.matched == 0);
+        // `holds` (a binary search, as policies ask it per candidate) answers as a linear
+        // search of the holders would.
+        for w in 0..6 {
+            prop_assert_eq!(m.holds(WorkerId(w)), m.tenants.contains(&WorkerId(w)));
+        }
         prop_assert!(t.check_invariants().is_ok(), "{:?}", t.check_invariants());
     }
 

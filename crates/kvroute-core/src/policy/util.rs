@@ -119,6 +119,8 @@ pub struct BestMatch {
     pub rate: f64,
     /// Every routable worker reaching `rate` (empty when `rate` is 0), in candidate order.
     pub holders: SmallVec<[WorkerId; 8]>,
+    /// `holders` as a set, for [`BestMatch::is_holder`].
+    holder_set: TenantSet,
     /// The tree's deepest match among the approximate workers, in the key's unit.
     tree: PrefixMatch,
 }
@@ -126,7 +128,7 @@ pub struct BestMatch {
 impl BestMatch {
     /// Matches `key` (of `req`) over `c`: precise workers by their engine count, the others
     /// in `trees`. With no precise worker this is exactly `trees.prefix_match` over the
-    /// routable set. O(len(key) + workers).
+    /// routable set. O(len(key) + workers × log(holders)).
     pub fn of(trees: &PrefixTrees, key: PrefixKey<'_>, req: &RequestView<'_>, c: &[WorkerView]) -> Self {
         let approx =
             TenantSet::from_ids(c.iter().filter(|w| w.is_routable() && w.cached_tokens.is_none()).map(|w| w.id));
@@ -136,18 +138,25 @@ impl BestMatch {
         let precise_rate = |w: &WorkerView| w.cached_tokens.map(|t| t.min(input) as f64 / input as f64);
         let best = c.iter().filter(|w| w.is_routable()).filter_map(precise_rate).fold(tree_rate, f64::max);
         let mut holders = SmallVec::new();
+        let mut holder_set = TenantSet::new();
         if best > 0.0 {
             for w in c.iter().filter(|w| w.is_routable()) {
                 let hit = match precise_rate(w) {
                     Some(r) => r >= best,
-                    None => tree_rate >= best && tree.tenants.contains(&w.id),
+                    None => tree_rate >= best && tree.holds(w.id),
                 };
                 if hit {
                     holders.push(w.id);
+                    holder_set.insert(w.id);
                 }
             }
         }
-        BestMatch { rate: best, holders, tree }
+        BestMatch { rate: best, holders, holder_set, tree }
+    }
+
+    /// Whether `w` is one of [`BestMatch::holders`]. O(1).
+    pub fn is_holder(&self, w: WorkerId) -> bool {
+        self.holder_set.contains(w)
     }
 
     /// What `w` holds of the request, as `(matched, total, unit)` for a decision: the
@@ -164,7 +173,7 @@ impl BestMatch {
             let input = u64::from(req.input_tokens);
             return (t.min(input), input, MatchUnit::Tokens);
         }
-        let matched = if self.tree.tenants.contains(&w) { self.tree.matched } else { 0 };
+        let matched = if self.tree.holds(w) { self.tree.matched } else { 0 };
         (matched as u64, key.len() as u64, key.unit())
     }
 }
