@@ -14,16 +14,30 @@ use std::num::NonZeroUsize;
 pub const DEFAULT_CAPACITY_BLOCKS: usize = 2048;
 
 /// An LRU set of block hashes with a fixed capacity.
+///
+/// Memory follows the hashes held, not the capacity: the set grows as requests are routed
+/// to its worker and evicts past `capacity` itself (a bounded `lru::LruCache` reserves its
+/// whole capacity up front: 2,048 blocks × 10,000 workers was 0.8 GiB for sets mostly empty).
 #[derive(Debug)]
 pub struct LruBlockSet {
     lru: lru::LruCache<BlockHash, (), foldhash::fast::RandomState>,
+    capacity: NonZeroUsize,
 }
 
 impl LruBlockSet {
     /// A set holding at most `capacity_blocks` hashes (at least 1).
     pub fn new(capacity_blocks: usize) -> Self {
-        let cap = NonZeroUsize::new(capacity_blocks.max(1)).unwrap_or(NonZeroUsize::MIN);
-        LruBlockSet { lru: lru::LruCache::with_hasher(cap, foldhash::fast::RandomState::default()) }
+        LruBlockSet {
+            lru: lru::LruCache::unbounded_with_hasher(foldhash::fast::RandomState::default()),
+            capacity: NonZeroUsize::new(capacity_blocks.max(1)).unwrap_or(NonZeroUsize::MIN),
+        }
+    }
+
+    /// Evicts the least recently used hashes beyond the capacity.
+    fn trim(&mut self) {
+        while self.lru.len() > self.capacity.get() {
+            self.lru.pop_lru();
+        }
     }
 
     /// Number of leading blocks of `hashes` present, in blocks. O(matched + 1).
@@ -37,6 +51,9 @@ impl LruBlockSet {
     pub fn insert(&mut self, hashes: &[BlockHash]) {
         for h in hashes.iter().rev() {
             self.lru.put(*h, ());
+            // Within the loop, as a bounded cache would: a prompt longer than the capacity
+            // keeps its first blocks.
+            self.trim();
         }
     }
 
@@ -52,13 +69,14 @@ impl LruBlockSet {
 
     /// Capacity in blocks.
     pub fn capacity(&self) -> usize {
-        self.lru.cap().get()
+        self.capacity.get()
     }
 
     /// Changes the capacity to `capacity_blocks` (at least 1), evicting the least recently
     /// used hashes beyond it.
     pub fn resize(&mut self, capacity_blocks: usize) {
-        self.lru.resize(NonZeroUsize::new(capacity_blocks.max(1)).unwrap_or(NonZeroUsize::MIN));
+        self.capacity = NonZeroUsize::new(capacity_blocks.max(1)).unwrap_or(NonZeroUsize::MIN);
+        self.trim();
     }
 
     /// Forgets everything.
@@ -93,5 +111,14 @@ mod tests {
         assert_eq!(s.len(), 3);
         assert_eq!(s.estimate_cache_hit(&h(&[1, 2])), 2);
         assert_eq!(s.estimate_cache_hit(&h(&[1, 2, 3])), 2);
+    }
+
+    #[test]
+    fn a_prompt_longer_than_the_capacity_keeps_its_first_blocks_and_resize_evicts() {
+        let mut s = LruBlockSet::new(2);
+        s.insert(&h(&[1, 2, 3, 4]));
+        assert_eq!((s.len(), s.estimate_cache_hit(&h(&[1, 2, 3]))), (2, 2));
+        s.resize(1);
+        assert_eq!((s.len(), s.capacity(), s.estimate_cache_hit(&h(&[1, 2]))), (1, 1, 1));
     }
 }

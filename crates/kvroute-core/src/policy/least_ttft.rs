@@ -225,7 +225,7 @@ pub struct LeastTtft {
     cfg: LeastTtftConfig,
     /// `prefill_cost`'s state and cost terms: the LRU block sets, sessions and rotation.
     cost: PrefillCost,
-    profiles: HashMap<WorkerId, WorkerProfile>,
+    profiles: HashMap<WorkerId, WorkerProfile, foldhash::fast::FixedState>,
 }
 
 /// One candidate's terms.
@@ -240,7 +240,7 @@ struct Candidate {
 impl LeastTtft {
     /// A policy with `cfg` and `prefill_cost`'s knobs `cost` (validated by the registry).
     pub fn new(cfg: LeastTtftConfig, cost: PrefillCostConfig) -> Self {
-        LeastTtft { cfg, cost: PrefillCost::new(cost), profiles: HashMap::new() }
+        LeastTtft { cfg, cost: PrefillCost::new(cost), profiles: HashMap::default() }
     }
 
     /// The learned profile of `worker` (`None` before its first observation).
@@ -429,29 +429,34 @@ impl Policy for LeastTtft {
             }
         }
         let cap = self.session_cap(req, c);
+        // The best candidate's terms and the ids of every worker tied with it (first the
+        // best's): on an idle fleet every worker ties, so ties keep 4-byte ids, and the
+        // chosen worker's terms are computed again below (the same inputs, the same terms).
         let mut best: Option<Candidate> = None;
-        let mut ties: SmallVec<[Candidate; 8]> = SmallVec::new();
+        let mut ties: SmallVec<[WorkerId; 8]> = SmallVec::new();
         for w in c.iter().filter(|w| w.is_routable() && cap.is_none_or(|cap| within(w, cap))) {
             let t = self.terms(w, &ask);
             match &best {
-                Some(b) if tied(t.score, b.score) && t.cached == b.cached => ties.push(t),
+                Some(b) if tied(t.score, b.score) && t.cached == b.cached => ties.push(t.id),
                 Some(b) if t.score > b.score || (tied(t.score, b.score) && t.cached < b.cached) => {}
                 _ => {
                     ties.clear();
+                    ties.push(t.id);
                     best = Some(t);
                 }
             }
         }
         let best = best.ok_or(RouteError::NoWorker)?;
-        let branch = match (cap.is_some(), ties.is_empty()) {
+        let branch = match (cap.is_some(), ties.len() == 1) {
             (true, _) => Branch::NewBinding,
             (false, true) => Branch::Score,
             (false, false) => Branch::TieBreak,
         };
-        ties.insert(0, best);
-        let ids: SmallVec<[WorkerId; 8]> = ties.iter().map(|t| t.id).collect();
-        let w = rotate(&ids, &self.cost.rotation).ok_or(RouteError::NoWorker)?;
-        let t = ties.iter().find(|t| t.id == w).unwrap_or(&ties[0]);
+        let w = rotate(&ties, &self.cost.rotation).ok_or(RouteError::NoWorker)?;
+        let t = match c.iter().find(|v| v.id == w) {
+            Some(v) if w != best.id => self.terms(v, &ask),
+            _ => best,
+        };
         let mut d = Decision::new(t.id, branch).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score);
         d.predicted_ttft = Some(t.prediction);
         Ok(d)

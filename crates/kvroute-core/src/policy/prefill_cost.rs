@@ -138,7 +138,7 @@ pub(crate) type Match = (u64, u64, MatchUnit);
 #[derive(Debug)]
 pub struct PrefillCost {
     pub(crate) cfg: PrefillCostConfig,
-    sets: HashMap<WorkerId, LruBlockSet>,
+    sets: HashMap<WorkerId, LruBlockSet, foldhash::fast::FixedState>,
     pub(crate) rotation: Rotation,
     pub(crate) sessions: SessionTable,
 }
@@ -147,7 +147,7 @@ impl PrefillCost {
     /// A policy with `cfg` (validated by the registry).
     pub fn new(cfg: PrefillCostConfig) -> Self {
         let sessions = SessionTable::new(cfg.max_sessions);
-        PrefillCost { cfg, sets: HashMap::new(), rotation: Rotation::default(), sessions }
+        PrefillCost { cfg, sets: HashMap::default(), rotation: Rotation::default(), sessions }
     }
 
     /// Cached prompt tokens of the request on `w`, and the match to report: the engine's

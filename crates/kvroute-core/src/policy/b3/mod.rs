@@ -155,7 +155,7 @@ const MAX_BLOCKS: usize = 512;
 pub struct B3 {
     mode: B3Mode,
     cfg: B3Config,
-    cached: HashMap<WorkerId, LruBlockSet>,
+    cached: HashMap<WorkerId, LruBlockSet, foldhash::fast::FixedState>,
     affinity: SessionTable,
     turns: SessionTurns,
     rr_counter: Rotation,
@@ -179,7 +179,7 @@ impl B3 {
     pub fn new(mode: B3Mode, cfg: B3Config) -> Self {
         let affinity = SessionTable::new(cfg.max_sessions);
         let turns = SessionTurns::new(if mode == B3Mode::Capped { cfg.max_sessions } else { 1 });
-        B3 { mode, cfg, cached: HashMap::new(), affinity, turns, rr_counter: Rotation::default() }
+        B3 { mode, cfg, cached: HashMap::default(), affinity, turns, rr_counter: Rotation::default() }
     }
 
     /// Builds after validating `cfg`.
