@@ -67,12 +67,34 @@ fn secs(now: Nanos) -> u32 {
     (now.0 / 1_000_000_000).min(u32::MAX as u64) as u32
 }
 
+/// The holders of one block ([`BlockIndex::holders`]).
+#[derive(Debug, Clone, Copy)]
+pub struct BlockHolders<'a> {
+    index: &'a BlockIndex,
+    list: &'a [Holder],
+    now_s: u32,
+}
+
+impl<'a> BlockHolders<'a> {
+    /// Whether `worker` holds the block (and its entry has not expired). O(log holders).
+    pub fn holds(&self, worker: WorkerId) -> bool {
+        BlockIndex::holder(self.list, worker).is_some_and(|x| self.index.alive(x, self.now_s))
+    }
+
+    /// The workers holding the block (entries not expired), in increasing id order.
+    pub fn workers(self) -> impl Iterator<Item = WorkerId> + 'a {
+        let (index, now_s) = (self.index, self.now_s);
+        self.list.iter().filter(move |x| index.alive(**x, now_s)).map(|x| x.worker())
+    }
+}
+
 /// The block-hash index.
 ///
 /// Layout: a `HashMap<u64, SmallVec<[Holder; 2]>>` keyed by block hash (already uniformly
-/// distributed, hashed again cheaply with foldhash). A block held by one or two workers
-/// costs one map slot (8-byte key + 24-byte inline holder list + 1 control byte) and no
-/// heap allocation of its own; see `docs/lab/2026-11-26-benchmark-runs.md` ("Index memory")
+/// distributed, hashed again cheaply with foldhash), each list sorted by worker id so a
+/// worker is found by binary search in a block the whole fleet holds. A block held by one
+/// or two workers costs one map slot (8-byte key + 24-byte inline holder list + 1 control
+/// byte) and no heap allocation of its own; see `docs/lab/2026-11-26-benchmark-runs.md` ("Index memory")
 /// for the measured bytes per entry.
 ///
 /// Worker ids must be below 2³¹ (the top bit tags precise entries).
@@ -107,18 +129,19 @@ impl BlockIndex {
         let id = worker.0 & !PRECISE_BIT;
         for h in hashes {
             let holders = self.map.entry(h.0).or_default();
-            match holders.iter_mut().find(|x| x.worker_and_flag & !PRECISE_BIT == id) {
-                Some(x) => {
+            match holders.binary_search_by_key(&id, |x| x.worker().0) {
+                Ok(p) => {
+                    let x = &mut holders[p];
                     x.last_use_s = x.last_use_s.max(now_s);
                     if precise {
                         x.worker_and_flag |= PRECISE_BIT;
                     }
                 }
-                None => {
-                    holders.push(Holder {
-                        worker_and_flag: id | if precise { PRECISE_BIT } else { 0 },
-                        last_use_s: now_s,
-                    });
+                Err(p) => {
+                    holders.insert(
+                        p,
+                        Holder { worker_and_flag: id | if precise { PRECISE_BIT } else { 0 }, last_use_s: now_s },
+                    );
                     self.entries += 1;
                 }
             }
@@ -144,9 +167,10 @@ impl BlockIndex {
     pub fn remove(&mut self, worker: WorkerId, hashes: &[BlockHash]) {
         for h in hashes {
             if let Some(holders) = self.map.get_mut(&h.0) {
-                let before = holders.len();
-                holders.retain(|x| x.worker() != worker);
-                self.entries -= before - holders.len();
+                if let Ok(p) = holders.binary_search_by_key(&worker, |x| x.worker()) {
+                    holders.remove(p);
+                    self.entries -= 1;
+                }
                 if holders.is_empty() {
                     self.map.remove(&h.0);
                 }
@@ -168,35 +192,44 @@ impl BlockIndex {
         self.entries -= removed;
     }
 
-    /// Leading blocks of `hashes` held (and not expired at `now`) by `worker`. O(matched).
+    /// The entry of `worker` among a block's holders (sorted by worker id).
+    fn holder(holders: &[Holder], worker: WorkerId) -> Option<Holder> {
+        holders.binary_search_by_key(&worker, |x| x.worker()).ok().map(|p| holders[p])
+    }
+
+    /// The holders of block `h` at `now`, for asking many workers in turn
+    /// ([`BlockHolders::holds`]) with one map lookup; `None` when nobody holds it.
+    pub fn holders(&self, h: BlockHash, now: Nanos) -> Option<BlockHolders<'_>> {
+        self.map.get(&h.0).map(|list| BlockHolders { index: self, list, now_s: secs(now) })
+    }
+
+    /// Leading blocks of `hashes` held (and not expired at `now`) by `worker`.
+    /// O(matched × log holders): a block the whole fleet holds (a system prompt) is found by
+    /// a binary search, so asking it of every worker stays O(workers × log workers).
     pub fn overlap(&self, worker: WorkerId, hashes: &[BlockHash], now: Nanos) -> usize {
         let now_s = secs(now);
         hashes
             .iter()
             .take_while(|h| {
-                self.map.get(&h.0).is_some_and(|hs| hs.iter().any(|x| x.worker() == worker && self.alive(*x, now_s)))
+                self.map.get(&h.0).and_then(|hs| Self::holder(hs, worker)).is_some_and(|x| self.alive(x, now_s))
             })
             .count()
     }
 
     /// For every worker holding at least the first block: its leading-block overlap.
-    /// Appends `(worker, blocks)` pairs to `out` in worker-id order. O(len · holders).
+    /// Appends `(worker, blocks)` pairs to `out` in worker-id order. O(holders of the first
+    /// block + len × active × log holders).
     pub fn overlaps(&self, hashes: &[BlockHash], now: Nanos, out: &mut Vec<(WorkerId, usize)>) {
         let now_s = secs(now);
         let start = out.len();
         let Some(first) = hashes.first().and_then(|h| self.map.get(&h.0)) else { return };
+        // Holders are sorted by worker id, so `out` is too.
         out.extend(first.iter().filter(|x| self.alive(**x, now_s)).map(|x| (x.worker(), 1)));
         let mut active: SmallVec<[usize; 16]> = (start..out.len()).collect();
-        let mut ids: SmallVec<[WorkerId; 64]> = SmallVec::new();
         for h in &hashes[1..] {
             let Some(holders) = self.map.get(&h.0) else { break };
-            // Sorted alive holders, then one binary search per still-active worker:
-            // O(h log h + a log h) instead of O(a × h) per block.
-            ids.clear();
-            ids.extend(holders.iter().filter(|x| self.alive(**x, now_s)).map(|x| x.worker()));
-            ids.sort_unstable();
             active.retain(|i| {
-                let held = ids.binary_search(&out[*i].0).is_ok();
+                let held = Self::holder(holders, out[*i].0).is_some_and(|x| self.alive(x, now_s));
                 if held {
                     out[*i].1 += 1;
                 }
@@ -206,7 +239,6 @@ impl BlockIndex {
                 break;
             }
         }
-        out[start..].sort_unstable_by_key(|(w, _)| *w);
     }
 
     /// Removes expired approximate entries and enforces `max_entries` by dropping the least

@@ -1,10 +1,11 @@
 //! Property tests of the routing core's invariants.
 
+use kvroute_core::block_index::{BlockIndex, BlockIndexConfig};
 use kvroute_core::ledger::LoadLedger;
 use kvroute_core::policy::{PickCtx, route};
 use kvroute_core::radix::RadixTree;
 use kvroute_core::registry::{build, names};
-use kvroute_core::types::{Health, Nanos, RequestView, WorkerId, WorkerView};
+use kvroute_core::types::{BlockHash, Health, Nanos, RequestView, WorkerId, WorkerView};
 use proptest::prelude::*;
 use rand_core::SeedableRng;
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -76,6 +77,83 @@ proptest! {
             prop_assert_eq!(m.holds(WorkerId(w)), m.tenants.contains(&WorkerId(w)));
         }
         prop_assert!(t.check_invariants().is_ok(), "{:?}", t.check_invariants());
+    }
+
+    #[test]
+    fn the_block_index_answers_as_a_set_of_blocks_per_worker(
+        // (worker, first block, blocks, remove?): chains over a small alphabet, so that
+        // many workers hold the same leading blocks and insertion orders vary.
+        ops in prop::collection::vec((0u32..40, 0u64..3, 1usize..5, any::<bool>()), 1..80),
+        probe in prop::collection::vec(0u64..3, 1..6),
+    ) {
+        let mut ix = BlockIndex::new(BlockIndexConfig { ttl_secs: 1e9, max_entries: 1 << 20 });
+        let mut model: std::collections::HashMap<u32, std::collections::HashSet<u64>> = Default::default();
+        for (w, first, n, remove) in &ops {
+            let chain: Vec<BlockHash> = (0..*n as u64).map(|i| BlockHash(first * 10 + i)).collect();
+            if *remove {
+                ix.remove(WorkerId(*w), &chain);
+                chain.iter().for_each(|h| { model.entry(*w).or_default().remove(&h.0); });
+            } else {
+                ix.store(WorkerId(*w), &chain, Nanos(0));
+                model.entry(*w).or_default().extend(chain.iter().map(|h| h.0));
+            }
+        }
+        let probe: Vec<BlockHash> = probe.iter().enumerate().map(|(i, b)| BlockHash(b * 10 + i as u64)).collect();
+        let held = |w: u32| probe.iter().take_while(|h| model.get(&w).is_some_and(|s| s.contains(&h.0))).count();
+        let mut all = Vec::new();
+        ix.overlaps(&probe, Nanos(0), &mut all);
+        let expected: Vec<(WorkerId, usize)> =
+            (0..40).filter(|w| held(*w) > 0).map(|w| (WorkerId(w), held(w))).collect();
+        prop_assert_eq!(all, expected);
+        for w in 0..40 {
+            prop_assert_eq!(ix.overlap(WorkerId(w), &probe, Nanos(0)), held(w));
+        }
+        prop_assert_eq!(ix.entries(), model.values().map(|s| s.len()).sum::<usize>());
+    }
+
+    #[test]
+    fn cached_tokens_of_many_workers_at_once_equals_one_by_one(
+        // (worker, first token, blocks, tier: 0 GPU, 1 CPU, 2 removed from the GPU, 3 predicted)
+        ops in prop::collection::vec((0u32..12, 0u32..3, 1usize..5, 0u8..4), 1..60),
+        probe_first in 0u32..3,
+        probe_len in 1usize..6,
+        lower_weight in 0.0f64..1.0,
+    ) {
+        use kvroute_core::hash::{HashAlgo, hash_token_blocks};
+        use kvroute_core::precise::{PreciseConfig, PreciseIndex, StoredBlocks, Tier};
+        let bs = 2usize;
+        // A prompt's tokens: its first token picks one of three prefixes, then 0, 1, 2, ...
+        let tokens = |first: u32, blocks: usize| -> Vec<u32> {
+            (0..blocks * bs).map(|i| if i == 0 { first } else { 100 + i as u32 }).collect()
+        };
+        let engine = |first: u32, k: usize| u64::from(first) * 1000 + k as u64 + 1;
+        let mut ix = PreciseIndex::new(PreciseConfig { lower_tier_weight: lower_weight, ..PreciseConfig::default() });
+        for (w, first, n, tier) in &ops {
+            let t = tokens(*first, *n);
+            let eh: Vec<u64> = (0..*n).map(|k| engine(*first, k)).collect();
+            let w = WorkerId(*w);
+            match tier {
+                0 | 1 => {
+                    let tier = if *tier == 0 { Tier::Gpu } else { Tier::Lower };
+                    let ev = StoredBlocks { engine_hashes: &eh, parent: None, token_ids: &t, block_size: bs as u32, tier };
+                    ix.stored(w, ev, Nanos(0));
+                }
+                2 => ix.removed(w, &eh, Tier::Gpu),
+                _ => {
+                    let mut own = Vec::new();
+                    hash_token_blocks(&t, bs, usize::MAX, HashAlgo::Xxh3, &mut own);
+                    ix.predict(w, &own, Nanos(0), Nanos(10));
+                }
+            }
+        }
+        let mut probe = Vec::new();
+        hash_token_blocks(&tokens(probe_first, probe_len), bs, usize::MAX, HashAlgo::Xxh3, &mut probe);
+        // Workers 0..14: two never seen, some in no event; every one in a shuffled order.
+        let ids: Vec<WorkerId> = (0..14u32).rev().map(WorkerId).collect();
+        let mut many = Vec::new();
+        ix.cached_tokens_many(&ids, &probe, bs as u32, Nanos(5), &mut many);
+        let one: Vec<Option<u64>> = ids.iter().map(|w| ix.cached_tokens(*w, &probe, bs as u32, Nanos(5))).collect();
+        prop_assert_eq!(many, one);
     }
 
     #[test]

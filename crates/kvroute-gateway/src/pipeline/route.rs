@@ -357,18 +357,22 @@ fn precise_cached_tokens(s: &AppState, precise: &Precise, c: &mut Candidates) ->
             by_size.push((bs, h.into()));
         }
     }
+    for (v, (bs, tracked)) in c.views.iter_mut().zip(&sizes) {
+        // Tracked but no BlockStored yet: the cache is empty as far as we know.
+        v.cached_tokens = (bs.is_none() && *tracked).then_some(0);
+    }
+    // Each block size's workers in one pass over the request's blocks (one index lookup a
+    // block for all of them, not one per worker and block).
     let ix = s.precise.read();
     let now = s.now();
-    for (v, (bs, tracked)) in c.views.iter_mut().zip(sizes) {
-        v.cached_tokens = match bs {
-            Some(bs) => {
-                let hashes = by_size.iter().find(|(b, _)| *b == bs).map(|(_, h)| &h[..]).unwrap_or_default();
-                ix.cached_tokens(v.id, hashes, bs, now)
-            }
-            // Tracked but no BlockStored yet: the cache is empty as far as we know.
-            None if tracked => Some(0),
-            None => None,
-        };
+    let mut cached = Vec::new();
+    for (bs, hashes) in &by_size {
+        let at: Vec<usize> = sizes.iter().enumerate().filter(|(_, x)| x.0 == Some(*bs)).map(|(i, _)| i).collect();
+        let ids: Vec<WorkerId> = at.iter().map(|&i| c.views[i].id).collect();
+        ix.cached_tokens_many(&ids, hashes, *bs, now, &mut cached);
+        for (&i, t) in at.iter().zip(&cached) {
+            c.views[i].cached_tokens = *t;
+        }
     }
     by_size
 }
