@@ -23,8 +23,8 @@
 use crate::app::AppState;
 use crate::metrics::WorkerLabel;
 use bytes::Bytes;
-use kvroute_core::precise::{StoredBlocks, Tier};
-use kvroute_core::types::WorkerId;
+use kvroute_core::precise::{PreciseIndex, StoredBlocks, Tier};
+use kvroute_core::types::{Nanos, WorkerId};
 use kvroute_protocol::kv_events::{EventBatch, KvEvent, REPLAY_END, decode, parse_frames};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -227,40 +227,46 @@ fn expected_seq(s: &AppState, w: WorkerId, label: &WorkerLabel, last: Option<u64
 /// Applies one batch's events to the precise index.
 fn apply(s: &AppState, w: WorkerId, label: &WorkerLabel, events: &[KvEvent]) {
     let now = s.now();
-    let mut skipped = 0u64;
-    {
-        let mut ix = s.precise.write();
-        for e in events {
-            match e {
-                KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, group_idx } => {
-                    if *group_idx != 0 {
-                        skipped += 1;
-                        continue;
-                    }
-                    let ev = StoredBlocks {
-                        engine_hashes: block_hashes,
-                        parent: *parent_block_hash,
-                        token_ids,
-                        block_size: *block_size,
-                        tier: Tier::of_medium(medium.as_deref()),
-                    };
-                    ix.stored(w, ev, now);
-                }
-                KvEvent::BlockRemoved { block_hashes, medium, group_idx } => {
-                    if *group_idx != 0 {
-                        skipped += 1;
-                        continue;
-                    }
-                    ix.removed(w, block_hashes, Tier::of_medium(medium.as_deref()));
-                }
-                KvEvent::AllBlocksCleared => ix.clear(w),
-            }
-        }
-    }
+    let skipped = apply_events(&mut s.precise.write(), w, events, now);
     s.metrics.kv_batches.get_or_create(label).inc();
     if skipped > 0 {
         s.metrics.kv_skipped.get_or_create(label).inc_by(skipped);
     }
+}
+
+/// Applies one batch's `events` of worker `w` to the precise index `ix` at `now`, as the
+/// subscriber does under the index's write lock (also what `kvroute bench kv-events`
+/// times). Returns the events skipped: those of a KV-cache group other than the main
+/// attention group (`group_idx` 0).
+pub fn apply_events(ix: &mut PreciseIndex, w: WorkerId, events: &[KvEvent], now: Nanos) -> u64 {
+    let mut skipped = 0u64;
+    for e in events {
+        match e {
+            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, group_idx } => {
+                if *group_idx != 0 {
+                    skipped += 1;
+                    continue;
+                }
+                let ev = StoredBlocks {
+                    engine_hashes: block_hashes,
+                    parent: *parent_block_hash,
+                    token_ids,
+                    block_size: *block_size,
+                    tier: Tier::of_medium(medium.as_deref()),
+                };
+                ix.stored(w, ev, now);
+            }
+            KvEvent::BlockRemoved { block_hashes, medium, group_idx } => {
+                if *group_idx != 0 {
+                    skipped += 1;
+                    continue;
+                }
+                ix.removed(w, block_hashes, Tier::of_medium(medium.as_deref()));
+            }
+            KvEvent::AllBlocksCleared => ix.clear(w),
+        }
+    }
+    skipped
 }
 
 /// Asks `endpoint` for batches `from..until` and applies them in order; returns how many

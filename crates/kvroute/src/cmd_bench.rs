@@ -33,6 +33,9 @@ pub enum BenchCommand {
     /// Decision time per policy and fleet size (p50/p99/p99.9), index warmed by the
     /// Mooncake trace: the Criterion decision bench from the release binary.
     Decision(crate::cmd_bench_decision::Args),
+    /// Engine KV events one router ingests (decoded and applied to the precise index) over
+    /// N engines, and its decision time while it does, in one process.
+    KvEvents(crate::cmd_bench_kv_events::Args),
 }
 
 /// Flags of `kvroute bench epp-gateway`.
@@ -77,6 +80,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(BenchCommand::Overhead(o)) => return kvroute_bench::compare::overhead::run(o),
         Some(BenchCommand::EppGateway(g)) => return epp_gateway(g),
         Some(BenchCommand::Decision(d)) => return crate::cmd_bench_decision::run(d),
+        Some(BenchCommand::KvEvents(k)) => return crate::cmd_bench_kv_events::run(k),
         None => {}
     }
     let a = a.load;

@@ -288,3 +288,26 @@ fn bench_decision_prints_one_json_object_per_policy_and_fleet_size() {
     let huge = kvroute(&["bench", "decision", "--prompt-tokens", "4000000000"]);
     assert!(String::from_utf8_lossy(&huge.stderr).contains("--prompt-tokens: from 1 to"), "refused before allocating");
 }
+
+#[test]
+fn bench_kv_events_ingests_every_engines_batches_and_decides_on_what_they_stored() {
+    let out = kvroute(&["bench", "kv-events", "--engines", "8", "--seconds", "0.2", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
+    assert!(f("ingest_alone_block_events_per_s") > 0.0 && f("ingest_while_deciding_block_events_per_s") > 0.0, "{r}");
+    for phase in ["decision_alone", "decision_while_ingesting"] {
+        let p = &r[phase];
+        assert!(p["decisions"].as_u64() > Some(0) && p["p50_ns"].as_u64() <= p["p99_ns"].as_u64(), "{r}");
+    }
+    // Every engine's system prompt (64 blocks) and chains were stored, chained on a known
+    // parent each time, and the cycle's removals found their blocks.
+    assert!(r["index"]["stored"].as_u64() > Some(8 * 64), "{r}");
+    assert!(r["index"]["removed"].as_u64() > Some(0), "{r}");
+    assert_eq!(r["index"]["unknown_parent"], 0, "{r}");
+    // What the decisions read is real: engine 0 holds the probe's system prompt, 64 blocks
+    // of 16 tokens, and none of its 8 new blocks.
+    assert_eq!(r["probe_cached_tokens_on_engine_0"], 64 * 16, "{r}");
+    let big = kvroute(&["bench", "kv-events", "--engines", "65536"]);
+    assert!(String::from_utf8_lossy(&big.stderr).contains("pre-encoded events; at most"), "refused before encoding");
+}
