@@ -79,6 +79,29 @@ fn worker_id(s: &AppState, url: &str) -> Option<WorkerId> {
     s.fleet.by_url(url).map(|w| w.id)
 }
 
+/// One subscriber's worker id, looked up by URL again only when the fleet's membership
+/// changed (its worker list is swapped whole then): a lookup scans the fleet, and with
+/// 1,024 engines each publishing tens of batches a second that scan was paid per batch.
+#[derive(Default)]
+struct WorkerIdCache {
+    /// The worker list the id was read from (weak: an old list is not kept alive, and its
+    /// allocation is not reused while this points at it).
+    list: std::sync::Weak<Vec<Arc<crate::fleet::WorkerEntry>>>,
+    id: Option<WorkerId>,
+}
+
+impl WorkerIdCache {
+    /// The id of the worker at `url` in the current fleet.
+    fn get(&mut self, s: &AppState, url: &str) -> Option<WorkerId> {
+        let cur = s.fleet.load();
+        if !std::ptr::eq(self.list.as_ptr(), Arc::as_ptr(&cur)) {
+            self.id = worker_id(s, url);
+            self.list = Arc::downgrade(&cur);
+        }
+        self.id
+    }
+}
+
 /// Follows one worker's KV-event publisher until `cancel`: connects (with backoff),
 /// applies its batches, and reconnects when the connection is lost.
 async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, cancel: CancellationToken) {
@@ -148,6 +171,7 @@ async fn follow(
     cancel: &CancellationToken,
 ) -> Stop {
     let mut last: HashMap<Option<i64>, u64> = HashMap::new();
+    let mut ids = WorkerIdCache::default();
     // What the engine published before this subscription (the router just started, or the
     // connection was lost): asked of its replay socket now, not at the next live batch.
     if let (Some(r), Some(w)) = (&src.replay, worker_id(s, &label.worker)) {
@@ -164,7 +188,7 @@ async fn follow(
             tracing::warn!(endpoint = %src.endpoint, "kv events: connection lost; reconnecting");
             return Stop::Retry;
         };
-        let Some(w) = worker_id(s, &label.worker) else { continue };
+        let Some(w) = ids.get(s, &label.worker) else { continue };
         s.precise.write().track(w);
         let Some((seq, batch)) = read_batch(s, label, &msg.into_vec()) else { continue };
         let rank = batch.dp_rank;
