@@ -94,8 +94,8 @@ impl<'a> BlockHolders<'a> {
 /// distributed, hashed again cheaply with foldhash), each list sorted by worker id so a
 /// worker is found by binary search in a block the whole fleet holds. A block held by one
 /// or two workers costs one map slot (8-byte key + 24-byte inline holder list + 1 control
-/// byte) and no heap allocation of its own; see `docs/lab/2026-11-26-benchmark-runs.md` ("Index memory")
-/// for the measured bytes per entry.
+/// byte) and no heap allocation of its own; see `docs/lab/2026-11-26-benchmark-runs.md`
+/// ("Index memory") for the measured bytes per entry.
 ///
 /// Worker ids must be below 2³¹ (the top bit tags precise entries).
 #[derive(Debug)]

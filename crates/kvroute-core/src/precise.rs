@@ -326,7 +326,8 @@ impl PreciseIndex {
     /// answers, with one index lookup per block for all workers instead of one per worker
     /// and block — a router over 1,024 engines holding a shared system prompt of 64 blocks
     /// made 65,536 lookups a request, holding the index's read lock while the event
-    /// subscribers waited. O(matched blocks × workers still matching × log holders).
+    /// subscribers waited. O(workers × log workers + matched blocks × (workers still
+    /// matching + holders of the block)).
     pub fn cached_tokens_many(
         &self,
         ids: &[WorkerId],

@@ -11,8 +11,8 @@
 //!   whole fleet.
 //!
 //! Three phases of `--seconds` each: ingestion alone, decisions alone, both at once (one
-//! thread each). What it leaves out of the gateway's path: the ZeroMQ receive, the per-batch
-//! metric updates and the worker lookup by URL.
+//! thread each). What it leaves out of the gateway's path: the ZeroMQ receive and the
+//! per-batch metric updates.
 
 use anyhow::{Context, bail};
 use kvroute_core::decision_bench::fleet;
