@@ -51,6 +51,11 @@ pub struct Args {
     /// Blocks of the system prompt every engine holds (and the probe request starts with).
     #[arg(long, default_value_t = 64)]
     pub shared_blocks: usize,
+    /// Decoded batches applied under one write lock (the gateway's subscriber: 1). More
+    /// amortises the lock's handoff between ingestion and decisions, and holds decisions up
+    /// for as many batches at a time.
+    #[arg(long, default_value_t = 1)]
+    pub batches_per_lock: usize,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -122,16 +127,26 @@ struct Ingested {
     secs: f64,
 }
 
-/// Decodes and applies the engines' batches in turn until `stop` or `until`.
+/// Decodes and applies the engines' batches in turn until `stop` or `until`, `per_lock`
+/// decoded batches under each write lock.
 fn ingest(
     ix: &RwLock<PreciseIndex>,
     cycles: &[Vec<Vec<u8>>],
+    per_lock: usize,
     t0: Instant,
     until: Instant,
     stop: &AtomicBool,
 ) -> Ingested {
     let start = Instant::now();
     let (mut batches, mut blocks) = (0u64, 0u64);
+    let mut pending: Vec<(WorkerId, EventBatch)> = Vec::with_capacity(per_lock);
+    let flush = |pending: &mut Vec<(WorkerId, EventBatch)>| {
+        let now = Nanos(t0.elapsed().as_nanos() as u64);
+        let mut w = ix.write();
+        for (e, b) in pending.drain(..) {
+            kvroute_gateway::kv_subscriber::apply_events(&mut w, e, &b.events, now);
+        }
+    };
     'run: for round in 0.. {
         for (e, cycle) in cycles.iter().enumerate() {
             // The clock is read every 64 batches, as often as the work allows.
@@ -139,12 +154,15 @@ fn ingest(
                 break 'run;
             }
             let Ok((b, _)) = decode(&cycle[round % CYCLE]) else { continue };
-            let now = Nanos(t0.elapsed().as_nanos() as u64);
-            kvroute_gateway::kv_subscriber::apply_events(&mut ix.write(), WorkerId(e as u32), &b.events, now);
             batches += 1;
             blocks += block_events(&b.events);
+            pending.push((WorkerId(e as u32), b));
+            if pending.len() >= per_lock {
+                flush(&mut pending);
+            }
         }
     }
+    flush(&mut pending);
     Ingested { batches, block_events: blocks, secs: start.elapsed().as_secs_f64() }
 }
 
@@ -214,6 +232,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !(1..=65_536).contains(&a.shared_blocks) {
         bail!("--shared-blocks: from 1 to 65536");
     }
+    if !(1..=4096).contains(&a.batches_per_lock) {
+        bail!("--batches-per-lock: from 1 to 4096");
+    }
     // The batches are encoded up front: bound the tokens they carry (about 3 bytes each).
     let tokens = (a.engines * (CYCLE * a.blocks_per_event + a.shared_blocks)) as u64 * u64::from(a.block_size);
     if tokens > MAX_TOKENS {
@@ -243,12 +264,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .collect();
     let phase = Duration::from_secs_f64(a.seconds);
     let never = AtomicBool::new(false);
-    let alone = ingest(&ix, &cycles, t0, Instant::now() + phase, &never);
+    let alone = ingest(&ix, &cycles, a.batches_per_lock, t0, Instant::now() + phase, &never);
     let quiet = decide_loop(&ix, a.engines, &tokens, t0, Instant::now() + phase)?;
     let stop = AtomicBool::new(false);
     let until = Instant::now() + phase;
     let (busy, loaded) = std::thread::scope(|s| {
-        let ingester = s.spawn(|| ingest(&ix, &cycles, t0, until, &stop));
+        let ingester = s.spawn(|| ingest(&ix, &cycles, a.batches_per_lock, t0, until, &stop));
         let decided = decide_loop(&ix, a.engines, &tokens, t0, until);
         stop.store(true, Ordering::Relaxed);
         (ingester.join(), decided)
@@ -281,7 +302,7 @@ fn report(
     if a.json {
         let o = serde_json::json!({
             "engines": a.engines, "blocks_per_event": a.blocks_per_event, "block_size": a.block_size,
-            "shared_blocks": a.shared_blocks,
+            "shared_blocks": a.shared_blocks, "batches_per_lock": a.batches_per_lock,
             "ingest_alone_block_events_per_s": ab, "ingest_alone_batches_per_s": abt,
             "ingest_while_deciding_block_events_per_s": bb, "ingest_while_deciding_batches_per_s": bbt,
             "decision_alone": {"p50_ns": q50, "p99_ns": q99, "max_ns": qmax, "decisions": qn},
@@ -293,8 +314,8 @@ fn report(
         return;
     }
     println!(
-        "{} engines, {} blocks per event of {} tokens, {} shared blocks; {}-second phases",
-        a.engines, a.blocks_per_event, a.block_size, a.shared_blocks, a.seconds
+        "{} engines, {} blocks per event of {} tokens, {} shared blocks, {} batches a write lock; {}-second phases",
+        a.engines, a.blocks_per_event, a.block_size, a.shared_blocks, a.batches_per_lock, a.seconds
     );
     println!("phase                      block events/s   batches/s   decision p50_ns   p99_ns     max_ns  decisions");
     println!("ingestion alone            {ab:>14.0} {abt:>11.0}");
