@@ -402,13 +402,10 @@ impl KvMover {
         };
         let resp = sent.map_err(|e| SlotCallError::Transport(crate::upstream::causes(&e)))?;
         let status = resp.status();
-        if resp.content_length().is_some_and(|n| n > MAX_SLOT_ANSWER_BYTES as u64) {
-            return Err(SlotCallError::Refused(format!("{status}: an answer over {MAX_SLOT_ANSWER_BYTES} bytes")));
-        }
-        let body = resp.bytes().await.map_err(|e| SlotCallError::Transport(crate::upstream::causes(&e)))?;
-        if body.len() > MAX_SLOT_ANSWER_BYTES {
-            return Err(SlotCallError::Refused(format!("{status}: an answer over {MAX_SLOT_ANSWER_BYTES} bytes")));
-        }
+        let body = crate::upstream::read_capped(resp, MAX_SLOT_ANSWER_BYTES)
+            .await
+            .map_err(|e| SlotCallError::Transport(crate::upstream::causes(&e)))?
+            .ok_or_else(|| SlotCallError::Refused(format!("{status}: an answer over {MAX_SLOT_ANSWER_BYTES} bytes")))?;
         if !status.is_success() {
             let text = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
             return Err(SlotCallError::Refused(format!("{status}: {text}")));

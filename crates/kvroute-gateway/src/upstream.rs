@@ -31,14 +31,28 @@ pub(crate) async fn try_get_text(
     let fail = |e: reqwest::Error| GetError { url: url.to_string(), causes: causes(&e) };
     let resp = client.get(url).timeout(Duration::from_secs_f64(timeout_secs)).send().await.map_err(fail)?;
     let status = resp.status().as_u16();
-    if resp.content_length().is_some_and(|n| n > MAX_SCRAPE_BYTES as u64) {
-        return Ok((status, String::new()));
-    }
-    let body = resp.bytes().await.map_err(fail)?;
-    if body.len() > MAX_SCRAPE_BYTES {
-        return Ok((status, String::new()));
-    }
+    let body = read_capped(resp, MAX_SCRAPE_BYTES).await.map_err(fail)?.unwrap_or_default();
     Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// The body of `resp` when it is at most `max` bytes, `None` when it is longer: refused at
+/// once on its `Content-Length`, else read chunk by chunk and given up past `max` (a
+/// chunked answer is never read whole).
+///
+/// # Errors
+/// The transport failed while reading.
+pub(crate) async fn read_capped(mut resp: reqwest::Response, max: usize) -> Result<Option<Vec<u8>>, reqwest::Error> {
+    if resp.content_length().is_some_and(|n| n > max as u64) {
+        return Ok(None);
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        if body.len() + chunk.len() > max {
+            return Ok(None);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Some(body))
 }
 
 /// An error and its sources, `a: b: c` (reqwest's own message alone says only "error
@@ -218,5 +232,38 @@ mod tests {
         // Zero: unknown.
         let none = serde_json::json!({"max_total_num_tokens": 0});
         assert_eq!(capacity_from(Some(&none), None, None).kv_tokens, None);
+    }
+
+    /// A one-shot HTTP server on 127.0.0.1 answering `raw` to the first request.
+    async fn answer_once(raw: Vec<u8>) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = l.local_addr().expect("addr");
+        tokio::spawn(async move {
+            let Ok((mut c, _)) = l.accept().await else { return };
+            let mut buf = [0u8; 4096];
+            let _ = c.read(&mut buf).await;
+            let _ = c.write_all(&raw).await;
+        });
+        format!("http://{addr}/")
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_cap_is_refused_whether_it_states_its_length_or_is_chunked() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = reqwest::Client::new();
+        let get = |url: String| {
+            let client = client.clone();
+            async move { read_capped(client.get(url).send().await.expect("answer"), 10).await.expect("read") }
+        };
+        let fixed = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello".to_vec();
+        assert_eq!(get(answer_once(fixed).await).await, Some(b"hello".to_vec()));
+        let long = b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\nconnection: close\r\n\r\nhello world".to_vec();
+        assert_eq!(get(answer_once(long).await).await, None);
+        // Chunked, no length: 6 + 6 bytes, given up at the second chunk.
+        let chunked =
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n6\r\nhello \r\n6\r\nworld!\r\n0\r\n\r\n"
+                .to_vec();
+        assert_eq!(get(answer_once(chunked).await).await, None);
     }
 }
