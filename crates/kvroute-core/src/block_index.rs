@@ -76,11 +76,6 @@ pub struct BlockHolders<'a> {
 }
 
 impl<'a> BlockHolders<'a> {
-    /// Whether `worker` holds the block (and its entry has not expired). O(log holders).
-    pub fn holds(&self, worker: WorkerId) -> bool {
-        BlockIndex::holder(self.list, worker).is_some_and(|x| self.index.alive(x, self.now_s))
-    }
-
     /// The workers holding the block (entries not expired), in increasing id order.
     pub fn workers(self) -> impl Iterator<Item = WorkerId> + 'a {
         let (index, now_s) = (self.index, self.now_s);
@@ -197,8 +192,8 @@ impl BlockIndex {
         holders.binary_search_by_key(&worker, |x| x.worker()).ok().map(|p| holders[p])
     }
 
-    /// The holders of block `h` at `now`, for asking many workers in turn
-    /// ([`BlockHolders::holds`]) with one map lookup; `None` when nobody holds it.
+    /// The holders of block `h` at `now`, for merging with many workers at once
+    /// ([`BlockHolders::workers`]) after one map lookup; `None` when nobody holds it.
     pub fn holders(&self, h: BlockHash, now: Nanos) -> Option<BlockHolders<'_>> {
         self.map.get(&h.0).map(|list| BlockHolders { index: self, list, now_s: secs(now) })
     }
