@@ -7,11 +7,14 @@
 # (kvroute_decision_cpu_seconds: the decision's own work, without waits and preemption), its
 # wait for the model router's lock (kvroute_decision_lock_wait_seconds), and the requests served.
 #
-# usage: scripts/decision-under-eviction.sh KVROUTE_BINARY [DURATION_SECS]   (needs wrk)
+# usage: scripts/decision-under-eviction.sh KVROUTE_BINARY [DURATION_SECS [SERVE_FLAGS...]]   (needs wrk)
+# e.g. `... 20 --policy-copies 1` to compare one copy of the policy state with the default two.
+# Also prints the router's peak resident memory (VmHWM).
 # 127.0.0.1 only; every process started here is stopped on exit.
 set -euo pipefail
 bin=${1:?usage: $0 KVROUTE_BINARY [DURATION_SECS]}
 dur=${2:-20}
+extra=("${@:3}")
 command -v wrk >/dev/null || { echo "wrk is missing (Debian package wrk)" >&2; exit 2; }
 tmp=$(mktemp -d)
 pids=()
@@ -29,7 +32,8 @@ for u in "${urls[@]}"; do wait_up "$u"; done
 rp=$(free_port)
 "$bin" serve --port "$rp" --policy cache_aware \
   --policy-knobs '{"max_tree_size": 2000000, "eviction_interval_secs": 1}' \
-  --worker-urls "$(IFS=,; echo "${urls[*]}")" >"$tmp/router.log" 2>&1 & pids+=($!)
+  --worker-urls "$(IFS=,; echo "${urls[*]}")" "${extra[@]}" >"$tmp/router.log" 2>&1 & pids+=($!)
+router_pid=$!
 router="http://127.0.0.1:$rp"
 wait_up "$router"
 cat >"$tmp/distinct.lua" <<'LUA'
@@ -73,3 +77,4 @@ report("kvroute_decision_lock_wait_seconds", "lock")
 print(f"req/s {rps.group(1) if rps else '?'}")
 PY
 echo "index size after: $(grep '^kvroute_index_size ' "$tmp/metrics.txt" | awk '{print $2}')"
+echo "router peak memory: $(awk '/VmHWM/ {printf "%.0f MiB", $2/1024}' "/proc/$router_pid/status")"

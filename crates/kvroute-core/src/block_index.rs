@@ -93,7 +93,7 @@ impl<'a> BlockHolders<'a> {
 /// ("Index memory") for the measured bytes per entry.
 ///
 /// Worker ids must be below 2³¹ (the top bit tags precise entries).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct BlockIndex {
     cfg: BlockIndexConfig,
     map: HashMap<u64, SmallVec<[Holder; 2]>, foldhash::fast::FixedState>,

@@ -18,7 +18,7 @@ pub const DEFAULT_CAPACITY_BLOCKS: usize = 2048;
 /// Memory follows the hashes held, not the capacity: the set grows as requests are routed
 /// to its worker and evicts past `capacity` itself (a bounded `lru::LruCache` reserves its
 /// whole capacity up front: 2,048 blocks × 10,000 workers was 0.8 GiB for sets mostly empty).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct LruBlockSet {
     lru: lru::LruCache<BlockHash, (), foldhash::fast::RandomState>,
     capacity: NonZeroUsize,

@@ -263,3 +263,95 @@ proptest! {
         prop_assert_eq!(run(), run());
     }
 }
+
+/// Small budgets (each knob a policy does not have is skipped), so commits and maintenance
+/// evict often.
+fn small_budgets(p: &mut dyn kvroute_core::policy::Policy) {
+    for patch in [
+        serde_json::json!({"max_tree_size": 96}),
+        serde_json::json!({"eviction_threshold_chars": 96, "eviction_target_chars": 48}),
+        serde_json::json!({"max_entries": 24}),
+        serde_json::json!({"cache_blocks": 3}),
+        serde_json::json!({"max_sessions": 2}),
+    ] {
+        let _ = p.set_knobs(&patch);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// The gateway keeps two copies of a policy (one read while a writer updates the other)
+    /// and reads either: with every write made on both and the tie rotation shared, its
+    /// decisions are the ones a single copy makes.
+    #[test]
+    fn two_copies_read_alternately_decide_as_one_copy(
+        policy in prop::sample::select(names()),
+        steps in prop::collection::vec(("[abc ]{0,48}", 0u32..6, 0u32..8, 0u8..4), 1..40),
+        twin_at in 0usize..40,
+        seed in any::<u64>(),
+    ) {
+        use kvroute_core::policy::{Observation, commit, decide};
+        let fleet = |load: u32, i: usize| -> Vec<WorkerView> {
+            (0..5u32).map(|w| {
+                let mut v = WorkerView::idle(WorkerId(w));
+                v.in_flight = (load + w * i as u32) % 7;
+                v
+            }).collect()
+        };
+        let mut one = build(policy, &serde_json::Value::Null).expect("build");
+        small_budgets(one.as_mut());
+        let mut two = [build(policy, &serde_json::Value::Null).expect("build"), build("random", &serde_json::Value::Null).expect("build")];
+        small_budgets(two[0].as_mut());
+        let mut twinned = false;
+        let (mut rng1, mut rng2) = (Xoshiro256PlusPlus::seed_from_u64(seed), Xoshiro256PlusPlus::seed_from_u64(seed));
+        for (i, (text, load, session, op)) in steps.iter().enumerate() {
+            if i == twin_at.min(steps.len() - 1) {
+                two[1] = two[0].twin();
+                twinned = true;
+            }
+            let now = Nanos::from_millis(i as u64 * 700);
+            let sid = format!("s{session}");
+            let mut req = RequestView::from_text("m", text);
+            req.session_id = Some(&sid);
+            let views = fleet(*load, i);
+            let read = if twinned { i % 2 } else { 0 };
+            let mut ctx1 = PickCtx { now, rng: &mut rng1 };
+            let (d1, k1) = decide(one.as_ref(), &req, &views, &mut ctx1).expect("decide");
+            let mut ctx2 = PickCtx { now, rng: &mut rng2 };
+            let (d2, k2) = decide(two[read].as_ref(), &req, &views, &mut ctx2).expect("decide");
+            prop_assert_eq!(&d1, &d2, "step {}", i);
+            prop_assert_eq!(&k1, &k2);
+            let copies = if twinned { 2 } else { 1 };
+            let obs = Observation { input_tokens: text.len() as u32, ttft_secs: Some(0.01 * f64::from(*load + 1)), cached_tokens: Some(u64::from(*load)), ..Observation::default() };
+            // The write each step makes: a commit, plus a maintenance slice or an observation.
+            commit(one.as_mut(), &req, &k1, d1.worker, now);
+            for p in two.iter_mut().take(copies) {
+                commit(p.as_mut(), &req, &k2, d2.worker, now);
+            }
+            match op {
+                0 => {
+                    let more = one.maintain(now, 2);
+                    for p in two.iter_mut().take(copies) {
+                        prop_assert_eq!(p.maintain(now, 2), more);
+                    }
+                }
+                1 => {
+                    one.observe(d1.worker, &obs);
+                    for p in two.iter_mut().take(copies) {
+                        p.observe(d2.worker, &obs);
+                    }
+                }
+                2 => {
+                    one.on_worker_removed(WorkerId(*load % 5));
+                    for p in two.iter_mut().take(copies) {
+                        p.on_worker_removed(WorkerId(*load % 5));
+                    }
+                }
+                _ => {}
+            }
+            prop_assert_eq!(one.index_size(), two[0].index_size());
+            prop_assert_eq!(one.calibration(), two[read].calibration());
+        }
+    }
+}

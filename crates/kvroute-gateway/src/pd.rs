@@ -30,18 +30,19 @@ pub struct PdRouters {
 }
 
 impl PdRouters {
-    /// The pools' routers, when disaggregation is on.
+    /// The pools' routers, when disaggregation is on, each model's policy in `copies`
+    /// copies ([`Routers::new`]).
     ///
     /// # Errors
     /// An unknown policy or invalid knobs.
-    pub fn new(cfg: &PdConfig, seed: u64) -> anyhow::Result<Option<PdRouters>> {
+    pub fn new(cfg: &PdConfig, seed: u64, copies: usize) -> anyhow::Result<Option<PdRouters>> {
         if !cfg.enabled {
             return Ok(None);
         }
         Ok(Some(PdRouters {
             cfg: cfg.clone(),
-            prefill: Routers::new(&cfg.prefill_policy, json(&cfg.prefill_policy_knobs), seed)?,
-            decode: Routers::new(&cfg.decode_policy, json(&cfg.decode_policy_knobs), seed ^ 0x5044)?,
+            prefill: Routers::new(&cfg.prefill_policy, json(&cfg.prefill_policy_knobs), seed, copies)?,
+            decode: Routers::new(&cfg.decode_policy, json(&cfg.decode_policy_knobs), seed ^ 0x5044, copies)?,
         }))
     }
 

@@ -1,19 +1,31 @@
 //! One router per model, each with its own policy state, so one model's traffic never
 //! waits on another's (SGLang router keeps a tree per model the same way).
 //!
-//! A decision ([`ModelRouter::decide`]) takes the policy's read lock: decisions run
-//! concurrently and change nothing. A commit ([`ModelRouter::commit`]) takes the write lock
-//! for the length of one index insert. Eviction runs in slices of [`EVICTION_SLICE`]
-//! entries, releasing the lock between slices.
+//! **Decisions never wait for a commit.** Each router keeps two copies of its policy (the
+//! left-right scheme; `policy_copies`, default 2). A writer (a commit, an observation, a
+//! maintenance slice, a knob change; one at a time) updates the copy decisions are not
+//! reading, makes it the current one, then updates the other; a decision ([`ModelRouter::decide`])
+//! read-locks the current copy, or the other one when a writer holds it. A writer that the
+//! OS deschedules while it holds one copy therefore delays other writers, never a decision
+//! (with one copy, every decision behind it waited a time slice: docs/lab/2026-11-26-decision-tail-under-eviction.md).
+//! The price is twice the policy's memory and each write done twice. What a decision may
+//! advance (the tie-break rotation) and live knobs are shared by the two copies
+//! ([`kvroute_core::policy::Twin`]). Eviction runs in slices of [`EVICTION_SLICE`] entries,
+//! releasing the copies between slices.
+//!
+//! The `left-right` crate implements the same scheme, but it needs an owned log of every
+//! write (a commit borrows the request) and a read handle per thread, which a task that
+//! moves between Tokio's threads cannot keep; here a writer applies the same borrowed
+//! write to both copies within one call, and readers only take a shared lock.
 
 use arc_swap::ArcSwap;
 use kvroute_core::policy::{Decision, KnobError, Observation, PickCtx, Policy, RequestKey, RouteError, commit, decide};
 use kvroute_core::types::{Nanos, RequestView, WorkerId, WorkerView};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use rand_core::SeedableRng;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
 
 /// Entries (tree leaves, blocks) one maintenance slice evicts before releasing the lock.
 pub const EVICTION_SLICE: usize = 1024;
@@ -21,6 +33,78 @@ pub const EVICTION_SLICE: usize = 1024;
 /// Most distinct models the gateway keeps a router for; requests for further models share
 /// the catch-all router (`*`).
 pub const MAX_MODEL_ROUTERS: usize = 256;
+
+/// A policy kept in one or two copies (see the module docs).
+#[derive(Debug)]
+struct Copies {
+    /// One or two copies with the same state.
+    copies: Vec<RwLock<Box<dyn Policy>>>,
+    /// The copy decisions try first: the one every finished write has reached.
+    current: AtomicUsize,
+    /// Serialises writers.
+    writer: Mutex<()>,
+}
+
+impl Copies {
+    fn new(policy: Box<dyn Policy>, copies: usize) -> Self {
+        let mut v = Vec::with_capacity(2);
+        if copies >= 2 {
+            v.push(RwLock::new(policy.twin()));
+        }
+        v.push(RwLock::new(policy));
+        Copies { copies: v, current: AtomicUsize::new(0), writer: Mutex::new(()) }
+    }
+
+    /// A copy to read: the current one, or the other while a writer holds the current one.
+    /// With two copies a writer holds at most one at a time, so this waits for no writer;
+    /// it retries only when a writer moved from one copy to the other between its two
+    /// attempts.
+    fn read(&self) -> RwLockReadGuard<'_, Box<dyn Policy>> {
+        if self.copies.len() == 1 {
+            return self.copies[0].read();
+        }
+        let mut attempts = 0u32;
+        loop {
+            let c = self.current.load(Acquire);
+            if let Some(g) = self.copies[c].try_read() {
+                return g;
+            }
+            if let Some(g) = self.copies[1 - c].try_read() {
+                return g;
+            }
+            attempts += 1;
+            if attempts < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Applies `f` to every copy, one at a time, the copy not being read first; returns what
+    /// it returned on that first copy. `f` must be deterministic, so the copies stay equal.
+    fn write<R>(&self, mut f: impl FnMut(&mut dyn Policy) -> R) -> R {
+        let _w = self.writer.lock();
+        self.write_locked(&mut f)
+    }
+
+    /// [`Copies::write`] if no other writer is at work now; `None` (nothing changed) else.
+    fn try_write<R>(&self, mut f: impl FnMut(&mut dyn Policy) -> R) -> Option<R> {
+        let _w = self.writer.try_lock()?;
+        Some(self.write_locked(&mut f))
+    }
+
+    fn write_locked<R>(&self, f: &mut impl FnMut(&mut dyn Policy) -> R) -> R {
+        if self.copies.len() == 1 {
+            return f(self.copies[0].write().as_mut());
+        }
+        let c = self.current.load(Relaxed);
+        let first = f(self.copies[1 - c].write().as_mut());
+        self.current.store(1 - c, Release);
+        f(self.copies[c].write().as_mut());
+        first
+    }
+}
 
 /// The router of one model.
 #[derive(Debug)]
@@ -33,19 +117,19 @@ pub struct ModelRouter {
     /// Whether its policy learns from observations ([`Policy::calibration`] is not null):
     /// only then does [`ModelRouter::observe`] take the write lock.
     calibrates: bool,
-    policy: RwLock<Box<dyn Policy>>,
+    policy: Copies,
     /// When its next maintenance is due (gateway clock, ns; `u64::MAX` when never).
     next_maintain: AtomicU64,
 }
 
 impl ModelRouter {
-    fn new(name: &str, policy: Box<dyn Policy>, now: Nanos) -> Self {
+    fn new(name: &str, policy: Box<dyn Policy>, copies: usize, now: Nanos) -> Self {
         let next = policy.maintenance_interval().map_or(u64::MAX, |i| now.saturating_add(i).0);
         ModelRouter {
             policy_name: name.into(),
             records_request_prefix: policy.records_request_prefix(),
             calibrates: !policy.calibration().is_null(),
-            policy: RwLock::new(policy),
+            policy: Copies::new(policy, copies),
             next_maintain: AtomicU64::new(next),
         }
     }
@@ -63,9 +147,10 @@ impl ModelRouter {
         decide(self.policy.read().as_ref(), req, candidates, ctx)
     }
 
-    /// [`ModelRouter::decide`], and how long it waited for the policy's read lock, seconds
-    /// (a commit, an observation or an eviction slice holding the write lock; a holder the
-    /// OS descheduled makes the wait long).
+    /// [`ModelRouter::decide`], and how long it waited for a copy of the policy, seconds
+    /// (with one copy, a commit, an observation or an eviction slice holding it; a holder
+    /// the OS descheduled makes the wait long. With two, only a retry when a writer moved
+    /// between the copies).
     ///
     /// # Errors
     /// As [`ModelRouter::decide`].
@@ -83,29 +168,23 @@ impl ModelRouter {
 
     /// Records that `req` was sent to `worker`.
     pub fn commit(&self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) {
-        commit(self.policy.write().as_mut(), req, key, worker, now);
+        self.policy.write(|p| commit(p, req, key, worker, now));
     }
 
-    /// [`ModelRouter::commit`] if the policy's lock is free now; `false` (nothing recorded)
-    /// when a decision or another commit holds it. For work that can wait, such as other
-    /// replicas' routing events: a writer that queues for the lock would hold up every
-    /// decision arriving after it (the lock lets no new reader past a waiting writer).
+    /// [`ModelRouter::commit`] if no other writer is at work now; `false` (nothing
+    /// recorded) else. For work that can wait, such as other replicas' routing events: it
+    /// never queues behind this replica's own commits (with one copy, a writer queued for
+    /// the lock would also hold up every decision arriving after it).
     pub fn try_commit(&self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) -> bool {
-        match self.policy.try_write() {
-            Some(mut p) => {
-                commit(p.as_mut(), req, key, worker, now);
-                true
-            }
-            None => false,
-        }
+        self.policy.try_write(|p| commit(p, req, key, worker, now)).is_some()
     }
 
     /// Hands what a request routed to `worker` met back to the policy
-    /// ([`Policy::observe`]), under the write lock for the length of one profile update;
-    /// nothing for a policy that does not calibrate.
+    /// ([`Policy::observe`]), a writer for the length of one profile update; nothing for a
+    /// policy that does not calibrate.
     pub fn observe(&self, worker: WorkerId, obs: &Observation) {
         if self.calibrates {
-            self.policy.write().observe(worker, obs);
+            self.policy.write(|p| p.observe(worker, obs));
         }
     }
 
@@ -127,7 +206,7 @@ impl ModelRouter {
         if now.0 < self.next_maintain.load(Relaxed) {
             return;
         }
-        while self.policy.write().maintain(now, EVICTION_SLICE) {
+        while self.policy.write(|p| p.maintain(now, EVICTION_SLICE)) {
             std::thread::yield_now();
         }
         let next = self.policy.read().maintenance_interval().map_or(u64::MAX, |i| now.saturating_add(i).0);
@@ -152,21 +231,25 @@ pub struct Routers {
     /// The live policy: name and knobs every model's router runs.
     setting: ArcSwap<(String, serde_json::Value)>,
     seed: u64,
+    /// Copies of each model's policy (1 or 2; see the module docs).
+    copies: usize,
     decisions: AtomicU64,
 }
 
 impl Routers {
-    /// Routers running `policy` with `knobs`.
+    /// Routers running `policy` with `knobs`, each model's policy kept in `copies` copies
+    /// (2: decisions never wait for a commit; 1: half the memory; anything else counts as 2).
     ///
     /// # Errors
     /// An unknown policy or invalid knobs.
-    pub fn new(policy: &str, knobs: serde_json::Value, seed: u64) -> anyhow::Result<Self> {
+    pub fn new(policy: &str, knobs: serde_json::Value, seed: u64, copies: usize) -> anyhow::Result<Self> {
         kvroute_core::registry::build(policy, &knobs)?;
         Ok(Routers {
             map: ArcSwap::from_pointee(HashMap::new()),
             writer: Mutex::new(()),
             setting: ArcSwap::from_pointee((policy.to_string(), knobs)),
             seed,
+            copies: if copies == 1 { 1 } else { 2 },
             decisions: AtomicU64::new(0),
         })
     }
@@ -196,7 +279,7 @@ impl Routers {
         // robin stands in should it ever do.
         let policy = kvroute_core::registry::build(&setting.0, &setting.1)
             .unwrap_or_else(|_| Box::new(kvroute_core::policy::basic::RoundRobin::default()));
-        let r = Arc::new(ModelRouter::new(&setting.0, policy, now));
+        let r = Arc::new(ModelRouter::new(&setting.0, policy, self.copies, now));
         let mut next = cur.as_ref().clone();
         next.insert(key.to_string(), Arc::clone(&r));
         self.map.store(Arc::new(next));
@@ -218,7 +301,7 @@ impl Routers {
     /// Forgets `worker` in every model's router.
     pub fn worker_removed(&self, worker: WorkerId) {
         for r in self.all() {
-            r.policy.write().on_worker_removed(worker);
+            r.policy.write(|p| p.on_worker_removed(worker));
         }
     }
 
@@ -267,7 +350,7 @@ impl Routers {
             let shared = if live { r.policy.read().set_live_knobs(patch) } else { None };
             let res = match shared {
                 Some(res) => res,
-                None => r.policy.write().set_knobs(patch),
+                None => r.policy.write(|p| p.set_knobs(patch)),
             };
             res?;
             r.reschedule(now);
@@ -295,7 +378,7 @@ impl Routers {
         let mut next = HashMap::with_capacity(cur.len());
         for model in cur.keys() {
             let p = kvroute_core::registry::build(policy, knobs)?;
-            next.insert(model.clone(), Arc::new(ModelRouter::new(policy, p, now)));
+            next.insert(model.clone(), Arc::new(ModelRouter::new(policy, p, self.copies, now)));
         }
         self.setting.store(Arc::new((policy.to_string(), full.clone())));
         self.map.store(Arc::new(next));
@@ -309,7 +392,7 @@ mod tests {
 
     #[test]
     fn kv_score_weights_change_while_a_decision_holds_the_policy() {
-        let routers = Routers::new("kv_score", serde_json::Value::Null, 1).expect("routers");
+        let routers = Routers::new("kv_score", serde_json::Value::Null, 1, 2).expect("routers");
         let r = routers.get("m", Nanos::ZERO);
         // A decision in flight holds the read lock; a weight change must not wait for it
         // (it would wait for ever here: the same thread holds the guard).
@@ -322,5 +405,34 @@ mod tests {
         routers.set_knobs(&serde_json::json!({"ttl_secs": 30.0}), Nanos::ZERO).expect("valid");
         assert_eq!(r.policy.read().knobs()["ttl_secs"].as_f64(), Some(30.0));
         assert_eq!(r.policy.read().knobs()["w_kv"].as_f64(), Some(0.7), "the weights survive a full patch");
+    }
+
+    #[test]
+    fn a_decision_reads_the_other_copy_while_a_writer_holds_one() {
+        use kvroute_core::policy::PickCtx;
+        let routers = Routers::new("cache_aware", serde_json::Value::Null, 1, 2).expect("routers");
+        let r = routers.get("m", Nanos::ZERO);
+        let fleet = [WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
+        let req = RequestView::from_text("m", "a long shared system prompt, then the question");
+        let mut rng = routers.rng();
+        let (_, key) = r.decide(&req, &fleet, &mut PickCtx { now: Nanos::ZERO, rng: &mut rng }).expect("decides");
+        r.commit(&req, &key, WorkerId(1), Nanos::ZERO);
+        // A writer the OS descheduled while it holds one copy (either one): a decision on the
+        // same thread would wait for ever with one copy; it reads the other, which has the
+        // commit too.
+        for held in 0..2 {
+            let _writer = r.policy.writer.lock();
+            let _copy = r.policy.copies[held].write();
+            let (d, _) = r.decide(&req, &fleet, &mut PickCtx { now: Nanos::ZERO, rng: &mut rng }).expect("decides");
+            assert_eq!(d.worker, WorkerId(1), "the committed prefix leads the decision (copy {held} held)");
+            assert!(!r.try_commit(&req, &key, WorkerId(0), Nanos::ZERO), "another writer at work: nothing recorded");
+        }
+        // One copy: the same state, read from its only copy.
+        let single = Routers::new("cache_aware", serde_json::Value::Null, 1, 1).expect("routers");
+        let r1 = single.get("m", Nanos::ZERO);
+        assert_eq!(r1.policy.copies.len(), 1);
+        r1.commit(&req, &key, WorkerId(1), Nanos::ZERO);
+        let (d, _) = r1.decide(&req, &fleet, &mut PickCtx { now: Nanos::ZERO, rng: &mut rng }).expect("decides");
+        assert_eq!(d.worker, WorkerId(1));
     }
 }

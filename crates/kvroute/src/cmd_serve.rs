@@ -203,6 +203,9 @@ pub struct Args {
     /// Seed of the policy's random source.
     #[arg(long, env = "KVROUTE_SEED")]
     pub seed: Option<u64>,
+    /// Copies of each model's policy state: 2 (decisions never wait for a commit) or 1 (half the memory).
+    #[arg(long, env = "KVROUTE_POLICY_COPIES")]
+    pub policy_copies: Option<u8>,
     /// Seconds between active health checks.
     #[arg(long, env = "KVROUTE_HEALTH_INTERVAL_SECS")]
     pub health_interval_secs: Option<f64>,
@@ -337,6 +340,7 @@ fn scalar_flags(a: &Args, cfg: &mut GatewayConfig) {
         worker_startup_check_interval_secs,
         scrape_metrics,
         seed,
+        policy_copies,
         kv_predict_window_secs,
         kv_parity_check,
         llama_slot_routing,

@@ -44,7 +44,7 @@ macro_rules! no_knob_impls {
 }
 
 /// `round_robin`: rotation over routable candidates.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct RoundRobin {
     next: Rotation,
 }
@@ -70,7 +70,7 @@ impl Policy for RoundRobin {
 }
 
 /// `random`: uniform choice (seeded by the caller).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Random;
 
 impl Policy for Random {
@@ -92,7 +92,7 @@ impl Policy for Random {
 }
 
 /// `least_load`: lowest `load()`, rotation among ties.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct LeastLoad {
     rotation: Rotation,
 }
@@ -113,7 +113,7 @@ impl Policy for LeastLoad {
 }
 
 /// `power_of_two`: Power of Two Choices.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct PowerOfTwo;
 
 impl Policy for PowerOfTwo {
@@ -132,7 +132,7 @@ impl Policy for PowerOfTwo {
 }
 
 /// `consistent_hash`: rendezvous hashing of the session (or prefix) key.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct ConsistentHash;
 
 /// The routing key of `consistent_hash`: the session id, else the first 256 bytes of the

@@ -90,7 +90,7 @@ impl CacheAwareConfig {
 }
 
 /// The `cache_aware` policy.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct CacheAware {
     cfg: CacheAwareConfig,
     trees: PrefixTrees,

@@ -180,12 +180,13 @@ impl Live {
 }
 
 /// The `kv_score` policy.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct KvScore {
     /// Every knob; its weights and `epsilon` are those of the last [`Policy::set_knobs`]
     /// (the live ones are in `live`).
     cfg: KvScoreConfig,
-    live: arc_swap::ArcSwap<Live>,
+    /// Shared with the policy's twin ([`Policy::twin`]), so a live change reaches both.
+    live: std::sync::Arc<arc_swap::ArcSwap<Live>>,
     index: BlockIndex,
 }
 
@@ -193,7 +194,7 @@ impl KvScore {
     /// A policy with `cfg` (validate it first).
     pub fn new(cfg: KvScoreConfig) -> Self {
         let index = BlockIndex::new(BlockIndexConfig { ttl_secs: cfg.ttl_secs, max_entries: cfg.max_entries });
-        KvScore { live: arc_swap::ArcSwap::from_pointee(Live::of(&cfg)), cfg, index }
+        KvScore { live: std::sync::Arc::new(arc_swap::ArcSwap::from_pointee(Live::of(&cfg))), cfg, index }
     }
 
     /// The configuration with the live weights and `epsilon`.

@@ -220,7 +220,7 @@ impl WorkerProfile {
 }
 
 /// The `least_ttft` policy. See the module docs.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct LeastTtft {
     cfg: LeastTtftConfig,
     /// `prefill_cost`'s state and cost terms: the LRU block sets, sessions and rotation.

@@ -277,6 +277,23 @@ pub struct RequestKey {
     pub worker_kv_tokens: Option<u64>,
 }
 
+/// A second copy of a policy, for a router that keeps two so that decisions never wait for
+/// a commit (the gateway's `ModelRouter`: a commit updates one copy while decisions read
+/// the other, then the other). Implemented for every [`Clone`] policy: the copy has the same
+/// state, and shares what a decision may advance (the tie-break [`Rotation`](util::Rotation))
+/// and knobs changed through a shared cell ([`Policy::set_live_knobs`]); after that, each
+/// copy changes only through the calls the router makes on both.
+pub trait Twin {
+    /// The copy.
+    fn twin(&self) -> Box<dyn Policy>;
+}
+
+impl<T: Policy + Clone + 'static> Twin for T {
+    fn twin(&self) -> Box<dyn Policy> {
+        Box::new(self.clone())
+    }
+}
+
 /// A routing policy. See the module docs for the contract.
 ///
 /// `candidates` passed to [`Policy::pick`] are the workers serving the request's model and
@@ -289,7 +306,7 @@ pub struct RequestKey {
 /// a pick may advance is a tie-break rotation counter (an atomic), which spreads ties and
 /// records nothing about the request. Everything a request teaches the policy happens in
 /// [`Policy::on_routed`], called when the request is really sent to a worker.
-pub trait Policy: Send + Sync + std::fmt::Debug {
+pub trait Policy: Send + Sync + std::fmt::Debug + Twin {
     /// Registry name (also the metric label).
     fn name(&self) -> &'static str;
 

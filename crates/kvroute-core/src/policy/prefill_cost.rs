@@ -135,7 +135,7 @@ fn validate(c: &PrefillCostConfig) -> Result<(), String> {
 pub(crate) type Match = (u64, u64, MatchUnit);
 
 /// The `prefill_cost` policy. See the module docs.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct PrefillCost {
     pub(crate) cfg: PrefillCostConfig,
     sets: HashMap<WorkerId, LruBlockSet, foldhash::fast::FixedState>,

@@ -89,7 +89,7 @@ impl PrefixAffinityConfig {
 }
 
 /// The `prefix_affinity` policy.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct PrefixAffinity {
     cfg: PrefixAffinityConfig,
     trees: PrefixTrees,

@@ -57,7 +57,7 @@ impl<'a> PrefixKey<'a> {
 /// One radix tree per key kind (text bytes, token ids, block hashes), so a router whose
 /// requests carry different kinds of keys never compares a byte with a token. In practice
 /// one kind is used per deployment; sizes and budgets are summed over the three.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct PrefixTrees {
     text: RadixTree<u8>,
     tokens: RadixTree<u32>,
@@ -217,8 +217,12 @@ pub fn argmin_by<K: Ord + Copy>(
 /// A tie-break rotation counter. An atomic, so a decision can take `&self`: advancing it
 /// records nothing about a request, it only spreads ties (and concurrent decisions) over
 /// the tied workers.
-#[derive(Debug, Default)]
-pub struct Rotation(std::sync::atomic::AtomicU64);
+///
+/// A clone shares the counter: the two copies of a policy that the gateway keeps
+/// ([`Policy::twin`](crate::policy::Policy::twin)) spread ties as one, whichever copy a
+/// decision reads.
+#[derive(Debug, Default, Clone)]
+pub struct Rotation(std::sync::Arc<std::sync::atomic::AtomicU64>);
 
 impl Rotation {
     /// The next rotation step (a wrapping count).
@@ -295,7 +299,7 @@ pub fn mean_waiting(candidates: &[WorkerView]) -> f64 {
 /// to, for `capped` its turn count ([`SessionTurns`]): a bounded LRU map keyed by the stable
 /// hash of the session id ([`crate::hash::stable_hash`]), so a trace with millions of
 /// sessions cannot grow the router without bound (an evicted session behaves as a new one).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct SessionTable<V = WorkerId> {
     map: lru::LruCache<u64, V>,
 }

@@ -263,6 +263,10 @@ pub struct GatewayConfig {
     pub power_window_secs: f64,
     /// Seed of the policy's random source.
     pub seed: u64,
+    /// Copies of each model's policy state the router keeps: 2 (decisions never wait for a
+    /// commit or an eviction slice; twice the policy's memory) or 1 (half the memory; a
+    /// decision waits while a writer holds the state). Restart to change.
+    pub policy_copies: u8,
     /// Active health checks.
     pub health: HealthConfig,
     /// Capacity facts per worker URL (`[capacity."http://gpu-1:8000"]` with `tp_size`,
@@ -441,6 +445,7 @@ impl Default for GatewayConfig {
             power_exporter: None,
             power_window_secs: 30.0,
             seed: 0,
+            policy_copies: 2,
             health: HealthConfig::default(),
             capacity: std::collections::BTreeMap::new(),
             locality: crate::model::locality::LocalityConfig::default(),
@@ -658,6 +663,9 @@ impl GatewayConfig {
         }
         if self.record_max_bytes < 4096 {
             return Err(err("record_max_bytes", "expected at least 4096 bytes"));
+        }
+        if !(1..=2).contains(&self.policy_copies) {
+            return Err(err("policy_copies", "expected 1 or 2 copies"));
         }
         if !(1..=100).contains(&self.record_files) {
             return Err(err("record_files", "expected 1 to 100 files"));
@@ -1037,6 +1045,8 @@ mod tests {
         assert_eq!(e.key, "policy_knobs");
         let e = GatewayConfig::from_toml("worker_urls = [\"ftp://x\"]").expect_err("bad url");
         assert_eq!(e.key, "worker_urls");
+        let e = GatewayConfig::from_toml("policy_copies = 3").expect_err("one or two copies");
+        assert_eq!(e.key, "policy_copies");
         let e = GatewayConfig::from_toml("[health]\ninterval_secs = -1.0").expect_err("bad interval");
         assert_eq!(e.key, "health.interval_secs");
         let ok = GatewayConfig::from_toml("policy = \"lmetric\"\nworker_urls = [\"http://127.0.0.1:1/\"]").expect("ok");

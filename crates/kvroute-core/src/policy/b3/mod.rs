@@ -151,7 +151,7 @@ fn validate(c: &B3Config) -> Result<(), String> {
 const MAX_BLOCKS: usize = 512;
 
 /// One of B3 `cache_aware_proxy.py`'s pickers with its shared per-worker state. See the module docs.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct B3 {
     mode: B3Mode,
     cfg: B3Config,
