@@ -44,7 +44,7 @@ use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
@@ -165,15 +165,24 @@ pub struct Drain {
 
 /// One connection's requests: how many are open, whether one has arrived, when the last
 /// ended.
+///
+/// A request only updates atomics: the watchers sleep to their deadline and look then, so
+/// a connection's task is not woken twice and no timer is set per request. Only once the
+/// connection is shutting down ([`Activity::shutting_down`]) does each response's end wake
+/// the watcher, which then waits for the last open one.
 #[derive(Debug)]
 struct Activity {
     /// Requests whose response has not ended (its body finished or dropped).
     open: AtomicUsize,
     /// A request head has arrived on this connection.
     started: AtomicBool,
-    /// When the last response ended (at first: the accept).
-    last_end: Mutex<Instant>,
-    /// Woken at each request's start and each response's end.
+    /// When the connection was accepted: the origin of `last_end_ns`.
+    born: Instant,
+    /// When the last response ended, ns after `born` (at first: 0, the accept).
+    last_end_ns: AtomicU64,
+    /// The connection is shutting down: each response's end notifies `changed`.
+    closing: AtomicBool,
+    /// Woken at each response's end once `closing` is set.
     changed: Notify,
 }
 
@@ -182,41 +191,55 @@ impl Activity {
         Activity {
             open: AtomicUsize::new(0),
             started: AtomicBool::new(false),
-            last_end: Mutex::new(Instant::now()),
+            born: Instant::now(),
+            last_end_ns: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
             changed: Notify::new(),
         }
     }
 
-    /// Resolves when no request head has arrived within `d` of now; never once one has.
+    /// When the last response ended (at first: the accept).
+    fn last_end(&self) -> Instant {
+        self.born + Duration::from_nanos(self.last_end_ns.load(Ordering::Acquire))
+    }
+
+    /// Resolves when no request head has arrived within `d` of the accept; never once one
+    /// has.
     async fn no_request_within(&self, d: Duration) {
-        let until = Instant::now() + d;
-        loop {
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            if self.started.load(Ordering::Acquire) {
-                return std::future::pending().await;
-            }
-            if tokio::time::timeout_at(until, changed).await.is_err() && !self.started.load(Ordering::Acquire) {
-                return;
-            }
+        tokio::time::sleep_until(self.born + d).await;
+        if self.started.load(Ordering::Acquire) {
+            std::future::pending::<()>().await;
         }
     }
 
-    /// Resolves once no request is open, the last ended `idle` ago or more, and it is
-    /// `not_before` or later.
-    async fn quiet(&self, idle: Duration, not_before: Instant) {
+    /// Resolves once no request is open and the last ended `idle` ago or more: sleeps to
+    /// that deadline and looks again (a request that ended meanwhile moved it; one still
+    /// open is looked at again `idle` later, and its end moves the deadline past that).
+    async fn idle_for(&self, idle: Duration) {
+        loop {
+            let now = Instant::now();
+            let until = if self.open.load(Ordering::Acquire) == 0 { self.last_end() + idle } else { now + idle };
+            if until <= now {
+                return;
+            }
+            tokio::time::sleep_until(until).await;
+        }
+    }
+
+    /// Marks the connection as shutting down, then resolves once no request is open and it
+    /// is `not_before` or later.
+    async fn shutting_down(&self, not_before: Instant) {
+        self.closing.store(true, Ordering::SeqCst);
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if self.open.load(Ordering::Acquire) == 0 {
-                let until = (*self.last_end.lock() + idle).max(not_before);
-                if Instant::now() >= until {
+            if self.open.load(Ordering::SeqCst) == 0 {
+                if Instant::now() >= not_before {
                     return;
                 }
                 tokio::select! {
-                    () = tokio::time::sleep_until(until) => {}
+                    () = tokio::time::sleep_until(not_before) => {}
                     () = changed => {}
                 }
             } else {
@@ -231,18 +254,21 @@ struct Open(Arc<Activity>);
 
 impl Open {
     fn begin(act: &Arc<Activity>) -> Open {
-        act.open.fetch_add(1, Ordering::AcqRel);
+        act.open.fetch_add(1, Ordering::SeqCst);
         act.started.store(true, Ordering::Release);
-        act.changed.notify_waiters();
         Open(Arc::clone(act))
     }
 }
 
 impl Drop for Open {
     fn drop(&mut self) {
-        *self.0.last_end.lock() = Instant::now();
-        self.0.open.fetch_sub(1, Ordering::AcqRel);
-        self.0.changed.notify_waiters();
+        let act = &self.0;
+        let since_born = u64::try_from(act.born.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        act.last_end_ns.fetch_max(since_born, Ordering::AcqRel);
+        act.open.fetch_sub(1, Ordering::SeqCst);
+        if act.closing.load(Ordering::SeqCst) {
+            act.changed.notify_waiters();
+        }
     }
 }
 
@@ -605,12 +631,12 @@ async fn drive<T>(
                 drop_after = Some(Instant::now() + SHUTDOWN_GRACE);
                 conn.as_mut().graceful_shutdown();
             }
-            () = act.quiet(idle, Instant::now()), if drop_after.is_none() => {
+            () = act.idle_for(idle), if drop_after.is_none() => {
                 tracing::debug!(%peer, "idle connection shut down (header_read_timeout_secs)");
                 drop_after = Some(Instant::now() + SHUTDOWN_GRACE);
                 conn.as_mut().graceful_shutdown();
             }
-            () = act.quiet(Duration::ZERO, drop_after.unwrap_or_else(Instant::now)), if drop_after.is_some() => return,
+            () = act.shutting_down(drop_after.unwrap_or_else(Instant::now)), if drop_after.is_some() => return,
         }
     }
 }
