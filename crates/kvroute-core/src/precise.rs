@@ -108,7 +108,7 @@ pub struct StoredBlocks<'a> {
     pub tier: Tier,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct WorkerState {
     /// engine hash → (own hash, on GPU, on a lower tier).
     blocks: HashMap<u64, (BlockHash, bool, bool)>,
@@ -116,7 +116,7 @@ struct WorkerState {
 }
 
 /// Engine-reported prefix state of every worker that publishes KV events.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct PreciseIndex {
     cfg: PreciseConfig,
     gpu: BlockIndex,
@@ -397,7 +397,7 @@ fn reaches(holders: &mut std::iter::Peekable<impl Iterator<Item = WorkerId>>, w:
 ///
 /// Pure and bounded: at most `max_entries` (worker, block) entries, the oldest predictions
 /// dropped first (expired entries are ignored until then). O(1) amortised per block.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct PredictWindow {
     window: Nanos,
     max_entries: usize,

@@ -128,11 +128,14 @@ proptest! {
         };
         let engine = |first: u32, k: usize| u64::from(first) * 1000 + k as u64 + 1;
         let mut ix = PreciseIndex::new(PreciseConfig { lower_tier_weight: lower_weight, ..PreciseConfig::default() });
-        for (w, first, n, tier) in &ops {
+        // The gateway keeps two copies (a clone made empty) and applies every event to each,
+        // in turn (the first one written alternates).
+        let mut twin = ix.clone();
+        for (i, (w, first, n, tier)) in ops.iter().enumerate() {
             let t = tokens(*first, *n);
             let eh: Vec<u64> = (0..*n).map(|k| engine(*first, k)).collect();
             let w = WorkerId(*w);
-            match tier {
+            let apply = |ix: &mut PreciseIndex| match tier {
                 0 | 1 => {
                     let tier = if *tier == 0 { Tier::Gpu } else { Tier::Lower };
                     let ev = StoredBlocks { engine_hashes: &eh, parent: None, token_ids: &t, block_size: bs as u32, tier };
@@ -144,6 +147,13 @@ proptest! {
                     hash_token_blocks(&t, bs, usize::MAX, HashAlgo::Xxh3, &mut own);
                     ix.predict(w, &own, Nanos(0), Nanos(10));
                 }
+            };
+            if i % 2 == 0 {
+                apply(&mut ix);
+                apply(&mut twin);
+            } else {
+                apply(&mut twin);
+                apply(&mut ix);
             }
         }
         let mut probe = Vec::new();
@@ -153,7 +163,11 @@ proptest! {
         let mut many = Vec::new();
         ix.cached_tokens_many(&ids, &probe, bs as u32, Nanos(5), &mut many);
         let one: Vec<Option<u64>> = ids.iter().map(|w| ix.cached_tokens(*w, &probe, bs as u32, Nanos(5))).collect();
-        prop_assert_eq!(many, one);
+        prop_assert_eq!(&many, &one);
+        let mut from_twin = Vec::new();
+        twin.cached_tokens_many(&ids, &probe, bs as u32, Nanos(5), &mut from_twin);
+        prop_assert_eq!(&many, &from_twin, "the two copies answer alike");
+        prop_assert_eq!(ix.stats(), twin.stats());
     }
 
     #[test]

@@ -31,7 +31,7 @@ pub struct AppState {
     /// Monotonic origin of [`AppState::now`].
     pub start: Instant,
     /// Engine-reported prefix state of the workers that publish KV events.
-    pub precise: RwLock<kvroute_core::precise::PreciseIndex>,
+    pub precise: crate::twin::Twin<kvroute_core::precise::PreciseIndex>,
     /// Request token ids from `/tokenize`, for precise matching.
     pub tokens: Mutex<crate::kv_tokens::TokenCache>,
     /// The local tokenizer (`tokenizer`), when configured.
@@ -86,6 +86,7 @@ impl AppState {
     pub fn new(cfg: GatewayConfig) -> anyhow::Result<Arc<AppState>> {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let routers = Routers::new(&cfg.policy, cfg.knobs_json(), cfg.seed, usize::from(cfg.policy_copies))?;
+        let copies = usize::from(cfg.policy_copies);
         let precise_cfg = kvroute_core::precise::PreciseConfig {
             lower_tier_weight: cfg.kv_lower_tier_weight,
             predict_window_secs: cfg.kv_predict_window_secs,
@@ -137,7 +138,7 @@ impl AppState {
             client,
             metrics,
             start: Instant::now(),
-            precise: RwLock::new(kvroute_core::precise::PreciseIndex::new(precise_cfg)),
+            precise: crate::twin::Twin::of(kvroute_core::precise::PreciseIndex::new(precise_cfg), copies),
             tokens: Mutex::new(Default::default()),
             tokenizer,
         }))

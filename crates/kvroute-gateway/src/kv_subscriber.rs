@@ -175,7 +175,7 @@ async fn follow(
     // What the engine published before this subscription (the router just started, or the
     // connection was lost): asked of its replay socket now, not at the next live batch.
     if let (Some(r), Some(w)) = (&src.replay, worker_id(s, &label.worker)) {
-        s.precise.write().track(w);
+        track(s, w);
         let got = replay(s, w, label, r, 0, u64::MAX).await;
         s.metrics.kv_replayed.get_or_create(label).inc_by(got);
     }
@@ -189,7 +189,7 @@ async fn follow(
             return Stop::Retry;
         };
         let Some(w) = ids.get(s, &label.worker) else { continue };
-        s.precise.write().track(w);
+        track(s, w);
         let Some((seq, batch)) = read_batch(s, label, &msg.into_vec()) else { continue };
         let rank = batch.dp_rank;
         let expected = expected_seq(s, w, label, last.get(&rank).copied(), seq);
@@ -241,17 +241,25 @@ fn expected_seq(s: &AppState, w: WorkerId, label: &WorkerLabel, last: Option<u64
         Some(l) if seq <= l => {
             s.metrics.kv_restarts.get_or_create(label).inc();
             tracing::info!(worker = %label.worker, seq, last = l, "kv events: publisher restarted; state cleared");
-            s.precise.write().clear(w);
+            s.precise.write(|ix| ix.clear(w));
             0
         }
         Some(l) => l + 1,
     }
 }
 
-/// Applies one batch's events to the precise index.
+/// Tracks `w` in the precise index unless it is already (a write only the first time:
+/// the index's copies are written one after the other).
+fn track(s: &AppState, w: WorkerId) {
+    if !s.precise.read().is_tracked(w) {
+        s.precise.write(|ix| ix.track(w));
+    }
+}
+
+/// Applies one batch's events to the precise index (each copy in turn).
 fn apply(s: &AppState, w: WorkerId, label: &WorkerLabel, events: &[KvEvent]) {
     let now = s.now();
-    let skipped = apply_events(&mut s.precise.write(), w, events, now);
+    let skipped = s.precise.write(|ix| apply_events(ix, w, events, now));
     s.metrics.kv_batches.get_or_create(label).inc();
     if skipped > 0 {
         s.metrics.kv_skipped.get_or_create(label).inc_by(skipped);

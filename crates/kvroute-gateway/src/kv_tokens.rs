@@ -4,7 +4,7 @@
 
 use crate::fleet::Fleet;
 use kvroute_core::precise::PreciseIndex;
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +23,7 @@ pub struct TokenSources<'a> {
     /// The workers.
     pub fleet: &'a Fleet,
     /// The engine-reported prefix index.
-    pub precise: &'a RwLock<PreciseIndex>,
+    pub precise: &'a crate::twin::Twin<PreciseIndex>,
 }
 
 /// A bounded cache of request token ids, keyed by a hash of (model, prompt JSON).

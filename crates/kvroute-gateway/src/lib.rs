@@ -52,6 +52,7 @@ pub mod server;
 pub mod tenant;
 pub mod tls;
 pub mod tokenizer;
+pub mod twin;
 pub mod upstream;
 
 use app::AppState;

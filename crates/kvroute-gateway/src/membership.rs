@@ -227,7 +227,7 @@ impl AppState {
         let Some(w) = self.fleet.remove(url) else { return false };
         let url = w.url.to_string();
         self.forget_worker(w.id);
-        self.precise.write().untrack(w.id);
+        self.precise.write(|ix| ix.untrack(w.id));
         self.metrics.forget_worker(&url);
         true
     }

@@ -1,31 +1,25 @@
 //! One router per model, each with its own policy state, so one model's traffic never
 //! waits on another's (SGLang router keeps a tree per model the same way).
 //!
-//! **Decisions never wait for a commit.** Each router keeps two copies of its policy (the
-//! left-right scheme; `policy_copies`, default 2). A writer (a commit, an observation, a
-//! maintenance slice, a knob change; one at a time) updates the copy decisions are not
-//! reading, makes it the current one, then updates the other; a decision ([`ModelRouter::decide`])
-//! read-locks the current copy, or the other one when a writer holds it. A writer that the
-//! OS deschedules while it holds one copy therefore delays other writers, never a decision
-//! (with one copy, every decision behind it waited a time slice: docs/lab/2026-11-26-decision-tail-under-eviction.md).
-//! The price is twice the policy's memory and each write done twice. What a decision may
-//! advance (the tie-break rotation) and live knobs are shared by the two copies
-//! ([`kvroute_core::policy::Twin`]). Eviction runs in slices of [`EVICTION_SLICE`] entries,
-//! releasing the copies between slices.
-//!
-//! The `left-right` crate implements the same scheme, but it needs an owned log of every
-//! write (a commit borrows the request) and a read handle per thread, which a task that
-//! moves between Tokio's threads cannot keep; here a writer applies the same borrowed
-//! write to both copies within one call, and readers only take a shared lock.
+//! **Decisions never wait for a commit.** Each router keeps its policy in two copies
+//! ([`Twin`]; `policy_copies`, default 2): a writer (a commit, an observation, a
+//! maintenance slice, a knob change) updates both in turn while a decision
+//! ([`ModelRouter::decide`]) reads whichever no writer holds. With one copy, every decision
+//! behind a writer the OS descheduled waited a time slice
+//! (docs/lab/2026-11-26-decision-tail-under-eviction.md). What a decision may advance (the
+//! tie-break rotation) and live knobs are shared by the two copies
+//! ([`kvroute_core::policy::Twin`]). Eviction runs in slices of [`EVICTION_SLICE`]
+//! entries, releasing the copies between slices.
 
+use crate::twin::Twin;
 use arc_swap::ArcSwap;
 use kvroute_core::policy::{Decision, KnobError, Observation, PickCtx, Policy, RequestKey, RouteError, commit, decide};
 use kvroute_core::types::{Nanos, RequestView, WorkerId, WorkerView};
-use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use parking_lot::Mutex;
 use rand_core::SeedableRng;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// Entries (tree leaves, blocks) one maintenance slice evicts before releasing the lock.
 pub const EVICTION_SLICE: usize = 1024;
@@ -33,78 +27,6 @@ pub const EVICTION_SLICE: usize = 1024;
 /// Most distinct models the gateway keeps a router for; requests for further models share
 /// the catch-all router (`*`).
 pub const MAX_MODEL_ROUTERS: usize = 256;
-
-/// A policy kept in one or two copies (see the module docs).
-#[derive(Debug)]
-struct Copies {
-    /// One or two copies with the same state.
-    copies: Vec<RwLock<Box<dyn Policy>>>,
-    /// The copy decisions try first: the one every finished write has reached.
-    current: AtomicUsize,
-    /// Serialises writers.
-    writer: Mutex<()>,
-}
-
-impl Copies {
-    fn new(policy: Box<dyn Policy>, copies: usize) -> Self {
-        let mut v = Vec::with_capacity(2);
-        if copies >= 2 {
-            v.push(RwLock::new(policy.twin()));
-        }
-        v.push(RwLock::new(policy));
-        Copies { copies: v, current: AtomicUsize::new(0), writer: Mutex::new(()) }
-    }
-
-    /// A copy to read: the current one, or the other while a writer holds the current one.
-    /// With two copies a writer holds at most one at a time, so this waits for no writer;
-    /// it retries only when a writer moved from one copy to the other between its two
-    /// attempts.
-    fn read(&self) -> RwLockReadGuard<'_, Box<dyn Policy>> {
-        if self.copies.len() == 1 {
-            return self.copies[0].read();
-        }
-        let mut attempts = 0u32;
-        loop {
-            let c = self.current.load(Acquire);
-            if let Some(g) = self.copies[c].try_read() {
-                return g;
-            }
-            if let Some(g) = self.copies[1 - c].try_read() {
-                return g;
-            }
-            attempts += 1;
-            if attempts < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
-    }
-
-    /// Applies `f` to every copy, one at a time, the copy not being read first; returns what
-    /// it returned on that first copy. `f` must be deterministic, so the copies stay equal.
-    fn write<R>(&self, mut f: impl FnMut(&mut dyn Policy) -> R) -> R {
-        let _w = self.writer.lock();
-        self.write_locked(&mut f)
-    }
-
-    /// [`Copies::write`] if no other writer is at work now; `None` (nothing changed) else.
-    fn try_write<R>(&self, mut f: impl FnMut(&mut dyn Policy) -> R) -> Option<R> {
-        let _w = self.writer.try_lock()?;
-        Some(self.write_locked(&mut f))
-    }
-
-    fn write_locked<R>(&self, f: &mut impl FnMut(&mut dyn Policy) -> R) -> R {
-        if self.copies.len() == 1 {
-            return f(self.copies[0].write().as_mut());
-        }
-        let c = self.current.load(Relaxed);
-        let first = f(self.copies[1 - c].write().as_mut());
-        self.current.store(1 - c, Release);
-        f(self.copies[c].write().as_mut());
-        first
-    }
-}
 
 /// The router of one model.
 #[derive(Debug)]
@@ -117,7 +39,7 @@ pub struct ModelRouter {
     /// Whether its policy learns from observations ([`Policy::calibration`] is not null):
     /// only then does [`ModelRouter::observe`] take the write lock.
     calibrates: bool,
-    policy: Copies,
+    policy: Twin<Box<dyn Policy>>,
     /// When its next maintenance is due (gateway clock, ns; `u64::MAX` when never).
     next_maintain: AtomicU64,
 }
@@ -129,7 +51,7 @@ impl ModelRouter {
             policy_name: name.into(),
             records_request_prefix: policy.records_request_prefix(),
             calibrates: !policy.calibration().is_null(),
-            policy: Copies::new(policy, copies),
+            policy: Twin::new(policy.twin(), (copies >= 2).then_some(policy)),
             next_maintain: AtomicU64::new(next),
         }
     }
@@ -168,7 +90,7 @@ impl ModelRouter {
 
     /// Records that `req` was sent to `worker`.
     pub fn commit(&self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) {
-        self.policy.write(|p| commit(p, req, key, worker, now));
+        self.policy.write(|p| commit(p.as_mut(), req, key, worker, now));
     }
 
     /// [`ModelRouter::commit`] if no other writer is at work now; `false` (nothing
@@ -176,7 +98,7 @@ impl ModelRouter {
     /// never queues behind this replica's own commits (with one copy, a writer queued for
     /// the lock would also hold up every decision arriving after it).
     pub fn try_commit(&self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) -> bool {
-        self.policy.try_write(|p| commit(p, req, key, worker, now)).is_some()
+        self.policy.try_write(|p| commit(p.as_mut(), req, key, worker, now)).is_some()
     }
 
     /// Hands what a request routed to `worker` met back to the policy
@@ -421,8 +343,7 @@ mod tests {
         // same thread would wait for ever with one copy; it reads the other, which has the
         // commit too.
         for held in 0..2 {
-            let _writer = r.policy.writer.lock();
-            let _copy = r.policy.copies[held].write();
+            let _writer = r.policy.hold(held);
             let (d, _) = r.decide(&req, &fleet, &mut PickCtx { now: Nanos::ZERO, rng: &mut rng }).expect("decides");
             assert_eq!(d.worker, WorkerId(1), "the committed prefix leads the decision (copy {held} held)");
             assert!(!r.try_commit(&req, &key, WorkerId(0), Nanos::ZERO), "another writer at work: nothing recorded");
@@ -430,7 +351,7 @@ mod tests {
         // One copy: the same state, read from its only copy.
         let single = Routers::new("cache_aware", serde_json::Value::Null, 1, 1).expect("routers");
         let r1 = single.get("m", Nanos::ZERO);
-        assert_eq!(r1.policy.copies.len(), 1);
+        assert_eq!(r1.policy.copies(), 1);
         r1.commit(&req, &key, WorkerId(1), Nanos::ZERO);
         let (d, _) = r1.decide(&req, &fleet, &mut PickCtx { now: Nanos::ZERO, rng: &mut rng }).expect("decides");
         assert_eq!(d.worker, WorkerId(1));

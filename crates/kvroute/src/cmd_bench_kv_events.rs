@@ -3,10 +3,11 @@
 //!
 //! - **ingestion** — vLLM `BlockStored`/`BlockRemoved` batches (msgpack, current map
 //!   encoding) of `--engines` engines, each decoded ([`kvroute_protocol::kv_events::decode`])
-//!   and applied under the precise index's write lock
-//!   ([`kvroute_gateway::kv_subscriber::apply_events`]), one batch a lock, engines in turn;
+//!   and applied to the precise index as the gateway does
+//!   ([`kvroute_gateway::kv_subscriber::apply_events`] on each of its `--copies`, a
+//!   [`Twin`]), `--batches-per-lock` batches a write, engines in turn;
 //! - **decisions** — a request on the engines' shared system prompt: its token blocks
-//!   hashed, the engines' cached tokens read under the read lock as the gateway's route
+//!   hashed, the engines' cached tokens read from a copy as the gateway's route
 //!   stage does ([`PreciseIndex::cached_tokens_many`]), then `least_ttft` deciding over the
 //!   whole fleet.
 //!
@@ -20,8 +21,8 @@ use kvroute_core::hash::{HashAlgo, hash_token_blocks};
 use kvroute_core::policy::{PickCtx, decide};
 use kvroute_core::precise::{PreciseConfig, PreciseIndex};
 use kvroute_core::types::{BlockSeq, Nanos, RequestView, Role, WorkerId};
+use kvroute_gateway::twin::Twin;
 use kvroute_protocol::kv_events::{Encoding, EventBatch, KvEvent, decode, encode};
-use parking_lot::RwLock;
 use rand_core::SeedableRng;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -56,6 +57,10 @@ pub struct Args {
     /// for as many batches at a time.
     #[arg(long, default_value_t = 1)]
     pub batches_per_lock: usize,
+    /// Copies of the index (the gateway's `policy_copies`): 2, ingestion writes both in
+    /// turn and decisions read whichever it is not writing; 1, one `RwLock`.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
+    pub copies: u8,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -130,7 +135,7 @@ struct Ingested {
 /// Decodes and applies the engines' batches in turn until `stop` or `until`, `per_lock`
 /// decoded batches under each write lock.
 fn ingest(
-    ix: &RwLock<PreciseIndex>,
+    ix: &Twin<PreciseIndex>,
     cycles: &[Vec<Vec<u8>>],
     per_lock: usize,
     t0: Instant,
@@ -142,10 +147,12 @@ fn ingest(
     let mut pending: Vec<(WorkerId, EventBatch)> = Vec::with_capacity(per_lock);
     let flush = |pending: &mut Vec<(WorkerId, EventBatch)>| {
         let now = Nanos(t0.elapsed().as_nanos() as u64);
-        let mut w = ix.write();
-        for (e, b) in pending.drain(..) {
-            kvroute_gateway::kv_subscriber::apply_events(&mut w, e, &b.events, now);
-        }
+        ix.write(|w| {
+            for (e, b) in pending.iter() {
+                kvroute_gateway::kv_subscriber::apply_events(w, *e, &b.events, now);
+            }
+        });
+        pending.clear();
     };
     'run: for round in 0.. {
         for (e, cycle) in cycles.iter().enumerate() {
@@ -169,7 +176,7 @@ fn ingest(
 /// Decides the probe over `n` workers until `until`; the time of each decision (the
 /// index reads included), nanoseconds.
 fn decide_loop(
-    ix: &RwLock<PreciseIndex>,
+    ix: &Twin<PreciseIndex>,
     n: usize,
     tokens: &[u32],
     t0: Instant,
@@ -244,17 +251,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     let (prefixes, cycles): (Vec<Vec<u8>>, Vec<Vec<Vec<u8>>>) = (0..a.engines).map(|e| engine_batches(e, &a)).unzip();
-    let ix = RwLock::new(PreciseIndex::new(PreciseConfig::default()));
+    let ix = Twin::of(PreciseIndex::new(PreciseConfig::default()), usize::from(a.copies));
     let t0 = Instant::now();
     for (e, p) in prefixes.iter().enumerate() {
         let (b, _) = decode(p).map_err(|e| anyhow::anyhow!("{e}"))?;
-        kvroute_gateway::kv_subscriber::apply_events(&mut ix.write(), WorkerId(e as u32), &b.events, Nanos(0));
+        ix.write(|w| kvroute_gateway::kv_subscriber::apply_events(w, WorkerId(e as u32), &b.events, Nanos(0)));
     }
     // One cycle of every engine first, so the timed phases run in the steady state.
     for round in 0..CYCLE {
         for (e, c) in cycles.iter().enumerate() {
             let (b, _) = decode(&c[round]).map_err(|e| anyhow::anyhow!("{e}"))?;
-            kvroute_gateway::kv_subscriber::apply_events(&mut ix.write(), WorkerId(e as u32), &b.events, Nanos(0));
+            ix.write(|w| kvroute_gateway::kv_subscriber::apply_events(w, WorkerId(e as u32), &b.events, Nanos(0)));
         }
     }
     // The probe: the shared system prompt, then 8 blocks no engine holds.

@@ -272,10 +272,9 @@ impl Predicted {
     /// The prefill is over (first token) or the attempt ended: the engine's `BlockStored`
     /// is on its way, so the prediction now lasts only the predict window.
     pub fn settle(&self, s: &AppState) {
-        let mut ix = s.precise.write();
         let now = s.now();
-        let until = now.saturating_add(ix.predict_window());
-        ix.predict(self.worker, &self.hashes, now, until);
+        let until = now.saturating_add(s.precise.read().predict_window());
+        s.precise.write(|ix| ix.predict(self.worker, &self.hashes, now, until));
     }
 }
 
@@ -362,14 +361,16 @@ fn index(s: &AppState, routed: &Routed, req: &RequestView<'_>, worker: WorkerId)
     if routed.engine_blocks.is_empty() {
         return None;
     }
-    let mut ix = s.precise.write();
-    if ix.predict_window().0 == 0 {
-        return None;
-    }
-    let bs = ix.block_size(worker)?;
+    let bs = {
+        let ix = s.precise.read();
+        if ix.predict_window().0 == 0 {
+            return None;
+        }
+        ix.block_size(worker)?
+    };
     let hashes = routed.engine_blocks.iter().find(|(b, _)| *b == bs).map(|(_, h)| Arc::clone(h))?;
     let deadline = now.saturating_add(Nanos::from_secs_f64(s.cfg.request_timeout_secs));
-    ix.predict(worker, &hashes, now, deadline);
+    s.precise.write(|ix| ix.predict(worker, &hashes, now, deadline));
     Some(Predicted { worker, hashes })
 }
 
