@@ -217,12 +217,15 @@ impl Activity {
     /// open is looked at again `idle` later, and its end moves the deadline past that).
     async fn idle_for(&self, idle: Duration) {
         loop {
-            let now = Instant::now();
-            let until = if self.open.load(Ordering::Acquire) == 0 { self.last_end() + idle } else { now + idle };
-            if until <= now {
-                return;
+            if self.open.load(Ordering::Acquire) == 0 {
+                let until = self.last_end() + idle;
+                if until <= Instant::now() {
+                    return;
+                }
+                tokio::time::sleep_until(until).await;
+            } else {
+                tokio::time::sleep(idle.max(Duration::from_millis(1))).await;
             }
-            tokio::time::sleep_until(until).await;
         }
     }
 
