@@ -3,6 +3,11 @@
 //! [`kvroute_core::precise::PreciseIndex`], and each worker's startup parity check. The
 //! request side (a request's token ids, cached) is [`crate::kv_tokens`].
 //!
+//! The subscribers do not write the index themselves: they queue what they read (a batch,
+//! a worker to track or to clear) to one applier over a bounded queue ([`APPLY_QUEUE`]), in
+//! each subscriber's order, and the applier makes up to [`OPS_PER_WRITE`] queued ones in
+//! one write of the index's copies ([`crate::twin::Twin`]).
+//!
 //! Sequence tracking per (worker, data-parallel rank):
 //! - on each (re)connection, the worker's replay socket (DEALER → ROUTER) is asked for
 //!   everything it still holds, so a router that starts in front of busy engines routes
@@ -17,8 +22,9 @@
 //! nothing), at most [`PARITY_RETRIES`] more times, [`PARITY_RETRY_EVERY`] apart.
 //!
 //! Only the main attention group (`group_idx` 0) is indexed. Everything is bounded: the
-//! replay exchange has a timeout and a batch limit, reconnects back off, the token cache
-//! holds at most [`crate::kv_tokens::TOKEN_CACHE_TOKENS`] tokens.
+//! replay exchange has a timeout and a batch limit, the applier's queue has a bound,
+//! reconnects back off, the token cache holds at most
+//! [`crate::kv_tokens::TOKEN_CACHE_TOKENS`] tokens.
 
 use crate::app::AppState;
 use crate::metrics::WorkerLabel;
@@ -37,12 +43,39 @@ pub const MAX_REPLAY_BATCHES: usize = 100_000;
 /// Time allowed for one replay exchange.
 pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Runs one subscriber per configured source until `cancel`, and each worker's startup
-/// parity check ([`parity_check`]) when `kv_parity_check` is on.
+/// Most operations (mostly event batches, from any worker) the applier makes in one write
+/// of the precise index. One write per batch capped ingestion beside long decisions at a
+/// few thousand batches a second (a write waits for the decisions reading the copy it
+/// writes); 32 a write reached 0.8-1.1 M block events/s from 1,024 engines in `kvroute
+/// bench kv-events --batches-per-lock 32` (docs/benchmarks.md).
+pub const OPS_PER_WRITE: usize = 32;
+/// Bound of the queue from the subscribers to the applier, operations; a full queue holds
+/// the subscribers back (their publishers' messages wait in ZeroMQ, which drops past its
+/// high-water mark, and a gap is then replayed).
+pub const APPLY_QUEUE: usize = 4096;
+
+/// What a subscriber asks of the precise index, applied in its order by the one applier
+/// ([`applier`]).
+enum Op {
+    /// Start tracking a worker.
+    Track(WorkerId),
+    /// The worker's publisher restarted: forget what it said.
+    Clear(WorkerId),
+    /// One batch of the worker's events.
+    Apply(WorkerId, WorkerLabel, Vec<KvEvent>),
+}
+
+/// The subscribers' end of the applier's queue.
+type Ops = tokio::sync::mpsc::Sender<Op>;
+
+/// Runs one subscriber per configured source until `cancel`, the applier they feed, and
+/// each worker's startup parity check ([`parity_check`]) when `kv_parity_check` is on.
 pub async fn run(s: Arc<AppState>, cancel: CancellationToken) {
+    let (ops, queue) = tokio::sync::mpsc::channel(APPLY_QUEUE);
+    let applying = tokio::spawn(applier(Arc::clone(&s), queue));
     let mut tasks = Vec::new();
     for src in s.cfg.kv_events.clone() {
-        tasks.push(tokio::spawn(subscribe(Arc::clone(&s), src.clone(), cancel.clone())));
+        tasks.push(tokio::spawn(subscribe(Arc::clone(&s), src.clone(), ops.clone(), cancel.clone())));
         if s.cfg.kv_parity_check {
             let (s, cancel) = (Arc::clone(&s), cancel.clone());
             tasks.push(tokio::spawn(async move {
@@ -53,8 +86,43 @@ pub async fn run(s: Arc<AppState>, cancel: CancellationToken) {
             }));
         }
     }
+    drop(ops);
     for t in tasks {
         let _ = t.await;
+    }
+    // Every sender is gone: the applier finishes what is queued and ends.
+    let _ = applying.await;
+}
+
+/// Applies the subscribers' operations in their order, up to [`OPS_PER_WRITE`] queued ones
+/// in one write of the precise index (each copy in turn), until every subscriber is gone.
+async fn applier(s: Arc<AppState>, mut queue: tokio::sync::mpsc::Receiver<Op>) {
+    let mut ops = Vec::with_capacity(OPS_PER_WRITE);
+    let mut skipped = Vec::with_capacity(OPS_PER_WRITE);
+    while queue.recv_many(&mut ops, OPS_PER_WRITE).await > 0 {
+        let now = s.now();
+        s.precise.write(|ix| {
+            skipped.clear();
+            skipped.extend(ops.iter().map(|op| match op {
+                Op::Track(w) => {
+                    ix.track(*w);
+                    0
+                }
+                Op::Clear(w) => {
+                    ix.clear(*w);
+                    0
+                }
+                Op::Apply(w, _, events) => apply_events(ix, *w, events, now),
+            }));
+        });
+        for (op, skipped) in ops.drain(..).zip(&skipped) {
+            if let Op::Apply(_, label, _) = op {
+                s.metrics.kv_batches.get_or_create(&label).inc();
+                if *skipped > 0 {
+                    s.metrics.kv_skipped.get_or_create(&label).inc_by(*skipped);
+                }
+            }
+        }
     }
 }
 
@@ -104,7 +172,7 @@ impl WorkerIdCache {
 
 /// Follows one worker's KV-event publisher until `cancel`: connects (with backoff),
 /// applies its batches, and reconnects when the connection is lost.
-async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, cancel: CancellationToken) {
+async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, ops: Ops, cancel: CancellationToken) {
     let label = WorkerLabel {
         worker: crate::model::worker_url::check_worker_url(&src.worker)
             .unwrap_or_else(|_| src.worker.trim_end_matches('/').to_string()),
@@ -117,7 +185,9 @@ async fn subscribe(s: Arc<AppState>, src: crate::config::KvEventSource, cancel: 
             Err(Stop::Cancelled) => return,
         };
         tracing::info!(worker = %label.worker, endpoint = %src.endpoint, "kv events: subscribed");
-        if let Stop::Cancelled = follow(&s, &src, &label, &mut sock, &cancel).await {
+        if let Stop::Cancelled =
+            follow(&Follow { s: &s, src: &src, label: &label, ops: &ops }, &mut sock, &cancel).await
+        {
             return;
         }
     }
@@ -163,20 +233,17 @@ async fn connect(
 /// Applies the batches of one connection in sequence order per data-parallel rank (a gap
 /// is replayed first when the worker has a replay socket), until the connection is lost
 /// or `cancel`.
-async fn follow(
-    s: &AppState,
-    src: &crate::config::KvEventSource,
-    label: &WorkerLabel,
-    sock: &mut zeromq::SubSocket,
-    cancel: &CancellationToken,
-) -> Stop {
+async fn follow(f: &Follow<'_>, sock: &mut zeromq::SubSocket, cancel: &CancellationToken) -> Stop {
+    let Follow { s, src, label, .. } = *f;
     let mut last: HashMap<Option<i64>, u64> = HashMap::new();
     let mut ids = WorkerIdCache::default();
     // What the engine published before this subscription (the router just started, or the
     // connection was lost): asked of its replay socket now, not at the next live batch.
     if let (Some(r), Some(w)) = (&src.replay, worker_id(s, &label.worker)) {
-        track(s, w);
-        let got = replay(s, w, label, r, 0, u64::MAX).await;
+        if f.track(w).await.is_err() {
+            return Stop::Cancelled;
+        }
+        let got = replay(f, w, r, 0, u64::MAX).await;
         s.metrics.kv_replayed.get_or_create(label).inc_by(got);
     }
     loop {
@@ -189,18 +256,19 @@ async fn follow(
             return Stop::Retry;
         };
         let Some(w) = ids.get(s, &label.worker) else { continue };
-        track(s, w);
         let Some((seq, batch)) = read_batch(s, label, &msg.into_vec()) else { continue };
         let rank = batch.dp_rank;
-        let expected = expected_seq(s, w, label, last.get(&rank).copied(), seq);
+        let Ok(expected) = f.expected_seq(w, last.get(&rank).copied(), seq).await else { return Stop::Cancelled };
         if seq > expected {
             s.metrics.kv_gaps.get_or_create(label).inc();
             if let Some(r) = &src.replay {
-                let got = replay(s, w, label, r, expected, seq).await;
+                let got = replay(f, w, r, expected, seq).await;
                 s.metrics.kv_replayed.get_or_create(label).inc_by(got);
             }
         }
-        apply(s, w, label, &batch.events);
+        if f.track(w).await.is_err() || f.apply(w, batch.events).await.is_err() {
+            return Stop::Cancelled;
+        }
         last.insert(rank, seq);
     }
 }
@@ -232,37 +300,49 @@ fn read_batch(s: &AppState, label: &WorkerLabel, frames: &[Bytes]) -> Option<(u6
     }
 }
 
-/// The sequence number expected from a rank whose last batch was `last`: a `seq` not past
-/// it means the publisher restarted, and everything it said before is void (the worker's
-/// state is cleared; 0 is expected).
-fn expected_seq(s: &AppState, w: WorkerId, label: &WorkerLabel, last: Option<u64>, seq: u64) -> u64 {
-    match last {
-        None => 0,
-        Some(l) if seq <= l => {
-            s.metrics.kv_restarts.get_or_create(label).inc();
-            tracing::info!(worker = %label.worker, seq, last = l, "kv events: publisher restarted; state cleared");
-            s.precise.write(|ix| ix.clear(w));
-            0
-        }
-        Some(l) => l + 1,
-    }
+/// What one subscription works with: the state, its source and label, and the applier's
+/// queue.
+#[derive(Clone, Copy)]
+struct Follow<'a> {
+    s: &'a AppState,
+    src: &'a crate::config::KvEventSource,
+    label: &'a WorkerLabel,
+    ops: &'a Ops,
 }
 
-/// Tracks `w` in the precise index unless it is already (a write only the first time:
-/// the index's copies are written one after the other).
-fn track(s: &AppState, w: WorkerId) {
-    if !s.precise.read().is_tracked(w) {
-        s.precise.write(|ix| ix.track(w));
-    }
-}
+/// The applier is gone (the router is stopping).
+struct Gone;
 
-/// Applies one batch's events to the precise index (each copy in turn).
-fn apply(s: &AppState, w: WorkerId, label: &WorkerLabel, events: &[KvEvent]) {
-    let now = s.now();
-    let skipped = s.precise.write(|ix| apply_events(ix, w, events, now));
-    s.metrics.kv_batches.get_or_create(label).inc();
-    if skipped > 0 {
-        s.metrics.kv_skipped.get_or_create(label).inc_by(skipped);
+impl Follow<'_> {
+    /// Queues `op` for the applier, waiting while its queue is full.
+    async fn send(&self, op: Op) -> Result<(), Gone> {
+        self.ops.send(op).await.map_err(|_| Gone)
+    }
+
+    /// The sequence number expected from a rank whose last batch was `last`: a `seq` not
+    /// past it means the publisher restarted, and everything it said before is void (the
+    /// worker's state is cleared; 0 is expected).
+    async fn expected_seq(&self, w: WorkerId, last: Option<u64>, seq: u64) -> Result<u64, Gone> {
+        Ok(match last {
+            None => 0,
+            Some(l) if seq <= l => {
+                self.s.metrics.kv_restarts.get_or_create(self.label).inc();
+                tracing::info!(worker = %self.label.worker, seq, last = l, "kv events: publisher restarted; state cleared");
+                self.send(Op::Clear(w)).await?;
+                0
+            }
+            Some(l) => l + 1,
+        })
+    }
+
+    /// Tracks `w` in the precise index unless it is already.
+    async fn track(&self, w: WorkerId) -> Result<(), Gone> {
+        if self.s.precise.read().is_tracked(w) { Ok(()) } else { self.send(Op::Track(w)).await }
+    }
+
+    /// Queues one batch's events of `w` for the applier.
+    async fn apply(&self, w: WorkerId, events: Vec<KvEvent>) -> Result<(), Gone> {
+        self.send(Op::Apply(w, self.label.clone(), events)).await
     }
 }
 
@@ -303,7 +383,8 @@ pub fn apply_events(ix: &mut PreciseIndex, w: WorkerId, events: &[KvEvent], now:
 
 /// Asks `endpoint` for batches `from..until` and applies them in order; returns how many
 /// were applied. Bounded by [`REPLAY_TIMEOUT`] and [`MAX_REPLAY_BATCHES`].
-async fn replay(s: &AppState, w: WorkerId, label: &WorkerLabel, endpoint: &str, from: u64, until: u64) -> u64 {
+async fn replay(f: &Follow<'_>, w: WorkerId, endpoint: &str, from: u64, until: u64) -> u64 {
+    let Follow { s, label, .. } = *f;
     let work = async {
         let mut dealer = zeromq::DealerSocket::new();
         dealer.connect(endpoint).await.map_err(|e| e.to_string())?;
@@ -312,13 +393,13 @@ async fn replay(s: &AppState, w: WorkerId, label: &WorkerLabel, endpoint: &str, 
         dealer.send(req).await.map_err(|e| e.to_string())?;
         let mut applied = 0u64;
         for _ in 0..MAX_REPLAY_BATCHES {
-            let f = dealer.recv().await.map_err(|e| e.to_string())?.into_vec();
+            let frames = dealer.recv().await.map_err(|e| e.to_string())?.into_vec();
             // [b"", seq, payload]; tolerate a missing empty delimiter frame.
-            let n = f.len();
+            let n = frames.len();
             if n < 2 {
                 return Err(format!("replay answer of {n} frames"));
             }
-            let (seq, payload) = (&f[n - 2], &f[n - 1]);
+            let (seq, payload) = (&frames[n - 2], &frames[n - 1]);
             if seq.as_ref() == REPLAY_END {
                 break;
             }
@@ -328,7 +409,7 @@ async fn replay(s: &AppState, w: WorkerId, label: &WorkerLabel, endpoint: &str, 
             }
             match decode(payload) {
                 Ok((b, _)) => {
-                    apply(s, w, label, &b.events);
+                    f.apply(w, b.events).await.map_err(|Gone| "the router is stopping".to_string())?;
                     applied += 1;
                 }
                 Err(_) => {

@@ -52,7 +52,8 @@ pub struct Args {
     /// Blocks of the system prompt every engine holds (and the probe request starts with).
     #[arg(long, default_value_t = 64)]
     pub shared_blocks: usize,
-    /// Decoded batches applied under one write lock (the gateway's subscriber: 1). More
+    /// Decoded batches applied in one write (the gateway's applier: up to 32 queued ones,
+    /// `kv_subscriber::OPS_PER_WRITE`). More
     /// amortises the lock's handoff between ingestion and decisions, and holds decisions up
     /// for as many batches at a time.
     #[arg(long, default_value_t = 1)]
