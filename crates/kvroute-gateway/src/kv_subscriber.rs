@@ -112,7 +112,10 @@ async fn applier(s: Arc<AppState>, mut queue: tokio::sync::mpsc::Receiver<Op>) {
                     ix.clear(*w);
                     0
                 }
-                Op::Apply(w, _, events) => apply_events(ix, *w, events, now),
+                // A worker removed (untracked) while its batches waited in the queue: they
+                // are dropped, as a subscriber drops those it reads after the removal.
+                Op::Apply(w, _, events) if ix.is_tracked(*w) => apply_events(ix, *w, events, now),
+                Op::Apply(..) => 0,
             }));
         });
         for (op, skipped) in ops.drain(..).zip(&skipped) {
