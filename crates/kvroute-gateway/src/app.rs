@@ -85,8 +85,8 @@ impl AppState {
     /// Bad policy or knobs; HTTP client construction failure.
     pub fn new(cfg: GatewayConfig) -> anyhow::Result<Arc<AppState>> {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let routers = Routers::new(&cfg.policy, cfg.knobs_json(), cfg.seed, usize::from(cfg.policy_copies))?;
         let copies = usize::from(cfg.policy_copies);
+        let routers = Routers::new(&cfg.policy, cfg.knobs_json(), cfg.seed, copies)?;
         let precise_cfg = kvroute_core::precise::PreciseConfig {
             lower_tier_weight: cfg.kv_lower_tier_weight,
             predict_window_secs: cfg.kv_predict_window_secs,
@@ -120,7 +120,7 @@ impl AppState {
             static_workers: arc_swap::ArcSwap::from_pointee(crate::model::worker_url::static_set(&cfg.worker_urls)),
             cascade: arc_swap::ArcSwap::from_pointee(cfg.cascade.clone()),
             lora: crate::lora::Multiplexer::new(&cfg.lora),
-            pd: crate::pd::PdRouters::new(&cfg.pd, cfg.seed, usize::from(cfg.policy_copies))?,
+            pd: crate::pd::PdRouters::new(&cfg.pd, cfg.seed, copies)?,
             sync,
             journal,
             api_keys,

@@ -233,9 +233,9 @@ async fn connect(
     Ok(sock)
 }
 
-/// Applies the batches of one connection in sequence order per data-parallel rank (a gap
-/// is replayed first when the worker has a replay socket), until the connection is lost
-/// or `cancel`.
+/// Queues the batches of one connection for the applier in sequence order per
+/// data-parallel rank (a gap is replayed first when the worker has a replay socket), until
+/// the connection is lost, `cancel`, or the applier is gone.
 async fn follow(f: &Follow<'_>, sock: &mut zeromq::SubSocket, cancel: &CancellationToken) -> Stop {
     let Follow { s, src, label, .. } = *f;
     let mut last: HashMap<Option<i64>, u64> = HashMap::new();
@@ -350,8 +350,7 @@ impl Follow<'_> {
 }
 
 /// Applies one batch's `events` of worker `w` to the precise index `ix` at `now`, as the
-/// subscriber does under the index's write lock (also what `kvroute bench kv-events`
-/// times). Returns the events skipped: those of a KV-cache group other than the main
+/// applier does to each copy of the index (also what `kvroute bench kv-events` times). Returns the events skipped: those of a KV-cache group other than the main
 /// attention group (`group_idx` 0).
 pub fn apply_events(ix: &mut PreciseIndex, w: WorkerId, events: &[KvEvent], now: Nanos) -> u64 {
     let mut skipped = 0u64;
@@ -384,8 +383,8 @@ pub fn apply_events(ix: &mut PreciseIndex, w: WorkerId, events: &[KvEvent], now:
     skipped
 }
 
-/// Asks `endpoint` for batches `from..until` and applies them in order; returns how many
-/// were applied. Bounded by [`REPLAY_TIMEOUT`] and [`MAX_REPLAY_BATCHES`].
+/// Asks `endpoint` for batches `from..until` and queues them for the applier in order;
+/// returns how many were queued. Bounded by [`REPLAY_TIMEOUT`] and [`MAX_REPLAY_BATCHES`].
 async fn replay(f: &Follow<'_>, w: WorkerId, endpoint: &str, from: u64, until: u64) -> u64 {
     let Follow { s, label, .. } = *f;
     let work = async {

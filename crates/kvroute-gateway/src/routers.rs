@@ -46,12 +46,13 @@ pub struct ModelRouter {
 
 impl ModelRouter {
     fn new(name: &str, policy: Box<dyn Policy>, copies: usize, now: Nanos) -> Self {
+        let second = (copies >= 2).then(|| policy.twin());
         let next = policy.maintenance_interval().map_or(u64::MAX, |i| now.saturating_add(i).0);
         ModelRouter {
             policy_name: name.into(),
             records_request_prefix: policy.records_request_prefix(),
             calibrates: !policy.calibration().is_null(),
-            policy: Twin::new(policy.twin(), (copies >= 2).then_some(policy)),
+            policy: Twin::new(policy, second),
             next_maintain: AtomicU64::new(next),
         }
     }
