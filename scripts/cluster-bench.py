@@ -115,6 +115,13 @@ def involuntary_switches(pid):
     return total
 
 
+def cpu_seconds(pid):
+    """User + system CPU time of a process (all its threads), seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def fmt_s(x):
     if x is None:
         return "-"
@@ -146,6 +153,7 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
             wait_ok(f"{u}/readiness", "replica")
         before = [metrics(u) for u in urls]
         switches0 = [involuntary_switches(p.pid) for p in procs]
+        cpu0 = [cpu_seconds(p.pid) for p in procs] + [cpu_seconds(a.nats_pid)]
         v0 = varz(monitor)
         out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
         t0 = time.time()
@@ -161,6 +169,7 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
         time.sleep(1.5)  # the last batches and heartbeats arrive
         after = [metrics(u) for u in urls]
         switches1 = [involuntary_switches(p.pid) for p in procs]
+        cpu1 = [cpu_seconds(p.pid) for p in procs] + [cpu_seconds(a.nats_pid)]
         v1 = varz(monitor)
         summary = json.load(open(out))["summary"]
         os.unlink(out)
@@ -181,10 +190,14 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
                 "decision_cpu_p99_s": quantile(cpu, 0.99),
                 "decision_cpu_p999_s": quantile(cpu, 0.999),
                 "involuntary_switches_per_decision": (switches1[i] - switches0[i]) / max(dec[-1][1] if dec else 0, 1),
+                # CPU time of the whole replica process per request it routed (its share of
+                # the sync included), microseconds.
+                "cpu_us_per_request": (cpu1[i] - cpu0[i]) * 1e6 / max(dec[-1][1] if dec else 0, 1),
                 "published_per_s": d('kvroute_sync_events_total{outcome="published"}') / wall,
                 "applied_per_s": d('kvroute_sync_events_total{outcome="applied"}') / wall,
                 "dropped": d('kvroute_sync_events_total{outcome="dropped"}'),
                 "gaps": d("kvroute_sync_gaps_total"),
+                "unresolved": d('kvroute_sync_events_total{outcome="unresolved"}'),
                 "lag_p50_s": quantile(lag, 0.5),
                 "lag_p99_s": quantile(lag, 0.99),
                 "rss_mib": rss / 1024,
@@ -195,7 +208,10 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
                 "ok": summary["ok"], "req_per_s": summary["ok"] / wall, "replicas": rows,
                 "nats_in_bytes_per_request": (v1["in_bytes"] - v0["in_bytes"]) / routed,
                 "nats_out_bytes_per_request": (v1["out_bytes"] - v0["out_bytes"]) / routed,
-                "nats_in_msgs": v1["in_msgs"] - v0["in_msgs"]}
+                "nats_in_msgs": v1["in_msgs"] - v0["in_msgs"],
+                # Replicas' CPU time (all of them) and nats-server's, per request routed, us.
+                "replicas_cpu_us_per_request": sum(cpu1[i] - cpu0[i] for i in range(len(procs))) * 1e6 / routed,
+                "nats_cpu_us_per_request": (cpu1[-1] - cpu0[-1]) * 1e6 / routed}
     finally:
         for p in procs:
             p.terminate()
@@ -239,6 +255,7 @@ def main():
     nice = ["nice", "-n", str(a.nats_nice)] if a.nats_nice else []
     nats = subprocess.Popen(nice + [a.nats_server, "-a", "127.0.0.1", "-p", str(nats_port), "-m", str(monitor)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    a.nats_pid = nats.pid
     workers, wprocs = [], []
     try:
         for _ in range(a.workers):
@@ -257,7 +274,8 @@ def main():
                 print(f"round {r} sync {'on ' if sync else 'off'}: {res['ok']}/{res['requests']} ok, "
                       f"{res['req_per_s']:.0f} req/s over {a.replicas} replicas; NATS in "
                       f"{res['nats_in_bytes_per_request']:.0f} B, out {res['nats_out_bytes_per_request']:.0f} B "
-                      f"per request", flush=True)
+                      f"per request; CPU per request: replicas {res['replicas_cpu_us_per_request']:.1f} us, "
+                      f"nats-server {res['nats_cpu_us_per_request']:.1f} us", flush=True)
                 for x in res["replicas"]:
                     print(f"  replica {x['replica']}: decision p50 <= {fmt_s(x['decision_p50_s'])}, "
                           f"p99 <= {fmt_s(x['decision_p99_s'])}, p99.9 <= {fmt_s(x['decision_p999_s'])} "
@@ -265,7 +283,7 @@ def main():
                           f"p99.9 <= {fmt_s(x['decision_cpu_p999_s'])}; "
                           f"{x['involuntary_switches_per_decision']:.2f} involuntary switches a request); "
                           f"events out {x['published_per_s']:.0f}/s, in {x['applied_per_s']:.0f}/s, "
-                          f"dropped {x['dropped']:.0f}, gaps {x['gaps']:.0f}; lag p50 <= {fmt_s(x['lag_p50_s'])}, "
+                          f"dropped {x['dropped']:.0f}, gaps {x['gaps']:.0f}, prompts unresolved {x['unresolved']:.0f}; lag p50 <= {fmt_s(x['lag_p50_s'])}, "
                           f"p99 <= {fmt_s(x['lag_p99_s'])}; RSS {x['rss_mib']:.1f} MiB (peak {x['peak_rss_mib']:.1f})",
                           flush=True)
         if a.json:

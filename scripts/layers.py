@@ -20,7 +20,7 @@ CRATES = pathlib.Path("crates")
 # module path prefix -> floor. The longest matching prefix wins.
 FLOORS = {
     # F0 vocabulary: pure data and checks, imports nothing of the gateway.
-    "model": 0, "twin": 0,
+    "model": 0, "twin": 0, "cluster::chunks": 0,
     # F1 configuration: the config types and their validation.
     "config": 1,
     # F2 base components: import F0-F1, kvroute-core, kvroute-protocol.

@@ -661,8 +661,14 @@ impl Fleet {
 
     /// The worker with `url`.
     pub fn by_url(&self, url: &str) -> Option<Arc<WorkerEntry>> {
+        let list = self.list.load();
+        // Most callers pass a URL as the table spells it (a peer's event, a worker's own
+        // KV-event endpoint): no parse then.
+        if let Some(w) = list.iter().find(|w| *w.url == *url) {
+            return Some(Arc::clone(w));
+        }
         let url = normalised(url);
-        self.list.load().iter().find(|w| *w.url == *url).cloned()
+        list.iter().find(|w| *w.url == *url).cloned()
     }
 
     /// The worker with `id`.

@@ -110,6 +110,19 @@ async fn replicas_share_prefix_state_and_load_and_a_new_replica_starts_from_a_sn
     .await;
     assert_eq!(metric(&c, &b, "kvroute_sync_events_total{outcome=\"applied\"}").await, 1.0, "B applied A's one event");
 
+    // The next question on the document goes out as the document's chunk chain (which B
+    // learned from the first event) and the new tail: B rebuilds the whole prompt, and
+    // matches it as far as A does.
+    let r = guard(c.post(format!("{a}/v1/chat/completions")).json(&next).send()).await.expect("send");
+    assert_eq!(r.status(), 200);
+    eventually("B applied A's second event", async || {
+        metric(&c, &b, "kvroute_sync_events_total{outcome=\"applied\"}").await == 2.0
+    })
+    .await;
+    assert_eq!(metric(&c, &b, "kvroute_sync_events_total{outcome=\"unresolved\"}").await, 0.0);
+    let (on_a, on_b) = (dry_run(&c, &a, &next).await, dry_run(&c, &b, &next).await);
+    assert_eq!((&on_b["worker"], &on_b["matched"]), (&on_a["worker"], &on_a["matched"]), "A {on_a} B {on_b}");
+
     // Load: a stream open through A counts on its worker in B's view until it ends.
     let long = guard(
         c.post(format!("{a}/v1/chat/completions"))

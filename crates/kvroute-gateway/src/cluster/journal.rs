@@ -4,8 +4,8 @@
 //!
 //! ```text
 //! dispatch::commit ──try_send──► queue (65,536) ──► journal task: the last routed events
-//!                                                   (100,000 or 64 MiB, as the cluster
-//!                                                   sync's snapshot log), written to
+//!                                                   (100,000 or 64 MiB,
+//!                                                   JOURNAL_MAX_BYTES), written to
 //!                                                   state_dir/prefix-state.msgpack every
 //!                                                   SAVE_EVERY when changed, and at shutdown
 //! start: the file, if younger than prefix_state_max_age_secs, replayed into the routers
@@ -30,7 +30,7 @@ use tokio::sync::mpsc;
 pub const FILE_NAME: &str = "prefix-state.msgpack";
 /// The file format's version.
 pub const VERSION: u32 = 1;
-/// Largest file read, bytes (the log it holds is bounded by the sync's snapshot bounds).
+/// Largest file read, bytes (the log it holds is bounded by `JOURNAL_MAX_BYTES`, estimated).
 pub const MAX_FILE_BYTES: usize = 80 << 20;
 /// How often the log is written when it changed.
 pub const SAVE_EVERY: Duration = Duration::from_secs(10);

@@ -15,7 +15,7 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
     let (Some(dir), Some(j)) = (state.cfg.state_dir.clone(), state.journal.clone()) else { return };
     let Some(mut rx) = j.rx.lock().take() else { return };
     let dir = PathBuf::from(dir);
-    let mut recent = Recent::default();
+    let mut recent = Recent::bounded(super::sync::JOURNAL_MAX_BYTES);
     restore(&state, &j, &dir, &mut recent).await;
     let mut tick = tokio::time::interval(SAVE_EVERY);
     let mut dirty = false;

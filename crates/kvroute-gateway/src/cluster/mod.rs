@@ -14,6 +14,7 @@
 //! The registry follows Cognitora cgn-router's etcd node registry (`cluster/registry.rs`,
 //! `cluster/watcher.rs`) and its live weights at `/cognitora/routing/policy`.
 
+pub mod chunks;
 pub mod etcd;
 pub mod journal;
 pub mod journal_task;

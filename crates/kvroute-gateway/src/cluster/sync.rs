@@ -3,9 +3,11 @@
 //! lands on (`nats`, `cluster`).
 //!
 //! ```text
-//! request path ──try_send──► queue (65,536) ──► publisher: batches ≤ 1,024 events / 5 ms
+//! request path ──try_send──► queue (65,536) ──► publisher: batches ≤ 1,024 events / 5 ms;
+//!                                                  a prompt's start the cluster has seen
+//!                                                  goes as its chunk chain (`chunks`)
 //!                                                  └─► kvroute.<cluster>.events  (msgpack)
-//! kvroute.<cluster>.events ──► subscriber: skip own, count gaps, apply:
+//! kvroute.<cluster>.events ──► subscriber: skip own, count gaps, rebuild prompts, apply:
 //!      routed     → the model's router commits it (prefix index, sessions) when it runs
 //!                   the same policy; a remote load ticket opens on the worker
 //!      first token→ the ticket's prefill part settles
@@ -65,8 +67,11 @@ pub const MAX_EVENT_TOKENS: usize = 32_768;
 pub const MAX_EVENT_BLOCKS: usize = 8_192;
 /// Most routed events kept for snapshots.
 pub const SNAPSHOT_MAX_EVENTS: usize = 100_000;
-/// Most bytes of routed events kept for snapshots (estimated).
-pub const SNAPSHOT_MAX_BYTES: usize = 64 << 20;
+/// Most bytes of routed events kept for snapshots (estimated; the prefix journal keeps
+/// [`JOURNAL_MAX_BYTES`]).
+pub const SNAPSHOT_MAX_BYTES: usize = 8 << 20;
+/// Most bytes of routed events the prefix journal (`state_dir`) keeps (estimated).
+pub const JOURNAL_MAX_BYTES: usize = 64 << 20;
 /// Largest message this replica publishes, bytes, unless the server allows less (NATS's
 /// default `max_payload` is 1 MiB).
 pub const MAX_MESSAGE: usize = 512 << 10;
@@ -83,6 +88,18 @@ pub enum WirePrefix {
     Tokens(Vec<u32>),
     /// Precomputed chained block hashes and their tokens per block.
     Blocks(Vec<u64>, u32),
+    /// Prompt text as the first `chunks` chunks of the chain named `base`, which every
+    /// replica learned from earlier prompts ([`super::chunks`]), then `rest`. A receiver
+    /// without the chain applies the event without its prompt (`outcome="unresolved"`).
+    /// Replicas before this variant cannot read a batch that has one.
+    TextRef {
+        /// The last shared chunk's name.
+        base: u64,
+        /// Chunks shared.
+        chunks: u32,
+        /// The text after them.
+        rest: String,
+    },
 }
 
 /// One request sent to a worker by some replica.
@@ -169,6 +186,7 @@ impl RoutedEvent {
             WirePrefix::Text(t) => t.len(),
             WirePrefix::Tokens(t) => t.len() * 5,
             WirePrefix::Blocks(b, _) => b.len() * 9,
+            WirePrefix::TextRef { rest, .. } => 16 + rest.len(),
         };
         200 + self.model.len() + self.worker.len() + prefix + self.blocks.len() * 9
     }
@@ -218,18 +236,25 @@ pub(crate) enum Out {
     Done(u64),
 }
 
-/// Recent routed events (this replica's and the ones it applied), the source of snapshots.
-#[derive(Debug, Default)]
+/// Recent routed events (this replica's and the ones it applied), the source of snapshots
+/// and of the prefix journal: at most [`SNAPSHOT_MAX_EVENTS`] and `max_bytes` (estimated).
+#[derive(Debug)]
 pub(crate) struct Recent {
     pub(crate) events: VecDeque<Arc<RoutedEvent>>,
     pub(crate) bytes: usize,
+    max_bytes: usize,
 }
 
 impl Recent {
+    /// An empty log of at most `max_bytes` (estimated).
+    pub(crate) fn bounded(max_bytes: usize) -> Self {
+        Recent { events: VecDeque::new(), bytes: 0, max_bytes }
+    }
+
     pub(crate) fn push(&mut self, e: Arc<RoutedEvent>) {
         self.bytes += e.size_estimate();
         self.events.push_back(e);
-        while self.events.len() > SNAPSHOT_MAX_EVENTS || self.bytes > SNAPSHOT_MAX_BYTES {
+        while self.events.len() > SNAPSHOT_MAX_EVENTS || self.bytes > self.max_bytes {
             match self.events.pop_front() {
                 Some(old) => self.bytes -= old.size_estimate(),
                 None => break,
@@ -250,6 +275,8 @@ pub struct ReplicaSync {
     next_id: AtomicU64,
     pub(crate) ready: AtomicBool,
     pub(crate) recent: Mutex<Recent>,
+    /// Prompt text chunks this replica announced or applied ([`super::chunks`]).
+    pub(crate) chunks: Mutex<super::chunks::ChunkStore>,
     outcomes: prometheus_client::metrics::family::Family<
         crate::metrics::OutcomeLabel,
         prometheus_client::metrics::counter::Counter,
@@ -310,7 +337,7 @@ impl ReplicaSync {
     pub fn new(cluster: &str, replica: Option<&str>, metrics: &crate::metrics::Metrics) -> Arc<Self> {
         let replica = replica.map_or_else(random_id, str::to_string);
         let (tx, rx) = mpsc::channel(QUEUE);
-        for outcome in ["published", "dropped", "applied"] {
+        for outcome in ["published", "dropped", "applied", "unresolved"] {
             drop(metrics.sync_events.get_or_create(&crate::metrics::OutcomeLabel { outcome: outcome.into() }));
         }
         Arc::new(ReplicaSync {
@@ -321,7 +348,8 @@ impl ReplicaSync {
             rx: Mutex::new(Some(rx)),
             next_id: AtomicU64::new(0),
             ready: AtomicBool::new(false),
-            recent: Mutex::default(),
+            recent: Mutex::new(Recent::bounded(SNAPSHOT_MAX_BYTES)),
+            chunks: Mutex::default(),
             outcomes: metrics.sync_events.clone(),
         })
     }
@@ -339,6 +367,58 @@ impl ReplicaSync {
 
     pub(crate) fn count(&self, outcome: &str, n: u64) {
         self.outcomes.get_or_create(&crate::metrics::OutcomeLabel { outcome: outcome.into() }).inc_by(n);
+    }
+
+    /// `r` as it goes on the wire: a prompt text as the chunk chain the cluster already
+    /// holds and the rest ([`WirePrefix::TextRef`]) when it shares one, else as it is.
+    pub(crate) fn on_the_wire(&self, r: &RoutedEvent) -> RoutedEvent {
+        let prefix = match &r.prefix {
+            WirePrefix::Text(t) => {
+                let e = self.chunks.lock().encode(t);
+                if e.chunks == 0 {
+                    WirePrefix::Text(e.rest)
+                } else {
+                    WirePrefix::TextRef { base: e.base, chunks: e.chunks, rest: e.rest }
+                }
+            }
+            other => other.clone(),
+        };
+        RoutedEvent {
+            id: r.id,
+            model: r.model.clone(),
+            worker: r.worker.clone(),
+            policy: r.policy.clone(),
+            prefix,
+            blocks: r.blocks.clone(),
+            block_tokens: r.block_tokens,
+            session: r.session.clone(),
+            input_tokens: r.input_tokens,
+            output_tokens: r.output_tokens,
+            uncached: r.uncached,
+            decode: r.decode,
+            pool: r.pool,
+        }
+    }
+
+    /// Turns a received event's [`WirePrefix::TextRef`] back into its text, and learns the
+    /// chunks of any text it carries. `false` when the chain is not known here: the prefix
+    /// is then [`WirePrefix::None`] (the event's load and blocks still apply).
+    pub(crate) fn resolve(&self, r: &mut RoutedEvent) -> bool {
+        match std::mem::replace(&mut r.prefix, WirePrefix::None) {
+            WirePrefix::TextRef { base, chunks, rest } => {
+                let e = super::chunks::Encoded { base, chunks, rest };
+                match self.chunks.lock().resolve(&e) {
+                    Some(t) => r.prefix = WirePrefix::Text(t),
+                    None => return false,
+                }
+            }
+            WirePrefix::Text(t) => {
+                self.chunks.lock().learn(&t);
+                r.prefix = WirePrefix::Text(t);
+            }
+            other => r.prefix = other,
+        }
+        true
     }
 
     /// Announces that a request was sent (see [`Announce`]). Never blocks: a full queue
@@ -429,6 +509,63 @@ mod tests {
         assert_eq!((ev.id, ev.pool, ev.blocks.len()), (3, Pool::Main as u8, 2));
     }
 
+    fn routed_with(prefix: WirePrefix) -> RoutedEvent {
+        RoutedEvent {
+            id: 1,
+            model: "m".into(),
+            worker: "http://127.0.0.1:9".into(),
+            policy: "cache_aware".into(),
+            prefix,
+            blocks: Vec::new(),
+            block_tokens: 0,
+            session: None,
+            input_tokens: 900,
+            output_tokens: Some(4),
+            uncached: 900,
+            decode: 4,
+            pool: 0,
+        }
+    }
+
+    /// `e` as another replica decodes it.
+    fn over_the_wire(e: &RoutedEvent) -> RoutedEvent {
+        let bytes = rmp_serde::to_vec_named(&WireEvent::Routed(e.clone())).expect("encode");
+        match rmp_serde::from_slice(&bytes).expect("decode") {
+            WireEvent::Routed(r) => r,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_prompt_whose_start_the_cluster_has_seen_goes_as_a_reference_and_comes_back_whole() {
+        let metrics = crate::metrics::Metrics::new();
+        let (a, b, late) = (
+            ReplicaSync::new("c", Some("a"), &metrics),
+            ReplicaSync::new("c", Some("b"), &metrics),
+            ReplicaSync::new("c", Some("late"), &metrics),
+        );
+        let document: String = (0..600).map(|i| format!("w{} ", i * 7919 % 1009)).collect();
+        let first = format!("{document}first question?");
+        let w1 = a.on_the_wire(&routed_with(WirePrefix::Text(first.clone())));
+        assert_eq!(w1.prefix, WirePrefix::Text(first.clone()), "nothing is shared yet");
+        let mut r1 = over_the_wire(&w1);
+        assert!(b.resolve(&mut r1));
+        assert_eq!(r1.prefix, WirePrefix::Text(first));
+
+        let second = format!("{document}and a second question?");
+        let w2 = a.on_the_wire(&routed_with(WirePrefix::Text(second.clone())));
+        let WirePrefix::TextRef { rest, .. } = &w2.prefix else { panic!("{:?}", w2.prefix) };
+        assert!(rest.len() < 300 && w2.size_estimate() < 600, "{} bytes of {}", rest.len(), second.len());
+        let mut r2 = over_the_wire(&w2);
+        assert!(b.resolve(&mut r2));
+        assert_eq!(r2, routed_with(WirePrefix::Text(second)), "everything else as sent");
+
+        // A replica that never saw the document applies the event without its prompt.
+        let mut r3 = over_the_wire(&w2);
+        assert!(!late.resolve(&mut r3));
+        assert_eq!(r3, routed_with(WirePrefix::None));
+    }
+
     #[test]
     fn long_text_is_cut_at_a_character_boundary() {
         let t = "é".repeat(MAX_EVENT_TEXT);
@@ -439,7 +576,7 @@ mod tests {
 
     #[test]
     fn the_snapshot_log_keeps_its_bounds() {
-        let mut r = Recent::default();
+        let mut r = Recent::bounded(SNAPSHOT_MAX_BYTES);
         let ev = RoutedEvent {
             id: 0,
             model: String::new(),

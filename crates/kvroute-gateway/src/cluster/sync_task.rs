@@ -130,8 +130,9 @@ async fn publish(
         for e in buf.drain(..) {
             let ev = match e {
                 Out::Routed(r) => {
-                    sync.recent.lock().push(Arc::new((*r).clone()));
-                    WireEvent::Routed(*r)
+                    let wire = sync.on_the_wire(&r);
+                    sync.recent.lock().push(Arc::from(r));
+                    WireEvent::Routed(wire)
                 }
                 Out::FirstToken(id) => WireEvent::FirstToken(id),
                 Out::Done(id) => WireEvent::Done(id),
@@ -268,11 +269,16 @@ impl Peers {
         }
         peer.last_seq = batch.seq;
         peer.heard = now;
+        // Outcomes counted once per batch: [applied, policy_mismatch, unresolved, unknown_worker].
+        let mut outcomes = [0u64; 4];
         for ev in batch.events {
             match ev {
-                WireEvent::Routed(r) => {
+                WireEvent::Routed(mut r) => {
+                    if !sync.resolve(&mut r) {
+                        outcomes[2] += 1;
+                    }
                     let Some(w) = state.fleet.by_url(&r.worker) else {
-                        sync.count("unknown_worker", 1);
+                        outcomes[3] += 1;
                         continue;
                     };
                     if self.tickets < MAX_REMOTE_TICKETS {
@@ -281,9 +287,8 @@ impl Peers {
                             self.tickets += 1;
                         }
                     }
-                    let outcome =
-                        if commit(state, &r, w.id, Wait::Yield).await { "applied" } else { "policy_mismatch" };
-                    sync.count(outcome, 1);
+                    let applied = commit(state, &r, w.id, Wait::Yield).await;
+                    outcomes[usize::from(!applied)] += 1;
                     sync.recent.lock().push(Arc::new(r));
                 }
                 WireEvent::FirstToken(id) => {
@@ -296,6 +301,11 @@ impl Peers {
                         self.tickets -= 1;
                     }
                 }
+            }
+        }
+        for (outcome, n) in ["applied", "policy_mismatch", "unresolved", "unknown_worker"].into_iter().zip(outcomes) {
+            if n > 0 {
+                sync.count(outcome, n);
             }
         }
         state.metrics.sync_remote_in_flight.set(self.tickets as i64);
@@ -342,7 +352,8 @@ pub(crate) async fn commit(state: &AppState, r: &RoutedEvent, worker: WorkerId, 
         role: Role::Both,
     };
     match &r.prefix {
-        WirePrefix::None => {}
+        // A reference is resolved before it gets here (`ReplicaSync::resolve`).
+        WirePrefix::None | WirePrefix::TextRef { .. } => {}
         WirePrefix::Text(t) => view.text = Some(t),
         WirePrefix::Tokens(t) => view.token_ids = Some(t),
         WirePrefix::Blocks(b, bs) => {
@@ -402,7 +413,8 @@ async fn fetch_snapshot(state: &AppState, sync: &ReplicaSync, client: &async_nat
             continue;
         }
         next_part += 1;
-        for r in chunk.events {
+        for mut r in chunk.events {
+            sync.resolve(&mut r);
             if let Some(w) = state.fleet.by_url(&r.worker) {
                 commit(state, &r, w.id, Wait::Block).await;
                 applied += 1;

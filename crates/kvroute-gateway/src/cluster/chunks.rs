@@ -1,0 +1,254 @@
+//! Prompt text the cluster has already seen, in chained chunks, so a replica announces a
+//! prompt as "the text of chunk chain `base`, then these bytes" instead of sending again the
+//! system prompt or document every replica already holds.
+//!
+//! A text is cut into chunks of [`CHUNK_BYTES`] (less at a character boundary; the last,
+//! shorter part is never a chunk). Each chunk is named by a 64-bit hash of its bytes seeded
+//! with its parent's name (XXH3), like the chained block hashes of vLLM's and SGLang's prefix
+//! caches: equal names mean equal text from the start. Every replica learns the chunks of
+//! every prompt it announces or applies, in a store bounded to [`STORE_CHUNKS`] chunks and
+//! evicted least recently used first.
+//!
+//! - [`ChunkStore::encode`]: the longest prefix of a text whose chunks the store holds (each
+//!   compared byte for byte, so a hash collision cannot pass), then the rest; learns the text.
+//! - [`ChunkStore::resolve`]: rebuilds the text a peer encoded; `None` when a chunk of the
+//!   chain is not here (evicted, or its announcement lost or not yet arrived), and the
+//!   receiver then applies the event without its prompt (counted by the caller).
+//!
+//! Pure data: imports nothing of the gateway.
+
+use lru::LruCache;
+
+/// Target bytes per chunk (a chunk ends at the character boundary at or before it).
+pub const CHUNK_BYTES: usize = 256;
+/// Most chunks held (about 330 bytes each with their index: 5.2 MiB at most).
+pub const STORE_CHUNKS: usize = 16_384;
+/// Longest chain resolved (128 KiB of text at [`CHUNK_BYTES`], the sync's longest prompt).
+pub const MAX_CHAIN: u32 = 512;
+
+/// A text as announced: the first `chunks` chunks of chain `base`, then `rest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Encoded {
+    /// The name of the last shared chunk (0 when none is shared).
+    pub base: u64,
+    /// How many chunks the shared prefix has (0 when none).
+    pub chunks: u32,
+    /// The text after them.
+    pub rest: String,
+}
+
+#[derive(Debug)]
+struct Chunk {
+    parent: u64,
+    text: Box<str>,
+}
+
+/// The chunks learned, by name (see the module docs).
+#[derive(Debug)]
+pub struct ChunkStore {
+    chunks: LruCache<u64, Chunk, foldhash::fast::FixedState>,
+    cap: usize,
+}
+
+impl Default for ChunkStore {
+    fn default() -> Self {
+        Self::with_capacity(STORE_CHUNKS)
+    }
+}
+
+/// The chunks of `text` as (start, end) byte ranges: full chunks only.
+fn spans(text: &str) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let mut start = 0;
+    std::iter::from_fn(move || {
+        let end = text.floor_char_boundary(start + CHUNK_BYTES);
+        if start + CHUNK_BYTES > text.len() || end == start {
+            return None;
+        }
+        let s = (start, end);
+        start = end;
+        Some(s)
+    })
+}
+
+fn name(parent: u64, chunk: &str) -> u64 {
+    // 0 names "no chunk": a chunk whose hash is 0 is renamed, consistently everywhere.
+    xxhash_rust::xxh3::xxh3_64_with_seed(chunk.as_bytes(), parent).max(1)
+}
+
+impl ChunkStore {
+    /// A store holding at most `cap` chunks (at least 1).
+    pub fn with_capacity(cap: usize) -> Self {
+        ChunkStore { chunks: LruCache::unbounded_with_hasher(foldhash::fast::FixedState::default()), cap: cap.max(1) }
+    }
+
+    /// Chunks held.
+    pub fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Whether no chunk is held.
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// `text` as the longest prefix of chunks this store holds and the rest; learns every
+    /// chunk of `text`.
+    pub fn encode(&mut self, text: &str) -> Encoded {
+        let (mut parent, mut chunks, mut cut) = (0u64, 0u32, 0usize);
+        let mut names = Vec::with_capacity(text.len() / CHUNK_BYTES);
+        for (s, e) in spans(text) {
+            let piece = &text[s..e];
+            let h = name(parent, piece);
+            let known = names.len() == chunks as usize
+                && self.chunks.get(&h).is_some_and(|c| c.parent == parent && *c.text == *piece);
+            if known {
+                chunks += 1;
+                cut = e;
+            } else {
+                self.insert(h, parent, piece);
+            }
+            names.push(h);
+            parent = h;
+        }
+        self.promote(&names);
+        let base = if chunks == 0 { 0 } else { names[chunks as usize - 1] };
+        Encoded { base, chunks, rest: text[cut..].to_string() }
+    }
+
+    /// The text a peer encoded as `e`, if every chunk of its chain is here; learns it.
+    pub fn resolve(&mut self, e: &Encoded) -> Option<String> {
+        if e.chunks > MAX_CHAIN {
+            return None;
+        }
+        let mut chain: Vec<(u64, &str)> = Vec::with_capacity(e.chunks as usize);
+        let mut at = e.base;
+        for _ in 0..e.chunks {
+            let c = self.chunks.peek(&at)?;
+            chain.push((at, &c.text));
+            at = c.parent;
+        }
+        if at != 0 {
+            // The chain is longer than announced: not the same prefix.
+            return None;
+        }
+        let mut text = String::with_capacity(chain.iter().map(|(_, p)| p.len()).sum::<usize>() + e.rest.len());
+        let mut names: Vec<u64> = Vec::with_capacity(chain.len() + e.rest.len() / CHUNK_BYTES);
+        for &(h, p) in chain.iter().rev() {
+            text.push_str(p);
+            names.push(h);
+        }
+        let cut = text.len();
+        text.push_str(&e.rest);
+        // The chain first, so that learning the rest cannot evict it.
+        self.promote(&names);
+        self.learn_after(e.base, &text[cut..], &mut names);
+        self.promote(&names);
+        Some(text)
+    }
+
+    /// Learns every chunk of `text`.
+    pub fn learn(&mut self, text: &str) {
+        let mut names = Vec::with_capacity(text.len() / CHUNK_BYTES);
+        self.learn_after(0, text, &mut names);
+        self.promote(&names);
+    }
+
+    /// Learns the chunks of `text` as the continuation of chunk `parent` (0: from the start),
+    /// appending their names to `names`.
+    fn learn_after(&mut self, mut parent: u64, text: &str, names: &mut Vec<u64>) {
+        for (s, e) in spans(text) {
+            let piece = &text[s..e];
+            let h = name(parent, piece);
+            if self.chunks.get(&h).is_none() {
+                self.insert(h, parent, piece);
+            }
+            names.push(h);
+            parent = h;
+        }
+    }
+
+    /// Makes a text's chunks (`names`, in text order) the most recently used, its first
+    /// chunk last: a chunk is of no use without its parents, so parents outlive children.
+    fn promote(&mut self, names: &[u64]) {
+        for h in names.iter().rev() {
+            self.chunks.promote(h);
+        }
+    }
+
+    fn insert(&mut self, h: u64, parent: u64, piece: &str) {
+        self.chunks.put(h, Chunk { parent, text: piece.into() });
+        while self.chunks.len() > self.cap {
+            self.chunks.pop_lru();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc(seed: usize, bytes: usize) -> String {
+        let mut s = String::new();
+        let mut i = seed;
+        while s.len() < bytes {
+            s.push_str(&format!("word{} ", i % 97));
+            i = i.wrapping_mul(31).wrapping_add(7);
+        }
+        s
+    }
+
+    #[test]
+    fn a_text_sent_again_goes_as_its_chain_and_the_new_tail() {
+        let (mut a, mut b) = (ChunkStore::default(), ChunkStore::default());
+        let system = doc(1, 4000);
+        let first = format!("{system}question one?");
+        let e1 = a.encode(&first);
+        assert_eq!((e1.chunks, e1.base), (0, 0), "nothing is known yet: the whole text");
+        assert_eq!(b.resolve(&e1).as_deref(), Some(first.as_str()));
+        let second = format!("{system}question two, a little longer?");
+        let e2 = a.encode(&second);
+        assert!(e2.chunks >= 15, "the system prompt's chunks are shared: {}", e2.chunks);
+        assert!(e2.rest.len() < CHUNK_BYTES + 40, "{}", e2.rest.len());
+        assert_eq!(b.resolve(&e2).as_deref(), Some(second.as_str()));
+    }
+
+    #[test]
+    fn multibyte_text_is_cut_at_character_boundaries() {
+        let (mut a, mut b) = (ChunkStore::default(), ChunkStore::default());
+        let t = "é漢🦀".repeat(400);
+        let e = a.encode(&t);
+        assert_eq!(b.resolve(&e).as_deref(), Some(t.as_str()));
+        let longer = format!("{t}and more");
+        let e = a.encode(&longer);
+        assert!(e.chunks > 0);
+        assert_eq!(b.resolve(&e).as_deref(), Some(longer.as_str()));
+    }
+
+    #[test]
+    fn a_chain_the_receiver_lacks_does_not_resolve() {
+        let (mut a, mut b) = (ChunkStore::default(), ChunkStore::default());
+        let t = doc(2, 3000);
+        a.encode(&t);
+        let e = a.encode(&format!("{t} again"));
+        assert!(e.chunks > 0);
+        assert_eq!(b.resolve(&e), None, "b never saw the first text");
+        // A forged count (longer or shorter than the chain) does not resolve to another text.
+        b.learn(&t);
+        assert_eq!(b.resolve(&Encoded { chunks: e.chunks + 1, ..e.clone() }), None);
+        assert_eq!(b.resolve(&Encoded { chunks: e.chunks - 1, ..e.clone() }), None);
+        assert!(b.resolve(&e).is_some());
+    }
+
+    #[test]
+    fn the_store_keeps_its_bound_and_evicts_the_least_recently_used() {
+        let mut s = ChunkStore::with_capacity(64);
+        let hot = doc(3, 8 * CHUNK_BYTES);
+        for i in 0..200 {
+            s.encode(&hot);
+            s.encode(&doc(1000 + i, 4 * CHUNK_BYTES));
+            assert!(s.len() <= 64);
+        }
+        let e = s.encode(&format!("{hot}tail"));
+        assert!(e.chunks >= 7, "the hot text stays: {}", e.chunks);
+    }
+}
