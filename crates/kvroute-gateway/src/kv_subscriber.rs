@@ -350,8 +350,9 @@ impl Follow<'_> {
 }
 
 /// Applies one batch's `events` of worker `w` to the precise index `ix` at `now`, as the
-/// applier does to each copy of the index (also what `kvroute bench kv-events` times). Returns the events skipped: those of a KV-cache group other than the main
-/// attention group (`group_idx` 0).
+/// applier does to each copy of the index (also what `kvroute bench kv-events` times).
+/// Returns the events skipped: those of a KV-cache group other than the main attention
+/// group (`group_idx` 0).
 pub fn apply_events(ix: &mut PreciseIndex, w: WorkerId, events: &[KvEvent], now: Nanos) -> u64 {
     let mut skipped = 0u64;
     for e in events {

@@ -53,9 +53,8 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     pub shared_blocks: usize,
     /// Decoded batches applied in one write (the gateway's applier: up to 32 queued ones,
-    /// `kv_subscriber::OPS_PER_WRITE`). More
-    /// amortises the lock's handoff between ingestion and decisions, and holds decisions up
-    /// for as many batches at a time.
+    /// `kv_subscriber::OPS_PER_WRITE`). More amortises the lock's handoff between ingestion
+    /// and decisions, and holds decisions up for as many batches at a time.
     #[arg(long, default_value_t = 1)]
     pub batches_per_lock: usize,
     /// Copies of the index (the gateway's `policy_copies`): 2, ingestion writes both in

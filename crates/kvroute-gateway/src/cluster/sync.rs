@@ -371,8 +371,11 @@ impl ReplicaSync {
 
     /// `r` as it goes on the wire: a prompt text as the chunk chain the cluster already
     /// holds and the rest ([`WirePrefix::TextRef`]) when it shares one, else as it is.
-    pub(crate) fn on_the_wire(&self, r: &RoutedEvent) -> RoutedEvent {
-        let prefix = match &r.prefix {
+    pub(crate) fn on_the_wire(&self, r: &mut RoutedEvent) -> RoutedEvent {
+        // The prompt is set aside while the rest of the event is cloned.
+        let prompt = std::mem::replace(&mut r.prefix, WirePrefix::None);
+        let mut wire = r.clone();
+        wire.prefix = match &prompt {
             WirePrefix::Text(t) => {
                 let e = self.chunks.lock().encode(t);
                 if e.chunks == 0 {
@@ -383,21 +386,8 @@ impl ReplicaSync {
             }
             other => other.clone(),
         };
-        RoutedEvent {
-            id: r.id,
-            model: r.model.clone(),
-            worker: r.worker.clone(),
-            policy: r.policy.clone(),
-            prefix,
-            blocks: r.blocks.clone(),
-            block_tokens: r.block_tokens,
-            session: r.session.clone(),
-            input_tokens: r.input_tokens,
-            output_tokens: r.output_tokens,
-            uncached: r.uncached,
-            decode: r.decode,
-            pool: r.pool,
-        }
+        r.prefix = prompt;
+        wire
     }
 
     /// Turns a received event's [`WirePrefix::TextRef`] back into its text, and learns the
@@ -546,14 +536,14 @@ mod tests {
         );
         let document: String = (0..600).map(|i| format!("w{} ", i * 7919 % 1009)).collect();
         let first = format!("{document}first question?");
-        let w1 = a.on_the_wire(&routed_with(WirePrefix::Text(first.clone())));
+        let w1 = a.on_the_wire(&mut routed_with(WirePrefix::Text(first.clone())));
         assert_eq!(w1.prefix, WirePrefix::Text(first.clone()), "nothing is shared yet");
         let mut r1 = over_the_wire(&w1);
         assert!(b.resolve(&mut r1));
         assert_eq!(r1.prefix, WirePrefix::Text(first));
 
         let second = format!("{document}and a second question?");
-        let w2 = a.on_the_wire(&routed_with(WirePrefix::Text(second.clone())));
+        let w2 = a.on_the_wire(&mut routed_with(WirePrefix::Text(second.clone())));
         let WirePrefix::TextRef { rest, .. } = &w2.prefix else { panic!("{:?}", w2.prefix) };
         assert!(rest.len() < 300 && w2.size_estimate() < 600, "{} bytes of {}", rest.len(), second.len());
         let mut r2 = over_the_wire(&w2);

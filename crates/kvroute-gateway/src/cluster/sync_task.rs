@@ -129,8 +129,8 @@ async fn publish(
         let mut size = 64;
         for e in buf.drain(..) {
             let ev = match e {
-                Out::Routed(r) => {
-                    let wire = sync.on_the_wire(&r);
+                Out::Routed(mut r) => {
+                    let wire = sync.on_the_wire(&mut r);
                     sync.recent.lock().push(Arc::from(r));
                     WireEvent::Routed(wire)
                 }
