@@ -24,9 +24,51 @@ pub fn smallest_k<T: Ord>(items: impl IntoIterator<Item = T>, k: usize) -> Small
     best
 }
 
+/// The value of `key` in `items` (sorted by key, keys distinct), for a caller asking for
+/// keys mostly in increasing order (a fleet's candidates, usually listed by worker id):
+/// `next` is a cursor kept between calls (start at 0). O(1) for a key at or just past the
+/// cursor, O(log n) otherwise; right in any order.
+#[inline]
+pub fn find_sorted<K: Ord + Copy, V: Copy>(items: &[(K, V)], next: &mut usize, key: K) -> Option<V> {
+    if let Some(&(k, v)) = items.get(*next)
+        && k == key
+    {
+        *next += 1;
+        return Some(v);
+    }
+    // Every entry before the cursor is below `key`, and the one at it above: not there.
+    let after_previous = *next == 0 || items.get(*next - 1).is_some_and(|e| e.0 < key);
+    if after_previous && items.get(*next).is_none_or(|e| e.0 > key) {
+        return None;
+    }
+    match items.binary_search_by_key(&key, |e| e.0) {
+        Ok(i) => {
+            *next = i + 1;
+            Some(items[i].1)
+        }
+        Err(i) => {
+            *next = i;
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sorted_list_answers_keys_asked_in_any_order() {
+        let items = [(1, 'a'), (5, 'b'), (9, 'c')];
+        for order in [[0, 1, 5, 6, 9, 10], [10, 9, 6, 5, 1, 0], [5, 1, 9, 0, 10, 6], [9, 1, 5, 5, 0, 6]] {
+            let mut next = 0;
+            for k in order {
+                let want = items.iter().find(|e| e.0 == k).map(|e| e.1);
+                assert_eq!(find_sorted(&items, &mut next, k), want, "key {k} in order {order:?}");
+            }
+        }
+        assert_eq!(find_sorted::<u32, char>(&[], &mut 0, 3), None);
+    }
 
     #[test]
     fn the_k_smallest_come_out_sorted_and_ties_keep_their_order() {

@@ -369,3 +369,67 @@ proptest! {
         }
     }
 }
+
+/// One change to a [`kvroute_core::lru_blocks::WorkerBlockSets`].
+#[derive(Debug, Clone)]
+enum SetOp {
+    /// Insert these hashes on this worker, with this capacity, resizing or not.
+    Insert(u32, Vec<u64>, usize, bool),
+    /// Forget the worker.
+    Remove(u32),
+    /// Forget everything.
+    Clear,
+}
+
+fn set_op() -> impl Strategy<Value = SetOp> {
+    prop_oneof![
+        12 => (0u32..12, prop::collection::vec(0u64..8, 1..8), 1usize..6, any::<bool>())
+            .prop_map(|(w, h, cap, resize)| SetOp::Insert(w, h, cap, resize)),
+        2 => (0u32..12).prop_map(SetOp::Remove),
+        1 => Just(SetOp::Clear),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// The fleet-wide answer from the reverse index is each worker's own LRU set's answer,
+    /// through inserts that evict (capacities of 1–5 blocks, prompts up to 7), resizes,
+    /// removals and clears, asked in any order, for workers with and without a set.
+    #[test]
+    fn the_fleet_wide_hits_are_each_worker_s_own_estimate(
+        ops in prop::collection::vec(set_op(), 0..80),
+        probe in prop::collection::vec(0u64..8, 0..8),
+        asked in prop::collection::vec(0u32..14, 0..30),
+    ) {
+        use kvroute_core::lru_blocks::WorkerBlockSets;
+        let mut sets = WorkerBlockSets::default();
+        for op in &ops {
+            match op {
+                SetOp::Insert(w, h, cap, resize) => {
+                    let h: Vec<BlockHash> = h.iter().map(|&x| BlockHash(x)).collect();
+                    sets.insert(WorkerId(*w), &h, *cap, *resize);
+                }
+                SetOp::Remove(w) => sets.remove_worker(WorkerId(*w)),
+                SetOp::Clear => sets.clear(),
+            }
+        }
+        let probe: Vec<BlockHash> = probe.iter().map(|&x| BlockHash(x)).collect();
+        // In increasing id order (the fast path), then in the order asked.
+        let mut hits = sets.hits(&probe);
+        let holding = (0..14).filter(|&w| sets.hit(WorkerId(w), &probe) > 0).count();
+        prop_assert_eq!(hits.len(), holding);
+        for w in 0..14 {
+            prop_assert_eq!(hits.get(WorkerId(w)), sets.hit(WorkerId(w), &probe) as u64, "worker {}", w);
+        }
+        let mut hits = sets.hits(&probe);
+        for &w in &asked {
+            prop_assert_eq!(hits.get(WorkerId(w)), sets.hit(WorkerId(w), &probe) as u64, "worker {} asked out of order", w);
+        }
+        let total: u64 = (0..12).map(|w| sets.len_of(WorkerId(w)) as u64).sum();
+        prop_assert_eq!(sets.total(), total);
+        // The reverse index keeps no block nobody holds.
+        let held = (0..8u64).filter(|&h| (0..12).any(|w| sets.hit(WorkerId(w), &[BlockHash(h)]) > 0)).count();
+        prop_assert_eq!(sets.distinct_blocks(), held);
+    }
+}

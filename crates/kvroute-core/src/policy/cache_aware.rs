@@ -133,7 +133,7 @@ impl Policy for CacheAware {
         let Some(key) = key else { return Err(RouteError::NoWorker) };
         let m = BestMatch::of(&self.trees, key, req, c);
         let (w, branch) = if m.rate > self.cfg.cache_threshold && !m.holders.is_empty() {
-            (self.least_loaded(c, |w| m.is_holder(w.id)), Branch::HighMatch)
+            (rotate(&m.least_loaded_holders(c), &self.rotation), Branch::HighMatch)
         } else {
             let trees = &self.trees;
             let tied = argmin_by(c, |_| true, |w| (trees.tenant_size(w.id), w.load()));

@@ -287,18 +287,19 @@ impl Policy for KvScore {
         let live = **self.live.load();
         let w = live.weights;
         let routable = || c.iter().filter(|w| w.is_routable());
-        let max_watts = routable().filter_map(|w| w.power_watts).fold(0.0_f64, f64::max);
-        let max_cap = routable().map(capacity_raw).fold(0.0_f64, f64::max);
         let queued = |v: &WorkerView| {
             v.pending_prefill_tokens as f64
                 + QUEUE_TOKENS_PER_REQUEST * f64::from(v.in_flight.saturating_add(v.waiting))
         };
-        let max_queued = routable().map(queued).fold(0.0_f64, f64::max);
+        // The fleet's maxima the terms are normalised by, in one pass.
+        let (max_watts, max_cap, max_queued) = routable().fold((0.0_f64, 0.0_f64, 0.0_f64), |(wt, cp, q), v| {
+            (v.power_watts.map_or(wt, |x| wt.max(x)), cp.max(capacity_raw(v)), q.max(queued(v)))
+        });
         let n_blocks = blocks.len();
         let mut scored: Vec<(f64, WorkerId, Option<u64>)> = Vec::with_capacity(c.len());
+        let mut next = 0; // `overlaps` is sorted by worker id, as candidates usually are.
         for v in routable() {
-            // `overlaps` is sorted by worker id.
-            let held = overlaps.binary_search_by_key(&v.id, |(id, _)| *id).map_or(0, |i| overlaps[i].1);
+            let held = crate::select::find_sorted(&overlaps, &mut next, v.id).unwrap_or(0);
             let overlap = match v.cached_tokens {
                 // Precise (engine KV events): the cached share of the first prefix_tokens.
                 Some(t) => {

@@ -32,15 +32,16 @@
 //!   do; the TTFT fit (`overhead`, `scale`) is exported, not ranked on. The measurements
 //!   behind each term: docs/lab/2026-11-26-policy-module-history.md.
 
-use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig};
-use crate::policy::util::{mean_load, mean_max_concurrent, mean_waiting, rotate};
+use crate::lru_blocks::Hits;
+use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig, Scan};
+use crate::policy::util::{FleetMeans, rotate};
 use crate::policy::{
     Branch, Decision, KnobError, Observation, PickCtx, Policy, RequestKey, RouteError, TtftPrediction, patch_knobs,
 };
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// The knobs `least_ttft` adds to `prefill_cost`'s.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -226,6 +227,10 @@ pub struct LeastTtft {
     /// `prefill_cost`'s state and cost terms: the LRU block sets, sessions and rotation.
     cost: PrefillCost,
     profiles: HashMap<WorkerId, WorkerProfile, foldhash::fast::FixedState>,
+    /// The `hit_ratio`s of the profiles with hit observations, as a multiset (bits of a
+    /// non-negative f64, which order as the numbers do → count): its last key is
+    /// [`LeastTtft::best_hit_ratio`], read by every decision without a pass over the fleet.
+    hit_ratios: BTreeMap<u64, u32>,
 }
 
 /// One candidate's terms.
@@ -240,12 +245,26 @@ struct Candidate {
 impl LeastTtft {
     /// A policy with `cfg` and `prefill_cost`'s knobs `cost` (validated by the registry).
     pub fn new(cfg: LeastTtftConfig, cost: PrefillCostConfig) -> Self {
-        LeastTtft { cfg, cost: PrefillCost::new(cost), profiles: HashMap::default() }
+        LeastTtft { cfg, cost: PrefillCost::new(cost), profiles: HashMap::default(), hit_ratios: BTreeMap::new() }
     }
 
     /// The learned profile of `worker` (`None` before its first observation).
     pub fn profile(&self, worker: WorkerId) -> Option<WorkerProfile> {
         self.profiles.get(&worker).copied()
+    }
+
+    /// Takes `p`'s `hit_ratio` out of [`LeastTtft::hit_ratios`] (when it has hit samples).
+    fn forget_hit_ratio(&mut self, p: &WorkerProfile) {
+        if p.hit_samples == 0 {
+            return;
+        }
+        let key = hit_ratio_key(p.hit_ratio);
+        if let Some(n) = self.hit_ratios.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                self.hit_ratios.remove(&key);
+            }
+        }
     }
 
     /// The fleet's fit: geometric mean of the fitted workers' scales and mean of their
@@ -262,19 +281,19 @@ impl LeastTtft {
 
     /// The best `hit_ratio` of the workers with hit observations (1 when none has any).
     fn best_hit_ratio(&self) -> f64 {
-        self.profiles.values().filter(|p| p.hit_samples > 0).map(|p| p.hit_ratio).reduce(f64::max).unwrap_or(1.0)
+        self.hit_ratios.last_key_value().map_or(1.0, |(bits, _)| f64::from_bits(*bits))
     }
 
     /// The share of `miss_weight − 1` charged now: `min(1, mean waiting / scale)` over the
     /// routable workers, `scale` being `miss_queue_scale` or, when smaller, the workers'
     /// mean `max_concurrent` — a queue is full when it holds what a worker runs at once (a
     /// llama.cpp worker with 2 slots: 2) — and 1 when `miss_queue_scale` is 0.
-    fn miss_share(&self, c: &[WorkerView]) -> f64 {
+    fn miss_share(&self, means: &FleetMeans) -> f64 {
         if self.cfg.miss_queue_scale == 0.0 {
             return 1.0;
         }
-        let scale = mean_max_concurrent(c).map_or(self.cfg.miss_queue_scale, |b| self.cfg.miss_queue_scale.min(b));
-        (mean_waiting(c) / scale).min(1.0)
+        let scale = means.max_concurrent.map_or(self.cfg.miss_queue_scale, |b| self.cfg.miss_queue_scale.min(b));
+        (means.waiting / scale).min(1.0)
     }
 
     /// The session balance gate's load bound for `req` when the gate excludes a worker, or
@@ -285,15 +304,15 @@ impl LeastTtft {
     /// every worker is a candidate). A worker is within when its load with the request
     /// (`load + 1`) is at most `max(session_balance_rel × mean load, mean load +
     /// session_balance_abs)`, the mean over the routable workers.
-    fn session_cap(&self, req: &RequestView<'_>, c: &[WorkerView]) -> Option<f64> {
+    fn session_cap(&self, req: &RequestView<'_>, c: &[WorkerView], means: &FleetMeans) -> Option<f64> {
         let rel = self.cfg.session_balance_rel;
         let sid = req.session_id?;
         if rel == 0.0 || self.cost.sessions.get(sid).is_some() {
             return None;
         }
-        let mean = mean_load(c)?;
+        let mean = means.load?;
         let cap = (rel * mean).max(mean + self.cfg.session_balance_abs);
-        if cap > mean_max_concurrent(c)? {
+        if cap > means.max_concurrent? {
             return None;
         }
         let (inside, outside) = c
@@ -319,36 +338,111 @@ impl LeastTtft {
 
     /// One worker's charge and TTFT prediction for the request `a` describes.
     fn terms(&self, w: &WorkerView, a: &Ask<'_>) -> Candidate {
-        let Ask { key, input, stall, miss_share, fleet, best_hit } = *a;
+        let hit = if w.cached_tokens.is_some() { 0 } else { self.cost.sets.hit(w.id, &a.key.blocks) as u64 };
+        let charge = self.charge(w, a, hit, &self.queue(w));
+        // The fleet's fit (a pass over the profiles) only for a worker without its own.
+        let (scale, overhead) =
+            self.profiles.get(&w.id).and_then(|p| p.fit(self.cfg.max_scale)).unwrap_or_else(|| self.fleet_fit());
+        let uncalibrated_secs = charge.uncharged / self.cfg.prefill_tokens_per_sec;
+        Candidate {
+            id: w.id,
+            cached: charge.cached,
+            hit: charge.hit,
+            score: charge.score,
+            prediction: TtftPrediction { secs: overhead + scale * uncalibrated_secs, uncalibrated_secs },
+        }
+    }
+
+    /// What `w` has queued ([`Queue`]).
+    fn queue(&self, w: &WorkerView) -> Queue {
+        let load = f64::from(w.load());
+        let decode = self.decode_charge(w, load);
+        let factor = 1.0 + self.cost.cfg.batch_factor * load;
+        let bound = (w.pending_prefill_tokens as f64 + decode) * factor;
+        Queue { load, decode, factor, bound }
+    }
+
+    /// The score part of [`LeastTtft::terms`] (what ranks the workers; the prediction is
+    /// computed for the chosen worker only), with the leading blocks of the request `w`'s
+    /// estimate holds, `hit`, already known (from the fleet-wide
+    /// [`crate::lru_blocks::WorkerBlockSets::hits`]).
+    fn charge(&self, w: &WorkerView, a: &Ask<'_>, hit: u64, queue: &Queue) -> Charge {
+        let Ask { key, input, stall, miss_share, best_hit, .. } = *a;
         let c = &self.cost.cfg;
-        let (cached, hit) = self.cost.cached(w, key, input);
-        let profile = self.profiles.get(&w.id);
-        let (scale, overhead) = profile.and_then(|p| p.fit(self.cfg.max_scale)).unwrap_or(fleet);
-        let hit_factor = match (self.cfg.calibrate_hits, profile.filter(|p| p.hit_samples > 0)) {
-            (true, Some(p)) if best_hit > 0.0 => (p.hit_ratio / best_hit / HIT_SHORTFALL).min(1.0),
-            _ => 1.0,
+        let (cached, hit) = PrefillCost::cached_of(w, key, input, hit);
+        // What the worker's engine really serves of what it holds (its profile is read only
+        // when it holds something: nothing cached attends nothing).
+        let hit_factor = match (self.cfg.calibrate_hits && cached > 0 && best_hit > 0.0)
+            .then(|| self.profiles.get(&w.id).filter(|p| p.hit_samples > 0))
+            .flatten()
+        {
+            Some(p) => (p.hit_ratio / best_hit / HIT_SHORTFALL).min(1.0),
+            None => 1.0,
         };
         let attended = cached as f64 * hit_factor;
         let own = input as f64 - attended;
         // The own prefill's attention over what it follows (0 with `context_weight` 0).
         let own = own * (1.0 + self.cfg.context_weight * (attended + own / 2.0));
-        let load = f64::from(w.load());
-        let decode = self.decode_charge(w, load);
+        let Queue { load, decode, factor, .. } = *queue;
         let pending = w.pending_prefill_tokens as f64;
         let miss_weight = if c.miss_weight > 1.0 { 1.0 + (c.miss_weight - 1.0) * miss_share } else { c.miss_weight };
         let shared = self.cfg.waiting_delay_weight * waiting(w, load).min(self.cfg.waiting_delay_cap);
         let per_token = miss_weight + self.cost.stall_charge(stall, load) + shared;
-        let charged = (pending + own * per_token + decode) * (1.0 + c.batch_factor * load);
-        let tps = self.cfg.prefill_tokens_per_sec;
-        let uncalibrated_secs = (pending + own + decode) / tps;
-        Candidate {
+        let charged = (pending + own * per_token + decode) * factor;
+        Charge {
             id: w.id,
             cached,
             hit,
-            score: charged / tps,
-            prediction: TtftPrediction { secs: overhead + scale * uncalibrated_secs, uncalibrated_secs },
+            charged,
+            score: charged / self.cfg.prefill_tokens_per_sec,
+            uncharged: pending + own + decode,
         }
     }
+}
+
+/// What a worker has queued before a request, the terms of its score the request does not
+/// change ([`LeastTtft::queue`]).
+#[derive(Clone, Copy)]
+struct Queue {
+    /// [`WorkerView::load`].
+    load: f64,
+    /// [`LeastTtft::decode_charge`] at `load`, prefill tokens.
+    decode: f64,
+    /// `1 + batch_factor × load`.
+    factor: f64,
+    /// `(pending + decode) × factor`: a lower bound of the charged tokens
+    /// ([`Charge::charged`]).
+    bound: f64,
+}
+
+impl Queue {
+    /// Whether the worker would lose to a worker that charged `best` tokens (and not tie
+    /// with it) whatever the request, judged from [`Queue::bound`]: its queued prefill and
+    /// decode charge alone. The request's own prefill, the term left out, is non-negative,
+    /// as every term of [`LeastTtft::charge`] is (the knobs are validated so), and the
+    /// charge is computed with the same floating-point operations on operands at least as
+    /// large, which round monotonically, so the bound never exceeds it. Scores are the
+    /// charges over one positive constant: a bound past the best by more than twice the
+    /// tie tolerance ([`tied`]) is a score the full scan would have passed over, so
+    /// skipping the worker changes no decision.
+    fn loses_to(&self, best: f64) -> bool {
+        self.bound > best && self.bound - best > 2e-9 * self.bound
+    }
+}
+
+/// A worker's score for one request ([`LeastTtft::charge`]).
+#[derive(Clone, Copy)]
+struct Charge {
+    id: WorkerId,
+    cached: u64,
+    hit: Match,
+    /// Prefill tokens charged: the queue's, the request's own at its per-token charge, and
+    /// the decode charge, times `1 + batch_factor × load`.
+    charged: f64,
+    /// `charged` over `prefill_tokens_per_sec`: what the decision minimises.
+    score: f64,
+    /// The same prefill tokens without the charges (what the prediction is built on).
+    uncharged: f64,
 }
 
 /// What one decision knows of the request and the fleet before it scores a worker.
@@ -362,8 +456,6 @@ struct Ask<'a> {
     stall: f64,
     /// The share of `miss_weight − 1` charged now ([`LeastTtft::miss_share`]).
     miss_share: f64,
-    /// The fleet's fit (scale, overhead seconds), used for a worker not fitted yet.
-    fleet: (f64, f64),
     /// The best `hit_ratio` of the workers with hit observations.
     best_hit: f64,
 }
@@ -386,9 +478,48 @@ fn within(w: &WorkerView, cap: f64) -> bool {
     f64::from(w.load()) + 1.0 <= cap
 }
 
+/// The key of `hit_ratio` (in [0, 1]) in [`LeastTtft::hit_ratios`]: its bits, `+0.0`'s for
+/// `-0.0`, so keys order as the ratios do.
+fn hit_ratio_key(hit_ratio: f64) -> u64 {
+    (hit_ratio + 0.0).max(0.0).to_bits()
+}
+
 /// `a` and `b` equal within a relative 1e-9 (scores of identical workers).
 fn tied(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1e-12)
+}
+
+impl LeastTtft {
+    /// The ids of the routable workers (within the session gate's `cap`) with the least
+    /// score, the most cached tokens among equal scores, in candidate order; empty when
+    /// there is none. On an idle fleet every worker ties, so ties keep 4-byte ids; the
+    /// chosen worker's terms are computed again (the same inputs, the same terms).
+    fn best_of(&self, c: &[WorkerView], ask: &Ask<'_>, cap: Option<f64>, scan: Scan) -> SmallVec<[WorkerId; 8]> {
+        let mut best: Option<Charge> = None;
+        let mut ties: SmallVec<[WorkerId; 8]> = SmallVec::new();
+        let mut hits = if scan == Scan::Fast { self.cost.sets.hits(&ask.key.blocks) } else { Hits::default() };
+        for w in c.iter().filter(|w| w.is_routable() && cap.is_none_or(|cap| within(w, cap))) {
+            let hit = match scan {
+                Scan::Fast => hits.get(w.id),
+                Scan::Full => self.cost.sets.hit(w.id, &ask.key.blocks) as u64,
+            };
+            let queue = self.queue(w);
+            if scan == Scan::Fast && best.as_ref().is_some_and(|b| queue.loses_to(b.charged)) {
+                continue;
+            }
+            let t = self.charge(w, ask, hit, &queue);
+            match &best {
+                Some(b) if tied(t.score, b.score) && t.cached == b.cached => ties.push(t.id),
+                Some(b) if t.score > b.score || (tied(t.score, b.score) && t.cached < b.cached) => {}
+                _ => {
+                    ties.clear();
+                    ties.push(t.id);
+                    best = Some(t);
+                }
+            }
+        }
+        ties
+    }
 }
 
 impl Policy for LeastTtft {
@@ -408,18 +539,18 @@ impl Policy for LeastTtft {
         _: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
         let input = u64::from(req.input_tokens);
-        let stall = self.cost.stall_weight(c);
-        let fleet = self.fleet_fit();
-        let miss_share = self.miss_share(c);
+        let means = FleetMeans::of(c);
+        let stall = self.cost.stall_weight_of(means.waiting);
+        let miss_share = self.miss_share(&means);
         let best_hit = self.best_hit_ratio();
-        let ask = Ask { key, input, stall, miss_share, fleet, best_hit };
+        let ask = Ask { key, input, stall, miss_share, best_hit };
         let cc = &self.cost.cfg;
         if cc.session_affinity
             && let Some(sid) = req.session_id
             && let Some(bound) = self.cost.sessions.get(sid)
             && let Some(a) = c.iter().find(|w| w.id == bound && w.is_routable())
         {
-            let mean = mean_load(c).unwrap_or(0.0).max(1.0);
+            let mean = means.load.unwrap_or(0.0).max(1.0);
             let t = self.terms(a, &ask);
             if t.cached * 2 > input && f64::from(a.load()) <= mean * cc.overload_factor {
                 let mut d =
@@ -428,35 +559,17 @@ impl Policy for LeastTtft {
                 return Ok(d);
             }
         }
-        let cap = self.session_cap(req, c);
-        // The best candidate's terms and the ids of every worker tied with it (first the
-        // best's): on an idle fleet every worker ties, so ties keep 4-byte ids, and the
-        // chosen worker's terms are computed again below (the same inputs, the same terms).
-        let mut best: Option<Candidate> = None;
-        let mut ties: SmallVec<[WorkerId; 8]> = SmallVec::new();
-        for w in c.iter().filter(|w| w.is_routable() && cap.is_none_or(|cap| within(w, cap))) {
-            let t = self.terms(w, &ask);
-            match &best {
-                Some(b) if tied(t.score, b.score) && t.cached == b.cached => ties.push(t.id),
-                Some(b) if t.score > b.score || (tied(t.score, b.score) && t.cached < b.cached) => {}
-                _ => {
-                    ties.clear();
-                    ties.push(t.id);
-                    best = Some(t);
-                }
-            }
-        }
-        let best = best.ok_or(RouteError::NoWorker)?;
+        let cap = self.session_cap(req, c, &means);
+        let ties = self.best_of(c, &ask, cap, Scan::Fast);
         let branch = match (cap.is_some(), ties.len() == 1) {
             (true, _) => Branch::NewBinding,
             (false, true) => Branch::Score,
             (false, false) => Branch::TieBreak,
         };
         let w = rotate(&ties, &self.cost.rotation).ok_or(RouteError::NoWorker)?;
-        let t = match c.iter().find(|v| v.id == w) {
-            Some(v) if w != best.id => self.terms(v, &ask),
-            _ => best,
-        };
+        // The chosen worker's terms with its prediction (the same inputs, the same score).
+        let v = c.iter().find(|v| v.id == w).ok_or(RouteError::NoWorker)?;
+        let t = self.terms(v, &ask);
         let mut d = Decision::new(t.id, branch).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score);
         d.predicted_ttft = Some(t.prediction);
         Ok(d)
@@ -468,7 +581,9 @@ impl Policy for LeastTtft {
 
     fn on_worker_removed(&mut self, worker: WorkerId) {
         self.cost.on_worker_removed(worker);
-        self.profiles.remove(&worker);
+        if let Some(p) = self.profiles.remove(&worker) {
+            self.forget_hit_ratio(&p);
+        }
     }
 
     fn observe(&mut self, worker: WorkerId, obs: &Observation) {
@@ -477,6 +592,9 @@ impl Policy for LeastTtft {
             return;
         }
         let calibrate_hits = self.cfg.calibrate_hits;
+        if let Some(p) = self.profiles.get(&worker).copied() {
+            self.forget_hit_ratio(&p);
+        }
         let p = self.profiles.entry(worker).or_default();
         if let (Some(pred), Some(t)) = (obs.predicted, obs.ttft_secs)
             && pred.uncalibrated_secs.is_finite()
@@ -499,6 +617,9 @@ impl Policy for LeastTtft {
             p.hit_samples += 1;
             let a = rate.max(1.0 / p.hit_samples as f64);
             p.hit_ratio += a * (target - p.hit_ratio);
+        }
+        if p.hit_samples > 0 {
+            *self.hit_ratios.entry(hit_ratio_key(p.hit_ratio)).or_default() += 1;
         }
     }
 
@@ -582,6 +703,114 @@ mod tests {
         let obs =
             Observation { input_tokens: 4096, predicted: Some(predicted), ttft_secs: Some(ttft), ..Default::default() };
         (WorkerId(worker), obs)
+    }
+
+    /// One worker of a random fleet: (in_flight, waiting, pending prefill tokens,
+    /// max_concurrent, reported cached tokens, reported KV capacity in blocks, healthy).
+    type Spec = (u32, u32, u64, u32, Option<u64>, Option<u64>, bool);
+
+    fn fleet_of(specs: &[Spec], order: u64) -> Vec<WorkerView> {
+        let mut c: Vec<WorkerView> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, &(in_flight, waiting, pending, conc, cached, kv_blocks, healthy))| {
+                let mut w = WorkerView::idle(WorkerId(i as u32 * 3));
+                w.in_flight = in_flight;
+                w.waiting = waiting.min(in_flight);
+                w.pending_prefill_tokens = pending;
+                w.capacity.max_concurrent = conc;
+                w.cached_tokens = cached;
+                w.capacity.kv_tokens = kv_blocks.map(|b| b * 512);
+                if !healthy {
+                    w.health = crate::types::Health::Unhealthy;
+                }
+                w
+            })
+            .collect();
+        // Candidates in id order mostly, and sometimes not (a fleet's list after changes).
+        if order == 0 {
+            c.reverse();
+        } else if order == 1 && c.len() > 2 {
+            let mid = c.len() / 2;
+            c.swap(0, mid);
+        }
+        c
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..Default::default() })]
+
+        /// The fast scan (every worker's match from the block index's holders, hopeless
+        /// workers unscored) picks the same tied set as scoring every worker on its own.
+        #[test]
+        fn the_fast_scan_ties_the_same_workers_as_the_full_scan(
+            specs in proptest::collection::vec(
+                (0u32..8, 0u32..4, (0u64..6).prop_map(|k| k * 700), 1u32..6,
+                 proptest::option::weighted(0.2, 0u64..5000), proptest::option::weighted(0.3, 1u64..6),
+                 proptest::bool::weighted(0.9)),
+                1..40),
+            history in proptest::collection::vec((proptest::collection::vec(0u64..5, 1..6), 0usize..40), 0..60),
+            observed in proptest::collection::vec((0usize..40, 0u64..3000, 1u64..3000, 0.01f64..2.0), 0..30),
+            removed in proptest::option::of(0usize..40),
+            probe in proptest::collection::vec(0u64..5, 1..7),
+            order in 0u64..3,
+            knobs in (0usize..3, 0.0f64..2.0),
+        ) {
+            let cost = PrefillCostConfig { cache_tokens: 2048, batch_factor: knobs.1, ..Default::default() };
+            let cfg = match knobs.0 {
+                0 => LeastTtftConfig::default(),
+                1 => LeastTtftConfig { context_weight: 0.001, waiting_delay_weight: 0.5, ..Default::default() },
+                _ => LeastTtftConfig { decode_occupancy_full: 0.0, miss_queue_scale: 0.0, ..Default::default() },
+            };
+            let mut p = LeastTtft::new(cfg, cost);
+            let c = fleet_of(&specs, order);
+            for (prompt, w) in &history {
+                let blocks: Vec<BlockHash> = prompt.iter().map(|&h| BlockHash(h)).collect();
+                let mut key = p.key(&req(&blocks));
+                let w = &c[w % c.len()];
+                key.worker_kv_tokens = w.capacity.kv_tokens;
+                p.on_routed(&req(&blocks), &key, w.id, Nanos::ZERO);
+            }
+            for &(w, predicted, reported, ttft) in &observed {
+                let w = c[w % c.len()].id;
+                let obs = Observation {
+                    input_tokens: 4096,
+                    predicted: Some(TtftPrediction { secs: ttft, uncalibrated_secs: ttft / 2.0 }),
+                    predicted_cached_tokens: predicted,
+                    ttft_secs: Some(ttft),
+                    cached_tokens: Some(reported),
+                };
+                p.observe(w, &obs);
+            }
+            if let Some(r) = removed {
+                p.on_worker_removed(c[r % c.len()].id);
+            }
+            // The best hit ratio kept as a multiset is the maximum over the profiles.
+            let want = p.profiles.values().filter(|q| q.hit_samples > 0).map(|q| q.hit_ratio).reduce(f64::max);
+            prop_assert_eq!(p.best_hit_ratio(), want.unwrap_or(1.0));
+            let blocks: Vec<BlockHash> = probe.iter().map(|&h| BlockHash(h)).collect();
+            let r = req(&blocks);
+            let key = p.key(&r);
+            let means = FleetMeans::of(&c);
+            let ask = Ask {
+                key: &key,
+                input: u64::from(r.input_tokens),
+                stall: p.cost.stall_weight_of(means.waiting),
+                miss_share: p.miss_share(&means),
+                best_hit: p.best_hit_ratio(),
+            };
+            for cap in [None, Some(3.0)] {
+                let fast = p.best_of(&c, &ask, cap, Scan::Fast);
+                let full = p.best_of(&c, &ask, cap, Scan::Full);
+                prop_assert_eq!(fast.to_vec(), full.to_vec());
+            }
+            // prefill_cost's scan, on the same block sets.
+            let fast = p.cost.best_of(&c, &key, ask.input, ask.stall, Scan::Fast);
+            let full = p.cost.best_of(&c, &key, ask.input, ask.stall, Scan::Full);
+            prop_assert_eq!((fast.0, fast.1.to_vec()), (full.0, full.1.to_vec()));
+        }
     }
 
     #[test]

@@ -453,11 +453,12 @@ pub fn decide(
     }
     let mut key = policy.key(req);
     let mut d = policy.pick(req, &key, candidates, ctx)?;
-    let chosen_ok = candidates.iter().any(|w| w.id == d.worker && w.is_routable());
-    if !chosen_ok {
+    let mut chosen = candidates.iter().find(|w| w.id == d.worker && w.is_routable());
+    if chosen.is_none() {
         // A policy bug must not send traffic to a dead worker: fall back to least load.
         let fb = fallbacks_by_load(candidates, WorkerId(u32::MAX));
         d = Decision::new(fb[0], Branch::LeastLoad);
+        chosen = candidates.iter().find(|w| w.id == d.worker);
     }
     if d.fallbacks.is_empty() {
         d.fallbacks = fallbacks_by_load(candidates, d.worker);
@@ -467,7 +468,7 @@ pub fn decide(
             if key.block_tokens > 0 { key.block_tokens } else { req.blocks.map_or(0, |b| u64::from(b.block_tokens)) };
         d.block_tokens = bt.min(u64::from(u32::MAX)) as u32;
     }
-    key.worker_kv_tokens = candidates.iter().find(|w| w.id == d.worker).and_then(|w| w.capacity.kv_tokens);
+    key.worker_kv_tokens = chosen.and_then(|w| w.capacity.kv_tokens);
     Ok((d, key))
 }
 

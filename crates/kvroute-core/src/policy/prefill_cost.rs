@@ -32,13 +32,12 @@
 //! (`kvroute policies`). Measurements: docs/lab/2026-11-26-policy-module-history.md.
 
 use crate::hash::{HashAlgo, request_blocks};
-use crate::lru_blocks::LruBlockSet;
+use crate::lru_blocks::{Hits, WorkerBlockSets};
 use crate::policy::util::{Rotation, SessionTable, mean_load, mean_waiting, rotate};
 use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
-use std::collections::HashMap;
 
 /// Knobs of `prefill_cost`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -138,7 +137,7 @@ pub(crate) type Match = (u64, u64, MatchUnit);
 #[derive(Debug, Clone)]
 pub struct PrefillCost {
     pub(crate) cfg: PrefillCostConfig,
-    sets: HashMap<WorkerId, LruBlockSet, foldhash::fast::FixedState>,
+    pub(crate) sets: WorkerBlockSets,
     pub(crate) rotation: Rotation,
     pub(crate) sessions: SessionTable,
 }
@@ -147,28 +146,90 @@ impl PrefillCost {
     /// A policy with `cfg` (validated by the registry).
     pub fn new(cfg: PrefillCostConfig) -> Self {
         let sessions = SessionTable::new(cfg.max_sessions);
-        PrefillCost { cfg, sets: HashMap::default(), rotation: Rotation::default(), sessions }
+        PrefillCost { cfg, sets: WorkerBlockSets::default(), rotation: Rotation::default(), sessions }
     }
 
     /// Cached prompt tokens of the request on `w`, and the match to report: the engine's
     /// precise count (in tokens) when the worker publishes KV events, else this policy's
     /// own LRU estimate (in blocks).
     pub(crate) fn cached(&self, w: &WorkerView, key: &RequestKey, input: u64) -> (u64, Match) {
+        let hit = if w.cached_tokens.is_some() { 0 } else { self.sets.hit(w.id, &key.blocks) as u64 };
+        Self::cached_of(w, key, input, hit)
+    }
+
+    /// [`PrefillCost::cached`] with the estimate's leading blocks held, `hit`, already known
+    /// (from [`WorkerBlockSets::hits`] for the whole fleet); `hit` is ignored when the worker
+    /// reports its cached tokens.
+    pub(crate) fn cached_of(w: &WorkerView, key: &RequestKey, input: u64, hit: u64) -> (u64, Match) {
         if let Some(t) = w.cached_tokens {
             let t = t.min(input);
             return (t, (t, input, MatchUnit::Tokens));
         }
-        let hit = self.sets.get(&w.id).map_or(0, |s| s.estimate_cache_hit(&key.blocks)) as u64;
         let unit = if key.blocks.is_empty() { MatchUnit::None } else { MatchUnit::Blocks };
         ((hit * key.block_tokens).min(input), (hit, key.blocks.len() as u64, unit))
     }
 
     /// `stall_weight × (1 + mean waiting / stall_queue_scale)` over the routable workers.
     pub(crate) fn stall_weight(&self, c: &[WorkerView]) -> f64 {
+        self.stall_weight_of(mean_waiting(c))
+    }
+
+    /// The least cost over the routable workers of `c` (`None` when there is none) and the
+    /// workers reaching it with the most cached tokens, in candidate order, each with its
+    /// match. `stall` is [`PrefillCost::stall_weight`] of `c`.
+    pub(crate) fn best_of(
+        &self,
+        c: &[WorkerView],
+        key: &RequestKey,
+        input: u64,
+        stall: f64,
+        scan: Scan,
+    ) -> (Option<u64>, SmallVec<[(WorkerId, Match); 8]>) {
+        let mut best: Option<(u64, u64)> = None; // (cost, Reverse-ish cached)
+        let mut tied: SmallVec<[(WorkerId, Match); 8]> = SmallVec::new();
+        let mut hits = if scan == Scan::Fast { self.sets.hits(&key.blocks) } else { Hits::default() };
+        for w in c.iter().filter(|w| w.is_routable()) {
+            let hit = match scan {
+                Scan::Fast => hits.get(w.id),
+                Scan::Full => self.sets.hit(w.id, &key.blocks) as u64,
+            };
+            let load = f64::from(w.load());
+            // A lower bound of the cost: the queued prefill and decode charge alone (the
+            // request's own prefill is non-negative, and the same conversions round
+            // monotonically). A worker already dearer than the best loses whatever it
+            // holds, so its match is not looked up.
+            let decode = self.decode_charge(load) as u64;
+            let factor = 1.0 + self.cfg.batch_factor * f64::from(w.load());
+            if scan == Scan::Fast
+                && best.is_some_and(|(b, _)| ((w.pending_prefill_tokens + decode) as f64 * factor) as u64 > b)
+            {
+                continue;
+            }
+            let (cached, hit) = Self::cached_of(w, key, input, hit);
+            let per_token = self.cfg.miss_weight + self.stall_charge(stall, load);
+            let miss = ((input - cached) as f64 * per_token) as u64;
+            let additive = w.pending_prefill_tokens + miss + decode;
+            let cost = (additive as f64 * factor) as u64;
+            let key = (cost, u64::MAX - cached);
+            match best {
+                Some(b) if key > b => {}
+                Some(b) if key == b => tied.push((w.id, hit)),
+                _ => {
+                    best = Some(key);
+                    tied.clear();
+                    tied.push((w.id, hit));
+                }
+            }
+        }
+        (best.map(|(cost, _)| cost), tied)
+    }
+
+    /// [`PrefillCost::stall_weight`] with the mean waiting requests already known.
+    pub(crate) fn stall_weight_of(&self, mean_waiting: f64) -> f64 {
         if self.cfg.stall_weight == 0.0 || self.cfg.stall_queue_scale == 0.0 {
             return self.cfg.stall_weight;
         }
-        self.cfg.stall_weight * (1.0 + mean_waiting(c) / self.cfg.stall_queue_scale)
+        self.cfg.stall_weight * (1.0 + mean_waiting / self.cfg.stall_queue_scale)
     }
 
     /// `stall(w)`: the stall charge per uncached token on a worker with `load` requests,
@@ -189,6 +250,19 @@ impl PrefillCost {
     fn capacity_blocks(&self, worker_kv_tokens: Option<u64>, block_tokens: u64) -> usize {
         (worker_kv_tokens.unwrap_or(self.cfg.cache_tokens) / block_tokens.max(1)).max(1) as usize
     }
+}
+
+/// How a scoring policy reads the fleet when it looks for its best workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scan {
+    /// The request's leading blocks on every worker at once
+    /// ([`WorkerBlockSets::hits`]), and workers that cannot win (their queue alone costs
+    /// more than the best so far) left unscored: what decisions use.
+    Fast,
+    /// Every worker scored, each asking its own block set: the reference the fast scan
+    /// must agree with (a property test compares them).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Full,
 }
 
 /// How many of `key`'s leading blocks an engine will keep once the request has run: every
@@ -243,28 +317,8 @@ impl Policy for PrefillCost {
             }
         }
         let stall = self.stall_weight(c);
-        let mut best: Option<(u64, u64)> = None; // (cost, Reverse-ish cached)
-        let mut tied: SmallVec<[(WorkerId, Match); 8]> = SmallVec::new();
-        for w in c.iter().filter(|w| w.is_routable()) {
-            let (cached, hit) = self.cached(w, key, input);
-            let load = f64::from(w.load());
-            let per_token = self.cfg.miss_weight + self.stall_charge(stall, load);
-            let miss = ((input - cached) as f64 * per_token) as u64;
-            let decode = self.decode_charge(load) as u64;
-            let additive = w.pending_prefill_tokens + miss + decode;
-            let cost = (additive as f64 * (1.0 + self.cfg.batch_factor * f64::from(w.load()))) as u64;
-            let key = (cost, u64::MAX - cached);
-            match best {
-                Some(b) if key > b => {}
-                Some(b) if key == b => tied.push((w.id, hit)),
-                _ => {
-                    best = Some(key);
-                    tied.clear();
-                    tied.push((w.id, hit));
-                }
-            }
-        }
-        let (cost, _) = best.ok_or(RouteError::NoWorker)?;
+        let (best, tied) = self.best_of(c, key, input, stall, Scan::Fast);
+        let cost = best.ok_or(RouteError::NoWorker)?;
         let ids: SmallVec<[WorkerId; 8]> = tied.iter().map(|t| t.0).collect();
         let w = rotate(&ids, &self.rotation).ok_or(RouteError::NoWorker)?;
         let m = tied.iter().find(|t| t.0 == w).map_or((0, 0, MatchUnit::None), |t| t.1);
@@ -274,20 +328,17 @@ impl Policy for PrefillCost {
 
     fn on_routed(&mut self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, _now: Nanos) {
         let cap = self.capacity_blocks(key.worker_kv_tokens, key.block_tokens);
-        let set = self.sets.entry(worker).or_insert_with(|| LruBlockSet::new(cap));
         // A worker that reports its capacity (again, or differently after a restart) gets
         // its estimate resized; a key without it keeps what the set has.
-        if key.worker_kv_tokens.is_some() && set.capacity() != cap {
-            set.resize(cap);
-        }
-        set.insert(&key.blocks[..cacheable_blocks(req, key)]);
+        let resize = key.worker_kv_tokens.is_some();
+        self.sets.insert(worker, &key.blocks[..cacheable_blocks(req, key)], cap, resize);
         if let Some(sid) = req.session_id {
             self.sessions.bind(sid, worker);
         }
     }
 
     fn on_worker_removed(&mut self, worker: WorkerId) {
-        self.sets.remove(&worker);
+        self.sets.remove_worker(worker);
         self.sessions.forget_worker(worker);
     }
 
@@ -308,7 +359,7 @@ impl Policy for PrefillCost {
     }
 
     fn index_size(&self) -> u64 {
-        self.sets.values().map(|s| s.len() as u64).sum()
+        self.sets.total()
     }
 }
 

@@ -119,8 +119,8 @@ pub struct BestMatch {
     pub rate: f64,
     /// Every routable worker reaching `rate` (empty when `rate` is 0), in candidate order.
     pub holders: SmallVec<[WorkerId; 8]>,
-    /// `holders` as a set, for [`BestMatch::is_holder`].
-    holder_set: TenantSet,
+    /// The positions of `holders` in the candidates, for [`BestMatch::least_loaded_holders`].
+    holder_at: SmallVec<[u32; 8]>,
     /// The tree's deepest match among the approximate workers, in the key's unit.
     tree: PrefixMatch,
 }
@@ -130,33 +130,42 @@ impl BestMatch {
     /// in `trees`. With no precise worker this is exactly `trees.prefix_match` over the
     /// routable set. O(len(key) + workers × log(holders)).
     pub fn of(trees: &PrefixTrees, key: PrefixKey<'_>, req: &RequestView<'_>, c: &[WorkerView]) -> Self {
-        let approx =
-            TenantSet::from_ids(c.iter().filter(|w| w.is_routable() && w.cached_tokens.is_none()).map(|w| w.id));
-        let tree = trees.prefix_match(key, Some(&approx));
-        let tree_rate = tree.matched as f64 / key.len().max(1) as f64;
         let input = u64::from(req.input_tokens.max(1));
         let precise_rate = |w: &WorkerView| w.cached_tokens.map(|t| t.min(input) as f64 / input as f64);
-        let best = c.iter().filter(|w| w.is_routable()).filter_map(precise_rate).fold(tree_rate, f64::max);
+        // One pass: the approximate workers the tree may answer for, and the best precise
+        // rate (rates are finite, so the maximum does not depend on the order taken).
+        let mut approx = TenantSet::new();
+        let mut best_precise = 0.0_f64;
+        for w in c.iter().filter(|w| w.is_routable()) {
+            match precise_rate(w) {
+                Some(r) => best_precise = best_precise.max(r),
+                None => approx.insert(w.id),
+            }
+        }
+        let tree = trees.prefix_match(key, Some(&approx));
+        let tree_rate = tree.matched as f64 / key.len().max(1) as f64;
+        let best = tree_rate.max(best_precise);
         let mut holders = SmallVec::new();
-        let mut holder_set = TenantSet::new();
+        let mut holder_at = SmallVec::new();
         if best > 0.0 {
-            for w in c.iter().filter(|w| w.is_routable()) {
+            for (i, w) in c.iter().enumerate().filter(|(_, w)| w.is_routable()) {
                 let hit = match precise_rate(w) {
                     Some(r) => r >= best,
                     None => tree_rate >= best && tree.holds(w.id),
                 };
                 if hit {
                     holders.push(w.id);
-                    holder_set.insert(w.id);
+                    holder_at.push(i.min(u32::MAX as usize) as u32);
                 }
             }
         }
-        BestMatch { rate: best, holders, holder_set, tree }
+        BestMatch { rate: best, holders, holder_at, tree }
     }
 
-    /// Whether `w` is one of [`BestMatch::holders`]. O(1).
-    pub fn is_holder(&self, w: WorkerId) -> bool {
-        self.holder_set.contains(w)
+    /// The least loaded of [`BestMatch::holders`] (all of them when tied), in candidate
+    /// order; `c` must be the candidates the match was made over. O(holders).
+    pub fn least_loaded_holders(&self, c: &[WorkerView]) -> SmallVec<[WorkerId; 8]> {
+        argmin_of(self.holder_at.iter().filter_map(|&i| c.get(i as usize)), WorkerView::load)
     }
 
     /// What `w` holds of the request, as `(matched, total, unit)` for a decision: the
@@ -197,9 +206,17 @@ pub fn argmin_by<K: Ord + Copy>(
     keep: impl Fn(&WorkerView) -> bool,
     key: impl Fn(&WorkerView) -> K,
 ) -> SmallVec<[WorkerId; 8]> {
+    argmin_of(candidates.iter().filter(|w| w.is_routable() && keep(w)), key)
+}
+
+/// The workers of `views` minimising `key`, in their order.
+fn argmin_of<'a, K: Ord + Copy>(
+    views: impl Iterator<Item = &'a WorkerView>,
+    key: impl Fn(&WorkerView) -> K,
+) -> SmallVec<[WorkerId; 8]> {
     let mut best: Option<K> = None;
     let mut out = SmallVec::new();
-    for w in candidates.iter().filter(|w| w.is_routable() && keep(w)) {
+    for w in views {
         let k = key(w);
         match best {
             Some(b) if k > b => {}
@@ -264,6 +281,41 @@ pub fn power_of_two(set: &[WorkerId], candidates: &[WorkerView], rng: Rng<'_>) -
 /// Ids of routable candidates, in candidate order.
 pub fn routable_ids(candidates: &[WorkerView]) -> SmallVec<[WorkerId; 16]> {
     candidates.iter().filter(|w| w.is_routable()).map(|w| w.id).collect()
+}
+
+/// The means over the routable candidates a scoring policy reads before it scores them,
+/// read in one pass (each the same number [`mean_load`], [`mean_max_concurrent`] and
+/// [`mean_waiting`] return: the same sums in the same order).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FleetMeans {
+    /// Routable candidates.
+    pub routable: usize,
+    /// [`mean_load`] (`None` when no candidate is routable).
+    pub load: Option<f64>,
+    /// [`mean_max_concurrent`] (`None` when no candidate is routable).
+    pub max_concurrent: Option<f64>,
+    /// [`mean_waiting`] (0 when no candidate is routable).
+    pub waiting: f64,
+}
+
+impl FleetMeans {
+    /// The means of `candidates`.
+    pub fn of(candidates: &[WorkerView]) -> Self {
+        let (mut n, mut load, mut conc, mut waiting) = (0usize, 0.0f64, 0.0f64, 0.0f64);
+        for w in candidates.iter().filter(|w| w.is_routable()) {
+            n += 1;
+            load += f64::from(w.load());
+            conc += f64::from(w.capacity.max_concurrent.max(1));
+            waiting += f64::from(w.waiting);
+        }
+        let mean = |sum: f64| (n > 0).then(|| sum / n as f64);
+        FleetMeans {
+            routable: n,
+            load: mean(load),
+            max_concurrent: mean(conc),
+            waiting: if n == 0 { 0.0 } else { waiting / f64::from(n.min(u32::MAX as usize) as u32) },
+        }
+    }
 }
 
 /// Mean [`WorkerView::load`] over routable candidates, `None` when there is none.

@@ -16,8 +16,9 @@ impl B3 {
         c: &[WorkerView],
     ) -> Option<Decision> {
         let mut best: Option<Terms> = None;
+        let mut hits = self.cached.hits(blocks);
         for w in c.iter().filter(|w| w.is_routable()) {
-            let t = self.terms(w, req, blocks);
+            let t = self.terms_of(w, req, blocks, hits.get(w.id));
             if best.is_none_or(|b| t.score < b.score) {
                 best = Some(t);
             }

@@ -39,7 +39,7 @@
 //! one is a new session). Knobs: [`B3Config`] (`block_tokens` 512, Mooncake's `hash_ids` blocks).
 
 use crate::hash::{HashAlgo, request_blocks};
-use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, LruBlockSet};
+use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, WorkerBlockSets};
 use crate::policy::util::{Rotation, SessionTable, SessionTurns};
 use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
@@ -49,7 +49,6 @@ mod lmetric;
 mod load_only;
 mod sticky;
 mod unified;
-use std::collections::HashMap;
 
 /// Which of B3 `cache_aware_proxy.py`'s pickers a [`B3`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,7 +154,7 @@ const MAX_BLOCKS: usize = 512;
 pub struct B3 {
     mode: B3Mode,
     cfg: B3Config,
-    cached: HashMap<WorkerId, LruBlockSet, foldhash::fast::FixedState>,
+    cached: WorkerBlockSets,
     affinity: SessionTable,
     turns: SessionTurns,
     rr_counter: Rotation,
@@ -179,7 +178,7 @@ impl B3 {
     pub fn new(mode: B3Mode, cfg: B3Config) -> Self {
         let affinity = SessionTable::new(cfg.max_sessions);
         let turns = SessionTurns::new(if mode == B3Mode::Capped { cfg.max_sessions } else { 1 });
-        B3 { mode, cfg, cached: HashMap::default(), affinity, turns, rr_counter: Rotation::default() }
+        B3 { mode, cfg, cached: WorkerBlockSets::default(), affinity, turns, rr_counter: Rotation::default() }
     }
 
     /// Builds after validating `cfg`.
@@ -196,15 +195,21 @@ impl B3 {
         req.blocks.map_or(self.cfg.block_tokens, |b| b.block_tokens.max(1)) as u64
     }
 
+    /// One worker's terms, its estimate read from its own set.
     fn terms(&self, w: &WorkerView, req: &RequestView<'_>, blocks: &[BlockHash]) -> Terms {
+        let hit = if w.cached_tokens.is_some() { 0 } else { self.cached.hit(w.id, blocks) as u64 };
+        self.terms_of(w, req, blocks, hit)
+    }
+
+    /// One worker's terms, `hit` being the leading blocks of `blocks` its set holds (from
+    /// [`crate::lru_blocks::WorkerBlockSets::hits`] for the whole fleet; ignored when the worker reports its
+    /// cached tokens).
+    fn terms_of(&self, w: &WorkerView, req: &RequestView<'_>, blocks: &[BlockHash], hit: u64) -> Terms {
         let input = req.input_tokens as u64;
         let (cache_hit, hit) = match w.cached_tokens {
             // Precise: the engine's own count from its KV events.
             Some(t) => (t.min(input), (t.min(input), input, MatchUnit::Tokens)),
-            None => {
-                let hit = self.cached.get(&w.id).map_or(0, |s| s.estimate_cache_hit(blocks)) as u64;
-                ((hit * self.block_size_of(req)).min(input), (hit, blocks.len() as u64, MatchUnit::Blocks))
-            }
+            None => ((hit * self.block_size_of(req)).min(input), (hit, blocks.len() as u64, MatchUnit::Blocks)),
         };
         let new_prefill = input - cache_hit;
         let bs = w.load() as u64;
@@ -223,7 +228,7 @@ impl B3 {
 
     /// Blocks the router believes `worker` holds.
     pub fn cached_blocks(&self, worker: WorkerId) -> usize {
-        self.cached.get(&worker).map_or(0, LruBlockSet::len)
+        self.cached.len_of(worker)
     }
 }
 
@@ -263,8 +268,7 @@ impl Policy for B3 {
 
     fn on_routed(&mut self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, _now: Nanos) {
         let cap = self.cfg.cache_blocks;
-        let set = self.cached.entry(worker).or_insert_with(|| LruBlockSet::new(cap));
-        set.insert(&key.blocks);
+        self.cached.insert(worker, &key.blocks, cap, false);
         // B3 sticky and unified bind the session to the worker that serves it (a new
         // binding, a kept one refreshed, or a broken one moved).
         if matches!(self.mode, B3Mode::Sticky | B3Mode::Unified)
@@ -280,7 +284,7 @@ impl Policy for B3 {
     }
 
     fn on_worker_removed(&mut self, worker: WorkerId) {
-        self.cached.remove(&worker);
+        self.cached.remove_worker(worker);
         self.affinity.forget_worker(worker);
     }
 
@@ -322,7 +326,7 @@ impl Policy for B3 {
     }
 
     fn index_size(&self) -> u64 {
-        self.cached.values().map(|s| s.len() as u64).sum()
+        self.cached.total()
     }
 }
 

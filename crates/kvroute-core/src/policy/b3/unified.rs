@@ -35,15 +35,26 @@ impl B3 {
             }
         }
         // LMetric fallback with the 4-key tie-break.
-        let all: smallvec::SmallVec<[Terms; 16]> = routable().map(|w| self.terms(w, req, blocks)).collect();
-        let best = all.iter().map(|t| (t.score, t.new_prefill, t.bs)).min()?;
-        let tied: smallvec::SmallVec<[&Terms; 16]> =
-            all.iter().filter(|t| (t.score, t.new_prefill, t.bs) == best).collect();
-        let (winner, branch) = if tied.len() > 1 {
-            let w = tied[(self.rr_counter.next() % tied.len() as u64) as usize];
-            (*w, Branch::TieBreak)
-        } else {
-            (*tied[0], Branch::Score)
+        // One pass: the workers tied on the least (score, new prefill, batch), in the
+        // candidates' order.
+        let mut hits = self.cached.hits(blocks);
+        let mut tied: smallvec::SmallVec<[Terms; 16]> = smallvec::SmallVec::new();
+        for w in routable() {
+            let t = self.terms_of(w, req, blocks, hits.get(w.id));
+            let k = (t.score, t.new_prefill, t.bs);
+            match tied.first().map(|b| (b.score, b.new_prefill, b.bs)) {
+                Some(b) if k > b => {}
+                Some(b) if k == b => tied.push(t),
+                _ => {
+                    tied.clear();
+                    tied.push(t);
+                }
+            }
+        }
+        let (winner, branch) = match tied.len() {
+            0 => return None,
+            1 => (tied[0], Branch::Score),
+            n => (tied[(self.rr_counter.next() % n as u64) as usize], Branch::TieBreak),
         };
         // The session is (re)bound to the worker it is sent to when it is committed.
         let branch = if was_bound { Branch::AffinityBroken } else { branch };

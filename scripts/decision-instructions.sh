@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Benchmark (not a test): a deterministic cost of a decision, for comparing builds on a VM
+# whose timings drift. Counts the instructions executed inside kvroute_core::policy::decide
+# (valgrind callgrind, collection toggled on that function) while `kvroute bench decision`
+# warms each policy with the Mooncake trace (12,031 decisions, each committed) and times
+# 500 probe decisions, and prints the mean per decision (12,531) per policy and binary.
+# Instructions are not time (cache misses and divisions cost more than they count), so
+# read it beside decision-compare.py's timings.
+#
+# usage: scripts/decision-instructions.sh WORKERS BINARY... [-- POLICY,...]   (needs valgrind)
+set -euo pipefail
+workers=${1:?usage: $0 WORKERS BINARY... [-- POLICY,...]}
+shift
+bins=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do bins+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+policies=${1:-round_robin,random,least_load,power_of_two,consistent_hash,cache_aware,prefix_affinity,kv_score,lmetric,load_only,sticky,unified,capped,prefill_cost,least_ttft}
+command -v valgrind >/dev/null || { echo "valgrind is missing (Debian package valgrind)" >&2; exit 2; }
+err=$(mktemp)
+trap 'rm -f "$err"' EXIT
+printf '%-16s' policy; for b in "${bins[@]}"; do printf ' %14s' "$(basename "$(dirname "$(dirname "$b")")")"; done; echo
+for p in ${policies//,/ }; do
+  printf '%-16s' "$p"
+  for b in "${bins[@]}"; do
+    valgrind --tool=callgrind --callgrind-out-file=/dev/null --toggle-collect='kvroute_core::policy::decide*' \
+      "$b" bench decision --workers "$workers" --policy "$p" --decisions 500 >/dev/null 2>"$err"
+    ir=$(grep -o 'Collected : [0-9]*' "$err" | awk '{print $3}')
+    printf ' %14d' $((ir / 12531))
+  done
+  echo
+done
