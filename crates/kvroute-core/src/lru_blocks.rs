@@ -6,7 +6,7 @@
 //! the prompt the engine's prefix cache could serve — without touching recency (B3 updates
 //! the set when a request starts, not inside the picker).
 
-use crate::types::{BlockHash, WorkerId};
+use crate::types::{BlockHash, WorkerId, WorkerView};
 use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
@@ -193,6 +193,12 @@ impl WorkerBlockSets {
     /// 0 for a worker without a set).
     pub fn hit(&self, worker: WorkerId, hashes: &[BlockHash]) -> usize {
         self.sets.get(&worker).map_or(0, |s| s.estimate_cache_hit(hashes))
+    }
+
+    /// The estimate's leading blocks of `hashes` for the worker of view `w`: 0 when the
+    /// worker reports its own cached tokens (engine KV events), which are read instead.
+    pub fn hit_of(&self, w: &WorkerView, hashes: &[BlockHash]) -> u64 {
+        if w.cached_tokens.is_some() { 0 } else { self.hit(w.id, hashes) as u64 }
     }
 
     /// [`WorkerBlockSets::hit`] for every worker at once: the workers holding at least the

@@ -338,7 +338,7 @@ impl LeastTtft {
 
     /// One worker's charge and TTFT prediction for the request `a` describes.
     fn terms(&self, w: &WorkerView, a: &Ask<'_>) -> Candidate {
-        let hit = if w.cached_tokens.is_some() { 0 } else { self.cost.sets.hit(w.id, &a.key.blocks) as u64 };
+        let hit = self.cost.sets.hit_of(w, &a.key.blocks);
         let charge = self.charge(w, a, hit, &self.queue(w));
         // The fleet's fit (a pass over the profiles) only for a worker without its own.
         let (scale, overhead) =

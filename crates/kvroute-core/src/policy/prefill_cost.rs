@@ -153,7 +153,7 @@ impl PrefillCost {
     /// precise count (in tokens) when the worker publishes KV events, else this policy's
     /// own LRU estimate (in blocks).
     pub(crate) fn cached(&self, w: &WorkerView, key: &RequestKey, input: u64) -> (u64, Match) {
-        let hit = if w.cached_tokens.is_some() { 0 } else { self.sets.hit(w.id, &key.blocks) as u64 };
+        let hit = self.sets.hit_of(w, &key.blocks);
         Self::cached_of(w, key, input, hit)
     }
 
@@ -199,7 +199,7 @@ impl PrefillCost {
             // monotonically). A worker already dearer than the best loses whatever it
             // holds, so its match is not looked up.
             let decode = self.decode_charge(load) as u64;
-            let factor = 1.0 + self.cfg.batch_factor * f64::from(w.load());
+            let factor = 1.0 + self.cfg.batch_factor * load;
             if scan == Scan::Fast
                 && best.is_some_and(|(b, _)| ((w.pending_prefill_tokens + decode) as f64 * factor) as u64 > b)
             {

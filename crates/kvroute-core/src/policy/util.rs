@@ -284,12 +284,10 @@ pub fn routable_ids(candidates: &[WorkerView]) -> SmallVec<[WorkerId; 16]> {
 }
 
 /// The means over the routable candidates a scoring policy reads before it scores them,
-/// read in one pass (each the same number [`mean_load`], [`mean_max_concurrent`] and
-/// [`mean_waiting`] return: the same sums in the same order).
+/// read in one pass ([`mean_load`], [`mean_max_concurrent`] and [`mean_waiting`] are its
+/// fields).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FleetMeans {
-    /// Routable candidates.
-    pub routable: usize,
     /// [`mean_load`] (`None` when no candidate is routable).
     pub load: Option<f64>,
     /// [`mean_max_concurrent`] (`None` when no candidate is routable).
@@ -310,7 +308,6 @@ impl FleetMeans {
         }
         let mean = |sum: f64| (n > 0).then(|| sum / n as f64);
         FleetMeans {
-            routable: n,
             load: mean(load),
             max_concurrent: mean(conc),
             waiting: if n == 0 { 0.0 } else { waiting / f64::from(n.min(u32::MAX as usize) as u32) },
@@ -320,31 +317,19 @@ impl FleetMeans {
 
 /// Mean [`WorkerView::load`] over routable candidates, `None` when there is none.
 pub fn mean_load(candidates: &[WorkerView]) -> Option<f64> {
-    let (n, sum) = candidates
-        .iter()
-        .filter(|w| w.is_routable())
-        .fold((0usize, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.load())));
-    (n > 0).then(|| sum / n as f64)
+    FleetMeans::of(candidates).load
 }
 
 /// Mean `max_concurrent` (requests a worker runs at once: SGLang `max_running_requests`,
 /// llama.cpp slots, 0 read as 1) over the routable candidates; `None` when none is routable.
 pub fn mean_max_concurrent(candidates: &[WorkerView]) -> Option<f64> {
-    let (n, sum) = candidates
-        .iter()
-        .filter(|w| w.is_routable())
-        .fold((0usize, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.capacity.max_concurrent.max(1))));
-    (n > 0).then(|| sum / n as f64)
+    FleetMeans::of(candidates).max_concurrent
 }
 
 /// Mean router-side waiting requests (dispatched, no first token yet) over the routable
 /// candidates; 0 when none is routable.
 pub fn mean_waiting(candidates: &[WorkerView]) -> f64 {
-    let (n, sum) = candidates
-        .iter()
-        .filter(|w| w.is_routable())
-        .fold((0u32, 0.0f64), |(n, s), w| (n + 1, s + f64::from(w.waiting)));
-    if n == 0 { 0.0 } else { sum / f64::from(n) }
+    FleetMeans::of(candidates).waiting
 }
 
 /// Per-session state of session-aware policies — by default the worker a session is bound

@@ -197,7 +197,7 @@ impl B3 {
 
     /// One worker's terms, its estimate read from its own set.
     fn terms(&self, w: &WorkerView, req: &RequestView<'_>, blocks: &[BlockHash]) -> Terms {
-        let hit = if w.cached_tokens.is_some() { 0 } else { self.cached.hit(w.id, blocks) as u64 };
+        let hit = self.cached.hit_of(w, blocks);
         self.terms_of(w, req, blocks, hit)
     }
 
