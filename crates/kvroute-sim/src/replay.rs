@@ -611,6 +611,7 @@ impl<'a> Replay<'a> {
         let o = &mut book.outcomes[i];
         o.worker = Some(d.worker.0);
         o.branch = d.branch.as_str();
+        o.predicted_ttft_s = d.predicted_ttft.map(|p| p.secs);
         let est = d.cached_tokens_estimate(r.input_tokens);
         book.tickets[i] = Some(book.ledger.dispatched(d.worker, r.input_tokens as u64 - est, r.output_tokens as u64));
         book.expected[i] = Some(Observation {

@@ -54,6 +54,50 @@ pub struct PolicyReport {
     /// `kv_saves`, …); absent otherwise.
     #[serde(flatten)]
     pub kv_migration: Option<crate::types::KvMigrationCounts>,
+    /// How far the policy's TTFT predictions were from the TTFTs the engines gave (for a
+    /// policy that predicts, `least_ttft`); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_prediction: Option<PredictionError>,
+}
+
+/// The error of a policy's TTFT predictions over the completed requests it predicted:
+/// `(predicted − measured) / measured` per request.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PredictionError {
+    /// Requests with a prediction and a first token.
+    pub samples: u64,
+    /// Median of the absolute relative error (0.1 = off by 10 %).
+    pub median_abs: f64,
+    /// 90th percentile of the absolute relative error.
+    pub p90_abs: f64,
+    /// Median of the signed relative error (> 0: predictions too long).
+    pub median_signed: f64,
+}
+
+impl PredictionError {
+    /// The error of `pairs` of (predicted, measured) seconds, the measured ones > 0;
+    /// `None` when there are none.
+    pub fn of(pairs: impl IntoIterator<Item = (f64, f64)>) -> Option<PredictionError> {
+        let mut signed: Vec<f64> = pairs
+            .into_iter()
+            .filter(|&(p, m)| p.is_finite() && m.is_finite() && m > 0.0)
+            .map(|(p, m)| (p - m) / m)
+            .collect();
+        if signed.is_empty() {
+            return None;
+        }
+        let mut abs: Vec<f64> = signed.iter().map(|e| e.abs()).collect();
+        let at = |v: &mut Vec<f64>, q: f64| {
+            v.sort_by(f64::total_cmp);
+            v[((v.len() - 1) as f64 * q).round() as usize]
+        };
+        Some(PredictionError {
+            samples: signed.len() as u64,
+            median_abs: at(&mut abs, 0.5),
+            p90_abs: at(&mut abs, 0.9),
+            median_signed: at(&mut signed, 0.5),
+        })
+    }
 }
 
 /// What disaggregation did in one replay ([`crate::pd::replay_pd`]).
@@ -153,6 +197,10 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
         ttft_cdf: lat.ttft_cdf(),
         pd: r.pd.as_ref().map(|pd| pd_summary(r, pd, makespan)),
         kv_migration: r.kv_migration,
+        ttft_prediction: PredictionError::of(r.outcomes.iter().filter(|o| !o.rejected).filter_map(|o| {
+            let measured = o.first_token?.0.checked_sub(o.arrival.0)? as f64 / 1e9;
+            Some((o.predicted_ttft_s?, measured))
+        })),
     }
 }
 
@@ -262,6 +310,20 @@ pub fn table(reports: &[PolicyReport]) -> String {
         }
     }
     kv_table(&mut s, reports);
+    for r in reports {
+        if let Some(e) = &r.ttft_prediction {
+            let _ = writeln!(
+                s,
+                "{} x{}: TTFT predicted within {:.0}% (median) / {:.0}% (p90) of the engines' over {} requests, median bias {:+.0}%",
+                r.policy,
+                r.rate_scale,
+                e.median_abs * 100.0,
+                e.p90_abs * 100.0,
+                e.samples,
+                e.median_signed * 100.0
+            );
+        }
+    }
     if let Some(r) = reports.first() {
         let _ = writeln!(
             s,
@@ -688,4 +750,24 @@ pub fn plot_sweep(stem: &Path, reports: &[PolicyReport]) -> PlotResult {
     let svg = stem.with_extension("svg");
     draw_sweep(SVGBackend::new(&svg, (1120, 520)).into_drawing_area(), reports)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PredictionError;
+
+    #[test]
+    fn prediction_errors_are_relative_to_the_measured_ttft() {
+        // Predicted (s), measured (s): +100 %, −50 %, exact, +10 %; a measured 0 and a NaN
+        // are left out.
+        let e = PredictionError::of([(2.0, 1.0), (1.0, 2.0), (3.0, 3.0), (1.1, 1.0), (1.0, 0.0), (f64::NAN, 1.0)])
+            .expect("four samples");
+        assert_eq!(e.samples, 4);
+        // |errors| sorted: 0, 0.1, 0.5, 1.0; the median takes the nearer rank (index 2 of 0..3).
+        assert!((e.median_abs - 0.5).abs() < 1e-12, "{e:?}");
+        assert!((e.p90_abs - 1.0).abs() < 1e-12, "{e:?}");
+        // Signed: −0.5, 0, 0.1, 1.0.
+        assert!((e.median_signed - 0.1).abs() < 1e-12, "{e:?}");
+        assert_eq!(PredictionError::of([(1.0, 0.0)]), None);
+    }
 }

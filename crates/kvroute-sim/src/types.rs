@@ -360,6 +360,9 @@ pub struct Outcome {
     /// KV bytes copied from the prefill to the decode engine (0 unless split and its
     /// prefill finished).
     pub transfer_bytes: u64,
+    /// The policy's predicted TTFT at routing, seconds ([`kvroute_core::policy::Decision::predicted_ttft`]);
+    /// `None` for a policy that predicts none.
+    pub predicted_ttft_s: Option<f64>,
 }
 
 impl Outcome {
@@ -377,6 +380,7 @@ impl Outcome {
             branch: "",
             prefill_worker: None,
             transfer_bytes: 0,
+            predicted_ttft_s: None,
         }
     }
 }

@@ -3,7 +3,7 @@
 //! behind it, is least; each worker is calibrated online from what its requests met.
 //!
 //! ```text
-//! uncached(req, w) = own × (1 + context_weight × (attended + own / 2)),
+//! uncached(req, w) = own + context_weight × context(req, w),  context(req, w) = own × (attended + own / 2),
 //!                    own = input − attended, attended = hit_factor(w) × cached(req, w)
 //! work(w)          = pending_prefill_tokens(w) + uncached(req, w) + decode(w)
 //! decode(w)        = D(waiting(w)) + share(w) × [D(load(w)) − D(waiting(w))],  D(n) = decode_weight × n × (1 + n / decode_queue_scale)
@@ -11,7 +11,7 @@
 //! miss(w)          = (miss_weight − 1) × min(1, mean_waiting / miss_queue_scale) + stall(w)
 //! shared(w)        = waiting_delay_weight × min(waiting(w), waiting_delay_cap)
 //! score(w)         = [work(w) + uncached(req, w) × (miss(w) + shared(w))] / prefill_tokens_per_sec      (seconds)
-//! predicted TTFT   = overhead(w) + scale(w) × work(w) / prefill_tokens_per_sec
+//! predicted TTFT   = overhead(w) + [scale(w) × work(w) + ctx(w) × context(req, w)] / prefill_tokens_per_sec
 //! ```
 //!
 //! - `work(w)`: on a continuous-batching engine TTFT is the prefill queued ahead, the
@@ -29,7 +29,9 @@
 //!   `new_binding`), since its first placement decides where its history is cached; off
 //!   when the bound exceeds the mean `max_concurrent` (the score already prices queues).
 //! - `hit_factor(w)` discounts a worker whose engine reports under half the hits its peers
-//!   do; the TTFT fit (`overhead`, `scale`) is exported, not ranked on. The measurements
+//!   do; the TTFT fit (`overhead`, `scale`, `ctx`: [`TtftFit`]) is exported, not ranked
+//!   on; `ctx` learns what attention adds per token attended, as an engine's prefill
+//!   pays it (docs/profiles.md), and is 0 where it does not help the fit. The measurements
 //!   behind each term: docs/lab/2026-11-26-policy-module-history.md.
 
 use crate::lru_blocks::Hits;
@@ -177,14 +179,22 @@ const HIT_SHORTFALL: f64 = 0.5;
 /// fleet's).
 const MIN_FIT_SAMPLES: u64 = 8;
 
-/// What `least_ttft` has learned about one worker: a straight-line fit of its measured TTFT
-/// against the uncalibrated prediction, `measured ≈ overhead + scale × predicted`, from
-/// exponentially weighted sums (each observation's weight decays by `1 − calibration_rate`
-/// per later one), and the share of predicted hits its engine reported.
+/// The share of the straight-line fit's residual variance the fit with the context term must
+/// stay under to be used: a context term that explains little is the noise of queues
+/// (on an engine whose prefill cost is flat per token it fitted one, and the predictions
+/// got worse: docs/lab/2026-11-27-ttft-prediction.md).
+const CONTEXT_FIT_GAIN: f64 = 0.8;
+
+/// What `least_ttft` has learned about one worker: a linear fit of its measured TTFT against
+/// the uncalibrated prediction and the request's own attention term, `measured ≈ overhead +
+/// scale × predicted + context × context_secs` ([`TtftFit`]), from exponentially weighted
+/// sums (each observation's weight decays by `1 − calibration_rate` per later one), and the
+/// share of predicted hits its engine reported.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct WorkerProfile {
-    /// Weighted count, and weighted sums of x (predicted s), y (measured s), x², x·y.
-    sums: [f64; 5],
+    /// Weighted count, and weighted sums of x (predicted s), z (context term, token·s),
+    /// y (measured s), x², x·z, z², x·y, z·y, y².
+    sums: [f64; 10],
     /// TTFT observations received.
     pub ttft_samples: u64,
     /// Share of predicted cached tokens the engine reported cached, in [0, 1] (1 before any).
@@ -196,27 +206,70 @@ pub struct WorkerProfile {
 impl Default for WorkerProfile {
     /// Nothing observed: no fit, every predicted hit believed.
     fn default() -> Self {
-        WorkerProfile { sums: [0.0; 5], ttft_samples: 0, hit_ratio: 1.0, hit_samples: 0 }
+        WorkerProfile { sums: [0.0; 10], ttft_samples: 0, hit_ratio: 1.0, hit_samples: 0 }
+    }
+}
+
+/// A worker's TTFT fit: `measured ≈ overhead_secs + scale × uncalibrated_secs + context ×
+/// context_secs` ([`TtftPrediction`]). The context term is what a prefill's attention adds
+/// per new token per token it attends to (the engine model's `prefill_attention_s`, as a
+/// share of the prior per-token cost); it is fitted only once the observations separate it
+/// from the linear term, else 0.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TtftFit {
+    /// Multiplier of the uncalibrated prediction, in `[1/max_scale, max_scale]`.
+    pub scale: f64,
+    /// Multiplier of [`TtftPrediction::context_secs`], per token, ≥ 0.
+    pub context: f64,
+    /// Fixed part, seconds, ≥ 0.
+    pub overhead_secs: f64,
+}
+
+impl TtftFit {
+    /// No calibration: the prior.
+    pub const PRIOR: TtftFit = TtftFit { scale: 1.0, context: 0.0, overhead_secs: 0.0 };
+
+    /// The calibrated TTFT of `p`, seconds.
+    pub fn secs(&self, p: &TtftPrediction) -> f64 {
+        self.overhead_secs + self.scale * p.uncalibrated_secs + self.context * p.context_secs
     }
 }
 
 impl WorkerProfile {
-    /// `(scale, overhead_secs)` of the fit, with `scale` in `[1/max_scale, max_scale]` and
-    /// `overhead_secs ≥ 0`; `None` before [`MIN_FIT_SAMPLES`] observations or while the
-    /// predictions seen do not spread enough to fit a slope.
-    pub fn fit(&self, max_scale: f64) -> Option<(f64, f64)> {
-        let [n, sx, sy, sxx, sxy] = self.sums;
+    /// The fit ([`TtftFit`]); `None` before [`MIN_FIT_SAMPLES`] observations or while the
+    /// predictions seen do not spread enough to fit a slope. The context term is fitted
+    /// with the scale when the context terms seen spread and are not a multiple of the
+    /// predictions (then a least-squares fit of both, kept when both are positive), else
+    /// it is 0 and the scale is the straight-line fit's.
+    pub fn fit(&self, max_scale: f64) -> Option<TtftFit> {
+        let [n, sx, sz, sy, sxx, sxz, szz, sxy, szy, syy] = self.sums;
         if self.ttft_samples < MIN_FIT_SAMPLES || n <= 0.0 {
             return None;
         }
-        let (mx, my) = (sx / n, sy / n);
-        let var = sxx / n - mx * mx;
-        if !(var > (0.05 * mx).powi(2) && var > 1e-12) {
+        let (mx, mz, my) = (sx / n, sz / n, sy / n);
+        let (vxx, vxz, vzz) = (sxx / n - mx * mx, sxz / n - mx * mz, szz / n - mz * mz);
+        let (vxy, vzy, vyy) = (sxy / n - mx * my, szy / n - mz * my, syy / n - my * my);
+        if !(vxx > (0.05 * mx).powi(2) && vxx > 1e-12) {
             return None;
         }
-        let scale = ((sxy / n - mx * my) / var).clamp(1.0 / max_scale, max_scale);
-        let overhead = (my - scale * mx).max(0.0);
-        (scale.is_finite() && overhead.is_finite()).then_some((scale, overhead))
+        let clamp = |scale: f64| scale.clamp(1.0 / max_scale, max_scale);
+        // Both terms, when z varies apart from x (their correlation below 0.99) and the two
+        // leave at most CONTEXT_FIT_GAIN of the straight line's residual variance.
+        let det = vxx * vzz - vxz * vxz;
+        let line_residual = vyy - vxy * vxy / vxx;
+        let both = (vzz > (0.05 * mz).powi(2) && vzz > 1e-12 && det > 0.0199 * vxx * vzz)
+            .then(|| ((vxy * vzz - vzy * vxz) / det, (vzy * vxx - vxy * vxz) / det))
+            .filter(|&(scale, context)| {
+                let residual = vyy - scale * vxy - context * vzy;
+                scale > 0.0 && context > 0.0 && residual <= CONTEXT_FIT_GAIN * line_residual
+            });
+        let (scale, context) = match both {
+            Some((scale, context)) => (clamp(scale), context),
+            None => (clamp(vxy / vxx), 0.0),
+        };
+        let overhead_secs = (my - scale * mx - context * mz).max(0.0);
+        let fit = TtftFit { scale, context, overhead_secs };
+        (scale.is_finite() && context.is_finite() && overhead_secs.is_finite()).then_some(fit)
     }
 }
 
@@ -267,16 +320,22 @@ impl LeastTtft {
         }
     }
 
-    /// The fleet's fit: geometric mean of the fitted workers' scales and mean of their
-    /// overheads (`(1, 0)`, the prior, when none is fitted): used for a worker not fitted yet,
-    /// so a new worker in a fleet of slow ones does not look fast.
-    fn fleet_fit(&self) -> (f64, f64) {
-        let (n, ln, over) = self
+    /// The fleet's fit: geometric mean of the fitted workers' scales, mean of their context
+    /// terms and overheads ([`TtftFit::PRIOR`] when none is fitted): used for a worker not
+    /// fitted yet, so a new worker in a fleet of slow ones does not look fast.
+    fn fleet_fit(&self) -> TtftFit {
+        let (n, ln, ctx, over) = self
             .profiles
             .values()
             .filter_map(|p| p.fit(self.cfg.max_scale))
-            .fold((0u32, 0.0, 0.0), |(n, l, o), (s, a)| (n + 1, l + s.ln(), o + a));
-        if n == 0 { (1.0, 0.0) } else { ((ln / f64::from(n)).exp(), over / f64::from(n)) }
+            .fold((0u32, 0.0, 0.0, 0.0), |(n, l, c, o), f| {
+                (n + 1, l + f.scale.ln(), c + f.context, o + f.overhead_secs)
+            });
+        if n == 0 {
+            return TtftFit::PRIOR;
+        }
+        let n = f64::from(n);
+        TtftFit { scale: (ln / n).exp(), context: ctx / n, overhead_secs: over / n }
     }
 
     /// The best `hit_ratio` of the workers with hit observations (1 when none has any).
@@ -341,16 +400,15 @@ impl LeastTtft {
         let hit = self.cost.sets.hit_of(w, &a.key.blocks);
         let charge = self.charge(w, a, hit, &self.queue(w));
         // The fleet's fit (a pass over the profiles) only for a worker without its own.
-        let (scale, overhead) =
-            self.profiles.get(&w.id).and_then(|p| p.fit(self.cfg.max_scale)).unwrap_or_else(|| self.fleet_fit());
-        let uncalibrated_secs = charge.uncharged / self.cfg.prefill_tokens_per_sec;
-        Candidate {
-            id: w.id,
-            cached: charge.cached,
-            hit: charge.hit,
-            score: charge.score,
-            prediction: TtftPrediction { secs: overhead + scale * uncalibrated_secs, uncalibrated_secs },
-        }
+        let fit = self.profiles.get(&w.id).and_then(|p| p.fit(self.cfg.max_scale)).unwrap_or_else(|| self.fleet_fit());
+        let rate = self.cfg.prefill_tokens_per_sec;
+        let mut prediction = TtftPrediction {
+            secs: 0.0,
+            uncalibrated_secs: charge.uncharged / rate,
+            context_secs: charge.context / rate,
+        };
+        prediction.secs = fit.secs(&prediction);
+        Candidate { id: w.id, cached: charge.cached, hit: charge.hit, score: charge.score, prediction }
     }
 
     /// What `w` has queued ([`Queue`]).
@@ -381,8 +439,10 @@ impl LeastTtft {
         };
         let attended = cached as f64 * hit_factor;
         let own = input as f64 - attended;
-        // The own prefill's attention over what it follows (0 with `context_weight` 0).
-        let own = own * (1.0 + self.cfg.context_weight * (attended + own / 2.0));
+        // The own prefill's attention pairs: what it attends to, per new token, times them.
+        let context = own * (attended + own / 2.0);
+        // Charged at `context_weight` (0 by default: the prediction's fit learns its own).
+        let own = own + self.cfg.context_weight * context;
         let Queue { load, decode, factor, .. } = *queue;
         let pending = w.pending_prefill_tokens as f64;
         let miss_weight = if c.miss_weight > 1.0 { 1.0 + (c.miss_weight - 1.0) * miss_share } else { c.miss_weight };
@@ -396,6 +456,7 @@ impl LeastTtft {
             charged,
             score: charged / self.cfg.prefill_tokens_per_sec,
             uncharged: pending + own + decode,
+            context,
         }
     }
 }
@@ -443,6 +504,9 @@ struct Charge {
     score: f64,
     /// The same prefill tokens without the charges (what the prediction is built on).
     uncharged: f64,
+    /// The request's own attention pairs, `own × (attended + own / 2)`, tokens² (the
+    /// prediction's context term).
+    context: f64,
 }
 
 /// What one decision knows of the request and the fleet before it scores a worker.
@@ -603,8 +667,9 @@ impl Policy for LeastTtft {
             && t > 0.0
         {
             let (x, y) = (pred.uncalibrated_secs, t);
+            let z = if pred.context_secs.is_finite() { pred.context_secs.max(0.0) } else { 0.0 };
             let keep = 1.0 - rate;
-            for (sum, v) in p.sums.iter_mut().zip([1.0, x, y, x * x, x * y]) {
+            for (sum, v) in p.sums.iter_mut().zip([1.0, x, z, y, x * x, x * z, z * z, x * y, z * y, y * y]) {
                 *sum = *sum * keep + v;
             }
             p.ttft_samples += 1;
@@ -631,8 +696,9 @@ impl Policy for LeastTtft {
                 let fit = p.fit(self.cfg.max_scale);
                 let v = serde_json::json!({
                     "worker": id.0,
-                    "ttft_scale": fit.map(|f| f.0),
-                    "ttft_overhead_secs": fit.map(|f| f.1),
+                    "ttft_scale": fit.map(|f| f.scale),
+                    "ttft_context": fit.map(|f| f.context),
+                    "ttft_overhead_secs": fit.map(|f| f.overhead_secs),
                     "ttft_samples": p.ttft_samples,
                     "hit_ratio": p.hit_ratio,
                     "hit_samples": p.hit_samples,
@@ -777,7 +843,7 @@ mod tests {
                 let w = c[w % c.len()].id;
                 let obs = Observation {
                     input_tokens: 4096,
-                    predicted: Some(TtftPrediction { secs: ttft, uncalibrated_secs: ttft / 2.0 }),
+                    predicted: Some(TtftPrediction { secs: ttft, uncalibrated_secs: ttft / 2.0, context_secs: 0.0 }),
                     predicted_cached_tokens: predicted,
                     ttft_secs: Some(ttft),
                     cached_tokens: Some(reported),
@@ -857,7 +923,8 @@ mod tests {
     fn teach(p: &mut LeastTtft, w: u32, scale: f64, overhead: f64, n: u32) {
         for i in 0..n {
             let x = 0.05 + f64::from(i % 20) * 0.05;
-            let (w, o) = seen(w, TtftPrediction { secs: x, uncalibrated_secs: x }, overhead + scale * x);
+            let (w, o) =
+                seen(w, TtftPrediction { secs: x, uncalibrated_secs: x, context_secs: 0.0 }, overhead + scale * x);
             p.observe(w, &o);
         }
     }
@@ -869,8 +936,10 @@ mod tests {
         assert_eq!(p.profile(WorkerId(0)).expect("profile").fit(1000.0), None, "too few observations to fit");
         teach(&mut p, 0, 4.0, 0.03, 100);
         teach(&mut p, 1, 1.0, 0.0, 100);
-        let (scale, overhead) = p.profile(WorkerId(0)).expect("profile").fit(1000.0).expect("fitted");
-        assert!((scale - 4.0).abs() < 1e-6 && (overhead - 0.03).abs() < 1e-6, "{scale} {overhead}");
+        let TtftFit { scale, context, overhead_secs } =
+            p.profile(WorkerId(0)).expect("profile").fit(1000.0).expect("fitted");
+        assert!((scale - 4.0).abs() < 1e-6 && (overhead_secs - 0.03).abs() < 1e-6, "{scale} {overhead_secs}");
+        assert_eq!(context, 0.0, "no context term seen, none fitted");
         // The predictions: worker 0 four times slower plus its overhead; the ranking is
         // unchanged (both idle, same queue: a tie, broken by rotation).
         let h: Vec<BlockHash> = (0..8).map(BlockHash).collect();
@@ -899,6 +968,47 @@ mod tests {
         let d = peek(&p, &req(&h), &c);
         let secs = d.predicted_ttft.expect("prediction").secs;
         assert!((secs - 100.0 * 1024.0 / 20_000.0).abs() < 1e-6, "{secs}");
+    }
+
+    #[test]
+    fn the_ttft_fit_learns_the_context_term_a_worker_s_engine_pays() {
+        // An engine whose prefill costs 2 × the prior per token plus 5e-5 per token per token
+        // attended (the measured H100 grid's ratio is ~9e-5), behind a 20 ms overhead: the
+        // fit recovers all three from requests of different lengths and cached shares.
+        let mut p = fresh();
+        let rate = 20_000.0;
+        for i in 0..200u32 {
+            let own = f64::from(256 + (i * 977) % 8000);
+            let cached = f64::from((i * 7919) % 30_000);
+            let pred = TtftPrediction {
+                secs: 0.0,
+                uncalibrated_secs: own / rate,
+                context_secs: own * (cached + own / 2.0) / rate,
+            };
+            let (w, o) = seen(0, pred, 0.02 + 2.0 * pred.uncalibrated_secs + 5e-5 * pred.context_secs);
+            p.observe(w, &o);
+        }
+        let f = p.profile(WorkerId(0)).expect("profile").fit(1000.0).expect("fitted");
+        assert!((f.scale - 2.0).abs() < 1e-6 && (f.context - 5e-5).abs() < 1e-10, "{f:?}");
+        assert!((f.overhead_secs - 0.02).abs() < 1e-6, "{f:?}");
+        // The prediction of a 4,096-token miss on an idle worker carries the term.
+        let h: Vec<BlockHash> = (0..8).map(BlockHash).collect();
+        let d = peek(&p, &req(&h), &[WorkerView::idle(WorkerId(0))]);
+        let pred = d.predicted_ttft.expect("prediction");
+        assert!((pred.context_secs - 4096.0 * 2048.0 / rate).abs() < 1e-9, "{pred:?}");
+        assert!((pred.secs - (0.02 + 2.0 * 4096.0 / rate + 5e-5 * pred.context_secs)).abs() < 1e-9, "{pred:?}");
+        // A context term that only ever moves with the prediction is not told apart: no
+        // context fitted, the straight line as before.
+        let mut q = fresh();
+        for i in 0..100u32 {
+            let x = 0.05 + f64::from(i % 20) * 0.05;
+            let pred = TtftPrediction { secs: x, uncalibrated_secs: x, context_secs: 3.0 * x };
+            let (w, o) = seen(0, pred, 0.01 + 2.0 * x);
+            q.observe(w, &o);
+        }
+        let f = q.profile(WorkerId(0)).expect("profile").fit(1000.0).expect("fitted");
+        assert_eq!(f.context, 0.0, "{f:?}");
+        assert!((f.scale - 2.0).abs() < 1e-6, "{f:?}");
     }
 
     #[test]
@@ -1071,18 +1181,18 @@ mod tests {
     #[test]
     fn garbage_observations_change_nothing() {
         let mut p = fresh();
-        let pred = TtftPrediction { secs: 0.5, uncalibrated_secs: 0.5 };
+        let pred = TtftPrediction { secs: 0.5, uncalibrated_secs: 0.5, context_secs: 0.0 };
         for t in [f64::NAN, 0.0, -1.0, f64::INFINITY] {
             let (w, o) = seen(0, pred, t);
             p.observe(w, &o);
         }
-        let bad = TtftPrediction { secs: f64::NAN, uncalibrated_secs: f64::NAN };
+        let bad = TtftPrediction { secs: f64::NAN, uncalibrated_secs: f64::NAN, context_secs: 0.0 };
         let (w, o) = seen(0, bad, 3.0);
         p.observe(w, &o);
         assert_eq!(p.profile(WorkerId(0)).expect("profile").ttft_samples, 0);
         // An absurd slope is bounded by max_scale.
         teach(&mut p, 1, 1e9, 0.0, 40);
-        let (s, _) = p.profile(WorkerId(1)).expect("profile").fit(1000.0).expect("fitted");
+        let s = p.profile(WorkerId(1)).expect("profile").fit(1000.0).expect("fitted").scale;
         assert!((s - 1000.0).abs() < 1e-6, "{s}");
         // Every prediction the same: no slope to fit.
         for _ in 0..40 {
@@ -1154,7 +1264,7 @@ mod tests {
     #[test]
     fn a_removed_worker_forgets_its_profile() {
         let mut p = fresh();
-        let pred = TtftPrediction { secs: 0.5, uncalibrated_secs: 0.5 };
+        let pred = TtftPrediction { secs: 0.5, uncalibrated_secs: 0.5, context_secs: 0.0 };
         let (w, o) = seen(3, pred, 1.0);
         p.observe(w, &o);
         assert!(p.profile(WorkerId(3)).is_some());

@@ -137,6 +137,11 @@ pub struct TtftPrediction {
     pub secs: f64,
     /// The same prediction before calibration (the policy's prior worker profile), seconds.
     pub uncalibrated_secs: f64,
+    /// The request's own attention term before calibration: its uncached tokens times the
+    /// tokens each attends to on average (`own × (cached + own / 2)`), over the prior
+    /// throughput, token·seconds; the calibration learns its weight per token (0 when the
+    /// policy has none).
+    pub context_secs: f64,
 }
 
 /// What a front end learned about one request on one worker, handed to
