@@ -1,0 +1,49 @@
+#!/usr/bin/env python3
+"""The least worst-case relative error any profile of the engine model's prefill form can have
+on the measured H100 grid, by linear programming (what scripts/fit-profile.py's iterative fit
+approaches), and the same for two other forms.
+
+usage: python3 scripts/profile-minimax.py   (from the repository root; needs numpy and scipy,
+e.g. `python3 -m venv /tmp/lp && /tmp/lp/bin/pip install numpy scipy`, then /tmp/lp/bin/python)
+
+Minimises e subject to |model(C, N) / t − 1| <= e at every grid point with N >= 256 new
+tokens, over the model's free constants. Forms:
+- the profile's (crates/kvroute-sim/src/engine.rs): step_overhead + context_per_token·C
+  (fixed: h100-llama3-8b's 6 ms and 40 ns) + o + a·N + b·(N·C + N(N+1)/2) + k·(C + N);
+- issue #44's suggestion: o + a·N + b·N·(C + N/2);
+- the profile's with separate coefficients for the pairs over the cached prefix (N·C) and
+  over the new tokens (N²/2).
+"""
+import json, numpy as np
+from scipy.optimize import linprog
+pts=[json.loads(l) for l in open('data/gpu/h100-llama3-8b-prefill-grid.jsonl') if '"grid"' in l]
+pts=[p for p in pts if p['new']>=256]
+def feats(c,n): return [1.0, n, n*c + n*(n+1)/2, c+n]
+fixed=lambda c: 0.006 + 0.04e-6*c
+# variables x0..x3 (prefill_step_overhead, a, b, k), e; minimize e
+# |(fixed + f.x)/t - 1| <= e  ->  f.x/t - e <= 1 - fixed/t ; -f.x/t - e <= fixed/t - 1
+for nonneg in (True, False):
+    A=[];b=[]
+    for p in pts:
+        c,n,t=p['cached'],p['new'],p['s']; f=np.array(feats(c,n))/t
+        A.append(list(f)+[-1]); b.append(1-fixed(c)/t)
+        A.append(list(-f)+[-1]); b.append(fixed(c)/t-1)
+    bounds=[(0,None) if nonneg else (None,None)]*4+[(0,None)]
+    r=linprog([0,0,0,0,1],A_ub=A,b_ub=b,bounds=bounds,method='highs')
+    print('nonneg' if nonneg else 'free', 'minimax relative error %.2f%%'%(100*r.x[4]), r.x[:4])
+A=[];b=[]
+for p in pts:
+    c,n,t=p['cached'],p['new'],p['s']; f=np.array([1.0,n,n*(c+n/2)])/t
+    A.append(list(f)+[-1]); b.append(1)
+    A.append(list(-f)+[-1]); b.append(-1)
+r=linprog([0,0,0,1],A_ub=A,b_ub=b,bounds=[(0,None)]*4,method='highs')
+print("issue's form t = o + a n + b n (c + n/2): minimax %.2f%%"%(100*r.x[3]), r.x[:3])
+for name, fe in [("split n*c and n^2/2", lambda c,n:[1.0,n,n*c,n*n/2,c+n]), ("plus c alone", lambda c,n:[1.0,n,n*c+n*(n+1)/2,c,n])]:
+    A=[];b=[]
+    for p in pts:
+        c,n,t=p['cached'],p['new'],p['s']; f=np.array(fe(c,n))/t
+        A.append(list(f)+[-1]); b.append(1-fixed(c)/t)
+        A.append(list(-f)+[-1]); b.append(fixed(c)/t-1)
+    k=len(fe(1,1))
+    r=linprog([0]*k+[1],A_ub=A,b_ub=b,bounds=[(None,None)]*k+[(0,None)],method='highs')
+    print(name, 'minimax %.2f%%'%(100*r.x[k]))
