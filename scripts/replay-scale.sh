@@ -24,6 +24,6 @@ for p in ${policies//,/ }; do
   /usr/bin/time -f '%e %M' -o "$out.t" "$bin" replay --trace "$trace" --policy "$p" \
     --engines "$engines" --rate-scale "$rate" --jobs 1 >"$out" 2>/dev/null
   read -r wall kib <"$out.t"
-  row=$(grep -E "^$p " "$out" | tr -s ' ' || true)
+  row=$(grep -E "^$p +[0-9]" "$out" | tr -s ' ' || true)
   printf '%-16s %7s %9s %9d  %s\n' "$p" "$engines" "$wall" $((kib / 1024)) "$row"
 done

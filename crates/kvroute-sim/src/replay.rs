@@ -4,7 +4,11 @@
 //! first tokens and completions update the router's [`LoadLedger`]); the router builds
 //! worker views from its ledger and from the engines' own counters (as the gateway does
 //! from `/metrics`), asks [`kvroute_core::policy::route`], and submits the request to the
-//! chosen engine. The policy code is exactly the gateway's.
+//! chosen engine. The policy code is exactly the gateway's. A view that cannot depend on
+//! the request (approximate prefix state, no slot routing, no KV mover) is kept between
+//! arrivals and rebuilt only for the engines that ran an event, took a request or changed
+//! in the ledger since, and for all once a utilisation window has passed: on 10,000 engines
+//! most are untouched between two arrivals.
 //!
 //! With [`PrefixState::Precise`] the views also carry each engine's real cache contents for
 //! the request, as a router fed by KV events sees them.
@@ -152,12 +156,17 @@ impl HostClock {
     /// Advances every engine through all its events up to real time `now` (events' times
     /// made real) and starts a piece there. Independent engines advance one by one, as
     /// before sharing was modelled; shared ones in the order of their events.
-    fn advance(&mut self, engines: &mut [Engine], now: Nanos, events: &mut Vec<EngineEvent>) {
+    /// Each engine with an event to run is marked in `moved`.
+    fn advance(&mut self, engines: &mut [Engine], now: Nanos, events: &mut Vec<EngineEvent>, moved: &mut Moved) {
         if self.shared() {
             while self.step(engines, now, true, events) {}
             self.resync(now, engines);
+            moved.all();
         } else {
-            for e in engines.iter_mut() {
+            for (w, e) in engines.iter_mut().enumerate() {
+                if e.next_event_time().is_some_and(|t| t <= now) {
+                    moved.mark(w);
+                }
                 e.advance(now, events);
             }
         }
@@ -220,6 +229,48 @@ struct Book<'a> {
     gated: bool,
     /// The engines' shared CPU cores (`host_cores`, `host_slowdown`).
     host: HostClock,
+    /// The engines whose state or ledger entry changed since the router last read them.
+    moved: Moved,
+}
+
+/// The engines a router's views of them may no longer match ([`Router::pick`] rebuilds only
+/// theirs): marked when an engine runs an event, takes a request, or its ledger entry
+/// changes; or all of them.
+#[derive(Debug, Default)]
+struct Moved {
+    list: Vec<u32>,
+    marked: Vec<bool>,
+    all: bool,
+}
+
+impl Moved {
+    /// Nothing moved yet among `engines`, except that no view exists: all are due.
+    fn new(engines: usize) -> Moved {
+        Moved { list: Vec::new(), marked: vec![false; engines], all: true }
+    }
+
+    /// Engine `w` moved.
+    fn mark(&mut self, w: usize) {
+        if !self.all && !std::mem::replace(&mut self.marked[w], true) {
+            self.list.push(w as u32);
+        }
+    }
+
+    /// Every engine may have moved.
+    fn all(&mut self) {
+        self.all = true;
+    }
+
+    /// What moved (`None`: everything), and forgets it.
+    fn take(&mut self, out: &mut Vec<u32>) -> bool {
+        out.clear();
+        let all = std::mem::take(&mut self.all);
+        for w in self.list.drain(..) {
+            self.marked[w as usize] = false;
+            out.push(w);
+        }
+        all
+    }
 }
 
 impl<'a> Book<'a> {
@@ -264,6 +315,7 @@ impl<'a> Book<'a> {
             clients: cfg.session_concurrency > 0,
             next_turn,
             host: HostClock::new(cfg.host_cores, &cfg.host_slowdown),
+            moved: Moved::new(cfg.engines),
         }
     }
 
@@ -283,6 +335,7 @@ impl<'a> Book<'a> {
                 if !self.host.step(engines, next, false, events) {
                     break;
                 }
+                self.moved.all();
                 self.handle(events, engines, policy);
             }
         }
@@ -333,6 +386,7 @@ impl<'a> Book<'a> {
                     let place = self.slots.finish(id as u64, at);
                     self.outcomes[id].finished = Some(at);
                     if let Some(t) = self.tickets[id].take() {
+                        self.moved.mark(t.worker().index());
                         self.ledger.completed(t);
                     }
                     if let Some(place) = place {
@@ -346,6 +400,7 @@ impl<'a> Book<'a> {
                     self.settle(id, at);
                     self.outcomes[id].rejected = true;
                     if let Some(t) = self.tickets[id].take() {
+                        self.moved.mark(t.worker().index());
                         self.ledger.failed(t);
                     }
                     self.ended(id, at);
@@ -364,6 +419,7 @@ impl<'a> Book<'a> {
             }
         }
         for (w, k, i, at) in std::mem::take(&mut self.saves) {
+            self.moved.mark(w);
             if !engines[w].save_slot(k, i as u64, self.host.virtual_at(at)) {
                 self.slots.tables[w].finish(k, at);
                 if let Some(m) = self.mover.as_mut() {
@@ -386,6 +442,7 @@ impl<'a> Book<'a> {
             policy.observe(WorkerId(w), &obs);
         }
         if let Some(t) = self.tickets[id].as_mut() {
+            self.moved.mark(t.worker().index());
             self.ledger.first_token(t);
         }
     }
@@ -467,6 +524,15 @@ struct Router {
     maintenance: Maintenance,
     views: Vec<WorkerView>,
     util: Vec<BusyWindow>,
+    /// Whether a view depends only on its engine, its ledger entry and the utilisation
+    /// window, not on the request (no precise prefix state, slot routing or KV mover): then
+    /// only the views of the engines that moved are rebuilt ([`Moved`]).
+    reuse_views: bool,
+    /// The engines to rebuild the views of (scratch).
+    moved: Vec<u32>,
+    /// Tests: check every view kept against one built afresh.
+    #[cfg(test)]
+    check_views: bool,
 }
 
 impl Router {
@@ -479,6 +545,12 @@ impl Router {
             policy,
             views: Vec::with_capacity(cfg.engines),
             util: (0..cfg.engines).map(|_| BusyWindow::default()).collect(),
+            reuse_views: matches!(cfg.prefix_state, PrefixState::Approximate)
+                && !cfg.slot_routing
+                && cfg.kv_migration.is_none(),
+            moved: Vec::new(),
+            #[cfg(test)]
+            check_views: false,
         })
     }
 
@@ -486,12 +558,38 @@ impl Router {
     /// would serve it from, under slot routing, and what the KV mover would restore into it).
     fn pick(
         &mut self,
-        book: &Book<'_>,
+        book: &mut Book<'_>,
         engines: &[Engine],
         cfg: &ReplayConfig,
         r: &TraceRequest,
         now: Nanos,
     ) -> Result<Decision, RouteError> {
+        // Every utilisation window is observed at every pick, so they all refresh together.
+        let util_due = cfg.engine_signals && self.util.first().is_some_and(|u| u.due(now));
+        let all = book.moved.take(&mut self.moved);
+        if self.reuse_views && !all && !util_due && self.views.len() == engines.len() {
+            let view = RouterView { ledger: &book.ledger, predicted: &book.predicted, cfg, now };
+            for &w in &self.moved {
+                let w = w as usize;
+                self.views[w] = view.of(w, Role::Both, &engines[w], &mut self.util[w], r);
+            }
+            #[cfg(test)]
+            if self.check_views {
+                // Not due: building every view afresh changes no utilisation window.
+                let kept = std::mem::take(&mut self.views);
+                self.fill_views(book, engines, cfg, r, now);
+                assert_eq!(kept, self.views, "the views kept at {now:?}");
+            }
+        } else {
+            self.fill_views(book, engines, cfg, r, now);
+        }
+        let req = request_view(r, Role::Both);
+        let mut ctx = PickCtx { now, rng: &mut self.rng };
+        route(self.policy.as_mut(), &req, &self.views, &mut ctx)
+    }
+
+    /// Builds the view of every engine for `r` at `now`.
+    fn fill_views(&mut self, book: &Book<'_>, engines: &[Engine], cfg: &ReplayConfig, r: &TraceRequest, now: Nanos) {
         self.views.clear();
         // The best saved file, looked up once per request.
         let mut file = None;
@@ -509,9 +607,6 @@ impl Router {
             }
             self.views.push(v);
         }
-        let req = request_view(r, Role::Both);
-        let mut ctx = PickCtx { now, rng: &mut self.rng };
-        route(self.policy.as_mut(), &req, &self.views, &mut ctx)
     }
 }
 
@@ -584,13 +679,14 @@ impl<'a> Replay<'a> {
     fn arrive(&mut self, i: usize, now: Nanos) {
         let trace = self.book.trace;
         let r = &trace[i];
-        self.book.host.advance(&mut self.engines, now, &mut self.events);
+        let book = &mut self.book;
+        book.host.advance(&mut self.engines, now, &mut self.events, &mut book.moved);
         self.book.handle(&mut self.events, &mut self.engines, self.router.policy.as_mut());
         self.router.maintenance.run(self.router.policy.as_mut(), now);
         if let Some(m) = self.book.mover.as_mut() {
             m.expire(now);
         }
-        match self.router.pick(&self.book, &self.engines, self.cfg, r, now) {
+        match self.router.pick(&mut self.book, &self.engines, self.cfg, r, now) {
             Ok(d) => self.dispatch(i, &d, now),
             Err(_) => {
                 self.book.outcomes[i].rejected = true;
@@ -606,6 +702,7 @@ impl<'a> Replay<'a> {
         let r = &trace[i];
         let book = &mut self.book;
         let w = d.worker.index();
+        book.moved.mark(w);
         // Predicted until its prefill is over (settled at its first token).
         book.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
         let o = &mut book.outcomes[i];
@@ -668,10 +765,12 @@ impl<'a> Replay<'a> {
         if self.book.mover.is_some() {
             // Event by event: the saves of the last requests start when they end.
             while self.book.host.step(&mut self.engines, end, true, &mut self.events) {
+                self.book.moved.all();
                 self.book.handle(&mut self.events, &mut self.engines, self.router.policy.as_mut());
             }
         }
-        self.book.host.advance(&mut self.engines, end, &mut self.events);
+        let book = &mut self.book;
+        book.host.advance(&mut self.engines, end, &mut self.events, &mut book.moved);
         self.book.handle(&mut self.events, &mut self.engines, self.router.policy.as_mut());
         ReplayResult {
             policy: self.cfg.policy.clone(),
@@ -680,6 +779,74 @@ impl<'a> Replay<'a> {
             evictions: self.engines.iter().map(|e| e.cache().evictions()).collect(),
             pd: None,
             kv_migration: self.book.mover.as_ref().map(Mover::counts),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_core::types::BlockHash;
+
+    /// `trace` replayed under `cfg` with the views rebuilt only for the engines that moved
+    /// (`reuse`) or for every engine at every arrival.
+    fn replay_with(trace: &[TraceRequest], cfg: &ReplayConfig, reuse: bool) -> ReplayResult {
+        let mut run = Replay::new(trace, cfg).expect("replay");
+        run.router.reuse_views &= reuse;
+        run.router.check_views = reuse;
+        while let Some((now, i)) = run.next_arrival() {
+            run.arrive(i, now);
+        }
+        run.finish()
+    }
+
+    /// Bursts of requests on 24 engines over ~14 s (the utilisation windows refresh a dozen
+    /// times), some on shared prefixes, some longer than an engine takes at once.
+    fn bursty() -> Vec<TraceRequest> {
+        (0..600u64)
+            .map(|i| {
+                let group = (i * 13) % 9;
+                let mut blocks: Vec<BlockHash> = (0..1 + group % 5).map(|k| BlockHash(100 * (group + 1) + k)).collect();
+                blocks.extend((0..1 + i % 7).map(|k| BlockHash(1_000_000 + 16 * i + k)));
+                TraceRequest {
+                    tenant: None,
+                    arrival: Nanos::from_millis((i / 20) * 450 + (i % 20) * 3),
+                    input_tokens: blocks.len() as u32 * 512,
+                    output_tokens: 16 + (i % 11) as u32 * 40,
+                    block_tokens: 512,
+                    blocks,
+                    session: Some(format!("s{}", i % 50)),
+                    turn: 0,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn views_rebuilt_for_the_engines_that_moved_give_the_same_replay_as_views_rebuilt_for_all() {
+        let trace = bursty();
+        for policy in ["least_ttft", "prefill_cost", "least_load", "power_of_two", "cache_aware", "kv_score", "lmetric"]
+        {
+            for engine_signals in [true, false] {
+                let profile = crate::engine::Profile::named("h100-llama3-8b").expect("profile");
+                let cfg =
+                    ReplayConfig { seed: 3, max_waiting: 8, engine_signals, ..ReplayConfig::new(policy, 24, profile) };
+                let full = replay_with(&trace, &cfg, false);
+                let reused = replay_with(&trace, &cfg, true);
+                assert_eq!(
+                    format!("{:?}", full.outcomes),
+                    format!("{:?}", reused.outcomes),
+                    "{policy} {engine_signals}"
+                );
+                assert_eq!(full.busy_ns, reused.busy_ns, "{policy}");
+                if policy == "least_load" {
+                    // Not a trivial replay: the requests spread over the fleet and queue.
+                    let sent: std::collections::HashSet<_> = full.outcomes.iter().filter_map(|o| o.worker).collect();
+                    assert_eq!(sent.len(), 24);
+                    let ttft = |o: &Outcome| o.first_token.map(|t| t.0 - o.arrival.0);
+                    assert!(full.outcomes.iter().filter_map(ttft).max() > Some(Nanos::from_millis(100).0));
+                }
+            }
         }
     }
 }

@@ -210,6 +210,32 @@ pub struct ReplayConfig {
     pub kv_migration: Option<KvMigration>,
 }
 
+impl ReplayConfig {
+    /// `policy` (default knobs, seed 0) on `engines` engines of `profile`, with the plain
+    /// settings: 4,096 waiting requests per engine, the engines' own signals in the views,
+    /// the approximate prefix state, open arrivals, engines on their own hardware, no
+    /// oracle, no KV mover.
+    pub fn new(policy: &str, engines: usize, profile: Profile) -> ReplayConfig {
+        ReplayConfig {
+            engines,
+            profile,
+            policy: policy.into(),
+            knobs: serde_json::Value::Null,
+            seed: 0,
+            max_waiting: 4096,
+            engine_signals: true,
+            prefix_state: PrefixState::Approximate,
+            slot_routing: false,
+            closed_sessions: false,
+            session_concurrency: 0,
+            host_cores: 0,
+            host_slowdown: Vec::new(),
+            kv_oracle: KvOracle::Off,
+            kv_migration: None,
+        }
+    }
+}
+
 /// Settings of the replay's KV mover ([`ReplayConfig::kv_migration`]); the defaults are
 /// `kvroute serve`'s `[kv_migration]` defaults but for the byte bound.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -428,6 +454,12 @@ pub struct BusyWindow {
 pub const UTIL_WINDOW: Nanos = Nanos::from_secs(1);
 
 impl BusyWindow {
+    /// Whether [`BusyWindow::observe`] at `now` would refresh the value (a window has passed
+    /// since the last refresh).
+    pub fn due(&self, now: Nanos) -> bool {
+        now.0.saturating_sub(self.since.0) >= UTIL_WINDOW.0
+    }
+
     /// The utilisation in [0, 1] at `now`, given the engine's cumulative busy time
     /// `busy_ns` and whether a step is running; recomputed once a window has passed since
     /// the last refresh, else the last value.

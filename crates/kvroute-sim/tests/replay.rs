@@ -21,23 +21,8 @@ fn req(at_ms: u64, blocks: &[u64]) -> TraceRequest {
 }
 
 fn cfg(policy: &str, engines: usize, prefix_state: PrefixState) -> ReplayConfig {
-    ReplayConfig {
-        engines,
-        profile: Profile::named("h100-llama3-8b").expect("profile"),
-        policy: policy.into(),
-        knobs: serde_json::Value::Null,
-        seed: 7,
-        max_waiting: 64,
-        engine_signals: true,
-        prefix_state,
-        slot_routing: false,
-        closed_sessions: false,
-        session_concurrency: 0,
-        host_cores: 0,
-        host_slowdown: Vec::new(),
-        kv_oracle: KvOracle::Off,
-        kv_migration: None,
-    }
+    let profile = Profile::named("h100-llama3-8b").expect("profile");
+    ReplayConfig { seed: 7, max_waiting: 64, prefix_state, ..ReplayConfig::new(policy, engines, profile) }
 }
 
 fn run(trace: &[TraceRequest], c: &ReplayConfig) -> ReplayResult {
