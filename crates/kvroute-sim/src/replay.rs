@@ -236,7 +236,7 @@ struct Book<'a> {
 /// The engines a router's views of them may no longer match ([`Router::pick`] rebuilds only
 /// theirs): marked when an engine runs an event, takes a request, or its ledger entry
 /// changes; or all of them.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Moved {
     list: Vec<u32>,
     marked: Vec<bool>,
@@ -261,7 +261,8 @@ impl Moved {
         self.all = true;
     }
 
-    /// What moved (`None`: everything), and forgets it.
+    /// Puts the engines marked into `out` and forgets them; `true` when every engine may
+    /// have moved (then `out` need not list them).
     fn take(&mut self, out: &mut Vec<u32>) -> bool {
         out.clear();
         let all = std::mem::take(&mut self.all);
