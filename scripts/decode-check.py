@@ -16,8 +16,8 @@ The published figures (bf16/fp16 weights, one H100 80 GB, batch of identical req
   prompt lengths are not published: the replay uses 128 prompt and 256 output tokens);
 - vLLM's nightly performance benchmark (buildkite.com/vllm/performance-benchmark,
   `latency_llama8B_tp1`, `vllm bench latency`: batch 8, 32 prompt tokens, 128 output
-  tokens, offline): 997.5 ms mean end-to-end on an H100 (833.4 ms on an H200); the vLLM
-  release of that run is older than InferenceBench's;
+  tokens, offline): 997.5 ms mean end-to-end on an H100 (833.4 ms on an H200); the page
+  does not state the vLLM release of that build;
 - LambdaLabsML/vllm-benchmark (results/prompt_10/1xH100-80GB-SXM/
   Meta-Llama-3-8B-Instruct_tp1_len2048.json, vLLM of 2024-09, 10 ShareGPT prompts at once):
   median TPOT 7.56 ms; its prompt and output lengths are in the file and are replayed as
