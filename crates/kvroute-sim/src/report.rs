@@ -87,15 +87,15 @@ impl PredictionError {
             return None;
         }
         let mut abs: Vec<f64> = signed.iter().map(|e| e.abs()).collect();
-        let at = |v: &mut Vec<f64>, q: f64| {
-            v.sort_by(f64::total_cmp);
-            v[((v.len() - 1) as f64 * q).round() as usize]
-        };
+        abs.sort_by(f64::total_cmp);
+        signed.sort_by(f64::total_cmp);
+        // Nearest rank of a sorted, non-empty list.
+        let at = |v: &[f64], q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
         Some(PredictionError {
             samples: signed.len() as u64,
-            median_abs: at(&mut abs, 0.5),
-            p90_abs: at(&mut abs, 0.9),
-            median_signed: at(&mut signed, 0.5),
+            median_abs: at(&abs, 0.5),
+            p90_abs: at(&abs, 0.9),
+            median_signed: at(&signed, 0.5),
         })
     }
 }
