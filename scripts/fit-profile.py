@@ -11,12 +11,15 @@ H100 grid was measured; other lines are ignored). The model is the engine's
 (crates/kvroute-sim/src/engine.rs, `Profile::prefill_secs`):
 
     t(C, N) = step_overhead + context_per_token·C                      (the base profile's)
-            + prefill_step_overhead + a·N + b·(N·C + N(N+1)/2) + k·(C + N)   (fitted)
+            + prefill_step_overhead + a·N + b·N·C + s·N(N+1)/2 + k·(C + N)   (fitted)
+
+b prices the pairs of a new token and a cached one (`prefill_attention_s`), s the pairs of
+two new tokens of the pass (`prefill_self_attention_s`).
 
 `step_overhead` is the decode step's fixed cost and `context_per_token` the decode step's KV
 read per context token; both stay as given (--step-overhead-s, else the base profile's): a
 prefill pass's larger fixed cost goes to `prefill_step_overhead_s`.
-The four other constants minimise the largest relative error over the points with
+The five other constants minimise the largest relative error over the points with
 N >= --min-new (iteratively reweighted least squares: a least-squares fit weighted 1/t,
 then the worst points weighted up until the maximum stops falling). Prints each point with
 its prediction and error, and the worst error. Needs only the Python standard library.
@@ -69,7 +72,7 @@ def read_grid(path):
 
 
 def features(c, n):
-    return [1.0, float(n), n * c + n * (n + 1) / 2.0, float(c + n)]
+    return [1.0, float(n), float(n * c), n * (n + 1) / 2.0, float(c + n)]
 
 
 def solve(a, b):
@@ -134,12 +137,12 @@ def main():
     if a.step_overhead_s is not None:
         base["step_overhead_s"] = a.step_overhead_s
     pts = [p for p in read_grid(a.grid) if p[1] >= a.min_new]
-    if len(pts) < 4:
-        sys.exit(f"{a.grid}: {len(pts)} grid points with new >= {a.min_new}; 4 at least")
-    worst, (p0, per_token, attention, context) = minimax_fit(pts, base)
+    if len(pts) < 5:
+        sys.exit(f"{a.grid}: {len(pts)} grid points with new >= {a.min_new}; 5 at least")
+    worst, (p0, per_token, attention, self_attention, context) = minimax_fit(pts, base)
     print(f"{'cached':>7} {'new':>6} {'measured ms':>12} {'model ms':>9} {'error':>7}")
     for c, n, t in sorted(pts):
-        m = predict((p0, per_token, attention, context), base, c, n)
+        m = predict((p0, per_token, attention, self_attention, context), base, c, n)
         print(f"{c:>7} {n:>6} {t * 1e3:>12.1f} {m * 1e3:>9.1f} {100 * (m / t - 1):>+6.1f}%")
     print(f"worst relative error {100 * worst:.1f}% over {len(pts)} points with new >= {a.min_new}")
     profile = dict(base)
@@ -148,6 +151,7 @@ def main():
         "prefill_step_overhead_s": round(p0, 6),
         "prefill_per_token_s": float(f"{per_token:.4g}"),
         "prefill_attention_s": float(f"{attention:.4g}"),
+        "prefill_self_attention_s": float(f"{self_attention:.4g}"),
         "prefill_context_per_token_s": float(f"{context:.4g}"),
     })
     lines = [
@@ -156,7 +160,7 @@ def main():
     ]
     for k in ["name", "block_tokens", "kv_tokens", "max_batch", "max_batched_tokens", "step_overhead_s",
               "prefill_step_overhead_s", "prefill_per_token_s", "prefill_attention_s",
-              "prefill_context_per_token_s", "decode_per_seq_s", "context_per_token_s", "slots"]:
+              "prefill_self_attention_s", "prefill_context_per_token_s", "decode_per_seq_s", "context_per_token_s", "slots"]:
         v = profile[k]
         lines.append(f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v!r}")
     text = "\n".join(lines) + "\n"

@@ -8,11 +8,14 @@ e.g. `python3 -m venv /tmp/lp && /tmp/lp/bin/pip install numpy scipy`, then /tmp
 
 Minimises e subject to |model(C, N) / t − 1| <= e at every grid point with N >= 256 new
 tokens, over the model's free constants. Forms:
-- the profile's (crates/kvroute-sim/src/engine.rs): step_overhead + context_per_token·C
-  (fixed: h100-llama3-8b's 6 ms and 40 ns) + o + a·N + b·(N·C + N(N+1)/2) + k·(C + N);
+- one attention cost for every pair (the profile's form until 2026-11-27): step_overhead +
+  context_per_token·C (fixed: h100-llama3-8b's 6 ms and 40 ns) + o + a·N
+  + b·(N·C + N(N+1)/2) + k·(C + N);
 - issue #44's suggestion: o + a·N + b·N·(C + N/2);
-- the profile's with separate coefficients for the pairs over the cached prefix (N·C) and
-  over the new tokens (N²/2).
+- the profile's (crates/kvroute-sim/src/engine.rs): separate coefficients for the pairs over
+  the cached prefix (N·C, `prefill_attention_s`) and over the new tokens (N(N+1)/2,
+  `prefill_self_attention_s`), printed with its constants;
+- one more term in C alone, for comparison.
 """
 import json, numpy as np
 from scipy.optimize import linprog
@@ -30,7 +33,7 @@ for nonneg in (True, False):
         A.append(list(-f)+[-1]); b.append(fixed(c)/t-1)
     bounds=[(0,None) if nonneg else (None,None)]*4+[(0,None)]
     r=linprog([0,0,0,0,1],A_ub=A,b_ub=b,bounds=bounds,method='highs')
-    print('nonneg' if nonneg else 'free', 'minimax relative error %.2f%%'%(100*r.x[4]), r.x[:4])
+    print('one cost a pair,', 'nonneg' if nonneg else 'free', 'minimax relative error %.2f%%'%(100*r.x[4]), r.x[:4])
 A=[];b=[]
 for p in pts:
     c,n,t=p['cached'],p['new'],p['s']; f=np.array([1.0,n,n*(c+n/2)])/t
@@ -38,7 +41,7 @@ for p in pts:
     A.append(list(-f)+[-1]); b.append(-1)
 r=linprog([0,0,0,1],A_ub=A,b_ub=b,bounds=[(0,None)]*4,method='highs')
 print("issue's form t = o + a n + b n (c + n/2): minimax %.2f%%"%(100*r.x[3]), r.x[:3])
-for name, fe in [("split n*c and n^2/2", lambda c,n:[1.0,n,n*c,n*n/2,c+n]), ("plus c alone", lambda c,n:[1.0,n,n*c+n*(n+1)/2,c,n])]:
+for name, fe in [("the profile's: split n*c and n(n+1)/2", lambda c,n:[1.0,n,n*c,n*(n+1)/2,c+n]), ("one cost a pair plus c alone", lambda c,n:[1.0,n,n*c+n*(n+1)/2,c,n])]:
     A=[];b=[]
     for p in pts:
         c,n,t=p['cached'],p['new'],p['s']; f=np.array(fe(c,n))/t
@@ -46,4 +49,4 @@ for name, fe in [("split n*c and n^2/2", lambda c,n:[1.0,n,n*c,n*n/2,c+n]), ("pl
         A.append(list(-f)+[-1]); b.append(fixed(c)/t-1)
     k=len(fe(1,1))
     r=linprog([0]*k+[1],A_ub=A,b_ub=b,bounds=[(None,None)]*k+[(0,None)],method='highs')
-    print(name, 'minimax %.2f%%'%(100*r.x[k]))
+    print(name, 'minimax %.2f%%'%(100*r.x[k]), r.x[:k])

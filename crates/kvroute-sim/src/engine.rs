@@ -35,12 +35,14 @@
 //!
 //! ```text
 //! step = step_overhead + [prefill_step_overhead if the step prefills]
-//!      + prefill_tokens × prefill_per_token + prefill_pairs × prefill_attention
+//!      + prefill_tokens × prefill_per_token + prefill_prefix_pairs × prefill_attention
+//!      + prefill_self_pairs × prefill_self_attention
 //!      + prefill_context × prefill_context_per_token
 //!      + decode_seqs × decode_per_seq + context_tokens × context_per_token
 //! ```
 //! A prefill chunk of n new tokens after c tokens already in its KV cache contributes n
-//! prefill tokens, `n × c + n (n + 1) / 2` pairs and `c + n` context tokens: so a short
+//! prefill tokens, `n × c` prefix pairs, `n (n + 1) / 2` self pairs and `c + n` context
+//! tokens: so a short
 //! suffix on a long cached context (a conversation's next turn) costs more per new token
 //! than a fresh prompt, as measured on an H100 (`Profile::h100_llama3_8b_grid`).
 //! A linear roofline: prefill is compute bound (per token, and per pair of a computed token
@@ -88,6 +90,15 @@ pub struct Profile {
     /// fresh ones, 2026-11-26).
     #[serde(default)]
     pub prefill_attention_s: f64,
+    /// Prefill attention cost per pair of two tokens of the same chunk (a chunk of n new
+    /// tokens has `n (n + 1) / 2` such causal pairs), seconds, when it differs from
+    /// [`Profile::prefill_attention_s`], which then prices only the pairs over the cached
+    /// prefix (`n × c`). Absent (the default) = `prefill_attention_s` for every pair. The
+    /// measured H100 grid prices the two apart (`h100-llama3-8b`: 2.15 ns over the prefix,
+    /// 3.61 ns within the chunk; docs/profiles.md): one cost for both cannot come within
+    /// 15 % of every grid point.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_self_attention_s: Option<f64>,
     /// llama.cpp slots without a host prompt cache (`llama-server --parallel N --cache-ram
     /// 0`): the engine runs at most this many requests, each in a slot, and a prompt's KV is
     /// kept only in the slot that ran it (see the module docs, "Slots"). 0 (the default) =
@@ -150,8 +161,11 @@ struct SlotFileCosts {
 pub struct StepWork {
     /// Prompt tokens computed (every chunk's new tokens).
     pub prefill_tokens: u64,
-    /// Pairs of a computed prompt token and a token it attends to.
-    pub prefill_pairs: u64,
+    /// Pairs of a computed prompt token and a cached token it attends to (`n × c` a chunk).
+    pub prefill_prefix_pairs: u64,
+    /// Pairs of a computed prompt token and a token of its own chunk it attends to, itself
+    /// included (`n (n + 1) / 2` a chunk).
+    pub prefill_self_pairs: u64,
     /// Context tokens of the prefill chunks (`c + n` each).
     pub prefill_context: u64,
     /// Sequences decoding one token.
@@ -162,12 +176,13 @@ pub struct StepWork {
 
 impl StepWork {
     /// A prefill chunk of `new` tokens after `before` tokens already in its KV cache: `new`
-    /// tokens computed, `new × before + new (new + 1) / 2` attention pairs, `before + new`
-    /// context tokens read.
+    /// tokens computed, `new × before` prefix pairs, `new (new + 1) / 2` self pairs,
+    /// `before + new` context tokens read.
     pub fn chunk(new: u64, before: u64) -> StepWork {
         StepWork {
             prefill_tokens: new,
-            prefill_pairs: new * before + new * (new + 1) / 2,
+            prefill_prefix_pairs: new * before,
+            prefill_self_pairs: new * (new + 1) / 2,
             prefill_context: before + new,
             ..StepWork::default()
         }
@@ -186,10 +201,10 @@ impl Profile {
     ///   bf16 weights, PyTorch SDPA, eager mode, batch 1; 30 grid points of N new tokens on
     ///   C cached, N 64…8192, C 0…32768) by `scripts/fit-profile.py`, minimising the largest
     ///   relative error over the points with N ≥ 256:
-    ///   `t = 6 ms + 7.15 ms + 23.6 µs·N + 2.18 ns·(N·C + N(N+1)/2) + 0.64 µs·(C + N)
+    ///   `t = 6 ms + 9.29 ms + 18.4 µs·N + 2.15 ns·N·C + 3.61 ns·N(N+1)/2 + 0.67 µs·(C + N)
     ///   + 0.04 µs·C` (the 6 ms and 0.04 µs·C are the decode step's overhead and KV read,
-    ///   kept from the roofline below). Worst error 15.4 % over those 24 points (+15.4 % at
-    ///   4,096 cached + 1,024 new, −15.4 % at 32,768 + 256), 54 % at N = 64 where eager
+    ///   kept from the roofline below). Worst error 13.3 % over those 24 points (the least
+    ///   any constants of this form reach: `scripts/profile-minimax.py`), 49 % at N = 64 where eager
     ///   mode's ~20 ms launch floor dominates; the grid itself is not monotone in C in places
     ///   (±10 % noise). Caveat: HF eager attention, not vLLM's or SGLang's kernels, which
     ///   are faster per token, especially at long context; the shape (a cache hit on a long
@@ -220,6 +235,7 @@ impl Profile {
                 prefill_step_overhead_s: 0.0,
                 prefill_per_token_s: 50e-6,
                 prefill_attention_s: 0.0,
+                prefill_self_attention_s: None,
                 prefill_context_per_token_s: 0.0,
                 ..Profile::h100_llama3_8b()
             },
@@ -234,6 +250,7 @@ impl Profile {
                 decode_per_seq_s: 40e-6,
                 context_per_token_s: 0.065e-6,
                 prefill_attention_s: 0.0,
+                prefill_self_attention_s: None,
                 slots: 0,
                 prefill_step_overhead_s: 0.0,
                 prefill_context_per_token_s: 0.0,
@@ -253,6 +270,7 @@ impl Profile {
                 decode_per_seq_s: 1e-3,
                 context_per_token_s: 0.0,
                 prefill_attention_s: 0.0,
+                prefill_self_attention_s: None,
                 slots: 2,
                 prefill_step_overhead_s: 0.0,
                 prefill_context_per_token_s: 0.0,
@@ -276,10 +294,11 @@ impl Profile {
             max_batch: 256,
             max_batched_tokens: 8192,
             step_overhead_s: 0.006,
-            prefill_step_overhead_s: 0.007148,
-            prefill_per_token_s: 23.6e-6,
-            prefill_attention_s: 2.179e-9,
-            prefill_context_per_token_s: 0.6389e-6,
+            prefill_step_overhead_s: 0.009285,
+            prefill_per_token_s: 18.44e-6,
+            prefill_attention_s: 2.150e-9,
+            prefill_self_attention_s: Some(3.605e-9),
+            prefill_context_per_token_s: 0.6651e-6,
             decode_per_seq_s: 30e-6,
             context_per_token_s: 0.04e-6,
             slots: 0,
@@ -312,6 +331,7 @@ impl Profile {
             ("context_per_token_s", self.context_per_token_s),
             ("prefill_attention_s", self.prefill_attention_s),
             ("prefill_step_overhead_s", self.prefill_step_overhead_s),
+            ("prefill_self_attention_s", self.prefill_self_attention()),
             ("prefill_context_per_token_s", self.prefill_context_per_token_s),
             ("kv_restore_secs_per_token", self.kv_restore_secs_per_token),
             ("kv_save_secs_per_token", self.kv_save_secs_per_token),
@@ -347,7 +367,8 @@ impl Profile {
         self.step_overhead_s
             + prefill_overhead
             + w.prefill_tokens as f64 * self.prefill_per_token_s
-            + w.prefill_pairs as f64 * self.prefill_attention_s
+            + w.prefill_prefix_pairs as f64 * self.prefill_attention_s
+            + w.prefill_self_pairs as f64 * self.prefill_self_attention()
             + w.prefill_context as f64 * self.prefill_context_per_token_s
             + w.decode_seqs as f64 * self.decode_per_seq_s
             + w.context_tokens as f64 * self.context_per_token_s
@@ -359,6 +380,12 @@ impl Profile {
     pub fn prefill_secs(&self, cached: u64, new: u64) -> f64 {
         // As `Engine` counts a step's batch context: the tokens in the KV cache before it.
         self.step_secs(StepWork { context_tokens: cached, ..StepWork::chunk(new, cached) })
+    }
+
+    /// Seconds per pair of two tokens of one prefill chunk:
+    /// [`Profile::prefill_self_attention_s`], else [`Profile::prefill_attention_s`].
+    pub fn prefill_self_attention(&self) -> f64 {
+        self.prefill_self_attention_s.unwrap_or(self.prefill_attention_s)
     }
 
     /// Seconds to restore a slot file of `tokens` tokens: `kv_transfer_overhead_secs +
@@ -1270,7 +1297,8 @@ impl Engine {
                 let r = &self.running[i];
                 let c = StepWork::chunk(n as u64, r.req.input_tokens.saturating_sub(r.prefill_left) as u64);
                 work.prefill_tokens += c.prefill_tokens;
-                work.prefill_pairs += c.prefill_pairs;
+                work.prefill_prefix_pairs += c.prefill_prefix_pairs;
+                work.prefill_self_pairs += c.prefill_self_pairs;
                 work.prefill_context += c.prefill_context;
             }
             let dt = p.step_time(work);
@@ -1447,6 +1475,7 @@ mod tests {
             decode_per_seq_s: 0.0,
             context_per_token_s: 0.0,
             prefill_attention_s: 0.0,
+            prefill_self_attention_s: None,
             slots: 0,
             prefill_step_overhead_s: 0.0,
             prefill_context_per_token_s: 0.0,
@@ -1533,7 +1562,13 @@ mod tests {
     /// TTFT of a 16-token request over blocks `tail` on a 1-slot engine with prefill
     /// attention `attn`, after a 64-token prompt over blocks 1..=4.
     fn second_ttft(tail: &[u64], attn: f64) -> u64 {
-        let mut e = Engine::new(Profile { slots: 1, prefill_attention_s: attn, ..profile() }, 16);
+        second_ttft_split(tail, attn, None)
+    }
+
+    /// [`second_ttft`] with `self_attn` as the profile's `prefill_self_attention_s`.
+    fn second_ttft_split(tail: &[u64], attn: f64, self_attn: Option<f64>) -> u64 {
+        let p = Profile { slots: 1, prefill_attention_s: attn, prefill_self_attention_s: self_attn, ..profile() };
+        let mut e = Engine::new(p, 16);
         let mut ev = Vec::new();
         e.submit(req(1, &[1, 2, 3, 4], 64, 1), Nanos::ZERO, &mut ev);
         run(&mut e);
@@ -1556,6 +1591,25 @@ mod tests {
         // fresh; the 64 cached tokens are not computed again.
         assert_eq!(second_ttft(&[1, 2, 3, 4, 5], 1e-6), 17_000 * us + 1_160 * us);
         assert_eq!(second_ttft(&[9], 1e-6), 17_000 * us + 136 * us);
+    }
+
+    #[test]
+    fn pairs_over_the_cached_prefix_and_within_the_chunk_are_priced_apart() {
+        let us = 1_000;
+        // 1 µs a pair over the 64 cached tokens (16 × 64 = 1,024 pairs), 3 µs a pair within
+        // the 16-token chunk (16 × 17 / 2 = 136 pairs).
+        assert_eq!(second_ttft_split(&[1, 2, 3, 4, 5], 1e-6, Some(3e-6)), 17_000 * us + 1_024 * us + 408 * us);
+        assert_eq!(second_ttft_split(&[9], 1e-6, Some(3e-6)), 17_000 * us + 408 * us);
+        // A profile file that names one cost prices every pair with it, as before the split.
+        let one: Profile = serde_json::from_value(serde_json::json!({
+            "name": "x", "block_tokens": 16, "kv_tokens": 1600, "max_batch": 4, "max_batched_tokens": 1000,
+            "step_overhead_s": 0.001, "prefill_per_token_s": 0.001, "decode_per_seq_s": 0.0,
+            "context_per_token_s": 0.0, "prefill_attention_s": 1e-6,
+        }))
+        .expect("profile");
+        assert_eq!(one.prefill_self_attention(), 1e-6);
+        let base = one.prefill_secs(64, 16) - Profile { prefill_attention_s: 0.0, ..one.clone() }.prefill_secs(64, 16);
+        assert!((base - 1_160e-6).abs() < 1e-12, "{base}");
     }
 
     #[test]

@@ -90,7 +90,7 @@ pub struct LeastTtftConfig {
     /// the prompt's own earlier tokens), in prompt tokens: the request's own prefill costs
     /// `own × (1 + context_weight × (cached + own / 2))`. An engine's attention makes a
     /// suffix on a long cached context dearer per token (docs/profiles.md: the H100 grid
-    /// gives `prefill_attention_s / prefill_per_token_s` ≈ 9.2e-5). 0 = a flat cost per token.
+    /// gives `prefill_attention_s / prefill_per_token_s` ≈ 1.2e-4 over the cached prefix). 0 = a flat cost per token.
     pub context_weight: f64,
 }
 
