@@ -1,4 +1,4 @@
-//! Decision time of every policy at 8, 64 and 256 workers with an index warmed by the whole
+//! Decision time of every policy at 8, 256, 1,024 and 4,096 workers with an index warmed by the whole
 //! Mooncake conversation trace, tree insert/match, and index memory per cached block.
 //!
 //! Run: `cargo bench -p kvroute-core --bench decision`. Besides Criterion's estimates it
@@ -31,7 +31,7 @@ fn bench_decisions(c: &mut Criterion) {
     }
     let (pr, text) = probe(&trace, 4096);
     let mut summary = Vec::new();
-    for n in [8usize, 64, 256] {
+    for n in [8usize, 256, 1024, 4096] {
         let mut g = c.benchmark_group(format!("decision/{n}_workers"));
         g.sample_size(20)
             .measurement_time(std::time::Duration::from_secs(1))
