@@ -134,7 +134,8 @@ pub struct Profile {
     /// times above. 0 by default.
     #[serde(default)]
     pub kv_transfer_overhead_secs: f64,
-    /// Bytes of slot file per token, for reports only: `cpu-smollm2-135m` 23,040 (30 layers
+    /// Bytes of KV per token: slot files' size in reports, and what a KV pull between
+    /// engines moves (`kvroute replay --kv-pull`): `cpu-smollm2-135m` 23,040 (30 layers
     /// × 3 KV heads × 64 dims × K and V × 2 bytes of f16; the measured file was 27.7 MB for
     /// 1,202 tokens, 23,045 per token), the Llama-3-8B profiles 131,072 (32 layers × 8 KV
     /// heads × 128 dims × 2 × 2 bytes of bf16). 0 by default.

@@ -102,6 +102,7 @@ pub fn replay_pd(
         outcomes: sim.outcomes,
         pd: Some(pd.clone()),
         kv_migration: None,
+        kv_pull: None,
     })
 }
 

@@ -17,12 +17,18 @@
 //! saves long prompts' slots to files when their requests end and restores the best file
 //! into the slot a request is sent to when that pays ([`crate::kv_move`]); the replay then
 //! steps the engines event by event, so that a save starts at the instant its request ends.
+//!
+//! With [`ReplayConfig::kv_pull`] (paged engines, precise prefix state) a request whose
+//! engine holds less of its prompt than another engine does may first have the longer
+//! prefix's KV copied over ([`crate::types::KvPull`]): it reaches its engine when the copy
+//! ends, and finds the prefix cached there.
 
-use crate::engine::{CacheEvent, Engine, EngineEvent, EngineRequest};
+use crate::engine::{CacheEvent, Engine, EngineEvent, EngineRequest, SlotRestore};
 use crate::kv_move::{Mover, slot_blocks};
 use crate::trace::TraceRequest;
 pub use crate::types::{
-    BusyWindow, KvOracle, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult, UTIL_WINDOW, request_view,
+    BusyWindow, KvOracle, KvPull, KvPullCounts, Outcome, PrefixState, ReplayConfig, ReplayError, ReplayResult,
+    UTIL_WINDOW, request_view,
 };
 use crate::types::{Maintenance, RouterView};
 use kvroute_core::ledger::{LoadLedger, Ticket};
@@ -231,6 +237,20 @@ struct Book<'a> {
     host: HostClock,
     /// The engines whose state or ledger entry changed since the router last read them.
     moved: Moved,
+    /// Requests waiting for a KV pull ([`ReplayConfig::kv_pull`]), earliest end first: (when
+    /// the copy ends, request, engine, leading blocks pulled).
+    pulls: BinaryHeap<Reverse<(Nanos, usize, usize, usize)>>,
+    /// What the pulls did.
+    pull_counts: KvPullCounts,
+}
+
+/// What the replay does next: route an arrival, or hand a request its pulled KV and submit
+/// it.
+enum Next {
+    /// Request `.1` arrives at `.0`.
+    Arrival(Nanos, usize),
+    /// The pull of request `.1`'s prefix ends at `.0`: (when, request, engine, blocks).
+    Pulled(Nanos, usize, usize, usize),
 }
 
 /// The engines a router's views of them may no longer match ([`Router::pick`] rebuilds only
@@ -317,32 +337,38 @@ impl<'a> Book<'a> {
             next_turn,
             host: HostClock::new(cfg.host_cores, &cfg.host_slowdown),
             moved: Moved::new(cfg.engines),
+            pulls: BinaryHeap::new(),
+            pull_counts: KvPullCounts::default(),
         }
     }
 
-    /// The next arrival `(time, request)`, engines advanced through every event before it
-    /// (an ending turn can release an earlier arrival than the earliest known one).
-    fn next_arrival(
-        &mut self,
-        engines: &mut [Engine],
-        events: &mut Vec<EngineEvent>,
-        policy: &mut dyn Policy,
-    ) -> Option<(Nanos, usize)> {
+    /// The next arrival or pulled request, engines advanced through every event before it
+    /// (an ending turn can release an earlier arrival than the earliest known one). A pull
+    /// ending at an arrival's instant goes first.
+    fn next(&mut self, engines: &mut [Engine], events: &mut Vec<EngineEvent>, policy: &mut dyn Policy) -> Option<Next> {
         // Event by event when an event may release an arrival, or the KV mover acts on an
         // event at its instant (a save starts when its request ends).
         if self.gated || self.mover.is_some() {
             loop {
-                let next = self.arrivals.peek().map_or(Nanos(u64::MAX), |Reverse((t, _))| *t);
-                if !self.host.step(engines, next, false, events) {
+                let arrival = self.arrivals.peek().map_or(Nanos(u64::MAX), |Reverse((t, _))| *t);
+                let pulled = self.pulls.peek().map_or(Nanos(u64::MAX), |Reverse((t, ..))| *t);
+                if !self.host.step(engines, arrival.min(pulled), false, events) {
                     break;
                 }
                 self.moved.all();
                 self.handle(events, engines, policy);
             }
         }
+        let arrival = self.arrivals.peek().map(|Reverse((t, _))| *t);
+        if let Some(&Reverse((t, i, w, n))) = self.pulls.peek()
+            && arrival.is_none_or(|a| t <= a)
+        {
+            self.pulls.pop();
+            return Some(Next::Pulled(t, i, w, n));
+        }
         self.arrivals.pop().map(|Reverse((t, i))| {
             self.outcomes[i].arrival = t;
-            (t, i)
+            Next::Arrival(t, i)
         })
     }
 
@@ -480,11 +506,12 @@ pub fn replay(
     check_config(cfg)?;
     let mut run = Replay::new(trace, cfg)?;
     let mut routed = 0usize;
-    while let Some((now, i)) = run.next_arrival() {
-        run.arrive(i, now);
-        routed += 1;
-        if routed.is_multiple_of(256) {
-            progress(routed);
+    while let Some(next) = run.next() {
+        if run.go(next) {
+            routed += 1;
+            if routed.is_multiple_of(256) {
+                progress(routed);
+            }
         }
     }
     let result = run.finish();
@@ -507,6 +534,22 @@ fn check_config(cfg: &ReplayConfig) -> Result<(), ReplayError> {
             "kv_migration",
             "needs a profile with llama.cpp slots and slot routing (the mover saves and restores the slots the router names)",
         )));
+    }
+    if let Some(pull) = cfg.kv_pull {
+        let bad = |why: &str| Err(ReplayError::Config(crate::engine::InvalidSetting::new("kv_pull", why)));
+        if cfg.profile.slots > 0 || cfg.kv_oracle != KvOracle::Off {
+            return bad("needs a paged KV cache (a profile without llama.cpp slots) and no KV oracle");
+        }
+        if !matches!(cfg.prefix_state, PrefixState::Precise { .. }) {
+            return bad("needs the precise prefix state: the router must know which engine holds a prefix");
+        }
+        if cfg.profile.kv_file_bytes_per_token == 0 {
+            return bad("the profile's kv_file_bytes_per_token is 0: a pull has to know what a token's KV weighs");
+        }
+        let fast = pull.bytes_per_sec.is_finite() && pull.bytes_per_sec > 0.0;
+        if !(fast && pull.overhead_secs.is_finite() && pull.overhead_secs >= 0.0) {
+            return bad("bytes_per_sec must be finite and > 0, overhead_secs finite and >= 0");
+        }
     }
     if let Some(bad) = not_a_slowdown(&cfg.host_slowdown) {
         return Err(ReplayError::Config(crate::engine::InvalidSetting::new(
@@ -548,7 +591,8 @@ impl Router {
             util: (0..cfg.engines).map(|_| BusyWindow::default()).collect(),
             reuse_views: matches!(cfg.prefix_state, PrefixState::Approximate)
                 && !cfg.slot_routing
-                && cfg.kv_migration.is_none(),
+                && cfg.kv_migration.is_none()
+                && cfg.kv_pull.is_none(),
             moved: Vec::new(),
             #[cfg(test)]
             check_views: false,
@@ -592,6 +636,11 @@ impl Router {
     /// Builds the view of every engine for `r` at `now`.
     fn fill_views(&mut self, book: &Book<'_>, engines: &[Engine], cfg: &ReplayConfig, r: &TraceRequest, now: Nanos) {
         self.views.clear();
+        // With KV pulls: the most of the prompt any engine's cache holds, tokens.
+        let pullable = cfg.kv_pull.map(|pull| {
+            let best = engines.iter().map(|e| e.cache().lookup(&r.blocks)).max().unwrap_or(0);
+            (pull, (best as u64 * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)))
+        });
         // The best saved file, looked up once per request.
         let mut file = None;
         for (w, e) in engines.iter().enumerate() {
@@ -605,6 +654,11 @@ impl Router {
                 let held = if c.waits { c.cached_blocks } else { c.cached_blocks.max(restorable) };
                 let tokens = held as u64 * u64::from(r.block_tokens);
                 v.cached_tokens = Some(tokens.min(u64::from(r.input_tokens)));
+            }
+            if let (Some((pull, best)), Some(own)) = (pullable, v.cached_tokens)
+                && best > own
+            {
+                v.cached_tokens = Some(own + pull.credit(&cfg.profile, own, best - own));
             }
             self.views.push(v);
         }
@@ -670,9 +724,35 @@ impl<'a> Replay<'a> {
         Ok(Replay { cfg, engines, events: Vec::new(), book, router, oracle })
     }
 
-    /// The next arrival `(time, request)` ([`Book::next_arrival`]).
-    fn next_arrival(&mut self) -> Option<(Nanos, usize)> {
-        self.book.next_arrival(&mut self.engines, &mut self.events, self.router.policy.as_mut())
+    /// What happens next ([`Book::next`]).
+    fn next(&mut self) -> Option<Next> {
+        self.book.next(&mut self.engines, &mut self.events, self.router.policy.as_mut())
+    }
+
+    /// Does `next`; `true` when it routed an arrival.
+    fn go(&mut self, next: Next) -> bool {
+        match next {
+            Next::Arrival(now, i) => {
+                self.arrive(i, now);
+                true
+            }
+            Next::Pulled(now, i, w, blocks) => {
+                self.pulled(i, w, blocks, now);
+                false
+            }
+        }
+    }
+
+    /// Request `i`'s pull of its first `blocks` blocks onto engine `w` ended at `now`: the
+    /// blocks enter the engine's cache and the request is submitted.
+    fn pulled(&mut self, i: usize, w: usize, blocks: usize, now: Nanos) {
+        let book = &mut self.book;
+        book.host.advance(&mut self.engines, now, &mut self.events, &mut book.moved);
+        self.book.handle(&mut self.events, &mut self.engines, self.router.policy.as_mut());
+        let r = &self.book.trace[i];
+        self.engines[w].import_prefix(&r.blocks[..blocks], r.block_tokens);
+        self.book.moved.mark(w);
+        self.submit(i, w, None, None, now);
     }
 
     /// Request `i` arrives at `now`: the engines are brought up to it, the policy
@@ -738,6 +818,34 @@ impl<'a> Replay<'a> {
         if found > 0 {
             self.engines[w].import_prefix(&r.blocks[..found], r.block_tokens);
         }
+        if let Some((blocks, secs)) = self.pull_of(r, w) {
+            let c = &mut self.book.pull_counts;
+            c.kv_pulls += 1;
+            c.kv_pulled_tokens += (blocks as u64 * u64::from(r.block_tokens)).min(u64::from(r.input_tokens));
+            c.kv_pull_secs += secs;
+            let at = now.saturating_add(Nanos::from_secs_f64(secs));
+            self.book.pulls.push(Reverse((at, i, w, blocks)));
+            return;
+        }
+        self.submit(i, w, slot, restore, now);
+    }
+
+    /// The pull request `r` sent to engine `w` waits for ([`ReplayConfig::kv_pull`]):
+    /// `(leading blocks the best other engine holds, seconds)` when it pays.
+    fn pull_of(&self, r: &TraceRequest, w: usize) -> Option<(usize, f64)> {
+        let pull = self.cfg.kv_pull?;
+        let own = self.engines[w].cache().lookup(&r.blocks);
+        let best = self.engines.iter().map(|e| e.cache().lookup(&r.blocks)).max()?;
+        let tokens = |b: usize| (b as u64 * u64::from(r.block_tokens)).min(u64::from(r.input_tokens));
+        let (own_t, best_t) = (tokens(own), tokens(best));
+        (best_t > own_t && pull.pays(&self.cfg.profile, own_t, best_t - own_t))
+            .then(|| (best, pull.secs(best_t - own_t, self.cfg.profile.kv_file_bytes_per_token)))
+    }
+
+    /// Submits request `i` to engine `w` at `now` (on `slot`, with a slot file to
+    /// `restore`), and applies what the engine reports at once.
+    fn submit(&mut self, i: usize, w: usize, slot: Option<u32>, restore: Option<SlotRestore>, now: Nanos) {
+        let r = &self.book.trace[i];
         let at = self.book.host.virtual_at(now);
         let first = self.events.len();
         self.engines[w].submit(
@@ -763,6 +871,9 @@ impl<'a> Replay<'a> {
     /// Runs the engines to the end and returns the result.
     fn finish(mut self) -> ReplayResult {
         let end = Nanos(u64::MAX);
+        while let Some(Reverse((at, i, w, blocks))) = self.book.pulls.pop() {
+            self.pulled(i, w, blocks, at);
+        }
         if self.book.mover.is_some() {
             // Event by event: the saves of the last requests start when they end.
             while self.book.host.step(&mut self.engines, end, true, &mut self.events) {
@@ -780,6 +891,7 @@ impl<'a> Replay<'a> {
             evictions: self.engines.iter().map(|e| e.cache().evictions()).collect(),
             pd: None,
             kv_migration: self.book.mover.as_ref().map(Mover::counts),
+            kv_pull: self.cfg.kv_pull.map(|_| self.book.pull_counts),
         }
     }
 }
@@ -795,8 +907,8 @@ mod tests {
         let mut run = Replay::new(trace, cfg).expect("replay");
         run.router.reuse_views &= reuse;
         run.router.check_views = reuse;
-        while let Some((now, i)) = run.next_arrival() {
-            run.arrive(i, now);
+        while let Some(next) = run.next() {
+            run.go(next);
         }
         run.finish()
     }

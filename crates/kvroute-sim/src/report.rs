@@ -54,6 +54,10 @@ pub struct PolicyReport {
     /// `kv_saves`, …); absent otherwise.
     #[serde(flatten)]
     pub kv_migration: Option<crate::types::KvMigrationCounts>,
+    /// What the KV pulls did (`--kv-pull`), serialised flat (`kv_pulls`,
+    /// `kv_pulled_tokens`, `kv_pull_secs`); absent otherwise.
+    #[serde(flatten)]
+    pub kv_pull: Option<crate::types::KvPullCounts>,
     /// How far the policy's TTFT predictions were from the TTFTs the engines gave (for a
     /// policy that predicts, `least_ttft`); absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -197,6 +201,7 @@ pub fn summarise(r: &ReplayResult, rate_scale: f64, infinite: (u64, u64), slo: S
         ttft_cdf: lat.ttft_cdf(),
         pd: r.pd.as_ref().map(|pd| pd_summary(r, pd, makespan)),
         kv_migration: r.kv_migration,
+        kv_pull: r.kv_pull,
         ttft_prediction: PredictionError::of(r.outcomes.iter().filter(|o| !o.rejected).filter_map(|o| {
             let measured = o.first_token?.0.checked_sub(o.arrival.0)? as f64 / 1e9;
             Some((o.predicted_ttft_s?, measured))
@@ -339,8 +344,18 @@ fn label_width(reports: &[PolicyReport]) -> usize {
     reports.iter().map(|r| r.policy.chars().count()).max().unwrap_or(0).max(18)
 }
 
-/// The KV mover's lines of [`table`], for the reports that have them.
+/// The KV mover's lines of [`table`], for the reports that have them, and the KV pulls'.
 fn kv_table(s: &mut String, reports: &[PolicyReport]) {
+    let w = label_width(reports);
+    for r in reports {
+        let Some(k) = &r.kv_pull else { continue };
+        let mean_ms = if k.kv_pulls > 0 { k.kv_pull_secs * 1e3 / k.kv_pulls as f64 } else { 0.0 };
+        let _ = writeln!(
+            s,
+            "{:<w$} x{}: {} KV pulls, {} tokens, {mean_ms:.1} ms each on average",
+            r.policy, r.rate_scale, k.kv_pulls, k.kv_pulled_tokens
+        );
+    }
     if reports.iter().all(|r| r.kv_migration.is_none()) {
         return;
     }

@@ -208,6 +208,83 @@ pub struct ReplayConfig {
     /// [`crate::kv_move`]): needs a profile with `slots` and `slot_routing`. `None` (the
     /// default): off.
     pub kv_migration: Option<KvMigration>,
+    /// Pulling a prefix's KV from the engine that holds it to the engine a request is sent
+    /// to, over the network between GPUs (vLLM's NixlConnector, SGLang's transfer engine):
+    /// see [`KvPull`]. Needs a paged KV cache (no `slots`) and the precise prefix state.
+    /// `None` (the default): off.
+    pub kv_pull: Option<KvPull>,
+}
+
+/// The replay's KV pull ([`ReplayConfig::kv_pull`]): a router that knows each engine's cache
+/// (KV events) and, when the engine it sends a request to holds less of the prompt than
+/// another engine does, has the KV of the longer prefix copied from that engine first, as
+/// vLLM's `kv_transfer_params` (`do_remote_prefill` with the holder's `remote_block_ids`)
+/// or SGLang's PD bootstrap do between a prefill and a decode instance.
+///
+/// - **When**: the other engine holds at least `min_tokens` more of the prompt, and the
+///   transfer ([`KvPull::secs`]) takes less than the engine would spend prefilling those
+///   tokens ([`KvPull::pays`], from the profile).
+/// - **Cost**: the request reaches its engine `secs` later (it waits for its KV as vLLM's
+///   `WAITING_FOR_REMOTE_KVS` requests do); neither engine computes meanwhile (the copy
+///   is RDMA reading the holder's GPU memory). The blocks then enter the engine's prefix
+///   cache as if computed there.
+/// - **The policy's view**: an engine a pull would pay on is shown as holding the longer
+///   prefix (its `cached_tokens`), so the policy weighs load with the prefix available
+///   everywhere at the transfer's price.
+///
+/// Not modelled: the holder evicting the blocks while they are read (vLLM pins them until
+/// the read ends), the network shared by concurrent pulls.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct KvPull {
+    /// Bytes a second between two engines (50e9: 400 Gb/s RDMA; NVLink is faster).
+    pub bytes_per_sec: f64,
+    /// Fixed cost of one pull, seconds (NIXL's metadata exchange and the request's hop).
+    pub overhead_secs: f64,
+    /// Fewest tokens a pull adds, tokens.
+    pub min_tokens: u32,
+}
+
+impl Default for KvPull {
+    fn default() -> Self {
+        KvPull { bytes_per_sec: 50e9, overhead_secs: 0.002, min_tokens: 256 }
+    }
+}
+
+impl KvPull {
+    /// Seconds to pull `tokens` tokens of KV of `bytes_per_token` bytes each.
+    pub fn secs(&self, tokens: u64, bytes_per_token: u64) -> f64 {
+        self.overhead_secs + (tokens * bytes_per_token) as f64 / self.bytes_per_sec
+    }
+
+    /// Whether pulling `gain` more tokens onto an engine of `profile` that holds `own` of
+    /// the prompt beats prefilling them there: `gain ≥ min_tokens` and [`KvPull::secs`] <
+    /// the profile's prefill of `gain` tokens after `own` (beyond a pass over `own` alone).
+    pub fn pays(&self, profile: &crate::engine::Profile, own: u64, gain: u64) -> bool {
+        self.credit(profile, own, gain) > 0
+    }
+
+    /// The tokens of `gain` a pull is worth on an engine of `profile` that holds `own`:
+    /// `gain × (1 − pull seconds / prefill seconds)`, what the engine saves net of the
+    /// transfer, in tokens of its prefill; 0 when the pull does not pay ([`KvPull::pays`]).
+    pub fn credit(&self, profile: &crate::engine::Profile, own: u64, gain: u64) -> u64 {
+        if gain < u64::from(self.min_tokens) {
+            return 0;
+        }
+        let recompute = profile.prefill_secs(own, gain) - profile.prefill_secs(own, 0);
+        let pull = self.secs(gain, profile.kv_file_bytes_per_token);
+        if pull < recompute { (gain as f64 * (1.0 - pull / recompute)) as u64 } else { 0 }
+    }
+}
+
+/// What the replay's KV pulls did ([`ReplayConfig::kv_pull`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct KvPullCounts {
+    /// Requests that waited for a pull.
+    pub kv_pulls: u64,
+    /// Prompt tokens pulled.
+    pub kv_pulled_tokens: u64,
+    /// Seconds the requests waited for their pulls, summed.
+    pub kv_pull_secs: f64,
 }
 
 impl ReplayConfig {
@@ -232,6 +309,7 @@ impl ReplayConfig {
             host_slowdown: Vec::new(),
             kv_oracle: KvOracle::Off,
             kv_migration: None,
+            kv_pull: None,
         }
     }
 }
@@ -427,6 +505,8 @@ pub struct ReplayResult {
     pub pd: Option<PdConfig>,
     /// What the KV mover did; `None` without [`ReplayConfig::kv_migration`].
     pub kv_migration: Option<KvMigrationCounts>,
+    /// The KV pulls' counts ([`ReplayConfig::kv_pull`]); `None` when off.
+    pub kv_pull: Option<KvPullCounts>,
 }
 
 /// Why a replay could not run.

@@ -3,7 +3,7 @@
 
 use kvroute_core::types::{BlockHash, Nanos};
 use kvroute_sim::engine::Profile;
-use kvroute_sim::replay::{KvOracle, PrefixState, ReplayConfig, ReplayResult, replay};
+use kvroute_sim::replay::{KvOracle, KvPull, PrefixState, ReplayConfig, ReplayResult, replay};
 use kvroute_sim::trace::TraceRequest;
 use kvroute_sim::types::KvMigration;
 
@@ -416,4 +416,71 @@ fn kv_migration_without_slot_routing_is_a_config_error() {
     };
     let e = replay(&hot_document(), &c, &mut |_| {}).expect_err("refused").to_string();
     assert!(e.contains("kv_migration") && e.contains("slot routing"), "{e}");
+}
+
+/// Two requests on the same 8-block prefix, 5 s apart (the second with one block more),
+/// round robin over 2 engines: the second goes to the engine that does not hold it.
+fn a_prefix_twice() -> Vec<TraceRequest> {
+    let prefix: Vec<u64> = (1..=8).collect();
+    let longer: Vec<u64> = (1..=9).collect();
+    vec![req(0, &prefix), req(5_000, &longer)]
+}
+
+fn precise(policy: &str) -> ReplayConfig {
+    cfg(policy, 2, PrefixState::Precise { predict_window: Nanos::from_secs(2) })
+}
+
+#[test]
+fn a_kv_pull_copies_the_held_prefix_to_the_engine_the_request_goes_to_and_costs_the_transfer() {
+    let trace = a_prefix_twice();
+    let plain = precise("round_robin");
+    let pull = KvPull::default();
+    let with = ReplayConfig { kv_pull: Some(pull), ..plain.clone() };
+    let (a, b) = (run(&trace, &plain), run(&trace, &with));
+    for r in [&a, &b] {
+        assert_ne!(r.outcomes[0].worker, r.outcomes[1].worker, "round robin spreads the two");
+    }
+    assert!(a.kv_pull.is_none());
+    assert_eq!(a.outcomes[1].cached_tokens, 0, "without the pull the other engine computes it all");
+    // The 8 held blocks (4,096 tokens) arrive by the pull: 2 ms + 4,096 × 128 KiB at 50 GB/s.
+    assert_eq!(b.outcomes[1].cached_tokens, 4096);
+    let k = b.kv_pull.expect("the pulls' counts");
+    assert_eq!((k.kv_pulls, k.kv_pulled_tokens), (1, 4096), "{k:?}");
+    let secs = 0.002 + 4096.0 * 131_072.0 / 50e9;
+    assert!((k.kv_pull_secs - secs).abs() < 1e-9, "{k:?}");
+    let ttft = |r: &ReplayResult| {
+        let o = &r.outcomes[1];
+        o.first_token.expect("first token").saturating_sub(o.arrival).as_secs_f64()
+    };
+    // Against a free copy (the fleet oracle), the request is later by the transfer exactly.
+    let free = run(&trace, &ReplayConfig { kv_oracle: KvOracle::Fleet, ..plain.clone() });
+    assert_eq!(free.outcomes[1].cached_tokens, 4096);
+    assert!((ttft(&b) - ttft(&free) - secs).abs() < 1e-6, "{} s against {} s free", ttft(&b), ttft(&free));
+    assert!(ttft(&b) < ttft(&a), "{} s with the pull, {} s recomputing", ttft(&b), ttft(&a));
+    assert!(b.outcomes.iter().all(|o| o.finished.is_some()));
+    // What a view credits an engine with: the gain net of the transfer, in prefill tokens.
+    let credit = pull.credit(&plain.profile, 0, 4096);
+    assert!(credit > 3000 && credit < 4096, "{credit}");
+    assert_eq!(pull.credit(&plain.profile, 0, 255), 0, "below min_tokens");
+    // A network too slow to beat the prefill: nothing is pulled.
+    let slow = ReplayConfig { kv_pull: Some(KvPull { bytes_per_sec: 1e6, ..pull }), ..plain.clone() };
+    let s = run(&trace, &slow);
+    assert_eq!(s.kv_pull.expect("counts").kv_pulls, 0);
+    assert_eq!(s.outcomes[1].cached_tokens, 0);
+}
+
+#[test]
+fn a_kv_pull_needs_the_precise_prefix_state_and_a_paged_cache() {
+    let trace = a_prefix_twice();
+    let approximate =
+        ReplayConfig { kv_pull: Some(KvPull::default()), ..cfg("least_ttft", 2, PrefixState::Approximate) };
+    let slots = ReplayConfig {
+        profile: Profile::named("cpu-smollm2-135m").expect("profile"),
+        kv_pull: Some(KvPull::default()),
+        ..precise("least_ttft")
+    };
+    for (c, what) in [(approximate, "precise"), (slots, "paged")] {
+        let e = replay(&trace, &c, &mut |_| {}).expect_err("refused").to_string();
+        assert!(e.contains("kv_pull") && e.contains(what), "{e}");
+    }
 }

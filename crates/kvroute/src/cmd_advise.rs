@@ -243,6 +243,7 @@ fn evaluate(
                         host_slowdown: clients.host_slowdown.clone(),
                         kv_oracle,
                         kv_migration: None,
+                        kv_pull: None,
                     };
                     let r = replay(&traces[k], &cfg, &mut |_| {})
                         .map(|res| summarise(&res, 1.0, infinite, slo))

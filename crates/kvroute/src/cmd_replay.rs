@@ -4,7 +4,7 @@ use anyhow::{Context, bail};
 use kvroute_core::types::Nanos;
 use kvroute_sim::engine::Profile;
 use kvroute_sim::pd::{PdConfig, TransferModel, replay_pd};
-use kvroute_sim::replay::{KvOracle, PrefixState, ReplayConfig, replay};
+use kvroute_sim::replay::{KvOracle, KvPull, PrefixState, ReplayConfig, replay};
 use kvroute_sim::report::{PolicyReport, Slo, plot_sweep, plot_ttft_cdf, summarise, table, write_csv};
 use kvroute_sim::trace::{self, TraceFormat, TraceRequest};
 use kvroute_sim::types::KvMigration;
@@ -149,6 +149,15 @@ pub struct Args {
     /// with --pd.
     #[arg(long)]
     pub kv_migration: bool,
+    /// On the `--prefix-state precise` runs of a paged-cache profile: when the engine a
+    /// request is sent to holds less of its prompt than another engine does (by at least
+    /// 256 tokens), copy the longer prefix's KV from that engine first, at GB_PER_SEC
+    /// gigabytes a second plus 2 ms a copy (vLLM's NixlConnector or SGLang's transfer
+    /// engine over RDMA: 50 for 400 Gb/s), when that beats prefilling it; the request waits
+    /// for the copy. The profile's kv_file_bytes_per_token is a token's KV. Reported as
+    /// `POLICY/precise+pull` with the pulls' count. Not with --pd or --kv-oracle.
+    #[arg(long, value_name = "GB_PER_SEC")]
+    pub kv_pull: Option<f64>,
     /// With --kv-migration: prompts shorter than this are not saved, and restores adding
     /// fewer tokens are not tried (`[kv_migration] min_tokens`).
     #[arg(long, default_value_t = 1024, requires = "kv_migration", value_name = "TOKENS")]
@@ -335,6 +344,8 @@ struct Setup {
     engines: usize,
     /// `--kv-migration`: the KV mover of the slot-routing runs.
     kv_migration: Option<KvMigration>,
+    /// `--kv-pull`: the KV pulls of the precise runs.
+    kv_pull: Option<KvPull>,
 }
 
 /// The trace as the flags shape it, its capped version (`--policy capped`, `b3`) and its
@@ -417,7 +428,21 @@ fn setup(args: &Args) -> anyhow::Result<Setup> {
         bail!("--engines must be at least 1");
     }
     let kv_migration = kv_migration(args, &profile, &states, pd.is_some())?;
-    Ok(Setup { profile, knobs, rates, pd, kv_oracle, policies, states, engines, kv_migration })
+    let kv_pull = match args.kv_pull {
+        None => None,
+        Some(g) if !(g.is_finite() && g > 0.0) => bail!("--kv-pull: {g} is not a positive number of GB/s"),
+        Some(_) if pd.is_some() || kv_oracle != KvOracle::Off || profile.slots > 0 => {
+            bail!("--kv-pull: not with --pd, --kv-oracle or a profile with llama.cpp slots (no paged KV cache)")
+        }
+        Some(_) if !states.iter().any(|s| matches!(s.0, PrefixState::Precise { .. }) && !s.1) => {
+            bail!("--kv-pull: needs --prefix-state precise (the router must know which engine holds a prefix)")
+        }
+        Some(_) if profile.kv_file_bytes_per_token == 0 => {
+            bail!("--kv-pull: profile `{}` has kv_file_bytes_per_token 0 (what a token's KV weighs)", profile.name)
+        }
+        Some(g) => Some(KvPull { bytes_per_sec: g * 1e9, ..KvPull::default() }),
+    };
+    Ok(Setup { profile, knobs, rates, pd, kv_oracle, policies, states, engines, kv_migration, kv_pull })
 }
 
 /// `--kv-migration` and `--kv-min-tokens`, checked against the profile, the prefix states
@@ -464,6 +489,8 @@ fn plan_runs(setup: &Setup) -> Vec<Run> {
                 let label = match prefix_state {
                     _ if slot_routing && setup.kv_migration.is_some() => format!("{label}/slots+kv"),
                     _ if slot_routing => format!("{label}/slots"),
+                    PrefixState::Precise { .. } if setup.kv_pull.is_some() && blind => format!("{label}/pull"),
+                    PrefixState::Precise { .. } if setup.kv_pull.is_some() => format!("{label}/precise+pull"),
                     PrefixState::Precise { .. } if !blind => format!("{label}/precise"),
                     _ => label.clone(),
                 };
@@ -540,6 +567,7 @@ fn replay_one(
         host_slowdown: args.host_slowdown.clone(),
         kv_oracle: setup.kv_oracle,
         kv_migration: setup.kv_migration.filter(|_| run.slot_routing),
+        kv_pull: setup.kv_pull.filter(|_| matches!(run.prefix_state, PrefixState::Precise { .. }) && !run.slot_routing),
     };
     let mut last = 0usize;
     let mut tick = |n: usize| {

@@ -247,3 +247,41 @@ fn kv_migration_restores_on_a_hot_document_and_is_refused_without_slots() {
         assert!(err.contains("--kv-migration") && err.contains(what), "{err}");
     }
 }
+
+#[test]
+fn kv_pull_runs_on_the_precise_state_reports_its_pulls_and_refuses_the_rest() {
+    let dir = scratch("kv-pull");
+    let t = trace(&dir);
+    let run = |json: &str, extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["replay", "--quiet", "--engines", "2", "--policy", "least_ttft,round_robin", "--rate-scale", "4"])
+            .arg("--trace")
+            .arg(&t)
+            .arg("--json")
+            .arg(dir.join(json))
+            .args(extra)
+            .output()
+            .expect("run kvroute replay")
+    };
+    let ok = run("pull.json", &["--prefix-state", "precise", "--kv-pull", "50"]);
+    let approximate = run("x.json", &["--kv-pull", "50"]);
+    let zero = run("y.json", &["--prefix-state", "precise", "--kv-pull", "0"]);
+    let slots = run("z.json", &["--prefix-state", "precise", "--kv-pull", "50", "--profile", "cpu-smollm2-135m"]);
+    let json: Option<serde_json::Value> =
+        std::fs::read(dir.join("pull.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let json = json.expect("the replay's JSON");
+    let reports = json["reports"].as_array().expect("reports");
+    let labels: Vec<&str> = reports.iter().filter_map(|r| r["policy"].as_str()).collect();
+    assert_eq!(labels, ["least_ttft/precise+pull", "round_robin/pull"]);
+    for r in reports {
+        assert!(r["kv_pulls"].as_u64().is_some() && r["kv_pulled_tokens"].as_u64().is_some(), "{r}");
+    }
+    assert!(String::from_utf8_lossy(&ok.stdout).contains("KV pulls"), "the table has the pulls' lines");
+    for (o, what) in [(&approximate, "--prefix-state precise"), (&zero, "positive"), (&slots, "slots")] {
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("--kv-pull") && err.contains(what), "{err}");
+    }
+}
