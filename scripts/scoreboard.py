@@ -56,6 +56,14 @@ of it that any engine holds (`fleet`) or has ever computed (`store`), copied at 
 prints the best of them against the best reference policy: where even that misses the knee
 goal, no router choosing among the same engines meets it. Writes OUT.md/.json with `--out`.
 
+Pull (`--pull SAVED.json [--kv-pull GB_PER_SEC] [--bound-json BOUND.json] [--out OUT]`): at
+the knee of each family with prefix reuse of a saved scoreboard, replays the default
+policy with `kvroute replay --prefix-state precise --kv-pull` (a request's engine first
+pulls the longer prefix another engine holds when the copy beats recomputing it;
+docs/kv-migration.md), and prints its mean TTFT against the saved one without the pull,
+the best reference policy's and, with `--bound-json` (a `--bound --out` file), the
+fleet-oracle bound's. Writes OUT.md/.json with `--out`.
+
 Output: `<--out>.md` (tables per family, fleet and load, and "where each policy is best") and
 `<--out>.json` (every averaged number, the knees, the run's settings). Needs only the Python
 standard library and a release build of kvroute (`cargo build --release -p kvroute`).
@@ -103,6 +111,7 @@ class Runner:
         self.prefix_state = args.prefix_state
         self.profile = args.profile
         self.kv_oracle = None
+        self.kv_pull = None
         self.calls = 0
 
     def replay(self, trace, engines, rates, seed, policy, limit, tag, knobs=None):
@@ -120,6 +129,8 @@ class Runner:
             cmd += ["--knobs", knobs]
         if self.kv_oracle:
             cmd += ["--kv-oracle", self.kv_oracle]
+        if self.kv_pull:
+            cmd += ["--kv-pull", str(self.kv_pull)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         doc = json.loads(out.read_text())
         res: dict = {}
@@ -274,7 +285,19 @@ def main() -> int:
                          "how far below the best reference policy the best of them gets")
     ap.add_argument("--kv-oracle", choices=["fleet", "store"],
                     help="with --bound: the oracle (kvroute replay --kv-oracle; default fleet)")
+    ap.add_argument("--pull", metavar="SAVED_JSON",
+                    help=f"replay {REFERENCE} with KV pulls at the knees of a saved scoreboard")
+    ap.add_argument("--kv-pull", type=float, default=50.0, metavar="GB_PER_SEC",
+                    help="with --pull: the link between engines (kvroute replay --kv-pull; default 50)")
+    ap.add_argument("--bound-json", metavar="BOUND_JSON", help="with --pull: a `--bound --out` JSON to compare with")
     args = ap.parse_args()
+    if sum(bool(x) for x in (args.recheck, args.bound, args.pull)) > 1:
+        raise SystemExit("--recheck, --bound and --pull: one at a time")
+    if args.bound_json and not args.pull:
+        raise SystemExit("--bound-json needs --pull")
+    if args.pull:
+        with tempfile.TemporaryDirectory(prefix="kvroute-pull-") as tmp:
+            return pull(args, pathlib.Path(tmp))
     if args.knobs and not args.recheck:
         raise SystemExit("--knobs needs --recheck (a full run replays every policy with its defaults)")
     if args.recheck and args.bound:
@@ -438,11 +461,7 @@ def bound(args, work) -> int:
            "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     rows = []
     for pt in pts:
-        fam = fams.get(pt["family"])
-        if fam is None:
-            raise SystemExit(f"--bound: family {pt['family']} of the saved run is not available here")
-        acc = seeded_reports(run, fam, pt["engines"], [pt["rate_scale"]], seeds if fam["realisations"] else [None],
-                             "all", f"{pt['family']}_bound")
+        acc = knee_reports(run, fams, pt, seeds, "all", "--bound")
         avg = [averaged(pol, reps) for (_, pol), reps in acc.items()]
         om, op = best_of(avg)
         bm, bp = best_of([p for p in pt["policies"] if p["policy"] not in OWN])
@@ -458,14 +477,72 @@ def bound(args, work) -> int:
                      "best_reference": bm, "best_reference_p99": bp, "oracle": avg,
                      "mean_ratio": rm, "p99_ratio": rp, "reachable": reach})
         print(out[-1], file=sys.stderr)
-    text = "\n".join(out) + "\n"
+    write_out(args, out, {"kv_oracle": args.kv_oracle, "seeds": seeds, "points": rows})
+    return 0
+
+
+def knee_reports(run, fams, pt, seeds, policy, flag):
+    """{(rate, policy): [one report per seed]} of `policy` (a name or "all") at a saved
+    scoreboard's point `pt`."""
+    fam = fams.get(pt["family"])
+    if fam is None:
+        raise SystemExit(f"{flag}: family {pt['family']} of the saved run is not available here")
+    return seeded_reports(run, fam, pt["engines"], [pt["rate_scale"]], seeds if fam["realisations"] else [None],
+                          policy, f"{pt['family']}_{flag.strip('-')}")
+
+
+def write_out(args, lines, doc):
+    """Prints the report `lines`; with `--out`, writes them to OUT.md and `doc` (with the
+    command, date and machine) to OUT.json."""
+    text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
         pathlib.Path(args.out + ".md").write_text(text)
-        pathlib.Path(args.out + ".json").write_text(json.dumps(
-            {"command": " ".join(sys.argv), "date": str(datetime.date.today()), "machine": machine(),
-             "kv_oracle": args.kv_oracle, "seeds": seeds, "points": rows},
-            indent=1) + "\n")
+        head = {"command": " ".join(sys.argv), "date": str(datetime.date.today()), "machine": machine()}
+        pathlib.Path(args.out + ".json").write_text(json.dumps({**head, **doc}, indent=1) + "\n")
+
+
+def pull(args, work) -> int:
+    """`--pull`: the default policy with KV pulls (`--prefix-state precise --kv-pull`) at the
+    knee of every family with prefix reuse of a saved scoreboard, against the saved run and,
+    with `--bound-json`, the fleet-oracle bound."""
+    points, seeds, run, fams = load_saved(args, args.pull, "--pull", work)
+    run.prefix_state, run.kv_pull = "precise", args.kv_pull
+    oracle = {}
+    if args.bound_json:
+        try:
+            for r in json.loads(pathlib.Path(args.bound_json).read_text())["points"]:
+                oracle[(r["family"], r["engines"])] = best_of(r["oracle"])[0]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"--bound-json {args.bound_json}: not a `--bound --out` JSON ({e})")
+    pts = [pt for pt in points if pt["load"] == 1.0 and pt["family"] not in NO_REUSE]
+    out = [f"# {REFERENCE} with KV pulls at the knee ({args.kv_pull} GB/s)", "",
+           f"`scripts/scoreboard.py --pull {args.pull} --kv-pull {args.kv_pull}"
+           + (f" --bound-json {args.bound_json}" if args.bound_json else "") + f"` ({datetime.date.today()}, "
+           f"{machine()}). {REFERENCE} replayed with `kvroute replay --prefix-state precise --kv-pull "
+           f"{args.kv_pull}`, averaged over the saved run's seeds, against the saved run's {REFERENCE} "
+           "(no pull), its best reference policy and the fleet-oracle bound (the best policy with free copies).",
+           "", "| family | engines | best ref mean s | no pull mean s | pull mean s | pulls / request | "
+           "pull / no pull | pull / best ref | bound mean s | pull / bound | pull p99 s | no pull p99 s |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = []
+    for pt in pts:
+        acc = knee_reports(run, fams, pt, seeds, REFERENCE, "--pull")
+        reps = next(iter(acc.values()))
+        me = averaged(REFERENCE, reps)
+        pulls = statistics.mean(r.get("kv_pulls", 0) / max(r["requests"], 1) for r in reps)
+        bm, _ = best_of([p for p in pt["policies"] if p["policy"] not in OWN])
+        old = next(p for p in pt["policies"] if p["policy"] == REFERENCE)
+        o = oracle.get((pt["family"], pt["engines"]))
+        bound_s = f"{o['ttft_mean_s']:.3f} | {me['ttft_mean_s'] / o['ttft_mean_s']:.2f}" if o else "- | -"
+        out.append(f"| {pt['family']} | {pt['engines']} | {bm['ttft_mean_s']:.3f} | {old['ttft_mean_s']:.3f} | "
+                   f"{me['ttft_mean_s']:.3f} | {pulls:.2f} | {me['ttft_mean_s'] / old['ttft_mean_s']:.2f} | "
+                   f"{me['ttft_mean_s'] / bm['ttft_mean_s']:.2f} | {bound_s} | {me['ttft_p99_s']:.2f} | "
+                   f"{old['ttft_p99_s']:.2f} |")
+        rows.append({"family": pt["family"], "engines": pt["engines"], "rate_scale": pt["rate_scale"],
+                     "pull": me, "pulls_per_request": pulls, "no_pull": old, "best_reference": bm, "bound": o})
+        print(out[-1], file=sys.stderr)
+    write_out(args, out, {"kv_pull_gb_per_s": args.kv_pull, "seeds": seeds, "points": rows})
     return 0
 
 

@@ -35,8 +35,14 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn replay(trace: &Path, json: &Path, extra: &[&str]) -> std::process::Output {
+    replay_on_two(trace, json, &["--policy", "prefill_cost,round_robin", "--rate-scale", "4"], extra)
+}
+
+/// `kvroute replay --quiet --engines 2` of `trace` with `head` then `extra`, JSON to `json`.
+fn replay_on_two(trace: &Path, json: &Path, head: &[&str], extra: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(["replay", "--quiet", "--engines", "2", "--policy", "prefill_cost,round_robin", "--rate-scale", "4"])
+        .args(["replay", "--quiet", "--engines", "2"])
+        .args(head)
         .arg("--trace")
         .arg(trace)
         .arg("--json")
@@ -208,17 +214,7 @@ fn hot_document(dir: &Path) -> PathBuf {
 fn kv_migration_restores_on_a_hot_document_and_is_refused_without_slots() {
     let dir = scratch("kv");
     let t = hot_document(&dir);
-    let run = |json: &str, extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["replay", "--quiet", "--engines", "2", "--policy", "least_ttft"])
-            .arg("--trace")
-            .arg(&t)
-            .arg("--json")
-            .arg(dir.join(json))
-            .args(extra)
-            .output()
-            .expect("run kvroute replay")
-    };
+    let run = |json: &str, extra: &[&str]| replay_on_two(&t, &dir.join(json), &["--policy", "least_ttft"], extra);
     let cpu = ["--profile", "cpu-smollm2-135m", "--prefix-state"];
     let plain = run("slots.json", &[&cpu[..], &["slots"]].concat());
     let kv = run("kv.json", &[&cpu[..], &["slots", "--kv-migration"]].concat());
@@ -252,17 +248,8 @@ fn kv_migration_restores_on_a_hot_document_and_is_refused_without_slots() {
 fn kv_pull_runs_on_the_precise_state_reports_its_pulls_and_refuses_the_rest() {
     let dir = scratch("kv-pull");
     let t = trace(&dir);
-    let run = |json: &str, extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["replay", "--quiet", "--engines", "2", "--policy", "least_ttft,round_robin", "--rate-scale", "4"])
-            .arg("--trace")
-            .arg(&t)
-            .arg("--json")
-            .arg(dir.join(json))
-            .args(extra)
-            .output()
-            .expect("run kvroute replay")
-    };
+    let head = ["--policy", "least_ttft,round_robin", "--rate-scale", "4"];
+    let run = |json: &str, extra: &[&str]| replay_on_two(&t, &dir.join(json), &head, extra);
     let ok = run("pull.json", &["--prefix-state", "precise", "--kv-pull", "50"]);
     let approximate = run("x.json", &["--kv-pull", "50"]);
     let zero = run("y.json", &["--prefix-state", "precise", "--kv-pull", "0"]);
