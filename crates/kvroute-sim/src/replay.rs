@@ -543,13 +543,7 @@ fn check_config(cfg: &ReplayConfig) -> Result<(), ReplayError> {
         if !matches!(cfg.prefix_state, PrefixState::Precise { .. }) {
             return bad("needs the precise prefix state: the router must know which engine holds a prefix");
         }
-        if cfg.profile.kv_file_bytes_per_token == 0 {
-            return bad("the profile's kv_file_bytes_per_token is 0: a pull has to know what a token's KV weighs");
-        }
-        let fast = pull.bytes_per_sec.is_finite() && pull.bytes_per_sec > 0.0;
-        if !(fast && pull.overhead_secs.is_finite() && pull.overhead_secs >= 0.0) {
-            return bad("bytes_per_sec must be finite and > 0, overhead_secs finite and >= 0");
-        }
+        pull.transfer.validate().map_err(ReplayError::Config)?;
     }
     if let Some(bad) = not_a_slowdown(&cfg.host_slowdown) {
         return Err(ReplayError::Config(crate::engine::InvalidSetting::new(
@@ -839,7 +833,7 @@ impl<'a> Replay<'a> {
         let tokens = |b: usize| (b as u64 * u64::from(r.block_tokens)).min(u64::from(r.input_tokens));
         let (own_t, best_t) = (tokens(own), tokens(best));
         (best_t > own_t && pull.pays(&self.cfg.profile, own_t, best_t - own_t))
-            .then(|| (best, pull.secs(best_t - own_t, self.cfg.profile.kv_file_bytes_per_token)))
+            .then(|| (best, pull.secs(best_t - own_t)))
     }
 
     /// Submits request `i` to engine `w` at `now` (on `slot`, with a slot file to

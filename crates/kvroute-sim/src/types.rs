@@ -236,24 +236,25 @@ pub struct ReplayConfig {
 /// the read ends), the network shared by concurrent pulls.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct KvPull {
-    /// Bytes a second between two engines (50e9: 400 Gb/s RDMA; NVLink is faster).
-    pub bytes_per_sec: f64,
-    /// Fixed cost of one pull, seconds (NIXL's metadata exchange and the request's hop).
-    pub overhead_secs: f64,
-    /// Fewest tokens a pull adds, tokens.
+    /// The copy, as the prefill/decode hand-over's ([`TransferModel`]): default Llama-3-8B's
+    /// 128 KiB a token over 50 GB/s (400 Gb/s RDMA; NVLink is faster), plus 2 ms a copy
+    /// (NIXL's metadata exchange and the request's extra hop).
+    pub transfer: TransferModel,
+    /// Fewest tokens a pull adds, tokens (256).
     pub min_tokens: u32,
 }
 
 impl Default for KvPull {
     fn default() -> Self {
-        KvPull { bytes_per_sec: 50e9, overhead_secs: 0.002, min_tokens: 256 }
+        let transfer = TransferModel { link_gbytes_per_s: 50.0, latency_secs: 0.002, ..TransferModel::default() };
+        KvPull { transfer, min_tokens: 256 }
     }
 }
 
 impl KvPull {
-    /// Seconds to pull `tokens` tokens of KV of `bytes_per_token` bytes each.
-    pub fn secs(&self, tokens: u64, bytes_per_token: u64) -> f64 {
-        self.overhead_secs + (tokens * bytes_per_token) as f64 / self.bytes_per_sec
+    /// Seconds to pull `tokens` tokens ([`TransferModel::delay`]).
+    pub fn secs(&self, tokens: u64) -> f64 {
+        self.transfer.delay(tokens).as_secs_f64()
     }
 
     /// Whether pulling `gain` more tokens onto an engine of `profile` that holds `own` of
@@ -271,7 +272,7 @@ impl KvPull {
             return 0;
         }
         let recompute = profile.prefill_secs(own, gain) - profile.prefill_secs(own, 0);
-        let pull = self.secs(gain, profile.kv_file_bytes_per_token);
+        let pull = self.secs(gain);
         if pull < recompute { (gain as f64 * (1.0 - pull / recompute)) as u64 } else { 0 }
     }
 }

@@ -440,7 +440,15 @@ fn setup(args: &Args) -> anyhow::Result<Setup> {
         Some(_) if profile.kv_file_bytes_per_token == 0 => {
             bail!("--kv-pull: profile `{}` has kv_file_bytes_per_token 0 (what a token's KV weighs)", profile.name)
         }
-        Some(g) => Some(KvPull { bytes_per_sec: g * 1e9, ..KvPull::default() }),
+        Some(g) => {
+            let d = KvPull::default();
+            let transfer = TransferModel {
+                kv_bytes_per_token: profile.kv_file_bytes_per_token,
+                link_gbytes_per_s: g,
+                ..d.transfer
+            };
+            Some(KvPull { transfer, ..d })
+        }
     };
     Ok(Setup { profile, knobs, rates, pd, kv_oracle, policies, states, engines, kv_migration, kv_pull })
 }
