@@ -649,12 +649,21 @@ impl Router {
                 let tokens = held as u64 * u64::from(r.block_tokens);
                 v.cached_tokens = Some(tokens.min(u64::from(r.input_tokens)));
             }
-            if let (Some((pull, best)), Some(own)) = (pullable, v.cached_tokens)
-                && best > own
-            {
-                v.cached_tokens = Some(own + pull.credit(&cfg.profile, own, best - own));
-            }
             self.views.push(v);
+        }
+        if let Some((pull, best)) = pullable {
+            // Only an engine less loaded than every holder of the longest prefix can gain by
+            // a pull: the holders run the request without one.
+            let holders = self.views.iter().filter(|v| v.cached_tokens.is_some_and(|c| c >= best));
+            let holder_load = holders.map(WorkerView::load).min().unwrap_or(u32::MAX);
+            for v in &mut self.views {
+                if let Some(own) = v.cached_tokens
+                    && best > own
+                    && v.load() < holder_load
+                {
+                    v.cached_tokens = Some(own + pull.credit(&cfg.profile, own, best - own));
+                }
+            }
         }
     }
 }
