@@ -228,9 +228,11 @@ pub struct ReplayConfig {
 ///   `WAITING_FOR_REMOTE_KVS` requests do); neither engine computes meanwhile (the copy
 ///   is RDMA reading the holder's GPU memory). The blocks then enter the engine's prefix
 ///   cache as if computed there.
-/// - **The policy's view**: an engine a pull would pay on is shown as holding the longer
-///   prefix (its `cached_tokens`), so the policy weighs load with the prefix available
-///   everywhere at the transfer's price.
+/// - **The policy's view**: an engine less loaded than every holder of the longest prefix
+///   is credited with the tokens a pull there would bring, net of its cost
+///   ([`KvPull::credit`], in its `cached_tokens`), so the policy weighs load against the
+///   prefix at the transfer's price. An engine as loaded as a holder is not: the holder
+///   runs the request without a pull.
 ///
 /// Not modelled: the holder evicting the blocks while they are read (vLLM pins them until
 /// the read ends), the network shared by concurrent pulls.
