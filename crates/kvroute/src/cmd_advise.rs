@@ -15,7 +15,9 @@
 //!    p99 TTFT, averaged, and the spread of the mean's change over the realisations), and the
 //!    `kvroute serve` flags that select it.
 //! 5. With `--headroom`, what routing leaves on the table: the recommendation, the best
-//!    three policies and round_robin (when a candidate) replayed again with each KV oracle
+//!    three policies and round_robin (when a candidate) replayed again with each KV oracle,
+//!    and, as a router that moves KV, with pulls between engines at 50 GB/s
+//!    (`kvroute replay --prefix-state precise --kv-pull 50`)
 //!    ([`kvroute_sim::replay::KvOracle`]): `fleet` (every request finds the longest prefix any
 //!    engine holds, wherever it is sent: perfect placement of the fleet's cached prefixes)
 //!    and `store` (the longest prefix any engine has computed, without bound: a shared KV
@@ -23,7 +25,7 @@
 
 use anyhow::{Context, bail};
 use kvroute_sim::engine::Profile;
-use kvroute_sim::replay::{KvOracle, PrefixState, ReplayConfig, replay};
+use kvroute_sim::replay::{KvOracle, KvPull, PrefixState, ReplayConfig, replay};
 use kvroute_sim::report::{Slo, summarise};
 use kvroute_sim::trace::{self, TraceRequest};
 use rand_core::{Rng, SeedableRng};
@@ -103,7 +105,9 @@ pub struct Args {
     /// Also bound what routing leaves on the table: the recommendation, the best three
     /// policies and round_robin (when a candidate) replayed with `kvroute replay --kv-oracle fleet` (perfect
     /// placement of the fleet's cached prefixes) and `store` (a shared KV store without
-    /// bound). Not with a profile with llama.cpp slots.
+    /// bound), and, as a router that moves KV rather than a bound, with KV pulls between
+    /// engines at 50 GB/s (`kvroute replay --prefix-state precise --kv-pull 50`). Not with a
+    /// profile with llama.cpp slots.
     #[arg(long)]
     pub headroom: bool,
 }
@@ -119,6 +123,21 @@ pub struct Bound {
     /// Its mean TTFT against the recommendation's, percent (negative: lower).
     pub mean_ttft_change_pct: f64,
 }
+
+/// The best of the candidates replayed with KV pulls between engines (`--headroom`): a
+/// router that moves KV over a link, not a bound.
+#[derive(Debug, Clone, Serialize)]
+pub struct PullHeadroom {
+    /// The link, GB/s.
+    pub link_gbytes_per_s: f64,
+    /// The candidate that did best with the pulls.
+    pub best: Candidate,
+    /// Its mean TTFT against the recommendation's, percent (negative: lower).
+    pub mean_ttft_change_pct: f64,
+}
+
+/// The link `--headroom`'s KV pulls run over, GB/s (400 Gb/s RDMA).
+const HEADROOM_PULL_GBYTES_PER_S: f64 = 50.0;
 
 /// One candidate (a policy with knobs) over every realisation.
 #[derive(Debug, Clone, Serialize)]
@@ -213,7 +232,13 @@ fn evaluate(
     bench: &Bench,
     runs: &[(String, serde_json::Value)],
     kv_oracle: KvOracle,
+    kv_pull: Option<KvPull>,
 ) -> anyhow::Result<Vec<Candidate>> {
+    // A router that pulls KV knows each engine's cache: the precise prefix state.
+    let prefix_state = match kv_pull {
+        Some(_) => PrefixState::Precise { predict_window: kvroute_core::types::Nanos::from_secs(2) },
+        None => PrefixState::Approximate,
+    };
     let Bench { traces, engines, profile, clients, jobs } = bench;
     let (engines, jobs) = (*engines, *jobs);
     let infinite = trace::infinite_cache_hit(&traces[0]);
@@ -235,7 +260,7 @@ fn evaluate(
                         seed: k as u64,
                         max_waiting: 4096,
                         engine_signals: true,
-                        prefix_state: PrefixState::Approximate,
+                        prefix_state,
                         slot_routing: false,
                         closed_sessions: clients.closed_sessions,
                         session_concurrency: clients.session_concurrency,
@@ -243,7 +268,7 @@ fn evaluate(
                         host_slowdown: clients.host_slowdown.clone(),
                         kv_oracle,
                         kv_migration: None,
-                        kv_pull: None,
+                        kv_pull,
                     };
                     let r = replay(&traces[k], &cfg, &mut |_| {})
                         .map(|res| summarise(&res, 1.0, infinite, slo))
@@ -375,7 +400,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bench.profile.name
     );
     let runs: Vec<(String, serde_json::Value)> = policies.iter().map(|p| (p.clone(), serde_json::json!({}))).collect();
-    let mut cands = evaluate(&bench, &runs, KvOracle::Off)?;
+    let mut cands = evaluate(&bench, &runs, KvOracle::Off, None)?;
     sort(&mut cands);
     let tuned = if a.no_knob_search { Vec::new() } else { knob_search(&bench, &cands, a.search_top)? };
     let mut all = cands.clone();
@@ -390,6 +415,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let flags = serve_flags(&best);
     println!("kvroute serve {flags}");
     let bounds = if a.headroom { headroom(&bench, &best, &cands)? } else { Vec::new() };
+    let pull = if a.headroom { pull_headroom(&bench, &best, &cands)? } else { None };
     println!(
         "(simulated: {} engines of profile {}, the trace at ×{}; a prediction, not a measurement)",
         a.engines, bench.profile.name, a.rate_scale
@@ -410,6 +436,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "p99_ttft_change_pct": change.p99,
             "serve_flags": flags,
             "headroom": bounds,
+            "headroom_kv_pull": pull,
         });
         std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("--json {}", p.display()))?;
@@ -486,7 +513,7 @@ fn knob_search(bench: &Bench, cands: &[Candidate], top: usize) -> anyhow::Result
         return Ok(tuned);
     }
     eprintln!("kvroute advise: knob search, {} variants", variants.len());
-    for v in evaluate(bench, &variants, KvOracle::Off)? {
+    for v in evaluate(bench, &variants, KvOracle::Off, None)? {
         let Some(plain) = cands.iter().find(|c| c.policy == v.policy) else { continue };
         let everywhere = v.ttft_mean_s.iter().zip(&plain.ttft_mean_s).all(|(x, y)| x < y)
             && v.rejections() <= plain.rejections() + 1e-9;
@@ -554,17 +581,12 @@ fn serve_flags(best: &Candidate) -> String {
 /// oracle; prints and returns the best of each (bounds, not routers).
 fn headroom(bench: &Bench, best: &Candidate, cands: &[Candidate]) -> anyhow::Result<Vec<Bound>> {
     let mut bounds = Vec::new();
-    let mut runs: Vec<(String, serde_json::Value)> = vec![(best.policy.clone(), best.knobs.clone())];
-    for c in cands.iter().take(3).chain(cands.iter().filter(|c| c.policy == "round_robin")) {
-        if !runs.iter().any(|(p, k)| *p == c.policy && *k == c.knobs) {
-            runs.push((c.policy.clone(), c.knobs.clone()));
-        }
-    }
+    let runs = headroom_runs(best, cands);
     eprintln!("kvroute advise: headroom, {} candidates with each KV oracle", runs.len());
     println!();
     println!("Headroom (bounds, not routers; the best of {} candidates with each KV oracle):", runs.len());
     for oracle in [KvOracle::Fleet, KvOracle::Store] {
-        let mut with = evaluate(bench, &runs, oracle)?;
+        let mut with = evaluate(bench, &runs, oracle, None)?;
         sort(&mut with);
         let Some(top) = with.into_iter().next() else { continue };
         let change = 100.0 * (top.mean() / best.mean() - 1.0);
@@ -582,6 +604,43 @@ fn headroom(bench: &Bench, best: &Candidate, cands: &[Candidate]) -> anyhow::Res
         bounds.push(Bound { kv_oracle: oracle.as_str(), best: top, mean_ttft_change_pct: change });
     }
     Ok(bounds)
+}
+
+/// `--headroom`'s router that moves KV: the same candidates with KV pulls between engines
+/// at [`HEADROOM_PULL_GBYTES_PER_S`] (the profile's bytes a token); prints and returns the
+/// best of them.
+fn pull_headroom(bench: &Bench, best: &Candidate, cands: &[Candidate]) -> anyhow::Result<Option<PullHeadroom>> {
+    let runs = headroom_runs(best, cands);
+    let d = KvPull::default();
+    let transfer = kvroute_sim::types::TransferModel {
+        kv_bytes_per_token: bench.profile.kv_file_bytes_per_token.max(1),
+        link_gbytes_per_s: HEADROOM_PULL_GBYTES_PER_S,
+        ..d.transfer
+    };
+    let mut with = evaluate(bench, &runs, KvOracle::Off, Some(KvPull { transfer, ..d }))?;
+    sort(&mut with);
+    let Some(top) = with.into_iter().next() else { return Ok(None) };
+    let change = 100.0 * (top.mean() / best.mean() - 1.0);
+    println!(
+        "  a router that pulls KV between engines over {HEADROOM_PULL_GBYTES_PER_S} GB/s (not a bound; --prefix-state precise --kv-pull {HEADROOM_PULL_GBYTES_PER_S}): mean TTFT {:.3} s ({change:+.1} % against the recommendation), p99 {:.3} s, hit {:.1} %, with {}",
+        top.mean(),
+        top.p99(),
+        100.0 * Candidate::avg(&top.hit_ratio),
+        top.label()
+    );
+    Ok(Some(PullHeadroom { link_gbytes_per_s: HEADROOM_PULL_GBYTES_PER_S, best: top, mean_ttft_change_pct: change }))
+}
+
+/// The candidates `--headroom` replays again: the recommendation, the best three and
+/// round_robin (when a candidate), each once.
+fn headroom_runs(best: &Candidate, cands: &[Candidate]) -> Vec<(String, serde_json::Value)> {
+    let mut runs: Vec<(String, serde_json::Value)> = vec![(best.policy.clone(), best.knobs.clone())];
+    for c in cands.iter().take(3).chain(cands.iter().filter(|c| c.policy == "round_robin")) {
+        if !runs.iter().any(|(p, k)| *p == c.policy && *k == c.knobs) {
+            runs.push((c.policy.clone(), c.knobs.clone()));
+        }
+    }
+    runs
 }
 
 /// Sorts best first ([`Candidate::better_than`]).

@@ -304,6 +304,14 @@ fn advise_headroom_bounds_the_recommendation_with_each_kv_oracle() {
     for b in bounds {
         assert!(b["mean_ttft_change_pct"].as_f64().is_some_and(f64::is_finite), "{b}");
     }
+    // The router that pulls KV between engines: a candidate, with its change against the
+    // recommendation.
+    let pull = &doc["headroom_kv_pull"];
+    assert_eq!(pull["link_gbytes_per_s"].as_f64(), Some(50.0), "{pull}");
+    assert!(
+        pull["best"]["policy"].as_str().is_some() && pull["mean_ttft_change_pct"].as_f64().is_some_and(f64::is_finite)
+    );
+    assert!(stdout.contains("--kv-pull 50"), "{stdout}");
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--headroom"));
 }
