@@ -568,6 +568,10 @@ struct Router {
     reuse_views: bool,
     /// The engines to rebuild the views of (scratch).
     moved: Vec<u32>,
+    /// With KV pulls: the leading blocks of the request last routed that the engine holding
+    /// most of it holds (set when its views were built, read when it is dispatched: the
+    /// engines do not move between the two).
+    pull_best: usize,
     /// Tests: check every view kept against one built afresh.
     #[cfg(test)]
     check_views: bool,
@@ -588,6 +592,7 @@ impl Router {
                 && cfg.kv_migration.is_none()
                 && cfg.kv_pull.is_none(),
             moved: Vec::new(),
+            pull_best: 0,
             #[cfg(test)]
             check_views: false,
         })
@@ -632,8 +637,8 @@ impl Router {
         self.views.clear();
         // With KV pulls: the most of the prompt any engine's cache holds, tokens.
         let pullable = cfg.kv_pull.map(|pull| {
-            let best = engines.iter().map(|e| e.cache().lookup(&r.blocks)).max().unwrap_or(0);
-            (pull, (best as u64 * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)))
+            self.pull_best = engines.iter().map(|e| e.cache().lookup(&r.blocks)).max().unwrap_or(0);
+            (pull, (self.pull_best as u64 * u64::from(r.block_tokens)).min(u64::from(r.input_tokens)))
         });
         // The best saved file, looked up once per request.
         let mut file = None;
@@ -838,7 +843,8 @@ impl<'a> Replay<'a> {
     fn pull_of(&self, r: &TraceRequest, w: usize) -> Option<(usize, f64)> {
         let pull = self.cfg.kv_pull?;
         let own = self.engines[w].cache().lookup(&r.blocks);
-        let best = self.engines.iter().map(|e| e.cache().lookup(&r.blocks)).max()?;
+        // Found when the request's views were built (`Router::fill_views`).
+        let best = self.router.pull_best;
         let tokens = |b: usize| (b as u64 * u64::from(r.block_tokens)).min(u64::from(r.input_tokens));
         let (own_t, best_t) = (tokens(own), tokens(best));
         (best_t > own_t && pull.pays(&self.cfg.profile, own_t, best_t - own_t))
