@@ -973,7 +973,7 @@ mod tests {
     #[test]
     fn the_ttft_fit_learns_the_context_term_a_worker_s_engine_pays() {
         // An engine whose prefill costs 2 × the prior per token plus 5e-5 per token per token
-        // attended (the measured H100 grid's ratio is ~9e-5), behind a 20 ms overhead: the
+        // attended (the measured H100 grid gives ~1.2e-4), behind a 20 ms overhead: the
         // fit recovers all three from requests of different lengths and cached shares.
         let mut p = fresh();
         let rate = 20_000.0;
