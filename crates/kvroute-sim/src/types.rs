@@ -254,6 +254,16 @@ impl Default for KvPull {
 }
 
 impl KvPull {
+    /// Pulls of `profile`'s KV (its `kv_file_bytes_per_token` a token) over a link of
+    /// `link_gbytes_per_s`, with the default latency and `min_tokens`; `None` when the
+    /// profile does not say what a token's KV weighs (0).
+    pub fn over(profile: &Profile, link_gbytes_per_s: f64) -> Option<KvPull> {
+        let d = KvPull::default();
+        let kv_bytes_per_token = profile.kv_file_bytes_per_token;
+        let transfer = TransferModel { kv_bytes_per_token, link_gbytes_per_s, ..d.transfer };
+        (kv_bytes_per_token > 0).then_some(KvPull { transfer, ..d })
+    }
+
     /// Seconds to pull `tokens` tokens ([`TransferModel::delay`]).
     pub fn secs(&self, tokens: u64) -> f64 {
         self.transfer.delay(tokens).as_secs_f64()

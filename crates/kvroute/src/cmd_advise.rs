@@ -589,18 +589,11 @@ fn headroom(bench: &Bench, best: &Candidate, cands: &[Candidate]) -> anyhow::Res
         let mut with = evaluate(bench, &runs, oracle, None)?;
         sort(&mut with);
         let Some(top) = with.into_iter().next() else { continue };
-        let change = 100.0 * (top.mean() / best.mean() - 1.0);
         let what = match oracle {
             KvOracle::Fleet => "every cached prefix found wherever a request goes (--kv-oracle fleet)",
             _ => "a shared KV store without bound (--kv-oracle store)",
         };
-        println!(
-            "  {what}: mean TTFT {:.3} s ({change:+.1} % against the recommendation), p99 {:.3} s, hit {:.1} %, with {}",
-            top.mean(),
-            top.p99(),
-            100.0 * Candidate::avg(&top.hit_ratio),
-            top.label()
-        );
+        let change = print_headroom(what, &top, best);
         bounds.push(Bound { kv_oracle: oracle.as_str(), best: top, mean_ttft_change_pct: change });
     }
     Ok(bounds)
@@ -610,25 +603,29 @@ fn headroom(bench: &Bench, best: &Candidate, cands: &[Candidate]) -> anyhow::Res
 /// at [`HEADROOM_PULL_GBYTES_PER_S`] (the profile's bytes a token); prints and returns the
 /// best of them.
 fn pull_headroom(bench: &Bench, best: &Candidate, cands: &[Candidate]) -> anyhow::Result<Option<PullHeadroom>> {
-    let runs = headroom_runs(best, cands);
-    let d = KvPull::default();
-    let transfer = kvroute_sim::types::TransferModel {
-        kv_bytes_per_token: bench.profile.kv_file_bytes_per_token.max(1),
-        link_gbytes_per_s: HEADROOM_PULL_GBYTES_PER_S,
-        ..d.transfer
-    };
-    let mut with = evaluate(bench, &runs, KvOracle::Off, Some(KvPull { transfer, ..d }))?;
+    let Some(pull) = KvPull::over(&bench.profile, HEADROOM_PULL_GBYTES_PER_S) else { return Ok(None) };
+    let mut with = evaluate(bench, &headroom_runs(best, cands), KvOracle::Off, Some(pull))?;
     sort(&mut with);
     let Some(top) = with.into_iter().next() else { return Ok(None) };
+    let what = format!(
+        "a router that pulls KV between engines over {HEADROOM_PULL_GBYTES_PER_S} GB/s (not a bound; --prefix-state precise --kv-pull {HEADROOM_PULL_GBYTES_PER_S})"
+    );
+    let change = print_headroom(&what, &top, best);
+    Ok(Some(PullHeadroom { link_gbytes_per_s: HEADROOM_PULL_GBYTES_PER_S, best: top, mean_ttft_change_pct: change }))
+}
+
+/// Prints one `--headroom` line, `what` and the best candidate `top` against the
+/// recommendation `best`; returns the change of the mean TTFT, percent.
+fn print_headroom(what: &str, top: &Candidate, best: &Candidate) -> f64 {
     let change = 100.0 * (top.mean() / best.mean() - 1.0);
     println!(
-        "  a router that pulls KV between engines over {HEADROOM_PULL_GBYTES_PER_S} GB/s (not a bound; --prefix-state precise --kv-pull {HEADROOM_PULL_GBYTES_PER_S}): mean TTFT {:.3} s ({change:+.1} % against the recommendation), p99 {:.3} s, hit {:.1} %, with {}",
+        "  {what}: mean TTFT {:.3} s ({change:+.1} % against the recommendation), p99 {:.3} s, hit {:.1} %, with {}",
         top.mean(),
         top.p99(),
         100.0 * Candidate::avg(&top.hit_ratio),
         top.label()
     );
-    Ok(Some(PullHeadroom { link_gbytes_per_s: HEADROOM_PULL_GBYTES_PER_S, best: top, mean_ttft_change_pct: change }))
+    change
 }
 
 /// The candidates `--headroom` replays again: the recommendation, the best three and

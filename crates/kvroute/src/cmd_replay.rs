@@ -437,18 +437,9 @@ fn setup(args: &Args) -> anyhow::Result<Setup> {
         Some(_) if !states.iter().any(|s| matches!(s.0, PrefixState::Precise { .. }) && !s.1) => {
             bail!("--kv-pull: needs --prefix-state precise (the router must know which engine holds a prefix)")
         }
-        Some(_) if profile.kv_file_bytes_per_token == 0 => {
-            bail!("--kv-pull: profile `{}` has kv_file_bytes_per_token 0 (what a token's KV weighs)", profile.name)
-        }
-        Some(g) => {
-            let d = KvPull::default();
-            let transfer = TransferModel {
-                kv_bytes_per_token: profile.kv_file_bytes_per_token,
-                link_gbytes_per_s: g,
-                ..d.transfer
-            };
-            Some(KvPull { transfer, ..d })
-        }
+        Some(g) => Some(KvPull::over(&profile, g).with_context(|| {
+            format!("--kv-pull: profile `{}` has kv_file_bytes_per_token 0 (what a token's KV weighs)", profile.name)
+        })?),
     };
     Ok(Setup { profile, knobs, rates, pd, kv_oracle, policies, states, engines, kv_migration, kv_pull })
 }
