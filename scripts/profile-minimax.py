@@ -21,32 +21,28 @@ import json, numpy as np
 from scipy.optimize import linprog
 pts=[json.loads(l) for l in open('data/gpu/h100-llama3-8b-prefill-grid.jsonl') if '"grid"' in l]
 pts=[p for p in pts if p['new']>=256]
-def feats(c,n): return [1.0, n, n*c + n*(n+1)/2, c+n]
 fixed=lambda c: 0.006 + 0.04e-6*c
-# variables x0..x3 (prefill_step_overhead, a, b, k), e; minimize e
-# |(fixed + f.x)/t - 1| <= e  ->  f.x/t - e <= 1 - fixed/t ; -f.x/t - e <= fixed/t - 1
-for nonneg in (True, False):
-    A=[];b=[]
-    for p in pts:
-        c,n,t=p['cached'],p['new'],p['s']; f=np.array(feats(c,n))/t
-        A.append(list(f)+[-1]); b.append(1-fixed(c)/t)
-        A.append(list(-f)+[-1]); b.append(fixed(c)/t-1)
-    bounds=[(0,None) if nonneg else (None,None)]*4+[(0,None)]
-    r=linprog([0,0,0,0,1],A_ub=A,b_ub=b,bounds=bounds,method='highs')
-    print('one cost a pair,', 'nonneg' if nonneg else 'free', 'minimax relative error %.2f%%'%(100*r.x[4]), r.x[:4])
-A=[];b=[]
-for p in pts:
-    c,n,t=p['cached'],p['new'],p['s']; f=np.array([1.0,n,n*(c+n/2)])/t
-    A.append(list(f)+[-1]); b.append(1)
-    A.append(list(-f)+[-1]); b.append(-1)
-r=linprog([0,0,0,1],A_ub=A,b_ub=b,bounds=[(0,None)]*4,method='highs')
-print("issue's form t = o + a n + b n (c + n/2): minimax %.2f%%"%(100*r.x[3]), r.x[:3])
-for name, fe in [("the profile's: split n*c and n(n+1)/2", lambda c,n:[1.0,n,n*c,n*(n+1)/2,c+n]), ("one cost a pair plus c alone", lambda c,n:[1.0,n,n*c+n*(n+1)/2,c,n])]:
+
+
+def minimax(fe, fixed, nonneg):
+    """The least e with |(fixed(C) + fe(C, N)·x) / t − 1| <= e at every point, over x
+    (non-negative when `nonneg`): (e, x), by linear programming."""
     A=[];b=[]
     for p in pts:
         c,n,t=p['cached'],p['new'],p['s']; f=np.array(fe(c,n))/t
         A.append(list(f)+[-1]); b.append(1-fixed(c)/t)
         A.append(list(-f)+[-1]); b.append(fixed(c)/t-1)
     k=len(fe(1,1))
-    r=linprog([0]*k+[1],A_ub=A,b_ub=b,bounds=[(None,None)]*k+[(0,None)],method='highs')
-    print(name, 'minimax %.2f%%'%(100*r.x[k]), r.x[:k])
+    r=linprog([0]*k+[1],A_ub=A,b_ub=b,bounds=[(0,None) if nonneg else (None,None)]*k+[(0,None)],method='highs')
+    return r.x[k], r.x[:k]
+
+
+one_cost = lambda c,n: [1.0, n, n*c + n*(n+1)/2, c+n]   # prefill_step_overhead, a, b, k
+for nonneg in (True, False):
+    e, x = minimax(one_cost, fixed, nonneg)
+    print('one cost a pair,', 'nonneg' if nonneg else 'free', 'minimax relative error %.2f%%'%(100*e), x)
+e, x = minimax(lambda c,n: [1.0, n, n*(c+n/2)], lambda c: 0.0, True)
+print("issue's form t = o + a n + b n (c + n/2): minimax %.2f%%"%(100*e), x)
+for name, fe in [("the profile's: split n*c and n(n+1)/2", lambda c,n:[1.0,n,n*c,n*(n+1)/2,c+n]), ("one cost a pair plus c alone", lambda c,n:[1.0,n,n*c+n*(n+1)/2,c,n])]:
+    e, x = minimax(fe, fixed, False)
+    print(name, 'minimax %.2f%%'%(100*e), x)
