@@ -58,9 +58,7 @@ def replay(kvroute: str, profile: str, requests, tmp: str) -> dict:
            "--profile", profile, "--json", out, "--quiet"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
-        d = json.load(f)
-    rows = d if isinstance(d, list) else d.get("results", d.get("reports"))
-    return rows[0]
+        return json.load(f)["reports"][0]
 
 
 def main() -> int:
