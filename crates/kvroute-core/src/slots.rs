@@ -115,6 +115,9 @@ impl SlotTable {
     /// `restorable` blocks before it runs (a saved prefix the router would restore,
     /// `kvroute_core::kv_migration`): each idle slot counts as holding at least that many,
     /// so a busy slot is waited for only when it holds more than a restore would give.
+    /// Among slots equally good that way, the one that holds more now is taken (a
+    /// conversation's next turn stays in its own slot rather than being restored into the
+    /// least recently used one, overwriting that slot's prompt).
     /// [`SlotChoice::cached_blocks`] stays what the slot holds now. Pure.
     pub fn choose_with_restore(
         &self,
@@ -126,10 +129,12 @@ impl SlotTable {
         let held: Vec<usize> = self.slots.iter().map(|s| common_prefix(&s.blocks, blocks)).collect();
         let lcp: Vec<usize> =
             held.iter().zip(&self.slots).map(|(&n, s)| if s.busy == 0 { n.max(restorable) } else { n }).collect();
+        // Between slots equally good with the restore counted, the one that really holds
+        // more: it needs no restore, and the restore would overwrite another slot's prompt.
         let better = |a: usize, b: usize| {
             let (sa, sb) = (&self.slots[a], &self.slots[b]);
-            (lcp[a], std::cmp::Reverse(sa.busy), std::cmp::Reverse(sa.last_used))
-                > (lcp[b], std::cmp::Reverse(sb.busy), std::cmp::Reverse(sb.last_used))
+            (lcp[a], held[a], std::cmp::Reverse(sa.busy), std::cmp::Reverse(sa.last_used))
+                > (lcp[b], held[b], std::cmp::Reverse(sb.busy), std::cmp::Reverse(sb.last_used))
         };
         let mut best = 0;
         let mut best_idle: Option<usize> = None;
@@ -266,6 +271,30 @@ mod tests {
         assert_eq!(
             t.choose_with_restore(&h(&doc), 16, 320, 18),
             SlotChoice { slot: 1, cached_blocks: 0, waits: false }
+        );
+    }
+
+    #[test]
+    fn a_slot_that_holds_what_a_restore_would_give_is_taken_without_one() {
+        let mut t = SlotTable::new(2);
+        let turn1: Vec<u64> = (1..=20).collect();
+        t.start(0, &h(&[70, 71]), Nanos(1));
+        t.finish(0, Nanos(2));
+        t.start(1, &h(&turn1), Nanos(3));
+        t.finish(1, Nanos(4));
+        // The next turn: slot 1 holds its first 20 blocks, and so does the saved file. Both
+        // idle slots count 20 with the restore; slot 0 is the least recently used, but slot 1
+        // needs no restore (and slot 0's prompt is kept).
+        let turn2: Vec<u64> = (1..=24).collect();
+        assert_eq!(
+            t.choose_with_restore(&h(&turn2), 16, 384, 20),
+            SlotChoice { slot: 1, cached_blocks: 20, waits: false }
+        );
+        // A file holding more than the slot: slot 1 still, where a restore (if the mover
+        // finds it pays) replaces the conversation's own prompt rather than slot 0's.
+        assert_eq!(
+            t.choose_with_restore(&h(&turn2), 16, 384, 22),
+            SlotChoice { slot: 1, cached_blocks: 20, waits: false }
         );
     }
 
