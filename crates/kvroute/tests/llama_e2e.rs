@@ -406,21 +406,26 @@ async fn llama_slot_routing_auto_tells_a_host_prompt_cache_from_none_on_llama_se
     assert_eq!(flags, [(json!(true), json!(false)), (json!(false), json!(true))]);
 }
 
-/// The KV mover on two one-slot llama-servers sharing a `--slot-save-path`: a ~600-token
-/// document runs on one of them (the holder) and its slot is saved; the holder leaves the
-/// router (`/remove_worker`: draining or gone); the next request on the document goes to
-/// the other worker, which restores the file into its slot first and reports the document
-/// as cached (`timings.cache_n`). The router's own files are named by it, counted in its
-/// metrics, and nothing restored for a different document.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs llama.cpp: KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"]
-async fn kv_migration_restores_a_saved_prefix_on_another_llama_server() {
+/// Two one-slot llama-servers sharing a `--slot-save-path`, and a `kvroute serve` with the
+/// KV mover (least_ttft, slot routing, decision headers, an admin listener) in front of the
+/// first `routed` of them.
+struct MoverFleet {
+    workers: Vec<String>,
+    router: String,
+    admin: String,
+    client: reqwest::Client,
+    _router: Proc,
+    _workers: Vec<Proc>,
+    dir: tempfile::TempDir,
+}
+
+async fn mover_fleet(routed: usize) -> MoverFleet {
     let (bin, model) = llama_env();
     let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = tempfile::tempdir().expect("slot dir");
     let slot_dir = dir.path().to_str().expect("utf-8 path").to_string();
     let ports = [free_port(), free_port()];
-    let _w: Vec<Proc> = ports
+    let procs: Vec<Proc> = ports
         .iter()
         .map(|&p| start_worker_with(&bin, &model, p, &["-np", "1", "--cache-ram", "0", "--slot-save-path", &slot_dir]))
         .collect();
@@ -437,17 +442,34 @@ async fn kv_migration_restores_a_saved_prefix_on_another_llama_server() {
         .args(["--kv-migration-dir", &slot_dir, "--kv-migration-min-tokens", "256"])
         .arg("--tokenizer")
         .arg(&model)
-        .args(["--worker-urls", &workers.join(",")])
+        .args(["--worker-urls", &workers[..routed].join(",")])
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());
-    let _router = Proc(cmd.spawn().expect("start kvroute serve"));
+    let router_proc = Proc(cmd.spawn().expect("start kvroute serve"));
     let (router, admin) = (format!("http://127.0.0.1:{rport}"), format!("http://127.0.0.1:{aport}"));
     wait_healthy(&client, &router).await;
-    let doc = format!("{} {}", document(200), document(201));
-    let ask = |q: &str| json!([{"role": "system", "content": doc}, {"role": "user", "content": q}]);
-    let first = chat(&client, &router, &ask("Summarise the document.")).await;
-    assert!(first.prompt_tokens >= 400, "a long document: {} tokens", first.prompt_tokens);
-    // The holder's slot is saved in the background once the answer is in.
+    MoverFleet { workers, router, admin, client, _router: router_proc, _workers: procs, dir }
+}
+
+/// [`chat`], with the response's `x-kvroute-decision` header.
+async fn chat_decided(client: &reqwest::Client, router: &str, messages: &Value) -> (Turn, String) {
+    let body = json!({"model": "smollm2", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0});
+    let resp = client.post(format!("{router}/v1/chat/completions")).json(&body).send().await.expect("send");
+    assert!(resp.status().is_success(), "status {}", resp.status());
+    let header = |name: &str| resp.headers()[name].to_str().expect("ascii").to_string();
+    let (worker, decision) = (header("x-kvroute-worker"), header("x-kvroute-decision"));
+    let v: Value = resp.json().await.expect("json");
+    let turn = Turn {
+        worker,
+        answer: v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_owned(),
+        prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+        cache_n: v["timings"]["cache_n"].as_u64().expect("llama.cpp timings.cache_n"),
+    };
+    (turn, decision)
+}
+
+/// Waits (up to 30 s) for the router's first slot save and returns the saved count.
+async fn wait_saved(client: &reqwest::Client, router: &str) -> f64 {
     let mut saved = 0.0;
     for _ in 0..300 {
         let m = client.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
@@ -457,8 +479,29 @@ async fn kv_migration_restores_a_saved_prefix_on_another_llama_server() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    saved
+}
+
+/// The KV mover on two one-slot llama-servers sharing a `--slot-save-path`: a ~600-token
+/// document runs on one of them (the holder) and its slot is saved; the holder leaves the
+/// router (`/remove_worker`: draining or gone); the next request on the document goes to
+/// the other worker, which restores the file into its slot first and reports the document
+/// as cached (`timings.cache_n`). The router's own files are named by it, counted in its
+/// metrics, and nothing restored for a different document.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama.cpp: KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"]
+async fn kv_migration_restores_a_saved_prefix_on_another_llama_server() {
+    let f = mover_fleet(2).await;
+    let (client, router, admin) = (f.client.clone(), f.router.clone(), f.admin.clone());
+    let dir_path = f.dir.path();
+    let doc = format!("{} {}", document(200), document(201));
+    let ask = |q: &str| json!([{"role": "system", "content": doc}, {"role": "user", "content": q}]);
+    let first = chat(&client, &router, &ask("Summarise the document.")).await;
+    assert!(first.prompt_tokens >= 400, "a long document: {} tokens", first.prompt_tokens);
+    // The holder's slot is saved in the background once the answer is in.
+    let saved = wait_saved(&client, &router).await;
     assert_eq!(saved, 1.0, "the document's slot was saved");
-    let files: Vec<String> = std::fs::read_dir(dir.path())
+    let files: Vec<String> = std::fs::read_dir(dir_path)
         .expect("read slot dir")
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .collect();
@@ -466,14 +509,8 @@ async fn kv_migration_restores_a_saved_prefix_on_another_llama_server() {
     // The holder leaves the router; the next request on the document goes to the other one.
     let r = client.post(format!("{admin}/remove_worker?url={}", first.worker)).send().await.expect("remove");
     assert!(r.status().is_success(), "remove_worker: {}", r.status());
-    let body = json!({"model": "smollm2", "messages": ask("Which word comes first?"), "max_tokens": MAX_TOKENS, "temperature": 0});
-    let resp = client.post(format!("{router}/v1/chat/completions")).json(&body).send().await.expect("send");
-    assert!(resp.status().is_success(), "status {}", resp.status());
-    let worker = resp.headers()["x-kvroute-worker"].to_str().expect("ascii").to_string();
-    let decision = resp.headers()["x-kvroute-decision"].to_str().expect("ascii").to_string();
-    let v: Value = resp.json().await.expect("json");
-    let cache_n = v["timings"]["cache_n"].as_u64().expect("timings.cache_n");
-    let prompt = v["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    let (t, decision) = chat_decided(&client, &router, &ask("Which word comes first?")).await;
+    let (worker, cache_n, prompt) = (t.worker, t.cache_n, t.prompt_tokens);
     eprintln!("holder {}, then {worker}: cache_n {cache_n} of {prompt}; decision: {decision}", first.worker);
     assert_ne!(worker, first.worker);
     assert!(decision.contains("kv_restore="), "{decision}");
@@ -490,6 +527,48 @@ async fn kv_migration_restores_a_saved_prefix_on_another_llama_server() {
     let other = json!([{"role": "system", "content": document(202)}, {"role": "user", "content": "Summarise."}]);
     let t = chat(&client, &router, &other).await;
     assert!(t.cache_n * 2 < t.prompt_tokens, "another document is not served from the file: {}", t.cache_n);
+    let m = client.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    assert_eq!(sample(&m, "kvroute_kv_migrations_total", "outcome=\"restored\""), Some(1.0));
+}
+
+/// The KV mover when the holder is busy (issue #46's test): two one-slot llama-servers
+/// sharing a `--slot-save-path`. The router starts with worker A only, so the document's
+/// first request runs there and A's slot is saved; a long answer on the same document then
+/// keeps A's only slot busy. Worker B joins (`/add_worker`), and the next request on the
+/// document goes to B after a restore of A's file into B's idle slot, which B reports as
+/// cached (`timings.cache_n`), instead of waiting for A or recomputing the document.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama.cpp: KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"]
+async fn kv_migration_restores_past_a_busy_holder() {
+    let f = mover_fleet(1).await;
+    let (client, router, admin) = (f.client.clone(), f.router.clone(), f.admin.clone());
+    let (a, b) = (f.workers[0].clone(), f.workers[1].clone());
+    let doc = format!("{} {}", document(300), document(301));
+    let ask = |q: &str| json!([{"role": "system", "content": doc}, {"role": "user", "content": q}]);
+    let first = chat(&client, &router, &ask("Summarise the document.")).await;
+    assert_eq!(first.worker, a);
+    let saved = wait_saved(&client, &router).await;
+    assert_eq!(saved, 1.0, "the document's slot was saved");
+    // A long answer on the document keeps A's only slot busy (streamed; the first chunk
+    // means it runs). `ignore_eos` is llama.cpp's, passed through by the router.
+    let long = json!({"model": "smollm2", "messages": ask("List every word of the document."), "max_tokens": 2000,
+                      "ignore_eos": true, "stream": true, "temperature": 0});
+    let mut busy = client.post(format!("{router}/v1/chat/completions")).json(&long).send().await.expect("send");
+    assert!(busy.status().is_success(), "status {}", busy.status());
+    assert_eq!(busy.headers()["x-kvroute-worker"].to_str().expect("ascii"), a);
+    assert!(busy.chunk().await.expect("stream").is_some(), "the long answer started");
+    // B joins; the next request on the document goes there after a restore.
+    let r = client.post(format!("{admin}/add_worker?url={b}")).send().await.expect("add");
+    assert!(r.status().is_success(), "add_worker: {}", r.status());
+    let (t, decision) = chat_decided(&client, &router, &ask("Which word comes first?")).await;
+    let (worker, cache_n) = (t.worker, t.cache_n);
+    eprintln!("holder {a} busy, then {worker}: cache_n {cache_n}; decision: {decision}");
+    assert_eq!(worker, b, "the request went past the busy holder");
+    assert!(decision.contains("kv_restore="), "{decision}");
+    assert!(cache_n * 10 >= first.prompt_tokens * 8, "restored: cache_n {cache_n} of {}", first.prompt_tokens);
+    // The long answer was still running on A: the restore did not wait for it.
+    assert!(busy.chunk().await.expect("stream").is_some(), "A's long answer still streaming");
+    drop(busy);
     let m = client.get(format!("{router}/metrics")).send().await.expect("metrics").text().await.expect("text");
     assert_eq!(sample(&m, "kvroute_kv_migrations_total", "outcome=\"restored\""), Some(1.0));
 }
