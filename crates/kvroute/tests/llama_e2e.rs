@@ -125,22 +125,26 @@ struct Turn {
 }
 
 async fn chat(client: &reqwest::Client, router: &str, messages: &Value) -> Turn {
+    chat_decided(client, router, messages).await.0
+}
+
+/// [`chat`], with the response's `x-kvroute-decision` header (empty when the router does
+/// not send it).
+async fn chat_decided(client: &reqwest::Client, router: &str, messages: &Value) -> (Turn, String) {
     let body = json!({"model": "smollm2", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0});
     let resp = client.post(format!("{router}/v1/chat/completions")).json(&body).send().await.expect("send");
     assert!(resp.status().is_success(), "status {}", resp.status());
-    let worker = resp
-        .headers()
-        .get("x-kvroute-worker")
-        .and_then(|v| v.to_str().ok())
-        .expect("x-kvroute-worker header")
-        .to_owned();
+    let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let worker = header("x-kvroute-worker").expect("x-kvroute-worker header");
+    let decision = header("x-kvroute-decision").unwrap_or_default();
     let v: Value = resp.json().await.expect("json body");
-    Turn {
+    let turn = Turn {
         worker,
         answer: v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_owned(),
         prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
         cache_n: v["timings"]["cache_n"].as_u64().expect("llama.cpp timings.cache_n"),
-    }
+    };
+    (turn, decision)
 }
 
 /// Runs `CONVERSATIONS` two-turn conversations (starting at question `offset`) through a
@@ -449,23 +453,6 @@ async fn mover_fleet(routed: usize) -> MoverFleet {
     let (router, admin) = (format!("http://127.0.0.1:{rport}"), format!("http://127.0.0.1:{aport}"));
     wait_healthy(&client, &router).await;
     MoverFleet { workers, router, admin, client, _router: router_proc, _workers: procs, dir }
-}
-
-/// [`chat`], with the response's `x-kvroute-decision` header.
-async fn chat_decided(client: &reqwest::Client, router: &str, messages: &Value) -> (Turn, String) {
-    let body = json!({"model": "smollm2", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0});
-    let resp = client.post(format!("{router}/v1/chat/completions")).json(&body).send().await.expect("send");
-    assert!(resp.status().is_success(), "status {}", resp.status());
-    let header = |name: &str| resp.headers()[name].to_str().expect("ascii").to_string();
-    let (worker, decision) = (header("x-kvroute-worker"), header("x-kvroute-decision"));
-    let v: Value = resp.json().await.expect("json");
-    let turn = Turn {
-        worker,
-        answer: v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_owned(),
-        prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
-        cache_n: v["timings"]["cache_n"].as_u64().expect("llama.cpp timings.cache_n"),
-    };
-    (turn, decision)
 }
 
 /// Waits (up to 30 s) for the router's first slot save and returns the saved count.
