@@ -18,7 +18,9 @@ two new tokens of the pass (`prefill_self_attention_s`).
 
 `step_overhead` is the decode step's fixed cost and `context_per_token` the decode step's KV
 read per context token; both stay as given (--step-overhead-s, else the base profile's): a
-prefill pass's larger fixed cost goes to `prefill_step_overhead_s`.
+prefill pass's larger fixed cost goes to `prefill_step_overhead_s`, which the engine model
+charges only to a step that decodes nothing (a lone prefill pass, as the grid measures): a
+chunk that joins decoding sequences rides their pass.
 The five other constants minimise the largest relative error over the points with
 N >= --min-new (iteratively reweighted least squares: a least-squares fit weighted 1/t,
 then the worst points weighted up until the maximum stops falling). Prints each point with

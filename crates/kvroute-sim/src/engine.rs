@@ -34,7 +34,7 @@
 //!   it). Both report their end ([`EngineEvent::SlotRestored`], [`EngineEvent::SlotSaved`]).
 //!
 //! ```text
-//! step = step_overhead + [prefill_step_overhead if the step prefills]
+//! step = step_overhead + [prefill_step_overhead if the step prefills and decodes nothing]
 //!      + prefill_tokens × prefill_per_token + prefill_prefix_pairs × prefill_attention
 //!      + prefill_self_pairs × prefill_self_attention
 //!      + prefill_context × prefill_context_per_token
@@ -105,8 +105,13 @@ pub struct Profile {
     /// the paged prefix cache of vLLM and SGLang.
     #[serde(default)]
     pub slots: u32,
-    /// Extra fixed cost of a step that computes any prefill, seconds (a prefill pass's own
-    /// launch overhead over a decode step's). 0 by default.
+    /// Extra fixed cost of a step that prefills and decodes nothing, seconds: a prefill
+    /// pass's own launch overhead over a decode step's, what a grid of lone prefill passes
+    /// measures. A step whose chunks join decoding sequences does not pay it: vLLM's and
+    /// SGLang's chunked prefill run one forward pass a step, whose fixed cost is
+    /// `step_overhead_s`, and a chunk piggybacked on a decode batch costs its tokens, not a
+    /// second pass (Sarathi-Serve, Agrawal et al., OSDI 2024, arXiv:2403.02310). 0 by
+    /// default.
     #[serde(default)]
     pub prefill_step_overhead_s: f64,
     /// Cost per context token of each prefill chunk in a step (its cached tokens and its own,
@@ -364,7 +369,11 @@ impl Profile {
 
     /// [`Profile::step_time`] in seconds.
     pub fn step_secs(&self, w: StepWork) -> f64 {
-        let prefill_overhead = if w.prefill_tokens > 0 { self.prefill_step_overhead_s } else { 0.0 };
+        // A prefill pass's own fixed cost only when the step is that pass alone: a chunk
+        // that joins decoding sequences rides their forward pass (vLLM's chunked prefill
+        // runs one pass a step), whose fixed cost `step_overhead_s` already is.
+        let prefill_overhead =
+            if w.prefill_tokens > 0 && w.decode_seqs == 0 { self.prefill_step_overhead_s } else { 0.0 };
         self.step_overhead_s
             + prefill_overhead
             + w.prefill_tokens as f64 * self.prefill_per_token_s
@@ -1570,12 +1579,16 @@ mod tests {
     fn second_ttft_split(tail: &[u64], attn: f64, self_attn: Option<f64>) -> u64 {
         let p = Profile { slots: 1, prefill_attention_s: attn, prefill_self_attention_s: self_attn, ..profile() };
         let mut e = Engine::new(p, 16);
-        let mut ev = Vec::new();
-        e.submit(req(1, &[1, 2, 3, 4], 64, 1), Nanos::ZERO, &mut ev);
+        e.submit(req(1, &[1, 2, 3, 4], 64, 1), Nanos::ZERO, &mut Vec::new());
         run(&mut e);
+        ttft_at_one_second(&mut e, req(2, tail, 16 * tail.len() as u32, 1))
+    }
+
+    /// The TTFT of `r` (id 2) submitted to `e` at 1 s, `e` run to the end.
+    fn ttft_at_one_second(e: &mut Engine, r: EngineRequest) -> u64 {
         let t = Nanos::from_secs(1);
-        e.submit(req(2, tail, 16 * tail.len() as u32, 1), t, &mut ev);
-        let first = run(&mut e).into_iter().find_map(|x| match x {
+        e.submit(r, t, &mut Vec::new());
+        let first = run(e).into_iter().find_map(|x| match x {
             EngineEvent::FirstToken { id: 2, at, .. } => Some(at.0 - t.0),
             _ => None,
         });
@@ -1592,6 +1605,31 @@ mod tests {
         // fresh; the 64 cached tokens are not computed again.
         assert_eq!(second_ttft(&[1, 2, 3, 4, 5], 1e-6), 17_000 * us + 1_160 * us);
         assert_eq!(second_ttft(&[9], 1e-6), 17_000 * us + 136 * us);
+    }
+
+    /// TTFT of a 16-token request arriving at 1 s, on an engine whose first request (a
+    /// 1,000-token answer when `beside_decode`) is then decoding or has ended.
+    fn ttft_with_prefill_overhead(beside_decode: bool) -> u64 {
+        let p = Profile { prefill_step_overhead_s: 0.010, ..profile() };
+        let mut e = Engine::new(p, 16);
+        let mut ev = Vec::new();
+        e.submit(req(1, &[1], 16, if beside_decode { 1000 } else { 1 }), Nanos::ZERO, &mut ev);
+        e.advance(Nanos::from_secs(1), &mut ev);
+        ttft_at_one_second(&mut e, req(2, &[9], 16, 1))
+    }
+
+    #[test]
+    fn a_prefill_chunk_riding_a_decode_step_pays_no_second_pass_overhead() {
+        let ms = 1_000_000;
+        // Alone: the step overhead (1 ms), the prefill pass's own (10 ms), 16 tokens (16 ms).
+        assert_eq!(ttft_with_prefill_overhead(false), 27 * ms);
+        // Beside a decoding request: the decode step under way at 1 s ends at a whole
+        // millisecond (1 ms steps from 27 ms), then one step of 1 ms + 16 ms carries the chunk.
+        assert_eq!(ttft_with_prefill_overhead(true), 17 * ms);
+        let p = Profile { prefill_step_overhead_s: 0.010, ..profile() };
+        let chunk = StepWork::chunk(16, 0);
+        assert_eq!(p.step_secs(chunk), 0.001 + 0.010 + 0.016);
+        assert_eq!(p.step_secs(StepWork { decode_seqs: 1, ..chunk }), 0.001 + 0.016);
     }
 
     #[test]
