@@ -181,6 +181,11 @@ const LEAST_TTFT_KNOBS: &[Knob] = &[
         "the session balance gate's allowance above the mean load (see session_balance_rel)",
     ),
     (
+        "session_balance_min_hit",
+        "share of prompt tokens 0.0-1.0",
+        "the gate applies only while the engines report at least this share of prompt tokens cached (last ~128 reports); 0 = always",
+    ),
+    (
         "decode_occupancy_free",
         "batch occupancy 0.0-1.0",
         "load / max_concurrent up to which running requests add no decode charge (waiting ones always do)",

@@ -27,7 +27,9 @@
 //! - **Session balance gate**: a request opening a session goes only to workers whose load
 //!   stays within `max(session_balance_rel × mean, mean + session_balance_abs)` (branch
 //!   `new_binding`), since its first placement decides where its history is cached; off
-//!   when the bound exceeds the mean `max_concurrent` (the score already prices queues).
+//!   when the bound exceeds the mean `max_concurrent` (the score already prices queues),
+//!   and while the engines report under `session_balance_min_hit` of the prompt tokens
+//!   cached (a history the cache does not keep holds no session to its worker).
 //! - `hit_factor(w)` discounts a worker whose engine reports under half the hits its peers
 //!   do; the TTFT fit (`overhead`, `scale`, `ctx`: [`TtftFit`]) is exported, not ranked
 //!   on; `ctx` learns what attention adds per token attended, as an engine's prefill
@@ -71,6 +73,13 @@ pub struct LeastTtftConfig {
     /// Session balance gate, absolute part, in requests above the mean load (see
     /// `session_balance_rel`).
     pub session_balance_abs: f64,
+    /// Session balance gate, the least share of prompt tokens the engines report cached
+    /// (over about the last [`FLEET_HIT_WINDOW`] requests with a reported count) at which
+    /// the gate applies, 0.0–1.0: a session sticks to its worker only while that worker
+    /// keeps its history, so where the caches serve little (a KV-bound fleet) the gate
+    /// only moves new sessions off the workers the score prefers. 0 = the gate applies
+    /// whatever the hits; until `FLEET_HIT_WINDOW` reports the gate applies.
+    pub session_balance_min_hit: f64,
     /// Batch occupancy (`load / max_concurrent`) up to which the running requests' decode
     /// charge is waived (see `decode_occupancy_full`).
     pub decode_occupancy_free: f64,
@@ -104,6 +113,7 @@ impl Default for LeastTtftConfig {
             miss_queue_scale: 32.0,
             session_balance_rel: 1.25,
             session_balance_abs: 2.0,
+            session_balance_min_hit: 0.3,
             decode_occupancy_free: 0.4,
             decode_occupancy_full: 0.8,
             waiting_delay_weight: 0.2,
@@ -114,7 +124,7 @@ impl Default for LeastTtftConfig {
 }
 
 /// Names of `least_ttft`'s own knobs (the others are `prefill_cost`'s).
-const OWN_KNOBS: [&str; 12] = [
+const OWN_KNOBS: [&str; 13] = [
     "prefill_tokens_per_sec",
     "calibration_rate",
     "calibrate_hits",
@@ -122,6 +132,7 @@ const OWN_KNOBS: [&str; 12] = [
     "miss_queue_scale",
     "session_balance_rel",
     "session_balance_abs",
+    "session_balance_min_hit",
     "decode_occupancy_free",
     "decode_occupancy_full",
     "waiting_delay_weight",
@@ -147,6 +158,9 @@ fn validate(c: &LeastTtftConfig) -> Result<(), String> {
     }
     if !(c.session_balance_abs.is_finite() && c.session_balance_abs >= 0.0) {
         return Err(format!("session_balance_abs must be a finite number >= 0, got {}", c.session_balance_abs));
+    }
+    if !(0.0..=1.0).contains(&c.session_balance_min_hit) {
+        return Err(format!("session_balance_min_hit must be in [0, 1], got {}", c.session_balance_min_hit));
     }
     let (free, full) = (c.decode_occupancy_free, c.decode_occupancy_full);
     if !(full == 0.0 || (free.is_finite() && full.is_finite() && 0.0 <= free && free < full)) {
@@ -284,7 +298,15 @@ pub struct LeastTtft {
     /// non-negative f64, which order as the numbers do → count): its last key is
     /// [`LeastTtft::best_hit_ratio`], read by every decision without a pass over the fleet.
     hit_ratios: BTreeMap<u64, u32>,
+    /// Prompt tokens the engines reported cached and prompt tokens of those requests, each
+    /// a sum decayed by `1 − 1 / FLEET_HIT_WINDOW` a report, and the reports so far
+    /// ([`LeastTtft::fleet_hit_share`]).
+    fleet_hits: (f64, f64, u64),
 }
+
+/// Requests over which [`LeastTtft::fleet_hit_share`] averages (each report weighs
+/// `1 / FLEET_HIT_WINDOW`, older ones decay).
+pub const FLEET_HIT_WINDOW: f64 = 128.0;
 
 /// One candidate's terms.
 struct Candidate {
@@ -298,7 +320,21 @@ struct Candidate {
 impl LeastTtft {
     /// A policy with `cfg` and `prefill_cost`'s knobs `cost` (validated by the registry).
     pub fn new(cfg: LeastTtftConfig, cost: PrefillCostConfig) -> Self {
-        LeastTtft { cfg, cost: PrefillCost::new(cost), profiles: HashMap::default(), hit_ratios: BTreeMap::new() }
+        LeastTtft {
+            cfg,
+            cost: PrefillCost::new(cost),
+            profiles: HashMap::default(),
+            hit_ratios: BTreeMap::new(),
+            fleet_hits: (0.0, 0.0, 0),
+        }
+    }
+
+    /// The share of prompt tokens the engines reported cached over about the last
+    /// [`FLEET_HIT_WINDOW`] requests with a report, 0.0–1.0; `None` until that many
+    /// reports (a cold fleet's first requests miss whatever their later hits).
+    pub fn fleet_hit_share(&self) -> Option<f64> {
+        let (cached, input, reports) = self.fleet_hits;
+        (reports as f64 >= FLEET_HIT_WINDOW && input > 0.0).then(|| (cached / input).clamp(0.0, 1.0))
     }
 
     /// The learned profile of `worker` (`None` before its first observation).
@@ -357,7 +393,8 @@ impl LeastTtft {
 
     /// The session balance gate's load bound for `req` when the gate excludes a worker, or
     /// `None` when it does not: it is off (`session_balance_rel` 0), the request carries no
-    /// session id, the router has already bound its session, the bound exceeds the routable
+    /// session id, the router has already bound its session, the engines report under
+    /// `session_balance_min_hit` of the prompt tokens cached, the bound exceeds the routable
     /// workers' mean `max_concurrent` (past the batch, extra requests queue, and the score
     /// prices the queue), or every routable worker is within the bound, or none is (then
     /// every worker is a candidate). A worker is within when its load with the request
@@ -367,6 +404,9 @@ impl LeastTtft {
         let rel = self.cfg.session_balance_rel;
         let sid = req.session_id?;
         if rel == 0.0 || self.cost.sessions.get(sid).is_some() {
+            return None;
+        }
+        if self.fleet_hit_share().is_some_and(|share| share < self.cfg.session_balance_min_hit) {
             return None;
         }
         let mean = means.load?;
@@ -651,6 +691,13 @@ impl Policy for LeastTtft {
     }
 
     fn observe(&mut self, worker: WorkerId, obs: &Observation) {
+        if let Some(cached) = obs.cached_tokens {
+            let keep = 1.0 - 1.0 / FLEET_HIT_WINDOW;
+            let (c, i, n) = self.fleet_hits;
+            // A report past its prompt is clamped: the share stays a share.
+            let input = f64::from(obs.input_tokens);
+            self.fleet_hits = (c * keep + (cached as f64).min(input), i * keep + input, n.saturating_add(1));
+        }
         let rate = self.cfg.calibration_rate;
         if rate == 0.0 {
             return;
@@ -709,6 +756,7 @@ impl Policy for LeastTtft {
         workers.sort_by_key(|w| w.0);
         serde_json::json!({
             "prefill_tokens_per_sec": self.cfg.prefill_tokens_per_sec,
+            "fleet_hit_share": self.fleet_hit_share(),
             "workers": workers.into_iter().map(|w| w.1).collect::<Vec<_>>(),
         })
     }
@@ -1085,19 +1133,26 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_new_session_is_kept_off_a_worker_loaded_past_the_balance_bound() {
-        let mut p = fresh();
-        // A 4,096-token shared prefix (a tool prompt) that worker 0 holds; worker 0 runs 6
-        // requests, workers 1 and 2 run 1 each: mean 8/3, bound max(1.25 × 8/3, 8/3 + 2) = 4.67.
+    /// A 4,096-token shared prefix (a tool prompt) that worker 0 of `p` holds; worker 0 runs
+    /// 6 requests, workers 1 and 2 run 1 each: mean 8/3, the session balance bound
+    /// max(1.25 × 8/3, 8/3 + 2) = 4.67. Returns the fleet and a prompt of the prefix and one
+    /// block more.
+    fn gated_fleet(p: &mut LeastTtft) -> (Vec<WorkerView>, Vec<BlockHash>) {
         let shared: Vec<BlockHash> = (0..8).map(BlockHash).collect();
-        crate::policy::record_routed(&mut p, &req(&shared), WorkerId(0), Nanos::ZERO);
+        crate::policy::record_routed(p, &req(&shared), WorkerId(0), Nanos::ZERO);
         let mut c: Vec<WorkerView> = (0..3).map(|i| WorkerView::idle(WorkerId(i))).collect();
         c[0].in_flight = 6;
         c[1].in_flight = 1;
         c[2].in_flight = 1;
-        let mut h = shared.clone();
+        let mut h = shared;
         h.push(BlockHash(100));
+        (c, h)
+    }
+
+    #[test]
+    fn a_new_session_is_kept_off_a_worker_loaded_past_the_balance_bound() {
+        let mut p = fresh();
+        let (mut c, h) = gated_fleet(&mut p);
         // Without a session id the cache decides: 512 uncached tokens beat 4,608.
         let anonymous = req(&h);
         assert_eq!(peek(&p, &anonymous, &c).worker, WorkerId(0));
@@ -1135,6 +1190,42 @@ mod tests {
         }
         let d = peek(&p, &RequestView { session_id: Some("c"), ..req(&h) }, &c);
         assert_eq!((d.worker, d.branch), (bound, Branch::Score));
+    }
+
+    #[test]
+    fn the_session_gate_steps_aside_while_the_engines_report_few_hits() {
+        let mut p = fresh();
+        // Worker 0 holds the shared prefix and runs 6 requests, past the bound.
+        let (c, h) = gated_fleet(&mut p);
+        let opening = RequestView { session_id: Some("a"), ..req(&h) };
+        let report = |p: &mut LeastTtft, cached: u64, n: usize| {
+            let obs = Observation { input_tokens: 1000, cached_tokens: Some(cached), ..Default::default() };
+            for _ in 0..n {
+                p.observe(WorkerId(1), &obs);
+            }
+        };
+        // Fewer reports than the window: no share yet, the gate applies whatever they say.
+        report(&mut p, 100, FLEET_HIT_WINDOW as usize - 1);
+        assert_eq!(p.fleet_hit_share(), None);
+        assert_eq!(peek(&p, &opening, &c).branch, Branch::NewBinding);
+        // 10 % cached over the window, under the 0.3 default: the cache decides.
+        report(&mut p, 100, 1);
+        let share = p.fleet_hit_share().expect("a share");
+        assert!((share - 0.1).abs() < 1e-9, "{share}");
+        let d = peek(&p, &opening, &c);
+        assert_eq!((d.worker, d.branch), (WorkerId(0), Branch::Score));
+        // With the knob at 0 the gate applies whatever the hits.
+        p.set_knobs(&serde_json::json!({"session_balance_min_hit": 0.0})).expect("knob");
+        assert_eq!(peek(&p, &opening, &c).branch, Branch::NewBinding);
+        p.set_knobs(&serde_json::json!({"session_balance_min_hit": 0.3})).expect("knob");
+        // Hits recover (reports past the prompt count as the whole prompt): the gate is back.
+        report(&mut p, 5000, 4 * FLEET_HIT_WINDOW as usize);
+        assert!(p.fleet_hit_share().expect("a share") > 0.95);
+        assert_eq!(peek(&p, &opening, &c).branch, Branch::NewBinding);
+        for bad in [-0.1, 1.5] {
+            let e = p.set_knobs(&serde_json::json!({"session_balance_min_hit": bad})).expect_err("refused");
+            assert!(e.message.contains("session_balance_min_hit"), "{}", e.message);
+        }
     }
 
     #[test]
