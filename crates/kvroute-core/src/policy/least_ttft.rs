@@ -298,15 +298,40 @@ pub struct LeastTtft {
     /// non-negative f64, which order as the numbers do → count): its last key is
     /// [`LeastTtft::best_hit_ratio`], read by every decision without a pass over the fleet.
     hit_ratios: BTreeMap<u64, u32>,
-    /// Prompt tokens the engines reported cached and prompt tokens of those requests, each
-    /// a sum decayed by `1 − 1 / FLEET_HIT_WINDOW` a report, and the reports so far
-    /// ([`LeastTtft::fleet_hit_share`]).
-    fleet_hits: (f64, f64, u64),
+    /// What the engines report cached, fleet-wide ([`LeastTtft::fleet_hit_share`]).
+    fleet_hits: FleetHits,
 }
 
 /// Requests over which [`LeastTtft::fleet_hit_share`] averages (each report weighs
 /// `1 / FLEET_HIT_WINDOW`, older ones decay).
 pub const FLEET_HIT_WINDOW: f64 = 128.0;
+
+/// Prompt tokens the engines reported cached and prompt tokens of those requests, each a
+/// sum decayed by `1 − 1 / FLEET_HIT_WINDOW` a report, and the reports so far.
+#[derive(Debug, Clone, Copy, Default)]
+struct FleetHits {
+    cached: f64,
+    input: f64,
+    reports: u64,
+}
+
+impl FleetHits {
+    /// Folds in one report: `cached` of a request's `input` prompt tokens (a report past
+    /// its prompt is clamped, so the share stays a share).
+    fn record(&mut self, cached: u64, input: u32) {
+        let keep = 1.0 - 1.0 / FLEET_HIT_WINDOW;
+        let input = f64::from(input);
+        self.cached = self.cached * keep + (cached as f64).min(input);
+        self.input = self.input * keep + input;
+        self.reports = self.reports.saturating_add(1);
+    }
+
+    /// `cached / input`, 0.0–1.0; `None` until [`FLEET_HIT_WINDOW`] reports.
+    fn share(&self) -> Option<f64> {
+        (self.reports as f64 >= FLEET_HIT_WINDOW && self.input > 0.0)
+            .then(|| (self.cached / self.input).clamp(0.0, 1.0))
+    }
+}
 
 /// One candidate's terms.
 struct Candidate {
@@ -325,7 +350,7 @@ impl LeastTtft {
             cost: PrefillCost::new(cost),
             profiles: HashMap::default(),
             hit_ratios: BTreeMap::new(),
-            fleet_hits: (0.0, 0.0, 0),
+            fleet_hits: FleetHits::default(),
         }
     }
 
@@ -333,8 +358,7 @@ impl LeastTtft {
     /// [`FLEET_HIT_WINDOW`] requests with a report, 0.0–1.0; `None` until that many
     /// reports (a cold fleet's first requests miss whatever their later hits).
     pub fn fleet_hit_share(&self) -> Option<f64> {
-        let (cached, input, reports) = self.fleet_hits;
-        (reports as f64 >= FLEET_HIT_WINDOW && input > 0.0).then(|| (cached / input).clamp(0.0, 1.0))
+        self.fleet_hits.share()
     }
 
     /// The learned profile of `worker` (`None` before its first observation).
@@ -692,11 +716,7 @@ impl Policy for LeastTtft {
 
     fn observe(&mut self, worker: WorkerId, obs: &Observation) {
         if let Some(cached) = obs.cached_tokens {
-            let keep = 1.0 - 1.0 / FLEET_HIT_WINDOW;
-            let (c, i, n) = self.fleet_hits;
-            // A report past its prompt is clamped: the share stays a share.
-            let input = f64::from(obs.input_tokens);
-            self.fleet_hits = (c * keep + (cached as f64).min(input), i * keep + input, n.saturating_add(1));
+            self.fleet_hits.record(cached, obs.input_tokens);
         }
         let rate = self.cfg.calibration_rate;
         if rate == 0.0 {
