@@ -5,7 +5,7 @@
 //! prefix index, its session bindings (seen through the decisions it makes afterwards) and
 //! its knobs must be exactly as they were; a commit then changes them.
 
-use kvroute_core::policy::{PickCtx, Policy, commit, decide, route};
+use kvroute_core::policy::{PickCtx, Policy, commit, decide, fallbacks, route};
 use kvroute_core::registry::{build, names};
 use kvroute_core::types::{Nanos, RequestView, WorkerId, WorkerView};
 use rand_core::SeedableRng;
@@ -102,7 +102,7 @@ fn a_commit_is_what_records_a_request() {
         assert_eq!(p.index_size(), 0, "{name}: deciding recorded the request");
         assert_eq!(d.matched, 0, "{name}");
         // Sent to a retry target, not the chosen worker: the index credits the target.
-        let target = d.fallbacks[0];
+        let target = fallbacks(&d, &c)[0];
         commit(p.as_mut(), &req, &key, target, Nanos::from_secs(1));
         assert!(p.index_size() > 0, "{name}: a commit recorded nothing");
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
@@ -125,7 +125,7 @@ fn a_session_is_bound_when_it_is_committed_not_when_it_is_decided() {
         let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
         let (d, key) = decide(p.as_ref(), &req, &c, &mut ctx).expect("routable");
         // Committed to another worker (a retry target): the session follows the request.
-        let target = d.fallbacks[0];
+        let target = fallbacks(&d, &c)[0];
         assert_ne!(target, d.worker);
         commit(p.as_mut(), &req, &key, target, Nanos::from_secs(1));
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(3);
@@ -135,6 +135,34 @@ fn a_session_is_bound_when_it_is_committed_not_when_it_is_decided() {
         if name == "sticky" {
             // (unified keeps a binding only with a cache hit, which this short prompt lacks.)
             assert_eq!(next.branch.as_str(), "sticky", "{name}");
+        }
+    }
+}
+
+#[test]
+fn a_retry_takes_the_policy_s_own_order_or_the_routable_workers_by_load() {
+    use kvroute_core::types::Health;
+    // Loads 5, 3, 0 (unhealthy), 1, 3, 2: by (load, id) the routable order is 3, 5, 1, 4, 0.
+    let mut c = fleet(6);
+    for (w, load) in c.iter_mut().zip([5u32, 3, 0, 1, 3, 2]) {
+        w.in_flight = load;
+    }
+    c[2].health = Health::Unhealthy;
+    for name in names() {
+        let p = build(name, &serde_json::Value::Null).expect("build");
+        let text = prompt(0);
+        let req = RequestView::from_text("m", &text);
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(5);
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+        let (d, _) = decide(p.as_ref(), &req, &c, &mut ctx).expect("routable");
+        let order = fallbacks(&d, &c);
+        assert!(!order.contains(&d.worker), "{name}: the chosen worker is its own fallback");
+        assert!(!order.contains(&WorkerId(2)), "{name}: an unhealthy worker is a fallback");
+        if d.fallbacks.is_empty() {
+            let want: Vec<WorkerId> = [3, 5, 1, 4, 0].into_iter().map(WorkerId).filter(|&w| w != d.worker).collect();
+            assert_eq!(order.to_vec(), want, "{name}");
+        } else {
+            assert_eq!(order, d.fallbacks, "{name}: the policy's own order is replaced");
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use kvroute_core::block_index::{BlockIndex, BlockIndexConfig};
 use kvroute_core::ledger::LoadLedger;
-use kvroute_core::policy::{PickCtx, route};
+use kvroute_core::policy::{PickCtx, fallbacks, route};
 use kvroute_core::radix::RadixTree;
 use kvroute_core::registry::{build, names};
 use kvroute_core::types::{BlockHash, Health, Nanos, RequestView, WorkerId, WorkerView};
@@ -240,7 +240,7 @@ proptest! {
                 Ok(d) => {
                     prop_assert!(any_healthy);
                     prop_assert_eq!(fleet[d.worker.index()].health, Health::Healthy);
-                    for f in &d.fallbacks {
+                    for f in &fallbacks(&d, &fleet) {
                         prop_assert_eq!(fleet[f.index()].health, Health::Healthy);
                         prop_assert_ne!(*f, d.worker);
                     }

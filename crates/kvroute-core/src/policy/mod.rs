@@ -104,13 +104,21 @@ pub enum MatchUnit {
 /// Maximum number of fallbacks a decision carries (bounded retries).
 pub const MAX_FALLBACKS: usize = 8;
 
-/// A routing decision: the chosen worker, ordered fallbacks for retries, and the reason.
+/// A retry order: at most [`MAX_FALLBACKS`] worker ids, inline.
+pub type Fallbacks = SmallVec<[WorkerId; MAX_FALLBACKS]>;
+
+/// A routing decision: the chosen worker, the policy's own retry order when it has one,
+/// and the reason.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Decision {
     /// The chosen worker.
     pub worker: WorkerId,
-    /// Other routable candidates in order of preference, at most [`MAX_FALLBACKS`].
-    pub fallbacks: SmallVec<[WorkerId; MAX_FALLBACKS]>,
+    /// Other routable candidates in the policy's order of preference, at most
+    /// [`MAX_FALLBACKS`]; empty when the policy has no order of its own (every policy but
+    /// `kv_score`): a retry then takes the routable candidates by load, which [`fallbacks`]
+    /// computes when a retry needs them — not on every decision, where that pass over the
+    /// fleet cost as much as a round-robin decision itself.
+    pub fallbacks: Fallbacks,
     /// The branch that decided.
     pub branch: Branch,
     /// Length of the prefix matched on `worker`, in `unit`s (0 when none).
@@ -405,6 +413,14 @@ pub trait Policy: Send + Sync + std::fmt::Debug + Twin {
     }
 }
 
+/// The workers a request decided by `d` over `candidates` (the views it was decided on)
+/// moves to when its chosen worker fails, in order, at most [`MAX_FALLBACKS`]: the
+/// decision's own fallbacks when its policy ordered them, else [`fallbacks_by_load`]. Never
+/// the chosen worker; only candidates routable in their views.
+pub fn fallbacks(d: &Decision, candidates: &[WorkerView]) -> Fallbacks {
+    if d.fallbacks.is_empty() { fallbacks_by_load(candidates, d.worker) } else { d.fallbacks.clone() }
+}
+
 /// Routable candidates ordered by (load, id): the default fallback order.
 pub fn fallbacks_by_load(candidates: &[WorkerView], exclude: WorkerId) -> SmallVec<[WorkerId; MAX_FALLBACKS]> {
     // The MAX_FALLBACKS smallest (load, id) pairs in one pass, without sorting the whole
@@ -441,9 +457,9 @@ where
 }
 
 /// Decides for `req` without changing any state ([`Policy::pick`] behind the checks every
-/// front end needs): a routable candidate exists, the decision names a routable worker and
-/// carries load-ordered fallbacks. Returns the decision and the request's key, to be passed
-/// to [`commit`] for each worker the request is really sent to.
+/// front end needs): a routable candidate exists and the decision names a routable worker.
+/// Returns the decision and the request's key, to be passed to [`commit`] for each worker
+/// the request is really sent to; [`fallbacks`] gives the retry order.
 ///
 /// # Errors
 /// [`RouteError::NoWorker`] when no candidate is routable.
@@ -464,9 +480,6 @@ pub fn decide(
         let fb = fallbacks_by_load(candidates, WorkerId(u32::MAX));
         d = Decision::new(fb[0], Branch::LeastLoad);
         chosen = candidates.iter().find(|w| w.id == d.worker);
-    }
-    if d.fallbacks.is_empty() {
-        d.fallbacks = fallbacks_by_load(candidates, d.worker);
     }
     if d.unit == MatchUnit::Blocks {
         let bt =

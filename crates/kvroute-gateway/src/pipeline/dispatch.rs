@@ -12,7 +12,7 @@
 
 pub(crate) use super::ctx::Hop;
 use super::ctx::RequestCtx;
-use super::route::{Routed, order};
+use super::route::{RetryOrder, Routed};
 use crate::app::AppState;
 use crate::fleet::WorkerEntry;
 use crate::metrics::WorkerLabel;
@@ -426,15 +426,20 @@ pub async fn send(ctx: &RequestCtx<'_>, routed: &Routed, seen: Option<u64>) -> R
     };
     let mut attempts = 0u32;
     let mut last_err = String::from("no routable worker was left to try");
-    let order: Vec<WorkerId> = order(d).collect();
-    'workers: for (i, &id) in order.iter().enumerate() {
+    let mut order = RetryOrder::new(routed);
+    let mut next = 0;
+    'workers: while let Some(id) = order.get(next) {
+        next += 1;
         let Some(w) = routed.candidates.entry(id) else { continue };
-        // The last routable worker of the order may use what is left of the request's
-        // budget: a lone worker gets `max_total_retries` attempts, not `max_worker_retries`
-        // (with one or two workers, one of them ejected, that was the whole budget).
-        let others = order[i + 1..].iter().any(|o| routed.candidates.entry(*o).is_some_and(|x| x.is_routable()));
-        let cap = if others { plan.per_worker } else { plan.total };
-        for n in 0..cap {
+        for n in 0.. {
+            // The last routable worker of the order may use what is left of the request's
+            // budget: a lone worker gets `max_total_retries` attempts, not `max_worker_retries`
+            // (with one or two workers, one of them ejected, that was the whole budget).
+            if n == plan.per_worker
+                && order.from(next).iter().any(|o| routed.candidates.entry(*o).is_some_and(|x| x.is_routable()))
+            {
+                continue 'workers;
+            }
             // A retry target must still be routable (it may have been taken out meanwhile).
             if attempts == plan.total || (attempts > 0 && !w.is_routable()) {
                 continue 'workers;

@@ -190,9 +190,9 @@ impl Pair<'_> {
     async fn run(&self, permit_p: kvroute_core::admission::Permit) -> Result<(Sent, String), DispatchError> {
         let s = self.ctx.s;
         let prefill: Vec<Arc<WorkerEntry>> =
-            route::order(&self.rp.decision).filter_map(|id| self.rp.candidates.entry(id).cloned()).collect();
+            route::order(self.rp).filter_map(|id| self.rp.candidates.entry(id).cloned()).collect();
         let decode: Vec<Arc<WorkerEntry>> =
-            route::order(&self.rd.decision).filter_map(|id| self.rd.candidates.entry(id).cloned()).collect();
+            route::order(self.rd).filter_map(|id| self.rd.candidates.entry(id).cloned()).collect();
         let req = self.ctx.view();
         let uncached =
             u64::from(req.input_tokens).saturating_sub(self.rp.decision.cached_tokens_estimate(req.input_tokens));

@@ -111,7 +111,7 @@ pub async fn pick(ctx: &mut RequestCtx<'_>, original: &Bytes) -> Result<Picked, 
         Some(h) => dispatch::with_id_slot(ctx, h.slot),
         None => (ctx.bytes != *original).then(|| ctx.bytes.clone()),
     };
-    let endpoints: Vec<String> = order(&routed.decision)
+    let endpoints: Vec<String> = order(&routed)
         .filter_map(|id| routed.candidates.entry(id))
         .filter(|w| w.id == worker.id || w.is_routable())
         .filter_map(|w| w.authority().map(str::to_string))

@@ -10,7 +10,7 @@ use crate::routers::ModelRouter;
 use axum::http::StatusCode;
 use kvroute_core::admission::Permit;
 use kvroute_core::hash::{HashAlgo, hash_token_blocks};
-use kvroute_core::policy::{Decision, MatchUnit, PickCtx, RequestKey};
+use kvroute_core::policy::{Decision, Fallbacks, MatchUnit, PickCtx, RequestKey, fallbacks};
 use kvroute_core::types::{BlockHash, Role, WorkerId};
 use kvroute_protocol::api_error::ApiError;
 use kvroute_protocol::openai::RoutingInfo;
@@ -388,7 +388,44 @@ pub fn decision_header(policy: &str, d: &Decision) -> String {
     format!("policy={policy}; branch={}; matched={}/{}{unit}", d.branch.as_str(), d.matched, d.key_len)
 }
 
-/// The worker ids to try, in order: the chosen worker, then the fallbacks.
-pub fn order(d: &Decision) -> impl Iterator<Item = WorkerId> + '_ {
-    std::iter::once(d.worker).chain(d.fallbacks.iter().copied())
+/// The worker ids to try, in order: the chosen worker, then the fallbacks
+/// ([`kvroute_core::policy::fallbacks`] over the views the decision read).
+pub fn order(routed: &Routed) -> impl Iterator<Item = WorkerId> + '_ {
+    let d = &routed.decision;
+    std::iter::once(d.worker).chain(fallbacks(d, &routed.candidates.views))
+}
+
+/// [`order`], taken lazily: the fallbacks are worked out (a pass over the candidates
+/// unless the policy ordered its own) only when something past the chosen worker is asked
+/// for, so a request its chosen worker serves pays nothing for them.
+pub struct RetryOrder<'a> {
+    routed: &'a Routed,
+    rest: Option<Fallbacks>,
+}
+
+impl<'a> RetryOrder<'a> {
+    /// The order of `routed`'s decision, nothing worked out yet.
+    pub fn new(routed: &'a Routed) -> Self {
+        RetryOrder { routed, rest: None }
+    }
+
+    /// The fallbacks (positions 1 and on), worked out on first use.
+    fn rest(&mut self) -> &[WorkerId] {
+        let routed = self.routed;
+        self.rest.get_or_insert_with(|| fallbacks(&routed.decision, &routed.candidates.views))
+    }
+
+    /// The worker at position `i` (0: the chosen one), `None` past the end.
+    pub fn get(&mut self, i: usize) -> Option<WorkerId> {
+        match i {
+            0 => Some(self.routed.decision.worker),
+            _ => self.rest().get(i - 1).copied(),
+        }
+    }
+
+    /// The workers from position `i` on (`i` ≥ 1).
+    pub fn from(&mut self, i: usize) -> &[WorkerId] {
+        let rest = self.rest();
+        &rest[i.saturating_sub(1).min(rest.len())..]
+    }
 }
