@@ -245,7 +245,11 @@ pub fn list() -> Vec<PolicyInfo> {
         plain("random", "classic baseline", "uniform random worker (seeded)"),
         plain("least_load", "classic baseline", "fewest in-flight requests, rotation among ties"),
         plain("power_of_two", "Mitzenmacher 2001; Ray Serve default", "less loaded of two random workers"),
-        plain("consistent_hash", "rendezvous hashing", "session id (or prompt head) keeps its worker"),
+        plain(
+            "consistent_hash",
+            "rendezvous hashing",
+            "session id (or prompt head) keeps its worker, the same one on every replica (workers named by URL)",
+        ),
         PolicyInfo {
             prefix_aware: true,
             name: "cache_aware",

@@ -404,3 +404,56 @@ fn cache_aware_mixes_precise_and_approximate_workers_by_match_rate() {
         (WorkerId(1), view.input_tokens as u64, kvroute_core::policy::MatchUnit::Tokens)
     );
 }
+
+// ---- consistent_hash (rendezvous hashing, named workers) ----
+
+#[test]
+fn consistent_hash_sends_a_session_to_the_same_named_worker_on_every_replica() {
+    // Two replicas list the same six workers (named by a hash of their URL) in opposite
+    // orders, so each gives them other ids.
+    let names: Vec<u64> = (0..6u64).map(|i| 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(i + 1)).collect();
+    let replica = |order: &[usize]| -> Vec<WorkerView> {
+        order
+            .iter()
+            .enumerate()
+            .map(|(id, &n)| {
+                let mut w = WorkerView::idle(WorkerId(id as u32));
+                w.tie_key = Some(names[n]);
+                w
+            })
+            .collect()
+    };
+    let a = replica(&[0, 1, 2, 3, 4, 5]);
+    let mut b = replica(&[5, 4, 3, 2, 1, 0]);
+    let named = |c: &[WorkerView], d: &Decision| c[d.worker.index()].tie_key;
+    let mut p = build("consistent_hash", &serde_json::Value::Null).expect("build");
+    let mut spread = std::collections::HashSet::new();
+    for s in 0..40 {
+        let sid = format!("session-{s}");
+        let mut req = RequestView::from_text("m", "hello");
+        req.session_id = Some(&sid);
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+        let da = route(p.as_mut(), &req, &a, &mut ctx).expect("routable");
+        let db = route(p.as_mut(), &req, &b, &mut ctx).expect("routable");
+        assert_eq!(named(&a, &da), named(&b, &db), "{sid}: the replicas disagree");
+        spread.insert(named(&a, &da));
+        // Another worker leaving does not move the session.
+        let gone = (da.worker.index() + 1) % a.len();
+        let mut fewer = a.clone();
+        fewer[gone].health = Health::Unhealthy;
+        let df = route(p.as_mut(), &req, &fewer, &mut ctx).expect("routable");
+        assert_eq!(df.worker, da.worker, "{sid}");
+        // Its own worker leaving moves it to the worker the other replica would pick too.
+        b[db.worker.index()].health = Health::Unhealthy;
+        let mut left = a.clone();
+        left[da.worker.index()].health = Health::Unhealthy;
+        let (ma, mb) = (
+            route(p.as_mut(), &req, &left, &mut ctx).expect("routable"),
+            route(p.as_mut(), &req, &b, &mut ctx).expect("routable"),
+        );
+        assert_eq!(named(&left, &ma), named(&b, &mb), "{sid}: the replicas disagree after a worker left");
+        b[db.worker.index()].health = Health::Healthy;
+    }
+    assert!(spread.len() >= 4, "40 sessions on {} of 6 workers", spread.len());
+}

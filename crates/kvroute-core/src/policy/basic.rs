@@ -131,9 +131,32 @@ impl Policy for PowerOfTwo {
     }
 }
 
-/// `consistent_hash`: rendezvous hashing of the session (or prefix) key.
+/// `consistent_hash`: rendezvous hashing of the session (or prefix) key — each routable
+/// worker's weight is a hash of (key, worker), the heaviest wins — so a key stays on its
+/// worker while that worker is routable and moves only when it is not. A worker is named
+/// by its [`WorkerView::tie_key`] when it has one (the gateway: a hash of its URL), so
+/// replicas that list the same workers in another order, or under other ids, send a key to
+/// the same worker; else by its id (the replay, where ids are the engines' numbers).
 #[derive(Debug, Default, Clone)]
 pub struct ConsistentHash;
+
+/// The rendezvous weight of worker `w` for `key` ([`ConsistentHash`]).
+fn rendezvous_weight(key: u64, w: &WorkerView) -> u64 {
+    match w.tie_key {
+        Some(name) => {
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&key.to_le_bytes());
+            b[8..].copy_from_slice(&name.to_le_bytes());
+            stable_hash(&b)
+        }
+        None => {
+            let mut b = [0u8; 12];
+            b[..8].copy_from_slice(&key.to_le_bytes());
+            b[8..].copy_from_slice(&w.id.0.to_le_bytes());
+            stable_hash(&b)
+        }
+    }
+}
 
 /// The routing key of `consistent_hash`: the session id, else the first 256 bytes of the
 /// routing text, else the first 64 token ids, else the first block hash, else 0.
@@ -168,12 +191,7 @@ impl Policy for ConsistentHash {
         let w = c
             .iter()
             .filter(|w| w.is_routable())
-            .max_by_key(|w| {
-                let mut b = [0u8; 12];
-                b[..8].copy_from_slice(&key.to_le_bytes());
-                b[8..].copy_from_slice(&w.id.0.to_le_bytes());
-                (stable_hash(&b), w.id)
-            })
+            .max_by_key(|w| (rendezvous_weight(key, w), w.tie_key.unwrap_or(u64::from(w.id.0))))
             .ok_or(RouteError::NoWorker)?;
         Ok(Decision::new(w.id, Branch::ConsistentHash))
     }
