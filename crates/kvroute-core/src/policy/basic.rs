@@ -13,6 +13,7 @@
 //! None has knobs.
 
 use crate::hash::stable_hash;
+use crate::policy::kv_score::tie_hash_key;
 use crate::policy::util::{Rotation, argmin_by, power_of_two, rotate, routable_ids};
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError};
 use crate::types::{RequestView, WorkerView};
@@ -140,15 +141,11 @@ impl Policy for PowerOfTwo {
 #[derive(Debug, Default, Clone)]
 pub struct ConsistentHash;
 
-/// The rendezvous weight of worker `w` for `key` ([`ConsistentHash`]).
+/// The rendezvous weight of worker `w` for `key` ([`ConsistentHash`]): for a named worker
+/// the hash kv_score breaks its ties with ([`tie_hash_key`]).
 fn rendezvous_weight(key: u64, w: &WorkerView) -> u64 {
     match w.tie_key {
-        Some(name) => {
-            let mut b = [0u8; 16];
-            b[..8].copy_from_slice(&key.to_le_bytes());
-            b[8..].copy_from_slice(&name.to_le_bytes());
-            stable_hash(&b)
-        }
+        Some(name) => tie_hash_key(name, key),
         None => {
             let mut b = [0u8; 12];
             b[..8].copy_from_slice(&key.to_le_bytes());
