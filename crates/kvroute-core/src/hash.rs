@@ -143,6 +143,19 @@ pub fn stable_hash(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64_with_seed(bytes, ROOT_SEED)
 }
 
+/// [`stable_hash`] of two words packed little-endian into 12 bytes — `lo`'s low
+/// `lo_bytes` (4 or 8) bytes, then `hi`'s low `12 − lo_bytes` — for a per-worker hash in a
+/// decision's loop (a rendezvous weight, a tie-break). Inlined, so the bytes stay in
+/// registers: built in a stack array, the hash's overlapping 8-byte reads waited on the
+/// stores that wrote them (a failed store-to-load forward, ~30 cycles a worker).
+#[inline(always)]
+pub fn stable_hash_12(lo: u64, lo_bytes: u32, hi: u64) -> u64 {
+    debug_assert!(lo_bytes == 4 || lo_bytes == 8);
+    let lo = if lo_bytes == 4 { u128::from(lo as u32) } else { u128::from(lo) };
+    let packed = lo | (u128::from(hi) << (8 * lo_bytes));
+    xxhash_rust::xxh3::xxh3_64_with_seed(&packed.to_le_bytes()[..12], ROOT_SEED)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

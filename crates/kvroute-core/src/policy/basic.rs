@@ -146,12 +146,8 @@ pub struct ConsistentHash;
 fn rendezvous_weight(key: u64, w: &WorkerView) -> u64 {
     match w.tie_key {
         Some(name) => tie_hash_key(name, key),
-        None => {
-            let mut b = [0u8; 12];
-            b[..8].copy_from_slice(&key.to_le_bytes());
-            b[8..].copy_from_slice(&w.id.0.to_le_bytes());
-            stable_hash(&b)
-        }
+        // The key's 8 bytes, then the id's 4.
+        None => crate::hash::stable_hash_12(key, 8, u64::from(w.id.0)),
     }
 }
 
@@ -191,5 +187,22 @@ impl Policy for ConsistentHash {
             .max_by_key(|w| (rendezvous_weight(key, w), w.tie_key.unwrap_or(u64::from(w.id.0))))
             .ok_or(RouteError::NoWorker)?;
         Ok(Decision::new(w.id, Branch::ConsistentHash))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::WorkerId;
+
+    /// An unnamed worker's weight hashes the key's 8 little-endian bytes then the id's 4, so
+    /// a replay's consistent_hash routes as it did in earlier versions.
+    #[test]
+    fn an_unnamed_worker_s_weight_hashes_the_key_then_the_id() {
+        for (key, id) in [(0u64, 0u32), (1, 7), (0x0123_4567_89ab_cdef, 1023), (u64::MAX, u32::MAX)] {
+            let bytes: Vec<u8> = key.to_le_bytes().into_iter().chain(id.to_le_bytes()).collect();
+            let w = WorkerView::idle(WorkerId(id));
+            assert_eq!(rendezvous_weight(key, &w), stable_hash(&bytes), "key {key:#x}, worker {id}");
+        }
     }
 }

@@ -236,10 +236,8 @@ fn capacity_raw(w: &WorkerView) -> f64 {
 /// process; the worker id is this router's, so replicas agree only when they handed out
 /// the same ids (the same workers added in the same order).
 pub fn tie_hash(worker: WorkerId, prefix_hash: u64) -> u64 {
-    let mut b = [0u8; 12];
-    b[..4].copy_from_slice(&worker.0.to_le_bytes());
-    b[4..].copy_from_slice(&prefix_hash.to_le_bytes());
-    stable_hash(&b)
+    // The id's 4 bytes, then the prefix hash's 8.
+    crate::hash::stable_hash_12(u64::from(worker.0), 4, prefix_hash)
 }
 
 /// The tie-break hash of (worker key, prefix hash), for a worker named by its
