@@ -38,6 +38,10 @@ impl TenantSet {
     pub fn new() -> Self {
         Self::default()
     }
+    /// An empty set with room for ids below `n` without growing.
+    pub fn with_capacity(n: usize) -> Self {
+        Self { bits: SmallVec::with_capacity(n.div_ceil(64)) }
+    }
     /// The set of `ids`.
     pub fn from_ids(ids: impl IntoIterator<Item = WorkerId>) -> Self {
         let mut s = Self::new();

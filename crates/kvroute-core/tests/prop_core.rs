@@ -433,3 +433,64 @@ proptest! {
         prop_assert_eq!(sets.distinct_blocks(), held);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// The prefix policies' match (SGLang router cache_aware, Ray Serve
+    /// PrefixCacheAffinityRouter) is the same whether the candidates come in id order (the
+    /// tree's holders taken as they are, no second pass) or in another order (a pass over
+    /// the candidates): the same rate, holders, least loaded holders and per-worker match,
+    /// for fleets of approximate workers, some unroutable, some precise.
+    #[test]
+    fn the_prefix_match_without_a_second_pass_is_the_pass_s(
+        inserts in prop::collection::vec((key(), 0u32..10), 0..40),
+        probe in key(),
+        fleet in prop::collection::vec((0u32..5, any::<bool>(), prop::option::of(0u64..50)), 1..10),
+        precise in any::<bool>(),
+        rotate_by in 1usize..9,
+    ) {
+        use kvroute_core::policy::util::{BestMatch, FleetScan, PrefixKey, PrefixTrees};
+        prop_assume!(!probe.is_empty());
+        let mut trees = PrefixTrees::default();
+        for (i, (k, w)) in inserts.iter().enumerate() {
+            if !k.is_empty() {
+                trees.insert(PrefixKey::Tokens(&k.iter().map(|&b| u32::from(b)).collect::<Vec<_>>()), WorkerId(*w), Nanos(i as u64));
+            }
+        }
+        let views: Vec<WorkerView> = fleet.iter().enumerate().map(|(i, &(load, down, cached))| {
+            let mut w = WorkerView::idle(WorkerId(i as u32 * 2));
+            w.in_flight = load;
+            if down {
+                w.health = Health::Unhealthy;
+            }
+            w.cached_tokens = cached.filter(|_| precise);
+            w
+        }).collect();
+        // Ids 0, 2, 4, …: the inserts' odd ids and those past the fleet are not candidates.
+        let tokens: Vec<u32> = probe.iter().map(|&b| u32::from(b)).collect();
+        let mut req = RequestView::from_text("m", "x");
+        req.text = None;
+        req.token_ids = Some(&tokens);
+        req.input_tokens = tokens.len() as u32;
+        let key = PrefixKey::of(&req).expect("a key");
+        let mut shuffled = views.clone();
+        shuffled.rotate_left(rotate_by % views.len());
+        shuffled.reverse();
+        let sorted_ids = |v: &[WorkerId]| { let mut v = v.to_vec(); v.sort(); v };
+        let a = BestMatch::with_scan(&trees, key, &req, &views, &FleetScan::of(&views, &req));
+        let b = BestMatch::of(&trees, key, &req, &shuffled);
+        prop_assert_eq!(a.rate, b.rate);
+        prop_assert_eq!(sorted_ids(&a.holders), sorted_ids(&b.holders));
+        // Every holder once, routable, in candidate order.
+        prop_assert!(a.holders.windows(2).all(|p| p[0] < p[1]));
+        prop_assert_eq!(sorted_ids(&a.least_loaded_holders(&views)), sorted_ids(&b.least_loaded_holders(&shuffled)));
+        for w in &views {
+            prop_assert_eq!(a.matched_on(w.id, key, &req, &views), b.matched_on(w.id, key, &req, &shuffled));
+            prop_assert!(!a.holders.contains(&w.id) || w.is_routable());
+        }
+        let scan = FleetScan::of(&views, &req);
+        let loads: Vec<u32> = views.iter().filter(|w| w.is_routable()).map(|w| w.load()).collect();
+        prop_assert_eq!(scan.load_range, loads.iter().min().map(|&lo| (lo, *loads.iter().max().expect("one"))));
+    }
+}

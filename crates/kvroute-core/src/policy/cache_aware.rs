@@ -33,7 +33,7 @@
 //! | `eviction_interval_secs` | 60 | seconds (SGLang's `eviction_interval`) |
 //! | `max_tree_size` | 16,777,216 | symbols (UTF-8 bytes of text, tokens or blocks; SGLang counts characters per worker) |
 
-use crate::policy::util::{BestMatch, PrefixKey, PrefixTrees, Rotation, argmin_by, load_range, rotate};
+use crate::policy::util::{BestMatch, FleetScan, PrefixKey, PrefixTrees, Rotation, argmin_by, rotate};
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -121,7 +121,8 @@ impl Policy for CacheAware {
         c: &[WorkerView],
         _: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
-        let (min, max) = load_range(c).ok_or(RouteError::NoWorker)?;
+        let scan = FleetScan::of(c, req);
+        let (min, max) = scan.load_range.ok_or(RouteError::NoWorker)?;
         let imbalanced = max - min > self.cfg.balance_abs_threshold
             && f64::from(max) > self.cfg.balance_rel_threshold * f64::from(min);
         let key = PrefixKey::of(req);
@@ -131,7 +132,7 @@ impl Policy for CacheAware {
             return Ok(Decision::new(w, branch));
         }
         let Some(key) = key else { return Err(RouteError::NoWorker) };
-        let m = BestMatch::of(&self.trees, key, req, c);
+        let m = BestMatch::with_scan(&self.trees, key, req, c, &scan);
         let (w, branch) = if m.rate > self.cfg.cache_threshold && !m.holders.is_empty() {
             (rotate(&m.least_loaded_holders(c), &self.rotation), Branch::HighMatch)
         } else {

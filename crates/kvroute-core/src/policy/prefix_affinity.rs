@@ -32,7 +32,7 @@
 //! | `eviction_target_chars` | 360,000 | chars (symbols) |
 //! | `eviction_interval_secs` | 10 | seconds |
 
-use crate::policy::util::{BestMatch, PrefixKey, PrefixTrees, argmin_by, load_range, power_of_two, routable_ids};
+use crate::policy::util::{BestMatch, FleetScan, PrefixKey, PrefixTrees, argmin_by, power_of_two, routable_ids};
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -116,25 +116,25 @@ impl Policy for PrefixAffinity {
         c: &[WorkerView],
         ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
-        let (lowest, highest) = load_range(c).ok_or(RouteError::NoWorker)?;
-        let all = routable_ids(c);
+        let scan = FleetScan::of(c, req);
+        let (lowest, highest) = scan.load_range.ok_or(RouteError::NoWorker)?;
         let key = PrefixKey::of(req);
         let (set, branch, matched): (SmallVec<[WorkerId; 16]>, Branch, Option<BestMatch>) =
             if highest - lowest > self.cfg.imbalanced_threshold {
-                (all, Branch::Imbalanced, None)
+                (routable_ids(c), Branch::Imbalanced, None)
             } else if let Some(key) = key {
-                let m = BestMatch::of(&self.trees, key, req, c);
+                let m = BestMatch::with_scan(&self.trees, key, req, c, &scan);
                 if m.rate < self.cfg.match_rate_threshold {
                     let trees = &self.trees;
                     let smallest = argmin_by(c, |_| true, |w| trees.tenant_size(w.id));
                     (smallest.into_iter().collect(), Branch::LowMatch, None)
                 } else if m.holders.is_empty() {
-                    (all, Branch::NoPrefix, None)
+                    (routable_ids(c), Branch::NoPrefix, None)
                 } else {
                     (m.holders.iter().copied().collect(), Branch::HighMatch, Some(m))
                 }
             } else {
-                (all, Branch::NoPrefix, None)
+                (routable_ids(c), Branch::NoPrefix, None)
             };
         let w = power_of_two(&set, c, ctx.rng).ok_or(RouteError::NoWorker)?;
         let d = Decision::new(w, branch);

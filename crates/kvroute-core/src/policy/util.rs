@@ -109,6 +109,56 @@ impl PrefixTrees {
     }
 }
 
+/// One pass over the candidates, what the prefix policies (SGLang router cache_aware, Ray
+/// Serve PrefixCacheAffinityRouter) read before they match a request: the routable
+/// workers' load range, the approximate workers the tree answers for, the best precise
+/// match rate, and whether the candidates are in ascending id order (then the tree's
+/// holders, sorted by id, are already in candidate order). O(workers).
+#[derive(Debug, Clone, Default)]
+pub struct FleetScan {
+    /// `(least, most)` [`WorkerView::load`] over the routable candidates ([`load_range`]);
+    /// `None` when none is routable.
+    pub load_range: Option<(u32, u32)>,
+    /// The routable candidates without [`WorkerView::cached_tokens`].
+    approx: TenantSet,
+    /// The best precise match rate in [0, 1] (0 when there is no precise worker).
+    best_precise: f64,
+    /// Whether a routable candidate has [`WorkerView::cached_tokens`].
+    any_precise: bool,
+    /// Whether the candidates' ids strictly increase.
+    by_id: bool,
+}
+
+impl FleetScan {
+    /// The scan of `c` for `req` (its prompt tokens give the precise workers' rates).
+    pub fn of(c: &[WorkerView], req: &RequestView<'_>) -> Self {
+        let input = u64::from(req.input_tokens.max(1));
+        let mut approx = TenantSet::with_capacity(c.len());
+        // Locals, not the struct's fields: kept in registers across the loop.
+        let (mut lo, mut hi, mut routable) = (u32::MAX, 0u32, false);
+        let (mut best_precise, mut any_precise, mut by_id) = (0.0_f64, false, true);
+        let mut last: Option<WorkerId> = None;
+        for w in c {
+            by_id &= last.is_none_or(|l| l < w.id);
+            last = Some(w.id);
+            if !w.is_routable() {
+                continue;
+            }
+            let l = w.load();
+            (lo, hi, routable) = (lo.min(l), hi.max(l), true);
+            match w.cached_tokens {
+                // Rates are finite, so the maximum does not depend on the order taken.
+                Some(t) => {
+                    any_precise = true;
+                    best_precise = best_precise.max(t.min(input) as f64 / input as f64);
+                }
+                None => approx.insert(w.id),
+            }
+        }
+        FleetScan { load_range: routable.then_some((lo, hi)), approx, best_precise, any_precise, by_id }
+    }
+}
+
 /// The best prefix match of a request over the routable workers, mixing the two sources of
 /// prefix state per worker: a worker with [`WorkerView::cached_tokens`] set (it publishes
 /// KV events) is matched by the engine's count, every other worker by the policy's own
@@ -123,6 +173,8 @@ pub struct BestMatch {
     holder_at: SmallVec<[u32; 8]>,
     /// The tree's deepest match among the approximate workers, in the key's unit.
     tree: PrefixMatch,
+    /// [`FleetScan`]'s `by_id` of the candidates: a worker's view is found by binary search.
+    by_id: bool,
 }
 
 impl BestMatch {
@@ -130,36 +182,56 @@ impl BestMatch {
     /// in `trees`. With no precise worker this is exactly `trees.prefix_match` over the
     /// routable set. O(len(key) + workers × log(holders)).
     pub fn of(trees: &PrefixTrees, key: PrefixKey<'_>, req: &RequestView<'_>, c: &[WorkerView]) -> Self {
-        let input = u64::from(req.input_tokens.max(1));
-        let precise_rate = |w: &WorkerView| w.cached_tokens.map(|t| t.min(input) as f64 / input as f64);
-        // One pass: the approximate workers the tree may answer for, and the best precise
-        // rate (rates are finite, so the maximum does not depend on the order taken).
-        let mut approx = TenantSet::new();
-        let mut best_precise = 0.0_f64;
-        for w in c.iter().filter(|w| w.is_routable()) {
-            match precise_rate(w) {
-                Some(r) => best_precise = best_precise.max(r),
-                None => approx.insert(w.id),
-            }
-        }
-        let tree = trees.prefix_match(key, Some(&approx));
+        Self::with_scan(trees, key, req, c, &FleetScan::of(c, req))
+    }
+
+    /// [`BestMatch::of`] with the candidates' [`FleetScan`] already taken (`scan` must be
+    /// `FleetScan::of(c, req)`). When every routable candidate is approximate and the
+    /// candidates are in id order, the holders are the tree's (sorted by id, so in
+    /// candidate order) and no second pass is made: O(len(key) + holders × log(workers)).
+    pub fn with_scan(
+        trees: &PrefixTrees,
+        key: PrefixKey<'_>,
+        req: &RequestView<'_>,
+        c: &[WorkerView],
+        scan: &FleetScan,
+    ) -> Self {
+        let tree = trees.prefix_match(key, Some(&scan.approx));
         let tree_rate = tree.matched as f64 / key.len().max(1) as f64;
-        let best = tree_rate.max(best_precise);
-        let mut holders = SmallVec::new();
-        let mut holder_at = SmallVec::new();
-        if best > 0.0 {
-            for (i, w) in c.iter().enumerate().filter(|(_, w)| w.is_routable()) {
-                let hit = match precise_rate(w) {
-                    Some(r) => r >= best,
-                    None => tree_rate >= best && tree.holds(w.id),
-                };
-                if hit {
-                    holders.push(w.id);
-                    holder_at.push(i.min(u32::MAX as usize) as u32);
+        let best = tree_rate.max(scan.best_precise);
+        let mut m = BestMatch { rate: best, tree, by_id: scan.by_id, ..BestMatch::default() };
+        if best <= 0.0 {
+            return m;
+        }
+        if !scan.any_precise && scan.by_id {
+            // The tree's tenants are the routable approximate workers holding its deepest
+            // match (`approx` allowed no other), and `best` is the tree's rate.
+            for &id in &m.tree.tenants {
+                if let Ok(i) = c.binary_search_by_key(&id, |w| w.id) {
+                    m.holders.push(id);
+                    m.holder_at.push(i.min(u32::MAX as usize) as u32);
                 }
             }
+        } else {
+            m.holders_by_pass(req, c, tree_rate);
         }
-        BestMatch { rate: best, holders, holder_at, tree }
+        m
+    }
+
+    /// The holders by a pass over `c`: a precise worker reaching the best rate, an
+    /// approximate one holding the tree's match when the tree reaches it.
+    fn holders_by_pass(&mut self, req: &RequestView<'_>, c: &[WorkerView], tree_rate: f64) {
+        let input = u64::from(req.input_tokens.max(1));
+        for (i, w) in c.iter().enumerate().filter(|(_, w)| w.is_routable()) {
+            let hit = match w.cached_tokens {
+                Some(t) => t.min(input) as f64 / input as f64 >= self.rate,
+                None => tree_rate >= self.rate && self.tree.holds(w.id),
+            };
+            if hit {
+                self.holders.push(w.id);
+                self.holder_at.push(i.min(u32::MAX as usize) as u32);
+            }
+        }
     }
 
     /// The least loaded of [`BestMatch::holders`] (all of them when tied), in candidate
@@ -178,7 +250,12 @@ impl BestMatch {
         req: &RequestView<'_>,
         c: &[WorkerView],
     ) -> (u64, u64, MatchUnit) {
-        if let Some(t) = c.iter().find(|v| v.id == w).and_then(|v| v.cached_tokens) {
+        let view = if self.by_id {
+            c.binary_search_by_key(&w, |v| v.id).ok().map(|i| &c[i])
+        } else {
+            c.iter().find(|v| v.id == w)
+        };
+        if let Some(t) = view.and_then(|v| v.cached_tokens) {
             let input = u64::from(req.input_tokens);
             return (t.min(input), input, MatchUnit::Tokens);
         }
