@@ -494,3 +494,32 @@ proptest! {
         prop_assert_eq!(scan.load_range, loads.iter().min().map(|&lo| (lo, *loads.iter().max().expect("one"))));
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// Power of Two Choices read by position draws and chooses as the lookup by id over the
+    /// routable ids does, with the same random stream, whatever the fleet's health and order.
+    #[test]
+    fn power_of_two_by_position_is_power_of_two_by_id(
+        fleet in prop::collection::vec((0u32..6, any::<bool>()), 0..20),
+        seed in any::<u64>(),
+    ) {
+        use kvroute_core::policy::util::{power_of_two, power_of_two_routable, routable_ids};
+        let views: Vec<WorkerView> = fleet.iter().enumerate().map(|(i, &(load, down))| {
+            let mut w = WorkerView::idle(WorkerId((i as u32 * 7919) % 101));
+            w.in_flight = load;
+            if down {
+                w.health = Health::Unhealthy;
+            }
+            w
+        }).collect();
+        let ids: std::collections::HashSet<_> = views.iter().map(|w| w.id).collect();
+        prop_assume!(ids.len() == views.len());
+        for round in 0..4u64 {
+            let mut a = Xoshiro256PlusPlus::seed_from_u64(seed ^ round);
+            let mut b = Xoshiro256PlusPlus::seed_from_u64(seed ^ round);
+            prop_assert_eq!(power_of_two(&routable_ids(&views), &views, &mut a), power_of_two_routable(&views, &mut b));
+        }
+    }
+}

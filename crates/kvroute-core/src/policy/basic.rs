@@ -14,7 +14,7 @@
 
 use crate::hash::stable_hash;
 use crate::policy::kv_score::tie_hash_key;
-use crate::policy::util::{Rotation, argmin_by, power_of_two, rotate, routable_ids};
+use crate::policy::util::{Rotation, argmin_by, power_of_two_routable, rotate, routable_ids};
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError};
 use crate::types::{RequestView, WorkerView};
 
@@ -126,8 +126,7 @@ impl Policy for PowerOfTwo {
         c: &[WorkerView],
         ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
-        let ids = routable_ids(c);
-        let w = power_of_two(&ids, c, ctx.rng).ok_or(RouteError::NoWorker)?;
+        let w = power_of_two_routable(c, ctx.rng).ok_or(RouteError::NoWorker)?;
         Ok(Decision::new(w, Branch::PowerOfTwo))
     }
 }

@@ -339,18 +339,44 @@ pub fn rotate(tied: &[WorkerId], rotation: &Rotation) -> Option<WorkerId> {
 /// uniformly, the lower `load()` wins, the first drawn on a tie. `None` when `set` is empty.
 pub fn power_of_two(set: &[WorkerId], candidates: &[WorkerView], rng: Rng<'_>) -> Option<WorkerId> {
     let load = |id: WorkerId| candidates.iter().find(|w| w.id == id).map_or(u32::MAX, WorkerView::load);
-    match set.len() {
+    let (a, b) = two_draws(set.len(), rng)?;
+    Some(match b {
+        Some(b) if load(set[b]) < load(set[a]) => set[b],
+        _ => set[a],
+    })
+}
+
+/// [`power_of_two`] over every routable candidate of `candidates`: the same draws and the
+/// same choice as `power_of_two(&routable_ids(candidates), candidates, rng)` (ids being
+/// distinct), the drawn workers' views read by position instead of looked up by id.
+pub fn power_of_two_routable(candidates: &[WorkerView], rng: Rng<'_>) -> Option<WorkerId> {
+    let at: SmallVec<[u32; 16]> = candidates
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| w.is_routable())
+        .map(|(i, _)| i.min(u32::MAX as usize) as u32)
+        .collect();
+    let view = |i: usize| &candidates[at[i] as usize];
+    let (a, b) = two_draws(at.len(), rng)?;
+    Some(match b {
+        Some(b) if view(b).load() < view(a).load() => view(b).id,
+        _ => view(a).id,
+    })
+}
+
+/// Power of Two Choices' draws over `n` members: `None` when there is none, the only one
+/// when there is one, else two distinct indices drawn uniformly (Floyd's draw of the second).
+fn two_draws(n: usize, rng: Rng<'_>) -> Option<(usize, Option<usize>)> {
+    match n {
         0 => None,
-        1 => Some(set[0]),
+        1 => Some((0, None)),
         n => {
             let a = (rng.next_u64() % n as u64) as usize;
-            // Floyd's draw of a second distinct index.
             let mut b = (rng.next_u64() % (n as u64 - 1)) as usize;
             if b >= a {
                 b += 1;
             }
-            let (wa, wb) = (set[a], set[b]);
-            Some(if load(wb) < load(wa) { wb } else { wa })
+            Some((a, Some(b)))
         }
     }
 }
