@@ -331,9 +331,17 @@ proptest! {
             let views = fleet(*load, i);
             let read = if twinned { i % 2 } else { 0 };
             let mut ctx1 = PickCtx { now, rng: &mut rng1 };
-            let (d1, k1) = decide(one.as_ref(), &req, &views, &mut ctx1).expect("decide");
+            let r1 = decide(one.as_ref(), &req, &views, &mut ctx1);
             let mut ctx2 = PickCtx { now, rng: &mut rng2 };
-            let (d2, k2) = decide(two[read].as_ref(), &req, &views, &mut ctx2).expect("decide");
+            let r2 = decide(two[read].as_ref(), &req, &views, &mut ctx2);
+            // A refusal (B3 capped: a session past its turns) must be the same refusal.
+            let ((d1, k1), (d2, k2)) = match (r1, r2) {
+                (Ok(a), Ok(b)) => (a, b),
+                (r1, r2) => {
+                    prop_assert_eq!(format!("{:?}", r1.err()), format!("{:?}", r2.err()), "step {}", i);
+                    continue;
+                }
+            };
             prop_assert_eq!(&d1, &d2, "step {}", i);
             prop_assert_eq!(&k1, &k2);
             let copies = if twinned { 2 } else { 1 };
