@@ -32,7 +32,9 @@
 //! | `eviction_target_chars` | 360,000 | chars (symbols) |
 //! | `eviction_interval_secs` | 10 | seconds |
 
-use crate::policy::util::{BestMatch, FleetScan, PrefixKey, PrefixTrees, argmin_by, power_of_two, routable_ids};
+use crate::policy::util::{
+    BestMatch, FleetScan, PrefixKey, PrefixTrees, argmin_by, power_of_two, power_of_two_routable,
+};
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -119,24 +121,29 @@ impl Policy for PrefixAffinity {
         let scan = FleetScan::of(c, req);
         let (lowest, highest) = scan.load_range.ok_or(RouteError::NoWorker)?;
         let key = PrefixKey::of(req);
-        let (set, branch, matched): (SmallVec<[WorkerId; 16]>, Branch, Option<BestMatch>) =
+        // `None`: every routable worker is a candidate (drawn from by position).
+        let (set, branch, matched): (Option<SmallVec<[WorkerId; 16]>>, Branch, Option<BestMatch>) =
             if highest - lowest > self.cfg.imbalanced_threshold {
-                (routable_ids(c), Branch::Imbalanced, None)
+                (None, Branch::Imbalanced, None)
             } else if let Some(key) = key {
                 let m = BestMatch::with_scan(&self.trees, key, req, c, &scan);
                 if m.rate < self.cfg.match_rate_threshold {
                     let trees = &self.trees;
                     let smallest = argmin_by(c, |_| true, |w| trees.tenant_size(w.id));
-                    (smallest.into_iter().collect(), Branch::LowMatch, None)
+                    (Some(smallest.into_iter().collect()), Branch::LowMatch, None)
                 } else if m.holders.is_empty() {
-                    (routable_ids(c), Branch::NoPrefix, None)
+                    (None, Branch::NoPrefix, None)
                 } else {
-                    (m.holders.iter().copied().collect(), Branch::HighMatch, Some(m))
+                    (Some(m.holders.iter().copied().collect()), Branch::HighMatch, Some(m))
                 }
             } else {
-                (routable_ids(c), Branch::NoPrefix, None)
+                (None, Branch::NoPrefix, None)
             };
-        let w = power_of_two(&set, c, ctx.rng).ok_or(RouteError::NoWorker)?;
+        let w = match &set {
+            Some(set) => power_of_two(set, c, ctx.rng),
+            None => power_of_two_routable(c, ctx.rng),
+        }
+        .ok_or(RouteError::NoWorker)?;
         let d = Decision::new(w, branch);
         Ok(match (key, matched) {
             (Some(k), Some(m)) => {

@@ -116,8 +116,8 @@ impl PrefixTrees {
 /// holders, sorted by id, are already in candidate order). O(workers).
 #[derive(Debug, Clone, Default)]
 pub struct FleetScan {
-    /// `(least, most)` [`WorkerView::load`] over the routable candidates ([`load_range`]);
-    /// `None` when none is routable.
+    /// `(least, most)` [`WorkerView::load`] over the routable candidates; `None` when none
+    /// is routable.
     pub load_range: Option<(u32, u32)>,
     /// The routable candidates without [`WorkerView::cached_tokens`].
     approx: TenantSet,
@@ -150,13 +150,19 @@ impl FleetScan {
                 // Rates are finite, so the maximum does not depend on the order taken.
                 Some(t) => {
                     any_precise = true;
-                    best_precise = best_precise.max(t.min(input) as f64 / input as f64);
+                    best_precise = best_precise.max(precise_rate(t, input));
                 }
                 None => approx.insert(w.id),
             }
         }
         FleetScan { load_range: routable.then_some((lo, hi)), approx, best_precise, any_precise, by_id }
     }
+}
+
+/// A precise worker's match rate: its engine's `cached` tokens over the prompt's `input`
+/// (at least 1), at most 1.
+fn precise_rate(cached: u64, input: u64) -> f64 {
+    cached.min(input) as f64 / input as f64
 }
 
 /// The best prefix match of a request over the routable workers, mixing the two sources of
@@ -224,7 +230,7 @@ impl BestMatch {
         let input = u64::from(req.input_tokens.max(1));
         for (i, w) in c.iter().enumerate().filter(|(_, w)| w.is_routable()) {
             let hit = match w.cached_tokens {
-                Some(t) => t.min(input) as f64 / input as f64 >= self.rate,
+                Some(t) => precise_rate(t, input) >= self.rate,
                 None => tree_rate >= self.rate && self.tree.holds(w.id),
             };
             if hit {
@@ -267,14 +273,6 @@ impl BestMatch {
 /// Routable candidates' ids as a tenant set.
 pub fn routable_set(candidates: &[WorkerView]) -> TenantSet {
     TenantSet::from_ids(candidates.iter().filter(|w| w.is_routable()).map(|w| w.id))
-}
-
-/// (min, max) of `load()` over routable candidates, or `None` when there is none.
-pub fn load_range(candidates: &[WorkerView]) -> Option<(u32, u32)> {
-    candidates.iter().filter(|w| w.is_routable()).map(WorkerView::load).fold(None, |acc, l| match acc {
-        None => Some((l, l)),
-        Some((lo, hi)) => Some((lo.min(l), hi.max(l))),
-    })
 }
 
 /// Among routable candidates accepted by `keep`, those minimising `key`, in candidate order.
