@@ -247,6 +247,17 @@ impl Hits {
         crate::select::find_sorted(&self.entries, &mut self.cursor, worker).map_or(0, u64::from)
     }
 
+    /// The most leading blocks any worker holds (0 when none holds the first).
+    pub fn deepest(&self) -> u64 {
+        self.entries.iter().map(|e| u64::from(e.1)).max().unwrap_or(0)
+    }
+
+    /// Starts [`Hits::get`]'s cursor again at the lowest id, for a second pass over the
+    /// fleet in id order.
+    pub fn rewind(&mut self) {
+        self.cursor = 0;
+    }
+
     /// Workers holding at least one leading block.
     pub fn len(&self) -> usize {
         self.entries.len()

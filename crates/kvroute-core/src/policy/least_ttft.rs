@@ -37,8 +37,8 @@
 //!   behind each term: docs/lab/2026-11-26-policy-module-history.md.
 
 use crate::lru_blocks::Hits;
-use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig, Scan};
-use crate::policy::util::{FleetMeans, rotate};
+use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig};
+use crate::policy::util::{FleetMeans, MeanSums, rotate};
 use crate::policy::{
     Branch, Decision, KnobError, Observation, PickCtx, Policy, RequestKey, RouteError, TtftPrediction, patch_knobs,
 };
@@ -490,7 +490,6 @@ impl LeastTtft {
     /// [`crate::lru_blocks::WorkerBlockSets::hits`]).
     fn charge(&self, w: &WorkerView, a: &Ask<'_>, hit: u64, queue: &Queue) -> Charge {
         let Ask { key, input, stall, miss_share, best_hit, .. } = *a;
-        let c = &self.cost.cfg;
         let (cached, hit) = PrefillCost::cached_of(w, key, input, hit);
         // What the worker's engine really serves of what it holds (its profile is read only
         // when it holds something: nothing cached attends nothing).
@@ -509,7 +508,7 @@ impl LeastTtft {
         let own = own + self.cfg.context_weight * context;
         let Queue { load, decode, factor, .. } = *queue;
         let pending = w.pending_prefill_tokens as f64;
-        let miss_weight = if c.miss_weight > 1.0 { 1.0 + (c.miss_weight - 1.0) * miss_share } else { c.miss_weight };
+        let miss_weight = self.miss_weight(miss_share);
         let shared = self.cfg.waiting_delay_weight * waiting(w, load).min(self.cfg.waiting_delay_cap);
         let per_token = miss_weight + self.cost.stall_charge(stall, load) + shared;
         let charged = (pending + own * per_token + decode) * factor;
@@ -551,8 +550,56 @@ impl Queue {
     /// tie tolerance ([`tied`]) is a score the full scan would have passed over, so
     /// skipping the worker changes no decision.
     fn loses_to(&self, best: f64) -> bool {
-        self.bound > best && self.bound - best > 2e-9 * self.bound
+        beyond(self.bound, best)
     }
+}
+
+/// Whether a worker whose charge is at least `bound` tokens loses to one charged `best`
+/// and cannot tie with it: `bound` past `best` by more than twice the tie tolerance
+/// ([`tied`]; scores are charges over one positive constant).
+fn beyond(bound: f64, best: f64) -> bool {
+    bound > best && bound - best > 2e-9 * bound
+}
+
+/// How [`LeastTtft::best_of`] reads the fleet ([`crate::policy::prefill_cost::Scan`], with
+/// what the fast scan needs).
+enum Pass<'a> {
+    /// The request's leading blocks on every worker from the block index
+    /// ([`crate::lru_blocks::WorkerBlockSets::hits`]), and workers that cannot win left
+    /// unscored: those whose [`LeastTtft::floor`] is [`beyond`] the
+    /// [`LeastTtft::ceiling`], and those whose queue alone is beyond the best so far.
+    Fast(&'a mut Hits, &'a Survey),
+    /// Every worker scored, each asking its own block set: the reference (a property test
+    /// compares them).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Full,
+}
+
+/// What [`LeastTtft::survey`]'s pass over the fleet finds before a decision.
+struct Survey {
+    /// The means over the routable workers.
+    means: FleetMeans,
+    /// The most prompt tokens any worker leaves uncached: the prompt's tokens beyond the
+    /// most any worker counts cached ([`LeastTtft::floor`]'s `own`).
+    own: f64,
+    /// The routable workers, in candidate order.
+    slots: Vec<Slot>,
+    /// Indices into `slots` of the workers holding the most leading blocks.
+    deep: Vec<u32>,
+}
+
+/// A routable worker as [`LeastTtft::floor`] reads it: the passes after the survey read 24
+/// bytes a worker (24 KiB for 1,024 workers), not its 168-byte view.
+#[derive(Clone, Copy)]
+struct Slot {
+    /// `pending_prefill_tokens`.
+    pending: u64,
+    /// `D(waiting)`: [`PrefillCost::decode_charge`] of its waiting requests.
+    decode: f64,
+    /// [`WorkerView::load`].
+    load: u32,
+    /// Its position in the candidates.
+    pos: u32,
 }
 
 /// A worker's score for one request ([`LeastTtft::charge`]).
@@ -603,7 +650,13 @@ fn waiting(w: &WorkerView, load: f64) -> f64 {
 
 /// Whether `w`'s load with one more request stays within the session balance gate's `cap`.
 fn within(w: &WorkerView, cap: f64) -> bool {
-    f64::from(w.load()) + 1.0 <= cap
+    load_within(w.load(), cap)
+}
+
+/// Whether a worker with `load` requests stays within the session balance gate's `cap`
+/// with one more.
+fn load_within(load: u32, cap: f64) -> bool {
+    f64::from(load) + 1.0 <= cap
 }
 
 /// The key of `hit_ratio` (in [0, 1]) in [`LeastTtft::hit_ratios`]: its bits, `+0.0`'s for
@@ -612,28 +665,136 @@ fn hit_ratio_key(hit_ratio: f64) -> u64 {
     (hit_ratio + 0.0).max(0.0).to_bits()
 }
 
+/// Of the slots `ks`, the one with the least finite floor in `floors` (the first of
+/// equals), `None` when there is none.
+#[inline]
+fn least_floor(ks: impl Iterator<Item = usize>, floors: &[f64]) -> Option<usize> {
+    let mut low: Option<(f64, usize)> = None;
+    for k in ks {
+        let f = floors[k];
+        if f < low.map_or(f64::INFINITY, |l| l.0) {
+            low = Some((f, k));
+        }
+    }
+    low.map(|l| l.1)
+}
+
 /// `a` and `b` equal within a relative 1e-9 (scores of identical workers).
 fn tied(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1e-12)
 }
 
 impl LeastTtft {
+    /// The per-token weight of the request's own uncached prefill before the stall and
+    /// waiting charges: `miss_weight`, or when it is above 1, `1 + (miss_weight − 1) ×
+    /// miss_share` ([`LeastTtft::miss_share`]).
+    fn miss_weight(&self, miss_share: f64) -> f64 {
+        let mw = self.cost.cfg.miss_weight;
+        if mw > 1.0 { 1.0 + (mw - 1.0) * miss_share } else { mw }
+    }
+
+    /// A lower bound of the charged tokens ([`Charge::charged`]) of the worker `s` packs,
+    /// for a request of which no worker has more than `own` tokens uncached, with the
+    /// decision's `miss_weight` ([`LeastTtft::miss_weight`]) and `stall`
+    /// ([`PrefillCost::stall_weight_of`]): `(pending + own × (miss_weight + stall(w)) +
+    /// D(waiting)) × (1 + batch_factor × load)`. Every operand is at most its counterpart in
+    /// [`LeastTtft::charge`] — the request's own prefill there is at least `own` (the
+    /// context charge is non-negative), its per-token charge adds the waiting requests'
+    /// share (non-negative) to the same sum, and the waiting requests' decode charge is at
+    /// most the whole decode charge (`D` grows with its argument and the running requests'
+    /// share is in [0, 1]) — and the same floating-point operations on operands at most as
+    /// large round to at most as much. Cheaper than the charge: no block match, no profile,
+    /// no division, and read from a packed [`Slot`] rather than the worker's view.
+    #[inline]
+    fn floor(&self, s: &Slot, own: f64, miss_weight: f64, stall: f64) -> f64 {
+        let load = f64::from(s.load);
+        let per_token = miss_weight + self.cost.stall_charge(stall, load);
+        let factor = 1.0 + self.cost.cfg.batch_factor * load;
+        // Through i64, one instruction (a u64 takes several); never above `pending as f64`.
+        let pending = s.pending.min(i64::MAX as u64) as i64 as f64;
+        (pending + own * per_token + s.decode) * factor
+    }
+
+    /// The fleet's means and, in the same pass, what the fast scan needs ([`Survey`]).
+    /// `hits` is the request's [`crate::lru_blocks::WorkerBlockSets::hits`].
+    #[inline(never)]
+    fn survey(&self, c: &[WorkerView], key: &RequestKey, input: u64, hits: &mut Hits) -> Survey {
+        let deepest = hits.deepest();
+        let mut sums = MeanSums::default();
+        let mut precise = 0u64;
+        let mut slots = Vec::with_capacity(c.len());
+        let mut deep = Vec::new();
+        for (i, w) in c.iter().enumerate() {
+            if !w.is_routable() {
+                continue;
+            }
+            sums.add(w);
+            if let Some(t) = w.cached_tokens {
+                precise = precise.max(t);
+            }
+            if deepest > 0 && hits.get(w.id) == deepest {
+                deep.push(slots.len() as u32);
+            }
+            let load = w.load();
+            // D(0) is 0: no division for a worker nobody waits on.
+            let decode = if w.waiting == 0 { 0.0 } else { self.cost.decode_charge(waiting(w, f64::from(load))) };
+            let pos = i.min(u32::MAX as usize) as u32;
+            slots.push(Slot { pending: w.pending_prefill_tokens, decode, load, pos });
+        }
+        hits.rewind();
+        // The most tokens any worker counts cached (PrefillCost::cached_of): its leading
+        // blocks, or what its engine reports.
+        let cached = deepest.saturating_mul(key.block_tokens).max(precise).min(input);
+        Survey { means: sums.means(), own: (input - cached) as f64, slots, deep }
+    }
+
+    /// An upper bound of the least charge over the `survey`'s workers within `cap` — the
+    /// charge of the one with the least [`LeastTtft::floor`], or of the one with the least
+    /// floor among those holding the most leading blocks, whichever is less; `None` when no
+    /// worker is within `cap` — and every slot's floor (infinite outside `cap`, so never the
+    /// least).
+    fn ceiling(
+        &self,
+        c: &[WorkerView],
+        ask: &Ask<'_>,
+        cap: Option<f64>,
+        survey: &Survey,
+        hits: &mut Hits,
+    ) -> (Option<f64>, Vec<f64>) {
+        let (own, miss_weight) = (survey.own, self.miss_weight(ask.miss_share));
+        let floors: Vec<f64> = survey
+            .slots
+            .iter()
+            .map(|s| match cap {
+                Some(cap) if !load_within(s.load, cap) => f64::INFINITY,
+                _ => self.floor(s, own, miss_weight, ask.stall),
+            })
+            .collect();
+        let low = least_floor(0..floors.len(), &floors);
+        let deep = least_floor(survey.deep.iter().map(|&k| k as usize), &floors);
+        let ceiling = low
+            .into_iter()
+            .chain(deep)
+            .map(|k| {
+                let w = &c[survey.slots[k].pos as usize];
+                self.charge(w, ask, hits.get(w.id), &self.queue(w)).charged
+            })
+            .reduce(f64::min);
+        hits.rewind();
+        (ceiling, floors)
+    }
+
     /// The ids of the routable workers (within the session gate's `cap`) with the least
     /// score, the most cached tokens among equal scores, in candidate order; empty when
     /// there is none. On an idle fleet every worker ties, so ties keep 4-byte ids; the
     /// chosen worker's terms are computed again (the same inputs, the same terms).
-    fn best_of(&self, c: &[WorkerView], ask: &Ask<'_>, cap: Option<f64>, scan: Scan) -> SmallVec<[WorkerId; 8]> {
+    fn best_of(&self, c: &[WorkerView], ask: &Ask<'_>, cap: Option<f64>, scan: Pass<'_>) -> SmallVec<[WorkerId; 8]> {
         let mut best: Option<Charge> = None;
         let mut ties: SmallVec<[WorkerId; 8]> = SmallVec::new();
-        let mut hits = if scan == Scan::Fast { self.cost.sets.hits(&ask.key.blocks) } else { Hits::default() };
-        for w in c.iter().filter(|w| w.is_routable() && cap.is_none_or(|cap| within(w, cap))) {
-            let hit = match scan {
-                Scan::Fast => hits.get(w.id),
-                Scan::Full => self.cost.sets.hit(w.id, &ask.key.blocks) as u64,
-            };
+        let mut consider = |w: &WorkerView, hit: u64, fast: bool| {
             let queue = self.queue(w);
-            if scan == Scan::Fast && best.as_ref().is_some_and(|b| queue.loses_to(b.charged)) {
-                continue;
+            if fast && best.as_ref().is_some_and(|b| queue.loses_to(b.charged)) {
+                return;
             }
             let t = self.charge(w, ask, hit, &queue);
             match &best {
@@ -643,6 +804,24 @@ impl LeastTtft {
                     ties.clear();
                     ties.push(t.id);
                     best = Some(t);
+                }
+            }
+        };
+        match scan {
+            Pass::Fast(hits, survey) => {
+                let (ceiling, floors) = self.ceiling(c, ask, cap, survey, hits);
+                for (s, &f) in survey.slots.iter().zip(&floors) {
+                    // Outside the gate, or sure to lose.
+                    if cap.is_some_and(|cap| !load_within(s.load, cap)) || ceiling.is_some_and(|t| beyond(f, t)) {
+                        continue;
+                    }
+                    let w = &c[s.pos as usize];
+                    consider(w, hits.get(w.id), true);
+                }
+            }
+            Pass::Full => {
+                for w in c.iter().filter(|w| w.is_routable() && cap.is_none_or(|cap| within(w, cap))) {
+                    consider(w, self.cost.sets.hit(w.id, &ask.key.blocks) as u64, false);
                 }
             }
         }
@@ -667,7 +846,9 @@ impl Policy for LeastTtft {
         _: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
         let input = u64::from(req.input_tokens);
-        let means = FleetMeans::of(c);
+        let mut hits = self.cost.sets.hits(&key.blocks);
+        let survey = self.survey(c, key, input, &mut hits);
+        let means = survey.means;
         let stall = self.cost.stall_weight_of(means.waiting);
         let miss_share = self.miss_share(&means);
         let best_hit = self.best_hit_ratio();
@@ -688,7 +869,7 @@ impl Policy for LeastTtft {
             }
         }
         let cap = self.session_cap(req, c, &means);
-        let ties = self.best_of(c, &ask, cap, Scan::Fast);
+        let ties = self.best_of(c, &ask, cap, Pass::Fast(&mut hits, &survey));
         let branch = match (cap.is_some(), ties.len() == 1) {
             (true, _) => Branch::NewBinding,
             (false, true) => Branch::Score,
@@ -812,6 +993,7 @@ impl Policy for LeastTtft {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::prefill_cost::Scan;
     use crate::policy::prefill_cost::tests::req;
     use crate::types::BlockHash;
     use rand_core::SeedableRng;
@@ -927,7 +1109,10 @@ mod tests {
             let blocks: Vec<BlockHash> = probe.iter().map(|&h| BlockHash(h)).collect();
             let r = req(&blocks);
             let key = p.key(&r);
+            let mut hits = p.cost.sets.hits(&key.blocks);
+            let survey = p.survey(&c, &key, u64::from(r.input_tokens), &mut hits);
             let means = FleetMeans::of(&c);
+            prop_assert_eq!(survey.means, means);
             let ask = Ask {
                 key: &key,
                 input: u64::from(r.input_tokens),
@@ -936,8 +1121,8 @@ mod tests {
                 best_hit: p.best_hit_ratio(),
             };
             for cap in [None, Some(3.0)] {
-                let fast = p.best_of(&c, &ask, cap, Scan::Fast);
-                let full = p.best_of(&c, &ask, cap, Scan::Full);
+                let fast = p.best_of(&c, &ask, cap, Pass::Fast(&mut hits, &survey));
+                let full = p.best_of(&c, &ask, cap, Pass::Full);
                 prop_assert_eq!(fast.to_vec(), full.to_vec());
             }
             // prefill_cost's scan, on the same block sets.

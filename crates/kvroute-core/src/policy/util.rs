@@ -400,18 +400,45 @@ pub struct FleetMeans {
 impl FleetMeans {
     /// The means of `candidates`.
     pub fn of(candidates: &[WorkerView]) -> Self {
-        let (mut n, mut load, mut conc, mut waiting) = (0usize, 0.0f64, 0.0f64, 0.0f64);
+        let mut sums = MeanSums::default();
         for w in candidates.iter().filter(|w| w.is_routable()) {
-            n += 1;
-            load += f64::from(w.load());
-            conc += f64::from(w.capacity.max_concurrent.max(1));
-            waiting += f64::from(w.waiting);
+            sums.add(w);
         }
-        let mean = |sum: f64| (n > 0).then(|| sum / n as f64);
+        sums.means()
+    }
+}
+
+/// The sums [`FleetMeans`] divides, for a policy that reads the means in a pass over the
+/// fleet it makes anyway: [`MeanSums::add`] each routable candidate, then
+/// [`MeanSums::means`] is [`FleetMeans::of`] the candidates. The sums are of integers, kept
+/// as integers (a floating-point sum is exact, and the same, while under 2^53; integer
+/// additions do not hold up the pass that makes them).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MeanSums {
+    n: u64,
+    load: u64,
+    conc: u64,
+    waiting: u64,
+}
+
+impl MeanSums {
+    /// Adds one routable candidate.
+    #[inline]
+    pub fn add(&mut self, w: &WorkerView) {
+        self.n += 1;
+        self.load = self.load.saturating_add(u64::from(w.load()));
+        self.conc = self.conc.saturating_add(u64::from(w.capacity.max_concurrent.max(1)));
+        self.waiting = self.waiting.saturating_add(u64::from(w.waiting));
+    }
+
+    /// The means of the candidates added.
+    pub fn means(&self) -> FleetMeans {
+        let n = self.n as f64;
+        let mean = |sum: u64| (self.n > 0).then(|| sum as f64 / n);
         FleetMeans {
-            load: mean(load),
-            max_concurrent: mean(conc),
-            waiting: if n == 0 { 0.0 } else { waiting / f64::from(n.min(u32::MAX as usize) as u32) },
+            load: mean(self.load),
+            max_concurrent: mean(self.conc),
+            waiting: mean(self.waiting).unwrap_or(0.0),
         }
     }
 }
