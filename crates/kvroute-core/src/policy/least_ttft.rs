@@ -568,7 +568,7 @@ enum Pass<'a> {
     /// ([`crate::lru_blocks::WorkerBlockSets::hits`]), and workers that cannot win left
     /// unscored: those whose [`LeastTtft::floor`] is [`beyond`] the
     /// [`LeastTtft::ceiling`], and those whose queue alone is beyond the best so far.
-    Fast(&'a mut Hits, &'a Survey),
+    Fast(&'a mut Hits, &'a mut Survey),
     /// Every worker scored, each asking its own block set: the reference (a property test
     /// compares them).
     #[cfg_attr(not(test), allow(dead_code))]
@@ -582,24 +582,36 @@ struct Survey {
     /// The most prompt tokens any worker leaves uncached: the prompt's tokens beyond the
     /// most any worker counts cached ([`LeastTtft::floor`]'s `own`).
     own: f64,
-    /// The routable workers, in candidate order.
+    /// The routable workers, in candidate order (in the thread's reused buffer, [`SLOTS`]).
     slots: Vec<Slot>,
     /// Indices into `slots` of the workers holding the most leading blocks.
     deep: Vec<u32>,
 }
 
-/// A routable worker as [`LeastTtft::floor`] reads it: the passes after the survey read 24
-/// bytes a worker (24 KiB for 1,024 workers), not its 168-byte view.
+/// A routable worker as [`LeastTtft::floor`] reads it: the passes after the survey read 32
+/// bytes a worker (32 KiB for 1,024 workers), not its 168-byte view.
 #[derive(Clone, Copy)]
 struct Slot {
     /// `pending_prefill_tokens`.
     pending: u64,
     /// `D(waiting)`: [`PrefillCost::decode_charge`] of its waiting requests.
     decode: f64,
+    /// Its [`LeastTtft::floor`] for the decision ([`LeastTtft::ceiling`] writes it;
+    /// infinite outside the session gate's cap).
+    floor: f64,
     /// [`WorkerView::load`].
     load: u32,
     /// Its position in the candidates.
     pos: u32,
+}
+
+thread_local! {
+    /// Each thread's buffer for [`Survey::slots`], reused from decision to decision: a fresh
+    /// one over 10,000 workers (320 KiB) was faulted in from the kernel on every decision
+    /// of the replay. A scratch buffer, not state: it is cleared before each use, holds
+    /// nothing a decision reads from an earlier one, and grows to the largest fleet the
+    /// thread decided over.
+    static SLOTS: std::cell::Cell<Vec<Slot>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// A worker's score for one request ([`LeastTtft::charge`]).
@@ -665,18 +677,27 @@ fn hit_ratio_key(hit_ratio: f64) -> u64 {
     (hit_ratio + 0.0).max(0.0).to_bits()
 }
 
-/// Of the slots `ks`, the one with the least finite floor in `floors` (the first of
-/// equals), `None` when there is none.
+/// Of the slots `ks`, the one with the least finite [`Slot::floor`] (the first of equals),
+/// `None` when there is none.
 #[inline]
-fn least_floor(ks: impl Iterator<Item = usize>, floors: &[f64]) -> Option<usize> {
+fn least_floor(ks: impl Iterator<Item = usize>, slots: &[Slot]) -> Option<usize> {
     let mut low: Option<(f64, usize)> = None;
     for k in ks {
-        let f = floors[k];
+        let f = slots[k].floor;
         if f < low.map_or(f64::INFINITY, |l| l.0) {
             low = Some((f, k));
         }
     }
     low.map(|l| l.1)
+}
+
+/// Whether `w` is idle (no request, no queued prefill) and counts nothing of the prompt
+/// cached (`hit` 0 leading blocks, no engine-reported count): [`LeastTtft::charge`] of
+/// such a worker reads nothing else of its view — its load is 0, so its decode charge,
+/// stall, waiting share and batch factor are those of load 0, and with nothing cached its
+/// profile is not read — so every such worker is charged the same.
+fn is_idle_miss(w: &WorkerView, hit: u64) -> bool {
+    hit == 0 && w.cached_tokens.is_none() && w.load() == 0 && w.pending_prefill_tokens == 0
 }
 
 /// `a` and `b` equal within a relative 1e-9 (scores of identical workers).
@@ -715,14 +736,16 @@ impl LeastTtft {
         (pending + own * per_token + s.decode) * factor
     }
 
-    /// The fleet's means and, in the same pass, what the fast scan needs ([`Survey`]).
-    /// `hits` is the request's [`crate::lru_blocks::WorkerBlockSets::hits`].
+    /// The fleet's means and, in the same pass, what the fast scan needs ([`Survey`]), its
+    /// slots written into `slots` (emptied first). `hits` is the request's
+    /// [`crate::lru_blocks::WorkerBlockSets::hits`].
     #[inline(never)]
-    fn survey(&self, c: &[WorkerView], key: &RequestKey, input: u64, hits: &mut Hits) -> Survey {
+    fn survey(&self, c: &[WorkerView], key: &RequestKey, input: u64, hits: &mut Hits, mut slots: Vec<Slot>) -> Survey {
         let deepest = hits.deepest();
         let mut sums = MeanSums::default();
         let mut precise = 0u64;
-        let mut slots = Vec::with_capacity(c.len());
+        slots.clear();
+        slots.reserve(c.len());
         let mut deep = Vec::new();
         for (i, w) in c.iter().enumerate() {
             if !w.is_routable() {
@@ -739,7 +762,7 @@ impl LeastTtft {
             // D(0) is 0: no division for a worker nobody waits on.
             let decode = if w.waiting == 0 { 0.0 } else { self.cost.decode_charge(waiting(w, f64::from(load))) };
             let pos = i.min(u32::MAX as usize) as u32;
-            slots.push(Slot { pending: w.pending_prefill_tokens, decode, load, pos });
+            slots.push(Slot { pending: w.pending_prefill_tokens, decode, floor: 0.0, load, pos });
         }
         hits.rewind();
         // The most tokens any worker counts cached (PrefillCost::cached_of): its leading
@@ -748,40 +771,85 @@ impl LeastTtft {
         Survey { means: sums.means(), own: (input - cached) as f64, slots, deep }
     }
 
-    /// An upper bound of the least charge over the `survey`'s workers within `cap` — the
-    /// charge of the one with the least [`LeastTtft::floor`], or of the one with the least
-    /// floor among those holding the most leading blocks, whichever is less; `None` when no
-    /// worker is within `cap` — and every slot's floor (infinite outside `cap`, so never the
-    /// least).
+    /// Writes every slot's [`LeastTtft::floor`] (infinite outside `cap`, so never the least)
+    /// and returns an upper bound of the least charge over the `survey`'s workers within
+    /// `cap`: the charge of the one with the least floor, or of the one with the least floor
+    /// among those holding the most leading blocks, whichever is less; `None` when no worker
+    /// is within `cap`.
     fn ceiling(
         &self,
         c: &[WorkerView],
         ask: &Ask<'_>,
         cap: Option<f64>,
-        survey: &Survey,
+        survey: &mut Survey,
         hits: &mut Hits,
-    ) -> (Option<f64>, Vec<f64>) {
+    ) -> Option<f64> {
         let (own, miss_weight) = (survey.own, self.miss_weight(ask.miss_share));
-        let floors: Vec<f64> = survey
-            .slots
-            .iter()
-            .map(|s| match cap {
+        for s in survey.slots.iter_mut() {
+            s.floor = match cap {
                 Some(cap) if !load_within(s.load, cap) => f64::INFINITY,
                 _ => self.floor(s, own, miss_weight, ask.stall),
-            })
-            .collect();
-        let low = least_floor(0..floors.len(), &floors);
-        let deep = least_floor(survey.deep.iter().map(|&k| k as usize), &floors);
+            };
+        }
+        let slots = &survey.slots;
+        let low = least_floor(0..slots.len(), slots);
+        let deep = least_floor(survey.deep.iter().map(|&k| k as usize), slots);
         let ceiling = low
             .into_iter()
             .chain(deep)
             .map(|k| {
-                let w = &c[survey.slots[k].pos as usize];
+                let w = &c[slots[k].pos as usize];
                 self.charge(w, ask, hits.get(w.id), &self.queue(w)).charged
             })
             .reduce(f64::min);
         hits.rewind();
-        (ceiling, floors)
+        ceiling
+    }
+
+    /// [`Policy::pick`] once the fleet is surveyed ([`LeastTtft::survey`]).
+    fn pick_surveyed(
+        &self,
+        req: &RequestView<'_>,
+        key: &RequestKey,
+        c: &[WorkerView],
+        hits: &mut Hits,
+        survey: &mut Survey,
+    ) -> Result<Decision, RouteError> {
+        let input = u64::from(req.input_tokens);
+        let means = survey.means;
+        let stall = self.cost.stall_weight_of(means.waiting);
+        let miss_share = self.miss_share(&means);
+        let best_hit = self.best_hit_ratio();
+        let ask = Ask { key, input, stall, miss_share, best_hit };
+        let cc = &self.cost.cfg;
+        if cc.session_affinity
+            && let Some(sid) = req.session_id
+            && let Some(bound) = self.cost.sessions.get(sid)
+            && let Some(a) = c.iter().find(|w| w.id == bound && w.is_routable())
+        {
+            let mean = means.load.unwrap_or(0.0).max(1.0);
+            let t = self.terms(a, &ask);
+            if t.cached * 2 > input && f64::from(a.load()) <= mean * cc.overload_factor {
+                let mut d =
+                    Decision::new(a.id, Branch::Sticky).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score);
+                d.predicted_ttft = Some(t.prediction);
+                return Ok(d);
+            }
+        }
+        let cap = self.session_cap(req, c, &means);
+        let ties = self.best_of(c, &ask, cap, Pass::Fast(hits, survey));
+        let branch = match (cap.is_some(), ties.len() == 1) {
+            (true, _) => Branch::NewBinding,
+            (false, true) => Branch::Score,
+            (false, false) => Branch::TieBreak,
+        };
+        let w = rotate(&ties, &self.cost.rotation).ok_or(RouteError::NoWorker)?;
+        // The chosen worker's terms with its prediction (the same inputs, the same score).
+        let v = c.iter().find(|v| v.id == w).ok_or(RouteError::NoWorker)?;
+        let t = self.terms(v, &ask);
+        let mut d = Decision::new(t.id, branch).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score);
+        d.predicted_ttft = Some(t.prediction);
+        Ok(d)
     }
 
     /// The ids of the routable workers (within the session gate's `cap`) with the least
@@ -791,12 +859,19 @@ impl LeastTtft {
     fn best_of(&self, c: &[WorkerView], ask: &Ask<'_>, cap: Option<f64>, scan: Pass<'_>) -> SmallVec<[WorkerId; 8]> {
         let mut best: Option<Charge> = None;
         let mut ties: SmallVec<[WorkerId; 8]> = SmallVec::new();
+        // The charge of an idle worker holding nothing of the prompt, computed once (fast
+        // scan): such workers' charges are equal whatever else their views hold.
+        let mut idle: Option<Charge> = None;
         let mut consider = |w: &WorkerView, hit: u64, fast: bool| {
-            let queue = self.queue(w);
-            if fast && best.as_ref().is_some_and(|b| queue.loses_to(b.charged)) {
-                return;
-            }
-            let t = self.charge(w, ask, hit, &queue);
+            let t = if fast && is_idle_miss(w, hit) {
+                Charge { id: w.id, ..*idle.get_or_insert_with(|| self.charge(w, ask, hit, &self.queue(w))) }
+            } else {
+                let queue = self.queue(w);
+                if fast && best.as_ref().is_some_and(|b| queue.loses_to(b.charged)) {
+                    return;
+                }
+                self.charge(w, ask, hit, &queue)
+            };
             match &best {
                 Some(b) if tied(t.score, b.score) && t.cached == b.cached => ties.push(t.id),
                 Some(b) if t.score > b.score || (tied(t.score, b.score) && t.cached < b.cached) => {}
@@ -809,10 +884,10 @@ impl LeastTtft {
         };
         match scan {
             Pass::Fast(hits, survey) => {
-                let (ceiling, floors) = self.ceiling(c, ask, cap, survey, hits);
-                for (s, &f) in survey.slots.iter().zip(&floors) {
+                let ceiling = self.ceiling(c, ask, cap, survey, hits);
+                for s in &survey.slots {
                     // Outside the gate, or sure to lose.
-                    if cap.is_some_and(|cap| !load_within(s.load, cap)) || ceiling.is_some_and(|t| beyond(f, t)) {
+                    if cap.is_some_and(|cap| !load_within(s.load, cap)) || ceiling.is_some_and(|t| beyond(s.floor, t)) {
                         continue;
                     }
                     let w = &c[s.pos as usize];
@@ -845,43 +920,11 @@ impl Policy for LeastTtft {
         c: &[WorkerView],
         _: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
-        let input = u64::from(req.input_tokens);
         let mut hits = self.cost.sets.hits(&key.blocks);
-        let survey = self.survey(c, key, input, &mut hits);
-        let means = survey.means;
-        let stall = self.cost.stall_weight_of(means.waiting);
-        let miss_share = self.miss_share(&means);
-        let best_hit = self.best_hit_ratio();
-        let ask = Ask { key, input, stall, miss_share, best_hit };
-        let cc = &self.cost.cfg;
-        if cc.session_affinity
-            && let Some(sid) = req.session_id
-            && let Some(bound) = self.cost.sessions.get(sid)
-            && let Some(a) = c.iter().find(|w| w.id == bound && w.is_routable())
-        {
-            let mean = means.load.unwrap_or(0.0).max(1.0);
-            let t = self.terms(a, &ask);
-            if t.cached * 2 > input && f64::from(a.load()) <= mean * cc.overload_factor {
-                let mut d =
-                    Decision::new(a.id, Branch::Sticky).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score);
-                d.predicted_ttft = Some(t.prediction);
-                return Ok(d);
-            }
-        }
-        let cap = self.session_cap(req, c, &means);
-        let ties = self.best_of(c, &ask, cap, Pass::Fast(&mut hits, &survey));
-        let branch = match (cap.is_some(), ties.len() == 1) {
-            (true, _) => Branch::NewBinding,
-            (false, true) => Branch::Score,
-            (false, false) => Branch::TieBreak,
-        };
-        let w = rotate(&ties, &self.cost.rotation).ok_or(RouteError::NoWorker)?;
-        // The chosen worker's terms with its prediction (the same inputs, the same score).
-        let v = c.iter().find(|v| v.id == w).ok_or(RouteError::NoWorker)?;
-        let t = self.terms(v, &ask);
-        let mut d = Decision::new(t.id, branch).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score);
-        d.predicted_ttft = Some(t.prediction);
-        Ok(d)
+        let mut survey = self.survey(c, key, u64::from(req.input_tokens), &mut hits, SLOTS.take());
+        let d = self.pick_surveyed(req, key, c, &mut hits, &mut survey);
+        SLOTS.set(survey.slots);
+        d
     }
 
     fn on_routed(&mut self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) {
@@ -1110,7 +1153,7 @@ mod tests {
             let r = req(&blocks);
             let key = p.key(&r);
             let mut hits = p.cost.sets.hits(&key.blocks);
-            let survey = p.survey(&c, &key, u64::from(r.input_tokens), &mut hits);
+            let mut survey = p.survey(&c, &key, u64::from(r.input_tokens), &mut hits, Vec::new());
             let means = FleetMeans::of(&c);
             prop_assert_eq!(survey.means, means);
             let ask = Ask {
@@ -1121,7 +1164,7 @@ mod tests {
                 best_hit: p.best_hit_ratio(),
             };
             for cap in [None, Some(3.0)] {
-                let fast = p.best_of(&c, &ask, cap, Pass::Fast(&mut hits, &survey));
+                let fast = p.best_of(&c, &ask, cap, Pass::Fast(&mut hits, &mut survey));
                 let full = p.best_of(&c, &ask, cap, Pass::Full);
                 prop_assert_eq!(fast.to_vec(), full.to_vec());
             }
