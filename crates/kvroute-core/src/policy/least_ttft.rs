@@ -567,7 +567,8 @@ enum Pass<'a> {
     /// The request's leading blocks on every worker from the block index
     /// ([`crate::lru_blocks::WorkerBlockSets::hits`]), and workers that cannot win left
     /// unscored: those whose [`LeastTtft::floor`] is [`beyond`] the
-    /// [`LeastTtft::ceiling`], and those whose queue alone is beyond the best so far.
+    /// [`LeastTtft::ceiling`], and those whose queue alone is beyond the best so far; idle
+    /// workers holding nothing of the prompt ([`is_idle_miss`]) are charged once.
     Fast(&'a mut Hits, &'a mut Survey),
     /// Every worker scored, each asking its own block set: the reference (a property test
     /// compares them).
