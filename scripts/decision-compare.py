@@ -6,8 +6,9 @@ policies change the later ones' timings (heap layout), so each round runs the OL
 then the NEW one, each policy in a process of its own; the table is the median of the
 rounds' p50 and p99 per policy and fleet size, in microseconds.
 
-usage: scripts/decision-compare.py OLD_BINARY NEW_BINARY WORKERS ROUNDS [POLICY,...]
+usage: scripts/decision-compare.py [--gateway] OLD_BINARY NEW_BINARY WORKERS ROUNDS [POLICY,...]
        WORKERS as `kvroute bench decision --workers` (e.g. 256,1024,4096)
+       --gateway: each decision with the gateway's candidate read (`bench decision --gateway`)
 """
 import json
 import statistics
@@ -19,6 +20,10 @@ POLICIES = ("round_robin,random,least_load,power_of_two,consistent_hash,cache_aw
 
 
 def main() -> int:
+    extra = []
+    if len(sys.argv) > 1 and sys.argv[1] == "--gateway":
+        extra = ["--gateway"]
+        del sys.argv[1]
     if len(sys.argv) < 5:
         print(__doc__, file=sys.stderr)
         return 2
@@ -29,12 +34,12 @@ def main() -> int:
         for tag, binary in (("old", old), ("new", new)):
             for p in policies:
                 out = subprocess.run(
-                    [binary, "bench", "decision", "--workers", workers, "--policy", p, "--decisions", "5000", "--json"],
+                    [binary, "bench", "decision", "--workers", workers, "--policy", p, "--decisions", "5000", "--json", *extra],
                     capture_output=True, text=True, timeout=1200, check=True).stdout
                 for line in out.splitlines():
                     o = json.loads(line)
                     res.setdefault((o["workers"], o["policy"]), {}).setdefault(tag, []).append((o["p50_ns"], o["p99_ns"]))
-    print(f"# {old} (old) against {new} (new): median of {rounds} alternating rounds, µs")
+    print(f"# {old} (old) against {new} (new){' '.join([''] + extra)}: median of {rounds} alternating rounds, µs")
     print(f"{'workers':>7} {'policy':<16} {'old p50':>8} {'old p99':>8} {'new p50':>8} {'new p99':>8}")
     for (w, p), d in sorted(res.items(), key=lambda kv: (kv[0][0], policies.index(kv[0][1]))):
         med = lambda tag, i: statistics.median(x[i] for x in d[tag]) / 1000

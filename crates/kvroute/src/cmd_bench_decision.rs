@@ -4,6 +4,14 @@
 //! Mooncake conversation trace (`data/traces`, or `--trace`) on N workers of uneven load,
 //! then a probe request `--prompt-tokens` long — decided `--decisions` times, each call
 //! timed on its own (key, pick and fallbacks; nothing committed).
+//!
+//! With `--gateway` each timed call also reads the candidates the way a request does: the
+//! workers are a gateway fleet ([`kvroute_gateway::fleet::Fleet`]) of N workers serving
+//! the model, and each decision starts from `Fleet::candidates` (the model's roster, each
+//! worker's view read from its atomics) and ends when those candidates are dropped. Loads
+//! are open requests on the workers' counters: `i % 7` in flight on worker `i`, the first
+//! of them with `(i % 5) × 1000` tokens to prefill (a worker with nothing in flight has
+//! nothing queued, unlike the fixture's).
 
 use anyhow::{Context, bail};
 use kvroute_core::decision_bench::{TraceReq, fleet, parse_mooncake, probe, view, warmed};
@@ -41,6 +49,26 @@ pub struct Args {
     /// `p99_ns`, `p999_ns`, `max_ns`, `index_size`.
     #[arg(long)]
     pub json: bool,
+    /// Time the gateway's candidate read with each decision (at most
+    /// `kvroute_gateway::fleet::MAX_WORKERS` workers); JSON objects get `"gateway": true`.
+    #[arg(long)]
+    pub gateway: bool,
+}
+
+/// A gateway fleet of `n` workers serving model `m`, loaded as the module doc says, and the
+/// open requests that hold the load (dropping them settles it).
+fn gateway_fleet(n: usize) -> anyhow::Result<(kvroute_gateway::fleet::Fleet, Vec<kvroute_core::ledger::LoadTicket>)> {
+    let fleet = kvroute_gateway::fleet::Fleet::default();
+    let mut open = Vec::new();
+    for i in 0..n {
+        let url = format!("http://w{i}.bench.invalid:8000");
+        let (w, _) = fleet.add(&url, vec!["m".into()], kvroute_core::types::Health::Healthy)?;
+        for k in 0..i % 7 {
+            let queued = if k == 0 { (i as u64 % 5) * 1000 } else { 0 };
+            open.push(w.load.dispatched(queued, 256));
+        }
+    }
+    Ok((fleet, open))
 }
 
 fn read_trace(path: &std::path::Path) -> anyhow::Result<Vec<TraceReq>> {
@@ -76,6 +104,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !(1..=MAX_DECISIONS).contains(&a.decisions) {
         bail!("--decisions: from 1 to {MAX_DECISIONS}");
     }
+    let max = kvroute_gateway::fleet::MAX_WORKERS;
+    if a.gateway && sizes.iter().any(|n| *n > max) {
+        bail!("--workers: a gateway fleet has at most {max} workers (--gateway)");
+    }
     let default = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
     let trace = read_trace(a.trace.as_deref().unwrap_or(std::path::Path::new(default)))?;
     let (pr, text) = probe(&trace, a.prompt_tokens);
@@ -84,6 +116,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     for &n in &sizes {
         let c = fleet(n);
+        let gateway = if a.gateway { Some(gateway_fleet(n)?) } else { None };
         for name in &names {
             let p = warmed(name, &trace, &c).map_err(|e| anyhow::anyhow!("{e}"))?;
             let req = view(&pr, Some(&text));
@@ -92,14 +125,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             for _ in 0..a.decisions {
                 let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng };
                 let t = Instant::now();
-                let _ = black_box(decide(p.as_ref(), black_box(&req), &c, &mut ctx));
+                match &gateway {
+                    Some((g, _)) => {
+                        let cands = g.candidates(black_box("m"));
+                        let _ = black_box(decide(p.as_ref(), black_box(&req), &cands.views, &mut ctx));
+                    }
+                    None => {
+                        let _ = black_box(decide(p.as_ref(), black_box(&req), &c, &mut ctx));
+                    }
+                }
                 let _ = h.record(t.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64);
             }
             let (p50, p99, p999, max) =
                 (h.value_at_quantile(0.5), h.value_at_quantile(0.99), h.value_at_quantile(0.999), h.max());
             if a.json {
                 let o = serde_json::json!({"policy": name, "workers": n, "p50_ns": p50, "p99_ns": p99,
-                    "p999_ns": p999, "max_ns": max, "index_size": p.index_size(), "prompt_tokens": a.prompt_tokens});
+                    "p999_ns": p999, "max_ns": max, "index_size": p.index_size(), "prompt_tokens": a.prompt_tokens,
+                    "gateway": a.gateway});
                 println!("{o}");
             } else {
                 println!("{n:>7} {name:<16} {p50:>9} {p99:>9} {p999:>9} {max:>9} {:>11}", p.index_size());

@@ -290,6 +290,33 @@ fn bench_decision_prints_one_json_object_per_policy_and_fleet_size() {
 }
 
 #[test]
+fn bench_decision_with_the_gateway_reads_candidates_from_a_fleet_of_that_size() {
+    let out = kvroute(&[
+        "bench",
+        "decision",
+        "--workers",
+        "3,9",
+        "--policy",
+        "least_load",
+        "--decisions",
+        "50",
+        "--gateway",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
+    assert_eq!(rows.iter().map(|r| r["workers"].as_u64()).collect::<Vec<_>>(), [Some(3), Some(9)]);
+    assert!(rows.iter().all(|r| r["gateway"] == true && r["p50_ns"].as_u64() > Some(0)), "{rows:?}");
+    let big = kvroute(&["bench", "decision", "--workers", "5000", "--gateway"]);
+    assert!(
+        String::from_utf8_lossy(&big.stderr).contains("at most 4096 workers"),
+        "{}",
+        String::from_utf8_lossy(&big.stderr)
+    );
+}
+
+#[test]
 fn bench_kv_events_ingests_every_engines_batches_and_decides_on_what_they_stored() {
     let out = kvroute(&["bench", "kv-events", "--engines", "8", "--seconds", "0.2", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
