@@ -163,12 +163,14 @@ impl AtomicLoad {
     /// Requests ever dispatched to this worker: a decision made on a view of the counters
     /// read at count `n` is stale when this is no longer `n` (another request was sent
     /// there meanwhile).
+    #[inline]
     pub fn dispatches(&self) -> u64 {
         self.dispatches.load(Relaxed)
     }
 
     /// The counters now (each read on its own: a consistent snapshot is not needed for
     /// routing, and every counter returns to zero when its requests settle).
+    #[inline]
     pub fn get(&self) -> WorkerLoad {
         WorkerLoad {
             in_flight: self.in_flight.load(Relaxed),
@@ -179,6 +181,7 @@ impl AtomicLoad {
     }
 
     /// Copies the counters into `view`.
+    #[inline]
     pub fn fill(&self, view: &mut WorkerView) {
         let l = self.get();
         view.in_flight = l.in_flight;

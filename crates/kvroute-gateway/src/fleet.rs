@@ -19,25 +19,27 @@ use std::time::{Duration, Instant};
 
 pub use crate::model::worker_url::MAX_WORKERS;
 
-/// An optional `u32` in one atomic (`u64::MAX` is `None`).
+/// An optional `u32` in one 4-byte atomic (`u32::MAX` is `None`; a value of `u32::MAX` is
+/// stored as `u32::MAX − 1`, far beyond any queue length, slot count or port it holds).
 #[derive(Debug)]
-pub struct OptU32(AtomicU64);
+pub struct OptU32(AtomicU32);
 
 impl Default for OptU32 {
     fn default() -> Self {
-        OptU32(AtomicU64::new(u64::MAX))
+        OptU32(AtomicU32::new(u32::MAX))
     }
 }
 
 impl OptU32 {
     /// The value.
+    #[inline]
     pub fn get(&self) -> Option<u32> {
         let v = self.0.load(Relaxed);
-        (v != u64::MAX).then_some(v as u32)
+        (v != u32::MAX).then_some(v)
     }
     /// Sets the value.
     pub fn set(&self, v: Option<u32>) {
-        self.0.store(v.map_or(u64::MAX, u64::from), Relaxed);
+        self.0.store(v.map_or(u32::MAX, |v| v.min(u32::MAX - 1)), Relaxed);
     }
 }
 
@@ -64,50 +66,69 @@ impl OptF64 {
 }
 
 /// What a worker's engine reports on `/metrics` (and llama.cpp on `/slots`), each `None`
-/// until scraped.
+/// until scraped. The fields a routing view reads come first (48 bytes with `hit_ratio`,
+/// which it does not read; see [`WorkerEntry`]'s layout).
 #[derive(Debug, Default)]
+#[repr(C)]
 pub struct EngineSignals {
     /// Requests waiting in the engine's queue.
     pub queue: OptU32,
     /// Requests the engine runs.
     pub running: OptU32,
+    /// Decode slots (llama.cpp `/slots`): requests it runs at once.
+    pub slots: OptU32,
     /// KV cache usage in [0, 1].
     pub kv_cache_usage: OptF64,
     /// Compute utilisation in [0, 1] (DCGM SM activity), when exported.
     pub sm_util: OptF64,
     /// Power draw, watts.
     pub power_watts: OptF64,
-    /// Decode slots (llama.cpp `/slots`): requests it runs at once.
-    pub slots: OptU32,
     /// Engine-reported prefix-cache hit ratio of prompt tokens since the worker started.
     pub hit_ratio: OptF64,
 }
 
 /// One worker: fixed identity, and atomics for everything that changes.
+///
+/// Laid out in declaration order (`repr(C)`) from a cache-line boundary: what a request's
+/// candidate read loads for every worker of the model ([`Fleet::candidates_in`]: id,
+/// health, ejection, the two load counters' addresses, the engine signals a view holds)
+/// fills the first 64-byte line, so a fleet of thousands costs one line a worker here
+/// (and one for each load counter) instead of several.
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub struct WorkerEntry {
     /// Dense id used on the hot path and by the routing core.
     pub id: WorkerId,
-    /// Base URL (normalised, no trailing slash).
-    pub url: Arc<str>,
+    /// Health as the active checks set it ([`health_code`]).
+    health: AtomicU8,
+    /// Taken out of routing by failed requests: routable again only after an inference
+    /// probe passes (a `/health` 200 is not enough).
+    ejected: AtomicBool,
+    /// The router's own load counters for this worker.
+    pub load: Arc<AtomicLoad>,
+    /// Requests other router replicas of the cluster have in flight on this worker, as
+    /// their routing events over NATS report them ([`crate::cluster::sync`]); zero without
+    /// `nats`. The routing view adds them to [`WorkerEntry::load`].
+    pub remote_load: Arc<AtomicLoad>,
+    /// Engine signals.
+    pub signals: EngineSignals,
     /// A stable hash of `url`: the worker's name in every replica's tie-breaks
     /// ([`kvroute_core::types::WorkerView::tie_key`]).
     pub tie_key: u64,
+    /// Base URL (normalised, no trailing slash).
+    pub url: Arc<str>,
     /// `url`'s `host:port`, parsed once ([`WorkerEntry::authority`]).
     authority: Option<String>,
     /// The worker's inference endpoints, parsed once (chat, completions, generate): the
     /// request path clones one instead of formatting and parsing a URL per attempt.
     endpoints: Option<[reqwest::Url; 3]>,
-    /// Models served (empty = unknown: serves any model); replaced when rediscovered.
-    pub models: ArcSwap<Vec<String>>,
-    health: AtomicU8,
+    /// Models served (empty = unknown: serves any model); replaced when rediscovered
+    /// ([`WorkerEntry::set_models`], which also invalidates the fleet's rosters).
+    models: ArcSwap<Vec<String>>,
     /// Woken when health checks mark the worker down ([`WorkerEntry::mark_down`]): the
     /// requests still waiting for its first byte stop waiting and fail over
     /// ([`WorkerEntry::marked_down`]).
     down: tokio::sync::Notify,
-    /// Taken out of routing by failed requests: routable again only after an inference
-    /// probe passes (a `/health` 200 is not enough).
-    ejected: AtomicBool,
     /// Consecutive failed requests (passive), SGLang router's `max_worker_retries` rule.
     pub consecutive_failures: AtomicU32,
     /// Consecutive failed active checks.
@@ -130,14 +151,6 @@ pub struct WorkerEntry {
     /// The last failed request (gateway clock, ns; 0 = never): with every worker out, the
     /// least recently failed one is still tried.
     last_failure_at: AtomicU64,
-    /// Engine signals.
-    pub signals: EngineSignals,
-    /// The router's own load counters for this worker.
-    pub load: Arc<AtomicLoad>,
-    /// Requests other router replicas of the cluster have in flight on this worker, as
-    /// their routing events over NATS report them ([`crate::cluster::sync`]); zero without
-    /// `nats`. The routing view adds them to [`WorkerEntry::load`].
-    pub remote_load: Arc<AtomicLoad>,
     /// Its registration in the cluster registry (role, capacity, labels), when it came
     /// from etcd.
     pub registration: arc_swap::ArcSwapOption<crate::model::registration::WorkerRecord>,
@@ -169,6 +182,10 @@ pub struct WorkerEntry {
     /// own report ([`crate::model::capacity::Capacity`]).
     capacity: ArcSwap<(crate::model::capacity::Capacity, kvroute_core::types::Capacity)>,
 }
+
+// The view's fields of a worker fill its first cache line (the layout note on WorkerEntry).
+const _: () =
+    assert!(std::mem::offset_of!(WorkerEntry, signals) + std::mem::offset_of!(EngineSignals, hit_ratio) <= 64);
 
 /// Where a worker's capacity facts come from, highest precedence first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -291,6 +308,7 @@ impl WorkerEntry {
         drop(slots);
         let core = merged.core();
         self.capacity.store(Arc::new((merged, core)));
+        roster_changed();
     }
 
     /// The resolved capacity facts as stated (unset fields are the defaults).
@@ -325,6 +343,17 @@ impl WorkerEntry {
         self.authority.as_deref()
     }
 
+    /// The models it serves (empty: unknown, it serves any model).
+    pub fn models(&self) -> arc_swap::Guard<Arc<Vec<String>>> {
+        self.models.load()
+    }
+
+    /// Replaces the models it serves (rediscovery, a loaded adapter, a registration).
+    pub fn set_models(&self, models: Vec<String>) {
+        self.models.store(Arc::new(models));
+        roster_changed();
+    }
+
     /// Its role.
     pub fn role(&self) -> Role {
         role_of(self.role.load(Relaxed))
@@ -333,6 +362,7 @@ impl WorkerEntry {
     /// Sets its role.
     pub fn set_role(&self, r: Role) {
         self.role.store(role_code(r), Relaxed);
+        roster_changed();
     }
 
     /// Health as the active checks see it.
@@ -414,7 +444,7 @@ impl WorkerEntry {
 
     /// Whether the worker serves `model` (an empty name or unknown models serve any).
     pub fn serves(&self, model: &str) -> bool {
-        let models = self.models.load();
+        let models = self.models();
         model.is_empty() || models.is_empty() || models.iter().any(|m| m == model)
     }
 
@@ -474,15 +504,24 @@ impl WorkerEntry {
     /// The routing core's view of this worker now.
     pub fn view(&self) -> WorkerView {
         let mut v = WorkerView::idle(self.id);
+        self.fill_view(&mut v, self.core_capacity(), self.role());
+        v
+    }
+
+    /// Writes this worker's view into `v` (whose `id` must be this worker's), with its
+    /// `capacity` and `role` as the caller read them (a roster keeps both, so a request's
+    /// candidate read does not load them per worker). Every other field is read now.
+    #[inline]
+    fn fill_view(&self, v: &mut WorkerView, capacity: kvroute_core::types::Capacity, role: Role) {
         v.health = if self.is_ejected() { Health::Unhealthy } else { self.health() };
-        self.load.fill(&mut v);
+        self.load.fill(v);
         let remote = self.remote_load.get();
         v.in_flight = v.in_flight.saturating_add(remote.in_flight);
         v.waiting = v.waiting.saturating_add(remote.waiting);
         v.pending_prefill_tokens = v.pending_prefill_tokens.saturating_add(remote.pending_prefill_tokens);
         v.decode_tokens = v.decode_tokens.saturating_add(remote.decode_tokens);
-        v.capacity = self.capacity.load().1;
-        v.role = self.role();
+        v.capacity = capacity;
+        v.role = role;
         v.tie_key = Some(self.tie_key);
         let s = &self.signals;
         v.engine_queue = s.queue.get();
@@ -493,7 +532,6 @@ impl WorkerEntry {
         if let Some(n) = s.slots.get() {
             v.capacity.max_concurrent = n.max(1);
         }
-        v
     }
 
     /// A serialisable copy for the admin API.
@@ -502,7 +540,7 @@ impl WorkerEntry {
         WorkerInfo {
             id: self.id.0,
             url: self.url.to_string(),
-            models: self.models.load().as_ref().clone(),
+            models: self.models().as_ref().clone(),
             health: if self.is_ejected() { Health::Unhealthy } else { self.health() },
             ejected: self.is_ejected(),
             locality: self.locality(),
@@ -594,8 +632,10 @@ pub struct WorkerInfo {
 pub struct Candidates {
     /// Views in the order of `entries`.
     pub views: Vec<WorkerView>,
-    /// The workers.
-    pub entries: Vec<Arc<WorkerEntry>>,
+    /// The workers: the fleet's roster of the model, shared between requests (no
+    /// per-worker reference count is touched on a request's way), until
+    /// [`Candidates::retain`] narrows it.
+    pub entries: Arc<[Arc<WorkerEntry>]>,
     /// Each worker's dispatch count ([`kvroute_core::ledger::AtomicLoad::dispatches`]) when
     /// its view was read, in the order of `entries`.
     pub dispatches: Vec<u64>,
@@ -618,13 +658,50 @@ impl Candidates {
     /// them).
     pub fn retain(&mut self, mut keep: impl FnMut(&WorkerEntry) -> bool) {
         let kept: Vec<bool> = self.entries.iter().map(|e| keep(e)).collect();
+        if kept.iter().all(|k| *k) {
+            return;
+        }
         let mut k = kept.iter();
         self.views.retain(|_| *k.next().unwrap_or(&false));
-        let mut k = kept.iter();
-        self.entries.retain(|_| *k.next().unwrap_or(&false));
+        self.entries = self.entries.iter().zip(&kept).filter(|(_, k)| **k).map(|(e, _)| Arc::clone(e)).collect();
         let mut k = kept.iter();
         self.dispatches.retain(|_| *k.next().unwrap_or(&false));
     }
+}
+
+/// Most (model, roles) rosters a fleet keeps; past it the cache starts afresh (a client
+/// naming many models, each served by a worker that lists none, cannot grow it).
+const MAX_ROSTERS: usize = 64;
+
+/// Bumped after every change of what a roster holds: the worker list, a worker's models,
+/// role or capacity. One counter for the process (a change in one fleet makes the others
+/// rebuild theirs once; changes are rare next to requests).
+static ROSTER_EPOCH: AtomicU64 = AtomicU64::new(0);
+
+/// Invalidates every fleet's rosters (call after the change is stored).
+fn roster_changed() {
+    ROSTER_EPOCH.fetch_add(1, std::sync::atomic::Ordering::Release);
+}
+
+/// The workers of one model and set of roles, in list order, with the facts of each that
+/// change only with an epoch (capacity, role): what a request's candidate read starts from
+/// instead of the whole worker list.
+#[derive(Debug)]
+struct Roster {
+    entries: Arc<[Arc<WorkerEntry>]>,
+    facts: Vec<(kvroute_core::types::Capacity, Role)>,
+}
+
+/// The rosters built at one epoch, by model and then by role mask ([`role_mask`]).
+#[derive(Debug, Default)]
+struct Rosters {
+    epoch: u64,
+    by_model: std::collections::HashMap<Box<str>, [Option<Arc<Roster>>; 8]>,
+}
+
+/// `roles` as a bit set (bit `role_code(r)`); `None` is every role.
+fn role_mask(roles: Option<&[Role]>) -> usize {
+    roles.map_or(0b111, |rs| rs.iter().fold(0, |m, r| m | 1 << role_code(*r)))
 }
 
 /// The worker list, swapped whole on membership changes.
@@ -635,6 +712,8 @@ pub struct Fleet {
     /// worker; only when a worker reaches its failure threshold).
     writer: Mutex<()>,
     next_id: AtomicU32,
+    /// The workers of each model a request named, kept until the next roster change.
+    rosters: ArcSwap<Rosters>,
 }
 
 /// A worker URL `reqwest` cannot build a request URL from.
@@ -712,6 +791,7 @@ impl Fleet {
         next.extend(cur.iter().cloned());
         next.push(Arc::clone(&entry));
         self.list.store(Arc::new(next));
+        roster_changed();
         Ok((entry, true))
     }
 
@@ -723,6 +803,9 @@ impl Fleet {
         let gone = cur.iter().find(|w| *w.url == *url).cloned()?;
         let next: Vec<Arc<WorkerEntry>> = cur.iter().filter(|w| w.id != gone.id).cloned().collect();
         self.list.store(Arc::new(next));
+        roster_changed();
+        // The stale rosters would keep the removed worker alive until the next rebuild.
+        self.rosters.store(Arc::default());
         Some(gone)
     }
 
@@ -746,16 +829,23 @@ impl Fleet {
     }
 
     /// [`Fleet::candidates`] among the workers of one of `roles` (`None`: any role).
+    ///
+    /// The workers come from the model's roster (kept between requests, rebuilt after the
+    /// list or a worker's models, role or capacity change); each one's view is read now.
+    /// O(workers of the model), a few atomic loads each.
     pub fn candidates_in(&self, model: &str, roles: Option<&[Role]>) -> Candidates {
-        let list = self.list.load();
-        let mut views = Vec::with_capacity(list.len());
-        let mut entries = Vec::with_capacity(list.len());
-        let mut dispatches = Vec::with_capacity(list.len());
-        for w in list.iter().filter(|w| w.serves(model) && roles.is_none_or(|r| r.contains(&w.role()))) {
+        let roster = self.roster(model, roles);
+        let n = roster.entries.len();
+        let mut views = Vec::with_capacity(n);
+        let mut dispatches = Vec::with_capacity(n);
+        for (w, &(capacity, role)) in roster.entries.iter().zip(&roster.facts) {
             dispatches.push(w.load.dispatches());
-            views.push(w.view());
-            entries.push(Arc::clone(w));
+            views.push(WorkerView::idle(w.id));
+            if let Some(v) = views.last_mut() {
+                w.fill_view(v, capacity, role);
+            }
         }
+        let entries = Arc::clone(&roster.entries);
         if !entries.iter().any(|w| w.is_routable()) {
             let last_resort = entries
                 .iter()
@@ -770,15 +860,45 @@ impl Fleet {
         Candidates { views, entries, dispatches }
     }
 
+    /// The roster of `model` and `roles`: the cached one when no change happened since it
+    /// was built, else built from the list now (and kept, when it has a worker).
+    fn roster(&self, model: &str, roles: Option<&[Role]>) -> Arc<Roster> {
+        let mask = role_mask(roles);
+        // Read before the list: a change after this read bumps the epoch past it, so a
+        // roster built from older state is never taken for a newer one.
+        let epoch = ROSTER_EPOCH.load(std::sync::atomic::Ordering::Acquire);
+        let cached = self.rosters.load();
+        if cached.epoch == epoch
+            && let Some(r) = cached.by_model.get(model).and_then(|by_role| by_role[mask].as_ref())
+        {
+            return Arc::clone(r);
+        }
+        let list = self.list.load();
+        let entries: Arc<[Arc<WorkerEntry>]> =
+            list.iter().filter(|w| w.serves(model) && roles.is_none_or(|r| r.contains(&w.role()))).cloned().collect();
+        let facts = entries.iter().map(|w| (w.core_capacity(), w.role())).collect();
+        let roster = Arc::new(Roster { entries, facts });
+        if !roster.entries.is_empty() {
+            self.rosters.rcu(|cur| {
+                let mut by_model = if cur.epoch == epoch && cur.by_model.len() < MAX_ROSTERS {
+                    cur.by_model.clone()
+                } else if cur.epoch > epoch {
+                    // Another request built at a newer epoch: leave its rosters.
+                    return Arc::clone(cur);
+                } else {
+                    std::collections::HashMap::new()
+                };
+                by_model.entry(model.into()).or_default()[mask] = Some(Arc::clone(&roster));
+                Arc::new(Rosters { epoch, by_model })
+            });
+        }
+        roster
+    }
+
     /// Models served by routable workers, sorted and deduplicated.
     pub fn models(&self) -> Vec<String> {
-        let mut m: Vec<String> = self
-            .list
-            .load()
-            .iter()
-            .filter(|w| w.is_routable())
-            .flat_map(|w| w.models.load().as_ref().clone())
-            .collect();
+        let mut m: Vec<String> =
+            self.list.load().iter().filter(|w| w.is_routable()).flat_map(|w| w.models().as_ref().clone()).collect();
         m.sort();
         m.dedup();
         m
@@ -857,6 +977,42 @@ mod tests {
             }
         }
         ejected
+    }
+
+    #[test]
+    fn candidates_follow_every_change_a_roster_keeps() {
+        let f = Fleet::default();
+        let ids = |f: &Fleet, model: &str, roles: Option<&[Role]>| -> Vec<u32> {
+            let c = f.candidates_in(model, roles);
+            assert_eq!((c.views.len(), c.dispatches.len()), (c.entries.len(), c.entries.len()));
+            assert!(c.views.iter().zip(c.entries.iter()).all(|(v, e)| v.id == e.id));
+            c.entries.iter().map(|e| e.id.0).collect()
+        };
+        let (a, _) = f.add("http://a", vec!["m".into()], Health::Healthy).expect("add");
+        let (b, _) = f.add("http://b", vec!["n".into()], Health::Healthy).expect("add");
+        assert_eq!((ids(&f, "m", None), ids(&f, "n", None)), (vec![0], vec![1]));
+        // Read twice (the second from the roster), then each kind of change.
+        assert_eq!(ids(&f, "m", None), vec![0]);
+        b.set_models(vec!["m".into(), "n".into()]);
+        assert_eq!(ids(&f, "m", None), vec![0, 1], "a worker's models");
+        let (c, _) = f.add("http://c", vec![], Health::Healthy).expect("add");
+        assert_eq!(ids(&f, "m", None), vec![0, 1, 2], "a worker listing no models serves any");
+        f.remove("http://a");
+        assert_eq!(ids(&f, "m", None), vec![1, 2], "a removal");
+        assert_eq!(ids(&f, "m", Some(&[Role::Prefill])), Vec::<u32>::new());
+        c.set_role(Role::Prefill);
+        assert_eq!(ids(&f, "m", Some(&[Role::Prefill])), vec![2], "a role");
+        assert_eq!(ids(&f, "m", Some(&[Role::Decode, Role::Both])), vec![1]);
+        let cap = crate::model::capacity::Capacity { max_concurrent: Some(7), ..Default::default() };
+        c.set_capacity(CapacitySource::Config, Some(cap));
+        let v = f.candidates_in("m", None).views;
+        assert_eq!(v.iter().find(|v| v.id == c.id).map(|v| v.capacity.max_concurrent), Some(7), "a capacity");
+        // Load and health are read per request, not kept.
+        let _open = b.load.dispatched(100, 10);
+        c.set_health(Health::Unhealthy);
+        let v = f.candidates("m").views;
+        assert_eq!((v[0].in_flight, v[0].pending_prefill_tokens, v[1].is_routable()), (1, 100, false));
+        drop(a);
     }
 
     #[test]

@@ -23,7 +23,7 @@ async fn check_one(s: Arc<AppState>, w: Arc<WorkerEntry>) {
     let mut refresh_models = false;
     if ok {
         if count_success(h, &w) {
-            refresh_models = w.models.load().is_empty();
+            refresh_models = w.models().is_empty();
             came_up(&s, &url, &w).await;
         }
     } else if count_failure(h, &w, &url, &checked) {
@@ -127,7 +127,7 @@ async fn read_models(s: &AppState, url: &str, w: &WorkerEntry, now: u64) {
     if let Some(models) = fetch_models(&s.client, url, s.cfg.health.timeout_secs).await
         // A worker that listed models and now lists none (its `/v1/models` failing for a
         // moment) keeps its list rather than becoming a worker that serves any name.
-        && (!models.is_empty() || w.models.load().is_empty())
+        && (!models.is_empty() || w.models().is_empty())
     {
         w.models_read_at.store(now, Relaxed);
         {
@@ -136,7 +136,7 @@ async fn read_models(s: &AppState, url: &str, w: &WorkerEntry, now: u64) {
                 adm.ensure_model(m);
             }
         }
-        w.models.store(Arc::new(models));
+        w.set_models(models);
     }
 }
 
@@ -184,7 +184,7 @@ async fn scrape(s: &AppState, w: &WorkerEntry, body: &str) {
 /// One real inference request (a one-token completion of the worker's first model): what
 /// readmits a worker that failed requests, since its `/health` may pass while inference fails.
 async fn inference_probe(s: &AppState, w: &WorkerEntry) -> bool {
-    let model = w.models.load().first().cloned().unwrap_or_default();
+    let model = w.models().first().cloned().unwrap_or_default();
     let body = serde_json::json!({"model": model, "prompt": "ping", "max_tokens": 1, "stream": false});
     let timeout = Duration::from_secs_f64(s.cfg.health.timeout_secs.max(1.0) * 5.0);
     let r = s.client.post(format!("{}/v1/completions", w.url)).timeout(timeout).json(&body).send().await;

@@ -510,7 +510,7 @@ async fn probe(s: &Arc<AppState>, worker: &str) -> Parity {
         let Some(w) = s.fleet.by_url(worker) else {
             return Parity::Inconclusive("the worker is not registered".into());
         };
-        w.models.load().first().cloned().unwrap_or_default()
+        w.models().first().cloned().unwrap_or_default()
     };
     // A prompt no client sends (unique per router start), long enough for several blocks
     // at any block size engines use.

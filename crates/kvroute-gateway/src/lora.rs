@@ -73,7 +73,7 @@ impl Multiplexer {
     /// A worker's adapter slots and how many of them catalogue adapters use.
     pub(crate) fn adapter_slots(&self, w: &WorkerEntry) -> (usize, usize) {
         let slots = w.capacity().max_loras.unwrap_or(self.cfg.default_max_loras) as usize;
-        let used = w.models.load().iter().filter(|m| self.by_name.contains_key(*m)).count();
+        let used = w.models().iter().filter(|m| self.by_name.contains_key(*m)).count();
         (slots, used)
     }
 }

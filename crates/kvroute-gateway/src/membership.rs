@@ -215,7 +215,7 @@ impl AppState {
                     adm.ensure_model(m);
                 }
             }
-            w.models.store(Arc::new(record.models.clone()));
+            w.set_models(record.models.clone());
         }
         self.apply_record(&w, &record);
         Ok(())
@@ -307,7 +307,7 @@ pub async fn slot_routing_probe(s: Arc<AppState>, w: Arc<crate::fleet::WorkerEnt
     if s.cfg.llama_slot_routing != crate::config::SlotRouting::Auto || w.capacity().llama_slots.is_none() {
         return;
     }
-    let model = w.models.load().first().cloned().unwrap_or_default();
+    let model = w.models().first().cloned().unwrap_or_default();
     let found = host_prompt_cache_probe(&s, &w.url, &model).await;
     w.set_host_prompt_cache(found);
     w.set_slot_routing(found == Some(false));
@@ -370,7 +370,7 @@ async fn host_prompt_cache_probe(s: &AppState, url: &str, model: &str) -> Option
 pub async fn tokenizer_parity(s: Arc<AppState>, url: String) {
     let Some(tk) = s.tokenizer.clone() else { return };
     let mut probe = parity_probe();
-    let model = s.fleet.by_url(&url).and_then(|w| w.models.load().first().cloned());
+    let model = s.fleet.by_url(&url).and_then(|w| w.models().first().cloned());
     probe["model"] = serde_json::Value::String(model.unwrap_or_default());
     let local = tk.request_tokens(kvroute_protocol::openai::Api::Chat, &probe);
     let remote =

@@ -10,7 +10,7 @@ use kvroute_protocol::api_error::ApiError;
 use std::sync::Arc;
 
 fn routable_with(s: &AppState, model: &str) -> bool {
-    s.fleet.load().iter().any(|w| w.is_routable() && w.models.load().iter().any(|m| m == model))
+    s.fleet.load().iter().any(|w| w.is_routable() && w.models().iter().any(|m| m == model))
 }
 
 /// Makes sure a routable worker has `model` loaded when it is a catalogue adapter: at once
@@ -47,7 +47,7 @@ pub async fn ensure_loaded(s: &Arc<AppState>, model: &str) -> Result<(), ApiErro
         .load()
         .iter()
         .filter(|w| w.is_routable())
-        .filter(|w| adapter.base.is_empty() || w.models.load().contains(&adapter.base))
+        .filter(|w| adapter.base.is_empty() || w.models().contains(&adapter.base))
         .map(|w| {
             let (slots, used) = mux.adapter_slots(w);
             let v = w.view();
@@ -68,13 +68,13 @@ pub async fn ensure_loaded(s: &Arc<AppState>, model: &str) -> Result<(), ApiErro
                 tracing::info!(worker = %w.url, adapter = model, "LoRA adapter loaded");
                 let listed = crate::upstream::fetch_models(&s.client, &w.url, s.cfg.health.timeout_secs).await;
                 // An empty or failed listing keeps what the router knew (plus the adapter).
-                let mut models = listed.filter(|m| !m.is_empty()).unwrap_or_else(|| w.models.load().as_ref().clone());
+                let mut models = listed.filter(|m| !m.is_empty()).unwrap_or_else(|| w.models().as_ref().clone());
                 if !models.iter().any(|m| m == model) {
                     // An engine that does not list adapters: trust its answer.
                     models.push(model.to_string());
                 }
                 s.admission.write().ensure_model(model);
-                w.models.store(Arc::new(models));
+                w.set_models(models);
                 return Ok(());
             }
             Err(e) => {

@@ -31,10 +31,10 @@ use std::time::Instant;
 pub fn model_of(s: &AppState, info: &RoutingInfo) -> Result<String, ApiError> {
     if !info.model.is_empty() {
         let workers = s.fleet.load();
-        if workers.iter().any(|w| w.models.load().contains(&info.model)) {
+        if workers.iter().any(|w| w.models().contains(&info.model)) {
             return Ok(info.model.clone());
         }
-        if workers.is_empty() || workers.iter().any(|w| w.models.load().is_empty()) {
+        if workers.is_empty() || workers.iter().any(|w| w.models().is_empty()) {
             return Ok("*".into());
         }
         return Err(ApiError::new(
@@ -154,7 +154,7 @@ fn slot_cached_tokens(
     }
     let mut key: Option<SlotKey> = None;
     let mut file: Option<Option<kvroute_core::kv_migration::FileMatch>> = None;
-    for (v, e) in c.views.iter_mut().zip(&c.entries) {
+    for (v, e) in c.views.iter_mut().zip(c.entries.iter()) {
         if !e.slot_routing() {
             continue;
         }
