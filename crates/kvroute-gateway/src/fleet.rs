@@ -307,8 +307,10 @@ impl WorkerEntry {
         }
         drop(slots);
         let core = merged.core();
-        self.capacity.store(Arc::new((merged, core)));
-        roster_changed();
+        if self.capacity.load().0 != merged {
+            self.capacity.store(Arc::new((merged, core)));
+            roster_changed();
+        }
     }
 
     /// The resolved capacity facts as stated (unset fields are the defaults).
@@ -349,7 +351,11 @@ impl WorkerEntry {
     }
 
     /// Replaces the models it serves (rediscovery, a loaded adapter, a registration).
+    /// Rosters are rebuilt only when the list differs from the one held.
     pub fn set_models(&self, models: Vec<String>) {
+        if **self.models.load() == models {
+            return;
+        }
         self.models.store(Arc::new(models));
         roster_changed();
     }
@@ -361,8 +367,9 @@ impl WorkerEntry {
 
     /// Sets its role.
     pub fn set_role(&self, r: Role) {
-        self.role.store(role_code(r), Relaxed);
-        roster_changed();
+        if self.role.swap(role_code(r), Relaxed) != role_code(r) {
+            roster_changed();
+        }
     }
 
     /// Health as the active checks see it.
@@ -991,8 +998,13 @@ mod tests {
         let (a, _) = f.add("http://a", vec!["m".into()], Health::Healthy).expect("add");
         let (b, _) = f.add("http://b", vec!["n".into()], Health::Healthy).expect("add");
         assert_eq!((ids(&f, "m", None), ids(&f, "n", None)), (vec![0], vec![1]));
-        // Read twice (the second from the roster), then each kind of change.
-        assert_eq!(ids(&f, "m", None), vec![0]);
+        // Read twice: the second read is the same roster. A change to what it holds, and
+        // only that, makes a new one.
+        let first = f.candidates("m").entries;
+        assert!(Arc::ptr_eq(&first, &f.candidates("m").entries), "kept between requests");
+        a.set_models(vec!["m".into()]);
+        a.set_role(Role::Both);
+        assert!(Arc::ptr_eq(&first, &f.candidates("m").entries), "setting what it holds already");
         b.set_models(vec!["m".into(), "n".into()]);
         assert_eq!(ids(&f, "m", None), vec![0, 1], "a worker's models");
         let (c, _) = f.add("http://c", vec![], Health::Healthy).expect("add");
