@@ -81,6 +81,37 @@ impl<'a> BlockHolders<'a> {
         let (index, now_s) = (self.index, self.now_s);
         self.list.iter().filter(move |x| index.alive(**x, now_s)).map(|x| x.worker())
     }
+
+    /// A cursor answering "does `w` hold the block?" for workers asked in increasing id
+    /// order: one merge step over the holder list per call, no iterator chain.
+    pub fn cursor(self) -> HolderCursor<'a> {
+        HolderCursor { holders: Some(self), at: 0 }
+    }
+}
+
+/// Merges a block's holders with workers asked in increasing id order
+/// ([`BlockHolders::cursor`]); the cursor of a block nobody holds is
+/// [`HolderCursor::default`]. O(holders + asks) over all calls.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HolderCursor<'a> {
+    holders: Option<BlockHolders<'a>>,
+    at: usize,
+}
+
+impl HolderCursor<'_> {
+    /// Whether `w` holds the block (its entry not expired). `w` must not be below the
+    /// worker of the previous call (a smaller one is answered `false`).
+    #[inline]
+    pub fn holds(&mut self, w: WorkerId) -> bool {
+        let Some(h) = self.holders else { return false };
+        let list = h.list;
+        while let Some(x) = list.get(self.at)
+            && x.worker() < w
+        {
+            self.at += 1;
+        }
+        list.get(self.at).is_some_and(|x| x.worker() == w && h.index.alive(*x, h.now_s))
+    }
 }
 
 /// The block-hash index.

@@ -347,20 +347,20 @@ impl PreciseIndex {
         let mut runs = vec![Run { gpu: 0, any: 0, on_gpu: true }; ids.len()];
         // The tracked workers in increasing id order, so each block's holders (kept in the
         // same order) are merged with them in one pass.
-        let mut active: Vec<usize> = (0..ids.len()).filter(|i| self.workers.contains_key(&ids[*i])).collect();
-        active.sort_unstable_by_key(|&i| ids[i]);
+        let mut active: Vec<(WorkerId, usize)> =
+            (0..ids.len()).filter(|i| self.workers.contains_key(&ids[*i])).map(|i| (ids[i], i)).collect();
+        active.sort_unstable();
         let predicted = !self.predicted.is_empty();
         for h in hashes {
             if active.is_empty() {
                 break;
             }
-            let mut gpu = self.gpu.holders(*h, now).into_iter().flat_map(|x| x.workers()).peekable();
-            let mut lower = self.lower.holders(*h, now).into_iter().flat_map(|x| x.workers()).peekable();
-            active.retain(|&i| {
-                let w = ids[i];
-                let on_gpu = reaches(&mut gpu, w);
+            let mut gpu = self.gpu.holders(*h, now).map(|x| x.cursor()).unwrap_or_default();
+            let mut lower = self.lower.holders(*h, now).map(|x| x.cursor()).unwrap_or_default();
+            active.retain(|&(w, i)| {
+                let on_gpu = gpu.holds(w);
                 let g = on_gpu || (predicted && self.predicted.holds(w, *h, now));
-                let l = !g && reaches(&mut lower, w);
+                let l = !g && lower.holds(w);
                 if !(g || l) {
                     return false;
                 }
@@ -380,13 +380,6 @@ impl PreciseIndex {
             self.workers.contains_key(id).then(|| (r.gpu as f64 * bs + (r.any - r.gpu) as f64 * bs * lw) as u64)
         }));
     }
-}
-
-/// Advances `holders` (worker ids in increasing order) past every id below `w`; whether `w`
-/// is next.
-fn reaches(holders: &mut std::iter::Peekable<impl Iterator<Item = WorkerId>>, w: WorkerId) -> bool {
-    while holders.next_if(|x| *x < w).is_some() {}
-    holders.peek() == Some(&w)
 }
 
 /// Predict-on-route: blocks a worker is assumed to hold because a request carrying them was
