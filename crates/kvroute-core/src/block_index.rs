@@ -82,6 +82,15 @@ impl<'a> BlockHolders<'a> {
         self.list.iter().filter(move |x| index.alive(**x, now_s)).map(|x| x.worker())
     }
 
+    /// Whether `other` is held by exactly the same workers as this block, every entry of
+    /// both an engine's (precise: they do not expire). One pass over the two lists, a few
+    /// instructions an entry: a request on a prompt every engine holds whole compares
+    /// each block's holders with the previous block's instead of merging them.
+    pub fn same_precise_holders(&self, other: &BlockHolders<'_>) -> bool {
+        self.list.len() == other.list.len()
+            && self.list.iter().zip(other.list).all(|(a, b)| a.precise() && a.worker_and_flag == b.worker_and_flag)
+    }
+
     /// A cursor answering "does `w` hold the block?" for workers asked in increasing id
     /// order: one merge step over the holder list per call, no iterator chain.
     pub fn cursor(self) -> HolderCursor<'a> {

@@ -326,8 +326,11 @@ impl PreciseIndex {
     /// answers, with one index lookup per block for all workers instead of one per worker
     /// and block — a router over 1,024 engines holding a shared system prompt of 64 blocks
     /// made 65,536 lookups a request, holding the index's read lock while the event
-    /// subscribers waited. O(workers × log workers + matched blocks × (workers still
-    /// matching + holders of the block)).
+    /// subscribers waited. A block held by exactly the engines of the block before (every
+    /// engine still matching having matched that one on the GPU) is compared, not merged:
+    /// a prompt every engine holds whole costs one merge and a comparison of holder lists
+    /// per block. O(workers × log workers + matched blocks × (workers still matching +
+    /// holders of the block)).
     pub fn cached_tokens_many(
         &self,
         ids: &[WorkerId],
@@ -351,12 +354,40 @@ impl PreciseIndex {
             (0..ids.len()).filter(|i| self.workers.contains_key(&ids[*i])).map(|i| (ids[i], i)).collect();
         active.sort_unstable();
         let predicted = !self.predicted.is_empty();
+        // The previous block's GPU holders, when every engine still matching held it on the
+        // GPU (no lower tier, no prediction involved).
+        let mut prev_gpu: Option<crate::block_index::BlockHolders<'_>> = None;
+        // Blocks since the last merge that every engine still matching matched on the GPU
+        // (credited to them together, before the next merge and at the end).
+        let mut same = 0;
+        let credit = |active: &[(WorkerId, usize)], runs: &mut [Run], n: usize| {
+            for &(_, i) in active {
+                let r = &mut runs[i];
+                r.gpu += if r.on_gpu { n } else { 0 };
+                r.any += n;
+            }
+        };
         for h in hashes {
             if active.is_empty() {
                 break;
             }
-            let mut gpu = self.gpu.holders(*h, now).map(|x| x.cursor()).unwrap_or_default();
-            let mut lower = self.lower.holders(*h, now).map(|x| x.cursor()).unwrap_or_default();
+            let gpu_holders = self.gpu.holders(*h, now);
+            let lower_holders = self.lower.holders(*h, now);
+            let plain = !predicted && lower_holders.is_none();
+            if plain
+                && let (Some(prev), Some(cur)) = (&prev_gpu, &gpu_holders)
+                && cur.same_precise_holders(prev)
+            {
+                // Held by the same engines as the block before, where every engine still
+                // matching matched on the GPU: each of them matches this one too.
+                same += 1;
+                continue;
+            }
+            credit(&active, &mut runs, same);
+            same = 0;
+            prev_gpu = if plain { gpu_holders } else { None };
+            let mut gpu = gpu_holders.map(|x| x.cursor()).unwrap_or_default();
+            let mut lower = lower_holders.map(|x| x.cursor()).unwrap_or_default();
             active.retain(|&(w, i)| {
                 let on_gpu = gpu.holds(w);
                 let g = on_gpu || (predicted && self.predicted.holds(w, *h, now));
@@ -373,6 +404,7 @@ impl PreciseIndex {
                 true
             });
         }
+        credit(&active, &mut runs, same);
         let bs = f64::from(block_size);
         let lw = self.cfg.lower_tier_weight.clamp(0.0, 1.0);
         out.clear();
