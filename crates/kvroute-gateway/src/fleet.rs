@@ -853,7 +853,9 @@ impl Fleet {
             }
         }
         let entries = Arc::clone(&roster.entries);
-        if !entries.iter().any(|w| w.is_routable()) {
+        // The views just read (an ejected worker's says unhealthy): the same snapshot the
+        // policy decides on, not the entries' atomics read a second time.
+        if !views.iter().any(WorkerView::is_routable) {
             let last_resort = entries
                 .iter()
                 .enumerate()
