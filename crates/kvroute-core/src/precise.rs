@@ -110,8 +110,10 @@ pub struct StoredBlocks<'a> {
 
 #[derive(Debug, Default, Clone)]
 struct WorkerState {
-    /// engine hash → (own hash, on GPU, on a lower tier).
-    blocks: HashMap<u64, (BlockHash, bool, bool)>,
+    /// engine hash → (own hash, on GPU, on a lower tier). The engine's hashes are not ours:
+    /// a per-process random seed (foldhash), not SipHash, whose cost per lookup was 7 % of
+    /// ingestion at 1,024 engines.
+    blocks: HashMap<u64, (BlockHash, bool, bool), foldhash::fast::RandomState>,
     block_size: Option<u32>,
 }
 
@@ -121,7 +123,8 @@ pub struct PreciseIndex {
     cfg: PreciseConfig,
     gpu: BlockIndex,
     lower: BlockIndex,
-    workers: HashMap<WorkerId, WorkerState>,
+    /// Keyed by this router's own dense ids.
+    workers: HashMap<WorkerId, WorkerState, foldhash::fast::FixedState>,
     stats: PreciseStats,
     predicted: PredictWindow,
     buf: Vec<u8>,
@@ -135,7 +138,7 @@ impl PreciseIndex {
             cfg,
             gpu: BlockIndex::new(icfg),
             lower: BlockIndex::new(icfg),
-            workers: HashMap::new(),
+            workers: HashMap::default(),
             stats: PreciseStats::default(),
             predicted: PredictWindow::new(
                 Nanos::from_secs_f64(cfg.predict_window_secs.max(0.0)),
