@@ -148,11 +148,16 @@ fn is_map(m: Marker) -> bool {
     matches!(m, Marker::FixMap(_) | Marker::Map16 | Marker::Map32)
 }
 
-/// Items of the array or pairs of the map just announced, as many as the rest of the
-/// payload can hold (each takes a byte at least), so a made-up length reserves nothing.
+/// Items of the array or pairs of the map just announced. An item takes a byte at least,
+/// so a count the rest of the payload cannot hold is a truncated payload, an error before
+/// anything is reserved for it.
 fn len_of(rd: &mut &[u8], map: bool) -> Result<usize, DecodeError> {
     let n = if map { rmp::decode::read_map_len(rd) } else { rmp::decode::read_array_len(rd) }.map_err(not_msgpack)?;
-    Ok((n as usize).min(rd.len()))
+    let n = n as usize;
+    if n.saturating_mul(if map { 2 } else { 1 }) > rd.len() {
+        return Err(not_msgpack("truncated"));
+    }
+    Ok(n)
 }
 
 /// A number, as rmpv's `Value` reads it (a non-negative signed integer is unsigned).
@@ -904,6 +909,20 @@ mod tests {
             assert!(same(seed), "a seed decodes");
         }
         assert_eq!(decode(&seeds[3]).expect("decodes").1, DecodeStats { unknown_events: 0, unknown_fields: 2 });
+        // A count the payload cannot hold, in the last field of the last event of the
+        // batch: an error, not the items that are there.
+        let v = Value::Array(vec![
+            Value::from(1),
+            Value::Array(vec![Value::Array(vec![
+                Value::from("BlockStored"),
+                Value::Array(vec![Value::from(1)]),
+                Value::Nil,
+                Value::Array((0..20).map(Value::from).collect()),
+            ])]),
+        ]);
+        let mut cut = bytes_of(&v);
+        cut.truncate(cut.len() - 5);
+        assert!(decode(&cut).is_err() && value_walk::decode(&cut).is_err());
         // Deterministic mutations of each seed: a byte changed (often to a marker), cut,
         // inserted or removed; the two decoders agree on every one.
         let markers = [0x90, 0x80, 0xc0, 0xc4, 0xcc, 0xcf, 0xd0, 0xd3, 0xca, 0xcb, 0xa0, 0xdc, 0xde, 0xc1, 0xff];
