@@ -13,7 +13,8 @@
 //!
 //! Three phases of `--seconds` each: ingestion alone, decisions alone, both at once (one
 //! thread each). What it leaves out of the gateway's path: the ZeroMQ receive and the
-//! per-batch metric updates.
+//! per-batch metric updates — which `--zmq` puts back (`cmd_bench_kv_zmq`: the same
+//! batches published through ZeroMQ to a router running `kvroute serve`'s code).
 
 use anyhow::{Context, bail};
 use kvroute_core::decision_bench::fleet;
@@ -64,6 +65,16 @@ pub struct Args {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Instead of the in-process phases: the engines publish through ZeroMQ (one PUB socket
+    /// each on 127.0.0.1) to a router started in this process (`kvroute serve`'s code:
+    /// its subscribers, applier and metrics), at `--rate` block events a second for
+    /// `--seconds`; reports what the router applied, from its `kvroute_kv_event_batches`
+    /// counters. Decisions are not timed in this mode.
+    #[arg(long)]
+    pub zmq: bool,
+    /// With `--zmq`: block events a second offered, all engines together.
+    #[arg(long, default_value_t = 1_200_000.0)]
+    pub rate: f64,
 }
 
 /// Token ids of block `k` of chain `c` of engine `e` (`None`: the shared prefix).
@@ -251,6 +262,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     let (prefixes, cycles): (Vec<Vec<u8>>, Vec<Vec<Vec<u8>>>) = (0..a.engines).map(|e| engine_batches(e, &a)).unzip();
+    if a.zmq {
+        let per_batch = 2 * a.blocks_per_event as u64;
+        return crate::cmd_bench_kv_zmq::run(&crate::cmd_bench_kv_zmq::Plan {
+            seconds: a.seconds,
+            rate: a.rate,
+            block_events_per_batch: per_batch,
+            prefixes,
+            cycles,
+            json: a.json,
+        });
+    }
     let ix = Twin::of(PreciseIndex::new(PreciseConfig::default()), usize::from(a.copies));
     let t0 = Instant::now();
     for (e, p) in prefixes.iter().enumerate() {

@@ -9,6 +9,7 @@ mod cmd_advise;
 mod cmd_bench;
 mod cmd_bench_decision;
 mod cmd_bench_kv_events;
+mod cmd_bench_kv_zmq;
 mod cmd_demo;
 mod cmd_engine_sim;
 mod cmd_policies;
