@@ -69,7 +69,8 @@ pub struct Args {
     /// each on 127.0.0.1) to a router started in this process (`kvroute serve`'s code:
     /// its subscribers, applier and metrics), at `--rate` block events a second for
     /// `--seconds`; reports what the router applied, from its `kvroute_kv_event_batches`
-    /// counters. Decisions are not timed in this mode.
+    /// counters; decisions are asked of its `/debug/route` (the request's tokens in its
+    /// body, so the route stage reads the precise index) with and without the publishing.
     #[arg(long)]
     pub zmq: bool,
     /// With `--zmq`: block events a second offered, all engines together.
@@ -262,6 +263,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     let (prefixes, cycles): (Vec<Vec<u8>>, Vec<Vec<Vec<u8>>>) = (0..a.engines).map(|e| engine_batches(e, &a)).unzip();
+    // The probe: the shared system prompt, then 8 blocks no engine holds.
+    let tokens: Vec<u32> = (0..a.shared_blocks)
+        .flat_map(|k| block_tokens(None, 0, k, a.block_size))
+        .chain((0..8 * a.block_size).map(|j| (1u32 << 30) + j))
+        .collect();
     if a.zmq {
         let per_batch = 2 * a.blocks_per_event as u64;
         return crate::cmd_bench_kv_zmq::run(&crate::cmd_bench_kv_zmq::Plan {
@@ -270,6 +276,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             block_events_per_batch: per_batch,
             prefixes,
             cycles,
+            probe: tokens,
+            probe_cached: a.shared_blocks as u64 * u64::from(a.block_size),
             json: a.json,
         });
     }
@@ -286,11 +294,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             ix.write(|w| kvroute_gateway::kv_subscriber::apply_events(w, WorkerId(e as u32), &b.events, Nanos(0)));
         }
     }
-    // The probe: the shared system prompt, then 8 blocks no engine holds.
-    let tokens: Vec<u32> = (0..a.shared_blocks)
-        .flat_map(|k| block_tokens(None, 0, k, a.block_size))
-        .chain((0..8 * a.block_size).map(|j| (1u32 << 30) + j))
-        .collect();
     let phase = Duration::from_secs_f64(a.seconds);
     let never = AtomicBool::new(false);
     let alone = ingest(&ix, &cycles, a.batches_per_lock, t0, Instant::now() + phase, &never);

@@ -4,8 +4,14 @@
 //! ([`kvroute_gateway::serve`]: one SUB socket and subscriber per engine, the applier
 //! writing up to 32 queued batches at a time), and the engines publish the batches
 //! `bench kv-events` pre-encodes, paced to an offered rate. What the router applied is
-//! read from its own `kvroute_kv_event_batches` counters on `/metrics`. Publishers and
-//! router share this process and its cores, as a router and a load generator on one host do.
+//! read from its own `kvroute_kv_event_batches` counters on `/metrics`. Decisions are
+//! asked of its `POST /debug/route` one after another (the request's token ids in the body,
+//! so the route stage reads the precise index for every engine and least_ttft decides), for
+//! `seconds` before the publishing and through it: their times are HTTP round trips on
+//! 127.0.0.1, the decision inside them. The engines' URLs point at a stub in this process
+//! that answers every path empty (health checks pass; it serves no request). Publishers,
+//! router and stub share this process and its cores, as a router and a load generator on
+//! one host do.
 
 use anyhow::{Context, bail};
 use std::collections::HashMap;
@@ -24,6 +30,10 @@ pub struct Plan {
     pub prefixes: Vec<Vec<u8>>,
     /// Each engine's cycle of batches.
     pub cycles: Vec<Vec<Vec<u8>>>,
+    /// The decisions' request: the engines' shared system prompt, then tokens none holds.
+    pub probe: Vec<u32>,
+    /// Tokens of `probe` every engine holds (what a decision must find cached).
+    pub probe_cached: u64,
     /// Print one JSON object.
     pub json: bool,
 }
@@ -95,14 +105,20 @@ fn message(seq: u64, payload: &[u8]) -> anyhow::Result<zeromq::ZmqMessage> {
 async fn measure(p: &Plan) -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let n = p.cycles.len();
+    // The engines' HTTP side: health checks and scrapes answered empty.
+    let stub = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("bind the engines' stub")?;
+    let stub_port = stub.local_addr().context("stub address")?.port();
+    let stub_task = tokio::spawn(async move {
+        let app = axum::Router::new().fallback(|| async { "" });
+        let _ = axum::serve(stub, app).await;
+    });
     let mut socks = Vec::with_capacity(n);
     let mut sources = Vec::with_capacity(n);
     let mut urls = Vec::with_capacity(n);
     for e in 0..n {
         let mut s = zeromq::PubSocket::new();
         let ep = s.bind("tcp://127.0.0.1:0").await.with_context(|| format!("engine {e}: bind a PUB socket"))?;
-        // Workers nobody serves: the router only subscribes to their events here.
-        let url = format!("http://127.0.0.1:9/engine-{e}");
+        let url = format!("http://127.0.0.1:{stub_port}/engine-{e}");
         sources.push(kvroute_gateway::config::KvEventSource {
             worker: url.clone(),
             endpoint: ep.to_string(),
@@ -132,6 +148,7 @@ async fn measure(p: &Plan) -> anyhow::Result<()> {
     let result = drive(&target, &mut socks).await;
     stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
+    stub_task.abort();
     result
 }
 
@@ -158,12 +175,60 @@ async fn drive(t: &Target<'_>, socks: &mut [zeromq::PubSocket]) -> anyhow::Resul
         }
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let before = scrape(client, router, token).await?;
-    let per_sec = p.rate / p.block_events_per_batch as f64;
     let phase = Duration::from_secs_f64(p.seconds);
+    let (cpu0, wall0) = (process_cpu(), Instant::now());
+    let quiet = decisions(t, Instant::now() + phase).await?;
+    let quiet_cores = (process_cpu() - cpu0) / wall0.elapsed().as_secs_f64();
+    let before = scrape(client, router, token).await?;
+    let (cpu0, start) = (process_cpu(), Instant::now());
+    let (sent, loaded) = tokio::join!(publish(p, socks, &mut seq, start + phase), decisions(t, start + phase));
+    let (sent, loaded) = (sent?, loaded?);
+    let elapsed = start.elapsed().as_secs_f64();
+    let loaded_cores = (process_cpu() - cpu0) / elapsed;
+    let at_end = scrape(client, router, token).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let drained = scrape(client, router, token).await?;
+    let per = p.block_events_per_batch as f64;
+    let offered = sent as f64 * per / elapsed;
+    let applied = (at_end.applied() - before.applied()) as f64 * per / elapsed;
+    let total = drained.applied() - before.applied();
+    let (gaps, errors) = (drained.gaps - before.gaps, drained.errors - before.errors);
+    let q = |h: &hdrhistogram::Histogram<u64>| (h.value_at_quantile(0.5), h.value_at_quantile(0.99), h.max(), h.len());
+    let ((q50, q99, qmax, qn), (l50, l99, lmax, ln)) = (q(&quiet), q(&loaded));
+    if p.json {
+        let o = serde_json::json!({"zmq": true, "engines": n, "seconds": elapsed,
+            "offered_block_events_per_s": offered, "applied_block_events_per_s": applied,
+            "batches_sent": sent, "batches_applied_after_2s": total, "gaps": gaps, "errors": errors,
+            "decision_alone": {"p50_ns": q50, "p99_ns": q99, "max_ns": qmax, "decisions": qn, "process_cores": quiet_cores},
+            "decision_while_ingesting": {"p50_ns": l50, "p99_ns": l99, "max_ns": lmax, "decisions": ln,
+                "process_cores": loaded_cores}});
+        println!("{o}");
+        return Ok(());
+    }
+    println!("{n} engines publishing through ZeroMQ to a router in this process, {elapsed:.1} s");
+    println!("offered                {offered:>12.0} block events/s ({sent} batches)");
+    println!("applied by the router  {applied:>12.0} block events/s during the phase");
+    println!("applied 2 s later      {total:>12} batches of {sent} sent; sequence gaps {gaps}, malformed {errors}");
+    println!("POST /debug/route        p50_ns     p99_ns      max_ns  decisions  process CPU (cores)");
+    println!("  before publishing  {q50:>11} {q99:>10} {qmax:>11} {qn:>10} {quiet_cores:>20.2}");
+    println!("  while publishing   {l50:>11} {l99:>10} {lmax:>11} {ln:>10} {loaded_cores:>20.2}");
+    Ok(())
+}
+
+/// CPU seconds this process has used (router, publishers and stub together).
+fn process_cpu() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+/// Publishes every engine's cycle in turn, paced to the offered rate, until `until`;
+/// the batches sent.
+async fn publish(p: &Plan, socks: &mut [zeromq::PubSocket], seq: &mut [u64], until: Instant) -> anyhow::Result<u64> {
+    let (n, cycle_len) = (socks.len(), p.cycles.first().map_or(0, Vec::len).max(1));
+    let per_sec = p.rate / p.block_events_per_batch as f64;
     let start = Instant::now();
     let (mut sent, mut e) = (0u64, 0usize);
-    while start.elapsed() < phase {
+    while Instant::now() < until {
         let due = (start.elapsed().as_secs_f64() * per_sec) as u64;
         while sent < due {
             let round = (seq[e] as usize - 1) % cycle_len;
@@ -174,27 +239,48 @@ async fn drive(t: &Target<'_>, socks: &mut [zeromq::PubSocket]) -> anyhow::Resul
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let elapsed = start.elapsed().as_secs_f64();
-    let at_end = scrape(client, router, token).await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let drained = scrape(client, router, token).await?;
-    let per = p.block_events_per_batch as f64;
-    let offered = sent as f64 * per / elapsed;
-    let applied = (at_end.applied() - before.applied()) as f64 * per / elapsed;
-    let total = drained.applied() - before.applied();
-    let (gaps, errors) = (drained.gaps - before.gaps, drained.errors - before.errors);
-    if p.json {
-        let o = serde_json::json!({"zmq": true, "engines": n, "seconds": elapsed,
-            "offered_block_events_per_s": offered, "applied_block_events_per_s": applied,
-            "batches_sent": sent, "batches_applied_after_2s": total, "gaps": gaps, "errors": errors});
-        println!("{o}");
-        return Ok(());
+    Ok(sent)
+}
+
+/// Asks the router's `/debug/route` for the probe's decision, one request after another,
+/// until `until`; each round trip's time. The first answer must have found the shared
+/// prompt cached (the decision read the engines' events).
+async fn decisions(t: &Target<'_>, until: Instant) -> anyhow::Result<hdrhistogram::Histogram<u64>> {
+    let body = serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": t.plan.probe, "max_tokens": 1}))
+        .context("the probe's body")?;
+    let url = format!("{}/debug/route", t.router);
+    let mut h = hdrhistogram::Histogram::<u64>::new(3).context("histogram")?;
+    let mut checked = false;
+    while Instant::now() < until {
+        let start = Instant::now();
+        let r = t
+            .client
+            .post(&url)
+            .bearer_auth(t.token)
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await
+            .context("POST /debug/route")?;
+        let status = r.status();
+        let text = r.text().await.context("POST /debug/route")?;
+        let _ = h.record(start.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64);
+        if !status.is_success() {
+            bail!("POST /debug/route: {status}: {text}");
+        }
+        if !checked {
+            let v: serde_json::Value = serde_json::from_str(&text).context("a /debug/route answer")?;
+            if v["matched"].as_u64() < Some(t.plan.probe_cached) {
+                bail!(
+                    "the decision found {} of the probe's {} shared tokens cached: {text}",
+                    v["matched"],
+                    t.plan.probe_cached
+                );
+            }
+            checked = true;
+        }
     }
-    println!("{n} engines publishing through ZeroMQ to a router in this process, {elapsed:.1} s");
-    println!("offered                {offered:>12.0} block events/s ({sent} batches)");
-    println!("applied by the router  {applied:>12.0} block events/s during the phase");
-    println!("applied 2 s later      {total:>12} batches of {sent} sent; sequence gaps {gaps}, malformed {errors}");
-    Ok(())
+    Ok(h)
 }
 
 /// Waits for the router, then for its SUB sockets to join ours (a PUB drops what it sends

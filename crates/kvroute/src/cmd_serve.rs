@@ -219,6 +219,9 @@ pub struct Args {
     /// Startup parity check of each KV-event worker (true/false; default true).
     #[arg(long, env = "KVROUTE_KV_PARITY_CHECK")]
     pub kv_parity_check: Option<bool>,
+    /// Threads of the KV-event subscribers, apart from the requests' (1 to 64; default 1).
+    #[arg(long, env = "KVROUTE_KV_EVENT_THREADS")]
+    pub kv_event_threads: Option<u16>,
     /// Track what each llama.cpp slot holds and name each request's slot (`id_slot`):
     /// `auto` (default: per worker, on when a probe at join finds no host-memory prompt
     /// cache, i.e. `--cache-ram 0`), `true` or `false`.
@@ -343,6 +346,7 @@ fn scalar_flags(a: &Args, cfg: &mut GatewayConfig) {
         policy_copies,
         kv_predict_window_secs,
         kv_parity_check,
+        kv_event_threads,
         llama_slot_routing,
         tenant_isolation,
         engine_cache_salt,
