@@ -276,8 +276,9 @@ fn spawn_background(
 /// of their own, `kv_event_threads` threads (one by default): however fast engines publish,
 /// ingestion takes at most that many cores and the operating system shares the rest with
 /// the requests. On the request runtime, 1,024 subscribers' tasks queued ahead of the
-/// requests' (`kvroute bench kv-events --zmq`: decisions 3–6 ms p50 at 1.2 M block events/s
-/// on two cores, 1.7 ms apart). Nothing to run without KV-event sources.
+/// requests' (`kvroute bench kv-events --zmq`, two cores: decisions 2.6–7.3 ms p50 at 1.2 M
+/// block events/s, 1.3–1.6 ms with the subscribers apart). Nothing to run without KV-event
+/// sources.
 fn spawn_kv_ingestion(
     state: &Arc<AppState>,
     cancel: &tokio_util::sync::CancellationToken,
