@@ -317,10 +317,12 @@ fn decode_array_event(rd: &mut &[u8], stats: &mut DecodeStats) -> Result<Option<
         "AllBlocksCleared" => KvEvent::AllBlocksCleared,
         _ => {
             stats.unknown_events += 1;
-            KvEvent::AllBlocksCleared
+            for _ in 1..n {
+                skip(rd)?;
+            }
+            return Ok(None);
         }
     };
-    let known = matches!(tag, "BlockStored" | "BlockRemoved" | "AllBlocksCleared");
     if n < 2 && !matches!(ev, KvEvent::AllBlocksCleared) {
         return err("block_hashes: expected an array");
     }
@@ -343,7 +345,7 @@ fn decode_array_event(rd: &mut &[u8], stats: &mut DecodeStats) -> Result<Option<
             }
         }
     }
-    Ok(known.then_some(ev))
+    Ok(Some(ev))
 }
 
 fn decode_map_event(rd: &mut &[u8], stats: &mut DecodeStats) -> Result<Option<KvEvent>, DecodeError> {

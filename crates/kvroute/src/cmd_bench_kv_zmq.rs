@@ -38,6 +38,13 @@ pub struct Plan {
     pub json: bool,
 }
 
+impl Plan {
+    /// Batches in each engine's cycle (at least 1).
+    fn cycle_len(&self) -> usize {
+        self.cycles.first().map_or(0, Vec::len).max(1)
+    }
+}
+
 /// Runs the end-to-end measurement.
 pub fn run(p: &Plan) -> anyhow::Result<()> {
     if !(p.rate.is_finite() && p.rate >= 1.0) {
@@ -61,14 +68,15 @@ impl Counters {
     }
 }
 
-/// The value of a Prometheus text line `name{worker="URL"} value`, by URL.
+/// The router's KV-event counters from its Prometheus text (`name{worker="URL"} value`
+/// lines): batches applied per worker URL, gaps and errors summed.
 fn parse_counters(text: &str) -> Counters {
     let mut c = Counters::default();
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let Some((series, value)) = line.rsplit_once(' ') else { continue };
         let Ok(v) = value.parse::<f64>() else { continue };
         let v = v.max(0.0) as u64;
-        let worker = series.split_once("worker=\"").and_then(|(_, r)| r.split_once('"')).map(|(w, _)| w);
+        let worker = series.split_once("worker=\"").and_then(|(_, r)| r.split_once("\"")).map(|(w, _)| w);
         if series.starts_with("kvroute_kv_event_batches_total{") {
             if let Some(w) = worker {
                 *c.batches.entry(w.to_string()).or_default() += v;
@@ -167,7 +175,7 @@ async fn drive(t: &Target<'_>, socks: &mut [zeromq::PubSocket]) -> anyhow::Resul
     join(t, socks).await?;
     // One cycle of every engine, unpaced, then the timed phase at the offered rate.
     let mut seq = vec![1u64; n];
-    let cycle_len = p.cycles.first().map_or(0, Vec::len).max(1);
+    let cycle_len = p.cycle_len();
     for round in 0..cycle_len {
         for e in 0..n {
             socks[e].send(message(seq[e], &p.cycles[e][round])?).await.context("publish")?;
@@ -224,7 +232,7 @@ fn process_cpu() -> f64 {
 /// Publishes every engine's cycle in turn, paced to the offered rate, until `until`;
 /// the batches sent.
 async fn publish(p: &Plan, socks: &mut [zeromq::PubSocket], seq: &mut [u64], until: Instant) -> anyhow::Result<u64> {
-    let (n, cycle_len) = (socks.len(), p.cycles.first().map_or(0, Vec::len).max(1));
+    let (n, cycle_len) = (socks.len(), p.cycle_len());
     let per_sec = p.rate / p.block_events_per_batch as f64;
     let start = Instant::now();
     let (mut sent, mut e) = (0u64, 0usize);
