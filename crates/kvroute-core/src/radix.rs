@@ -58,10 +58,37 @@ impl TenantSet {
         }
         self.bits[w] |= 1 << b;
     }
+    /// Adds the ids `64 × word + b` for every bit `b` set in `bits`.
+    pub fn insert_word(&mut self, word: usize, bits: u64) {
+        if self.bits.len() <= word {
+            self.bits.resize(word + 1, 0);
+        }
+        self.bits[word] |= bits;
+    }
+    /// Removes `id` (nothing when it is not in the set).
+    pub fn remove(&mut self, id: WorkerId) {
+        let (w, b) = (id.index() / 64, id.index() % 64);
+        if let Some(x) = self.bits.get_mut(w) {
+            *x &= !(1 << b);
+        }
+    }
     /// Whether `id` is in the set.
     pub fn contains(&self, id: WorkerId) -> bool {
         let (w, b) = (id.index() / 64, id.index() % 64);
         self.bits.get(w).is_some_and(|x| x & (1 << b) != 0)
+    }
+    /// The ids in `self` and not in `other`, ascending. O(ids / 64 + answers).
+    pub fn difference<'a>(&'a self, other: &'a TenantSet) -> impl Iterator<Item = WorkerId> + 'a {
+        self.bits.iter().enumerate().flat_map(move |(w, &x)| {
+            let mut left = x & !other.bits.get(w).copied().unwrap_or(0);
+            std::iter::from_fn(move || {
+                (left != 0).then(|| {
+                    let b = left.trailing_zeros() as usize;
+                    left &= left - 1;
+                    WorkerId((w * 64 + b).min(u32::MAX as usize) as u32)
+                })
+            })
+        })
     }
 }
 
@@ -411,6 +438,18 @@ impl<S: Symbol> RadixTree<S> {
     /// kept between slices (one O(n) scan per pass, not per slice); a pair used or split
     /// since is skipped, and the order is rebuilt once when it runs out.
     pub fn evict_toward(&mut self, budget_symbols: usize, max_pairs: usize) -> usize {
+        self.evict_toward_noting(budget_symbols, max_pairs, |_| {})
+    }
+
+    /// [`RadixTree::evict_toward`], calling `shrunk(t)` for every tenant `t` a pair is
+    /// evicted from (once per pair, so a tenant may come more than once), for a caller that
+    /// keeps something derived from [`RadixTree::tenant_size`].
+    pub fn evict_toward_noting(
+        &mut self,
+        budget_symbols: usize,
+        max_pairs: usize,
+        mut shrunk: impl FnMut(WorkerId),
+    ) -> usize {
         if self.total <= budget_symbols {
             return 0;
         }
@@ -445,6 +484,7 @@ impl<S: Symbol> RadixTree<S> {
             evicted += 1;
             let parent = self.nodes[n as usize].parent;
             freed += self.drop_tenant_at(n, t);
+            shrunk(t);
             if parent != ROOT
                 && self.is_leaf_for(parent, t)
                 && let Ok(p) = self.nodes[parent as usize].tenant_pos(t)

@@ -531,3 +531,81 @@ proptest! {
         }
     }
 }
+
+/// An operation on a prefix tree set: insert a key for a worker, evict to a budget, or
+/// remove a worker.
+#[derive(Debug, Clone)]
+enum TreeOp {
+    Insert(Vec<u8>, u32, bool),
+    Evict(usize, usize),
+    Remove(u32),
+}
+
+fn tree_op() -> impl Strategy<Value = TreeOp> {
+    prop_oneof![
+        // Short keys, so that workers often hold the same number of symbols.
+        6 => (prop_oneof![prop::collection::vec(0u8..2, 0..3), prop::collection::vec(0u8..3, 0..6)], 0u32..10, any::<bool>())
+            .prop_map(|(k, w, text)| TreeOp::Insert(k, w, text)),
+        1 => (0usize..60, 1usize..8).prop_map(|(b, m)| TreeOp::Evict(b, m)),
+        1 => (0u32..10).prop_map(TreeOp::Remove),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// SGLang router cache_aware and Ray Serve PrefixCacheAffinityRouter send a request that
+    /// matches little to the smallest tree. The trees keep their tenants ordered by size
+    /// through inserts (text and token keys), evictions and removals, and the smallest
+    /// routable candidates read from that order are the ones a pass over every candidate
+    /// finds — in the same order, with the same least loaded among them — for fleets in id
+    /// order and not, some unroutable, some precise: fleets of up to 8 workers, where every
+    /// routable one often holds something, and of 80–120, where more hold nothing than the
+    /// order is read for.
+    #[test]
+    fn the_smallest_trees_from_the_kept_order_are_the_pass_s(
+        ops in prop::collection::vec(tree_op(), 0..60),
+        fleet in prop_oneof![
+            prop::collection::vec((0u32..4, 0u8..3, any::<bool>()), 1..8),
+            prop::collection::vec((0u32..4, 0u8..8, any::<bool>()), 80..120),
+        ],
+        precise in any::<bool>(),
+        shuffle in any::<bool>(),
+    ) {
+        use kvroute_core::policy::util::{FleetScan, PrefixKey, PrefixTrees, argmin_by, fewest_symbols, least_loaded_at};
+        let mut trees = PrefixTrees::default();
+        for (i, op) in ops.iter().enumerate() {
+            match op {
+                TreeOp::Insert(k, w, text) if !k.is_empty() => {
+                    let tokens: Vec<u32> = k.iter().map(|&b| u32::from(b)).collect();
+                    let key = if *text { PrefixKey::Text(k) } else { PrefixKey::Tokens(&tokens) };
+                    trees.insert(key, WorkerId(*w), Nanos(i as u64));
+                }
+                TreeOp::Insert(..) => {}
+                TreeOp::Evict(budget, pairs) => { trees.evict_to(*budget, *pairs); }
+                TreeOp::Remove(w) => trees.remove_tenant(WorkerId(*w)),
+            }
+            prop_assert_eq!(trees.check_size_order(), Ok(()));
+        }
+        let mut views: Vec<WorkerView> = fleet.iter().enumerate().map(|(i, &(load, health, cached))| {
+            let mut w = WorkerView::idle(WorkerId(i as u32));
+            w.in_flight = load;
+            if health == 0 {
+                w.health = Health::Unhealthy;
+            }
+            w.cached_tokens = (precise && cached).then_some(7);
+            w
+        }).collect();
+        if shuffle {
+            views.reverse();
+        }
+        let req = RequestView::from_text("m", "x");
+        let scan = FleetScan::of(&views, &req);
+        let at = fewest_symbols(&trees, &views, &scan);
+        let ids: Vec<WorkerId> = at.iter().map(|&i| views[i as usize].id).collect();
+        let pass = argmin_by(&views, |_| true, |w| trees.tenant_size(w.id));
+        prop_assert_eq!(&ids, &pass.to_vec());
+        let pass = argmin_by(&views, |_| true, |w| (trees.tenant_size(w.id), w.load()));
+        prop_assert_eq!(least_loaded_at(&views, &at).to_vec(), pass.to_vec());
+    }
+}

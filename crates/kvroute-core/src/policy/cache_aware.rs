@@ -13,7 +13,8 @@
 //!      loaded (rotation among ties). Branch `high_match`;
 //!    - otherwise: the worker with the smallest tree (most free cache), ties broken by load
 //!      and then by rotation, so a miss does not always land on the first worker. Branch
-//!      `low_match`;
+//!      `low_match`. The trees keep their tenants ordered by size, so this reads the
+//!      smallest few instead of every worker ([`crate::policy::util::fewest_symbols`]);
 //!    - a request with no key: least load. Branch `no_prefix`.
 //!
 //!    A worker that publishes KV events ([`WorkerView::cached_tokens`] set) is matched by
@@ -33,7 +34,9 @@
 //! | `eviction_interval_secs` | 60 | seconds (SGLang's `eviction_interval`) |
 //! | `max_tree_size` | 16,777,216 | symbols (UTF-8 bytes of text, tokens or blocks; SGLang counts characters per worker) |
 
-use crate::policy::util::{BestMatch, FleetScan, PrefixKey, PrefixTrees, Rotation, argmin_by, rotate};
+use crate::policy::util::{
+    BestMatch, FleetScan, PrefixKey, PrefixTrees, Rotation, argmin_by, fewest_symbols, least_loaded_at, rotate,
+};
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -136,8 +139,9 @@ impl Policy for CacheAware {
         let (w, branch) = if m.rate > self.cfg.cache_threshold && !m.holders.is_empty() {
             (rotate(&m.least_loaded_holders(c), &self.rotation), Branch::HighMatch)
         } else {
-            let trees = &self.trees;
-            let tied = argmin_by(c, |_| true, |w| (trees.tenant_size(w.id), w.load()));
+            // The smallest trees from their kept order, then the least loaded of those:
+            // the least (tree size, load), as a pass over every candidate would find.
+            let tied = least_loaded_at(c, &fewest_symbols(&self.trees, c, &scan));
             (rotate(&tied, &self.rotation), Branch::LowMatch)
         };
         let w = w.ok_or(RouteError::NoWorker)?;

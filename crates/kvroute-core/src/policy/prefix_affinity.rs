@@ -33,7 +33,7 @@
 //! | `eviction_interval_secs` | 10 | seconds |
 
 use crate::policy::util::{
-    BestMatch, FleetScan, PrefixKey, PrefixTrees, argmin_by, power_of_two, power_of_two_routable,
+    BestMatch, FleetScan, PrefixKey, PrefixTrees, fewest_symbols, power_of_two, power_of_two_at, power_of_two_routable,
 };
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
@@ -90,6 +90,16 @@ impl PrefixAffinityConfig {
     }
 }
 
+/// The workers a decision draws its two from (Power of Two Choices).
+enum Draw {
+    /// Every routable candidate.
+    Routable,
+    /// These, by id.
+    Ids(SmallVec<[WorkerId; 16]>),
+    /// The candidates at these positions.
+    At(SmallVec<[u32; 8]>),
+}
+
 /// The `prefix_affinity` policy.
 #[derive(Debug, Default, Clone)]
 pub struct PrefixAffinity {
@@ -121,27 +131,25 @@ impl Policy for PrefixAffinity {
         let scan = FleetScan::of(c, req);
         let (lowest, highest) = scan.load_range.ok_or(RouteError::NoWorker)?;
         let key = PrefixKey::of(req);
-        // `None`: every routable worker is a candidate (drawn from by position).
-        let (set, branch, matched): (Option<SmallVec<[WorkerId; 16]>>, Branch, Option<BestMatch>) =
-            if highest - lowest > self.cfg.imbalanced_threshold {
-                (None, Branch::Imbalanced, None)
-            } else if let Some(key) = key {
-                let m = BestMatch::with_scan(&self.trees, key, req, c, &scan);
-                if m.rate < self.cfg.match_rate_threshold {
-                    let trees = &self.trees;
-                    let smallest = argmin_by(c, |_| true, |w| trees.tenant_size(w.id));
-                    (Some(smallest.into_iter().collect()), Branch::LowMatch, None)
-                } else if m.holders.is_empty() {
-                    (None, Branch::NoPrefix, None)
-                } else {
-                    (Some(m.holders.iter().copied().collect()), Branch::HighMatch, Some(m))
-                }
+        let (draw, branch, matched) = if highest - lowest > self.cfg.imbalanced_threshold {
+            (Draw::Routable, Branch::Imbalanced, None)
+        } else if let Some(key) = key {
+            let m = BestMatch::with_scan(&self.trees, key, req, c, &scan);
+            if m.rate < self.cfg.match_rate_threshold {
+                // The smallest trees, from the trees' kept size order.
+                (Draw::At(fewest_symbols(&self.trees, c, &scan)), Branch::LowMatch, None)
+            } else if m.holders.is_empty() {
+                (Draw::Routable, Branch::NoPrefix, None)
             } else {
-                (None, Branch::NoPrefix, None)
-            };
-        let w = match &set {
-            Some(set) => power_of_two(set, c, ctx.rng),
-            None => power_of_two_routable(c, ctx.rng),
+                (Draw::Ids(m.holders.iter().copied().collect()), Branch::HighMatch, Some(m))
+            }
+        } else {
+            (Draw::Routable, Branch::NoPrefix, None)
+        };
+        let w = match &draw {
+            Draw::Routable => power_of_two_routable(c, ctx.rng),
+            Draw::Ids(set) => power_of_two(set, c, ctx.rng),
+            Draw::At(at) => power_of_two_at(c, at, ctx.rng),
         }
         .ok_or(RouteError::NoWorker)?;
         let d = Decision::new(w, branch);

@@ -5,6 +5,7 @@ use crate::policy::{MatchUnit, Rng};
 use crate::radix::{PrefixMatch, RadixTree, TenantSet};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use smallvec::SmallVec;
+use std::collections::BTreeSet;
 
 /// The prefix key of a request, in the best form it carries: routing text (bytes), else
 /// token ids, else precomputed block hashes.
@@ -57,11 +58,23 @@ impl<'a> PrefixKey<'a> {
 /// One radix tree per key kind (text bytes, token ids, block hashes), so a router whose
 /// requests carry different kinds of keys never compares a byte with a token. In practice
 /// one kind is used per deployment; sizes and budgets are summed over the three.
+///
+/// Beside the trees it keeps the tenants ordered by the symbols they hold, updated by every
+/// insert, eviction and removal (O(log tenants) each), so the tenant with the smallest
+/// tree — where SGLang router cache_aware and Ray Serve PrefixCacheAffinityRouter send a
+/// request that matches little — is found without a pass over the fleet
+/// ([`fewest_symbols`]).
 #[derive(Debug, Default, Clone)]
 pub struct PrefixTrees {
     text: RadixTree<u8>,
     tokens: RadixTree<u32>,
     blocks: RadixTree<BlockHash>,
+    /// `(symbols held over the three trees, tenant)` for every tenant holding at least one.
+    by_size: BTreeSet<(usize, WorkerId)>,
+    /// The size each tenant has in `by_size`, by [`WorkerId::index`] (0: not in it).
+    sized: Vec<usize>,
+    /// The tenants in `by_size`.
+    held: TenantSet,
 }
 
 impl PrefixTrees {
@@ -73,13 +86,14 @@ impl PrefixTrees {
             PrefixKey::Blocks(k) => self.blocks.prefix_match(k, allowed),
         }
     }
-    /// Records that `tenant` holds `key` at `now`. O(len(key)).
+    /// Records that `tenant` holds `key` at `now`. O(len(key) + log tenants).
     pub fn insert(&mut self, key: PrefixKey<'_>, tenant: WorkerId, now: Nanos) {
         match key {
             PrefixKey::Text(k) => self.text.insert(k, tenant, now),
             PrefixKey::Tokens(k) => self.tokens.insert(k, tenant, now),
             PrefixKey::Blocks(k) => self.blocks.insert(k, tenant, now),
         }
+        self.resized(tenant);
     }
     /// Symbols `tenant` holds over all trees. O(1).
     pub fn tenant_size(&self, tenant: WorkerId) -> usize {
@@ -93,12 +107,18 @@ impl PrefixTrees {
     /// `max_pairs` (tenant, leaf) pairs per tree in this call; returns whether the trees are
     /// still over budget (call again, after releasing any lock).
     pub fn evict_to(&mut self, budget: usize, max_pairs: usize) -> bool {
+        let mut shrunk: Vec<WorkerId> = Vec::new();
         let others = self.tokens.total_size() + self.blocks.total_size();
-        self.text.evict_toward(budget.saturating_sub(others), max_pairs);
+        self.text.evict_toward_noting(budget.saturating_sub(others), max_pairs, |t| shrunk.push(t));
         let others = self.text.total_size() + self.blocks.total_size();
-        self.tokens.evict_toward(budget.saturating_sub(others), max_pairs);
+        self.tokens.evict_toward_noting(budget.saturating_sub(others), max_pairs, |t| shrunk.push(t));
         let others = self.text.total_size() + self.tokens.total_size();
-        self.blocks.evict_toward(budget.saturating_sub(others), max_pairs);
+        self.blocks.evict_toward_noting(budget.saturating_sub(others), max_pairs, |t| shrunk.push(t));
+        shrunk.sort_unstable();
+        shrunk.dedup();
+        for t in shrunk {
+            self.resized(t);
+        }
         self.total_size() > budget
     }
     /// Forgets `tenant` everywhere.
@@ -106,7 +126,131 @@ impl PrefixTrees {
         self.text.remove_tenant(tenant);
         self.tokens.remove_tenant(tenant);
         self.blocks.remove_tenant(tenant);
+        self.resized(tenant);
     }
+
+    /// Brings `tenant`'s place in the size order up to date. O(log tenants).
+    fn resized(&mut self, tenant: WorkerId) {
+        let now = self.tenant_size(tenant);
+        let i = tenant.index();
+        if self.sized.len() <= i {
+            self.sized.resize(i + 1, 0);
+        }
+        let was = std::mem::replace(&mut self.sized[i], now);
+        if was == now {
+            return;
+        }
+        if was > 0 {
+            self.by_size.remove(&(was, tenant));
+        }
+        if now > 0 {
+            self.by_size.insert((now, tenant));
+            self.held.insert(tenant);
+        } else {
+            self.held.remove(tenant);
+        }
+    }
+
+    /// Whether the size order is each tenant's [`PrefixTrees::tenant_size`]; for tests.
+    ///
+    /// # Errors
+    /// The first tenant whose place is wrong.
+    #[doc(hidden)]
+    pub fn check_size_order(&self) -> Result<(), String> {
+        for (i, &kept) in self.sized.iter().enumerate() {
+            let t = WorkerId(i.min(u32::MAX as usize) as u32);
+            let (size, listed) = (self.tenant_size(t), self.by_size.contains(&(kept, t)));
+            if size != kept || (kept > 0) != listed || (kept > 0) != self.held.contains(t) {
+                return Err(format!("{t:?}: holds {size}, kept as {kept} (listed {listed})"));
+            }
+        }
+        let sized = self.sized.iter().filter(|&&s| s > 0).count();
+        if self.by_size.len() != sized {
+            return Err(format!("{} tenants listed, {sized} holding something", self.by_size.len()));
+        }
+        Ok(())
+    }
+}
+
+/// Most candidates [`fewest_symbols`] looks at in its kept order (tied at the least size,
+/// or skipped as not routable candidates) before it falls back to a pass over the fleet:
+/// this many, or a sixteenth of the candidates when that is more (each one looked at costs
+/// a lookup by id, a few times what the pass spends on a worker).
+pub const FEWEST_ORDER_LIMIT: usize = 64;
+
+/// The positions in `c` of the routable candidates holding the fewest symbols in `trees`
+/// ([`PrefixTrees::tenant_size`], 0 for a worker the trees do not know), in candidate order:
+/// what a pass computing every candidate's size finds, taken from the trees' kept size order
+/// when every routable candidate is approximate and the candidates are in id order (`scan`
+/// is [`FleetScan::of`] `c`). Then O(ties × log workers) instead of O(workers); the pass
+/// otherwise, or when more than [`FEWEST_ORDER_LIMIT`] (or a sixteenth of the candidates)
+/// tie or are skipped.
+/// Empty when no candidate is routable.
+pub fn fewest_symbols(trees: &PrefixTrees, c: &[WorkerView], scan: &FleetScan) -> SmallVec<[u32; 8]> {
+    if let Some(at) = fewest_by_order(trees, c, scan) {
+        return at;
+    }
+    let mut best = usize::MAX;
+    let mut out = SmallVec::new();
+    for (i, w) in c.iter().enumerate().filter(|(_, w)| w.is_routable()) {
+        let size = trees.tenant_size(w.id);
+        if size < best {
+            best = size;
+            out.clear();
+        }
+        if size == best {
+            out.push(i.min(u32::MAX as usize) as u32);
+        }
+    }
+    out
+}
+
+/// [`fewest_symbols`] from the kept order, or `None` where it does not apply.
+fn fewest_by_order(trees: &PrefixTrees, c: &[WorkerView], scan: &FleetScan) -> Option<SmallVec<[u32; 8]>> {
+    if scan.any_precise || !scan.by_id || scan.load_range.is_none() {
+        return None;
+    }
+    let limit = FEWEST_ORDER_LIMIT.max(c.len() / 16);
+    // Every routable candidate is in `approx`; the candidates are sorted by id, and where
+    // ids are positions (a fleet numbered from 0 with none removed) found at once.
+    let at = |id: WorkerId| {
+        let i = match c.get(id.index()) {
+            Some(w) if w.id == id => id.index(),
+            _ => c.binary_search_by_key(&id, |w| w.id).ok()?,
+        };
+        Some(i.min(u32::MAX as usize) as u32)
+    };
+    let mut out: SmallVec<[u32; 8]> = SmallVec::new();
+    // Routable candidates holding nothing: size 0, the least there is.
+    for id in scan.approx.difference(&trees.held) {
+        if out.len() == limit {
+            return None;
+        }
+        out.push(at(id)?);
+    }
+    if !out.is_empty() {
+        return Some(out);
+    }
+    let (mut least, mut skipped) = (None, 0);
+    for &(size, id) in &trees.by_size {
+        if least.is_some_and(|l| size > l) {
+            break;
+        }
+        if !scan.approx.contains(id) {
+            skipped += 1;
+            if skipped > limit {
+                return None;
+            }
+            continue;
+        }
+        if out.len() == limit {
+            return None;
+        }
+        least = Some(size);
+        out.push(at(id)?);
+    }
+    // A routable candidate exists and holds something, so one was found.
+    (!out.is_empty()).then_some(out)
 }
 
 /// One pass over the candidates, what the prefix policies (SGLang router cache_aware, Ray
@@ -138,6 +282,10 @@ impl FleetScan {
         let (mut lo, mut hi, mut routable) = (u32::MAX, 0u32, false);
         let (mut best_precise, mut any_precise, mut by_id) = (0.0_f64, false, true);
         let mut last: Option<WorkerId> = None;
+        // `approx` is filled a word at a time: the ids of a run of candidates within one
+        // word are gathered in a register (one store per word, not a load and a store per
+        // id, each waiting on the last).
+        let (mut word, mut bits) = (0usize, 0u64);
         for w in c {
             by_id &= last.is_none_or(|l| l < w.id);
             last = Some(w.id);
@@ -152,8 +300,18 @@ impl FleetScan {
                     any_precise = true;
                     best_precise = best_precise.max(precise_rate(t, input));
                 }
-                None => approx.insert(w.id),
+                None => {
+                    let (at, bit) = (w.id.index() / 64, w.id.index() % 64);
+                    if at != word && bits != 0 {
+                        approx.insert_word(word, bits);
+                        bits = 0;
+                    }
+                    (word, bits) = (at, bits | 1 << bit);
+                }
             }
+        }
+        if bits != 0 {
+            approx.insert_word(word, bits);
         }
         FleetScan { load_range: routable.then_some((lo, hi)), approx, best_precise, any_precise, by_id }
     }
@@ -284,6 +442,12 @@ pub fn argmin_by<K: Ord + Copy>(
     argmin_of(candidates.iter().filter(|w| w.is_routable() && keep(w)), key)
 }
 
+/// The least loaded ([`WorkerView::load`]) of the candidates at positions `at` of `c` (all
+/// of them when tied), in the order of `at`. O(len(at)).
+pub fn least_loaded_at(c: &[WorkerView], at: &[u32]) -> SmallVec<[WorkerId; 8]> {
+    argmin_of(at.iter().filter_map(|&i| c.get(i as usize)), WorkerView::load)
+}
+
 /// The workers of `views` minimising `key`, in their order.
 fn argmin_of<'a, K: Ord + Copy>(
     views: impl Iterator<Item = &'a WorkerView>,
@@ -354,11 +518,19 @@ pub fn power_of_two_routable(candidates: &[WorkerView], rng: Rng<'_>) -> Option<
         .filter(|(_, w)| w.is_routable())
         .map(|(i, _)| i.min(u32::MAX as usize) as u32)
         .collect();
-    let view = |i: usize| &candidates[at[i] as usize];
+    power_of_two_at(candidates, &at, rng)
+}
+
+/// [`power_of_two`] over the candidates at positions `at` of `candidates` (distinct, in
+/// range): the same draws and the same choice as over their ids, the drawn views read by
+/// position. `None` when `at` is empty.
+pub fn power_of_two_at(candidates: &[WorkerView], at: &[u32], rng: Rng<'_>) -> Option<WorkerId> {
+    let view = |i: usize| candidates.get(at[i] as usize);
     let (a, b) = two_draws(at.len(), rng)?;
-    Some(match b {
-        Some(b) if view(b).load() < view(a).load() => view(b).id,
-        _ => view(a).id,
+    let first = view(a)?;
+    Some(match b.and_then(view) {
+        Some(second) if second.load() < first.load() => second.id,
+        _ => first.id,
     })
 }
 
