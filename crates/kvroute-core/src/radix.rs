@@ -79,17 +79,25 @@ impl TenantSet {
     }
     /// The ids in `self` and not in `other`, ascending. O(ids / 64 + answers).
     pub fn difference<'a>(&'a self, other: &'a TenantSet) -> impl Iterator<Item = WorkerId> + 'a {
-        self.bits.iter().enumerate().flat_map(move |(w, &x)| {
-            let mut left = x & !other.bits.get(w).copied().unwrap_or(0);
-            std::iter::from_fn(move || {
-                (left != 0).then(|| {
-                    let b = left.trailing_zeros() as usize;
-                    left &= left - 1;
-                    WorkerId((w * 64 + b).min(u32::MAX as usize) as u32)
-                })
+        ids_of_words(self.bits.iter().enumerate().map(move |(w, &x)| (w, x & !other.bits.get(w).copied().unwrap_or(0))))
+    }
+    /// The ids in the set, ascending. O(ids / 64 + answers).
+    pub fn iter(&self) -> impl Iterator<Item = WorkerId> + '_ {
+        ids_of_words(self.bits.iter().copied().enumerate())
+    }
+}
+
+/// The ids of the bits set in `(word index, word)` pairs, in their order.
+fn ids_of_words(words: impl Iterator<Item = (usize, u64)>) -> impl Iterator<Item = WorkerId> {
+    words.flat_map(|(w, mut left)| {
+        std::iter::from_fn(move || {
+            (left != 0).then(|| {
+                let b = left.trailing_zeros() as usize;
+                left &= left - 1;
+                WorkerId((w * 64 + b).min(u32::MAX as usize) as u32)
             })
         })
-    }
+    })
 }
 
 /// Result of [`RadixTree::prefix_match`].
@@ -696,6 +704,22 @@ mod tests {
         }
         assert_eq!(tree.prefix_match(b"prefix-1-001-tail", None).matched, "prefix-1-001-tail".len());
         assert!(tree.prefix_match(b"prefix-2-002-tail", None).matched < "prefix-2-002-tail".len());
+    }
+
+    #[test]
+    fn tenant_sets_list_their_ids_in_order_across_words() {
+        let ids = [0, 3, 63, 64, 130, 1000].map(WorkerId);
+        let mut set = TenantSet::new();
+        for &id in ids.iter().rev() {
+            set.insert(id);
+        }
+        set.insert_word(2, 1 << 5); // 133
+        assert_eq!(set.iter().map(|w| w.0).collect::<Vec<_>>(), [0, 3, 63, 64, 130, 133, 1000]);
+        set.remove(WorkerId(64));
+        set.remove(WorkerId(5000)); // not in it: nothing happens
+        let other = TenantSet::from_ids([WorkerId(3), WorkerId(1000), WorkerId(2000)]);
+        assert_eq!(set.difference(&other).map(|w| w.0).collect::<Vec<_>>(), [0, 63, 130, 133]);
+        assert_eq!(other.difference(&set).map(|w| w.0).collect::<Vec<_>>(), [2000]);
     }
 
     #[test]

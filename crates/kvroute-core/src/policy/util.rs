@@ -107,16 +107,15 @@ impl PrefixTrees {
     /// `max_pairs` (tenant, leaf) pairs per tree in this call; returns whether the trees are
     /// still over budget (call again, after releasing any lock).
     pub fn evict_to(&mut self, budget: usize, max_pairs: usize) -> bool {
-        let mut shrunk: Vec<WorkerId> = Vec::new();
+        // A set, not a list: a pass evicting millions of pairs notes each tenant once.
+        let mut shrunk = TenantSet::new();
         let others = self.tokens.total_size() + self.blocks.total_size();
-        self.text.evict_toward_noting(budget.saturating_sub(others), max_pairs, |t| shrunk.push(t));
+        self.text.evict_toward_noting(budget.saturating_sub(others), max_pairs, |t| shrunk.insert(t));
         let others = self.text.total_size() + self.blocks.total_size();
-        self.tokens.evict_toward_noting(budget.saturating_sub(others), max_pairs, |t| shrunk.push(t));
+        self.tokens.evict_toward_noting(budget.saturating_sub(others), max_pairs, |t| shrunk.insert(t));
         let others = self.text.total_size() + self.tokens.total_size();
-        self.blocks.evict_toward_noting(budget.saturating_sub(others), max_pairs, |t| shrunk.push(t));
-        shrunk.sort_unstable();
-        shrunk.dedup();
-        for t in shrunk {
+        self.blocks.evict_toward_noting(budget.saturating_sub(others), max_pairs, |t| shrunk.insert(t));
+        for t in shrunk.iter() {
             self.resized(t);
         }
         self.total_size() > budget
