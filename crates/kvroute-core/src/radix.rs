@@ -81,6 +81,11 @@ impl TenantSet {
     pub fn difference<'a>(&'a self, other: &'a TenantSet) -> impl Iterator<Item = WorkerId> + 'a {
         ids_of_words(self.bits.iter().enumerate().map(move |(w, &x)| (w, x & !other.bits.get(w).copied().unwrap_or(0))))
     }
+    /// How many ids are in `self` and not in `other`. O(ids / 64).
+    pub fn difference_len(&self, other: &TenantSet) -> usize {
+        let word = |w: usize| other.bits.get(w).copied().unwrap_or(0);
+        self.bits.iter().enumerate().map(|(w, &x)| (x & !word(w)).count_ones() as usize).sum()
+    }
     /// The ids in the set, ascending. O(ids / 64 + answers).
     pub fn iter(&self) -> impl Iterator<Item = WorkerId> + '_ {
         ids_of_words(self.bits.iter().copied().enumerate())
@@ -719,6 +724,8 @@ mod tests {
         set.remove(WorkerId(5000)); // not in it: nothing happens
         let other = TenantSet::from_ids([WorkerId(3), WorkerId(1000), WorkerId(2000)]);
         assert_eq!(set.difference(&other).map(|w| w.0).collect::<Vec<_>>(), [0, 63, 130, 133]);
+        assert_eq!(set.difference_len(&other), 4);
+        assert_eq!(other.difference_len(&set), 1);
         assert_eq!(other.difference(&set).map(|w| w.0).collect::<Vec<_>>(), [2000]);
     }
 

@@ -552,7 +552,7 @@ fn tree_op() -> impl Strategy<Value = TreeOp> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
 
     /// SGLang router cache_aware and Ray Serve PrefixCacheAffinityRouter send a request that
     /// matches little to the smallest tree. The trees keep their tenants ordered by size

@@ -14,7 +14,7 @@
 //!    - otherwise: the worker with the smallest tree (most free cache), ties broken by load
 //!      and then by rotation, so a miss does not always land on the first worker. Branch
 //!      `low_match`. The trees keep their tenants ordered by size, so this reads the
-//!      smallest few instead of every worker ([`crate::policy::util::fewest_symbols`]);
+//!      smallest few instead of every worker ([`crate::policy::util::fewest_by_order`]);
 //!    - a request with no key: least load. Branch `no_prefix`.
 //!
 //!    A worker that publishes KV events ([`WorkerView::cached_tokens`] set) is matched by
@@ -35,7 +35,7 @@
 //! | `max_tree_size` | 16,777,216 | symbols (UTF-8 bytes of text, tokens or blocks; SGLang counts characters per worker) |
 
 use crate::policy::util::{
-    BestMatch, FleetScan, PrefixKey, PrefixTrees, Rotation, argmin_by, fewest_symbols, least_loaded_at, rotate,
+    BestMatch, FleetScan, PrefixKey, PrefixTrees, Rotation, argmin_by, fewest_by_order, least_loaded_at, rotate,
 };
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
@@ -139,9 +139,14 @@ impl Policy for CacheAware {
         let (w, branch) = if m.rate > self.cfg.cache_threshold && !m.holders.is_empty() {
             (rotate(&m.least_loaded_holders(c), &self.rotation), Branch::HighMatch)
         } else {
-            // The smallest trees from their kept order, then the least loaded of those:
-            // the least (tree size, load), as a pass over every candidate would find.
-            let tied = least_loaded_at(c, &fewest_symbols(&self.trees, c, &scan));
+            // The least (tree size, load): the smallest trees from their kept order and the
+            // least loaded of those, or, where the order does not answer (thousands tied,
+            // say), one pass over both.
+            let trees = &self.trees;
+            let tied = match fewest_by_order(trees, c, &scan) {
+                Some(at) => least_loaded_at(c, &at),
+                None => argmin_by(c, |_| true, |w| (trees.tenant_size(w.id), w.load())),
+            };
             (rotate(&tied, &self.rotation), Branch::LowMatch)
         };
         let w = w.ok_or(RouteError::NoWorker)?;

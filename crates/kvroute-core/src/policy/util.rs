@@ -189,6 +189,11 @@ pub fn fewest_symbols(trees: &PrefixTrees, c: &[WorkerView], scan: &FleetScan) -
     if let Some(at) = fewest_by_order(trees, c, scan) {
         return at;
     }
+    fewest_by_pass(trees, c)
+}
+
+/// [`fewest_symbols`] by a pass over every routable candidate.
+fn fewest_by_pass(trees: &PrefixTrees, c: &[WorkerView]) -> SmallVec<[u32; 8]> {
     let mut best = usize::MAX;
     let mut out = SmallVec::new();
     for (i, w) in c.iter().enumerate().filter(|(_, w)| w.is_routable()) {
@@ -204,14 +209,48 @@ pub fn fewest_symbols(trees: &PrefixTrees, c: &[WorkerView], scan: &FleetScan) -
     out
 }
 
-/// [`fewest_symbols`] from the kept order, or `None` where it does not apply.
-fn fewest_by_order(trees: &PrefixTrees, c: &[WorkerView], scan: &FleetScan) -> Option<SmallVec<[u32; 8]>> {
+/// [`fewest_symbols`] from the trees' kept size order alone, or `None` where that does not
+/// apply — a precise candidate, candidates not in id order, none routable, or more than
+/// the limit tied or skipped — and a pass over the candidates is needed (a caller that
+/// wants the least loaded of the smallest then does better with one pass over both, as
+/// SGLang router cache_aware's low-match branch does: thousands may tie). The answer's
+/// workers are counted or gathered from the bitsets and the order first and looked up in
+/// `c` only once they are known to be few: at 16,384 workers the views outgrow the
+/// caches, and each lookup can cost more than the pass spends on a dozen workers.
+pub fn fewest_by_order(trees: &PrefixTrees, c: &[WorkerView], scan: &FleetScan) -> Option<SmallVec<[u32; 8]>> {
     if scan.any_precise || !scan.by_id || scan.load_range.is_none() {
         return None;
     }
     let limit = FEWEST_ORDER_LIMIT.max(c.len() / 16);
-    // Every routable candidate is in `approx`; the candidates are sorted by id, and where
-    // ids are positions (a fleet numbered from 0 with none removed) found at once.
+    let mut ids: SmallVec<[WorkerId; 8]> = SmallVec::new();
+    // Every routable candidate is in `approx`. Those holding nothing have size 0, the
+    // least there is.
+    match scan.approx.difference_len(&trees.held) {
+        0 => {
+            let (mut least, mut skipped) = (None, 0);
+            for &(size, id) in &trees.by_size {
+                if least.is_some_and(|l| size > l) {
+                    break;
+                }
+                if !scan.approx.contains(id) {
+                    skipped += 1;
+                    if skipped > limit {
+                        return None;
+                    }
+                    continue;
+                }
+                if ids.len() == limit {
+                    return None;
+                }
+                least = Some(size);
+                ids.push(id);
+            }
+        }
+        n if n <= limit => ids.extend(scan.approx.difference(&trees.held)),
+        _ => return None,
+    }
+    // The candidates are sorted by id; where ids are positions (a fleet numbered from 0
+    // with none removed) a worker is found at once.
     let at = |id: WorkerId| {
         let i = match c.get(id.index()) {
             Some(w) if w.id == id => id.index(),
@@ -219,37 +258,9 @@ fn fewest_by_order(trees: &PrefixTrees, c: &[WorkerView], scan: &FleetScan) -> O
         };
         Some(i.min(u32::MAX as usize) as u32)
     };
-    let mut out: SmallVec<[u32; 8]> = SmallVec::new();
-    // Routable candidates holding nothing: size 0, the least there is.
-    for id in scan.approx.difference(&trees.held) {
-        if out.len() == limit {
-            return None;
-        }
-        out.push(at(id)?);
-    }
-    if !out.is_empty() {
-        return Some(out);
-    }
-    let (mut least, mut skipped) = (None, 0);
-    for &(size, id) in &trees.by_size {
-        if least.is_some_and(|l| size > l) {
-            break;
-        }
-        if !scan.approx.contains(id) {
-            skipped += 1;
-            if skipped > limit {
-                return None;
-            }
-            continue;
-        }
-        if out.len() == limit {
-            return None;
-        }
-        least = Some(size);
-        out.push(at(id)?);
-    }
-    // A routable candidate exists and holds something, so one was found.
-    (!out.is_empty()).then_some(out)
+    // A routable candidate exists and holds something or nothing, so one was found.
+    let out: Option<SmallVec<[u32; 8]>> = ids.into_iter().map(at).collect();
+    out.filter(|o| !o.is_empty())
 }
 
 /// One pass over the candidates, what the prefix policies (SGLang router cache_aware, Ray
