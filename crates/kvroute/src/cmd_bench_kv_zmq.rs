@@ -76,7 +76,9 @@ fn parse_counters(text: &str) -> Counters {
         let Some((series, value)) = line.rsplit_once(' ') else { continue };
         let Ok(v) = value.parse::<f64>() else { continue };
         let v = v.max(0.0) as u64;
-        let worker = series.split_once("worker=\"").and_then(|(_, r)| r.split_once("\"")).map(|(w, _)| w);
+        // `\u{22}` is the double quote, spelled so that line-based tools do not take it for a
+        // string's end.
+        let worker = series.split_once("worker=\u{22}").and_then(|(_, r)| r.split_once('\u{22}')).map(|(w, _)| w);
         if series.starts_with("kvroute_kv_event_batches_total{") {
             if let Some(w) = worker {
                 *c.batches.entry(w.to_string()).or_default() += v;
@@ -175,11 +177,9 @@ async fn drive(t: &Target<'_>, socks: &mut [zeromq::PubSocket]) -> anyhow::Resul
     join(t, socks).await?;
     // One cycle of every engine, unpaced, then the timed phase at the offered rate.
     let mut seq = vec![1u64; n];
-    let cycle_len = p.cycle_len();
-    for round in 0..cycle_len {
+    for _ in 0..p.cycle_len() {
         for e in 0..n {
-            socks[e].send(message(seq[e], &p.cycles[e][round])?).await.context("publish")?;
-            seq[e] += 1;
+            send_next(p, socks, seq.as_mut_slice(), e).await?;
         }
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -232,22 +232,29 @@ fn process_cpu() -> f64 {
 /// Publishes every engine's cycle in turn, paced to the offered rate, until `until`;
 /// the batches sent.
 async fn publish(p: &Plan, socks: &mut [zeromq::PubSocket], seq: &mut [u64], until: Instant) -> anyhow::Result<u64> {
-    let (n, cycle_len) = (socks.len(), p.cycle_len());
+    let n = socks.len();
     let per_sec = p.rate / p.block_events_per_batch as f64;
     let start = Instant::now();
     let (mut sent, mut e) = (0u64, 0usize);
     while Instant::now() < until {
         let due = (start.elapsed().as_secs_f64() * per_sec) as u64;
         while sent < due {
-            let round = (seq[e] as usize - 1) % cycle_len;
-            socks[e].send(message(seq[e], &p.cycles[e][round])?).await.context("publish")?;
-            seq[e] += 1;
+            send_next(p, socks, seq, e).await?;
             sent += 1;
             e = (e + 1) % n;
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     Ok(sent)
+}
+
+/// Sends engine `e`'s next batch of its cycle (the one its sequence number names) and
+/// advances the sequence.
+async fn send_next(p: &Plan, socks: &mut [zeromq::PubSocket], seq: &mut [u64], e: usize) -> anyhow::Result<()> {
+    let round = (seq[e] as usize - 1) % p.cycle_len();
+    socks[e].send(message(seq[e], &p.cycles[e][round])?).await.context("publish")?;
+    seq[e] += 1;
+    Ok(())
 }
 
 /// Asks the router's `/debug/route` for the probe's decision, one request after another,

@@ -209,6 +209,16 @@ fn fewest_by_pass(trees: &PrefixTrees, c: &[WorkerView]) -> SmallVec<[u32; 8]> {
     out
 }
 
+/// The position of worker `id` in candidates `c` sorted by strictly increasing id (`None`
+/// when it is not one): at once where ids are positions (a fleet numbered from 0 with none
+/// removed), else by binary search. O(log workers).
+fn position_by_id(c: &[WorkerView], id: WorkerId) -> Option<usize> {
+    match c.get(id.index()) {
+        Some(w) if w.id == id => Some(id.index()),
+        _ => c.binary_search_by_key(&id, |w| w.id).ok(),
+    }
+}
+
 /// [`fewest_symbols`] from the trees' kept size order alone, or `None` where that does not
 /// apply — a precise candidate, candidates not in id order, none routable, or more than
 /// the limit tied or skipped — and a pass over the candidates is needed (a caller that
@@ -249,15 +259,7 @@ pub fn fewest_by_order(trees: &PrefixTrees, c: &[WorkerView], scan: &FleetScan) 
         n if n <= limit => ids.extend(scan.approx.difference(&trees.held)),
         _ => return None,
     }
-    // The candidates are sorted by id; where ids are positions (a fleet numbered from 0
-    // with none removed) a worker is found at once.
-    let at = |id: WorkerId| {
-        let i = match c.get(id.index()) {
-            Some(w) if w.id == id => id.index(),
-            _ => c.binary_search_by_key(&id, |w| w.id).ok()?,
-        };
-        Some(i.min(u32::MAX as usize) as u32)
-    };
+    let at = |id: WorkerId| position_by_id(c, id).map(|i| i.min(u32::MAX as usize) as u32);
     // A routable candidate exists and holds something or nothing, so one was found.
     let out: Option<SmallVec<[u32; 8]>> = ids.into_iter().map(at).collect();
     out.filter(|o| !o.is_empty())
@@ -381,7 +383,7 @@ impl BestMatch {
             // The tree's tenants are the routable approximate workers holding its deepest
             // match (`approx` allowed no other), and `best` is the tree's rate.
             for &id in &m.tree.tenants {
-                if let Ok(i) = c.binary_search_by_key(&id, |w| w.id) {
+                if let Some(i) = position_by_id(c, id) {
                     m.holders.push(id);
                     m.holder_at.push(i.min(u32::MAX as usize) as u32);
                 }
@@ -411,7 +413,7 @@ impl BestMatch {
     /// The least loaded of [`BestMatch::holders`] (all of them when tied), in candidate
     /// order; `c` must be the candidates the match was made over. O(holders).
     pub fn least_loaded_holders(&self, c: &[WorkerView]) -> SmallVec<[WorkerId; 8]> {
-        argmin_of(self.holder_at.iter().filter_map(|&i| c.get(i as usize)), WorkerView::load)
+        least_loaded_at(c, &self.holder_at)
     }
 
     /// What `w` holds of the request, as `(matched, total, unit)` for a decision: the
@@ -424,11 +426,7 @@ impl BestMatch {
         req: &RequestView<'_>,
         c: &[WorkerView],
     ) -> (u64, u64, MatchUnit) {
-        let view = if self.by_id {
-            c.binary_search_by_key(&w, |v| v.id).ok().map(|i| &c[i])
-        } else {
-            c.iter().find(|v| v.id == w)
-        };
+        let view = if self.by_id { position_by_id(c, w).map(|i| &c[i]) } else { c.iter().find(|v| v.id == w) };
         if let Some(t) = view.and_then(|v| v.cached_tokens) {
             let input = u64::from(req.input_tokens);
             return (t.min(input), input, MatchUnit::Tokens);
