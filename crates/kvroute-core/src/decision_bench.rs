@@ -40,13 +40,16 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceReq>, String> {
     Ok(out)
 }
 
-/// `n` workers of uneven load: `i % 7` requests in flight, `(i % 5) × 1000` tokens to prefill.
+/// `n` workers of uneven load: `i % 7` requests in flight, `(i % 5) × 1000` tokens to
+/// prefill; each named by a stable key ([`WorkerView::tie_key`]), as the gateway names every
+/// worker by its URL, so consistent_hash and kv_score hash what they hash in `kvroute serve`.
 pub fn fleet(n: usize) -> Vec<WorkerView> {
     (0..n)
         .map(|i| {
             let mut w = WorkerView::idle(WorkerId(i as u32));
             w.in_flight = (i % 7) as u32;
             w.pending_prefill_tokens = (i as u64 % 5) * 1000;
+            w.tie_key = Some(crate::hash::stable_hash(format!("http://worker-{i}:8000").as_bytes()));
             w
         })
         .collect()

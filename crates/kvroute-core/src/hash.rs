@@ -156,6 +156,17 @@ pub fn stable_hash_12(lo: u64, lo_bytes: u32, hi: u64) -> u64 {
     xxhash_rust::xxh3::xxh3_64_with_seed(&packed.to_le_bytes()[..12], ROOT_SEED)
 }
 
+/// [`stable_hash`] of two words packed little-endian into 16 bytes, `lo` then `hi`: the
+/// tie-break and rendezvous hash of a worker named by its stable key
+/// ([`crate::policy::kv_score::tie_hash_key`]), computed for every worker of a decision.
+/// Inlined with its length known, the general hash's dispatch on the length folds away
+/// (~15 instructions a worker).
+#[inline(always)]
+pub fn stable_hash_16(lo: u64, hi: u64) -> u64 {
+    let packed = u128::from(lo) | (u128::from(hi) << 64);
+    xxhash_rust::xxh3::xxh3_64_with_seed(&packed.to_le_bytes(), ROOT_SEED)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -204,4 +204,19 @@ mod tests {
             assert_eq!(rendezvous_weight(key, &w), stable_hash(&bytes), "key {key:#x}, worker {id}");
         }
     }
+
+    /// A named worker's weight (the gateway names every worker) hashes its name's 8
+    /// little-endian bytes then the key's 8, as it did before the hash was inlined: replicas
+    /// of different versions agree, and kv_score's tie-break is the same hash.
+    #[test]
+    fn a_named_worker_s_weight_hashes_the_name_then_the_key() {
+        for (key, name) in [(0u64, 0u64), (1, 7), (0x0123_4567_89ab_cdef, 0xfedc_ba98_7654_3210), (u64::MAX, u64::MAX)]
+        {
+            let bytes: Vec<u8> = name.to_le_bytes().into_iter().chain(key.to_le_bytes()).collect();
+            let mut w = WorkerView::idle(WorkerId(3));
+            w.tie_key = Some(name);
+            assert_eq!(rendezvous_weight(key, &w), stable_hash(&bytes), "key {key:#x}, name {name:#x}");
+            assert_eq!(crate::policy::kv_score::tie_hash_key(name, key), stable_hash(&bytes));
+        }
+    }
 }

@@ -243,10 +243,8 @@ pub fn tie_hash(worker: WorkerId, prefix_hash: u64) -> u64 {
 /// The tie-break hash of (worker key, prefix hash), for a worker named by its
 /// [`WorkerView::tie_key`]: the same in every process and on every replica.
 pub fn tie_hash_key(worker_key: u64, prefix_hash: u64) -> u64 {
-    let mut b = [0u8; 16];
-    b[..8].copy_from_slice(&worker_key.to_le_bytes());
-    b[8..].copy_from_slice(&prefix_hash.to_le_bytes());
-    stable_hash(&b)
+    // The key's 8 bytes, then the prefix hash's 8.
+    crate::hash::stable_hash_16(worker_key, prefix_hash)
 }
 
 /// The prefix hash of a request: its last block hash, or for a prompt shorter than one
