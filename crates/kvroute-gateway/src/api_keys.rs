@@ -91,9 +91,14 @@ pub struct ApiKeys {
 }
 
 /// The credential of `Authorization: Bearer <value>` in `headers`, if there is one (what the
-/// OpenAI SDKs send; the admin token and API keys both come this way).
+/// OpenAI SDKs send; the admin token and API keys both come this way). The scheme is
+/// matched without regard to case and may be followed by several spaces (RFC 9110 §11.1,
+/// §11.4: `bearer KEY` is the same credential).
 pub fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "))
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, credential) = v.split_once(' ')?;
+    let credential = credential.trim_start_matches(' ');
+    (scheme.eq_ignore_ascii_case("bearer") && !credential.is_empty()).then_some(credential)
 }
 
 /// Whether `given` is `secret`, compared in constant time (no timing hint of how much of a
@@ -261,6 +266,24 @@ mod tests {
             assert!(e.starts_with(line), "{text:?}: {e}");
         }
         assert!(ApiKeys::parse("# none\n", 0, 0).is_err());
+    }
+
+    /// The scheme is case-insensitive (RFC 9110 §11.1): `bearer`, `BEARER` and extra spaces
+    /// carry the same key; another scheme, or none, carries none.
+    #[test]
+    fn the_bearer_scheme_is_matched_without_regard_to_case() {
+        let keys = ApiKeys::parse("sk-a team-a\n", 0, 0).expect("parses");
+        for v in ["Bearer sk-a", "bearer sk-a", "BEARER sk-a", "Bearer   sk-a"] {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, v.parse().expect("header"));
+            assert_eq!(super::bearer(&h), Some("sk-a"), "{v:?}");
+            assert_eq!(keys.authenticate(&h).expect(v).tenant, "team-a");
+        }
+        for v in ["Basic sk-a", "Bearersk-a", "sk-a", "Bearer ", "Bearer"] {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, v.parse().expect("header"));
+            assert_eq!(super::bearer(&h), None, "{v:?}");
+        }
     }
 
     #[test]

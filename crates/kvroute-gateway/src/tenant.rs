@@ -176,9 +176,64 @@ pub fn hide_decisions(headers: &mut HeaderMap) {
     }
 }
 
+/// What stands for a worker's address in an error a client may not see decision details on
+/// ([`without_addresses`]).
+pub const A_WORKER: &str = "a worker";
+
+/// `message` with every URL in it — the workers' addresses that dispatch errors name (`http://10.0.0.7:8000:
+/// upstream answered 500`, reqwest's `… for url (http://…/v1/chat/completions)`) — replaced
+/// by [`A_WORKER`]: the error a client gets unless it may see decision details
+/// ([`Tenancy::may_see_decisions`]). A URL runs from `http://` or `https://` to the first
+/// whitespace, `)`, `,`, `;` or `"`, or to a `:` that ends the text or is followed by a
+/// space (a message's own colon, not the port's).
+pub fn without_addresses(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = ["http://", "https://"].iter().filter_map(|p| rest.find(p)).min() {
+        out.push_str(&rest[..at]);
+        let url = &rest[at..];
+        let bytes = url.as_bytes();
+        let end = (0..bytes.len())
+            .find(|&i| {
+                let b = bytes[i];
+                b.is_ascii_whitespace()
+                    || matches!(b, b')' | b',' | b';' | b'"')
+                    || (b == b':' && bytes.get(i + 1).is_none_or(|n| n.is_ascii_whitespace()))
+            })
+            .unwrap_or(bytes.len());
+        out.push_str(A_WORKER);
+        rest = &url[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every form a dispatch error names a worker in loses the address, and the rest of the
+    /// message stays.
+    #[test]
+    fn errors_a_client_sees_name_no_worker_address() {
+        for (message, want) in [
+            (
+                "every attempt failed (6 made, 6 at most); last error: http://127.0.0.1:18104: upstream answered 500 Internal Server Error",
+                "every attempt failed (6 made, 6 at most); last error: a worker: upstream answered 500 Internal Server Error",
+            ),
+            ("http://127.0.0.1:18105 did not answer within 2 s", "a worker did not answer within 2 s"),
+            (
+                "error sending request for url (http://gpu-3.internal:8000/v1/chat/completions)",
+                "error sending request for url (a worker)",
+            ),
+            ("https://[fd00::7]:8443/v1/completions: reset", "a worker: reset"),
+            ("the prefill worker http://p:1, then http://d:2", "the prefill worker a worker, then a worker"),
+            ("ends with http://10.0.0.1:8000:", "ends with a worker:"),
+            ("no address here: 500", "no address here: 500"),
+        ] {
+            assert_eq!(without_addresses(message), want, "{message}");
+        }
+    }
 
     #[test]
     fn cache_salt_is_the_last_field_and_replaces_the_clients() {

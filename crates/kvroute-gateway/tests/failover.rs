@@ -225,14 +225,22 @@ async fn a_lone_flaky_worker_gets_max_total_retries_attempts() {
     let (b, nb, stop_b) = worker("b", Arc::new(|_| Act::Fail(503, "text/plain", "down"))).await;
     let mut config = cfg(&[&b], "round_robin");
     config.health.interval_secs = 3600.0;
+    config.expose_decision_headers = false;
     let stop2 = CancellationToken::new();
     let (r2, _task2) = common::start_router(config, stop2.clone()).await;
-    let resp = guard(c.post(format!("{r2}/v1/chat/completions")).json(&chat(true)).send()).await.expect("send");
+    // A client without the admin token is not told the worker's address; the operator is.
+    let anyone = reqwest::Client::new();
+    let resp = guard(anyone.post(format!("{r2}/v1/chat/completions")).json(&chat(true)).send()).await.expect("send");
     assert_eq!(resp.status(), 502);
     let v: serde_json::Value = guard(resp.json()).await.expect("json");
-    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("6 made, 6 at most")), "{v}");
+    let m = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(m.contains("6 made, 6 at most") && m.contains("a worker: upstream answered 503"), "{v}");
+    assert!(!m.contains(b.trim_start_matches("http://")), "the worker's address reached a client: {m}");
     assert_eq!(nb.load(SeqCst), 6);
     assert_eq!(requests_total(&c, &r2, &b, "upstream_error").await, 1.0, "the 502 names its worker");
+    let resp = guard(c.post(format!("{r2}/v1/chat/completions")).json(&chat(false)).send()).await.expect("send");
+    let v: serde_json::Value = guard(resp.json()).await.expect("json");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains(&format!("{b}: upstream answered"))), "{v}");
     for s in [stop, stop2, stop_a, stop_b] {
         s.cancel();
     }

@@ -66,12 +66,24 @@ async fn handle(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Body) -> R
             // A client that goes away before its answer began drops this future: counted
             // `cancelled` on the way out, with the worker it was waiting on.
             let gone = GoneClient(&s);
+            let sees_decisions = s.tenancy.may_see_decisions(&headers);
             let mut r = match run(&s, api, &headers, body).await {
                 Ok(r) => r,
-                Err((e, branch)) => error_response(&s, e, branch),
+                Err((mut e, branch)) => {
+                    // A failed dispatch names the workers it tried: in the log, and to a
+                    // client only with decision details.
+                    if !sees_decisions && e.status.is_server_error() {
+                        let shown = crate::tenant::without_addresses(&e.message);
+                        if shown != e.message {
+                            tracing::info!(status = e.status.as_u16(), error = %e.message, "request failed");
+                            e.message = shown;
+                        }
+                    }
+                    error_response(&s, e, branch)
+                }
             };
             std::mem::forget(gone);
-            if !s.tenancy.may_see_decisions(&headers) {
+            if !sees_decisions {
                 crate::tenant::hide_decisions(r.headers_mut());
             }
             r

@@ -185,7 +185,11 @@ fn relay(
                 guard.on_bytes(&b);
                 Some((Ok(b), Some((up, guard))))
             }
-            Ok(Some(Err(e))) => error(&mut guard, format!("upstream stream failed: {e}"), 502),
+            Ok(Some(Err(e))) => {
+                // reqwest names the worker's URL; the log keeps it, the client's event does not.
+                tracing::warn!(worker = %guard.worker.url, error = %e, "upstream stream failed");
+                error(&mut guard, format!("upstream stream failed: {}", e.without_url()), 502)
+            }
             Ok(None) => {
                 guard.complete();
                 None
