@@ -374,3 +374,76 @@ async fn fleets_of_one_and_two_workers_failing_half_their_requests_serve_nearly_
         }
     }
 }
+
+/// A worker that answers every GET with 200 and `{"data": []}` (healthy, listing no model:
+/// it serves any) and hangs up on every POST as soon as it has its head, before reading
+/// the body — as a worker with a body limit under the request's size does. Returns its URL
+/// and how many POSTs it hung up on.
+async fn hanging_up_worker(stop: CancellationToken) -> (String, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let posts = Arc::new(AtomicUsize::new(0));
+    let n = Arc::clone(&posts);
+    tokio::spawn(async move {
+        loop {
+            let (mut sock, _) = tokio::select! {
+                a = listener.accept() => match a { Ok(a) => a, Err(_) => return },
+                () = stop.cancelled() => return,
+            };
+            let n = Arc::clone(&n);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * 1024 {
+                    match sock.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => head.extend_from_slice(&buf[..k]),
+                    }
+                }
+                if head.starts_with(b"POST") {
+                    n.fetch_add(1, SeqCst);
+                    return; // dropped: the connection closes under the request
+                }
+                let body = br#"{"data": []}"#;
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = sock.write_all(resp.as_bytes()).await;
+                let _ = sock.write_all(body).await;
+            });
+        }
+    });
+    (url, posts)
+}
+
+/// A request a worker hangs up on twice (the attempt and its resend) is not charged to the
+/// worker: before, each such request counted as failed attempts, and a client sending
+/// bodies over a worker's limit took healthy workers out of routing (found by a black-box
+/// probe: 30 MiB bodies against axum-based workers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_its_worker_hangs_up_on_ejects_no_worker() {
+    let c = client();
+    let stop = CancellationToken::new();
+    let (a, posts) = hanging_up_worker(stop.clone()).await;
+    let mut config = cfg(&[&a], "round_robin");
+    config.health.interval_secs = 3600.0;
+    config.max_worker_retries = 3;
+    config.max_total_retries = 6;
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    for _ in 0..2 {
+        let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&chat(false)).send()).await.expect("send");
+        assert_eq!(resp.status(), 502);
+        let v: serde_json::Value = guard(resp.json()).await.expect("json");
+        let m = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(m.contains("closed the connection before answering, twice"), "{v}");
+    }
+    // Each request: its attempts, each sent twice, and the worker still routable.
+    assert_eq!(posts.load(SeqCst), 2 * 6 * 2, "attempts");
+    let v: serde_json::Value = guard(c.get(format!("{r}/workers")).send()).await.expect("w").json().await.expect("j");
+    let row = v["workers"].as_array().expect("rows").iter().find(|w| w["url"] == a.as_str()).cloned().expect("row");
+    assert_eq!(row["ejected"], false, "{v}");
+    assert_eq!(row["consecutive_failures"], 0, "{v}");
+    stop.cancel();
+}

@@ -607,6 +607,8 @@ fn failure(s: &AppState, w: &WorkerEntry, f: Failure) -> Attempt {
             status: StatusCode::BAD_GATEWAY,
             message: format!("{}: {e}", w.url),
         }),
+        // Not charged: the request, not the worker, is the likely cause.
+        Failure::Closed(e) => Attempt::Retry(e),
         Failure::Retry(e) => {
             s.record_failure(w);
             Attempt::Retry(e)
@@ -621,6 +623,13 @@ pub(crate) enum Failure {
     TooLarge(String),
     /// Failed before the first byte reached the client: the next attempt may serve it.
     Retry(String),
+    /// The worker closed the connection before answering, on the attempt and on its resend:
+    /// most likely because of the request itself (a body over the worker's limit, which a
+    /// worker such as axum's answers with 413 and a hang-up before it has read the body; a
+    /// request that crashes its handler). Retried like [`Failure::Retry`] (two pooled
+    /// connections may have gone stale at once) but not charged to the worker: charged, a
+    /// client sending such requests would take worker after worker out of routing.
+    Closed(String),
 }
 
 /// A stream's first chunk, read before anything is sent to the client (so a worker that
@@ -666,11 +675,19 @@ pub(crate) async fn read_whole(mut resp: reqwest::Response) -> Result<(reqwest::
     }
 }
 
+/// Whether `e` is a worker closing a connection it had taken before answering (not a
+/// refused connection, not a timeout): a pooled connection gone stale, or the worker
+/// hanging up on the request itself.
+fn closed_early(e: &reqwest::Error) -> bool {
+    !e.is_timeout() && !e.is_connect()
+}
+
 /// One attempt on `w`. A send error that is neither a timeout nor a failed connect means the
 /// worker closed a pooled keep-alive connection under the request without answering (seen
 /// with llama-server, docs/real-engines.md): it is sent once more to the same worker on a
 /// fresh connection — at worst a duplicate generation there, where moving it costs a cold
-/// prefill elsewhere and credits its prefix to the wrong worker.
+/// prefill elsewhere and credits its prefix to the wrong worker. Closed again, the failure
+/// is [`Failure::Closed`].
 pub(crate) async fn attempt(
     hop: Hop<'_>,
     w: &WorkerEntry,
@@ -690,12 +707,16 @@ pub(crate) async fn attempt(
         }
     }
     let again = rb.try_clone();
+    // Whether the worker took the connection and closed it before answering, twice.
+    let mut closed_twice = false;
     let send = async {
         match (rb.send().await, again) {
-            (Err(e), Some(again)) if !e.is_timeout() && !e.is_connect() => {
+            (Err(e), Some(again)) if closed_early(&e) => {
                 tracing::debug!(worker = %w.url, error = ?e, "stale connection; sending again to the same worker");
                 s.metrics.stale_connection_resends.inc();
-                again.send().await
+                let r = again.send().await;
+                closed_twice = r.as_ref().is_err_and(closed_early);
+                r
             }
             (r, _) => r,
         }
@@ -709,6 +730,11 @@ pub(crate) async fn attempt(
     };
     match sent {
         Err(e) if e.is_timeout() => Err(Failure::Timeout { first_byte: false }),
+        Err(e) if closed_twice => Err(Failure::Closed(format!(
+            "{}: closed the connection before answering, twice, while the request ({} bytes) was sent: {e}",
+            w.url,
+            bytes.len()
+        ))),
         Err(e) => Err(Failure::Retry(format!("{}: {e}", w.url))),
         // A router downstream saw this request pass through it already (`crate::hops`): a
         // loop, which a retry elsewhere would only go round again. The answer is the

@@ -287,7 +287,7 @@ impl Pair<'_> {
         match answer {
             Ok(a) => Ok(a),
             // Charged by the caller, once it knows the prefill worker was not the cause.
-            Err(Failure::Retry(e)) => Err(PairError::Decode(e)),
+            Err(Failure::Retry(e) | Failure::Closed(e)) => Err(PairError::Decode(e)),
             Err(Failure::Timeout { first_byte }) => {
                 s.record_failure(dw);
                 let what = if first_byte { "sent no response in time" } else { "did not answer in time" };
@@ -428,7 +428,7 @@ impl Pair<'_> {
         drop(shared_p);
         let (resp, body) = match answer {
             Ok(Ok((resp, body))) => (resp, body.unwrap_or_default()),
-            Ok(Err(Failure::Retry(e) | Failure::TooLarge(e))) => {
+            Ok(Err(Failure::Retry(e) | Failure::TooLarge(e) | Failure::Closed(e))) => {
                 s.record_failure(pw);
                 return Err(PairError::Prefill(e));
             }
@@ -528,7 +528,7 @@ async fn sglang_prefill(
                 Ok(())
             }
             Ok(resp) => Err(PrefillError::Status { url: pw.url.to_string(), status: resp.status() }),
-            Err(Failure::Retry(e) | Failure::TooLarge(e)) => Err(PrefillError::Transport(e)),
+            Err(Failure::Retry(e) | Failure::TooLarge(e) | Failure::Closed(e)) => Err(PrefillError::Transport(e)),
             Err(Failure::Timeout { .. }) => Err(late()),
         }
     })
