@@ -348,6 +348,20 @@ async fn bad_inputs_get_the_right_status_and_json() {
     assert_eq!(resp.status(), 405);
     let v: serde_json::Value = guard(resp.json()).await.expect("a JSON 405 body");
     assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("GET")), "{v}");
+    assert_eq!(v["error"]["type"], "invalid_request_error", "a client's mistake: {v}");
+    // A compressed body: 415 naming the encoding (it was a 400 "not valid UTF-8").
+    let resp = guard(
+        c.post(format!("{}/v1/chat/completions", r.url))
+            .header("content-type", "application/json")
+            .header("content-encoding", "gzip")
+            .body(vec![0x1f, 0x8b, 8, 0])
+            .send(),
+    )
+    .await
+    .expect("send");
+    assert_eq!(resp.status(), 415);
+    let v: serde_json::Value = guard(resp.json()).await.expect("a JSON 415 body");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("gzip")), "{v}");
     for (path, body, status, param) in cases {
         let resp = guard(post(path, body)).await.expect("send");
         assert_eq!(resp.status().as_u16(), status, "{path}");

@@ -43,6 +43,8 @@ impl ApiError {
             // OpenAI's API and vLLM's server name a 429 so; clients branch on it.
             429 => "rate_limit_exceeded",
             503 => "service_unavailable",
+            // Any other client error (405, 409, 415, …) is the request's, not the server's.
+            400..=499 => "invalid_request_error",
             _ => "server_error",
         }
     }
@@ -77,6 +79,8 @@ mod tests {
     fn each_status_has_its_openai_type() {
         for (status, kind) in [
             (400, "invalid_request_error"),
+            (405, "invalid_request_error"),
+            (415, "invalid_request_error"),
             (401, "authentication_error"),
             (429, "rate_limit_exceeded"),
             (503, "service_unavailable"),

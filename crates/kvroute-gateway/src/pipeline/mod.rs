@@ -205,10 +205,21 @@ pub const CLIENT_CLOSED_REQUEST: StatusCode = match StatusCode::from_u16(499) {
 /// Reads the body within the configured limit (413 beyond).
 ///
 /// # Errors
-/// 413 when the body is larger than `max_body_bytes`, 408 when it does not arrive within
+/// 415 for a `Content-Encoding` other than `identity` (bodies are read uncompressed), 413
+/// when the body is larger than `max_body_bytes`, 408 when it does not arrive within
 /// `body_read_timeout_secs`, 499 ([`CLIENT_CLOSED_REQUEST`]) when the client closed the
 /// connection before its end, 400 when it cannot be read otherwise.
 pub async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    // Bodies are read as they come: a compressed one would only fail later as "not UTF-8".
+    if let Some(enc) = headers.get(header::CONTENT_ENCODING)
+        && !enc.to_str().is_ok_and(|e| e.trim().eq_ignore_ascii_case("identity"))
+    {
+        let enc = String::from_utf8_lossy(enc.as_bytes());
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!("`Content-Encoding: {enc}` is not supported: send the request body uncompressed"),
+        ));
+    }
     let limit = s.cfg.max_body_bytes;
     let too_large = || {
         ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body is larger than the limit of {limit} bytes"))
