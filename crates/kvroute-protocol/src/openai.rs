@@ -118,6 +118,17 @@ fn present(v: Option<&RawValue>) -> Option<&RawValue> {
     v.filter(|r| r.get() != "null")
 }
 
+/// Whether `body` has a `\uD800`–`\uDFFF` escape (half of a UTF-16 surrogate pair, or a
+/// whole pair's first half), any case.
+fn has_surrogate_escape(body: &[u8]) -> bool {
+    body.windows(4).any(|w| {
+        w[0] == b'\\'
+            && w[1] == b'u'
+            && (w[2] == b'd' || w[2] == b'D')
+            && matches!(w[3], b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F')
+    })
+}
+
 /// `raw` as a string: borrowed from the body when it has no escapes, else unescaped.
 fn string(raw: &RawValue) -> Option<Cow<'_, str>> {
     typed::<&str>(raw).map(Cow::Borrowed).or_else(|| typed::<String>(raw).map(Cow::Owned))
@@ -237,6 +248,28 @@ pub fn parse_limited(
     session_header: Option<&str>,
     max_prompt_tokens: usize,
 ) -> Result<RoutingInfo, ApiError> {
+    parse_fields(api, body, session_header, max_prompt_tokens).map_err(|e| {
+        // A string holding half a UTF-16 surrogate pair (`"\ud800"`) is JSON but not text,
+        // and a field holding one was refused as "not a string": named for what it is.
+        // Looked for only on this error path, so a valid body is not read twice.
+        if e.status == http::StatusCode::BAD_REQUEST
+            && has_surrogate_escape(body)
+            && let Err(why) = serde_json::from_slice::<serde_json::Value>(body)
+        {
+            let message = format!("a string in the request is not text (an unpaired UTF-16 surrogate escape): {why}");
+            return ApiError { message, ..e };
+        }
+        e
+    })
+}
+
+/// [`parse_limited`] before a refusal is explained.
+fn parse_fields(
+    api: Api,
+    body: &[u8],
+    session_header: Option<&str>,
+    max_prompt_tokens: usize,
+) -> Result<RoutingInfo, ApiError> {
     let text = std::str::from_utf8(body)
         .map_err(|e| ApiError::bad_field("body", format!("request body is not valid UTF-8: {e}")))?;
     if !text.trim_start().starts_with('{') {
@@ -250,6 +283,7 @@ pub fn parse_limited(
     }
     let w: Wire<'_> = serde_json::from_str(text)
         .map_err(|e| ApiError::bad_field("body", format!("request body is not valid JSON: {e}")))?;
+
     let mut info = RoutingInfo::default();
     match w.model.map(|m| (m, string(m))) {
         Some((_, Some(m))) if !m.is_empty() => info.model = m.into_owned(),
@@ -434,6 +468,29 @@ pub fn answer_usage(body: &[u8]) -> AnswerUsage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Half a surrogate pair in a string is refused as what it is, in the field that was
+    /// refused; a whole pair (an emoji) and an escaped backslash before `ud800` are text.
+    #[test]
+    fn an_unpaired_surrogate_is_named_as_such() {
+        let m = 1 << 20;
+        for (api, body, param) in [
+            (Api::Chat, r#"{"model":"m","messages":[{"role":"user","content":"hi \ud800"}]}"#, "messages"),
+            (Api::Completions, r#"{"model":"m","prompt":"\uDC00 x"}"#, "prompt"),
+            (Api::Generate, r#"{"text":"\ud83d"}"#, "text"),
+            (Api::Chat, r#"{"model":"\ud800","messages":[{"role":"user","content":"x"}]}"#, "model"),
+        ] {
+            let e = parse_limited(api, body.as_bytes(), None, m).expect_err(body);
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
+            assert!(e.message.contains("unpaired UTF-16 surrogate"), "{body}: {}", e.message);
+        }
+        let pair = r#"{"model":"m","messages":[{"role":"user","content":"\ud83d\ude00 \\ud800"}]}"#;
+        let info = parse_limited(Api::Chat, pair.as_bytes(), None, m).expect("a pair is text");
+        assert!(info.text.contains('\u{1F600}') && info.text.contains("\\ud800"), "{}", info.text);
+        // Another mistake in a body with a surrogate keeps its own message.
+        let e = parse_limited(Api::Chat, br#"{"model":"m","messages":"\ud83d\ude00"}"#, None, m).expect_err("type");
+        assert!(e.message.contains("must be an array"), "{}", e.message);
+    }
 
     #[test]
     fn chat_text_is_contents_in_order() {
