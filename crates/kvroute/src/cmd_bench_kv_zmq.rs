@@ -76,16 +76,16 @@ fn parse_counters(text: &str) -> Counters {
         let Some((series, value)) = line.rsplit_once(' ') else { continue };
         let Ok(v) = value.parse::<f64>() else { continue };
         let v = v.max(0.0) as u64;
-        // `\u{22}` is the double quote, spelled so that line-based tools do not take it for a
-        // string's end.
+        // `\u{22}` is the double quote and `\u{7b}` the opening brace, spelled so that
+        // line-based tools do not take them for a string's end or a block's start.
         let worker = series.split_once("worker=\u{22}").and_then(|(_, r)| r.split_once('\u{22}')).map(|(w, _)| w);
-        if series.starts_with("kvroute_kv_event_batches_total{") {
+        if series.starts_with("kvroute_kv_event_batches_total\u{7b}") {
             if let Some(w) = worker {
                 *c.batches.entry(w.to_string()).or_default() += v;
             }
-        } else if series.starts_with("kvroute_kv_event_gaps_total{") {
+        } else if series.starts_with("kvroute_kv_event_gaps_total\u{7b}") {
             c.gaps += v;
-        } else if series.starts_with("kvroute_kv_event_errors_total{") {
+        } else if series.starts_with("kvroute_kv_event_errors_total\u{7b}") {
             c.errors += v;
         }
     }
