@@ -421,7 +421,8 @@ async fn hanging_up_worker(stop: CancellationToken) -> (String, Arc<AtomicUsize>
 /// A request a worker hangs up on twice (the attempt and its resend) is not charged to the
 /// worker: before, each such request counted as failed attempts, and a client sending
 /// bodies over a worker's limit took healthy workers out of routing (found by a black-box
-/// probe: 30 MiB bodies against axum-based workers).
+/// probe: 30 MiB bodies against axum-based workers); and the second such hang-up ends the
+/// request, which otherwise uploaded its body once or twice for every attempt in the budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_its_worker_hangs_up_on_ejects_no_worker() {
     let c = client();
@@ -438,12 +439,39 @@ async fn a_request_its_worker_hangs_up_on_ejects_no_worker() {
         let v: serde_json::Value = guard(resp.json()).await.expect("json");
         let m = v["error"]["message"].as_str().unwrap_or_default();
         assert!(m.contains("closed the connection before answering, twice"), "{v}");
+        assert!(m.contains("the request itself"), "{v}");
     }
-    // Each request: its attempts, each sent twice, and the worker still routable.
-    assert_eq!(posts.load(SeqCst), 2 * 6 * 2, "attempts");
+    // Each request: two attempts (`MAX_CLOSED_ATTEMPTS`, not the six of the retry budget),
+    // each sent twice, and the worker still routable.
+    assert_eq!(posts.load(SeqCst), 2 * 2 * 2, "attempts");
     let v: serde_json::Value = guard(c.get(format!("{r}/workers")).send()).await.expect("w").json().await.expect("j");
     let row = v["workers"].as_array().expect("rows").iter().find(|w| w["url"] == a.as_str()).cloned().expect("row");
     assert_eq!(row["ejected"], false, "{v}");
     assert_eq!(row["consecutive_failures"], 0, "{v}");
     stop.cancel();
+}
+
+/// A worker hanging up on a request does not end it while another worker may still serve
+/// it: the first hang-up moves it to the next worker (two pooled connections to one worker
+/// can go stale together), and every request gets its answer there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_one_worker_hangs_up_on_is_served_by_another() {
+    let c = client();
+    let stop = CancellationToken::new();
+    let (a, posts) = hanging_up_worker(stop.clone()).await;
+    let (b, answered, b_stop) = worker("b", Arc::new(|_| Act::Answer)).await;
+    let mut config = cfg(&[&a, &b], "round_robin");
+    config.health.interval_secs = 3600.0;
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    for _ in 0..4 {
+        let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&chat(false)).send()).await.expect("send");
+        assert_eq!(resp.status(), 200);
+        let v: serde_json::Value = guard(resp.json()).await.expect("json");
+        assert_eq!(v["choices"][0]["message"]["content"], "from b", "{v}");
+    }
+    assert_eq!(answered.load(SeqCst), 4, "every request answered by b");
+    // Round robin sends half of them to the worker that hangs up, each sent twice there.
+    assert_eq!(posts.load(SeqCst), 2 * 2, "hang-ups");
+    stop.cancel();
+    b_stop.cancel();
 }

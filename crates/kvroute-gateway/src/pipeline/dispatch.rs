@@ -400,7 +400,19 @@ enum Attempt {
     Down(String),
     /// Failed before the first byte: the next attempt may serve it.
     Retry(String),
+    /// The worker hung up on the request and on its resend ([`Failure::Closed`]): the next
+    /// worker may serve it (the same one when no other is left), up to
+    /// [`MAX_CLOSED_ATTEMPTS`] such attempts.
+    Closed(String),
 }
+
+/// Most attempts of one request that may end in [`Failure::Closed`] (each sent twice):
+/// the second such hang-up ends the request with 502. Two, not one, because two pooled
+/// connections to one worker can go stale together; a request that two workers (or one,
+/// twice) hang up on while it is being sent is the likely cause itself — a body over the
+/// workers' limit — and resending it to every worker in the retry budget uploaded it up to
+/// `2 × max_total_retries` times.
+pub const MAX_CLOSED_ATTEMPTS: u32 = 2;
 
 /// Sends the request until a worker answers with a non-retryable status, within the
 /// retry bounds. With `seen` (the decision's worker's dispatch count when its view was
@@ -425,6 +437,7 @@ pub async fn send(ctx: &RequestCtx<'_>, routed: &Routed, seen: Option<u64>) -> R
         first_byte_by: ctx.first_byte_by(),
     };
     let mut attempts = 0u32;
+    let mut closed = 0u32;
     let mut last_err = String::from("no routable worker was left to try");
     let mut order = RetryOrder::new(routed);
     let mut next = 0;
@@ -435,9 +448,7 @@ pub async fn send(ctx: &RequestCtx<'_>, routed: &Routed, seen: Option<u64>) -> R
             // The last routable worker of the order may use what is left of the request's
             // budget: a lone worker gets `max_total_retries` attempts, not `max_worker_retries`
             // (with one or two workers, one of them ejected, that was the whole budget).
-            if n == plan.per_worker
-                && order.from(next).iter().any(|o| routed.candidates.entry(*o).is_some_and(|x| x.is_routable()))
-            {
+            if n == plan.per_worker && order.any_routable_from(next) {
                 continue 'workers;
             }
             // A retry target must still be routable (it may have been taken out meanwhile).
@@ -472,6 +483,18 @@ pub async fn send(ctx: &RequestCtx<'_>, routed: &Routed, seen: Option<u64>) -> R
                     tracing::warn!(worker = %w.url, error = %e, attempt = attempts, "attempt failed");
                     last_err = e;
                 }
+                Attempt::Closed(e) => {
+                    tracing::warn!(worker = %w.url, error = %e, attempt = attempts, "attempt failed");
+                    closed += 1;
+                    if closed == MAX_CLOSED_ATTEMPTS {
+                        return Err(closed_out(attempts, &e));
+                    }
+                    last_err = e;
+                    // It was sent to this worker twice already: the next worker, if any.
+                    if order.any_routable_from(next) {
+                        continue 'workers;
+                    }
+                }
             }
         }
     }
@@ -479,6 +502,17 @@ pub async fn send(ctx: &RequestCtx<'_>, routed: &Routed, seen: Option<u64>) -> R
         attempts,
         format!("every attempt failed ({attempts} made, {} at most); last error: {last_err}", plan.total),
     ))
+}
+
+/// The 502 that ends a request after [`MAX_CLOSED_ATTEMPTS`] hang-ups, `e` the last.
+fn closed_out(attempts: u32, e: &str) -> DispatchError {
+    DispatchError::exhausted(
+        attempts,
+        format!(
+            "workers closed the connection {MAX_CLOSED_ATTEMPTS} times while the request was sent, without \
+             answering: the request itself (e.g. a body over the workers' limit) is the likely cause; last error: {e}"
+        ),
+    )
 }
 
 /// One committed attempt on `w`: sent (pinned to a llama.cpp slot when the decision chose
@@ -608,7 +642,7 @@ fn failure(s: &AppState, w: &WorkerEntry, f: Failure) -> Attempt {
             message: format!("{}: {e}", w.url),
         }),
         // Not charged: the request, not the worker, is the likely cause.
-        Failure::Closed(e) => Attempt::Retry(e),
+        Failure::Closed(e) => Attempt::Closed(e),
         Failure::Retry(e) => {
             s.record_failure(w);
             Attempt::Retry(e)

@@ -428,4 +428,10 @@ impl<'a> RetryOrder<'a> {
         let rest = self.rest();
         &rest[i.saturating_sub(1).min(rest.len())..]
     }
+
+    /// Whether a worker from the `i`-th on is still routable.
+    pub fn any_routable_from(&mut self, i: usize) -> bool {
+        let candidates = &self.routed.candidates;
+        self.from(i).iter().any(|o| candidates.entry(*o).is_some_and(|x| x.is_routable()))
+    }
 }
