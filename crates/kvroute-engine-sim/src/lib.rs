@@ -703,6 +703,12 @@ async fn replay_server(endpoint: String, ring: Arc<Mutex<std::collections::VecDe
     }
 }
 
+/// Largest request body a simulated worker reads, bytes: the router's default
+/// `max_body_bytes`, so a body the router passes on is read, tokenized and judged by its
+/// length as vLLM's and SGLang's servers judge it (they set no body limit), not refused by
+/// axum's 2 MiB default with a 413 and a hang-up before it is read.
+pub const MAX_BODY_BYTES: usize = 32 << 20;
+
 /// The HTTP app of a simulated worker.
 pub fn app(sim: Arc<EngineSim>) -> Router {
     Router::new()
@@ -727,6 +733,7 @@ pub fn app(sim: Arc<EngineSim>) -> Router {
         .route("/v1/unload_lora_adapter", post(lora::vllm_unload))
         .route("/load_lora_adapter", post(lora::sglang_load))
         .route("/unload_lora_adapter", post(lora::sglang_unload))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(sim)
 }
 
@@ -795,8 +802,33 @@ async fn models(State(s): State<Arc<EngineSim>>) -> Response {
     Json(serde_json::json!({"object": "list", "data": data})).into_response()
 }
 
-/// `max_model_len` reported by `/v1/models` and `/tokenize`.
+/// `max_model_len` reported by `/v1/models` and `/tokenize`, and enforced
+/// ([`within_context`]).
 const MAX_MODEL_LEN: u32 = 131_072;
+
+/// vLLM's context-length check: a prompt of `input` tokens asking for `max_tokens` more
+/// must fit in [`MAX_MODEL_LEN`]; without `max_tokens` (vLLM then generates up to the
+/// context's end) the prompt alone must leave room for one token.
+///
+/// # Errors
+/// 400 with vLLM's message ("This model's maximum context length is …"), param `messages`.
+fn within_context(input: u32, max_tokens: Option<u32>) -> Result<(), kvroute_protocol::api_error::ApiError> {
+    let asked = u64::from(input) + u64::from(max_tokens.unwrap_or(1));
+    if asked <= u64::from(MAX_MODEL_LEN) {
+        return Ok(());
+    }
+    let message = match max_tokens {
+        Some(m) => format!(
+            "This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested {asked} tokens \
+             ({input} in the messages, {m} in the completion). Please reduce the length of the messages or completion."
+        ),
+        None => format!(
+            "This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request has {input} input \
+             tokens. Please reduce the length of the input messages."
+        ),
+    };
+    Err(kvroute_protocol::api_error::ApiError::bad_field("messages", message))
+}
 
 async fn metrics(State(s): State<Arc<EngineSim>>) -> Response {
     let mut out = String::new();
@@ -1029,6 +1061,9 @@ async fn complete(s: Arc<EngineSim>, api: Api, body: Bytes) -> Response {
     }
     let prompt = prompt_blocks(&req.info, req.adapter.as_deref(), req.opts.cache_salt.as_deref());
     let input_tokens = prompt.input_tokens;
+    if let Err(e) = within_context(input_tokens, req.info.max_tokens) {
+        return e.into_response();
+    }
     let (mut rx, id, output) = match enqueue(&s, &req, prompt, transferred.is_some()).await {
         Ok(x) => x,
         Err(resp) => return resp,

@@ -444,3 +444,27 @@ async fn server_info_reports_capacity() {
     );
     assert_eq!((d["enable_lora"].as_bool(), d["max_loras_per_batch"].as_u64()), (Some(false), Some(0)));
 }
+
+/// Bodies up to the router's default `max_body_bytes` are read (axum's 2 MiB default made
+/// the worker answer 413 and hang up before reading a larger one), and a prompt is judged
+/// by its length as vLLM judges it: over `max_model_len` with `max_tokens`, a 400 naming
+/// both counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_are_read_and_refused_by_the_context_length() {
+    let s = sim(fast()).await;
+    // ~3 MiB of text: ~786k tokens at 4 characters a token.
+    let long = "word ".repeat(600_000);
+    let body = json!({"model": BASE, "messages": [{"role": "user", "content": long}], "max_tokens": 5});
+    let (status, text) = s.post_text("/v1/chat/completions", &body).await;
+    assert_eq!(status, 400, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("JSON");
+    let m = v["error"]["message"].as_str().expect("message");
+    assert!(m.starts_with("This model's maximum context length is 131072 tokens."), "{m}");
+    assert!(m.contains("5 in the completion"), "{m}");
+    assert_eq!(v["error"]["param"], "messages");
+    // Within the context (100k tokens + 5): served.
+    let fits = "word".repeat(100_000);
+    let body = json!({"model": BASE, "messages": [{"role": "user", "content": fits}], "max_tokens": 5});
+    let (status, text) = s.post_text("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{}", &text[..text.len().min(300)]);
+}
