@@ -29,6 +29,8 @@ enum Act {
     Hang { down: bool },
     /// An error: status, content type, body.
     Fail(u16, &'static str, &'static str),
+    /// A stream of one event every 50 ms that never ends (a long generation).
+    Drip,
 }
 
 type Script = Arc<dyn Fn(usize) -> Act + Send + Sync>;
@@ -93,6 +95,14 @@ async fn act_out(name: &str, act: Act, stream: bool, healthy: &AtomicBool) -> ax
             } else {
                 std::future::pending().await
             }
+        }
+        Act::Drip => {
+            let ev = serde_json::json!({"choices": [{"index": 0, "delta": {"content": "x"}}]});
+            let chunk = Bytes::from(format!("data: {ev}\n\n"));
+            sse(Body::from_stream(futures_util::stream::unfold(chunk, |chunk| async move {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                Some((Ok::<_, std::io::Error>(chunk.clone()), chunk))
+            })))
         }
         Act::Fail(status, content_type, body) => axum::response::Response::builder()
             .status(status)
@@ -474,4 +484,36 @@ async fn a_request_one_worker_hangs_up_on_is_served_by_another() {
     assert_eq!(posts.load(SeqCst), 2 * 2, "hang-ups");
     stop.cancel();
     b_stop.cancel();
+}
+
+/// A stream still flowing when `request_timeout_secs` runs out ends with a 504 event naming
+/// that limit, counted `timeout` and not charged to the worker: before, it was a 502
+/// "error decoding response body" counted `upstream_error`, and long generations (or
+/// clients that stopped reading) took healthy workers out of routing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_past_the_request_timeout_ends_with_a_504_not_charged_to_its_worker() {
+    let c = client();
+    let (a, _, stop_a) = worker("a", Arc::new(|_| Act::Drip)).await;
+    let mut config = cfg(&[&a], "round_robin");
+    config.health.interval_secs = 3600.0;
+    config.request_timeout_secs = 0.5;
+    config.max_worker_retries = 1;
+    let stop = CancellationToken::new();
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    for _ in 0..2 {
+        let resp = guard(c.post(format!("{r}/v1/chat/completions")).json(&chat(true)).send()).await.expect("send");
+        assert_eq!(resp.status(), 200);
+        let text = guard(resp.text()).await.expect("text");
+        let last = text.lines().rfind(|l| l.starts_with("data: ")).expect("an event");
+        let v: serde_json::Value = serde_json::from_str(&last["data: ".len()..]).expect("json");
+        assert_eq!(v["error"]["code"], 504, "{v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("request_timeout_secs")), "{v}");
+    }
+    assert_eq!(requests_total(&c, &r, &a, "timeout").await, 2.0);
+    assert_eq!(requests_total(&c, &r, &a, "upstream_error").await, 0.0);
+    let v: serde_json::Value = guard(c.get(format!("{r}/workers")).send()).await.expect("w").json().await.expect("j");
+    let row = v["workers"].as_array().expect("rows").iter().find(|w| w["url"] == a.as_str()).cloned().expect("row");
+    assert_eq!((row["ejected"].as_bool(), row["consecutive_failures"].as_u64()), (Some(false), Some(0)), "{v}");
+    stop.cancel();
+    stop_a.cancel();
 }

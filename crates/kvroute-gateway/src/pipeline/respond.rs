@@ -185,6 +185,19 @@ fn relay(
                 guard.on_bytes(&b);
                 Some((Ok(b), Some((up, guard))))
             }
+            // The request's whole time (`request_timeout_secs`, on the worker's request) ran
+            // out while the worker was still streaming, or while a client that stopped
+            // reading held it back: a timeout, not the worker's failure (a worker that stops
+            // sending meets the silence limits below, and is charged).
+            Ok(Some(Err(e))) if e.is_timeout() => {
+                let secs = guard.state.cfg.request_timeout_secs;
+                tracing::warn!(worker = %guard.worker.url, "stream ended: request_timeout_secs ({secs} s) ran out");
+                guard.end("timeout", false);
+                let ev = serde_json::json!({"error": {
+                    "message": format!("the request ran past request_timeout_secs ({secs} s): stream ended"),
+                    "type": "server_error", "param": null, "code": 504}});
+                Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None))
+            }
             Ok(Some(Err(e))) => {
                 // reqwest names the worker's URL; the log keeps it, the client's event does not.
                 tracing::warn!(worker = %guard.worker.url, error = %e, "upstream stream failed");
@@ -430,13 +443,22 @@ impl StreamGuard {
             count(&self.state, &self.worker.url, self.branch, "ok");
         }
     }
-    /// The stream failed (`outcome`: `upstream_error`, or `timeout` for a silent worker).
+    /// The stream failed (`outcome`: `upstream_error`, or `timeout` for a silent worker),
+    /// charged to the worker.
     pub(crate) fn fail(&mut self, outcome: &str) {
+        self.end(outcome, true);
+    }
+    /// The stream ended before its end, counted as `outcome`, charged to the worker when
+    /// `charge` (a failed or silent worker; not a request that ran out of time while the
+    /// worker streamed).
+    pub(crate) fn end(&mut self, outcome: &str, charge: bool) {
         self.finish_record(false);
         if self.ticket.is_open() {
             self.ticket.close();
             self.shared = None;
-            self.state.record_failure(&self.worker);
+            if charge {
+                self.state.record_failure(&self.worker);
+            }
             count(&self.state, &self.worker.url, self.branch, outcome);
         }
     }
