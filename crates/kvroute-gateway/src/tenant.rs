@@ -176,6 +176,21 @@ pub fn hide_decisions(headers: &mut HeaderMap) {
     }
 }
 
+/// `e` as a client sees it: a server error's worker addresses replaced by [`A_WORKER`]
+/// ([`without_addresses`]) unless the client `may_see_decisions`; the whole message goes
+/// to the log when anything was replaced. Both front ends answer through it (`serve`'s
+/// handler, the endpoint picker's immediate responses).
+pub fn shown_to_client(e: &mut kvroute_protocol::api_error::ApiError, may_see_decisions: bool) {
+    if may_see_decisions || !e.status.is_server_error() {
+        return;
+    }
+    let shown = without_addresses(&e.message);
+    if shown != e.message {
+        tracing::info!(status = e.status.as_u16(), error = %e.message, "request failed");
+        e.message = shown;
+    }
+}
+
 /// What stands for a worker's address in an error a client may not see decision details on
 /// ([`without_addresses`]).
 pub const A_WORKER: &str = "a worker";

@@ -155,15 +155,25 @@ impl Raw {
         body: &serde_json::Value,
         subset: Option<&[&str]>,
     ) -> Result<Vec<String>, (u32, String)> {
+        self.request_with(body, subset, &[]).await
+    }
+
+    /// [`Raw::request`] with `extra` request headers.
+    async fn request_with(
+        &mut self,
+        body: &serde_json::Value,
+        subset: Option<&[&str]>,
+        extra: &[(&str, &str)],
+    ) -> Result<Vec<String>, (u32, String)> {
         let md = subset.map(|s| {
             let list =
                 ListValue { values: s.iter().map(|e| Value { kind: Some(Kind::StringValue((*e).into())) }).collect() };
             metadata("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", Kind::ListValue(list))
         });
-        let h = headers(
-            &[(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")],
-            false,
-        );
+        let mut pairs =
+            vec![(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")];
+        pairs.extend_from_slice(extra);
+        let h = headers(&pairs, false);
         self.send(Msg::RequestHeaders(h), md).await;
         let b = HttpBody { body: serde_json::to_vec(body).expect("json"), end_of_stream: true, ..Default::default() };
         self.send(Msg::RequestBody(b), None).await;
@@ -302,4 +312,53 @@ async fn epp_python_client() {
     ] {
         assert!(stdout.lines().any(|l| l == format!("ok {scenario}")), "{scenario} did not pass: {stdout}");
     }
+}
+
+/// An immediate response names no worker address unless the client may see decision
+/// details, as `serve`'s answers: a LoRA adapter no worker could load (its error names the
+/// worker it tried) was shown with the address to every client (found by a black-box probe).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_immediate_response_names_a_worker_only_to_a_client_that_may_see_decisions() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let port = free_port();
+    let sim = spawn_kvroute(&args(&[
+        "engine-sim",
+        "--port",
+        &port.to_string(),
+        "--time-scale",
+        "50",
+        "--lora-slots",
+        "1",
+        "--lora-fail",
+        "bad-adapter",
+    ]));
+    let worker = format!("http://127.0.0.1:{port}");
+    wait_ok(&worker, "/health").await;
+    let config = std::env::temp_dir().join(format!("kvroute-epp-lora-{}.toml", std::process::id()));
+    std::fs::write(&config, "[[lora.adapters]]\nname = \"bad-adapter\"\npath = \"/adapters/bad\"\n").expect("config");
+    let (rport, epp) = (free_port(), format!("127.0.0.1:{}", free_port()));
+    let router = spawn_kvroute(&args(&[
+        "serve",
+        "--port",
+        &rport.to_string(),
+        "--worker-urls",
+        &worker,
+        "--epp-listen",
+        &epp,
+        "--config",
+        config.to_str().expect("path"),
+    ]));
+    wait_ok(&format!("http://127.0.0.1:{rport}"), "/readiness").await;
+    let body = chat("bad-adapter", "hello", false);
+    let mut s = open(&epp).await;
+    let (status, shown) = s.request(&body, None).await.expect_err("no worker loads it");
+    assert_eq!(status, 503, "{shown}");
+    assert!(shown.contains("a worker answered"), "{shown}");
+    assert!(!shown.contains("127.0.0.1"), "{shown}");
+    let mut s = open(&epp).await;
+    let token = format!("Bearer {}", common::ADMIN_TOKEN);
+    let (_, admin) = s.request_with(&body, None, &[("authorization", &token)]).await.expect_err("503");
+    assert!(admin.contains(&worker), "{admin}");
+    drop((router, sim));
+    let _ = std::fs::remove_file(config);
 }

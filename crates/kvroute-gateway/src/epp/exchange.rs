@@ -141,34 +141,35 @@ pub(super) async fn run(
     let t0 = Instant::now();
     let modes = match Modes::of(s.cfg.epp_body_mode, wire::announced_modes(&first)) {
         Ok(m) => m,
-        Err(e) => return refuse(&s, &io, &e, "").await,
+        Err(e) => return refuse(&s, &io, &e, "", false).await,
     };
     let (headers, path, _) = wire::headers_of(h);
+    let decisions = s.tenancy.may_see_decisions(&headers);
     let subset = wire::subset_of(&first);
     let Some(api) = api_of(&path).filter(|_| !h.end_of_stream) else {
         return pass_through(&s, &mut io, modes, subset.as_deref()).await;
     };
     let key = match authenticate(&s, &headers) {
         Ok(k) => k,
-        Err(e) => return refuse(&s, &io, &e, "").await,
+        Err(e) => return refuse(&s, &io, &e, "", decisions).await,
     };
     if !modes.request_duplex && !io.send(wire::continue_request_headers()).await {
         return;
     }
     let body = match collect_body(&s, &mut io).await {
         Some(Ok(b)) => b,
-        Some(Err(e)) => return refuse(&s, &io, &e, "").await,
+        Some(Err(e)) => return refuse(&s, &io, &e, "", decisions).await,
         None => return,
     };
     let picked_at = Instant::now();
     let mut ctx = match prepare(&s, api, &headers, t0, key.as_deref(), body.clone()) {
         Ok(c) => c,
-        Err(e) => return refuse(&s, &io, &e, "").await,
+        Err(e) => return refuse(&s, &io, &e, "", decisions).await,
     };
     ctx.subset = subset.as_deref();
     let picked = match pick(&mut ctx, &body).await {
         Ok(p) => p,
-        Err((e, branch)) => return refuse(&s, &io, &e, branch).await,
+        Err((e, branch)) => return refuse(&s, &io, &e, branch, decisions).await,
     };
     s.metrics.epp_pick_seconds.observe(picked_at.elapsed().as_secs_f64());
     crate::metrics::count_outcome(&s.metrics.epp_requests, "picked");
@@ -185,15 +186,17 @@ pub(super) async fn run(
         crate::metrics::count_outcome(&s.metrics.epp_observed, "closed_early");
         return;
     }
-    let decisions = s.tenancy.may_see_decisions(&headers);
     observe(&ctx, picked, &mut io, modes, decisions).await;
 }
 
-/// Answers the request with `e` (an immediate response), counted as `serve` counts it.
-async fn refuse(s: &AppState, io: &Io, e: &ApiError, branch: &'static str) {
+/// Answers the request with `e` (an immediate response), counted as `serve` counts it;
+/// shown as `serve` shows it (worker addresses only to a client that `may_see_decisions`).
+async fn refuse(s: &AppState, io: &Io, e: &ApiError, branch: &'static str, may_see_decisions: bool) {
     count_error(s, e, branch);
     crate::metrics::count_outcome(&s.metrics.epp_requests, &format!("immediate_{}", e.status.as_u16()));
-    let _ = io.send(wire::immediate(e)).await;
+    let mut shown = e.clone();
+    crate::tenant::shown_to_client(&mut shown, may_see_decisions);
+    let _ = io.send(wire::immediate(&shown)).await;
 }
 
 /// The request body, within `max_body_bytes`: one message (buffered) or chunks up to the
@@ -241,7 +244,7 @@ async fn pass_through(s: &AppState, io: &mut Io, modes: Modes, subset: Option<&[
         .min_by_key(|(_, n)| *n);
     let Some((endpoint, _)) = best else {
         let e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no healthy worker available").retry_after(1);
-        return refuse(s, io, &e, "").await;
+        return refuse(s, io, &e, "", false).await;
     };
     crate::metrics::count_outcome(&s.metrics.epp_requests, "passed_through");
     if io.send(wire::route_on_headers(&endpoint)).await {

@@ -72,13 +72,7 @@ async fn handle(s: Arc<AppState>, api: Api, headers: HeaderMap, body: Body) -> R
                 Err((mut e, branch)) => {
                     // A failed dispatch names the workers it tried: in the log, and to a
                     // client only with decision details.
-                    if !sees_decisions && e.status.is_server_error() {
-                        let shown = crate::tenant::without_addresses(&e.message);
-                        if shown != e.message {
-                            tracing::info!(status = e.status.as_u16(), error = %e.message, "request failed");
-                            e.message = shown;
-                        }
-                    }
+                    crate::tenant::shown_to_client(&mut e, sees_decisions);
                     error_response(&s, e, branch)
                 }
             };
