@@ -362,3 +362,43 @@ async fn an_immediate_response_names_a_worker_only_to_a_client_that_may_see_deci
     drop((router, sim));
     let _ = std::fs::remove_file(config);
 }
+
+/// A buffered request body the picker cannot read whole gets an immediate 413, where it got
+/// no answer at all (found by a black-box probe): BUFFERED_PARTIAL's first bytes of a body
+/// over the gateway's buffer (the picker waited for an end that never comes), and one
+/// message over the gRPC message limit (`max_body_bytes` + 64 KiB; the stream ended with
+/// gRPC OK and nothing sent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_bodies_that_cannot_be_read_whole_get_a_413() {
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::ProtocolConfiguration;
+    let f = fleet(&["--max-body-bytes", "4096"]).await;
+    let h = || {
+        headers(&[(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")], false)
+    };
+    let body = serde_json::to_vec(&chat("sim-llama-3-8b", &"word ".repeat(40), false)).expect("json");
+    for (mode, bytes, end, want) in [
+        (BodySendMode::BufferedPartial, body.clone(), false, "BUFFERED_PARTIAL"),
+        (BodySendMode::Buffered, vec![b' '; 100 << 10], true, "larger than the limit of 4096 bytes"),
+    ] {
+        let mut s = open(&f.epp).await;
+        let config = ProtocolConfiguration {
+            request_body_mode: mode as i32,
+            response_body_mode: BodySendMode::Streamed as i32,
+            ..Default::default()
+        };
+        let first = ProcessingRequest {
+            request: Some(Msg::RequestHeaders(h())),
+            protocol_config: Some(config),
+            ..Default::default()
+        };
+        s.tx.send(first).await.expect("send");
+        let Reply::RequestHeaders(_) = s.recv().await else { panic!("headers answered") };
+        let b = HttpBody { body: bytes, end_of_stream: end, ..Default::default() };
+        s.send(Msg::RequestBody(b), None).await;
+        let Reply::ImmediateResponse(i) = s.recv().await else { panic!("an immediate response ({mode:?})") };
+        assert_eq!(i.status.map(|s| s.code), Some(413), "{mode:?}");
+        let text = String::from_utf8_lossy(&i.body);
+        assert!(text.contains(want), "{mode:?}: {text}");
+    }
+}

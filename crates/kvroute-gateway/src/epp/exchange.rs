@@ -91,9 +91,18 @@ impl Io {
     /// The gateway's next message; `None` when the stream ended, failed or stayed silent
     /// past `idle`.
     async fn next(&mut self) -> Option<ProcessingRequest> {
+        self.next_or_error().await.ok().flatten()
+    }
+
+    /// [`Io::next`], with the status of a stream that failed (a silent one is `Ok(None)`).
+    async fn next_or_error(&mut self) -> Result<Option<ProcessingRequest>, Status> {
         match tokio::time::timeout(self.idle, self.inbound.message()).await {
-            Ok(Ok(m)) => m,
-            _ => None,
+            Ok(Ok(m)) => Ok(m),
+            Ok(Err(status)) => {
+                tracing::debug!(code = ?status.code(), error = %status.message(), "ext_proc stream failed");
+                Err(status)
+            }
+            Err(_) => Ok(None),
         }
     }
 
@@ -156,7 +165,7 @@ pub(super) async fn run(
     if !modes.request_duplex && !io.send(wire::continue_request_headers()).await {
         return;
     }
-    let body = match collect_body(&s, &mut io).await {
+    let body = match collect_body(&s, &mut io, modes.request_duplex).await {
         Some(Ok(b)) => b,
         Some(Err(e)) => return refuse(&s, &io, &e, "", decisions).await,
         None => return,
@@ -199,20 +208,45 @@ async fn refuse(s: &AppState, io: &Io, e: &ApiError, branch: &'static str, may_s
     let _ = io.send(wire::immediate(&shown)).await;
 }
 
-/// The request body, within `max_body_bytes`: one message (buffered) or chunks up to the
-/// one that ends it (full duplex; request trailers end it too). `None` when the stream
-/// ended first.
-async fn collect_body(s: &AppState, io: &mut Io) -> Option<Result<Bytes, ApiError>> {
+/// The request body, within `max_body_bytes`: one message (buffered, `duplex` false) or
+/// chunks up to the one that ends it (full duplex; request trailers end it too). `None`
+/// when the stream ended first.
+///
+/// # Errors
+/// 413 for a body over `max_body_bytes` (a buffered message over the gRPC message limit,
+/// `max_body_bytes` + 64 KiB, included), and for a buffered body that does not end in its
+/// message: BUFFERED_PARTIAL's first bytes of a body over the gateway's buffer, from which
+/// no prompt can be read.
+async fn collect_body(s: &AppState, io: &mut Io, duplex: bool) -> Option<Result<Bytes, ApiError>> {
     let limit = s.cfg.max_body_bytes;
+    let too_large = || {
+        Some(Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body is larger than the limit of {limit} bytes"),
+        )))
+    };
     let mut body = Vec::new();
     loop {
-        let m = io.next().await?;
+        let m = match io.next_or_error().await {
+            Ok(m) => m?,
+            Err(status) if status.code() == tonic::Code::OutOfRange => return too_large(),
+            Err(_) => return None,
+        };
         match m.request {
             Some(Msg::RequestBody(b)) => {
                 if body.len() + b.body.len() > limit {
+                    return too_large();
+                }
+                if !duplex && !b.end_of_stream {
                     return Some(Err(ApiError::new(
                         StatusCode::PAYLOAD_TOO_LARGE,
-                        format!("request body is larger than the limit of {limit} bytes"),
+                        format!(
+                            "the gateway sent only the first {} bytes of the request body (ext_proc \
+                             request_body_mode BUFFERED_PARTIAL, a body over its buffer limit): the endpoint \
+                             picker routes on the whole prompt; raise the gateway's buffer limit or use \
+                             FULL_DUPLEX_STREAMED",
+                            b.body.len()
+                        ),
                     )));
                 }
                 body.extend_from_slice(&b.body);
