@@ -216,6 +216,34 @@ async fn a_failing_prefill_or_decode_worker_is_replaced_before_the_client_sees_a
     stop.cancel();
 }
 
+/// A request no prefill worker could serve is counted on the prefill worker that failed it
+/// last, not on the decode worker it was paired with (which did nothing wrong and is not
+/// charged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_every_prefill_worker_failed_is_counted_on_a_prefill_worker() {
+    let stop = CancellationToken::new();
+    let broken = EngineSimConfig { error_rate: 1.0, fault_seed: 3, ..sim(Role::Prefill) };
+    let f = fleet(vec![broken], vec![sim(Role::Decode)], &stop).await;
+    let mut cfg = config(&f, PdProtocol::Sglang);
+    cfg.max_worker_retries = 1;
+    cfg.max_total_retries = 1;
+    let (router, _) = common::start_router(cfg, stop.clone()).await;
+    let c = common::client();
+    let a = send(&c, &router, &chat(&prompt("no prefill", 200), false)).await;
+    assert_eq!(a.status, 502, "{}", a.text);
+    let text = guard(c.get(format!("{router}/metrics")).send()).await.expect("metrics").text().await.expect("text");
+    let failed = |url: &str| {
+        text.lines()
+            .filter(|l| l.starts_with("kvroute_requests_total{") && l.contains(&format!("worker=\"{url}\"")))
+            .filter(|l| l.contains("outcome=\"upstream_error\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert_eq!(failed(&f.prefill[0].0), 1.0, "{text}");
+    assert_eq!(failed(&f.decode[0].0), 0.0, "{text}");
+    stop.cancel();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_handshake_has_a_timeout_and_a_stream_failing_after_its_first_byte_ends_with_an_error_event() {
     let stop = CancellationToken::new();

@@ -216,7 +216,8 @@ impl Pair<'_> {
                 }
             }
             attempts += 1;
-            // A failure is counted on the decode worker, as the answer is.
+            // A failure is counted on the decode worker, as the answer is (on the prefill
+            // worker when its half failed).
             super::ctx::note_worker(&dw.url, self.rd.decision.branch.as_str());
             // Both halves are committed (the other replicas of the cluster see both pools'
             // prefix and load); only the prefill worker's cache gains the prompt, the decode
@@ -243,6 +244,8 @@ impl Pair<'_> {
                 Err(PairError::Prefill(e)) => {
                     tracing::warn!(worker = %pw.url, error = %e, "pd: prefill failed; trying the next prefill worker");
                     count_outcome(&s.metrics.pd_failures, "prefill");
+                    // Should no pair serve it, the request failed on this worker.
+                    super::ctx::note_worker(&pw.url, self.rp.decision.branch.as_str());
                     last = e;
                     pi += 1;
                 }
