@@ -114,7 +114,7 @@ run_ignored "endpoint picker's independent client test" 'test(=epp_python_client
 run_ignored "llama.cpp end-to-end tests" 'binary(llama_e2e)' "$have_llama" \
   "${KVROUTE_REQUIRE_LLAMA:-0}" "KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL (bash scripts/llama-workers.sh install)"
 have_etcd=0; [ -n "${KVROUTE_ETCD_BIN:-}" ] && [ -x "${KVROUTE_ETCD_BIN}" ] && have_etcd=1
-run_ignored "etcd cluster tests" 'binary(etcd) | test(the_sidecar_registers)' "$have_etcd" \
+run_ignored "etcd cluster tests" 'binary(etcd) | test(the_sidecar_registers) | test(registered_in_etcd)' "$have_etcd" \
   "${KVROUTE_REQUIRE_ETCD:-0}" "KVROUTE_ETCD_BIN, the etcd binary (Debian etcd-server)"
 have_nats=0; [ -n "${KVROUTE_NATS_BIN:-}" ] && [ -x "${KVROUTE_NATS_BIN}" ] && have_nats=1
 run_ignored "NATS cluster-sync tests" 'binary(nats) | binary(cluster_cli)' "$have_nats" \

@@ -72,6 +72,12 @@ pub struct AppState {
     pub replica_id: String,
     /// This replica's name in `Via` (`kvroute-<replica_id>`, [`crate::hops`]).
     pub via_name: String,
+    /// Whether the workers registered in etcd are in the fleet: etcd's first list was
+    /// applied, or etcd did not answer the first session and the registry saved in
+    /// `state_dir` was tried. True from the start without etcd. Restoring saved prefix
+    /// state and a peer's snapshot wait for it ([`AppState::registry_settled`]): their
+    /// events name workers by URL, and one not in the fleet yet is dropped.
+    pub registry: tokio::sync::watch::Sender<bool>,
     /// The addresses this router's listeners are bound to (set by the server before any
     /// worker is added; empty for an embedder that serves no listener): a worker URL
     /// pointing at one of them is refused.
@@ -115,6 +121,7 @@ impl AppState {
             kv_mover,
             replica_id,
             listen_addrs: RwLock::new(Vec::new()),
+            registry: tokio::sync::watch::Sender::new(cfg.etcd.is_empty()),
             recorder,
             tenancy,
             static_workers: arc_swap::ArcSwap::from_pointee(crate::model::worker_url::static_set(&cfg.worker_urls)),
@@ -157,6 +164,14 @@ impl AppState {
     /// Time since start, as the routing core's clock.
     pub fn now(&self) -> Nanos {
         Nanos(self.start.elapsed().as_nanos().min(u64::MAX as u128) as u64)
+    }
+
+    /// Waits until the workers registered in etcd are in the fleet ([`AppState::registry`]),
+    /// at most `max`; false when they were not by then (etcd slower than its own connect
+    /// and request timeouts).
+    pub async fn registry_settled(&self, max: std::time::Duration) -> bool {
+        let mut rx = self.registry.subscribe();
+        matches!(tokio::time::timeout(max, rx.wait_for(|settled| *settled)).await, Ok(Ok(_)))
     }
 
     /// Every router set: the main one and, with disaggregation, both pools'.

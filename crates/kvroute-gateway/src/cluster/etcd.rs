@@ -113,6 +113,7 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
                 () = load_cache(&state, &mut known) => {}
                 () = cancel.cancelled() => break,
             }
+            state.registry.send_replace(true);
         }
         // A session that ran a while was a working connection: start the backoff afresh.
         if started.elapsed() > BACKOFF_MAX * 2 {
@@ -212,6 +213,7 @@ async fn session(state: &Arc<AppState>, known: &mut Known) -> anyhow::Result<()>
     }
     reconcile(state, known, now_registered).await;
     known.listed = true;
+    state.registry.send_replace(true);
     known.revision = revision;
     // Saved at once (the loop below writes what is dirty when due).
     known.dirty = true;

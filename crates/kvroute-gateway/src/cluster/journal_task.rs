@@ -10,6 +10,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
+/// Longest wait for etcd's first list of workers before saved prefix state or a peer's
+/// snapshot is applied ([`AppState::registry_settled`]): more than an etcd session's connect
+/// (2 s) and request (5 s) timeouts.
+pub const REGISTRY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Runs until `cancel` (nothing without `state_dir`).
 pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
     let (Some(dir), Some(j)) = (state.cfg.state_dir.clone(), state.journal.clone()) else { return };
@@ -61,6 +66,13 @@ async fn restore(state: &AppState, j: &journal::PrefixJournal, dir: &std::path::
         }
     };
     let age = journal::age_secs(&saved);
+    // The events name workers by URL: those registered in etcd must be in the fleet first.
+    if !state.registry_settled(REGISTRY_WAIT).await {
+        tracing::warn!(
+            wait_secs = REGISTRY_WAIT.as_secs(),
+            "etcd's workers not listed yet: restoring the prefix state for the workers known now"
+        );
+    }
     let (mut restored, mut skipped) = (0u64, 0u64);
     for r in saved.events {
         let applied = match state.fleet.by_url(&r.worker) {

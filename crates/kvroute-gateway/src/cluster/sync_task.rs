@@ -393,9 +393,14 @@ async fn fetch_snapshot(state: &AppState, sync: &ReplicaSync, client: &async_nat
         tracing::info!("no snapshot: NATS is not reachable; routing on local state");
         return;
     }
+    // The events name workers by URL: those registered in etcd must be in the fleet first
+    // (the answer waits in the subscription meanwhile).
+    if !state.registry_settled(super::journal_task::REGISTRY_WAIT).await {
+        tracing::warn!("etcd's workers not listed yet: applying the snapshot for the workers known now");
+    }
     let deadline = tokio::time::Instant::now() + wait;
     let mut from: Option<String> = None;
-    let (mut applied, mut next_part) = (0u64, 0u32);
+    let (mut applied, mut unknown, mut next_part) = (0u64, 0u64, 0u32);
     loop {
         let msg = match tokio::time::timeout_at(deadline, sub.next()).await {
             Ok(Some(m)) => m,
@@ -419,6 +424,8 @@ async fn fetch_snapshot(state: &AppState, sync: &ReplicaSync, client: &async_nat
                 commit(state, &r, w.id, Wait::Block).await;
                 applied += 1;
                 sync.recent.lock().push(Arc::new(r));
+            } else {
+                unknown += 1;
             }
         }
         if chunk.last {
@@ -432,6 +439,7 @@ async fn fetch_snapshot(state: &AppState, sync: &ReplicaSync, client: &async_nat
         }
     }
     sync.count("snapshot", applied);
+    sync.count("unknown_worker", unknown);
     let _ = sub.unsubscribe().await;
 }
 
