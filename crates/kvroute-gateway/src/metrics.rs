@@ -258,6 +258,10 @@ pub struct Metrics {
     pub sync_remote_in_flight: Gauge,
     /// Other replicas heard from in the last 10 s.
     pub sync_peers: Gauge,
+    /// Other replicas gone from this one's view, by outcome: `goodbye` (it said it was
+    /// stopping: its in-flight load released at once), `silent` (nothing heard for 10 s: a
+    /// crash, a partition).
+    pub sync_peers_left: Family<OutcomeLabel, Counter>,
     /// Configuration reloads on SIGHUP, by outcome (`applied`, `unchanged`, `invalid`).
     pub config_reloads: Family<OutcomeLabel, Counter>,
     /// Trace lines of the traffic recorder (`record`), by outcome: `written`, `dropped`
@@ -366,6 +370,7 @@ impl Metrics {
             sync_lag_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 18)),
             sync_remote_in_flight: Gauge::default(),
             sync_peers: Gauge::default(),
+            sync_peers_left: Family::default(),
             config_reloads: Family::default(),
             record_lines: Family::default(),
             prefix_state_events: Family::default(),
@@ -633,6 +638,11 @@ impl Metrics {
             self.sync_remote_in_flight.clone(),
         );
         r.register("kvroute_sync_peers", "Other replicas heard from in the last 10 s", self.sync_peers.clone());
+        r.register(
+            "kvroute_sync_peers_left",
+            "Other replicas gone from this one's view: goodbye (stopping) or silent for 10 s",
+            self.sync_peers_left.clone(),
+        );
     }
 
     /// Configuration reloads and the traffic recorder.

@@ -305,6 +305,10 @@ async fn nats_or_a_replica_dying_fails_no_request() {
         metric(&c, &b, "kvroute_sync_remote_in_flight").await == 0.0
     })
     .await;
+    // A stopped cleanly: its goodbye took it out of B's view, not 10 s of silence.
+    eventually("B hears A's goodbye", async || metric(&c, &b, "kvroute_sync_peers").await == 0.0).await;
+    assert_eq!(metric(&c, &b, "kvroute_sync_peers_left_total{outcome=\"goodbye\"}").await, 1.0);
+    assert_eq!(metric(&c, &b, "kvroute_sync_peers_left_total{outcome=\"silent\"}").await, 0.0);
     assert_eq!(failed, 0, "requests failed");
     stop.cancel();
 }

@@ -214,6 +214,11 @@ pub struct Batch {
     pub sent_unix_ns: u64,
     /// The events in order.
     pub events: Vec<WireEvent>,
+    /// The sender's last batch: it is stopping, and the receivers release what it had in
+    /// flight at once instead of after [`PEER_SILENCE`]. Absent (false) from versions that
+    /// did not send one.
+    #[serde(default)]
+    pub bye: bool,
 }
 
 /// One part of a snapshot answer (msgpack, to the requester's inbox).
@@ -439,6 +444,7 @@ mod tests {
             replica: "r1".into(),
             seq: 7,
             sent_unix_ns: 1,
+            bye: false,
             events: vec![
                 WireEvent::Routed(RoutedEvent {
                     id: 3,

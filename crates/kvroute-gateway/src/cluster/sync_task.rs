@@ -124,37 +124,55 @@ async fn publish(
                 }
             }
         }
-        let limit = max_message(&client);
-        let mut events = Vec::with_capacity(buf.len());
-        let mut size = 64;
-        for e in buf.drain(..) {
-            let ev = match e {
-                Out::Routed(mut r) => {
-                    let wire = sync.on_the_wire(&mut r);
-                    sync.recent.lock().push(Arc::from(r));
-                    WireEvent::Routed(wire)
-                }
-                Out::FirstToken(id) => WireEvent::FirstToken(id),
-                Out::Done(id) => WireEvent::Done(id),
-            };
-            let n = match &ev {
-                WireEvent::Routed(r) => r.size_estimate(),
-                _ => 16,
-            };
-            if size + n > limit / 2 && !events.is_empty() {
-                send_batch(&sync, &client, &mut seq, std::mem::take(&mut events)).await;
-                size = 64;
-            }
-            size += n;
-            events.push(ev);
-        }
-        send_batch(&sync, &client, &mut seq, events).await;
+        publish_buffered(&sync, &client, &mut seq, &mut buf).await;
     }
+    // Stopping (the requests have drained): what is still queued — the `done` events of the
+    // last requests — then a goodbye, so the peers release this replica's load at once.
+    while let Ok(e) = rx.try_recv() {
+        buf.push(e);
+    }
+    publish_buffered(&sync, &client, &mut seq, &mut buf).await;
+    let bye = Batch { replica: sync.replica.clone(), seq, sent_unix_ns: unix_ns(), events: Vec::new(), bye: true };
+    if let Ok(payload) = rmp_serde::to_vec_named(&bye) {
+        let _ =
+            tokio::time::timeout(Duration::from_secs(1), client.publish(sync.events_subject.clone(), payload.into()))
+                .await;
+    }
+}
+
+/// Publishes the events in `buf` (emptied) in batches that fit a NATS message; nothing but
+/// a heartbeat when it is empty.
+async fn publish_buffered(sync: &ReplicaSync, client: &async_nats::Client, seq: &mut u64, buf: &mut Vec<Out>) {
+    let limit = max_message(client);
+    let mut events = Vec::with_capacity(buf.len());
+    let mut size = 64;
+    for e in buf.drain(..) {
+        let ev = match e {
+            Out::Routed(mut r) => {
+                let wire = sync.on_the_wire(&mut r);
+                sync.recent.lock().push(Arc::from(r));
+                WireEvent::Routed(wire)
+            }
+            Out::FirstToken(id) => WireEvent::FirstToken(id),
+            Out::Done(id) => WireEvent::Done(id),
+        };
+        let n = match &ev {
+            WireEvent::Routed(r) => r.size_estimate(),
+            _ => 16,
+        };
+        if size + n > limit / 2 && !events.is_empty() {
+            send_batch(sync, client, seq, std::mem::take(&mut events)).await;
+            size = 64;
+        }
+        size += n;
+        events.push(ev);
+    }
+    send_batch(sync, client, seq, events).await;
 }
 
 async fn send_batch(sync: &ReplicaSync, client: &async_nats::Client, seq: &mut u64, events: Vec<WireEvent>) {
     let n = events.len() as u64;
-    let batch = Batch { replica: sync.replica.clone(), seq: *seq, sent_unix_ns: unix_ns(), events };
+    let batch = Batch { replica: sync.replica.clone(), seq: *seq, sent_unix_ns: unix_ns(), events, bye: false };
     *seq += 1;
     let payload = match rmp_serde::to_vec_named(&batch) {
         Ok(p) => Bytes::from(p),
@@ -236,6 +254,7 @@ impl Peers {
             let alive = now.duration_since(p.heard) < PEER_SILENCE;
             if !alive {
                 tracing::info!(replica = %name, "cluster peer silent: its in-flight load is released");
+                crate::metrics::count_outcome(&metrics.sync_peers_left, "silent");
             }
             alive
         });
@@ -266,6 +285,16 @@ impl Peers {
             // The replica restarted under the same id: what it had in flight is gone.
             self.tickets -= peer.tickets.len();
             peer.tickets.clear();
+        }
+        if batch.bye {
+            // Stopping: what it had in flight has ended or will not be reported.
+            tracing::info!(replica = %batch.replica, "cluster peer left: its in-flight load is released");
+            crate::metrics::count_outcome(&state.metrics.sync_peers_left, "goodbye");
+            self.tickets -= peer.tickets.len();
+            self.by_name.remove(&batch.replica);
+            state.metrics.sync_remote_in_flight.set(self.tickets as i64);
+            state.metrics.sync_peers.set(self.by_name.len() as i64);
+            return;
         }
         peer.last_seq = batch.seq;
         peer.heard = now;
