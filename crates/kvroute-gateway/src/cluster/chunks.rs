@@ -9,8 +9,12 @@
 //! every prompt it announces or applies, in a store bounded to [`STORE_CHUNKS`] chunks and
 //! evicted least recently used first.
 //!
-//! - [`ChunkStore::encode`]: the longest prefix of a text whose chunks the store holds (each
-//!   compared byte for byte, so a hash collision cannot pass), then the rest; learns the text.
+//! - [`ChunkStore::encode_at`]: the longest prefix of a text whose chunks the store holds
+//!   (each compared byte for byte, so a hash collision cannot pass) and whose text went over
+//!   the wire within [`REFRESH_SECS`], then the rest; learns the text. A chunk is referred
+//!   to only that long after the cluster last saw its text, so a replica that missed it (one
+//!   started without a snapshot, a batch lost while NATS reconnected) is taught a hot prefix
+//!   again within that time, where before it never was.
 //! - [`ChunkStore::resolve`]: rebuilds the text a peer encoded; `None` when a chunk of the
 //!   chain is not here (evicted, or its announcement lost or not yet arrived), and the
 //!   receiver then applies the event without its prompt (counted by the caller).
@@ -25,6 +29,9 @@ pub const CHUNK_BYTES: usize = 256;
 pub const STORE_CHUNKS: usize = 16_384;
 /// Longest chain resolved (128 KiB of text at [`CHUNK_BYTES`], the sync's longest prompt).
 pub const MAX_CHAIN: u32 = 512;
+/// Seconds a chunk stays referable after its text last went over the wire (sent or
+/// received by this replica): a hot prefix is sent in full again about this often.
+pub const REFRESH_SECS: u64 = 30;
 
 /// A text as announced: the first `chunks` chunks of chain `base`, then `rest`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +48,8 @@ pub struct Encoded {
 struct Chunk {
     parent: u64,
     text: Box<str>,
+    /// When its text last went over the wire, seconds on the caller's clock.
+    announced: u64,
 }
 
 /// The chunks learned, by name (see the module docs).
@@ -91,21 +100,30 @@ impl ChunkStore {
         self.chunks.is_empty()
     }
 
-    /// `text` as the longest prefix of chunks this store holds and the rest; learns every
-    /// chunk of `text`.
+    /// [`ChunkStore::encode_at`] at time 0 (tests).
+    #[cfg(test)]
     pub fn encode(&mut self, text: &str) -> Encoded {
+        self.encode_at(text, 0)
+    }
+
+    /// `text` as the longest prefix of chunks this store holds, each announced within
+    /// [`REFRESH_SECS`] of `now` (seconds, the caller's clock), and the rest; learns every
+    /// chunk of `text`, those of the rest as announced `now`.
+    pub fn encode_at(&mut self, text: &str, now: u64) -> Encoded {
         let (mut parent, mut chunks, mut cut) = (0u64, 0u32, 0usize);
         let mut names = Vec::with_capacity(text.len() / CHUNK_BYTES);
         for (s, e) in spans(text) {
             let piece = &text[s..e];
             let h = name(parent, piece);
             let known = names.len() == chunks as usize
-                && self.chunks.get(&h).is_some_and(|c| c.parent == parent && *c.text == *piece);
+                && self.chunks.get(&h).is_some_and(|c| {
+                    c.parent == parent && *c.text == *piece && now.saturating_sub(c.announced) < REFRESH_SECS
+                });
             if known {
                 chunks += 1;
                 cut = e;
             } else {
-                self.insert(h, parent, piece);
+                self.insert(h, parent, piece, now);
             }
             names.push(h);
             parent = h;
@@ -115,8 +133,15 @@ impl ChunkStore {
         Encoded { base, chunks, rest: text[cut..].to_string() }
     }
 
-    /// The text a peer encoded as `e`, if every chunk of its chain is here; learns it.
+    /// [`ChunkStore::resolve_at`] at time 0 (tests).
+    #[cfg(test)]
     pub fn resolve(&mut self, e: &Encoded) -> Option<String> {
+        self.resolve_at(e, 0)
+    }
+
+    /// The text a peer encoded as `e`, if every chunk of its chain is here; learns it, the
+    /// chunks of its rest (sent as text) as announced `now`.
+    pub fn resolve_at(&mut self, e: &Encoded, now: u64) -> Option<String> {
         if e.chunks > MAX_CHAIN {
             return None;
         }
@@ -141,26 +166,33 @@ impl ChunkStore {
         text.push_str(&e.rest);
         // The chain first, so that learning the rest cannot evict it.
         self.promote(&names);
-        self.learn_after(e.base, &text[cut..], &mut names);
+        self.learn_after(e.base, &text[cut..], &mut names, now);
         self.promote(&names);
         Some(text)
     }
 
-    /// Learns every chunk of `text`.
+    /// [`ChunkStore::learn_at`] at time 0 (tests).
+    #[cfg(test)]
     pub fn learn(&mut self, text: &str) {
+        self.learn_at(text, 0)
+    }
+
+    /// Learns every chunk of `text`, received whole, as announced `now`.
+    pub fn learn_at(&mut self, text: &str, now: u64) {
         let mut names = Vec::with_capacity(text.len() / CHUNK_BYTES);
-        self.learn_after(0, text, &mut names);
+        self.learn_after(0, text, &mut names, now);
         self.promote(&names);
     }
 
     /// Learns the chunks of `text` as the continuation of chunk `parent` (0: from the start),
-    /// appending their names to `names`.
-    fn learn_after(&mut self, mut parent: u64, text: &str, names: &mut Vec<u64>) {
+    /// announced `now`, appending their names to `names`.
+    fn learn_after(&mut self, mut parent: u64, text: &str, names: &mut Vec<u64>, now: u64) {
         for (s, e) in spans(text) {
             let piece = &text[s..e];
             let h = name(parent, piece);
-            if self.chunks.get(&h).is_none() {
-                self.insert(h, parent, piece);
+            match self.chunks.get_mut(&h) {
+                Some(c) => c.announced = c.announced.max(now),
+                None => self.insert(h, parent, piece, now),
             }
             names.push(h);
             parent = h;
@@ -175,8 +207,8 @@ impl ChunkStore {
         }
     }
 
-    fn insert(&mut self, h: u64, parent: u64, piece: &str) {
-        self.chunks.put(h, Chunk { parent, text: piece.into() });
+    fn insert(&mut self, h: u64, parent: u64, piece: &str, announced: u64) {
+        self.chunks.put(h, Chunk { parent, text: piece.into(), announced });
         while self.chunks.len() > self.cap {
             self.chunks.pop_lru();
         }
@@ -292,5 +324,33 @@ mod tests {
         }
         let e = s.encode(&format!("{hot}tail"));
         assert!(e.chunks >= 7, "the hot text stays: {}", e.chunks);
+    }
+}
+
+#[cfg(test)]
+mod refresh_tests {
+    use super::*;
+
+    /// A replica that missed a prompt's text (started without a snapshot, a lost batch) is
+    /// taught it again: past [`REFRESH_SECS`] the sender names no chunk it has not sent
+    /// since, and the receiver rebuilds the prompt from the text.
+    #[test]
+    fn a_chunk_not_announced_for_refresh_secs_is_sent_as_text_again() {
+        let text = "a shared system prompt about routing. ".repeat(40);
+        let (mut a, mut late) = (ChunkStore::default(), ChunkStore::default());
+        a.encode_at(&text, 100);
+        let again = format!("{text} next question");
+        let e = a.encode_at(&again, 100 + REFRESH_SECS - 1);
+        assert!(e.chunks > 0, "within the refresh, a reference");
+        assert_eq!(late.resolve_at(&e, 100 + REFRESH_SECS - 1), None, "the late replica lacks the chain");
+        let e = a.encode_at(&again, 100 + REFRESH_SECS);
+        assert_eq!(e.chunks, 0, "past the refresh, the text");
+        assert_eq!(late.resolve_at(&e, 100 + REFRESH_SECS).as_deref(), Some(again.as_str()));
+        // Sent again, the chunks are fresh: the next prompt refers to them, and the late
+        // replica now resolves it.
+        let third = format!("{text} a third question");
+        let e = a.encode_at(&third, 100 + REFRESH_SECS + 1);
+        assert!(e.chunks > 0);
+        assert_eq!(late.resolve_at(&e, 100 + REFRESH_SECS + 1).as_deref(), Some(third.as_str()));
     }
 }

@@ -282,6 +282,8 @@ pub struct ReplicaSync {
     pub(crate) recent: Mutex<Recent>,
     /// Prompt text chunks this replica announced or applied ([`super::chunks`]).
     pub(crate) chunks: Mutex<super::chunks::ChunkStore>,
+    /// The chunks' clock ([`ReplicaSync::clock_secs`]).
+    started: std::time::Instant,
     outcomes: prometheus_client::metrics::family::Family<
         crate::metrics::OutcomeLabel,
         prometheus_client::metrics::counter::Counter,
@@ -355,8 +357,15 @@ impl ReplicaSync {
             ready: AtomicBool::new(false),
             recent: Mutex::new(Recent::bounded(SNAPSHOT_MAX_BYTES)),
             chunks: Mutex::default(),
+            started: std::time::Instant::now(),
             outcomes: metrics.sync_events.clone(),
         })
+    }
+
+    /// Seconds since this sync was made: the clock of the chunks' refresh
+    /// ([`super::chunks::REFRESH_SECS`]).
+    fn clock_secs(&self) -> u64 {
+        self.started.elapsed().as_secs()
     }
 
     /// Whether the start-up snapshot was applied (or its wait ended).
@@ -382,7 +391,7 @@ impl ReplicaSync {
         let mut wire = r.clone();
         wire.prefix = match &prompt {
             WirePrefix::Text(t) => {
-                let e = self.chunks.lock().encode(t);
+                let e = self.chunks.lock().encode_at(t, self.clock_secs());
                 if e.chunks == 0 {
                     WirePrefix::Text(e.rest)
                 } else {
@@ -402,13 +411,13 @@ impl ReplicaSync {
         match std::mem::replace(&mut r.prefix, WirePrefix::None) {
             WirePrefix::TextRef { base, chunks, rest } => {
                 let e = super::chunks::Encoded { base, chunks, rest };
-                match self.chunks.lock().resolve(&e) {
+                match self.chunks.lock().resolve_at(&e, self.clock_secs()) {
                     Some(t) => r.prefix = WirePrefix::Text(t),
                     None => return false,
                 }
             }
             WirePrefix::Text(t) => {
-                self.chunks.lock().learn(&t);
+                self.chunks.lock().learn_at(&t, self.clock_secs());
                 r.prefix = WirePrefix::Text(t);
             }
             other => r.prefix = other,
