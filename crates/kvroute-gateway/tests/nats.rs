@@ -364,3 +364,30 @@ async fn split_requests_teach_the_other_replicas_prefill_pool() {
     .await;
     stop.cancel();
 }
+
+/// Two routers started with the same `replica_id` (a pod template that sets it) do not sync
+/// with each other, and the other replicas mix them up: each counts the other's batches as
+/// `duplicate_replica_id` (and logs an error) instead of skipping them silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs nats-server (Debian nats-server): KVROUTE_NATS_BIN=$(command -v nats-server) scripts/test.sh"]
+async fn two_replicas_under_one_id_are_reported() {
+    let nats = Nats::start(free_port()).await;
+    let stop = CancellationToken::new();
+    let ws = workers(2, 50.0, &stop).await;
+    let same = |ws: &[String]| GatewayConfig { replica_id: Some("same".into()), ..synced(Some(&nats.url), ws) };
+    let (a, _) = common::start_router(same(&ws), stop.clone()).await;
+    let (b, _) = common::start_router(same(&ws), stop.clone()).await;
+    let c = common::client();
+    ready(&c, &a).await;
+    ready(&c, &b).await;
+    let r = guard(c.post(format!("{a}/v1/chat/completions")).json(&ask(&document(0, 800), "q", 2, false)).send())
+        .await
+        .expect("send");
+    assert_eq!(r.status(), 200);
+    eventually("B reports A's batches under its own id", async || {
+        metric(&c, &b, "kvroute_sync_events_total{outcome=\"duplicate_replica_id\"}").await >= 1.0
+    })
+    .await;
+    assert_eq!(metric(&c, &b, "kvroute_sync_events_total{outcome=\"applied\"}").await, 0.0);
+    stop.cancel();
+}

@@ -211,6 +211,7 @@ async fn apply_events(
     let ttl = Duration::from_secs_f64(state.cfg.request_timeout_secs) + TICKET_GRACE;
     let mut peers = Peers { by_name: HashMap::new(), tickets: 0, ttl };
     let mut sweep = tokio::time::interval(Duration::from_secs(1));
+    let mut warned: Option<Instant> = None;
     loop {
         let msg = tokio::select! {
             () = cancel.cancelled() => break,
@@ -228,11 +229,30 @@ async fn apply_events(
             }
         };
         if batch.replica == sync.replica {
+            // NATS does not send this connection its own batches back (`no_echo`): another
+            // process runs under this replica's id.
+            duplicate_id(sync, &batch, &mut warned);
             continue;
         }
         let lag = unix_ns().saturating_sub(batch.sent_unix_ns) as f64 / 1e9;
         state.metrics.sync_lag_seconds.observe(lag);
         peers.apply(state, sync, batch).await;
+    }
+}
+
+/// A batch published under this replica's own id by another process: counted
+/// (`duplicate_replica_id`, its events) and logged at most once a minute. Each replica
+/// skips the other's batches as its own and the others see one replica whose sequence
+/// jumps back and forth (gaps, its load tickets dropped): the ids must differ.
+fn duplicate_id(sync: &ReplicaSync, batch: &Batch, warned: &mut Option<Instant>) {
+    sync.count("duplicate_replica_id", batch.events.len().max(1) as u64);
+    if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+        *warned = Some(Instant::now());
+        tracing::error!(
+            replica = %sync.replica,
+            "another router publishes under this replica's id: the two do not sync with each other and the \
+             other replicas mix them up; give each replica its own replica_id (or leave it unset: a random one)"
+        );
     }
 }
 
