@@ -3,7 +3,11 @@
 //! percentiles from HDR histograms, and the SLO that goodput counts against.
 //!
 //! Units: every input and output is in seconds; histograms hold microseconds (1 µs to
-//! ~2.8 h, 3 significant digits), so a percentile is exact to 0.1 %.
+//! 2^55 µs, about 1.1 billion years, 3 significant digits), so a percentile is exact to
+//! 0.1 % for any latency the simulated clock can hold (u64 nanoseconds, at most ~585 years).
+//! A latency beyond the range (only a non-finite one in practice) is counted at the top
+//! and its percentiles read as `inf`, never as a smaller number. One histogram takes
+//! ~380 KiB.
 
 use hdrhistogram::Histogram;
 
@@ -49,8 +53,10 @@ pub struct LatencySummary {
     pub e2e_p99_s: f64,
 }
 
-/// Upper bound of the histograms, microseconds (~2.8 hours).
-const MAX_US: u64 = 10_000_000_000;
+/// Upper bound of the histograms, microseconds (2^55 µs, ~1.1 billion years): twice the
+/// longest time the simulated u64-nanosecond clock holds (`u64::MAX` ns ≈ 1.8 × 10^16 µs),
+/// so no latency of a replay or a bench run reaches it.
+const MAX_US: u64 = 1 << 55;
 
 /// A fresh microsecond histogram (also used for other per-request durations, e.g. ITL).
 pub fn histogram() -> Histogram<u64> {
@@ -59,15 +65,22 @@ pub fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, MAX_US, 3).expect("valid histogram bounds")
 }
 
-/// Records `secs` into a microsecond histogram, clamped to its bounds.
+/// Records `secs` into a microsecond histogram: at least 1 µs; a value over the range
+/// (2^55 µs), infinite or NaN is counted at the top, where [`quantile`] reads `inf`.
 pub fn record(h: &mut Histogram<u64>, secs: f64) {
     let us = if secs.is_finite() { (secs * 1e6).round().max(1.0) as u64 } else { MAX_US };
     let _ = h.record(us.clamp(1, MAX_US));
 }
 
-/// The `quantile` (0.0–1.0) of a microsecond histogram, seconds; 0 when empty.
+/// The `quantile` (0.0–1.0) of a microsecond histogram, seconds: the top of its 0.1 %
+/// bucket, so never below the true value (the bottom for quantile 0); 0 when empty, `inf`
+/// when it falls on values recorded over the range.
 pub fn quantile(h: &Histogram<u64>, quantile: f64) -> f64 {
-    if h.is_empty() { 0.0 } else { h.value_at_quantile(quantile) as f64 / 1e6 }
+    if h.is_empty() {
+        return 0.0;
+    }
+    let us = h.value_at_quantile(quantile);
+    if us >= h.lowest_equivalent(MAX_US) { f64::INFINITY } else { us as f64 / 1e6 }
 }
 
 /// Accumulates the latencies of completed requests; [`Latencies::summary`] reads them out.
@@ -152,5 +165,31 @@ mod tests {
         // Nothing recorded: zeros, not NaN.
         assert_eq!(Latencies::default().summary(), LatencySummary::default());
         assert!(Latencies::default().ttft_cdf().is_empty());
+    }
+
+    #[test]
+    fn long_latencies_are_not_capped() {
+        // A saturated engine: most TTFTs over the old 10,000 s cap; the mean must not
+        // exceed the p99 and the p50 must be the true median.
+        let mut l = Latencies::default();
+        for i in 1..=100u32 {
+            let t = f64::from(i) * 1_000.0; // 1,000 s .. 100,000 s
+            l.record(Some(t), None, t);
+        }
+        let s = l.summary();
+        assert!((s.ttft_p50_s - 50_000.0).abs() / 50_000.0 < 1e-3, "{s:?}");
+        assert!((s.ttft_p99_s - 99_000.0).abs() / 99_000.0 < 1e-3, "{s:?}");
+        assert!(s.ttft_mean_s <= s.ttft_p99_s && s.e2e_mean_s <= s.e2e_p99_s, "{s:?}");
+        // The longest time the u64-nanosecond clock holds is still exact to 0.1 %.
+        let longest = u64::MAX as f64 / 1e9;
+        let mut l = Latencies::default();
+        l.record(Some(longest), None, longest);
+        let p = l.summary().ttft_p99_s;
+        assert!(p >= longest && p <= longest * 1.001, "{p} vs {longest}");
+        // Beyond the range: `inf`, not a smaller number.
+        let mut l = Latencies::default();
+        l.record(Some(f64::INFINITY), None, 1e300);
+        assert_eq!(l.summary().ttft_p50_s, f64::INFINITY);
+        assert_eq!(l.summary().e2e_p99_s, f64::INFINITY);
     }
 }
