@@ -624,25 +624,108 @@ impl RouterView<'_> {
     }
 }
 
-/// When a policy is next maintained: its interval, and the next instant due (never for a
-/// policy without maintenance).
+/// When a policy is next maintained: its interval (at least 1 ns), and the next instant
+/// due (`None`: never, for a policy without maintenance or once the clock's end is reached).
 pub(crate) struct Maintenance {
-    interval: Option<Nanos>,
-    next: Nanos,
+    interval: Nanos,
+    next: Option<Nanos>,
 }
 
 impl Maintenance {
     /// The maintenance clock of `policy`, first due one interval after time 0.
     pub(crate) fn new(policy: &dyn kvroute_core::policy::Policy) -> Maintenance {
-        let interval = policy.maintenance_interval();
-        Maintenance { interval, next: interval.unwrap_or(Nanos(u64::MAX)) }
+        Maintenance::every(policy.maintenance_interval())
     }
 
-    /// Runs every maintenance due at or before `now`.
+    /// A maintenance clock of `interval` (`None`: never), first due one interval after 0.
+    fn every(interval: Option<Nanos>) -> Maintenance {
+        // A 0 ns interval (a knob rounded to 0) would never move the clock on.
+        let interval = Nanos(interval.map_or(u64::MAX, |i| i.0.max(1)));
+        Maintenance { interval, next: (interval.0 != u64::MAX).then_some(interval) }
+    }
+
+    /// Runs the maintenance due at or before `now`: the first due instant, then, when more
+    /// were due, only the last of them. With no routing in between, an unbounded pass
+    /// (`usize::MAX` evictions) leaves nothing for the passes skipped in the middle (the
+    /// tree or index is already within budget, and a TTL pass at the last instant expires
+    /// all they would). At most two passes per call, whatever the gap or the interval.
     pub(crate) fn run(&mut self, policy: &mut dyn kvroute_core::policy::Policy, now: Nanos) {
-        while now >= self.next {
-            policy.maintain(self.next, usize::MAX);
-            self.next = self.next.saturating_add(self.interval.unwrap_or(Nanos(u64::MAX)));
+        let Some(first) = self.next.filter(|&n| n <= now) else { return };
+        policy.maintain(first, usize::MAX);
+        let skipped = (now.0 - first.0) / self.interval.0;
+        if skipped > 0 {
+            let last = Nanos(first.0 + skipped * self.interval.0);
+            policy.maintain(last, usize::MAX);
+            self.next = last.0.checked_add(self.interval.0).map(Nanos);
+        } else {
+            self.next = first.0.checked_add(self.interval.0).map(Nanos);
         }
+    }
+}
+
+#[cfg(test)]
+mod maintenance_tests {
+    use super::*;
+    use kvroute_core::policy::{Decision, PickCtx, Policy, RequestKey, RouteError};
+
+    /// Records the instants it was maintained at.
+    #[derive(Debug, Default, Clone)]
+    struct Recorder(Vec<u64>);
+
+    impl Policy for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn pick(
+            &self,
+            _req: &RequestView<'_>,
+            _key: &RequestKey,
+            _candidates: &[WorkerView],
+            _ctx: &mut PickCtx<'_>,
+        ) -> Result<Decision, RouteError> {
+            Err(RouteError::NoWorker)
+        }
+        fn maintain(&mut self, now: Nanos, _max_evictions: usize) -> bool {
+            self.0.push(now.0);
+            false
+        }
+        fn knobs(&self) -> serde_json::Value {
+            serde_json::Value::Null
+        }
+        fn set_knobs(&mut self, _patch: &serde_json::Value) -> Result<(), kvroute_core::policy::KnobError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn due_passes_run_and_a_gap_costs_at_most_two() {
+        let mut p = Recorder::default();
+        let mut m = Maintenance::every(Some(Nanos(10)));
+        m.run(&mut p, Nanos(9));
+        m.run(&mut p, Nanos(10));
+        m.run(&mut p, Nanos(25));
+        m.run(&mut p, Nanos(1_000_005));
+        m.run(&mut p, Nanos(1_000_010));
+        assert_eq!(p.0, vec![10, 20, 30, 1_000_000, 1_000_010]);
+    }
+
+    #[test]
+    fn the_end_of_the_clock_and_a_zero_interval_terminate() {
+        // An arrival saturated at u64::MAX ns used to spin forever here.
+        let mut p = Recorder::default();
+        let mut m = Maintenance::every(Some(Nanos(10)));
+        m.run(&mut p, Nanos(u64::MAX));
+        m.run(&mut p, Nanos(u64::MAX));
+        assert_eq!(p.0.len(), 2);
+        // An interval that rounded to 0 ns (1e-10 s) counts as 1 ns.
+        let mut p = Recorder::default();
+        let mut m = Maintenance::every(Some(Nanos(0)));
+        m.run(&mut p, Nanos(u64::MAX));
+        m.run(&mut p, Nanos(u64::MAX));
+        assert_eq!(p.0, vec![1, u64::MAX]);
+        // No maintenance: never called.
+        let mut p = Recorder::default();
+        Maintenance::every(None).run(&mut p, Nanos(u64::MAX));
+        assert!(p.0.is_empty());
     }
 }
