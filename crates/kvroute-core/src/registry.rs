@@ -357,6 +357,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn eviction_intervals_that_round_to_nothing_are_refused_naming_the_knob() {
+        // 1e-10 s rounded to 0 ns and hung a replay; 1e-9 s cost a pass per simulated ns.
+        for (policy, extra) in
+            [("cache_aware", serde_json::json!({})), ("prefix_affinity", serde_json::json!({"do_eviction": true}))]
+        {
+            for bad in [1e-10, 1e-9, 0.0009, 1e8, -1.0] {
+                let mut knobs = extra.clone();
+                knobs["eviction_interval_secs"] = serde_json::json!(bad);
+                let e = build(policy, &knobs).expect_err("refused").to_string();
+                assert!(e.contains("eviction_interval_secs must be in [0.001, 1e7]"), "{policy} {bad}: {e}");
+            }
+            let mut knobs = extra.clone();
+            knobs["eviction_interval_secs"] = serde_json::json!(0.001);
+            assert!(build(policy, &knobs).is_ok(), "{policy}");
+        }
+    }
+
+    #[test]
     fn every_listed_policy_builds_with_defaults_and_names_match() {
         let infos = list();
         assert_eq!(infos.len(), 15);

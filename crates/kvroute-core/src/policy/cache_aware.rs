@@ -31,7 +31,7 @@
 //! | `cache_threshold` | 0.5 | match rate, 0.0–1.0 |
 //! | `balance_abs_threshold` | 32 | requests |
 //! | `balance_rel_threshold` | 1.0001 | ratio ≥ 1 |
-//! | `eviction_interval_secs` | 60 | seconds (SGLang's `eviction_interval`) |
+//! | `eviction_interval_secs` | 60 | seconds, 0.001–10^7 (SGLang's `eviction_interval`) |
 //! | `max_tree_size` | 16,777,216 | symbols (UTF-8 bytes of text, tokens or blocks; SGLang counts characters per worker) |
 
 use crate::policy::util::{
@@ -85,9 +85,7 @@ impl CacheAwareConfig {
         if !(self.balance_rel_threshold >= 1.0 && self.balance_rel_threshold.is_finite()) {
             return Err(format!("balance_rel_threshold must be >= 1, got {}", self.balance_rel_threshold));
         }
-        if !(self.eviction_interval_secs > 0.0 && self.eviction_interval_secs.is_finite()) {
-            return Err(format!("eviction_interval_secs must be > 0, got {}", self.eviction_interval_secs));
-        }
+        crate::policy::util::check_eviction_interval(self.eviction_interval_secs)?;
         Ok(())
     }
 }

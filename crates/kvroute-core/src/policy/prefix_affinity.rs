@@ -30,7 +30,7 @@
 //! | `do_eviction` | false | — |
 //! | `eviction_threshold_chars` | 400,000 | chars (symbols) |
 //! | `eviction_target_chars` | 360,000 | chars (symbols) |
-//! | `eviction_interval_secs` | 10 | seconds |
+//! | `eviction_interval_secs` | 10 | seconds, 0.001–10^7 |
 
 use crate::policy::util::{
     BestMatch, FleetScan, PrefixKey, PrefixTrees, fewest_symbols, power_of_two, power_of_two_at, power_of_two_routable,
@@ -83,9 +83,7 @@ impl PrefixAffinityConfig {
         if self.eviction_target_chars > self.eviction_threshold_chars {
             return Err("eviction_target_chars must not exceed eviction_threshold_chars".into());
         }
-        if !(self.eviction_interval_secs > 0.0 && self.eviction_interval_secs.is_finite()) {
-            return Err(format!("eviction_interval_secs must be > 0, got {}", self.eviction_interval_secs));
-        }
+        crate::policy::util::check_eviction_interval(self.eviction_interval_secs)?;
         Ok(())
     }
 }

@@ -711,3 +711,23 @@ impl SessionTable<WorkerId> {
         }
     }
 }
+
+/// Shortest `eviction_interval_secs` accepted, seconds (1 ms): a shorter one rounds to
+/// 0 ns, or costs a replay one eviction pass per simulated nanosecond.
+pub const MIN_EVICTION_INTERVAL_SECS: f64 = 1e-3;
+
+/// Longest `eviction_interval_secs` accepted, seconds (10^7 s, the longest trace a replay
+/// takes; a longer interval means no eviction at all).
+pub const MAX_EVICTION_INTERVAL_SECS: f64 = 1e7;
+
+/// Checks an `eviction_interval_secs` knob: from [`MIN_EVICTION_INTERVAL_SECS`] to
+/// [`MAX_EVICTION_INTERVAL_SECS`].
+///
+/// # Errors
+/// A message naming the knob and its range.
+pub fn check_eviction_interval(secs: f64) -> Result<(), String> {
+    if !(MIN_EVICTION_INTERVAL_SECS..=MAX_EVICTION_INTERVAL_SECS).contains(&secs) {
+        return Err(format!("eviction_interval_secs must be in [0.001, 1e7] seconds, got {secs:e}"));
+    }
+    Ok(())
+}
