@@ -207,6 +207,16 @@ fn uint(path: &Path, line: usize, field: &str, v: Option<&serde_json::Value>, ma
 /// Largest prompt or output length accepted (tokens).
 pub const MAX_TOKENS: u64 = 10_000_000;
 
+/// Latest arrival a trace may hold, seconds from its start (10^7 s, about 116 days; the
+/// public traces span an hour to a week). Readers refuse a later timestamp and
+/// [`check_rate_scale`] a factor that stretches a trace past it, so the simulated clock
+/// (u64 nanoseconds, ~585 years) never saturates.
+pub const MAX_ARRIVAL_SECS: f64 = 1e7;
+
+/// Smallest and largest rate scale factor [`check_rate_scale`] accepts (a million times
+/// slower or faster).
+pub const RATE_SCALE_RANGE: (f64, f64) = (1e-6, 1e6);
+
 /// Reads Mooncake JSONL, or session JSONL (`sessions`: `session_id` on each line,
 /// `turn_id` and `hash_ids` optional); blank lines are skipped. Mooncake's turns are numbered
 /// within each depth-2 prefix group.
@@ -235,6 +245,11 @@ fn json_request(j: &JsonLine, path: &Path, n: usize, sessions: bool) -> Result<T
         .as_f64()
         .filter(|t| t.is_finite() && *t >= 0.0)
         .ok_or_else(|| field_err(path, n, "timestamp", format!("expected milliseconds >= 0, got {ts}")))?;
+    let max_ms = MAX_ARRIVAL_SECS * 1e3;
+    if ts_ms > max_ms {
+        let msg = format!("{ts} ms is later than the maximum {max_ms} ms (10^7 s from the trace start)");
+        return Err(field_err(path, n, "timestamp", msg));
+    }
     let input = uint(path, n, "input_length", j.input_length.as_ref(), MAX_TOKENS)?;
     let output = uint(path, n, "output_length", j.output_length.as_ref(), MAX_TOKENS)?;
     let blocks = match &j.hash_ids {
@@ -348,6 +363,10 @@ fn read_azure(reader: impl std::io::Read, path: &Path) -> Result<Vec<TraceReques
         let input = num(c_in, "ContextTokens")?;
         let output = num(c_out, "GeneratedTokens")?;
         let base = *t0.get_or_insert(ts);
+        if ts - base > MAX_ARRIVAL_SECS {
+            let msg = format!("{} s after the first row, more than the maximum 10^7 s", ts - base);
+            return Err(field_err(path, n, "TIMESTAMP", msg));
+        }
         out.push(TraceRequest {
             tenant: None,
             arrival: Nanos::from_secs_f64((ts - base).max(0.0)),
@@ -385,7 +404,28 @@ fn parse_datetime(s: &str) -> Option<f64> {
     Some(days as f64 * 86_400.0 + (hh * 3600 + mm * 60) as f64 + ss)
 }
 
-/// Divides every arrival time by `factor` (2.0 = twice the request rate).
+/// Checks a rate scale factor for [`scale_rate`] on `trace`: finite, within
+/// [`RATE_SCALE_RANGE`], and not stretching the last arrival past [`MAX_ARRIVAL_SECS`].
+///
+/// # Errors
+/// What is wrong, for the caller to prefix with its flag's name.
+pub fn check_rate_scale(trace: &[TraceRequest], factor: f64) -> Result<(), String> {
+    let (lo, hi) = RATE_SCALE_RANGE;
+    if !(factor.is_finite() && (lo..=hi).contains(&factor)) {
+        return Err(format!("{factor:e} must be between {lo:e} and {hi:e}"));
+    }
+    let last = trace.iter().map(|r| r.arrival).max().unwrap_or_default().as_secs_f64();
+    if last / factor > MAX_ARRIVAL_SECS {
+        return Err(format!(
+            "{factor} stretches the trace's {last:.1} s to {:.3e} s, more than the maximum 10^7 s",
+            last / factor
+        ));
+    }
+    Ok(())
+}
+
+/// Divides every arrival time by `factor` (2.0 = twice the request rate); check it with
+/// [`check_rate_scale`] first (an arrival past the clock's end saturates).
 pub fn scale_rate(trace: &mut [TraceRequest], factor: f64) {
     if factor > 0.0 && factor.is_finite() {
         for r in trace {
@@ -626,6 +666,53 @@ mod tests {
         let p = tmp("empty.jsonl", "\n");
         assert!(matches!(read(&p, None), Err(TraceError::Empty { .. })));
         assert!(matches!(read(Path::new("/nonexistent/x.jsonl"), None), Err(TraceError::Io { .. })));
+    }
+
+    #[test]
+    fn arrivals_past_the_limit_are_refused_naming_line_and_field() {
+        // 2e13 ms saturated the u64 ns clock and hung the replay.
+        let ok = "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [0]}";
+        for ts in ["2e13", "10000000001", "1e300"] {
+            let line =
+                format!("{{\"timestamp\": {ts}, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [0]}}");
+            let p = tmp("late.jsonl", &format!("{ok}\n{line}\n"));
+            let e = read(&p, None).expect_err("too late").to_string();
+            assert!(e.contains("late.jsonl:2: field `timestamp`") && e.contains("maximum"), "{e}");
+        }
+        let line = "{\"timestamp\": 10000000000, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [0]}";
+        let p = tmp("latest.jsonl", &format!("{ok}\n{line}\n"));
+        let t = read(&p, None).expect("10^7 s is accepted");
+        assert_eq!(t[1].arrival, Nanos::from_secs(10_000_000));
+        let p = tmp(
+            "span.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n0001-01-01 00:00:00,100,10\n9999-12-31 23:59:59,100,10\n",
+        );
+        let e = read(&p, None).expect_err("millennia").to_string();
+        assert!(e.contains("span.csv:3: field `TIMESTAMP`"), "{e}");
+    }
+
+    #[test]
+    fn rate_scales_that_overflow_the_clock_are_refused() {
+        let at = |secs: u64| TraceRequest {
+            tenant: None,
+            arrival: Nanos::from_secs(secs),
+            input_tokens: 10,
+            output_tokens: 1,
+            blocks: Vec::new(),
+            block_tokens: 512,
+            session: None,
+            turn: 0,
+        };
+        let t = vec![at(0), at(3600)];
+        for f in [1e-300, 0.0, -1.0, f64::NAN, f64::INFINITY, 1e300, 1e-7] {
+            assert!(check_rate_scale(&t, f).is_err(), "{f}");
+        }
+        // 3600 s at 1e-4 is 3.6e7 s: past the limit although the factor is in range.
+        let e = check_rate_scale(&t, 1e-4).expect_err("stretched");
+        assert!(e.contains("3600.0 s") && e.contains("10^7 s"), "{e}");
+        for f in [1e-3, 1.0, 1e6] {
+            assert!(check_rate_scale(&t, f).is_ok(), "{f}");
+        }
     }
 
     #[test]

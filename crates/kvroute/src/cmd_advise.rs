@@ -379,6 +379,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bail!("--headroom: profile `{}` has llama.cpp slots, no paged KV cache to bound", profile.name);
     }
     let base = load_trace(&a)?;
+    // Jitter moves an arrival by at most --jitter-ms (≤ 60 s); the check leaves room for it.
+    trace::check_rate_scale(&base, a.rate_scale).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
     let bench = Bench {
         traces: (1..=a.realisations).map(|k| realisation(&base, k, a.jitter_ms, a.rate_scale)).collect(),
         engines: a.engines,
@@ -453,9 +455,7 @@ fn candidate_policies(a: &Args) -> anyhow::Result<Vec<String>> {
     if !(1..=32).contains(&a.realisations) {
         bail!("--realisations: expected 1 to 32");
     }
-    if !(a.rate_scale.is_finite() && a.rate_scale > 0.0) {
-        bail!("--rate-scale: {} must be > 0", a.rate_scale);
-    }
+    trace::check_rate_scale(&[], a.rate_scale).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
     if !(a.jitter_ms.is_finite() && (0.0..=60_000.0).contains(&a.jitter_ms)) {
         bail!("--jitter-ms: expected 0 to 60000");
     }

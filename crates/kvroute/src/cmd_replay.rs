@@ -255,9 +255,7 @@ fn parse_rates(spec: &str) -> anyhow::Result<Vec<f64>> {
     spec.split(',')
         .map(|s| {
             let v: f64 = s.trim().parse().with_context(|| format!("--rate-scale: `{s}` is not a number"))?;
-            if !(v.is_finite() && v > 0.0) {
-                bail!("--rate-scale: {v} must be > 0");
-            }
+            trace::check_rate_scale(&[], v).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
             Ok(v)
         })
         .collect()
@@ -361,6 +359,9 @@ struct Traces {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let setup = setup(&args)?;
     let base = load_trace(&args)?;
+    for &rate in &setup.rates {
+        trace::check_rate_scale(&base, rate).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
+    }
     let traces = Traces {
         capped: trace::cap_sessions(base.clone(), kvroute_core::trace::MAX_TURNS),
         infinite: trace::infinite_cache_hit(&base),

@@ -272,3 +272,28 @@ fn kv_pull_runs_on_the_precise_state_reports_its_pulls_and_refuses_the_rest() {
         assert!(err.contains("--kv-pull") && err.contains(what), "{err}");
     }
 }
+
+/// Inputs that saturated the nanosecond clock (and hung the replay at 100 % CPU) are refused
+/// before replaying, naming the line and field, the flag or the knob.
+#[test]
+fn arrivals_past_the_clock_and_tiny_eviction_intervals_are_refused() {
+    let dir = scratch("saturate");
+    let json = dir.join("out.json");
+    let big = dir.join("big.jsonl");
+    std::fs::write(&big, "{\"timestamp\": 2e13, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [0]}\n")
+        .expect("write trace");
+    let out = replay_on_two(&big, &json, &["--policy", "round_robin"], &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("big.jsonl:1: field `timestamp`"), "{err}");
+    let t = trace(&dir);
+    for (head, what) in [
+        (&["--policy", "round_robin", "--rate-scale", "1e-300"][..], "--rate-scale: "),
+        (&["--policy", "round_robin", "--rate-scale", "1e-6"][..], "--rate-scale: "),
+        (&["--policy", "cache_aware", "--knobs", "{\"eviction_interval_secs\": 1e-10}"][..], "eviction_interval_secs"),
+    ] {
+        let out = replay_on_two(&t, &json, head, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(what), "{head:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
