@@ -191,6 +191,7 @@ impl WorkloadArgs {
     /// Neither or both of --trace/--workload, bad numbers, a malformed trace (file, line, field).
     pub fn build(&self) -> anyhow::Result<Vec<BenchRequest>> {
         positive("--rate-scale", self.rate_scale)?;
+        kvroute_sim::trace::check_rate_scale(&[], self.rate_scale).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
         positive("--rate", self.rate)?;
         let reqs = match (&self.trace, self.workload.as_deref()) {
             (Some(path), None) => {
@@ -215,6 +216,8 @@ impl WorkloadArgs {
                     total,
                     100.0 * hit as f64 / total.max(1) as f64
                 );
+                kvroute_sim::trace::check_rate_scale(&t, self.rate_scale)
+                    .map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
                 workload::from_trace(&t, self.rate_scale, self.max_output)
             }
             (None, Some(w)) => {
@@ -224,6 +227,8 @@ impl WorkloadArgs {
                     if self.groups == 0 || self.prompts_per_group == 0 {
                         bail!("--groups and --prompts-per-group must be at least 1");
                     }
+                    workload::check_rate(self.rate, self.groups.saturating_mul(self.prompts_per_group))
+                        .map_err(|e| anyhow::anyhow!("--rate: {e}"))?;
                     let shape = SharedPrefix {
                         groups: self.groups,
                         prompts_per_group: self.prompts_per_group,
@@ -234,6 +239,7 @@ impl WorkloadArgs {
                     workload::shared_prefix(shape, arrivals, self.seed)
                 } else {
                     let n = self.requests.unwrap_or(200);
+                    workload::check_rate(self.rate, n).map_err(|e| anyhow::anyhow!("--rate: {e}"))?;
                     workload::independent(n, arrivals, self.input_tokens.max(1), self.output_tokens, self.seed)
                 }
             }
@@ -336,4 +342,50 @@ pub fn write_plots(dir: &Path, prefix: &str, rows: &[Summary], title: &str) -> a
         eprintln!("kvroute: warning: worker-share plot not written: {e}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        w: WorkloadArgs,
+    }
+
+    fn build(args: &[&str]) -> anyhow::Result<Vec<BenchRequest>> {
+        let cli = Cli::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))?;
+        cli.w.build()
+    }
+
+    #[test]
+    fn rates_that_overflow_the_send_times_are_refused_naming_the_flag() {
+        // These panicked in `Duration::from_secs_f64` (exit 101).
+        for (args, flag) in [
+            (&["--workload", "constant", "--requests", "2", "--rate", "1e-300"][..], "--rate: "),
+            (&["--workload", "poisson", "--requests", "2", "--rate", "1e-300"][..], "--rate: "),
+            (&["--workload", "shared-prefix", "--rate", "1e-300"][..], "--rate: "),
+            (&["--workload", "constant", "--requests", "2", "--rate-scale", "1e-300"][..], "--rate-scale: "),
+        ] {
+            let e = build(args).expect_err("refused").to_string();
+            assert!(e.starts_with(flag), "{args:?}: {e}");
+        }
+        let dir = std::env::temp_dir().join(format!("kvroute-bench-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let trace = dir.join("t.jsonl");
+        std::fs::write(
+            &trace,
+            "{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [0]}\n\
+             {\"timestamp\": 60000, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [1]}\n",
+        )
+        .expect("write trace");
+        let t = trace.to_str().expect("utf-8 path");
+        // In range, but 60 s stretched a million times is past 10^7 s.
+        let e = build(&["--trace", t, "--rate-scale", "1e-6"]).expect_err("refused").to_string();
+        assert!(e.starts_with("--rate-scale: ") && e.contains("10^7 s"), "{e}");
+        assert_eq!(build(&["--trace", t, "--rate-scale", "2"]).expect("runs").len(), 2);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -63,8 +63,35 @@ pub fn synth_prompt(r: &TraceRequest, fallback_id: u64) -> String {
     s
 }
 
+/// Smallest and largest synthetic arrival rate accepted (`--rate`), requests per second.
+pub const RATE_RANGE: (f64, f64) = (1e-6, 1e6);
+
+/// Checks a synthetic arrival rate (requests per second): finite, within [`RATE_RANGE`],
+/// and sending `n` requests within [`kvroute_sim::trace::MAX_ARRIVAL_SECS`] (10^7 s).
+///
+/// # Errors
+/// What is wrong, for the caller to prefix with its flag's name.
+pub fn check_rate(rate: f64, n: usize) -> Result<(), String> {
+    let (lo, hi) = RATE_RANGE;
+    if !(rate.is_finite() && (lo..=hi).contains(&rate)) {
+        return Err(format!("{rate:e} must be between {lo:e} and {hi:e} requests per second"));
+    }
+    let span = n as f64 / rate;
+    if span > kvroute_sim::trace::MAX_ARRIVAL_SECS {
+        return Err(format!("{n} requests at {rate}/s take {span:.3e} s, more than the maximum 10^7 s"));
+    }
+    Ok(())
+}
+
+/// A send time of `secs` seconds; past [`Duration::MAX`] (unreachable with checked flags,
+/// e.g. a rate scale under 10^-9 on a long trace) it saturates rather than panic.
+fn send_time(secs: f64) -> Duration {
+    Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX)
+}
+
 /// A trace as a workload: arrivals divided by `rate_scale` (2 = twice as fast), the first
-/// request at 0, `max_tokens` capped at `max_output`.
+/// request at 0, `max_tokens` capped at `max_output`. Check `rate_scale` with
+/// [`kvroute_sim::trace::check_rate_scale`] first: a send time past the limit saturates.
 pub fn from_trace(trace: &[TraceRequest], rate_scale: f64, max_output: u32) -> Vec<BenchRequest> {
     let base = trace.first().map_or(0, |r| r.arrival.0);
     let scale = if rate_scale.is_finite() && rate_scale > 0.0 { rate_scale } else { 1.0 };
@@ -72,7 +99,7 @@ pub fn from_trace(trace: &[TraceRequest], rate_scale: f64, max_output: u32) -> V
         .iter()
         .enumerate()
         .map(|(i, r)| BenchRequest {
-            at: Duration::from_secs_f64(r.arrival.0.saturating_sub(base) as f64 / 1e9 / scale),
+            at: send_time(r.arrival.0.saturating_sub(base) as f64 / 1e9 / scale),
             prompt: synth_prompt(r, i as u64).into(),
             max_tokens: r.output_tokens.clamp(1, max_output.max(1)),
             session: r.session.clone(),
@@ -105,7 +132,7 @@ impl Arrivals {
                     Arrivals::Constant(rate) => 1.0 / rate,
                 };
                 let _ = i;
-                Duration::from_secs_f64(at)
+                send_time(at)
             })
             .collect()
     }
@@ -329,6 +356,20 @@ mod tests {
         assert_ne!(p, Arrivals::Poisson(50.0).times(20_000, 2));
         let c = Arrivals::Constant(4.0).times(3, 0);
         assert_eq!(c, [0, 250, 500].map(Duration::from_millis));
+    }
+
+    #[test]
+    fn rates_and_scales_past_the_clock_saturate_and_are_refused() {
+        // `Duration::from_secs_f64` panicked on these (exit 101).
+        let c = Arrivals::Constant(1e-300).times(2, 0);
+        assert_eq!(c, [Duration::ZERO, Duration::MAX]);
+        let t = [req(0, 10, &[1]), req(1000, 10, &[1])];
+        assert_eq!(from_trace(&t, 1e-300, 4)[1].at, Duration::MAX);
+        for rate in [1e-300, 0.0, f64::NAN, f64::INFINITY, 1e300] {
+            assert!(check_rate(rate, 2).unwrap_err().contains("must be between"), "{rate}");
+        }
+        assert!(check_rate(1e-6, 200).unwrap_err().contains("10^7 s"));
+        assert!(check_rate(10.0, 200).is_ok());
     }
 
     #[test]

@@ -228,12 +228,8 @@ fn check_args(a: &Args) -> anyhow::Result<Vec<String>> {
     if a.engines == 0 || a.requests == 0 {
         bail!("--engines and --requests must be at least 1");
     }
-    if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
-        bail!("--time-scale must be > 0");
-    }
-    if !(a.rate_scale.is_finite() && a.rate_scale > 0.0) {
-        bail!("--rate-scale must be > 0");
-    }
+    trace::check_rate_scale(&[], a.time_scale).map_err(|e| anyhow::anyhow!("--time-scale: {e}"))?;
+    trace::check_rate_scale(&[], a.rate_scale).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
     if !(a.window_secs.is_finite() && a.window_secs > 0.0 && a.start_secs.is_finite() && a.start_secs >= 0.0) {
         bail!("--start-secs must be >= 0 and --window-secs > 0");
     }
@@ -261,11 +257,14 @@ fn load_slice(a: &Args, path: &std::path::Path) -> anyhow::Result<Vec<trace::Tra
     };
     let mut reqs = trace::session_slice(reqs, &slice);
     trace::rebase(&mut reqs);
+    trace::check_rate_scale(&reqs, a.rate_scale).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
     trace::scale_rate(&mut reqs, a.rate_scale);
     reqs.truncate(a.requests);
     if reqs.is_empty() {
         bail!("no request left in the slice: widen --window-secs or lower --min-turns");
     }
+    // The engines' clock and the arrivals run --time-scale times faster.
+    trace::check_rate_scale(&reqs, a.time_scale).map_err(|e| anyhow::anyhow!("--time-scale: {e}"))?;
     Ok(reqs)
 }
 
