@@ -84,6 +84,11 @@ pub struct AppState {
     pub listen_addrs: RwLock<Vec<std::net::SocketAddr>>,
 }
 
+/// Longest wait for etcd's first list of workers before saved prefix state or a peer's
+/// snapshot is applied ([`AppState::registry_settled`]): more than an etcd session's connect
+/// (2 s) and request (5 s) timeouts.
+pub const REGISTRY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl AppState {
     /// Builds the state (policy from the registry; no workers yet).
     ///

@@ -5,15 +5,10 @@
 use super::journal::{self, SAVE_EVERY};
 use super::sync::{Recent, RoutedEvent};
 use super::sync_task::{Wait, commit};
-use crate::app::AppState;
+use crate::app::{AppState, REGISTRY_WAIT};
 use std::path::PathBuf;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
-
-/// Longest wait for etcd's first list of workers before saved prefix state or a peer's
-/// snapshot is applied ([`AppState::registry_settled`]): more than an etcd session's connect
-/// (2 s) and request (5 s) timeouts.
-pub const REGISTRY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Runs until `cancel` (nothing without `state_dir`).
 pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {

@@ -444,7 +444,7 @@ async fn fetch_snapshot(state: &AppState, sync: &ReplicaSync, client: &async_nat
     }
     // The events name workers by URL: those registered in etcd must be in the fleet first
     // (the answer waits in the subscription meanwhile).
-    if !state.registry_settled(super::journal_task::REGISTRY_WAIT).await {
+    if !state.registry_settled(crate::app::REGISTRY_WAIT).await {
         tracing::warn!("etcd's workers not listed yet: applying the snapshot for the workers known now");
     }
     let deadline = tokio::time::Instant::now() + wait;
