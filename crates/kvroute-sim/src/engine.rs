@@ -195,6 +195,14 @@ impl StepWork {
     }
 }
 
+/// Largest per-step or per-sequence time constant of a [`Profile`], seconds (1 h): a
+/// larger one overflowed the simulated nanosecond clock and printed better-looking results.
+pub const MAX_STEP_CONSTANT_S: f64 = 3600.0;
+
+/// Largest per-token time constant of a [`Profile`], seconds (1 s; measured ones are
+/// 10^-9 to 10^-3 s).
+pub const MAX_TOKEN_CONSTANT_S: f64 = 1.0;
+
 impl Profile {
     /// Names of the built-in profiles.
     pub const NAMES: [&'static str; 4] =
@@ -330,21 +338,21 @@ impl Profile {
                 return Err(InvalidSetting::new(k, "must be at least 1, got 0"));
             }
         }
-        for (k, v) in [
-            ("step_overhead_s", self.step_overhead_s),
-            ("prefill_per_token_s", self.prefill_per_token_s),
-            ("decode_per_seq_s", self.decode_per_seq_s),
-            ("context_per_token_s", self.context_per_token_s),
-            ("prefill_attention_s", self.prefill_attention_s),
-            ("prefill_step_overhead_s", self.prefill_step_overhead_s),
-            ("prefill_self_attention_s", self.prefill_self_attention()),
-            ("prefill_context_per_token_s", self.prefill_context_per_token_s),
-            ("kv_restore_secs_per_token", self.kv_restore_secs_per_token),
-            ("kv_save_secs_per_token", self.kv_save_secs_per_token),
-            ("kv_transfer_overhead_secs", self.kv_transfer_overhead_secs),
+        for (k, v, max) in [
+            ("step_overhead_s", self.step_overhead_s, MAX_STEP_CONSTANT_S),
+            ("prefill_per_token_s", self.prefill_per_token_s, MAX_TOKEN_CONSTANT_S),
+            ("decode_per_seq_s", self.decode_per_seq_s, MAX_STEP_CONSTANT_S),
+            ("context_per_token_s", self.context_per_token_s, MAX_TOKEN_CONSTANT_S),
+            ("prefill_attention_s", self.prefill_attention_s, MAX_TOKEN_CONSTANT_S),
+            ("prefill_step_overhead_s", self.prefill_step_overhead_s, MAX_STEP_CONSTANT_S),
+            ("prefill_self_attention_s", self.prefill_self_attention(), MAX_TOKEN_CONSTANT_S),
+            ("prefill_context_per_token_s", self.prefill_context_per_token_s, MAX_TOKEN_CONSTANT_S),
+            ("kv_restore_secs_per_token", self.kv_restore_secs_per_token, MAX_TOKEN_CONSTANT_S),
+            ("kv_save_secs_per_token", self.kv_save_secs_per_token, MAX_TOKEN_CONSTANT_S),
+            ("kv_transfer_overhead_secs", self.kv_transfer_overhead_secs, MAX_STEP_CONSTANT_S),
         ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(InvalidSetting::new(k, format!("must be a finite number >= 0, got {v}")));
+            if !(v.is_finite() && (0.0..=max).contains(&v)) {
+                return Err(InvalidSetting::new(k, format!("must be a finite number from 0 to {max} s, got {v:e}")));
             }
         }
         if self.step_overhead_s + self.prefill_per_token_s + self.decode_per_seq_s <= 0.0 {
@@ -1472,6 +1480,21 @@ impl InvalidSetting {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn time_constants_that_overflow_the_clock_are_refused_naming_them() {
+        // step_overhead_s = 1e308 printed a TTFT p50 of 0 and tok/s 0.
+        let p = Profile { step_overhead_s: 1e308, ..Profile::h100_llama3_8b() };
+        let e = p.validate().expect_err("refused").to_string();
+        assert!(e.contains("step_overhead_s") && e.contains("3600"), "{e}");
+        let p = Profile { prefill_per_token_s: 2.0, ..Profile::h100_llama3_8b() };
+        assert!(p.validate().expect_err("refused").to_string().contains("prefill_per_token_s"));
+        let p = Profile { step_overhead_s: 3600.0, ..Profile::h100_llama3_8b() };
+        assert!(p.validate().is_ok());
+        for name in ["h100-llama3-8b", "a100-llama3-8b", "cpu-smollm2-135m"] {
+            assert!(Profile::named(name).expect(name).validate().is_ok(), "{name}");
+        }
+    }
 
     fn profile() -> Profile {
         Profile {

@@ -423,6 +423,8 @@ mod tests {
             (TransferModel { link_gbytes_per_s: f64::NAN, ..Default::default() }, "link_gbytes_per_s"),
             (TransferModel { latency_secs: -1.0, ..Default::default() }, "latency_secs"),
             (TransferModel { latency_secs: f64::INFINITY, ..Default::default() }, "latency_secs"),
+            // 2e10 s overflowed the clock and printed a mean TTFT of 6 ms.
+            (TransferModel { latency_secs: 2e10, ..Default::default() }, "latency_secs"),
         ] {
             let e = m.validate().expect_err(field).to_string();
             assert!(e.contains(field), "{e}");

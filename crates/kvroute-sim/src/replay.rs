@@ -486,10 +486,14 @@ impl<'a> Book<'a> {
     }
 }
 
+/// Largest value of a [`ReplayConfig::host_slowdown`] list (1,000× slower than alone): a
+/// larger one overflowed the simulated nanosecond clock.
+pub const MAX_HOST_SLOWDOWN: f64 = 1000.0;
+
 /// The first value of a [`ReplayConfig::host_slowdown`] list that is not a slow-down
-/// (positive and finite), if any.
+/// (positive, finite, at most [`MAX_HOST_SLOWDOWN`]), if any.
 pub fn not_a_slowdown(list: &[f64]) -> Option<f64> {
-    list.iter().copied().find(|x| !(x.is_finite() && *x > 0.0))
+    list.iter().copied().find(|x| !(x.is_finite() && *x > 0.0 && *x <= MAX_HOST_SLOWDOWN))
 }
 
 /// Replays `trace` under `cfg`. `progress` is called with the number of requests routed so

@@ -42,10 +42,14 @@ pub struct TransferModel {
     /// Link bandwidth, GB/s (10^9 bytes/s), finite and > 0. Default
     /// [`DEFAULT_LINK_GBYTES_PER_S`].
     pub link_gbytes_per_s: f64,
-    /// Fixed cost of one transfer (handshake, completion notification), seconds, finite
-    /// and ≥ 0. Default 0.
+    /// Fixed cost of one transfer (handshake, completion notification), seconds, 0 to
+    /// [`MAX_TRANSFER_LATENCY_SECS`]. Default 0.
     pub latency_secs: f64,
 }
+
+/// Largest `latency_secs` of a [`TransferModel`], seconds (1 day): a larger one overflowed
+/// the simulated nanosecond clock (2e10 s printed a mean TTFT of 6 ms).
+pub const MAX_TRANSFER_LATENCY_SECS: f64 = 86_400.0;
 
 impl Default for TransferModel {
     fn default() -> Self {
@@ -59,7 +63,7 @@ impl Default for TransferModel {
 
 impl TransferModel {
     /// Checks the knobs: `kv_bytes_per_token` ≥ 1, `link_gbytes_per_s` finite and > 0,
-    /// `latency_secs` finite and ≥ 0.
+    /// `latency_secs` from 0 to [`MAX_TRANSFER_LATENCY_SECS`].
     ///
     /// # Errors
     /// [`InvalidSetting`] naming the field and its `--kv-*` flag.
@@ -73,10 +77,10 @@ impl TransferModel {
                 format!("must be finite and > 0, got {}", self.link_gbytes_per_s),
             ));
         }
-        if !(self.latency_secs.is_finite() && self.latency_secs >= 0.0) {
+        if !(self.latency_secs.is_finite() && (0.0..=MAX_TRANSFER_LATENCY_SECS).contains(&self.latency_secs)) {
             return Err(InvalidSetting::new(
                 "latency_secs (--kv-transfer-latency-secs)",
-                format!("must be finite and >= 0, got {}", self.latency_secs),
+                format!("must be from 0 to {MAX_TRANSFER_LATENCY_SECS} s (1 day), got {:e}", self.latency_secs),
             ));
         }
         Ok(())

@@ -112,7 +112,11 @@ pub(crate) fn cap_outputs(trace: &mut [TraceRequest], cap: Option<u32>) -> anyho
 /// The first value that is not positive and finite, named with the flag.
 pub(crate) fn check_host_slowdown(list: &[f64]) -> anyhow::Result<()> {
     match kvroute_sim::replay::not_a_slowdown(list) {
-        Some(bad) => bail!("--host-slowdown: {bad} is not a positive slow-down (1 = as fast as alone)"),
+        Some(bad) => {
+            let bad = if bad.abs() < 1e6 { bad.to_string() } else { format!("{bad:e}") };
+            let max = kvroute_sim::replay::MAX_HOST_SLOWDOWN;
+            bail!("--host-slowdown: {bad} is not a positive slow-down of at most {max} (1 = as fast as alone)")
+        }
         None => Ok(()),
     }
 }
