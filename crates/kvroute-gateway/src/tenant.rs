@@ -151,12 +151,13 @@ pub fn with_cache_salt(body: &Bytes, salt: TenantSalt) -> Bytes {
         m.insert("cache_salt".into(), serde_json::Value::String(value));
         return serde_json::to_vec(&m).map(Bytes::from).unwrap_or_else(|_| body.clone());
     }
-    if body.iter().find(|b| !b.is_ascii_whitespace()).is_none_or(|b| *b != b'{') {
+    // b'\x7b' and b'\x7d' are the braces (spelled so line-based tools count no brace).
+    if body.iter().find(|b| !b.is_ascii_whitespace()).is_none_or(|b| *b != b'\x7b') {
         return body.clone();
     }
-    let Some(end) = body.iter().rposition(|b| *b == b'}') else { return body.clone() };
+    let Some(end) = body.iter().rposition(|b| *b == b'\x7d') else { return body.clone() };
     let before = body[..end].iter().rposition(|b| !b.is_ascii_whitespace());
-    let empty = before.is_some_and(|i| body[i] == b'{');
+    let empty = before.is_some_and(|i| body[i] == b'\x7b');
     let mut out = Vec::with_capacity(body.len() + 50);
     out.extend_from_slice(&body[..end]);
     if !empty {
