@@ -164,19 +164,15 @@ fn relay(
         let by = if guard.first { tokio::time::Instant::now() + limits.idle } else { limits.first_byte_by };
         let error = |guard: &mut StreamGuard, message: String, code: u16| {
             guard.fail(if code == 504 { "timeout" } else { "upstream_error" });
-            let ev = serde_json::json!({"error": {
-                "message": message, "type": "server_error", "param": null, "code": code}});
-            Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None))
+            Some((Ok(sse_error(&message, "server_error", code)), None))
         };
         let next = tokio::select! {
             biased;
             () = state.cut_streams.cancelled() => {
                 // Shutdown's last moment, not the worker's fault: the guard's drop counts
                 // the request cancelled.
-                let ev = serde_json::json!({"error": {
-                    "message": "the router is shutting down and drain_timeout_secs has run out: stream ended",
-                    "type": "service_unavailable", "param": null, "code": 503}});
-                return Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None));
+                let message = "the router is shutting down and drain_timeout_secs has run out: stream ended";
+                return Some((Ok(sse_error(message, "service_unavailable", 503)), None));
             }
             n = tokio::time::timeout_at(by, up.next()) => n,
         };
@@ -193,10 +189,8 @@ fn relay(
                 let secs = guard.state.cfg.request_timeout_secs;
                 tracing::warn!(worker = %guard.worker.url, "stream ended: request_timeout_secs ({secs} s) ran out");
                 guard.end("timeout", false);
-                let ev = serde_json::json!({"error": {
-                    "message": format!("the request ran past request_timeout_secs ({secs} s): stream ended"),
-                    "type": "server_error", "param": null, "code": 504}});
-                Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), None))
+                let message = format!("the request ran past request_timeout_secs ({secs} s): stream ended");
+                Some((Ok(sse_error(&message, "server_error", 504)), None))
             }
             Ok(Some(Err(e))) => {
                 // reqwest names the worker's URL; the log keeps it, the client's event does not.
@@ -222,6 +216,12 @@ fn relay(
             ),
         }
     })
+}
+
+/// The SSE event that ends a relayed stream early: an OpenAI-style error object.
+fn sse_error(message: &str, kind: &str, code: u16) -> Bytes {
+    let ev = serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
+    Bytes::from(format!("data: {ev}\n\n"))
 }
 
 /// Accounting of one streamed response: the first byte, completion, failure or the
