@@ -67,6 +67,9 @@ pub struct AppState {
     /// Who a request's tenant is, its cache salt, who sees decision details
     /// ([`crate::tenant`]).
     pub tenancy: crate::tenant::Tenancy,
+    /// The request bodies held at once (`max_buffered_body_bytes`), shared by `serve` and
+    /// the endpoint picker.
+    pub body_budget: crate::body_budget::BodyBudget,
     /// This replica's id: `replica_id`, or a random one per start (also its id in the
     /// NATS cluster sync).
     pub replica_id: String,
@@ -129,6 +132,10 @@ impl AppState {
             registry: tokio::sync::watch::Sender::new(cfg.etcd.is_empty()),
             recorder,
             tenancy,
+            body_budget: crate::body_budget::BodyBudget::new(
+                cfg.max_buffered_body_bytes,
+                metrics.buffered_body_bytes.clone(),
+            ),
             static_workers: arc_swap::ArcSwap::from_pointee(crate::model::worker_url::static_set(&cfg.worker_urls)),
             cascade: arc_swap::ArcSwap::from_pointee(cfg.cascade.clone()),
             lora: crate::lora::Multiplexer::new(&cfg.lora),

@@ -12,6 +12,7 @@
 //! - [`routers`]: one router (policy state) per model; eviction in bounded slices.
 //! - [`health`]: active health checks, inference probes, model discovery, `/metrics` scraping.
 //! - [`admin`]: worker management, `/policy`, `/debug/route`.
+//! - [`body_budget`]: the request bodies held at once, bounded.
 //! - [`hops`]: routing-loop guards (`Via`, 508, a worker URL that is this router).
 //! - [`kv_subscriber`]: engine KV events (subscribers feeding the precise index).
 //! - [`tokenizer`]: the model's own tokenizer, loaded locally.
@@ -29,6 +30,7 @@
 pub mod admin;
 pub mod api_keys;
 pub mod app;
+pub mod body_budget;
 pub mod cluster;
 pub mod config;
 pub mod epp;

@@ -145,6 +145,9 @@ pub struct Metrics {
     pub e2e_seconds: Histogram,
     /// Size of the policy's prefix index (its units).
     pub index_size: Gauge,
+    /// Bytes of request bodies the router holds now, from its body budget
+    /// (`max_buffered_body_bytes`; whole KiB per body).
+    pub buffered_body_bytes: Gauge,
     /// Admission rejections by model.
     pub admission_rejections: Family<ModelLabel, Counter>,
     /// Decisions made again because a request was dispatched to the chosen worker while
@@ -321,6 +324,7 @@ impl Metrics {
             ttft_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 18)),
             e2e_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 20)),
             index_size: Gauge::default(),
+            buffered_body_bytes: Gauge::default(),
             admission_rejections: Family::default(),
             decisions_redone: Counter::default(),
             retries: Counter::default(),
@@ -413,6 +417,11 @@ impl Metrics {
             "kvroute_index_size",
             "Size of the policy's prefix index (chars, tokens or blocks)",
             self.index_size.clone(),
+        );
+        r.register(
+            "kvroute_buffered_body_bytes",
+            "Bytes of request bodies held now, of max_buffered_body_bytes (whole KiB per body)",
+            self.buffered_body_bytes.clone(),
         );
     }
 

@@ -75,3 +75,97 @@ async fn shutdown_ends_within_the_drain_deadline_with_a_stuck_client_connected()
     read_to_close(&mut stuck).await;
     stop.cancel();
 }
+
+/// A chat body of exactly `len` bytes (at least 80).
+fn chat_body(len: usize) -> String {
+    let head = r#"{"model":"sim-llama-3-8b","max_tokens":1,"messages":[{"role":"user","content":""#;
+    let tail = r#""}]}"#;
+    format!("{head}{}{tail}", "a".repeat(len - head.len() - tail.len()))
+}
+
+/// Polls the router's `kvroute_buffered_body_bytes` until `ok` holds for it.
+async fn held_until(c: &reqwest::Client, r: &str, ok: impl Fn(f64) -> bool) -> f64 {
+    guard(async {
+        loop {
+            let text = c.get(format!("{r}/metrics")).send().await.expect("metrics").text().await.expect("text");
+            let held = text
+                .lines()
+                .find_map(|l| l.strip_prefix("kvroute_buffered_body_bytes "))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .expect("kvroute_buffered_body_bytes in /metrics");
+            if ok(held) {
+                return held;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await
+}
+
+/// The bodies the router holds at once share `max_buffered_body_bytes`: while a client
+/// holds most of it with a body it has not finished sending (announced by
+/// `Content-Length`, or chunked), a body that does not fit is refused with 503 and
+/// `Retry-After`, one that fits is served, and the share comes back when the held body's
+/// request is answered. Without the budget every body up to `max_body_bytes` was held,
+/// however many (8,192 connections × 32 MiB by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_held_at_once_are_bounded_by_the_body_budget() {
+    let stop = CancellationToken::new();
+    let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
+    let config = GatewayConfig {
+        max_body_bytes: 48 << 10,
+        max_buffered_body_bytes: 64 << 10,
+        ..common::config(&[&w], "round_robin")
+    };
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let c = reqwest::Client::new();
+    let big = chat_body(40_000);
+    let refused = |what: &str, a: &reqwest::Response| {
+        assert_eq!(a.status(), 503, "{what}");
+        assert_eq!(a.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"), "{what}");
+    };
+    for chunked in [false, true] {
+        // A client sends a body's first 1,000 bytes and stops.
+        let mut slow = TcpStream::connect(addr(&r)).await.expect("connect");
+        let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n";
+        let (start, rest) = big.split_at(1000);
+        if chunked {
+            let sent = &big[..30_000];
+            let first = format!("{head}Transfer-Encoding: chunked\r\n\r\n{:x}\r\n{sent}\r\n", sent.len());
+            slow.write_all(first.as_bytes()).await.expect("write");
+        } else {
+            let first = format!("{head}Content-Length: {}\r\n\r\n{start}", big.len());
+            slow.write_all(first.as_bytes()).await.expect("write");
+        }
+        // Its share: the announced 40,000 bytes, or the 30,000 read so far.
+        let held = held_until(&c, &r, |b| b >= if chunked { 30_000.0 } else { 40_000.0 }).await;
+        assert!(held <= f64::from(64 << 10), "{held}");
+        // Another body that does not fit beside it is refused, naming the limit.
+        let other = c.post(format!("{r}/v1/chat/completions")).header("content-type", "application/json");
+        let a = guard(other.try_clone().expect("clone").body(big.clone()).send()).await.expect("send");
+        refused("a body past the budget", &a);
+        let text = a.text().await.expect("text");
+        assert!(text.contains("max_buffered_body_bytes"), "{text}");
+        // A small one fits and is served.
+        let a = guard(other.body(chat_body(200)).send()).await.expect("send");
+        assert_eq!(a.status(), 200, "{}", a.text().await.unwrap_or_default());
+        // The slow body ends: its request is served and its share given back.
+        if chunked {
+            let end = &big[30_000..];
+            slow.write_all(format!("{:x}\r\n{end}\r\n0\r\n\r\n", end.len()).as_bytes()).await.expect("write");
+        } else {
+            slow.write_all(rest.as_bytes()).await.expect("write");
+        }
+        let mut answer = vec![0u8; 12];
+        guard(slow.read_exact(&mut answer)).await.expect("read");
+        assert_eq!(&answer, b"HTTP/1.1 200", "{}", String::from_utf8_lossy(&answer));
+        held_until(&c, &r, |b| b == 0.0).await;
+    }
+    // The refused body is served once there is room.
+    let a =
+        guard(c.post(format!("{r}/v1/chat/completions")).header("content-type", "application/json").body(big).send())
+            .await
+            .expect("send");
+    assert_eq!(a.status(), 200);
+    stop.cancel();
+}

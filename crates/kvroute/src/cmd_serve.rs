@@ -41,6 +41,9 @@ pub struct Args {
     /// Largest request body, bytes.
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Request bodies held at once, bytes (503 beyond).
+    #[arg(long, env = "KVROUTE_MAX_BUFFERED_BODY_BYTES")]
+    pub max_buffered_body_bytes: Option<u64>,
     /// Seconds a client has to send a request's headers, from the connection's accept for
     /// the first (TLS handshake included); also the idle limit of a connection.
     #[arg(long, env = "KVROUTE_HEADER_READ_TIMEOUT_SECS")]
@@ -321,6 +324,7 @@ fn scalar_flags(a: &Args, cfg: &mut GatewayConfig) {
         port,
         policy,
         max_body_bytes,
+        max_buffered_body_bytes,
         max_prompt_tokens,
         header_read_timeout_secs,
         body_read_timeout_secs,

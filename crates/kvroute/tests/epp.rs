@@ -402,3 +402,44 @@ async fn buffered_bodies_that_cannot_be_read_whole_get_a_413() {
         assert!(text.contains(want), "{mode:?}: {text}");
     }
 }
+
+/// The endpoint picker takes its bodies from the same budget as `serve`
+/// (`max_buffered_body_bytes`): while one stream holds most of it with a body still coming
+/// in (full duplex), a body that does not fit beside it gets an immediate 503 naming the
+/// limit, and once the first is picked its share is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_held_at_once_share_the_body_budget() {
+    let f = fleet(&["--max-body-bytes", "49152", "--max-buffered-body-bytes", "65536"]).await;
+    let big = chat("sim-llama-3-8b", &"word ".repeat(8_000), false);
+    let bytes = serde_json::to_vec(&big).expect("json");
+    // A stream sends the first 30,000 bytes of its body and waits.
+    let mut slow = open(&f.epp).await;
+    let h =
+        headers(&[(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")], false);
+    slow.send(Msg::RequestHeaders(h), None).await;
+    let (start, rest) = bytes.split_at(30_000);
+    slow.send(Msg::RequestBody(HttpBody { body: start.to_vec(), end_of_stream: false, ..Default::default() }), None)
+        .await;
+    let mut held = 0;
+    for _ in 0..200 {
+        held = metric(&f.router, "kvroute_buffered_body_bytes", "").await;
+        if held >= 30_000 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!((30_000..=65_536).contains(&held), "held {held}");
+    // Another body of 40 KB does not fit beside it.
+    let mut other = open(&f.epp).await;
+    let (code, text) = other.request(&big, None).await.expect_err("refused");
+    assert_eq!(code, 503, "{text}");
+    assert!(text.contains("max_buffered_body_bytes"), "{text}");
+    // The first body ends and is picked; its share is given back, and the other fits.
+    slow.send(Msg::RequestBody(HttpBody { body: rest.to_vec(), end_of_stream: true, ..Default::default() }), None)
+        .await;
+    let Reply::RequestHeaders(_) = slow.recv().await else { panic!("the slow request picked") };
+    expect_metric(&f.router, "kvroute_buffered_body_bytes", "", 0).await;
+    let mut again = open(&f.epp).await;
+    let picked = again.request(&big, None).await.expect("picked");
+    assert!(!picked.is_empty(), "{picked:?}");
+}

@@ -56,6 +56,11 @@ pub struct GatewayConfig {
     pub worker_urls: Vec<String>,
     /// Largest accepted request body, bytes (413 beyond).
     pub max_body_bytes: usize,
+    /// Request bodies held at once, bytes, over every request of `serve` and the endpoint
+    /// picker: a body takes its share as it arrives and gives it back when its answer
+    /// begins; one the budget cannot hold is refused with 503 and `Retry-After`
+    /// ([`crate::body_budget`]). At least `max_body_bytes`.
+    pub max_buffered_body_bytes: u64,
     /// Most token ids a prompt may carry (`prompt` as ids, `input_ids`); beyond, 400 before
     /// the ids are held in memory.
     pub max_prompt_tokens: usize,
@@ -394,6 +399,7 @@ impl Default for GatewayConfig {
             policy_knobs: toml::Table::new(),
             worker_urls: Vec::new(),
             max_body_bytes: 32 << 20,
+            max_buffered_body_bytes: 256 << 20,
             max_prompt_tokens: kvroute_protocol::openai::DEFAULT_MAX_PROMPT_TOKENS,
             header_read_timeout_secs: 30.0,
             body_read_timeout_secs: 30.0,
@@ -790,6 +796,15 @@ impl GatewayConfig {
         }
         if self.max_body_bytes == 0 {
             return Err(err("max_body_bytes", "must be at least 1"));
+        }
+        if self.max_buffered_body_bytes < self.max_body_bytes as u64 {
+            return Err(err(
+                "max_buffered_body_bytes",
+                format!(
+                    "must be at least max_body_bytes ({}), got {}",
+                    self.max_body_bytes, self.max_buffered_body_bytes
+                ),
+            ));
         }
         if self.max_connections == 0 {
             return Err(err("max_connections", "must be at least 1"));

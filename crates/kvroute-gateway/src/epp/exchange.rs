@@ -165,7 +165,9 @@ pub(super) async fn run(
     if !modes.request_duplex && !io.send(wire::continue_request_headers()).await {
         return;
     }
-    let body = match collect_body(&s, &mut io, modes.request_duplex).await {
+    // The body's share of the router's body budget, given back once the pick is sent.
+    let mut held = s.body_budget.hold();
+    let body = match collect_body(&s, &mut io, modes.request_duplex, &mut held).await {
         Some(Ok(b)) => b,
         Some(Err(e)) => return refuse(&s, &io, &e, "", decisions).await,
         None => return,
@@ -195,6 +197,9 @@ pub(super) async fn run(
         crate::metrics::count_outcome(&s.metrics.epp_observed, "closed_early");
         return;
     }
+    // The response side reads nothing of the request body.
+    ctx.set_bytes(Bytes::new());
+    drop((body, held));
     observe(&ctx, picked, &mut io, modes, decisions).await;
 }
 
@@ -216,8 +221,14 @@ async fn refuse(s: &AppState, io: &Io, e: &ApiError, branch: &'static str, may_s
 /// 413 for a body over `max_body_bytes` (a buffered message over the gRPC message limit,
 /// `max_body_bytes` + 64 KiB, included), and for a buffered body that does not end in its
 /// message: BUFFERED_PARTIAL's first bytes of a body over the gateway's buffer, from which
-/// no prompt can be read.
-async fn collect_body(s: &AppState, io: &mut Io, duplex: bool) -> Option<Result<Bytes, ApiError>> {
+/// no prompt can be read. 503 when the router's body budget (`max_buffered_body_bytes`)
+/// cannot hold the body: `held` covers what was read.
+async fn collect_body(
+    s: &AppState,
+    io: &mut Io,
+    duplex: bool,
+    held: &mut crate::body_budget::BodyHold,
+) -> Option<Result<Bytes, ApiError>> {
     let limit = s.cfg.max_body_bytes;
     let too_large = || {
         Some(Err(ApiError::new(
@@ -236,6 +247,9 @@ async fn collect_body(s: &AppState, io: &mut Io, duplex: bool) -> Option<Result<
             Some(Msg::RequestBody(b)) => {
                 if body.len() + b.body.len() > limit {
                     return too_large();
+                }
+                if let Err(e) = held.cover((body.len() + b.body.len()) as u64) {
+                    return Some(Err(e));
                 }
                 if !duplex && !b.end_of_stream {
                     return Some(Err(ApiError::new(

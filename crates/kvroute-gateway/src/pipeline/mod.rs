@@ -108,7 +108,9 @@ async fn run(
     let t0 = Instant::now();
     crate::hops::check_arrival(headers, &s.via_name).map_err(|e| (e, ""))?;
     let key = authenticate(s, headers).map_err(|e| (e, ""))?;
-    let bytes = read_body(s, headers, body).await.map_err(|e| (e, ""))?;
+    // The body's share of the budget is given back when this request is answered
+    // (`run` returns: the response began, or an error).
+    let (bytes, _held) = read_body(s, headers, body).await.map_err(|e| (e, ""))?;
     let mut ctx = prepare(s, api, headers, t0, key.as_deref(), bytes).map_err(|e| (e, ""))?;
     if let Some(c) = cascade::start(s, &ctx.info) {
         return cascade::run(&ctx, c).await;
@@ -196,14 +198,21 @@ pub const CLIENT_CLOSED_REQUEST: StatusCode = match StatusCode::from_u16(499) {
     Err(_) => StatusCode::BAD_REQUEST,
 };
 
-/// Reads the body within the configured limit (413 beyond).
+/// Reads the body within the configured limit (413 beyond), its bytes taken from the
+/// router's body budget as they arrive ([`crate::body_budget`]); the returned hold gives
+/// them back when dropped, so the caller keeps it until the request is answered.
 ///
 /// # Errors
 /// 415 for a `Content-Encoding` other than `identity` (bodies are read uncompressed), 413
-/// when the body is larger than `max_body_bytes`, 408 when it does not arrive within
+/// when the body is larger than `max_body_bytes`, 503 when the body budget
+/// (`max_buffered_body_bytes`) cannot hold it, 408 when it does not arrive within
 /// `body_read_timeout_secs`, 499 ([`CLIENT_CLOSED_REQUEST`]) when the client closed the
 /// connection before its end, 400 when it cannot be read otherwise.
-pub async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+pub async fn read_body(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(Bytes, crate::body_budget::BodyHold), ApiError> {
     // Bodies are read as they come: a compressed one would only fail later as "not UTF-8".
     if let Some(enc) = headers.get(header::CONTENT_ENCODING)
         && !enc.to_str().is_ok_and(|e| e.trim().eq_ignore_ascii_case("identity"))
@@ -218,37 +227,76 @@ pub async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<
     let too_large = || {
         ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body is larger than the limit of {limit} bytes"))
     };
-    if let Some(len) =
-        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
-        && len > limit as u64
-    {
+    let announced =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|len| len > limit as u64) {
         return Err(too_large());
     }
+    let mut hold = s.body_budget.hold();
+    // An announced length is taken whole before a byte is read: a body the budget cannot
+    // hold is refused before the client sends it.
+    hold.cover(announced.unwrap_or(0))?;
     let timeout = std::time::Duration::from_secs_f64(s.cfg.body_read_timeout_secs);
-    let Ok(read) = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await else {
+    let Ok(read) = tokio::time::timeout(timeout, collect_within(body, limit, &mut hold)).await else {
         return Err(ApiError::new(
             StatusCode::REQUEST_TIMEOUT,
             format!("the request body did not arrive within {} s", s.cfg.body_read_timeout_secs),
         ));
     };
-    read.map_err(|e| {
-        let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
-        while let Some(x) = src {
-            if x.is::<http_body_util::LengthLimitError>() {
-                return too_large();
-            }
-            // The connection ended before the body did: the client is gone. Answered (to no
-            // one) 499, nginx's "client closed request", and counted `cancelled`.
-            if x.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_incomplete_message)
-                || x.downcast_ref::<std::io::Error>().is_some_and(|io| {
-                    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
-                    matches!(io.kind(), UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe)
-                })
-            {
-                return ApiError::new(CLIENT_CLOSED_REQUEST, "the client closed the connection before its body ended");
-            }
-            src = x.source();
+    let e = match read {
+        Ok(bytes) => return Ok((bytes, hold)),
+        Err(Unread::Budget(e)) => return Err(e),
+        Err(Unread::Body(e)) => e,
+    };
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&*e);
+    while let Some(x) = src {
+        if x.is::<http_body_util::LengthLimitError>() {
+            return Err(too_large());
         }
-        ApiError::bad_field("body", format!("could not read the request body: {e}"))
-    })
+        // The connection ended before the body did: the client is gone. Answered (to no
+        // one) 499, nginx's "client closed request", and counted `cancelled`.
+        if x.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_incomplete_message)
+            || x.downcast_ref::<std::io::Error>().is_some_and(|io| {
+                use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+                matches!(io.kind(), UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe)
+            })
+        {
+            return Err(ApiError::new(CLIENT_CLOSED_REQUEST, "the client closed the connection before its body ended"));
+        }
+        src = x.source();
+    }
+    Err(ApiError::bad_field("body", format!("could not read the request body: {e}")))
+}
+
+/// Why [`collect_within`] stopped short of the body's end.
+enum Unread {
+    /// The body budget could not hold the bytes read so far (503).
+    Budget(ApiError),
+    /// Reading failed: over `limit`, the client gone, or another transport error.
+    Body(axum::BoxError),
+}
+
+/// The body's bytes, at most `limit` of them, each chunk covered by `hold` before it is
+/// kept.
+async fn collect_within(body: Body, limit: usize, hold: &mut crate::body_budget::BodyHold) -> Result<Bytes, Unread> {
+    use http_body_util::BodyExt;
+    let mut body = http_body_util::Limited::new(body, limit);
+    // One chunk (most bodies) is kept as it came; more are copied together.
+    let mut single: Option<Bytes> = None;
+    let mut joined = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(chunk) = frame.map_err(Unread::Body)?.into_data() else { continue };
+        let read = single.as_ref().map_or(0, Bytes::len) + joined.len() + chunk.len();
+        hold.cover(read as u64).map_err(Unread::Budget)?;
+        if single.is_none() && joined.is_empty() {
+            single = Some(chunk);
+        } else {
+            if let Some(f) = single.take() {
+                joined.reserve(read);
+                joined.extend_from_slice(&f);
+            }
+            joined.extend_from_slice(&chunk);
+        }
+    }
+    Ok(single.unwrap_or_else(|| joined.freeze()))
 }
