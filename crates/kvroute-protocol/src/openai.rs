@@ -375,12 +375,13 @@ fn parse_fields(
             }
         }
         Api::Generate => {
-            if let Some(raw) = present(w.text) {
-                let t = string(raw).ok_or_else(|| ApiError::bad_field("text", "`text` must be a string"))?;
-                push_text(&mut info.text, &t);
-            }
+            // SGLang runs `input_ids` when a request carries both (its TokenizerManager
+            // tokenizes `text` only without ids), so the prompt routed on is the ids.
             if let Some(ids) = present(w.input_ids) {
                 info.token_ids = Some(token_ids(ids, "input_ids", max_prompt_tokens)?);
+            } else if let Some(raw) = present(w.text) {
+                let t = string(raw).ok_or_else(|| ApiError::bad_field("text", "`text` must be a string"))?;
+                push_text(&mut info.text, &t);
             }
             if info.text.is_empty() && info.token_ids.is_none() {
                 return Err(ApiError::bad_field("text", "`/generate` needs `text` or `input_ids`"));
@@ -490,6 +491,17 @@ mod tests {
         // Another mistake in a body with a surrogate keeps its own message.
         let e = parse_limited(Api::Chat, br#"{"model":"m","messages":"\ud83d\ude00"}"#, None, m).expect_err("type");
         assert!(e.message.contains("must be an array"), "{}", e.message);
+    }
+
+    /// A `/generate` request with both `text` and `input_ids` is routed on the ids, the
+    /// prompt SGLang runs (its TokenizerManager tokenizes `text` only when there are no ids).
+    #[test]
+    fn generate_with_text_and_input_ids_routes_on_the_ids() {
+        let i = parse(Api::Generate, br#"{"text":"other words","input_ids":[5,6,7]}"#, None).expect("ok");
+        assert_eq!(i.token_ids.as_deref(), Some(&[5u32, 6, 7][..]));
+        assert!(i.text.is_empty(), "{}", i.text);
+        let i = parse(Api::Generate, br#"{"text":"words"}"#, None).expect("ok");
+        assert_eq!((i.text.as_str(), i.token_ids.is_none()), ("words", true));
     }
 
     #[test]
