@@ -227,6 +227,7 @@ async fn a_request_every_prefill_worker_failed_is_counted_on_a_prefill_worker() 
     let mut cfg = config(&f, PdProtocol::Sglang);
     cfg.max_worker_retries = 1;
     cfg.max_total_retries = 1;
+    let cfg_pd = cfg.pd.clone();
     let (router, _) = common::start_router(cfg, stop.clone()).await;
     let c = common::client();
     let a = send(&c, &router, &chat(&prompt("no prefill", 200), false)).await;
@@ -241,6 +242,11 @@ async fn a_request_every_prefill_worker_failed_is_counted_on_a_prefill_worker() 
     };
     assert_eq!(failed(&f.prefill[0].0), 1.0, "{text}");
     assert_eq!(failed(&f.decode[0].0), 0.0, "{text}");
+    // Counted under the pools' policies, as the decision header names them, not the main
+    // policy, which routes nothing with PD on.
+    let pools = format!("policy=\"{}+{}\"", cfg_pd.prefill_policy, cfg_pd.decode_policy);
+    let counted: Vec<&str> = text.lines().filter(|l| l.starts_with("kvroute_requests_total{")).collect();
+    assert!(!counted.is_empty() && counted.iter().all(|l| l.contains(&pools)), "{pools}: {counted:?}");
     stop.cancel();
 }
 

@@ -196,11 +196,17 @@ pub(crate) fn noted() -> (Option<Arc<str>>, &'static str) {
     ATTEMPT.try_with(|a| a.borrow().clone()).unwrap_or((None, ""))
 }
 
-/// Counts one request outcome in `kvroute_requests_total`.
+/// Counts one request outcome in `kvroute_requests_total`, under the policy that routes
+/// it: with PD disaggregation every request is placed by the pools' policies, labelled
+/// `PREFILL+DECODE` as the decision header names them (the main `policy` routes nothing).
 pub fn count(s: &AppState, worker: &str, branch: &str, outcome: &str) {
+    let policy = match &s.pd {
+        Some(pd) => format!("{}+{}", pd.prefill.policy_name(), pd.decode.policy_name()),
+        None => s.routers.policy_name(),
+    };
     s.metrics.count_request(RequestLabels {
         worker: worker.to_string(),
-        policy: s.routers.policy_name(),
+        policy,
         branch: branch.to_string(),
         outcome: outcome.to_string(),
     });
