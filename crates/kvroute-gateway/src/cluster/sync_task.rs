@@ -439,7 +439,7 @@ async fn fetch_snapshot(state: &AppState, sync: &ReplicaSync, client: &async_nat
     let Ok(mut sub) = client.subscribe(inbox.clone()).await else { return };
     let ask = client.publish_with_reply(sync.snapshot_subject.clone(), inbox, Bytes::from(sync.replica.clone()));
     if !matches!(tokio::time::timeout(wait, ask).await, Ok(Ok(()))) {
-        tracing::info!("no snapshot: NATS is not reachable; routing on local state");
+        tracing::warn!("no snapshot: NATS is not reachable; routing on local state");
         return;
     }
     // The events name workers by URL: those registered in etcd must be in the fleet first
@@ -453,6 +453,12 @@ async fn fetch_snapshot(state: &AppState, sync: &ReplicaSync, client: &async_nat
     loop {
         let msg = match tokio::time::timeout_at(deadline, sub.next()).await {
             Ok(Some(m)) => m,
+            // The client buffers the ask while NATS is down, so an unreachable server
+            // shows only here, as silence.
+            Ok(None) | Err(_) if client.connection_state() != async_nats::connection::State::Connected => {
+                tracing::warn!("no snapshot: NATS is not reachable; routing on local state");
+                break;
+            }
             Ok(None) | Err(_) => {
                 tracing::info!(events = applied, "snapshot wait ended before the last part; routing on what arrived");
                 break;
