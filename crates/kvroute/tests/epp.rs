@@ -443,3 +443,24 @@ async fn bodies_held_at_once_share_the_body_budget() {
     let picked = again.request(&big, None).await.expect("picked");
     assert!(!picked.is_empty(), "{picked:?}");
 }
+
+/// A stream carries one request: request headers sent again after the pick end the stream
+/// with `INVALID_ARGUMENT`, where they got no reply and the stream waited until it closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_headers_sent_twice_end_the_stream_with_an_error() {
+    let f = fleet(&[]).await;
+    let mut s = open(&f.epp).await;
+    s.request(&chat("sim-llama-3-8b", "one request", false), None).await.expect("picked");
+    let h = headers(&[(":method", "POST"), (":path", "/v1/chat/completions")], false);
+    s.send(Msg::RequestHeaders(h.clone()), None).await;
+    let answer = tokio::time::timeout(Duration::from_secs(10), s.rx.message()).await.expect("an answer in time");
+    let e = answer.expect_err("an error status");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    // The same on a stream passed through (not an inference path).
+    let mut s = open(&f.epp).await;
+    s.send(Msg::RequestHeaders(headers(&[(":method", "GET"), (":path", "/v1/models")], true)), None).await;
+    let Reply::RequestHeaders(_) = s.recv().await else { panic!("passed through") };
+    s.send(Msg::RequestHeaders(h), None).await;
+    let answer = tokio::time::timeout(Duration::from_secs(10), s.rx.message()).await.expect("an answer in time");
+    assert_eq!(answer.expect_err("an error status").code(), tonic::Code::InvalidArgument);
+}

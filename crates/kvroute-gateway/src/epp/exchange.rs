@@ -300,6 +300,14 @@ async fn pass_through(s: &AppState, io: &mut Io, modes: Modes, subset: Option<&[
     }
 }
 
+/// Ends the stream with `INVALID_ARGUMENT`: request headers came again after the request's
+/// own (one request a stream, as Envoy sends them). A broken peer, answered where no reply
+/// left it waiting until the stream closed.
+async fn headers_twice(io: &Io) {
+    let e = Status::invalid_argument("request headers came twice on one ext_proc stream");
+    let _ = io.tx.send(Err(e)).await;
+}
+
 /// Passes every remaining message on unchanged until the stream ends.
 async fn relay_rest(io: &mut Io, modes: Modes) {
     while let Some(m) = io.next().await {
@@ -309,7 +317,8 @@ async fn relay_rest(io: &mut Io, modes: Modes) {
             Some(Msg::ResponseHeaders(_)) => vec![wire::response_headers(&[])],
             Some(Msg::RequestTrailers(_)) => vec![wire::trailers(true)],
             Some(Msg::ResponseTrailers(_)) => vec![wire::trailers(false)],
-            Some(Msg::RequestHeaders(_)) | None => vec![],
+            Some(Msg::RequestHeaders(_)) => return headers_twice(io).await,
+            None => vec![],
         };
         if !io.send_all(replies).await {
             return;
@@ -351,7 +360,11 @@ async fn observe(ctx: &RequestCtx<'_>, picked: Picked, io: &mut Io, modes: Modes
             }
             Some(Msg::RequestBody(b)) => wire::body_replies(true, modes.request_duplex, &b.body, b.end_of_stream),
             Some(Msg::RequestTrailers(_)) => vec![wire::trailers(true)],
-            Some(Msg::RequestHeaders(_)) | None => vec![],
+            Some(Msg::RequestHeaders(_)) => {
+                headers_twice(io).await;
+                break;
+            }
+            None => vec![],
         };
         if !io.send_all(replies).await {
             break;
