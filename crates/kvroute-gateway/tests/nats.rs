@@ -366,8 +366,10 @@ async fn split_requests_teach_the_other_replicas_prefill_pool() {
 }
 
 /// Two routers started with the same `replica_id` (a pod template that sets it) do not sync
-/// with each other, and the other replicas mix them up: each counts the other's batches as
-/// `duplicate_replica_id` (and logs an error) instead of skipping them silently.
+/// with each other: each counts the other's batches as `duplicate_replica_id` (and logs an
+/// error) instead of skipping them silently. A third replica follows the two processes
+/// apart (each batch names its process): no sequence gaps, two peers — where it read one
+/// replica whose sequence jumped back and forth, counting gaps and dropping its load.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs nats-server (Debian nats-server): KVROUTE_NATS_BIN=$(command -v nats-server) scripts/test.sh"]
 async fn two_replicas_under_one_id_are_reported() {
@@ -377,17 +379,30 @@ async fn two_replicas_under_one_id_are_reported() {
     let same = |ws: &[String]| GatewayConfig { replica_id: Some("same".into()), ..synced(Some(&nats.url), ws) };
     let (a, _) = common::start_router(same(&ws), stop.clone()).await;
     let (b, _) = common::start_router(same(&ws), stop.clone()).await;
+    let (third, _) = common::start_router(synced(Some(&nats.url), &ws), stop.clone()).await;
     let c = common::client();
-    ready(&c, &a).await;
-    ready(&c, &b).await;
-    let r = guard(c.post(format!("{a}/v1/chat/completions")).json(&ask(&document(0, 800), "q", 2, false)).send())
-        .await
-        .expect("send");
-    assert_eq!(r.status(), 200);
+    for r in [&a, &b, &third] {
+        ready(&c, r).await;
+    }
+    // A publishes more batches than B, so their sequence numbers part.
+    for (i, r) in [&a, &a, &a, &a, &b, &a, &b].into_iter().enumerate() {
+        let q = ask(&document(i, 800), "q", 2, false);
+        let answer = guard(c.post(format!("{r}/v1/chat/completions")).json(&q).send()).await.expect("send");
+        assert_eq!(answer.status(), 200);
+        // Each request's events published before the next (a batch of their own).
+        eventually("the third replica applies the request", async || {
+            metric(&c, &third, "kvroute_sync_events_total{outcome=\"applied\"}").await >= (i + 1) as f64
+        })
+        .await;
+    }
     eventually("B reports A's batches under its own id", async || {
         metric(&c, &b, "kvroute_sync_events_total{outcome=\"duplicate_replica_id\"}").await >= 1.0
     })
     .await;
     assert_eq!(metric(&c, &b, "kvroute_sync_events_total{outcome=\"applied\"}").await, 0.0);
+    assert_eq!(metric(&c, &third, "kvroute_sync_gaps_total").await, 0.0);
+    // Set by the once-a-second sweep.
+    eventually("the third replica counts two peers", async || metric(&c, &third, "kvroute_sync_peers").await == 2.0)
+        .await;
     stop.cancel();
 }

@@ -219,6 +219,12 @@ pub struct Batch {
     /// did not send one.
     #[serde(default)]
     pub bye: bool,
+    /// The sending process: random at each start ([`ReplicaSync::instance`]). Receivers
+    /// follow each (replica, instance) apart, so two processes under one replica id (a
+    /// misconfiguration) do not read as one replica whose sequence jumps back and forth,
+    /// and a new instance is a restart. 0 from versions that did not send one.
+    #[serde(default)]
+    pub instance: u64,
 }
 
 /// One part of a snapshot answer (msgpack, to the requester's inbox).
@@ -273,6 +279,8 @@ impl Recent {
 pub struct ReplicaSync {
     /// This replica's id.
     pub replica: String,
+    /// This process's instance under that id: random at each start, never 0 ([`Batch::instance`]).
+    pub instance: u64,
     pub(crate) events_subject: String,
     pub(crate) snapshot_subject: String,
     tx: mpsc::Sender<Out>,
@@ -349,6 +357,7 @@ impl ReplicaSync {
         }
         Arc::new(ReplicaSync {
             replica,
+            instance: crate::model::random::os_random_u64().max(1),
             events_subject: format!("kvroute.{cluster}.events"),
             snapshot_subject: format!("kvroute.{cluster}.snapshot"),
             tx,
@@ -454,6 +463,7 @@ mod tests {
             seq: 7,
             sent_unix_ns: 1,
             bye: false,
+            instance: 9,
             events: vec![
                 WireEvent::Routed(RoutedEvent {
                     id: 3,

@@ -9,7 +9,7 @@ use futures_util::StreamExt;
 use kvroute_core::ledger::LoadTicket;
 use kvroute_core::policy::RequestKey;
 use kvroute_core::types::{BlockHash, BlockSeq, RequestView, Role, WorkerId};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
@@ -132,7 +132,14 @@ async fn publish(
         buf.push(e);
     }
     publish_buffered(&sync, &client, &mut seq, &mut buf).await;
-    let bye = Batch { replica: sync.replica.clone(), seq, sent_unix_ns: unix_ns(), events: Vec::new(), bye: true };
+    let bye = Batch {
+        replica: sync.replica.clone(),
+        seq,
+        sent_unix_ns: unix_ns(),
+        events: Vec::new(),
+        bye: true,
+        instance: sync.instance,
+    };
     if let Ok(payload) = rmp_serde::to_vec_named(&bye) {
         let _ =
             tokio::time::timeout(Duration::from_secs(1), client.publish(sync.events_subject.clone(), payload.into()))
@@ -172,7 +179,14 @@ async fn publish_buffered(sync: &ReplicaSync, client: &async_nats::Client, seq: 
 
 async fn send_batch(sync: &ReplicaSync, client: &async_nats::Client, seq: &mut u64, events: Vec<WireEvent>) {
     let n = events.len() as u64;
-    let batch = Batch { replica: sync.replica.clone(), seq: *seq, sent_unix_ns: unix_ns(), events, bye: false };
+    let batch = Batch {
+        replica: sync.replica.clone(),
+        seq: *seq,
+        sent_unix_ns: unix_ns(),
+        events,
+        bye: false,
+        instance: sync.instance,
+    };
     *seq += 1;
     let payload = match rmp_serde::to_vec_named(&batch) {
         Ok(p) => Bytes::from(p),
@@ -209,7 +223,7 @@ async fn apply_events(
     cancel: CancellationToken,
 ) {
     let ttl = Duration::from_secs_f64(state.cfg.request_timeout_secs) + TICKET_GRACE;
-    let mut peers = Peers { by_name: HashMap::new(), tickets: 0, ttl };
+    let mut peers = Peers { by_name: HashMap::new(), superseded: VecDeque::new(), tickets: 0, ttl };
     let mut sweep = tokio::time::interval(Duration::from_secs(1));
     let mut warned: Option<Instant> = None;
     loop {
@@ -241,9 +255,9 @@ async fn apply_events(
 }
 
 /// A batch published under this replica's own id by another process: counted
-/// (`duplicate_replica_id`, its events) and logged at most once a minute. Each replica
-/// skips the other's batches as its own and the others see one replica whose sequence
-/// jumps back and forth (gaps, its load tickets dropped): the ids must differ.
+/// (`duplicate_replica_id`, its events) and logged at most once a minute. Each of the two
+/// skips the other's batches as its own (the other replicas follow both apart by their
+/// [`Batch::instance`], [`Peers::admit`]): the ids must differ.
 fn duplicate_id(sync: &ReplicaSync, batch: &Batch, warned: &mut Option<Instant>) {
     sync.count("duplicate_replica_id", batch.events.len().max(1) as u64);
     if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
@@ -256,9 +270,19 @@ fn duplicate_id(sync: &ReplicaSync, batch: &Batch, warned: &mut Option<Instant>)
     }
 }
 
+/// A peer process: its replica id and its instance ([`Batch::instance`]).
+type PeerKey = (String, u64);
+
+/// Instances replaced by a newer one under the same replica id that are remembered: one
+/// of them heard from again is a second process under that id, not a late batch.
+const SUPERSEDED_KEPT: usize = 64;
+
 /// The other replicas heard from, and the load tickets of theirs this replica holds.
 struct Peers {
-    by_name: HashMap<String, Peer>,
+    by_name: HashMap<PeerKey, Peer>,
+    /// Instances a newer one of the same replica replaced (oldest first, at most
+    /// [`SUPERSEDED_KEPT`]).
+    superseded: VecDeque<PeerKey>,
     /// Tickets held, over every peer (new ones are taken up to [`MAX_REMOTE_TICKETS`]).
     tickets: usize,
     /// How long a ticket is held without its `Done`: the request timeout and a grace.
@@ -270,7 +294,7 @@ impl Peers {
     /// the tickets past their deadline; sets the remote in-flight and peer gauges.
     fn sweep(&mut self, metrics: &crate::metrics::Metrics) {
         let now = Instant::now();
-        self.by_name.retain(|name, p| {
+        self.by_name.retain(|(name, _), p| {
             let alive = now.duration_since(p.heard) < PEER_SILENCE;
             if !alive {
                 tracing::info!(replica = %name, "cluster peer silent: its in-flight load is released");
@@ -286,16 +310,48 @@ impl Peers {
         metrics.sync_peers.set(self.by_name.len() as i64);
     }
 
+    /// A process not heard from before, `key`: the restart of its replica when another
+    /// instance of that replica is known (that one's tickets dropped, it is forgotten and
+    /// remembered as replaced), or a second process under the replica's id when it is
+    /// itself a replaced instance (logged; both followed apart from then on). Returns
+    /// whether there is room for it ([`MAX_PEERS`]).
+    fn admit(&mut self, key: &PeerKey, metrics: &crate::metrics::Metrics) -> bool {
+        if self.superseded.contains(key) {
+            tracing::error!(
+                replica = %key.0,
+                "two routers publish under one replica id: followed apart here, but they do not sync with each \
+                 other; give each replica its own replica_id (or leave it unset: a random one)"
+            );
+            self.superseded.retain(|k| k != key);
+        } else {
+            let older: Vec<PeerKey> =
+                self.by_name.keys().filter(|(r, i)| *r == key.0 && *i != key.1).cloned().collect();
+            for old in older {
+                // Restarted: what the old process had in flight is gone.
+                if let Some(p) = self.by_name.remove(&old) {
+                    self.tickets -= p.tickets.len();
+                }
+                if self.superseded.len() == SUPERSEDED_KEPT {
+                    self.superseded.pop_front();
+                }
+                self.superseded.push_back(old);
+            }
+            metrics.sync_remote_in_flight.set(self.tickets as i64);
+        }
+        self.by_name.len() < MAX_PEERS
+    }
+
     /// Applies one batch of another replica: its sequence number (gaps counted; one that
-    /// goes back drops the replica's tickets), then each event — a routed request committed
-    /// to this replica's router and its load ticket taken, a first token, a request done. A
-    /// new replica beyond [`MAX_PEERS`] is ignored.
+    /// goes back, from a version without instances, drops the replica's tickets), then each
+    /// event — a routed request committed to this replica's router and its load ticket
+    /// taken, a first token, a request done. A new process beyond [`MAX_PEERS`] is ignored.
     async fn apply(&mut self, state: &AppState, sync: &ReplicaSync, batch: Batch) {
         let now = Instant::now();
-        if !self.by_name.contains_key(&batch.replica) && self.by_name.len() >= MAX_PEERS {
+        let key: PeerKey = (batch.replica.clone(), batch.instance);
+        if !self.by_name.contains_key(&key) && !self.admit(&key, &state.metrics) {
             return;
         }
-        let peer = self.by_name.entry(batch.replica.clone()).or_insert_with(|| {
+        let peer = self.by_name.entry(key.clone()).or_insert_with(|| {
             tracing::info!(replica = %batch.replica, "cluster peer joined");
             Peer { last_seq: batch.seq, heard: now, tickets: HashMap::new() }
         });
@@ -311,7 +367,7 @@ impl Peers {
             tracing::info!(replica = %batch.replica, "cluster peer left: its in-flight load is released");
             crate::metrics::count_outcome(&state.metrics.sync_peers_left, "goodbye");
             self.tickets -= peer.tickets.len();
-            self.by_name.remove(&batch.replica);
+            self.by_name.remove(&key);
             state.metrics.sync_remote_in_flight.set(self.tickets as i64);
             state.metrics.sync_peers.set(self.by_name.len() as i64);
             return;
