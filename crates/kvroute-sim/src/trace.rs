@@ -334,6 +334,9 @@ fn number_mooncake_turns(out: &mut [TraceRequest]) {
     }
 }
 
+/// Reads Azure CSV. Arrivals are measured from the earliest `TIMESTAMP` in the file, not the
+/// first row's, so rows out of time order give the same trace as the file sorted (as the
+/// JSONL readers sort by absolute time).
 fn read_azure(reader: impl std::io::Read, path: &Path) -> Result<Vec<TraceRequest>, TraceError> {
     let mut rdr = csv::ReaderBuilder::new().has_headers(true).from_reader(reader);
     let headers = rdr.headers().map_err(|e| field_err(path, 1, "header", e.to_string()))?.clone();
@@ -341,8 +344,8 @@ fn read_azure(reader: impl std::io::Read, path: &Path) -> Result<Vec<TraceReques
         headers.iter().position(|h| h.trim() == name).ok_or_else(|| field_err(path, 1, name, "missing column"))
     };
     let (c_ts, c_in, c_out) = (col("TIMESTAMP")?, col("ContextTokens")?, col("GeneratedTokens")?);
-    let mut out = Vec::new();
-    let mut t0: Option<f64> = None;
+    // (line, seconds since 1970, input, output) of each row.
+    let mut rows: Vec<(usize, f64, u64, u64)> = Vec::new();
     for (i, rec) in rdr.records().enumerate() {
         let n = i + 2;
         let rec = rec.map_err(|e| field_err(path, n, "line", e.to_string()))?;
@@ -362,14 +365,21 @@ fn read_azure(reader: impl std::io::Read, path: &Path) -> Result<Vec<TraceReques
         };
         let input = num(c_in, "ContextTokens")?;
         let output = num(c_out, "GeneratedTokens")?;
-        let base = *t0.get_or_insert(ts);
+        rows.push((n, ts, input, output));
+    }
+    let Some(&(first_line, base, _, _)) = rows.iter().min_by(|a, b| a.1.total_cmp(&b.1)) else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::with_capacity(rows.len());
+    for (n, ts, input, output) in rows {
         if ts - base > MAX_ARRIVAL_SECS {
-            let msg = format!("{} s after the first row, more than the maximum 10^7 s", ts - base);
+            let msg =
+                format!("{} s after the earliest row (line {first_line}), more than the maximum 10^7 s", ts - base);
             return Err(field_err(path, n, "TIMESTAMP", msg));
         }
         out.push(TraceRequest {
             tenant: None,
-            arrival: Nanos::from_secs_f64((ts - base).max(0.0)),
+            arrival: Nanos::from_secs_f64(ts - base),
             input_tokens: input.max(1) as u32,
             output_tokens: output.max(1) as u32,
             blocks: Vec::new(),
@@ -729,6 +739,23 @@ mod tests {
         assert!(e.contains("b.csv:2: field `ContextTokens`"), "{e}");
         let p = tmp("c.csv", "TIME,ContextTokens,GeneratedTokens\n");
         assert!(read(&p, None).expect_err("bad header").to_string().contains("TIMESTAMP"));
+    }
+
+    #[test]
+    fn azure_rows_out_of_time_order_read_as_the_sorted_file() {
+        // Rows before the first one all became arrival 0: a 4 s trace read as a 1 s burst.
+        let head = "TIMESTAMP,ContextTokens,GeneratedTokens\n";
+        let (a, b, c) =
+            ("2023-11-16 18:15:50.5,100,10\n", "2023-11-16 18:15:46.5,200,20\n", "2023-11-16 18:15:48.5,300,30\n");
+        let unsorted = read(&tmp("unsorted.csv", &format!("{head}{a}{b}{c}")), None).expect("reads");
+        let sorted = read(&tmp("sorted.csv", &format!("{head}{b}{c}{a}")), None).expect("reads");
+        assert_eq!(unsorted, sorted);
+        let secs: Vec<f64> = sorted.iter().map(|r| r.arrival.as_secs_f64()).collect();
+        assert_eq!(secs, vec![0.0, 2.0, 4.0]);
+        // The span is measured from the earliest row wherever it is.
+        let p = tmp("span-rev.csv", &format!("{head}9999-12-31 23:59:59,100,10\n0001-01-01 00:00:00,100,10\n"));
+        let e = read(&p, None).expect_err("millennia").to_string();
+        assert!(e.contains("span-rev.csv:2: field `TIMESTAMP`") && e.contains("earliest row (line 3)"), "{e}");
     }
 
     #[test]
