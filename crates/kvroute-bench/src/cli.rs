@@ -26,7 +26,8 @@ pub struct WorkloadArgs {
     /// Synthetic: requests per second.
     #[arg(long, default_value_t = 10.0)]
     pub rate: f64,
-    /// Trace: send only the first N requests. Synthetic (poisson/constant): number of requests.
+    /// Trace: send only the first N requests. Synthetic (poisson/constant): number of
+    /// requests, at most 10,000,000.
     #[arg(long)]
     pub requests: Option<usize>,
     /// Synthetic: prompt tokens of independent requests.
@@ -48,7 +49,8 @@ pub struct WorkloadArgs {
     /// shared-prefix: number of system prompts.
     #[arg(long, default_value_t = 8)]
     pub groups: usize,
-    /// shared-prefix: questions per system prompt.
+    /// shared-prefix: questions per system prompt (--groups × --prompts-per-group at most
+    /// 10,000,000).
     #[arg(long, default_value_t = 16)]
     pub prompts_per_group: usize,
     /// shared-prefix: tokens per system prompt.
@@ -188,7 +190,9 @@ impl WorkloadArgs {
     /// Builds the requests.
     ///
     /// # Errors
-    /// Neither or both of --trace/--workload, bad numbers, a malformed trace (file, line, field).
+    /// Neither or both of --trace/--workload, bad numbers, a synthetic workload of more than
+    /// [`workload::MAX_REQUESTS`] requests (naming the flags), a malformed trace (file, line,
+    /// field).
     pub fn build(&self) -> anyhow::Result<Vec<BenchRequest>> {
         positive("--rate-scale", self.rate_scale)?;
         kvroute_sim::trace::check_rate_scale(&[], self.rate_scale).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
@@ -227,6 +231,14 @@ impl WorkloadArgs {
                     if self.groups == 0 || self.prompts_per_group == 0 {
                         bail!("--groups and --prompts-per-group must be at least 1");
                     }
+                    let max = workload::MAX_REQUESTS;
+                    if self.groups.checked_mul(self.prompts_per_group).is_none_or(|n| n > max) {
+                        bail!(
+                            "--groups × --prompts-per-group: {} × {} requests is more than the maximum {max}",
+                            self.groups,
+                            self.prompts_per_group
+                        );
+                    }
                     workload::check_rate(self.rate, self.groups.saturating_mul(self.prompts_per_group))
                         .map_err(|e| anyhow::anyhow!("--rate: {e}"))?;
                     let shape = SharedPrefix {
@@ -239,6 +251,12 @@ impl WorkloadArgs {
                     workload::shared_prefix(shape, arrivals, self.seed)
                 } else {
                     let n = self.requests.unwrap_or(200);
+                    if n > workload::MAX_REQUESTS {
+                        bail!(
+                            "--requests: {n} is more than the maximum {} of a synthetic workload",
+                            workload::MAX_REQUESTS
+                        );
+                    }
                     workload::check_rate(self.rate, n).map_err(|e| anyhow::anyhow!("--rate: {e}"))?;
                     workload::independent(n, arrivals, self.input_tokens.max(1), self.output_tokens, self.seed)
                 }
@@ -387,5 +405,33 @@ mod tests {
         assert!(e.starts_with("--rate-scale: ") && e.contains("10^7 s"), "{e}");
         assert_eq!(build(&["--trace", t, "--rate-scale", "2"]).expect("runs").len(), 2);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn synthetic_request_counts_past_the_bound_are_refused_naming_the_flag() {
+        // These built every request up front and aborted on the allocation (exit 134).
+        let e = build(&["--workload", "constant", "--rate", "1000000", "--requests", "100000000000"])
+            .expect_err("refused")
+            .to_string();
+        assert!(e.starts_with("--requests: ") && e.contains("10000000"), "{e}");
+        for (groups, per_group) in [("100000", "100000"), ("18446744073709551615", "2")] {
+            let e = build(&[
+                "--workload",
+                "shared-prefix",
+                "--rate",
+                "1000000",
+                "--groups",
+                groups,
+                "--prompts-per-group",
+                per_group,
+            ])
+            .expect_err("refused")
+            .to_string();
+            assert!(e.starts_with("--groups × --prompts-per-group: ") && e.contains("10000000"), "{e}");
+        }
+        assert_eq!(
+            build(&["--workload", "constant", "--requests", "3", "--input-tokens", "2"]).expect("runs").len(),
+            3
+        );
     }
 }

@@ -63,6 +63,11 @@ pub fn synth_prompt(r: &TraceRequest, fallback_id: u64) -> String {
     s
 }
 
+/// Most requests a synthetic workload may hold (`--requests`, `--groups ×
+/// --prompts-per-group`): every request and its prompt are built before the run starts, so
+/// an unbounded count aborted on the allocation.
+pub const MAX_REQUESTS: usize = 10_000_000;
+
 /// Smallest and largest synthetic arrival rate accepted (`--rate`), requests per second.
 pub const RATE_RANGE: (f64, f64) = (1e-6, 1e6);
 

@@ -135,7 +135,7 @@ pub struct Args {
     /// shared-prefix: groups (distinct system prompts).
     #[arg(long, default_value_t = 4)]
     pub groups: usize,
-    /// shared-prefix: prompts per group.
+    /// shared-prefix: prompts per group (--groups × --prompts-per-group at most 10,000,000).
     #[arg(long, default_value_t = 6)]
     pub prompts_per_group: usize,
     /// shared-prefix: system prompt tokens.
