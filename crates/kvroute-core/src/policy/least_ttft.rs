@@ -1575,6 +1575,34 @@ mod tests {
     }
 
     #[test]
+    fn knobs_of_the_wrong_kind_are_named_with_what_they_must_be() {
+        // serde said only `invalid number` (or `invalid type: …`), naming no knob.
+        let mut p = fresh();
+        for (bad, want) in [
+            (
+                serde_json::json!({"decode_weight": -5}),
+                "decode_weight must be a whole number from 0 to 18446744073709551615, got -5",
+            ),
+            (
+                serde_json::json!({"decode_weight": 1.5}),
+                "decode_weight must be a whole number from 0 to 18446744073709551615, got 1.5",
+            ),
+            (
+                serde_json::json!({"block_tokens": 1e9}),
+                "block_tokens must be a whole number from 0 to 4294967295, got 1000000000.0",
+            ),
+            (serde_json::json!({"calibration_rate": "x"}), "calibration_rate must be a number, got \"x\""),
+            (serde_json::json!({"calibrate_hits": 3}), "calibrate_hits must be true or false, got 3"),
+        ] {
+            let e = p.set_knobs(&bad).expect_err("refused");
+            assert_eq!(e.message, want);
+            assert_eq!(e.policy, "least_ttft");
+        }
+        let e = p.set_knobs(&serde_json::json!({"nope": 1})).expect_err("unknown");
+        assert!(e.message.contains("unknown field `nope`"), "{e}");
+    }
+
+    #[test]
     fn running_requests_are_charged_only_as_the_batch_fills_and_waiting_ones_always() {
         let p = fresh();
         let whole = |load: u32| p.cost.decode_charge(f64::from(load));

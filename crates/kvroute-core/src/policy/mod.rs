@@ -444,16 +444,78 @@ where
     T: Serialize + serde::de::DeserializeOwned,
 {
     let err = |message: String| KnobError { policy, message };
-    let mut merged = serde_json::to_value(current).map_err(|e| err(e.to_string()))?;
+    let base = serde_json::to_value(current).map_err(|e| err(e.to_string()))?;
+    let mut merged = base.clone();
     let (Some(obj), Some(p)) = (merged.as_object_mut(), patch.as_object()) else {
         return Err(err("knobs must be a JSON object".into()));
     };
     for (k, v) in p {
         obj.insert(k.clone(), v.clone());
     }
-    let next: T = serde_json::from_value(merged).map_err(|e| err(e.to_string()))?;
+    let next: T = serde_json::from_value(merged).map_err(|e| {
+        // serde's message does not name the field (`invalid number` for -5 or 1.5 where a
+        // whole number goes): find the knob and say what it must be.
+        err(bad_patch_key::<T>(&base, p).map_or_else(|| e.to_string(), |b| format!("{} {}", b.key, b.message)))
+    })?;
     validate(&next).map_err(err)?;
     Ok(next)
+}
+
+/// A key of a JSON patch whose value does not fit the field it sets ([`bad_patch_key`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadKey {
+    /// The key, as given.
+    pub key: String,
+    /// What its value must be and what it is, starting with a verb: `must be a whole number
+    /// from 0 to 4294967295, got 1e9`.
+    pub message: String,
+}
+
+/// The first key of `patch` (in its order) whose value, set alone on `base` (a `T`
+/// serialised as a JSON object), fails to deserialize as a `T`, and what that value must
+/// be: a whole number with its range (probed on `T`: 0 to `u8`, `u16`, `u32` or `u64`'s
+/// maximum), a number, or `true` or `false` (judged by the key's value in `base`), else
+/// serde's own message (a string may be an enum's name or more: its message lists them). serde's message alone names no field: `invalid number` for
+/// `-5` or `1.5` where a whole number goes (with `serde_json`'s `arbitrary_precision`,
+/// which a dependency of the `kvroute` binary turns on), `invalid type: string "x",
+/// expected f64`.
+///
+/// `None` when `base` is not an object, a key is unknown (serde's `unknown field` message
+/// names it already), or every key fits alone.
+pub fn bad_patch_key<T: serde::de::DeserializeOwned>(
+    base: &serde_json::Value,
+    patch: &serde_json::Map<String, serde_json::Value>,
+) -> Option<BadKey> {
+    let with = |k: &str, v: serde_json::Value| -> Result<T, serde_json::Error> {
+        let mut m = base.clone();
+        m.as_object_mut().map(|o| o.insert(k.to_owned(), v));
+        serde_json::from_value(m)
+    };
+    base.as_object()?;
+    for (k, v) in patch {
+        let Err(e) = with(k, v.clone()) else { continue };
+        let e = e.to_string();
+        if e.starts_with("unknown field") {
+            return None;
+        }
+        let message = match base.get(k) {
+            Some(serde_json::Value::Number(n)) if n.is_u64() => {
+                let max = [u64::MAX, u32::MAX.into(), u16::MAX.into(), u8::MAX.into()]
+                    .into_iter()
+                    .find(|&m| with(k, m.into()).is_ok());
+                match max {
+                    Some(max) => format!("must be a whole number from 0 to {max}, got {v}"),
+                    None => format!("must be a whole number, got {v}"),
+                }
+            }
+            Some(serde_json::Value::Number(n)) if n.is_i64() => format!("must be a whole number, got {v}"),
+            Some(serde_json::Value::Number(_)) => format!("must be a number, got {v}"),
+            Some(serde_json::Value::Bool(_)) => format!("must be true or false, got {v}"),
+            _ => format!("is not valid: {e}"),
+        };
+        return Some(BadKey { key: k.clone(), message });
+    }
+    None
 }
 
 /// Decides for `req` without changing any state ([`Policy::pick`] behind the checks every
