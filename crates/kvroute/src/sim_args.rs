@@ -54,20 +54,23 @@ impl JobsArgs {
 ///
 /// # Errors
 /// An unknown name; a file that cannot be read, is not TOML or names an unknown constant
-/// (the message names the file, and the line for a syntax error); bad JSON; a constant out
-/// of range (named).
+/// (the message names the file, and the line for a syntax error); bad JSON; a constant of
+/// the wrong kind (a negative or fractional count, a string where a number goes, a TOML
+/// `nan` or `inf`) or out of range: named, with what it must be.
 pub(crate) fn load_profile(name: &str, file: Option<&std::path::Path>, set: Option<&str>) -> anyhow::Result<Profile> {
     let base = Profile::named(name)
         .with_context(|| format!("--profile: unknown profile `{name}`; known: {}", Profile::NAMES.join(", ")))?;
     let mut v = serde_json::to_value(&base)?;
     if let Some(path) = file {
-        let text = std::fs::read_to_string(path).with_context(|| format!("--profile-file {}", path.display()))?;
-        let table: toml::Table = toml::from_str(&text).with_context(|| format!("--profile-file {}", path.display()))?;
-        overlay(&mut v, &serde_json::to_value(table)?).with_context(|| format!("--profile-file {}", path.display()))?;
+        let what = format!("--profile-file {}", path.display());
+        let text = std::fs::read_to_string(path).with_context(|| what.clone())?;
+        let table: toml::Table = toml::from_str(&text).with_context(|| what.clone())?;
+        let patch = toml_constants(table).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        overlay(&mut v, &patch).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
     }
     if let Some(set) = set {
         let patch: serde_json::Value = serde_json::from_str(set).context("--profile-set: not JSON")?;
-        overlay(&mut v, &patch).context("--profile-set")?;
+        overlay(&mut v, &patch).map_err(|e| anyhow::anyhow!("--profile-set: {e}"))?;
     }
     let what = match (file, set) {
         (Some(p), _) => format!("--profile-file {}", p.display()),
@@ -79,13 +82,42 @@ pub(crate) fn load_profile(name: &str, file: Option<&std::path::Path>, set: Opti
     Ok(prof)
 }
 
-/// Sets every key of the object `patch` on the object `v`.
+/// A profile file's table as JSON. TOML's `nan` and `inf` have no JSON form (serde_json
+/// writes them as `null`, and the error then spoke of a `null` that is not in the file):
+/// they are refused here, naming the key.
+fn toml_constants(table: toml::Table) -> anyhow::Result<serde_json::Value> {
+    fn non_finite(v: &toml::Value) -> Option<f64> {
+        match v {
+            toml::Value::Float(f) if !f.is_finite() => Some(*f),
+            toml::Value::Array(a) => a.iter().find_map(non_finite),
+            toml::Value::Table(t) => t.values().find_map(non_finite),
+            _ => None,
+        }
+    }
+    for (k, v) in &table {
+        if let Some(f) = non_finite(v) {
+            bail!("{k}: must be a finite number, got {f}");
+        }
+    }
+    Ok(serde_json::to_value(table)?)
+}
+
+/// Sets every key of the object `patch` on the object `v` (a [`Profile`] as JSON), refusing
+/// a key whose value does not fit its constant, named with what it must be
+/// ([`kvroute_core::policy::bad_patch_key`]; serde's own message names no key).
 fn overlay(v: &mut serde_json::Value, patch: &serde_json::Value) -> anyhow::Result<()> {
+    let base = v.clone();
     let (Some(obj), Some(p)) = (v.as_object_mut(), patch.as_object()) else {
         bail!("expected an object (a table of profile constants)");
     };
     for (k, x) in p {
         obj.insert(k.clone(), x.clone());
+    }
+    if let Err(e) = serde_json::from_value::<Profile>(v.clone()) {
+        match kvroute_core::policy::bad_patch_key::<Profile>(&base, p) {
+            Some(b) => bail!("{}: {}", b.key, b.message),
+            None => return Err(e.into()),
+        }
     }
     Ok(())
 }

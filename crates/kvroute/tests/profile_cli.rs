@@ -72,3 +72,31 @@ fn bad_input_is_named() {
         assert!(err.contains(says), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn constants_of_the_wrong_kind_are_named_with_what_they_must_be() {
+    // These said only `invalid number`, or `invalid type: null, expected f64` for nan/inf.
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (i, (content, says)) in [
+        ("kv_tokens = -5", "kv_tokens: must be a whole number from 0 to 18446744073709551615, got -5"),
+        ("kv_tokens = 1.5", "kv_tokens: must be a whole number from 0 to 18446744073709551615, got 1.5"),
+        ("slots = -1", "slots: must be a whole number from 0 to 4294967295, got -1"),
+        ("step_overhead_s = nan", "step_overhead_s: must be a finite number, got NaN"),
+        ("step_overhead_s = -inf", "step_overhead_s: must be a finite number, got -inf"),
+        ("step_overhead_s = \"x\"", "step_overhead_s: must be a number, got \"x\""),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let file = dir.path().join(format!("p{i}.toml"));
+        std::fs::write(&file, format!("{content}\n")).expect("write");
+        let file = file.to_str().expect("path");
+        let out = kvroute(&["profile", "show", "h100-llama3-8b", "--profile-file", file]);
+        assert!(!out.status.success(), "{content}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("--profile-file {file}: {says}")), "{content}: {err}");
+    }
+    let out = kvroute(&["profile", "show", "h100-llama3-8b", "--profile-set", r#"{"kv_tokens": -1}"#]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--profile-set: kv_tokens: must be a whole number"), "{err}");
+}
