@@ -122,6 +122,9 @@ fn parse_point(p: &str) -> anyhow::Result<Point> {
 const MAX_GRID_LINES: usize = 100_000;
 
 /// The `{"event": "grid"}` lines of a measured grid.
+///
+/// # Errors
+/// An unreadable file, a malformed line (file and line named), or no grid line at all.
 fn read_grid(path: &std::path::Path) -> anyhow::Result<Vec<Point>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("--grid {}", path.display()))?;
     let mut out = Vec::new();
@@ -142,6 +145,10 @@ fn read_grid(path: &std::path::Path) -> anyhow::Result<Vec<Point>> {
             bail!("--grid {}:{}: cached 0.., new 1.. (at most 16,777,216) and s > 0 expected", path.display(), i + 1);
         }
         out.push((c as u64, n as u64, Some(s)));
+    }
+    if out.is_empty() {
+        // An empty file or one without grid events printed the constants alone, exit 0.
+        bail!("--grid {}: no grid points (no `{{\"event\": \"grid\"}}` lines)", path.display());
     }
     Ok(out)
 }

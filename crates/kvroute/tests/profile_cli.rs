@@ -100,3 +100,17 @@ fn constants_of_the_wrong_kind_are_named_with_what_they_must_be() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--profile-set: kv_tokens: must be a whole number"), "{err}");
 }
+
+#[test]
+fn a_grid_without_grid_points_is_refused() {
+    // Both ran with no comparison and exit 0.
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (i, content) in ["", "{\"event\":\"other\"}\n"].into_iter().enumerate() {
+        let file = dir.path().join(format!("g{i}.jsonl"));
+        std::fs::write(&file, content).expect("write");
+        let file = file.to_str().expect("path");
+        let out = kvroute(&["profile", "show", "h100-llama3-8b", "--grid", file, "--json"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(&format!("--grid {file}: no grid points")), "{content:?}: {err}");
+    }
+}
