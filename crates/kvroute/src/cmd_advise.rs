@@ -448,6 +448,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 /// Checks the numeric flags and returns the candidates: `--policies` (`all` expanded) and
 /// `--current`, each once.
+///
+/// # Errors
+/// A flag out of range, an unknown policy, or `--policies` naming none.
 fn candidate_policies(a: &Args) -> anyhow::Result<Vec<String>> {
     if a.engines == 0 {
         bail!("--engines must be at least 1");
@@ -469,6 +472,10 @@ fn candidate_policies(a: &Args) -> anyhow::Result<Vec<String>> {
         } else {
             bail!("--policies: unknown policy `{p}`; known: all, {}", names.join(", "));
         }
+    }
+    if policies.is_empty() {
+        // `--policies ''` recommended keeping --current without evaluating any candidate.
+        bail!("--policies: no policy named");
     }
     if !names.contains(&a.current.as_str()) {
         bail!("--current: unknown policy `{}`", a.current);
@@ -656,6 +663,28 @@ fn sort(c: &mut [Candidate]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: Args,
+    }
+
+    fn args(flags: &[&str]) -> Args {
+        Cli::try_parse_from(["advise", "--trace", "t.jsonl"].into_iter().chain(flags.iter().copied())).expect("flags").a
+    }
+
+    #[test]
+    fn policies_naming_none_are_refused() {
+        // `--policies ''` recommended keeping the current policy without evaluating any.
+        for p in ["", " , "] {
+            let e = candidate_policies(&args(&["--policies", p])).expect_err("refused").to_string();
+            assert_eq!(e, "--policies: no policy named", "{p:?}");
+        }
+        let c = candidate_policies(&args(&["--policies", "round_robin", "--current", "least_load"])).expect("named");
+        assert_eq!(c, ["round_robin", "least_load"]);
+    }
 
     #[test]
     fn knob_variants_halve_and_double_numeric_knobs_within_range() {
