@@ -115,16 +115,21 @@ pub enum TraceFormat {
 
 impl TraceFormat {
     /// Guesses the format from the file: `.csv` is Azure; JSONL with `session_id` on its
-    /// first line is Session; other JSONL is Mooncake.
+    /// first non-blank line is Session (the readers skip blank lines, so must this); other
+    /// JSONL is Mooncake.
+    ///
+    /// # Errors
+    /// [`TraceError::Io`] when the file cannot be opened or read.
     pub fn detect(path: &Path) -> Result<TraceFormat, TraceError> {
         if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) {
             return Ok(TraceFormat::Azure);
         }
-        let f = std::fs::File::open(path).map_err(|source| TraceError::Io { file: path.into(), source })?;
+        let io = |source| TraceError::Io { file: path.into(), source };
+        let mut reader = std::io::BufReader::new(std::fs::File::open(path).map_err(io)?);
         let mut first = String::new();
-        std::io::BufReader::new(f)
-            .read_line(&mut first)
-            .map_err(|source| TraceError::Io { file: path.into(), source })?;
+        while reader.read_line(&mut first).map_err(io)? > 0 && first.trim().is_empty() {
+            first.clear();
+        }
         Ok(if first.contains("\"session_id\"") { TraceFormat::Session } else { TraceFormat::Mooncake })
     }
 }
@@ -756,6 +761,24 @@ mod tests {
         let p = tmp("span-rev.csv", &format!("{head}9999-12-31 23:59:59,100,10\n0001-01-01 00:00:00,100,10\n"));
         let e = read(&p, None).expect_err("millennia").to_string();
         assert!(e.contains("span-rev.csv:2: field `TIMESTAMP`") && e.contains("earliest row (line 3)"), "{e}");
+    }
+
+    #[test]
+    fn a_session_trace_with_blank_lines_first_is_detected_as_sessions() {
+        // Detection read only line 1: a blank one made this a Mooncake trace, its session ids ignored.
+        let line = |turn: u32, ts: u32| {
+            format!(
+                "{{\"session_id\": \"a\", \"turn_id\": {turn}, \"timestamp\": {ts}, \"input_length\": 1000, \"output_length\": 10, \"hash_ids\": [{turn}]}}\n"
+            )
+        };
+        for blank in ["\n", "\n  \r\n\n"] {
+            let p = tmp("blank-first.jsonl", &format!("{blank}{}{}", line(0, 0), line(1, 100)));
+            assert_eq!(TraceFormat::detect(&p).expect("reads"), TraceFormat::Session, "{blank:?}");
+            let t = read(&p, None).expect("reads");
+            assert_eq!((t[0].session.as_deref(), t[1].turn), (Some("a"), 1));
+        }
+        let p = tmp("all-blank.jsonl", "\n\n");
+        assert_eq!(TraceFormat::detect(&p).expect("reads"), TraceFormat::Mooncake);
     }
 
     #[test]
