@@ -70,7 +70,7 @@ pub struct Args {
     /// Cap on every request's output tokens (as `kvroute demo` and `kvroute bench` send).
     #[arg(long)]
     pub max_output: Option<u32>,
-    /// Keep this fraction of requests (deterministic from --seed).
+    /// Keep this fraction of requests, in (0, 1] (deterministic from --seed).
     #[arg(long, default_value_t = 1.0)]
     pub sample: f64,
     /// Keep only the first N requests.
@@ -269,6 +269,10 @@ pub fn load_trace(args: &Args) -> anyhow::Result<Vec<TraceRequest>> {
         Some("session") => Some(TraceFormat::Session),
         _ => None,
     };
+    if !(args.sample > 0.0 && args.sample <= 1.0) {
+        // NaN and 2 ran as 1 (`sample < 1.0` is false for both); -1 kept no request.
+        bail!("--sample: {} must be a fraction in (0, 1]", args.sample);
+    }
     let mut t = trace::read(&args.trace, format)?;
     match (args.no_spread, args.arrival_seed) {
         (true, _) => {}

@@ -297,3 +297,19 @@ fn arrivals_past_the_clock_and_tiny_eviction_intervals_are_refused() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_sample_fraction_outside_zero_to_one_is_refused_naming_the_flag() {
+    // NaN and 2 ran as 1 without a word; -1 said "no requests left after sampling".
+    let dir = scratch("sample");
+    let t = trace(&dir);
+    let json = dir.join("out.json");
+    for bad in ["NaN", "2", "-1", "0", "inf"] {
+        let out = replay_on_two(&t, &json, &["--policy", "round_robin"], &[&format!("--sample={bad}")]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("--sample: ") && err.contains("(0, 1]"), "{bad}: {err}");
+    }
+    let out = replay_on_two(&t, &json, &["--policy", "round_robin"], &["--sample", "0.5"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
