@@ -156,10 +156,10 @@ pub struct LoadArgs {
     /// get simulated seconds and simulated requests per second).
     #[arg(long, default_value_t = 1.0)]
     pub latency_scale: f64,
-    /// Goodput SLO: maximum TTFT, seconds (scaled).
+    /// Goodput SLO: maximum TTFT, seconds (scaled; > 0).
     #[arg(long, default_value_t = 2.0)]
     pub slo_ttft: f64,
-    /// Goodput SLO: maximum TPOT, seconds (scaled).
+    /// Goodput SLO: maximum TPOT, seconds (scaled; > 0).
     #[arg(long, default_value_t = 0.1)]
     pub slo_tpot: f64,
     /// Timeout of one request, wall seconds.
@@ -297,8 +297,11 @@ impl LoadArgs {
     }
 
     /// The goodput SLO.
-    pub fn slo(&self) -> Slo {
-        Slo { ttft_s: self.slo_ttft, tpot_s: self.slo_tpot }
+    ///
+    /// # Errors
+    /// `--slo-ttft` or `--slo-tpot` not a finite number of seconds > 0 ([`Slo::from_flags`]).
+    pub fn slo(&self) -> anyhow::Result<Slo> {
+        Slo::from_flags(self.slo_ttft, self.slo_tpot).map_err(anyhow::Error::msg)
     }
 }
 
@@ -405,6 +408,29 @@ mod tests {
         assert!(e.starts_with("--rate-scale: ") && e.contains("10^7 s"), "{e}");
         assert_eq!(build(&["--trace", t, "--rate-scale", "2"]).expect("runs").len(), 2);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn slo_bounds_that_are_not_positive_seconds_are_refused_naming_the_flag() {
+        // -1 and NaN made every request miss, inf every request meet, without a word.
+        #[derive(Parser)]
+        struct Load {
+            #[command(flatten)]
+            l: LoadArgs,
+        }
+        let slo = |args: &[&str]| {
+            Load::try_parse_from(std::iter::once("bench").chain(args.iter().copied())).expect("flags").l.slo()
+        };
+        for (args, flag) in [
+            (&["--slo-ttft=-1"][..], "--slo-ttft: "),
+            (&["--slo-ttft", "NaN"][..], "--slo-ttft: "),
+            (&["--slo-tpot", "inf"][..], "--slo-tpot: "),
+            (&["--slo-tpot", "0"][..], "--slo-tpot: "),
+        ] {
+            let e = slo(args).expect_err("refused").to_string();
+            assert!(e.starts_with(flag) && e.contains("> 0"), "{args:?}: {e}");
+        }
+        assert_eq!(slo(&["--slo-ttft", "0.5"]).expect("valid"), Slo { ttft_s: 0.5, tpot_s: 0.1 });
     }
 
     #[test]

@@ -22,6 +22,21 @@ pub struct Slo {
 }
 
 impl Slo {
+    /// The objective of the `--slo-ttft` and `--slo-tpot` flags (`kvroute replay`,
+    /// `kvroute bench`): each bound a finite number of seconds > 0. A negative or NaN bound
+    /// made every request miss (good/s 0.00), an infinite one made every request meet it.
+    ///
+    /// # Errors
+    /// The flag and value of the first bound that is not.
+    pub fn from_flags(ttft_s: f64, tpot_s: f64) -> Result<Slo, String> {
+        for (flag, v) in [("--slo-ttft", ttft_s), ("--slo-tpot", tpot_s)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{flag}: {v} must be a finite number of seconds > 0"));
+            }
+        }
+        Ok(Slo { ttft_s, tpot_s })
+    }
+
     /// Whether a request with this TTFT and TPOT (seconds; `None` TPOT for a single-token
     /// answer) meets the objective.
     pub fn met(&self, ttft_s: f64, tpot_s: Option<f64>) -> bool {

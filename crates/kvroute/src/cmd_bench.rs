@@ -85,6 +85,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let a = a.load;
     let Some(url) = a.url.clone() else { bail!("--url is required (or use `kvroute bench compare`)") };
+    let slo = a.slo()?;
     let reqs = a.workload.build()?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {
@@ -108,7 +109,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let bar = progress(reqs.len() as u64, &label, a.quiet);
         let results = runner::run(&cfg, &reqs, Some(&bar)).await?;
         bar.finish_and_clear();
-        let s = summary::summarise(&label, &results, a.latency_scale, a.slo());
+        let s = summary::summarise(&label, &results, a.latency_scale, slo);
         print!("{}", summary::table(std::slice::from_ref(&s)));
         if !s.failures.is_empty() {
             println!("failures: {:?}", s.failures);

@@ -171,10 +171,10 @@ pub struct Args {
     /// Predict-on-route window of the precise prefix state, seconds (0 turns it off).
     #[arg(long, default_value_t = 2.0)]
     pub predict_window_secs: f64,
-    /// TTFT SLO for goodput, seconds.
+    /// TTFT SLO for goodput, seconds (> 0).
     #[arg(long, default_value_t = 2.0)]
     pub slo_ttft: f64,
-    /// TPOT SLO for goodput, seconds.
+    /// TPOT SLO for goodput, seconds (> 0).
     #[arg(long, default_value_t = 0.1)]
     pub slo_tpot: f64,
     /// Write the reports as JSON to this file.
@@ -407,6 +407,7 @@ fn setup(args: &Args) -> anyhow::Result<Setup> {
         bail!("--session-concurrency, --host-cores and --host-slowdown: not supported with --pd");
     }
     crate::sim_args::check_host_slowdown(&args.host_slowdown)?;
+    Slo::from_flags(args.slo_ttft, args.slo_tpot).map_err(anyhow::Error::msg)?;
     let kv_oracle = match args.kv_oracle.as_str() {
         "fleet" => KvOracle::Fleet,
         "store" => KvOracle::Store,

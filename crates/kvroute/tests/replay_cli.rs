@@ -313,3 +313,19 @@ fn a_sample_fraction_outside_zero_to_one_is_refused_naming_the_flag() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn slo_bounds_that_are_not_positive_seconds_are_refused_naming_the_flag() {
+    // -1 and NaN made good/s 0.00, inf counted every request, without a word.
+    let dir = scratch("slo");
+    let t = trace(&dir);
+    let json = dir.join("out.json");
+    for (bad, flag) in
+        [("--slo-ttft=-1", "--slo-ttft: "), ("--slo-ttft=NaN", "--slo-ttft: "), ("--slo-tpot=inf", "--slo-tpot: ")]
+    {
+        let out = replay_on_two(&t, &json, &["--policy", "round_robin"], &[bad]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(flag) && err.contains("> 0"), "{bad}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
