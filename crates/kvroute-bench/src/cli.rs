@@ -36,7 +36,7 @@ pub struct WorkloadArgs {
     /// Synthetic: output tokens (max_tokens) of every request.
     #[arg(long, default_value_t = 64)]
     pub output_tokens: u32,
-    /// Trace: cap on max_tokens.
+    /// Trace: cap on max_tokens (at least 1).
     #[arg(long, default_value_t = 128)]
     pub max_output: u32,
     /// Trace: scale blocks down to this many tokens each (prompts shrink alike), to replay a
@@ -197,6 +197,10 @@ impl WorkloadArgs {
         positive("--rate-scale", self.rate_scale)?;
         kvroute_sim::trace::check_rate_scale(&[], self.rate_scale).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
         positive("--rate", self.rate)?;
+        if self.max_output == 0 {
+            // It ran, each request capped at one token, where replay and advise refuse it.
+            bail!("--max-output must be at least 1");
+        }
         let reqs = match (&self.trace, self.workload.as_deref()) {
             (Some(path), None) => {
                 let mut t = kvroute_sim::trace::read(path, None)?;
@@ -407,6 +411,21 @@ mod tests {
         let e = build(&["--trace", t, "--rate-scale", "1e-6"]).expect_err("refused").to_string();
         assert!(e.starts_with("--rate-scale: ") && e.contains("10^7 s"), "{e}");
         assert_eq!(build(&["--trace", t, "--rate-scale", "2"]).expect("runs").len(), 2);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_max_output_of_zero_is_refused_as_in_replay() {
+        // It ran, every request capped at one token.
+        let dir = std::env::temp_dir().join(format!("kvroute-bench-cli-max-output-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let trace = dir.join("t.jsonl");
+        std::fs::write(&trace, "{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 9, \"hash_ids\": [0]}\n")
+            .expect("write trace");
+        let t = trace.to_str().expect("utf-8 path");
+        let e = build(&["--trace", t, "--max-output", "0"]).expect_err("refused").to_string();
+        assert_eq!(e, "--max-output must be at least 1");
+        assert_eq!(build(&["--trace", t, "--max-output", "1"]).expect("runs")[0].max_tokens, 1);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -58,7 +58,7 @@ pub struct Args {
     /// a request on a 2-core machine) is that many simulated ones (docs/replay.md, Checks).
     #[arg(long, default_value_t = 10.0)]
     pub time_scale: f64,
-    /// Cap on output tokens per request.
+    /// Cap on output tokens per request (at least 1).
     #[arg(long, default_value_t = 128)]
     pub max_output: u32,
     /// Write the TTFT CDF plot as PLOT.png and PLOT.svg ("" for none).
@@ -228,6 +228,10 @@ fn check_args(a: &Args) -> anyhow::Result<Vec<String>> {
     if a.engines == 0 || a.requests == 0 {
         bail!("--engines and --requests must be at least 1");
     }
+    if a.max_output == 0 {
+        // It ran, each request capped at one token, where replay and advise refuse it.
+        bail!("--max-output must be at least 1");
+    }
     trace::check_rate_scale(&[], a.time_scale).map_err(|e| anyhow::anyhow!("--time-scale: {e}"))?;
     trace::check_rate_scale(&[], a.rate_scale).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
     if !(a.window_secs.is_finite() && a.window_secs > 0.0 && a.start_secs.is_finite() && a.start_secs >= 0.0) {
@@ -354,4 +358,26 @@ async fn serve(a: &Args, policies: &[String]) -> anyhow::Result<()> {
     crate::cmd_serve::shutdown_signal().await;
     fleet.stop.cancel();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: Args,
+    }
+
+    #[test]
+    fn a_max_output_of_zero_is_refused_as_in_replay() {
+        let args = |flags: &[&str]| {
+            Cli::try_parse_from(std::iter::once("demo").chain(flags.iter().copied())).expect("flags").a
+        };
+        let e = check_args(&args(&["--max-output", "0"])).expect_err("refused").to_string();
+        assert_eq!(e, "--max-output must be at least 1");
+        assert!(check_args(&args(&["--max-output", "1"])).is_ok());
+    }
 }
