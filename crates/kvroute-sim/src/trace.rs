@@ -47,12 +47,13 @@ pub struct TraceRequest {
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
     /// The file could not be read.
-    #[error("{file}: cannot read: {source}")]
+    #[error("{file}: cannot read: {cause}")]
     Io {
         /// File.
         file: PathBuf,
-        /// Cause.
-        source: std::io::Error,
+        /// Cause, in the message. Not also the error's `source()`: a chain printer (anyhow's
+        /// `{:#}`) then printed it twice (`… os error 2): No such file … (os error 2)`).
+        cause: std::io::Error,
     },
     /// A line or field is malformed.
     #[error("{file}:{line}: field `{field}`: {message}")]
@@ -124,7 +125,7 @@ impl TraceFormat {
         if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) {
             return Ok(TraceFormat::Azure);
         }
-        let io = |source| TraceError::Io { file: path.into(), source };
+        let io = |cause| TraceError::Io { file: path.into(), cause };
         let mut reader = std::io::BufReader::new(std::fs::File::open(path).map_err(io)?);
         let mut first = String::new();
         while reader.read_line(&mut first).map_err(io)? > 0 && first.trim().is_empty() {
@@ -160,7 +161,7 @@ pub fn read(path: &Path, format: Option<TraceFormat>) -> Result<Vec<TraceRequest
         Some(f) => f,
         None => TraceFormat::detect(path)?,
     };
-    let f = std::fs::File::open(path).map_err(|source| TraceError::Io { file: path.into(), source })?;
+    let f = std::fs::File::open(path).map_err(|cause| TraceError::Io { file: path.into(), cause })?;
     read_from(std::io::BufReader::new(f), path, format)
 }
 
@@ -779,6 +780,27 @@ mod tests {
         }
         let p = tmp("all-blank.jsonl", "\n\n");
         assert_eq!(TraceFormat::detect(&p).expect("reads"), TraceFormat::Mooncake);
+    }
+
+    #[test]
+    fn an_unreadable_file_names_its_cause_once() {
+        // The cause was both in the message and the error's source: printed twice.
+        let chain = |e: &TraceError| {
+            let mut text = e.to_string();
+            let mut next = std::error::Error::source(e);
+            while let Some(c) = next {
+                text.push_str(&format!(": {c}"));
+                next = c.source();
+            }
+            text
+        };
+        let e = read(Path::new("/nonexistent/x.jsonl"), None).expect_err("missing");
+        assert_eq!(chain(&e).matches("os error 2").count(), 1, "{}", chain(&e));
+        let dir = tmp("d.jsonl", "").with_file_name("a-directory.jsonl");
+        std::fs::create_dir_all(&dir).expect("dir");
+        let e = read(&dir, None).expect_err("a directory");
+        assert!(chain(&e).starts_with(&format!("{}: cannot read: ", dir.display())), "{}", chain(&e));
+        assert_eq!(chain(&e).matches("os error").count(), 1, "{}", chain(&e));
     }
 
     #[test]
