@@ -222,7 +222,11 @@ fn policies(spec: &str) -> anyhow::Result<Vec<(String, String, bool)>> {
             }
             "capped" => out.push(("lmetric".into(), "capped".into(), true)),
             n if names.contains(&n) => out.push((n.to_string(), n.to_string(), false)),
-            n => bail!("--policy: unknown policy `{n}`; known: all, b3, capped, {}", names.join(", ")),
+            n => {
+                // `capped` is a registry name too: listed once, with the groups.
+                let rest: Vec<&str> = names.iter().copied().filter(|m| *m != "capped").collect();
+                bail!("--policy: unknown policy `{n}`; known: all, b3, capped, {}", rest.join(", "))
+            }
         }
     }
     if out.is_empty() {
@@ -681,6 +685,24 @@ mod parking_lot_free {
         }
         pub fn take(self) -> Option<Result<PolicyReport, String>> {
             self.0.into_inner().ok().flatten()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unknown_policy_lists_each_known_name_once() {
+        // `capped` was listed twice: with the groups and again among the registry's names.
+        let e = policies("nosuch").expect_err("unknown").to_string();
+        let known = e.split_once("known: ").expect("a list").1;
+        let listed: Vec<&str> = known.split(", ").collect();
+        let unique: std::collections::HashSet<&str> = listed.iter().copied().collect();
+        assert_eq!(listed.len(), unique.len(), "{e}");
+        for n in kvroute_core::registry::names() {
+            assert!(unique.contains(n), "{n} missing: {e}");
         }
     }
 }
