@@ -30,7 +30,8 @@ pub struct WorkloadArgs {
     /// requests, at most 10,000,000.
     #[arg(long)]
     pub requests: Option<usize>,
-    /// Synthetic: prompt tokens of independent requests.
+    /// Synthetic: prompt tokens of independent requests (every prompt is built before the
+    /// run: --requests × this × 4 bytes at most 2 GiB).
     #[arg(long, default_value_t = 512)]
     pub input_tokens: u32,
     /// Synthetic: output tokens (max_tokens) of every request.
@@ -53,7 +54,8 @@ pub struct WorkloadArgs {
     /// 10,000,000).
     #[arg(long, default_value_t = 16)]
     pub prompts_per_group: usize,
-    /// shared-prefix: tokens per system prompt.
+    /// shared-prefix: tokens per system prompt (every prompt is built before the run: the
+    /// requests × (this + --question-tokens) × 4 bytes at most 2 GiB).
     #[arg(long, default_value_t = 2048)]
     pub system_tokens: u32,
     /// shared-prefix: tokens per question.
@@ -245,6 +247,10 @@ impl WorkloadArgs {
                     }
                     workload::check_rate(self.rate, self.groups.saturating_mul(self.prompts_per_group))
                         .map_err(|e| anyhow::anyhow!("--rate: {e}"))?;
+                    let per_request = u64::from(self.system_tokens) + u64::from(self.question_tokens);
+                    workload::check_prompt_bytes(self.groups * self.prompts_per_group, per_request).map_err(|e| {
+                        anyhow::anyhow!("--groups × --prompts-per-group × (--system-tokens + --question-tokens): {e}")
+                    })?;
                     let shape = SharedPrefix {
                         groups: self.groups,
                         prompts_per_group: self.prompts_per_group,
@@ -262,6 +268,8 @@ impl WorkloadArgs {
                         );
                     }
                     workload::check_rate(self.rate, n).map_err(|e| anyhow::anyhow!("--rate: {e}"))?;
+                    workload::check_prompt_bytes(n, u64::from(self.input_tokens.max(1)))
+                        .map_err(|e| anyhow::anyhow!("--requests × --input-tokens: {e}"))?;
                     workload::independent(n, arrivals, self.input_tokens.max(1), self.output_tokens, self.seed)
                 }
             }
@@ -477,6 +485,46 @@ mod tests {
         assert_eq!(
             build(&["--workload", "constant", "--requests", "3", "--input-tokens", "2"]).expect("runs").len(),
             3
+        );
+    }
+
+    #[test]
+    fn synthetic_prompt_text_past_the_bound_is_refused_naming_the_flags() {
+        // One prompt of 4e9 tokens tried a 16 GB allocation; within the request bound,
+        // 10 M prompts of 512 tokens are 20 GB.
+        for (requests, tokens) in [("1", "4000000000"), ("10000000", "512")] {
+            let e = build(&[
+                "--workload",
+                "poisson",
+                "--rate",
+                "1000000",
+                "--requests",
+                requests,
+                "--input-tokens",
+                tokens,
+            ])
+            .expect_err("refused")
+            .to_string();
+            assert!(e.starts_with("--requests × --input-tokens: ") && e.contains("2147483648"), "{e}");
+        }
+        let e = build(&[
+            "--workload",
+            "shared-prefix",
+            "--rate",
+            "1000000",
+            "--groups",
+            "1000",
+            "--prompts-per-group",
+            "1000",
+            "--system-tokens",
+            "4096",
+        ])
+        .expect_err("refused")
+        .to_string();
+        assert!(e.starts_with("--groups × --prompts-per-group × (--system-tokens"), "{e}");
+        assert_eq!(
+            build(&["--workload", "poisson", "--requests", "4", "--input-tokens", "1000"]).expect("runs").len(),
+            4
         );
     }
 }

@@ -68,6 +68,26 @@ pub fn synth_prompt(r: &TraceRequest, fallback_id: u64) -> String {
 /// an unbounded count aborted on the allocation.
 pub const MAX_REQUESTS: usize = 10_000_000;
 
+/// Most prompt text a synthetic workload builds, bytes: every request's prompt is built
+/// before the run starts (2 GiB).
+pub const MAX_PROMPT_BYTES: u64 = 2 << 30;
+
+/// Checks that `n` prompts of `tokens` tokens each ([`CHARS_PER_TOKEN`] bytes a token) fit
+/// in [`MAX_PROMPT_BYTES`].
+///
+/// # Errors
+/// A message with the total, for the caller to prefix with the flags that set it.
+pub fn check_prompt_bytes(n: usize, tokens: u64) -> Result<(), String> {
+    let bytes = (n as u64).checked_mul(tokens).and_then(|t| t.checked_mul(CHARS_PER_TOKEN as u64));
+    match bytes {
+        Some(b) if b <= MAX_PROMPT_BYTES => Ok(()),
+        _ => Err(format!(
+            "{n} prompts of {tokens} tokens are more than the {MAX_PROMPT_BYTES} bytes of prompt text a synthetic \
+             workload builds before it starts; send fewer or shorter requests (--duration ends a run early)"
+        )),
+    }
+}
+
 /// Smallest and largest synthetic arrival rate accepted (`--rate`), requests per second.
 pub const RATE_RANGE: (f64, f64) = (1e-6, 1e6);
 
