@@ -446,6 +446,7 @@ async fn bodies_held_at_once_share_the_body_budget() {
 
 /// A stream carries one request: request headers sent again after the pick end the stream
 /// with `INVALID_ARGUMENT`, where they got no reply and the stream waited until it closed.
+/// (And a request that ends with its headers is answered as `serve` answers it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_headers_sent_twice_end_the_stream_with_an_error() {
     let f = fleet(&[]).await;
@@ -456,6 +457,14 @@ async fn request_headers_sent_twice_end_the_stream_with_an_error() {
     let answer = tokio::time::timeout(Duration::from_secs(10), s.rx.message()).await.expect("an answer in time");
     let e = answer.expect_err("an error status");
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    // An inference request without a body is refused as serve refuses an empty body,
+    // where it was passed through to the least loaded worker.
+    let mut s = open(&f.epp).await;
+    s.send(Msg::RequestHeaders(headers(&[(":method", "POST"), (":path", "/v1/chat/completions")], true)), None).await;
+    let Reply::ImmediateResponse(i) = s.recv().await else { panic!("an immediate response") };
+    assert_eq!(i.status.map(|s| s.code), Some(400), "{}", String::from_utf8_lossy(&i.body));
+    let served = client().post(format!("{}/v1/chat/completions", f.router)).send().await.expect("send");
+    assert_eq!(served.status(), 400);
     // The same on a stream passed through (not an inference path).
     let mut s = open(&f.epp).await;
     s.send(Msg::RequestHeaders(headers(&[(":method", "GET"), (":path", "/v1/models")], true)), None).await;

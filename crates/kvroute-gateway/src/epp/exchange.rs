@@ -155,22 +155,27 @@ pub(super) async fn run(
     let (headers, path, _) = wire::headers_of(h);
     let decisions = s.tenancy.may_see_decisions(&headers);
     let subset = wire::subset_of(&first);
-    let Some(api) = api_of(&path).filter(|_| !h.end_of_stream) else {
+    let Some(api) = api_of(&path) else {
         return pass_through(&s, &mut io, modes, subset.as_deref()).await;
     };
     let key = match authenticate(&s, &headers) {
         Ok(k) => k,
         Err(e) => return refuse(&s, &io, &e, "", decisions).await,
     };
-    if !modes.request_duplex && !io.send(wire::continue_request_headers()).await {
-        return;
-    }
     // The body's share of the router's body budget, given back once the pick is sent.
     let mut held = s.body_budget.hold();
-    let body = match collect_body(&s, &mut io, modes.request_duplex, &mut held).await {
-        Some(Ok(b)) => b,
-        Some(Err(e)) => return refuse(&s, &io, &e, "", decisions).await,
-        None => return,
+    let body = if h.end_of_stream {
+        // No body: refused below as `serve` refuses an empty one (400).
+        Bytes::new()
+    } else {
+        if !modes.request_duplex && !io.send(wire::continue_request_headers()).await {
+            return;
+        }
+        match collect_body(&s, &mut io, modes.request_duplex, &mut held).await {
+            Some(Ok(b)) => b,
+            Some(Err(e)) => return refuse(&s, &io, &e, "", decisions).await,
+            None => return,
+        }
     };
     let picked_at = Instant::now();
     let mut ctx = match prepare(&s, api, &headers, t0, key.as_deref(), body.clone()) {
