@@ -70,7 +70,27 @@ fn init_logging(cmd: &Command) {
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// Ends the process quietly, with success as `kvroute policies` does, when printing to
+/// stdout fails on a closed pipe: `kvroute replay … | head` closes it before the tool is
+/// done (the reader has what it wanted), and `println!` then panics ("failed printing to
+/// stdout: Broken pipe"), which printed a panic message and a backtrace. Every other panic
+/// goes to the default hook. (Rust ignores SIGPIPE, so sockets get an error rather than the
+/// signal; this keeps it that way.)
+fn quiet_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg =
+            payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied());
+        if msg.is_some_and(|m| m.starts_with("failed printing to stdout") && m.contains("Broken pipe")) {
+            std::process::exit(0);
+        }
+        default(info);
+    }));
+}
+
 fn main() -> std::process::ExitCode {
+    quiet_broken_pipe();
     let cli = Cli::parse();
     init_logging(&cli.command);
     let result = match cli.command {

@@ -329,3 +329,25 @@ fn slo_bounds_that_are_not_positive_seconds_are_refused_naming_the_flag() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `kvroute replay … | head -1`: a reader that closes the pipe before the table is printed
+/// ends the replay quietly (success, as `kvroute policies`), where `println!`'s panic
+/// printed a panic message and a backtrace (exit 101).
+#[test]
+fn a_closed_pipe_ends_the_replay_without_a_panic() {
+    let dir = scratch("closed-pipe");
+    let t = trace(&dir);
+    // The read end is closed before the child starts: every write it makes fails with EPIPE.
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["replay", "--engines", "2", "--policy", "round_robin", "--trace"])
+        .arg(&t)
+        .stdout(std::process::Stdio::from(writer))
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}\n{err}", out.status);
+    assert!(!err.contains("panicked"), "{err}");
+}
