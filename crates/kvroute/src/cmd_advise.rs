@@ -490,7 +490,8 @@ fn candidate_policies(a: &Args) -> anyhow::Result<Vec<String>> {
 
 /// Reads the trace and shapes it as the flags say (slice, tenants, output cap, limit).
 fn load_trace(a: &Args) -> anyhow::Result<Vec<TraceRequest>> {
-    let mut base = trace::read(&a.trace, None).with_context(|| format!("--trace {}", a.trace.display()))?;
+    // The reader's errors name the file already.
+    let mut base = trace::read(&a.trace, None).context("--trace")?;
     if a.slice.is_set() {
         base = a.slice.apply(base)?;
         trace::rebase(&mut base);
@@ -684,6 +685,16 @@ mod tests {
         }
         let c = candidate_policies(&args(&["--policies", "round_robin", "--current", "least_load"])).expect("named");
         assert_eq!(c, ["round_robin", "least_load"]);
+    }
+
+    #[test]
+    fn an_unreadable_trace_is_named_once() {
+        // It was named twice: `--trace F: F: cannot read: …`.
+        let mut a = args(&[]);
+        a.trace = "/nonexistent/advise.jsonl".into();
+        let e = format!("{:#}", load_trace(&a).expect_err("missing"));
+        assert_eq!(e.matches("/nonexistent/advise.jsonl").count(), 1, "{e}");
+        assert!(e.starts_with("--trace: "), "{e}");
     }
 
     #[test]
