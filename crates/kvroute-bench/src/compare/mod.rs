@@ -817,8 +817,13 @@ fn mtbench_conversations(a: &Args, trace: &std::path::Path) -> anyhow::Result<Ve
         Some(p) => p.clone(),
         None => trace.with_file_name("mtbench_question.jsonl"),
     };
+    // The arrival rate the conversations start at: checked as `kvroute bench` checks its
+    // own (at 1e-300 every conversation started at the end of the clock).
+    let rate = a.rate * a.time_scale * a.rate_scale;
+    workload::check_rate(rate, a.conversations)
+        .map_err(|e| anyhow::anyhow!("--rate × --time-scale × --rate-scale: {e}"))?;
     let text = std::fs::read_to_string(&path).with_context(|| format!("--mtbench {}", path.display()))?;
-    let arrivals = Arrivals::Poisson(a.rate * a.time_scale * a.rate_scale);
+    let arrivals = Arrivals::Poisson(rate);
     let mut c = workload::mtbench(&text, a.conversations, arrivals, a.output_tokens, 0)
         .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     if a.document_tokens > 0 {
@@ -1164,5 +1169,28 @@ fn print_table(rows: &[Row], direct: Option<&(Summary, Summary)>, a: &Args) {
             "(quality: TTFT in simulated seconds at {}× real time; goodput in simulated req/s with TTFT ≤ {} s and TPOT ≤ {} s; hit % from the workers' prefix-cache counters)",
             a.time_scale, a.slo_ttft, a.slo_tpot
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: Args,
+    }
+
+    #[test]
+    fn an_mtbench_rate_out_of_range_is_refused_naming_the_flags() {
+        for rate in ["1e-300", "1e300"] {
+            let a = Cli::try_parse_from(["compare", "--workload", "mtbench", "--rate", rate]).expect("flags").a;
+            let e = mtbench_conversations(&a, std::path::Path::new("/nonexistent/trace.jsonl"))
+                .expect_err("refused")
+                .to_string();
+            assert!(e.starts_with("--rate × --time-scale × --rate-scale: "), "{rate}: {e}");
+        }
     }
 }
