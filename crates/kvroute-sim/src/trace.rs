@@ -156,13 +156,28 @@ pub fn isolate_tenants(trace: &mut [TraceRequest]) -> usize {
 ///
 /// # Errors
 /// [`TraceError`] naming the file, line and field of the first problem.
+///
+/// A detected Mooncake trace (no `session_id` on its first line) with a `session_id` on a
+/// later line is refused, naming that line: it is a session trace missing an id, and read
+/// as Mooncake its sessions would be dropped without a word. `format`
+/// `Some(Mooncake)` (`kvroute replay --format mooncake`) reads such a file, ignoring the ids.
 pub fn read(path: &Path, format: Option<TraceFormat>) -> Result<Vec<TraceRequest>, TraceError> {
-    let format = match format {
-        Some(f) => f,
-        None => TraceFormat::detect(path)?,
-    };
-    let f = std::fs::File::open(path).map_err(|cause| TraceError::Io { file: path.into(), cause })?;
-    read_from(std::io::BufReader::new(f), path, format)
+    let open = || std::fs::File::open(path).map_err(|cause| TraceError::Io { file: path.into(), cause });
+    match format {
+        Some(f) => read_from(std::io::BufReader::new(open()?), path, f),
+        None => match TraceFormat::detect(path)? {
+            TraceFormat::Mooncake => {
+                let (out, session_line) = read_jsonl(std::io::BufReader::new(open()?), path, false)?;
+                if let Some(n) = session_line {
+                    let msg = "a session id in a trace read as Mooncake (its first line has none): give every \
+                               line a session_id (`kvroute replay --format mooncake` reads it, ignoring them)";
+                    return Err(field_err(path, n, "session_id", msg));
+                }
+                finish(out, path)
+            }
+            f => read_from(std::io::BufReader::new(open()?), path, f),
+        },
+    }
 }
 
 /// Reads a trace of `format` from `reader` (`name` is the file errors name), sorted by
@@ -172,11 +187,16 @@ pub fn read(path: &Path, format: Option<TraceFormat>) -> Result<Vec<TraceRequest
 /// [`TraceError`] naming `name`, the line and the field of the first problem; an empty
 /// trace is an error.
 pub fn read_from(reader: impl BufRead, name: &Path, format: TraceFormat) -> Result<Vec<TraceRequest>, TraceError> {
-    let mut out = match format {
-        TraceFormat::Mooncake => read_jsonl(reader, name, false)?,
-        TraceFormat::Session => read_jsonl(reader, name, true)?,
+    let out = match format {
+        TraceFormat::Mooncake => read_jsonl(reader, name, false)?.0,
+        TraceFormat::Session => read_jsonl(reader, name, true)?.0,
         TraceFormat::Azure => read_azure(reader, name)?,
     };
+    finish(out, name)
+}
+
+/// A read trace sorted by arrival (stable); refused when empty.
+fn finish(mut out: Vec<TraceRequest>, name: &Path) -> Result<Vec<TraceRequest>, TraceError> {
     if out.is_empty() {
         return Err(TraceError::Empty { file: name.into() });
     }
@@ -225,9 +245,15 @@ pub const RATE_SCALE_RANGE: (f64, f64) = (1e-6, 1e6);
 
 /// Reads Mooncake JSONL, or session JSONL (`sessions`: `session_id` on each line,
 /// `turn_id` and `hash_ids` optional); blank lines are skipped. Mooncake's turns are numbered
-/// within each depth-2 prefix group.
-fn read_jsonl(reader: impl BufRead, path: &Path, sessions: bool) -> Result<Vec<TraceRequest>, TraceError> {
+/// within each depth-2 prefix group. Also returns, when read as Mooncake, the first line
+/// that carries a `session_id` anyway.
+fn read_jsonl(
+    reader: impl BufRead,
+    path: &Path,
+    sessions: bool,
+) -> Result<(Vec<TraceRequest>, Option<usize>), TraceError> {
     let mut out = Vec::new();
+    let mut session_line = None;
     for (i, line) in reader.lines().enumerate() {
         let n = i + 1;
         let line = line.map_err(|e| field_err(path, n, "line", format!("not valid UTF-8 text: {e}")))?;
@@ -236,12 +262,15 @@ fn read_jsonl(reader: impl BufRead, path: &Path, sessions: bool) -> Result<Vec<T
         }
         let j: JsonLine =
             serde_json::from_str(&line).map_err(|e| field_err(path, n, "line", format!("not a JSON object: {e}")))?;
+        if !sessions && session_line.is_none() && j.session_id.is_some() {
+            session_line = Some(n);
+        }
         out.push(json_request(&j, path, n, sessions)?);
     }
     if !sessions {
         number_mooncake_turns(&mut out);
     }
-    Ok(out)
+    Ok((out, session_line))
 }
 
 /// The request of JSON line `n`, each field checked and named in its error.
@@ -780,6 +809,13 @@ mod tests {
         }
         let p = tmp("all-blank.jsonl", "\n\n");
         assert_eq!(TraceFormat::detect(&p).expect("reads"), TraceFormat::Mooncake);
+        // A first line without a session id, later ones with: refused naming the line, where
+        // it was read as Mooncake and the sessions dropped; `--format mooncake` reads it.
+        let mooncake = "{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 10, \"hash_ids\": [1]}\n";
+        let p = tmp("first-without.jsonl", &format!("{mooncake}{}", line(1, 100)));
+        let e = read(&p, None).expect_err("refused").to_string();
+        assert!(e.contains("first-without.jsonl:2: field `session_id`"), "{e}");
+        assert_eq!(read(&p, Some(TraceFormat::Mooncake)).expect("forced").len(), 2);
     }
 
     #[test]
