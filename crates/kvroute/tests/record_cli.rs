@@ -262,7 +262,10 @@ fn advise_refuses_bad_input_naming_the_flag() {
         .output()
         .expect("run advise");
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--trace /nonexistent/trace.jsonl"));
+    // Named once, after the flag.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--trace: /nonexistent/trace.jsonl: cannot read"), "{err}");
+    assert_eq!(err.matches("/nonexistent/trace.jsonl").count(), 1, "{err}");
 }
 
 #[test]
