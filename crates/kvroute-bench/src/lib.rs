@@ -26,3 +26,23 @@ pub mod overhead;
 pub mod runner;
 pub mod summary;
 pub mod workload;
+
+/// An ephemeral loopback port, released for another socket or a child process to bind (a
+/// tiny window in which another process could take it; acceptable on loopback). Never one
+/// this process was given before: the kernel can hand the same port to two binds in a
+/// row once the first is released, and two sockets of a test (a ZeroMQ PUB and its replay
+/// ROUTER) then got one port between them.
+///
+/// # Errors
+/// The bind's error.
+pub fn free_port() -> std::io::Result<u16> {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let mut given = GIVEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !given.contains(&port) {
+            given.push(port);
+            return Ok(port);
+        }
+    }
+}

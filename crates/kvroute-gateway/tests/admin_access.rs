@@ -24,11 +24,7 @@ fn cfg(urls: &[&str]) -> GatewayConfig {
     GatewayConfig { admin_token: None, ..common::config(urls, "round_robin") }
 }
 
-/// A free 127.0.0.1 port (bound, then released).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
-}
+use common::free_port;
 
 /// Serves `app` as if every client connected from `peer`.
 async fn serve_as_from(app: axum::Router, peer: SocketAddr, stop: CancellationToken) -> String {

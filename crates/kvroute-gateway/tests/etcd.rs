@@ -13,7 +13,8 @@ mod common;
 use common::{eventually, guard};
 #[path = "common/etcd.rs"]
 mod etcd;
-use etcd::{Etcd, free_port};
+use common::free_port;
+use etcd::Etcd;
 
 fn chat(i: usize) -> serde_json::Value {
     serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": format!("question {i}")}],

@@ -12,9 +12,7 @@ use zeromq::{Socket, SocketRecv, SocketSend};
 mod common;
 use common::start_router;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
-}
+use common::free_port;
 
 async fn recv_batch(sub: &mut zeromq::SubSocket) -> (u64, Vec<KvEvent>) {
     let msg = tokio::time::timeout(Duration::from_secs(30), sub.recv()).await.expect("hang guard").expect("recv");

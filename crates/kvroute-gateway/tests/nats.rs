@@ -17,9 +17,7 @@ use nats::{Nats, fleet_hit_ratio, metric};
 
 const MODEL: &str = "sim-llama-3-8b";
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
-}
+use common::free_port;
 
 async fn workers(n: usize, time_scale: f64, stop: &CancellationToken) -> Vec<String> {
     let mut urls = Vec::new();

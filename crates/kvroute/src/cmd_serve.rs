@@ -651,7 +651,7 @@ fn which(name: &str) -> Option<std::path::PathBuf> {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(kvroute_bench::free_port()?)
 }
 
 async fn launch(a: &Args, cfg: &mut GatewayConfig) -> anyhow::Result<Launched> {

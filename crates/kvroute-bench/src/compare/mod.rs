@@ -224,7 +224,7 @@ impl Child {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(crate::free_port()?)
 }
 
 struct Ctx {

@@ -21,10 +21,16 @@ pub fn etcd_binary() -> String {
     }
 }
 
-/// An ephemeral loopback port, released for a child process to bind.
-#[allow(dead_code)] // the process-level tests have their own
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port")
+/// An ephemeral loopback port for etcd's peer listener, other than `client_port` (the
+/// kernel can hand one port to two binds in a row once the first is released).
+fn peer_port(client_port: u16) -> u16 {
+    loop {
+        let port =
+            std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port");
+        if port != client_port {
+            return port;
+        }
+    }
 }
 
 /// A running etcd; killed and its data removed on drop.
@@ -41,7 +47,7 @@ impl Etcd {
     pub async fn start(client_port: u16) -> Etcd {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let bin = etcd_binary();
-        let peer = free_port();
+        let peer = peer_port(client_port);
         let dir = std::env::temp_dir().join(format!("kvroute-etcd-{}-{client_port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let url = format!("http://127.0.0.1:{client_port}");

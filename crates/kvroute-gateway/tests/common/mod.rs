@@ -126,3 +126,22 @@ pub async fn stalling_worker(
     tokio::spawn(async move { axum::serve(l, app).with_graceful_shutdown(async move { s.cancelled().await }).await });
     (url, stop)
 }
+
+/// An ephemeral loopback port, released for another socket or a child process to bind (a
+/// tiny window in which another process could take it; acceptable on loopback). Never one
+/// this process was given before: the kernel can hand the same port to two binds in a
+/// row once the first is released, and two sockets of a test (a ZeroMQ PUB and its replay
+/// ROUTER) then got one port between them.
+#[allow(dead_code)] // not every test binary binds its own ports
+pub fn free_port() -> u16 {
+    static GIVEN: parking_lot::Mutex<Vec<u16>> = parking_lot::Mutex::new(Vec::new());
+    loop {
+        let port =
+            std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port");
+        let mut given = GIVEN.lock();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
+}

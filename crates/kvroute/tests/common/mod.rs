@@ -12,10 +12,10 @@ impl Drop for Proc {
     }
 }
 
-/// An ephemeral loopback port, released for a child process to bind (a tiny window in which
-/// another process could take it; acceptable for a test on loopback).
+/// An ephemeral loopback port ([`kvroute_bench::free_port`]: never one this process was
+/// given before).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("ephemeral port")
+    kvroute_bench::free_port().expect("ephemeral port")
 }
 
 /// The admin token the routers of these tests run with (`KVROUTE_ADMIN_TOKEN`): without
