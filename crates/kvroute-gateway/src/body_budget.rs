@@ -1,15 +1,15 @@
 //! The request bodies the router holds at once, bounded (`max_buffered_body_bytes`).
 //!
-//! `max_body_bytes` bounds one body; nothing else bounded their sum. A body is read whole
-//! (the router routes on the prompt, and resends the body on a retry) and kept until the
-//! request's answer begins, so `max_connections` (8,192) HTTP/1 connections — or fewer
-//! HTTP/2 ones, each with many streams, or endpoint-picker streams — each sending a body
-//! just under the 32 MiB limit and then waiting out `body_read_timeout_secs` could make
-//! the router hold 256 GiB. Every body now takes its bytes from one budget as they
-//! arrive (from `Content-Length` at once when the client sends one); a body the budget
-//! cannot hold is refused with 503 and `Retry-After` before more of it is read, and its
-//! bytes go back to the budget when its request is answered or refused
-//! ([`BodyHold`] dropped).
+//! `max_body_bytes` bounds one body; this bounds their sum. A body is read whole (the
+//! router routes on the prompt, and resends the body on a retry) and kept until the
+//! request's answer begins; without a budget, `max_connections` (8,192) HTTP/1
+//! connections — or fewer HTTP/2 ones, each with many streams, or endpoint-picker streams
+//! — each sending a body just under the 32 MiB limit and then waiting out
+//! `body_read_timeout_secs` would make the router hold 256 GiB. Every body takes its bytes
+//! from one budget as they arrive (from `Content-Length` at once when the client sends
+//! one); a body the budget cannot hold is refused with 503 and `Retry-After` before more
+//! of it is read, and its bytes go back to the budget when its request is answered or
+//! refused ([`BodyHold`] dropped).
 //!
 //! The budget counts the body's bytes as read, in KiB; what the router builds from a body
 //! (the parsed prompt, a salted copy) is not counted.
