@@ -199,10 +199,7 @@ impl WorkloadArgs {
         positive("--rate-scale", self.rate_scale)?;
         kvroute_sim::trace::check_rate_scale(&[], self.rate_scale).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
         positive("--rate", self.rate)?;
-        if self.max_output == 0 {
-            // It ran, each request capped at one token, where replay and advise refuse it.
-            bail!("--max-output must be at least 1");
-        }
+        workload::check_max_output(self.max_output).map_err(anyhow::Error::msg)?;
         let reqs = match (&self.trace, self.workload.as_deref()) {
             (Some(path), None) => {
                 let mut t = kvroute_sim::trace::read(path, None)?;

@@ -88,6 +88,15 @@ pub fn check_prompt_bytes(n: usize, tokens: u64) -> Result<(), String> {
     }
 }
 
+/// Checks `--max-output`, the cap on a request's output tokens, the same in `replay`,
+/// `advise`, `bench` and `demo`: at least 1 (0 ran with every request capped at one token).
+///
+/// # Errors
+/// The whole message, naming the flag.
+pub fn check_max_output(cap: u32) -> Result<(), String> {
+    if cap == 0 { Err("--max-output must be at least 1".into()) } else { Ok(()) }
+}
+
 /// Smallest and largest synthetic arrival rate accepted (`--rate`), requests per second.
 pub const RATE_RANGE: (f64, f64) = (1e-6, 1e6);
 

@@ -228,10 +228,7 @@ fn check_args(a: &Args) -> anyhow::Result<Vec<String>> {
     if a.engines == 0 || a.requests == 0 {
         bail!("--engines and --requests must be at least 1");
     }
-    if a.max_output == 0 {
-        // It ran, each request capped at one token, where replay and advise refuse it.
-        bail!("--max-output must be at least 1");
-    }
+    workload::check_max_output(a.max_output).map_err(anyhow::Error::msg)?;
     trace::check_rate_scale(&[], a.time_scale).map_err(|e| anyhow::anyhow!("--time-scale: {e}"))?;
     trace::check_rate_scale(&[], a.rate_scale).map_err(|e| anyhow::anyhow!("--rate-scale: {e}"))?;
     if !(a.window_secs.is_finite() && a.window_secs > 0.0 && a.start_secs.is_finite() && a.start_secs >= 0.0) {

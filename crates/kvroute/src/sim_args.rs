@@ -129,9 +129,7 @@ fn overlay(v: &mut serde_json::Value, patch: &serde_json::Value) -> anyhow::Resu
 /// A cap of 0.
 pub(crate) fn cap_outputs(trace: &mut [TraceRequest], cap: Option<u32>) -> anyhow::Result<()> {
     let Some(cap) = cap else { return Ok(()) };
-    if cap == 0 {
-        bail!("--max-output must be at least 1");
-    }
+    kvroute_bench::workload::check_max_output(cap).map_err(anyhow::Error::msg)?;
     for r in trace {
         r.output_tokens = r.output_tokens.min(cap);
     }
