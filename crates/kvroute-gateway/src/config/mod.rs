@@ -7,6 +7,7 @@ pub mod pd;
 
 use crate::model::worker_url::{WorkerUrlError, check_worker_url};
 use serde::{Deserialize, Serialize};
+use smart_default::SmartDefault;
 
 /// Active health checks.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -40,103 +41,128 @@ impl Default for HealthConfig {
     }
 }
 
-/// Everything `kvroute serve` needs.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Everything `kvroute serve` needs. Each key's default stands beside it (`#[default]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, SmartDefault)]
 #[serde(deny_unknown_fields, default)]
 pub struct GatewayConfig {
     /// Listen address.
+    #[default = "127.0.0.1"]
     pub host: String,
     /// Listen port (0 = any free port).
+    #[default = 30000]
     pub port: u16,
     /// Routing policy name (`kvroute policies`).
+    #[default(kvroute_core::registry::DEFAULT_POLICY.into())]
     pub policy: String,
     /// Policy knobs (a table; unknown knobs are refused at startup).
     pub policy_knobs: toml::Table,
     /// Worker base URLs (http or https).
     pub worker_urls: Vec<String>,
     /// Largest accepted request body, bytes (413 beyond).
+    #[default(32 << 20)]
     pub max_body_bytes: usize,
     /// Request bodies held at once, bytes, over every request of `serve` and the endpoint
     /// picker: a body takes its share as it arrives and gives it back when its answer
     /// begins; one the budget cannot hold is refused with 503 and `Retry-After`
     /// ([`crate::body_budget`]). At least `max_body_bytes`.
+    #[default(256 << 20)]
     pub max_buffered_body_bytes: u64,
     /// Most token ids a prompt may carry (`prompt` as ids, `input_ids`); beyond, 400 before
     /// the ids are held in memory.
+    #[default(kvroute_protocol::openai::DEFAULT_MAX_PROMPT_TOKENS)]
     pub max_prompt_tokens: usize,
     /// A client request's headers must arrive within this long, seconds: for a new
     /// connection counted from its accept, so it covers the TLS handshake, the HTTP/1-or-2
     /// sniff and HTTP/2's preface too; on HTTP/1 keep-alive, from the previous response's
     /// end. Also closes a connection (HTTP/1 or HTTP/2) with no request open for this long.
+    #[default = 30.0]
     pub header_read_timeout_secs: f64,
     /// A client request's body must arrive within this long of its headers, seconds (408).
+    #[default = 30.0]
     pub body_read_timeout_secs: f64,
     /// Open client connections at most (further ones wait in the listen backlog), not
     /// counting the `probe_connections` reserve.
+    #[default = 8192]
     pub max_connections: usize,
     /// Connections kept in reserve beyond `max_connections` for health probes: used only
     /// while the `max_connections` are all taken, they serve `GET /health` and
     /// `GET /readiness` (any other request gets 503), one request each, and must send it
     /// within `min(header_read_timeout_secs, 2)` seconds of their accept. 0: no reserve.
+    #[default = 4]
     pub probe_connections: usize,
     /// Open connections from one client IP address at most (beyond, a new connection is
     /// closed at accept); 0: no per-client cap. Leave 0 behind a proxy, where every
     /// client has the proxy's address.
+    #[default = 0]
     pub max_connections_per_client: usize,
     /// An HTTP/2 connection is sent a PING this often, seconds, and closed when the
     /// client does not answer one within as long again (a vanished peer); 0: no pings.
+    #[default = 30.0]
     pub http2_keep_alive_secs: f64,
     /// On SIGTERM/Ctrl-C, the whole shutdown budget, seconds: `drain_delay_secs`, then
     /// in-flight requests drain; at the end streams still open get an SSE error event and
     /// everything left (connections, NATS, etcd, background tasks) is cut. A second signal
     /// exits at once.
+    #[default = 30.0]
     pub drain_timeout_secs: f64,
     /// The first part of `drain_timeout_secs`, seconds: `/readiness` answers 503 while new
     /// connections and requests are still served, so load balancers and Kubernetes'
     /// endpoint updates take the replica out before it stops accepting. 0: stop accepting
     /// at once. A delay longer than `drain_timeout_secs` is cut to it (so a configuration
     /// with a short `drain_timeout_secs` from before this key still starts).
+    #[default = 5.0]
     pub drain_delay_secs: f64,
     /// Timeout of the TCP (and TLS) connect of one upstream attempt, seconds. A worker that
     /// accepts the connection and then never answers is bounded by `request_timeout_secs`
     /// (and, for a stream, `stream_first_byte_timeout_secs`).
+    #[default = 30.0]
     pub connect_timeout_secs: f64,
     /// Total timeout of one proxied request, a stream's whole body included, seconds (600:
     /// the OpenAI Python client's own default; SGLang's and vLLM's routers allow 1800 — see
     /// docs/operations.md, "Timeout defaults").
+    #[default = 600.0]
     pub request_timeout_secs: f64,
     /// A streamed request's first bytes (response headers and first chunk) must come from
     /// the worker within this long of the request's arrival, seconds: queueing plus prefill
     /// (120: far above the prefill of a long prompt; a worker that health checks mark down
     /// is left at once, without waiting for it). The client's response starts with that
     /// first chunk, so beyond this it gets a 504 JSON error.
+    #[default = 120.0]
     pub stream_first_byte_timeout_secs: f64,
     /// Longest silence between two chunks of a streamed response, seconds (nginx's
     /// `proxy_read_timeout` is 60 s); beyond, an SSE error event ends the stream and the
     /// attempt counts as a failure of the worker.
+    #[default = 60.0]
     pub stream_idle_timeout_secs: f64,
     /// Consecutive failures after which a worker is taken out of routing, and the attempts
     /// one request makes on a worker before the next (SGLang router).
+    #[default = 3]
     pub max_worker_retries: u32,
     /// Attempts per request across workers before the client gets an error (SGLang router);
     /// the last routable worker may use all that is left (a lone worker gets them all).
+    #[default = 6]
     pub max_total_retries: u32,
     /// Largest share of the workers that failed requests may eject at once, in [0, 1]
     /// (rounded down: 0.5 of 3 workers is 1). Beyond it a failing worker stays in routing,
     /// so a fleet-wide problem degrades service instead of taking every worker out.
+    #[default = 0.5]
     pub max_ejection_share: f64,
     /// In-flight requests admitted per (model, role); beyond, 503 at once (Cognitora cgn-router).
+    #[default = 4096]
     pub max_in_flight_per_model: u32,
     /// Requests one worker may have in flight, this router's and (with `nats`) the other
     /// replicas' (Ray Serve's `max_ongoing_requests`): a worker at its cap is no candidate,
     /// and with every candidate at it the request is answered 503 with `Retry-After` (Ray
     /// with `max_queued_requests` 0; kvroute does not queue it). 0: no cap.
+    #[default = 0]
     pub max_ongoing_requests: u32,
     /// How long `POST /add_worker` waits for a new worker to answer its health check
     /// (`health.path`) before refusing it, seconds (SGLang router's
     /// `worker_startup_timeout_secs`, 300). `wait=false` in the query adds it at once.
+    #[default = 300.0]
     pub worker_startup_timeout_secs: f64,
     /// Seconds between two of those checks (SGLang router's `worker_startup_check_interval`, 10).
+    #[default = 10.0]
     pub worker_startup_check_interval_secs: f64,
     /// Bearer token of the admin API (`Authorization: Bearer <admin_token>`). With one, the
     /// admin API is served on the main port (unless `admin_listen` is set) to any client
@@ -160,19 +186,23 @@ pub struct GatewayConfig {
     /// `protocol_config` says, else `full_duplex`), `buffered` (request body `BUFFERED`,
     /// response body `STREAMED`) or `full_duplex` (both `FULL_DUPLEX_STREAMED`, the body
     /// passed back through kvroute).
+    #[default(EppBodyMode::Auto)]
     pub epp_body_mode: EppBodyMode,
     /// Client request headers forwarded to workers (case-insensitive names; at most 32).
     /// `Content-Type` is always set to JSON. Default: `authorization` only, as vLLM and
     /// SGLang servers started with `--api-key` expect.
+    #[default(vec!["authorization".into()])]
     pub forward_headers: Vec<String>,
     /// Client API keys: a file of `KEY [TENANT] [rpm=N] [tpm=N]` lines
     /// ([`crate::api_keys`]). When set, inference and `/v1/models` need
     /// `Authorization: Bearer KEY` (401 otherwise) and each key is rate limited (429).
     pub api_key_file: Option<String>,
     /// Requests per minute per API key unless its line sets `rpm` (0 = unlimited).
+    #[default = 0]
     pub api_key_rpm: u32,
     /// Tokens (prompt plus `max_tokens`) per minute per API key unless its line sets `tpm`
     /// (0 = unlimited).
+    #[default = 0]
     pub api_key_tpm: u32,
     /// Hosts or CIDRs worker URLs may point at (`/add_worker` and the configuration);
     /// empty = any. Host names match by name, IP literals by network.
@@ -185,6 +215,7 @@ pub struct GatewayConfig {
     /// [`kvroute_core::tenant`]), so one tenant's prompts neither attract another's
     /// requests nor can be probed by them. Acts only when tenants are known (API keys or
     /// `tenant_header`). Default on; off shares one cache between all tenants.
+    #[default = true]
     pub tenant_isolation: bool,
     /// Groups of tenants that trust each other and share one prefix cache (tenant names as
     /// in `api_key_file` or `tenant_header`), e.g. `[["team-a", "team-b"]]`.
@@ -192,10 +223,12 @@ pub struct GatewayConfig {
     /// With tenant isolation, add the tenant's salt to each OpenAI request body sent to a
     /// worker as `cache_salt` (vLLM isolates its KV cache by it; engines without the field
     /// ignore it). Replaces a `cache_salt` the client sent.
+    #[default = true]
     pub engine_cache_salt: bool,
     /// Send `x-kvroute-worker` and `x-kvroute-decision` on every response. Unsafe with
     /// several tenants: the match count reveals other tenants' prompts. Off: only requests
     /// carrying the admin token get them.
+    #[default = false]
     pub expose_decision_headers: bool,
     /// PEM certificate chain (leaf first) served to clients over HTTPS, on the main and the
     /// admin listener; with `tls_key`. Both files are read again on SIGHUP (a file that
@@ -211,6 +244,7 @@ pub struct GatewayConfig {
     pub etcd: Vec<String>,
     /// Key prefix in etcd: workers under `PREFIX/workers/`, the policy at
     /// `PREFIX/routing/policy` unless `etcd_policy_key` says otherwise.
+    #[default = "/kvroute"]
     pub etcd_prefix: String,
     /// The etcd key holding the live policy (`{"policy": NAME, "knobs": {...}}`, or
     /// Cognitora cgn-router's `{"w_kv":..,"w_load":..,"w_pwr":..,"w_cap":..}` at
@@ -226,6 +260,7 @@ pub struct GatewayConfig {
     /// With `state_dir`: the prefix state (the last routed requests) is saved there and
     /// restored at start when the file is at most this old, seconds (0: never restored).
     /// Older, the engines may have evicted what it says they hold.
+    #[default = 600.0]
     pub prefix_state_max_age_secs: f64,
     /// NATS server (`nats://HOST:PORT`) over which the router replicas of `cluster` share
     /// their routing events and index snapshots ([`crate::cluster::sync`]); unset = this
@@ -234,30 +269,37 @@ pub struct GatewayConfig {
     /// Name of the replica group sharing state over NATS (a subject token: letters,
     /// digits, `-`, `_`; at most 64 bytes). Replicas of different clusters on one NATS
     /// server ignore each other.
+    #[default = "default"]
     pub cluster: String,
     /// This replica's id in the cluster (default: a random id per start, so a restarted
     /// replica never reuses an old event sequence).
     pub replica_id: Option<String>,
     /// How long a starting replica waits for a peer's index snapshot before it reports
     /// ready on local state alone, seconds.
+    #[default = 5.0]
     pub sync_snapshot_timeout_secs: f64,
     /// Record every dispatched request as a line of a privacy-safe trace in this file
     /// (session-JSONL Mooncake form: timestamp, token counts, salted block ids, session;
     /// no text) that `kvroute replay --trace` reads ([`crate::record`]); unset = off.
     pub record: Option<String>,
     /// Size at which the trace file rotates to `FILE.1`, bytes (at least 4,096).
+    #[default(256 << 20)]
     pub record_max_bytes: u64,
     /// Trace files kept in all, the current one included (1 to 100).
+    #[default = 4]
     pub record_files: u32,
     /// Tokens per block of the trace's `hash_ids` (1 to 65,536; vLLM's default block size
     /// is 16, Mooncake's trace uses 512).
+    #[default = 16]
     pub record_block_tokens: u32,
     /// Scrape each worker's `/metrics` for engine load signals.
+    #[default = false]
     pub scrape_metrics: bool,
     /// Prometheus gauge read as the worker's power draw in watts (kv_score's `w_pwr`), with
     /// `scrape_metrics`: default NVIDIA DCGM's `DCGM_FI_DEV_POWER_USAGE` (summed over a
     /// worker's GPUs); Cognitora cgn-router's `cgn_power_watts` works too; `None` or `""`
     /// reads none.
+    #[default(Some("DCGM_FI_DEV_POWER_USAGE".into()))]
     pub power_metric: Option<String>,
     /// Where the power gauge is read: `None`, the worker's own `/metrics`; else a URL
     /// template whose `{host}` is replaced by the worker's host, e.g.
@@ -265,12 +307,15 @@ pub struct GatewayConfig {
     pub power_exporter: Option<String>,
     /// The power gauge is averaged over this many seconds of scrapes (Cognitora
     /// cgn-router's 30 s rolling average), so one reading does not swing routing.
+    #[default = 30.0]
     pub power_window_secs: f64,
     /// Seed of the policy's random source.
+    #[default = 0]
     pub seed: u64,
     /// Copies of each model's policy state the router keeps: 2 (decisions never wait for a
     /// commit or an eviction slice; twice the policy's memory) or 1 (half the memory; a
     /// decision waits while a writer holds the state). Restart to change.
+    #[default = 2]
     pub policy_copies: u8,
     /// Active health checks.
     pub health: HealthConfig,
@@ -297,17 +342,21 @@ pub struct GatewayConfig {
     /// approximate index.
     pub kv_events: Vec<KvEventSource>,
     /// Weight of a block held only on a lower tier (CPU, disk) in the precise index, in [0, 1].
+    #[default = 0.5]
     pub kv_lower_tier_weight: f64,
     /// Predict-on-route window of the precise index, seconds (0 turns it off): a request's
     /// blocks count as held by its worker this long or until the engine's events say
     /// otherwise, covering siblings that arrive before the engine's `BlockStored`.
+    #[default = 2.0]
     pub kv_predict_window_secs: f64,
     /// Startup parity check per KV-event worker: a probe prompt whose `BlockStored` must
     /// match the router's own hashes (metric `kvroute_kv_parity`, error log on mismatch).
+    #[default = true]
     pub kv_parity_check: bool,
     /// Threads of the KV-event subscribers and their applier, a runtime apart from the
     /// requests' (1 to 64): the most cores ingestion takes however fast engines publish.
     /// One thread ingested ~1.3 M block events/s through ZeroMQ on this project's 2-core VM.
+    #[default = 1]
     pub kv_event_threads: u16,
     /// Local tokenizer for token-accurate routing keys without a round trip per request: a
     /// GGUF model file (llama.cpp workers; vocabulary and chat template from its metadata)
@@ -322,6 +371,7 @@ pub struct GatewayConfig {
     /// `id_slot`), so two prompts sharing a worker stop swapping slots
     /// ([`kvroute_core::slots`]). `auto` (default) turns it on per worker when a probe finds
     /// no host-memory prompt cache; `true` and `false` force it.
+    #[default(SlotRouting::Auto)]
     pub llama_slot_routing: SlotRouting,
 }
 
@@ -387,90 +437,6 @@ impl KvEventSource {
             }
         }
         Ok(())
-    }
-}
-
-impl Default for GatewayConfig {
-    fn default() -> Self {
-        GatewayConfig {
-            host: "127.0.0.1".into(),
-            port: 30000,
-            policy: kvroute_core::registry::DEFAULT_POLICY.into(),
-            policy_knobs: toml::Table::new(),
-            worker_urls: Vec::new(),
-            max_body_bytes: 32 << 20,
-            max_buffered_body_bytes: 256 << 20,
-            max_prompt_tokens: kvroute_protocol::openai::DEFAULT_MAX_PROMPT_TOKENS,
-            header_read_timeout_secs: 30.0,
-            body_read_timeout_secs: 30.0,
-            max_connections: 8192,
-            probe_connections: 4,
-            max_connections_per_client: 0,
-            http2_keep_alive_secs: 30.0,
-            drain_timeout_secs: 30.0,
-            drain_delay_secs: 5.0,
-            connect_timeout_secs: 30.0,
-            request_timeout_secs: 600.0,
-            stream_first_byte_timeout_secs: 120.0,
-            stream_idle_timeout_secs: 60.0,
-            max_worker_retries: 3,
-            max_total_retries: 6,
-            max_ejection_share: 0.5,
-            max_in_flight_per_model: 4096,
-            max_ongoing_requests: 0,
-            worker_startup_timeout_secs: 300.0,
-            worker_startup_check_interval_secs: 10.0,
-            admin_token: None,
-            admin_listen: None,
-            epp_listen: None,
-            epp_body_mode: EppBodyMode::Auto,
-            forward_headers: vec!["authorization".into()],
-            api_key_file: None,
-            api_key_rpm: 0,
-            api_key_tpm: 0,
-            worker_allow: Vec::new(),
-            tenant_header: None,
-            tenant_isolation: true,
-            shared_prefix_tenants: Vec::new(),
-            engine_cache_salt: true,
-            expose_decision_headers: false,
-            tls_cert: None,
-            tls_key: None,
-            worker_ca_file: None,
-            etcd: Vec::new(),
-            etcd_prefix: "/kvroute".into(),
-            etcd_policy_key: None,
-            state_dir: None,
-            prefix_state_max_age_secs: 600.0,
-            nats: None,
-            cluster: "default".into(),
-            replica_id: None,
-            sync_snapshot_timeout_secs: 5.0,
-            record: None,
-            record_max_bytes: 256 << 20,
-            record_files: 4,
-            record_block_tokens: 16,
-            scrape_metrics: false,
-            power_metric: Some("DCGM_FI_DEV_POWER_USAGE".into()),
-            power_exporter: None,
-            power_window_secs: 30.0,
-            seed: 0,
-            policy_copies: 2,
-            health: HealthConfig::default(),
-            capacity: std::collections::BTreeMap::new(),
-            locality: crate::model::locality::LocalityConfig::default(),
-            lora: crate::config::lora::LoraConfig::default(),
-            kv_migration: crate::config::kv_migration::KvMigrationConfig::default(),
-            pd: crate::config::pd::PdConfig::default(),
-            cascade: kvroute_core::cascade::CascadeConfig::default(),
-            kv_events: Vec::new(),
-            kv_lower_tier_weight: 0.5,
-            kv_predict_window_secs: 2.0,
-            kv_parity_check: true,
-            kv_event_threads: 1,
-            tokenizer: None,
-            llama_slot_routing: SlotRouting::Auto,
-        }
     }
 }
 
