@@ -324,7 +324,7 @@ pub async fn get_policy(State(s): State<Arc<AppState>>) -> Response {
 /// `{"policy": NAME, "knobs": {...}}` switches policy ([`crate::policy_control::apply`]).
 pub async fn put_policy(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let r = async {
-        let (bytes, _held) = read_body(&s, &headers, body).await?;
+        let (bytes, _held) = read_body(&s, &headers, body, None).await?;
         let v: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::bad_field("body", format!("not valid JSON: {e}")))?;
         let knobs = crate::policy_control::apply(&s, &v, crate::policy_control::Form::Plain)
@@ -349,7 +349,7 @@ pub async fn debug_route(
 ) -> Response {
     let q = params(q);
     let r = async {
-        let (bytes, _held) = read_body(&s, &headers, body).await?;
+        let (bytes, _held) = read_body(&s, &headers, body, None).await?;
         let api = match q.get("api").map(String::as_str) {
             Some("generate") => Api::Generate,
             Some("completions") => Api::Completions,

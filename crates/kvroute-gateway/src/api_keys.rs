@@ -78,6 +78,9 @@ pub struct KeyEntry {
     /// one, else a name of the key's own (`key:` and a hash of the key), so keys without a
     /// tenant never share prefix state.
     pub cache_tenant: String,
+    /// Its tenant's share of the body budget ([`crate::body_budget::TenantShares`]): one
+    /// number per distinct `cache_tenant`, in the file's order, below [`ApiKeys::tenants`].
+    pub share: usize,
     /// Requests per minute, when limited.
     requests: Option<DefaultDirectRateLimiter>,
     /// Tokens per minute, when limited, and that limit.
@@ -88,6 +91,8 @@ pub struct KeyEntry {
 #[derive(Debug, Default)]
 pub struct ApiKeys {
     keys: HashMap<String, Arc<KeyEntry>>,
+    /// Distinct tenants (`cache_tenant`s) over the keys.
+    tenants: usize,
 }
 
 /// The credential of `Authorization: Bearer <value>` in `headers`, if there is one (what the
@@ -127,6 +132,7 @@ impl ApiKeys {
     /// `name=value`, more than two plain words, more than [`MAX_KEYS`] keys, or no key at all.
     pub fn parse(text: &str, default_rpm: u32, default_tpm: u32) -> Result<Self, KeyFileError> {
         let mut keys = HashMap::new();
+        let mut shares: HashMap<String, usize> = HashMap::new();
         for (i, raw) in text.lines().enumerate() {
             let line_no = i + 1;
             let line = raw.split('#').next().unwrap_or("").trim();
@@ -163,7 +169,10 @@ impl ApiKeys {
             let cache_tenant = tenant
                 .clone()
                 .unwrap_or_else(|| format!("key:{:016x}", kvroute_core::hash::stable_hash(key.as_bytes())));
+            let next = shares.len();
+            let share = *shares.entry(cache_tenant.clone()).or_insert(next);
             let entry = KeyEntry {
+                share,
                 cache_tenant,
                 tenant: tenant.unwrap_or_else(|| "-".into()),
                 requests: limiter(rpm),
@@ -176,7 +185,12 @@ impl ApiKeys {
         if keys.is_empty() {
             return Err(KeyFileError::NoKey);
         }
-        Ok(ApiKeys { keys })
+        Ok(ApiKeys { keys, tenants: shares.len() })
+    }
+
+    /// How many distinct tenants the keys name (a key naming none counts as one of its own).
+    pub fn tenants(&self) -> usize {
+        self.tenants
     }
 
     /// Reads and parses `path`.

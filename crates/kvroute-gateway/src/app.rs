@@ -124,6 +124,7 @@ impl AppState {
             .map(|_| crate::cluster::sync::ReplicaSync::new(&cfg.cluster, Some(&replica_id), &metrics));
         let journal = cfg.state_dir.as_ref().map(|_| Arc::new(crate::cluster::journal::PrefixJournal::new(&metrics)));
         let kv_mover = crate::kv_move::KvMover::new(&cfg.kv_migration, &replica_id, client.clone(), &metrics);
+        let body_budget = body_budget(&cfg, api_keys.as_ref(), &metrics);
         Ok(Arc::new(AppState {
             via_name: crate::hops::via_name(&replica_id),
             kv_mover,
@@ -132,10 +133,7 @@ impl AppState {
             registry: tokio::sync::watch::Sender::new(cfg.etcd.is_empty()),
             recorder,
             tenancy,
-            body_budget: crate::body_budget::BodyBudget::new(
-                cfg.max_buffered_body_bytes,
-                metrics.buffered_body_bytes.clone(),
-            ),
+            body_budget,
             static_workers: arc_swap::ArcSwap::from_pointee(crate::model::worker_url::static_set(&cfg.worker_urls)),
             cascade: arc_swap::ArcSwap::from_pointee(cfg.cascade.clone()),
             lora: crate::lora::Multiplexer::new(&cfg.lora),
@@ -198,6 +196,26 @@ impl AppState {
 }
 
 /// The local tokenizer of `tokenizer`, when configured.
+/// The body budget (`max_buffered_body_bytes`), with a share per tenant
+/// (`max_buffered_body_bytes_per_tenant`, at least `max_body_bytes`) when the router knows
+/// tenants: one per key-file tenant, else [`crate::body_budget::HEADER_TENANT_SHARES`]
+/// hashed over with `tenant_header`.
+fn body_budget(
+    cfg: &GatewayConfig,
+    keys: Option<&crate::api_keys::ApiKeys>,
+    metrics: &Metrics,
+) -> crate::body_budget::BodyBudget {
+    let per_tenant = cfg.max_buffered_body_bytes_per_tenant;
+    let count = match keys {
+        Some(k) => Some(k.tenants()),
+        None => cfg.tenant_header.as_ref().map(|_| crate::body_budget::HEADER_TENANT_SHARES),
+    };
+    let shares = count
+        .filter(|_| per_tenant > 0)
+        .map(|n| crate::body_budget::TenantShares::new(n, per_tenant.max(cfg.max_body_bytes as u64)));
+    crate::body_budget::BodyBudget::new(cfg.max_buffered_body_bytes, shares, metrics.buffered_body_bytes.clone())
+}
+
 fn load_tokenizer(cfg: &GatewayConfig) -> anyhow::Result<Option<Arc<crate::tokenizer::LocalTokenizer>>> {
     Ok(match &cfg.tokenizer {
         Some(p) => {

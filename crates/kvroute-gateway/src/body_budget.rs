@@ -13,14 +13,26 @@
 //!
 //! The budget counts the body's bytes as read, in KiB; what the router builds from a body
 //! (the parsed prompt, a salted copy) is not counted.
+//!
+//! When the router knows its tenants, each tenant also has a share of the budget
+//! (`max_buffered_body_bytes_per_tenant`, [`TenantShares`]): a body past its tenant's share
+//! is refused with 429 and `Retry-After`, so one tenant's slow or large bodies leave the
+//! rest of the budget to the others. A share is an atomic count, taken before the budget
+//! and given back with it; no lock is taken on a request's way.
 
 use kvroute_protocol::api_error::ApiError;
 use prometheus_client::metrics::gauge::Gauge;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The budget's unit, bytes: a body holds `ceil(bytes / UNIT)` permits.
 const UNIT: u64 = 1024;
+
+/// Shares of a tenant's name hashed over when tenants come from `tenant_header` (an open
+/// set): two tenants whose names land on one share hold it together, which can only make
+/// their bound tighter, never looser.
+pub const HEADER_TENANT_SHARES: usize = 4096;
 
 /// The budget shared by every request of one router (`serve` and the endpoint picker).
 #[derive(Debug, Clone)]
@@ -30,19 +42,74 @@ pub struct BodyBudget {
     bytes: u64,
     /// `kvroute_buffered_body_bytes`: what the holds cover now.
     held: Gauge,
+    /// Each tenant's share, when the router knows tenants and bounds them.
+    shares: Option<Arc<TenantShares>>,
+}
+
+/// What each tenant's bodies hold now, of at most `max_buffered_body_bytes_per_tenant`:
+/// one atomic count (KiB) per share. A share is a key-file tenant's own
+/// ([`crate::api_keys::KeyEntry::share`]) or, for `tenant_header` tenants, one of
+/// [`HEADER_TENANT_SHARES`] that the tenant's name hashes to.
+#[derive(Debug)]
+pub struct TenantShares {
+    /// KiB held per share.
+    held: Box<[AtomicU64]>,
+    /// A share's bound, KiB.
+    cap: u64,
+    /// The bound in bytes, for messages.
+    cap_bytes: u64,
+}
+
+impl TenantShares {
+    /// `count` shares (at least 1) of `cap_bytes` each (rounded up to whole KiB).
+    pub fn new(count: usize, cap_bytes: u64) -> TenantShares {
+        TenantShares {
+            held: (0..count.max(1)).map(|_| AtomicU64::new(0)).collect(),
+            cap: cap_bytes.div_ceil(UNIT),
+            cap_bytes,
+        }
+    }
+
+    /// Takes `units` KiB of share `i`, or nothing when that would pass the bound.
+    fn take(&self, i: usize, units: u64) -> bool {
+        let slot = &self.held[i % self.held.len()];
+        let before = slot.fetch_add(units, Ordering::AcqRel);
+        if before.saturating_add(units) > self.cap {
+            slot.fetch_sub(units, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+
+    /// Gives `units` KiB of share `i` back.
+    fn give(&self, i: usize, units: u64) {
+        self.held[i % self.held.len()].fetch_sub(units, Ordering::AcqRel);
+    }
+
+    /// KiB share `i` holds now.
+    pub fn held_kib(&self, i: usize) -> u64 {
+        self.held[i % self.held.len()].load(Ordering::Acquire)
+    }
 }
 
 impl BodyBudget {
     /// A budget of `bytes` (rounded up to whole KiB; at most what a semaphore counts, about
-    /// 2^61 KiB), whose holds are shown in `held` (bytes).
-    pub fn new(bytes: u64, held: Gauge) -> BodyBudget {
+    /// 2^61 KiB), whose holds are shown in `held` (bytes), with per-tenant `shares` or none.
+    pub fn new(bytes: u64, shares: Option<TenantShares>, held: Gauge) -> BodyBudget {
         let permits = bytes.div_ceil(UNIT).min(Semaphore::MAX_PERMITS as u64) as usize;
-        BodyBudget { permits: Arc::new(Semaphore::new(permits)), bytes, held }
+        BodyBudget { permits: Arc::new(Semaphore::new(permits)), bytes, held, shares: shares.map(Arc::new) }
     }
 
-    /// An empty hold on this budget, for one body.
-    pub fn hold(&self) -> BodyHold {
-        BodyHold { budget: self.clone(), permit: None, bytes: 0 }
+    /// An empty hold on this budget, for one body of the tenant whose share is `share`
+    /// (`None`: a request with no tenant, or a router that bounds none).
+    pub fn hold(&self, share: Option<usize>) -> BodyHold {
+        let share = share.filter(|_| self.shares.is_some());
+        BodyHold { budget: self.clone(), permit: None, bytes: 0, share }
+    }
+
+    /// The per-tenant shares, when there are any.
+    pub fn shares(&self) -> Option<&TenantShares> {
+        self.shares.as_deref()
     }
 
     /// Bytes of the budget no body holds now (whole KiB).
@@ -51,13 +118,16 @@ impl BodyBudget {
     }
 }
 
-/// One body's share of the [`BodyBudget`], given back when dropped.
+/// One body's share of the [`BodyBudget`] (and of its tenant's share), given back when
+/// dropped.
 #[derive(Debug)]
 pub struct BodyHold {
     budget: BodyBudget,
     permit: Option<OwnedSemaphorePermit>,
-    /// Bytes covered by `permit`.
+    /// Bytes covered by `permit` (and taken from the tenant's share).
     bytes: u64,
+    /// The tenant's share, when bounded.
+    share: Option<usize>,
 }
 
 impl BodyHold {
@@ -65,18 +135,29 @@ impl BodyHold {
     /// body's length so far, or its announced `Content-Length`). Never waits.
     ///
     /// # Errors
-    /// 503 with `Retry-After: 1` when the budget cannot cover them now; the hold keeps what
-    /// it had (the caller drops it with the request).
+    /// 429 with `Retry-After: 1` when the tenant's share cannot cover them now, 503 with
+    /// `Retry-After: 1` when the budget cannot; the hold keeps what it had (the caller drops
+    /// it with the request).
     pub fn cover(&mut self, total: u64) -> Result<(), ApiError> {
         if total <= self.bytes {
             return Ok(());
         }
         let have = self.permit.as_ref().map_or(0, |p| p.num_permits() as u64);
         let need = total.div_ceil(UNIT).saturating_sub(have);
-        let more = u32::try_from(need)
-            .ok()
-            .and_then(|n| Arc::clone(&self.budget.permits).try_acquire_many_owned(n).ok())
-            .ok_or_else(|| self.refusal())?;
+        let tenant = self.budget.shares.as_deref().zip(self.share);
+        if let Some((shares, i)) = tenant
+            && !shares.take(i, need)
+        {
+            return Err(self.tenant_refusal(shares.cap_bytes));
+        }
+        let Some(more) =
+            u32::try_from(need).ok().and_then(|n| Arc::clone(&self.budget.permits).try_acquire_many_owned(n).ok())
+        else {
+            if let Some((shares, i)) = tenant {
+                shares.give(i, need);
+            }
+            return Err(self.refusal());
+        };
         match &mut self.permit {
             Some(p) => p.merge(more),
             None => self.permit = Some(more),
@@ -102,11 +183,25 @@ impl BodyHold {
         )
         .retry_after(1)
     }
+
+    fn tenant_refusal(&self, cap_bytes: u64) -> ApiError {
+        ApiError::new(
+            http::StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "this tenant's request bodies held at once reached its share \
+                 (max_buffered_body_bytes_per_tenant = {cap_bytes} bytes); retry shortly"
+            ),
+        )
+        .retry_after(1)
+    }
 }
 
 impl Drop for BodyHold {
     fn drop(&mut self) {
         self.budget.held.dec_by(gauge_bytes(self.bytes));
+        if let (Some(shares), Some(i)) = (self.budget.shares.as_deref(), self.share) {
+            shares.give(i, self.bytes / UNIT);
+        }
     }
 }
 
@@ -122,15 +217,15 @@ mod tests {
     #[test]
     fn bodies_share_the_budget_and_give_it_back_when_dropped() {
         let shown = Gauge::default();
-        let budget = BodyBudget::new(10 * 1024, shown.clone());
-        let mut a = budget.hold();
+        let budget = BodyBudget::new(10 * 1024, None, shown.clone());
+        let mut a = budget.hold(None);
         a.cover(4000).expect("4 KiB of 10");
         a.cover(6000).expect("6 KiB of 10");
         assert_eq!(a.bytes(), 6 * 1024);
-        let mut b = budget.hold();
+        let mut b = budget.hold(None);
         b.cover(4096).expect("the last 4 KiB");
         assert_eq!(shown.get(), 10 * 1024);
-        let mut c = budget.hold();
+        let mut c = budget.hold(None);
         let e = c.cover(1).expect_err("nothing left");
         assert_eq!(e.status.as_u16(), 503);
         assert!(e.message.contains("max_buffered_body_bytes = 10240"), "{}", e.message);
@@ -146,9 +241,41 @@ mod tests {
     }
 
     #[test]
+    fn a_tenant_holds_at_most_its_share_and_leaves_the_rest_to_the_others() {
+        let shown = Gauge::default();
+        let budget = BodyBudget::new(16 * 1024, Some(TenantShares::new(2, 6 * 1024)), shown.clone());
+        let mut a1 = budget.hold(Some(0));
+        a1.cover(4 * 1024).expect("4 KiB of tenant 0's 6");
+        let mut a2 = budget.hold(Some(0));
+        let e = a2.cover(3 * 1024).expect_err("7 KiB would pass tenant 0's share");
+        assert_eq!(e.status.as_u16(), 429);
+        assert!(e.message.contains("max_buffered_body_bytes_per_tenant = 6144"), "{}", e.message);
+        assert!(!e.message.contains("max_buffered_body_bytes ="), "{}", e.message);
+        // A refused share takes nothing: tenant 0 may still fill its share, and tenant 1
+        // (and a request with no tenant) the rest of the budget.
+        a2.cover(2 * 1024).expect("tenant 0's last 2 KiB");
+        let mut b = budget.hold(Some(1));
+        b.cover(6 * 1024).expect("tenant 1's whole share");
+        let mut none = budget.hold(None);
+        none.cover(4 * 1024).expect("the budget's last 4 KiB");
+        assert_eq!(shown.get(), 16 * 1024);
+        // A body its share allows but the budget cannot hold is refused with 503, and
+        // gives its share back.
+        drop(a2);
+        let mut none2 = budget.hold(None);
+        none2.cover(2 * 1024).expect("the 2 KiB tenant 0 gave back");
+        let mut a3 = budget.hold(Some(0));
+        assert_eq!(a3.cover(1024).expect_err("the budget is full").status.as_u16(), 503);
+        assert_eq!(budget.shares().map(|t| t.held_kib(0)), Some(4));
+        drop((a1, a3, b, none, none2));
+        assert_eq!(budget.shares().map(|t| (t.held_kib(0), t.held_kib(1))), Some((0, 0)));
+        assert_eq!(budget.available_bytes(), 16 * 1024);
+    }
+
+    #[test]
     fn a_total_past_what_a_semaphore_counts_is_refused_not_wrapped() {
-        let budget = BodyBudget::new(u64::MAX, Gauge::default());
-        let mut a = budget.hold();
+        let budget = BodyBudget::new(u64::MAX, None, Gauge::default());
+        let mut a = budget.hold(None);
         assert!(a.cover(u64::MAX).is_err());
         a.cover(1 << 40).expect("a TiB of an unbounded budget");
     }

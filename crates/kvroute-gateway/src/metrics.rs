@@ -40,7 +40,7 @@ pub struct ModelLabel {
 pub struct TenantLabels {
     /// The key's tenant (`-` for a key without one).
     pub tenant: String,
-    /// `admitted`, `rate_limited_requests` or `rate_limited_tokens`.
+    /// `admitted`, `rate_limited_requests`, `rate_limited_tokens` or `over_body_share`.
     pub outcome: String,
 }
 
@@ -396,7 +396,7 @@ impl Metrics {
         );
         r.register(
             "kvroute_tenant_requests",
-            "Requests by API-key tenant and outcome (admitted, rate_limited_requests, rate_limited_tokens)",
+            "Requests by API-key tenant and outcome (admitted, rate_limited_requests, rate_limited_tokens, over_body_share)",
             self.tenant_requests.clone(),
         );
         r.register("kvroute_decision_seconds", "Routing decision time", self.decision_seconds.clone());

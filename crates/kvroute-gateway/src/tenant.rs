@@ -108,6 +108,21 @@ impl Tenancy {
         self.isolation.then(|| self.scopes.salt(name))
     }
 
+    /// The request's share of the body budget ([`crate::body_budget::TenantShares`]): its
+    /// API key's tenant's (`key`, checked already), else with `tenant_header` the share its
+    /// tenant's name hashes to (the anonymous tenant's when the header is absent); `None`
+    /// when the router knows no tenants. Independent of `tenant_isolation`.
+    pub fn body_share(&self, key: Option<&KeyEntry>, headers: &HeaderMap) -> Option<usize> {
+        if let Some(key) = key {
+            return Some(key.share);
+        }
+        let name = self.header.as_ref()?;
+        let value = headers.get(name).map(|v| v.as_bytes()).unwrap_or_default();
+        let value = &value[..value.len().min(MAX_TENANT_NAME)];
+        let hash = kvroute_core::hash::stable_hash(value);
+        Some((hash % crate::body_budget::HEADER_TENANT_SHARES as u64) as usize)
+    }
+
     /// Whether the response to the request with `headers` may carry decision details:
     /// `expose_decision_headers`, or the admin token presented in `x-kvroute-admin-token` or
     /// as `Authorization: Bearer` (compared in constant time).

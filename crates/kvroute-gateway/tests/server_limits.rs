@@ -169,3 +169,73 @@ async fn request_bodies_held_at_once_are_bounded_by_the_body_budget() {
     assert_eq!(a.status(), 200);
     stop.cancel();
 }
+
+/// One tenant's bodies hold at most `max_buffered_body_bytes_per_tenant` of the budget:
+/// while a client of tenant A holds a body it has not finished sending, A's next large
+/// body is refused with 429 and `Retry-After` (counted `over_body_share` for A's API key
+/// tenant) and tenant B's is served, with API-key tenants and with `tenant_header` ones.
+/// Without the share, A's bodies could take the whole budget and B's would get 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_holds_at_most_its_share_of_the_body_budget() {
+    let stop = CancellationToken::new();
+    let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
+    let keys = std::env::temp_dir().join(format!("kvroute-share-keys-{}.txt", std::process::id()));
+    std::fs::write(&keys, "sk-a team-a\nsk-a2 team-a\nsk-b team-b\n").expect("write keys");
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let c = reqwest::Client::new();
+    let big = chat_body(40_000);
+    for with_keys in [true, false] {
+        let config = GatewayConfig {
+            max_body_bytes: 48 << 10,
+            max_buffered_body_bytes: 256 << 10,
+            max_buffered_body_bytes_per_tenant: 48 << 10,
+            api_key_file: with_keys.then(|| keys.display().to_string()),
+            tenant_header: (!with_keys).then(|| "x-tenant".to_string()),
+            ..common::config(&[&w], "round_robin")
+        };
+        let (r, _task) = common::start_router(config, stop.clone()).await;
+        // Tenant A's credentials: a second key of the same tenant, or the same header.
+        let (a_head, a_other, b) = if with_keys {
+            ("Authorization: Bearer sk-a", ("authorization", "Bearer sk-a2"), ("authorization", "Bearer sk-b"))
+        } else {
+            ("x-tenant: a", ("x-tenant", "a"), ("x-tenant", "b"))
+        };
+        // A client of tenant A announces a 40,000-byte body, sends 1,000 bytes and stops.
+        let mut slow = TcpStream::connect(addr(&r)).await.expect("connect");
+        let (start, rest) = big.split_at(1000);
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{a_head}\r\n\
+             Content-Length: {}\r\n\r\n{start}",
+            big.len()
+        );
+        slow.write_all(head.as_bytes()).await.expect("write");
+        held_until(&c, &r, |b| b >= 40_000.0).await;
+        let post = |(name, value): (&str, &str)| {
+            c.post(format!("{r}/v1/chat/completions")).header("content-type", "application/json").header(name, value)
+        };
+        // Tenant A's next large body passes A's share: 429, naming the share, not the budget.
+        let a = guard(post(a_other).body(big.clone()).send()).await.expect("send");
+        assert_eq!(a.status(), 429, "with_keys {with_keys}");
+        assert_eq!(a.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+        let text = a.text().await.expect("text");
+        assert!(text.contains("max_buffered_body_bytes_per_tenant"), "{text}");
+        // Tenant B's is served: the budget has room, and B's share is its own.
+        let a = guard(post(b).body(big.clone()).send()).await.expect("send");
+        assert_eq!(a.status(), 200, "{}", a.text().await.unwrap_or_default());
+        if with_keys {
+            let m = c.get(format!("{r}/metrics")).send().await.expect("metrics").text().await.expect("text");
+            let line = r#"kvroute_tenant_requests_total{tenant="team-a",outcome="over_body_share"} 1"#;
+            assert!(m.lines().any(|l| l == line), "{m}");
+        }
+        // The slow body ends and is served; A's share is back, and A's large body served.
+        slow.write_all(rest.as_bytes()).await.expect("write");
+        let mut answer = vec![0u8; 12];
+        guard(slow.read_exact(&mut answer)).await.expect("read");
+        assert_eq!(&answer, b"HTTP/1.1 200", "{}", String::from_utf8_lossy(&answer));
+        held_until(&c, &r, |b| b == 0.0).await;
+        let a = guard(post(a_other).body(big.clone()).send()).await.expect("send");
+        assert_eq!(a.status(), 200, "{}", a.text().await.unwrap_or_default());
+    }
+    let _ = std::fs::remove_file(&keys);
+    stop.cancel();
+}

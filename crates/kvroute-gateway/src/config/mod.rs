@@ -67,6 +67,15 @@ pub struct GatewayConfig {
     /// ([`crate::body_budget`]). At least `max_body_bytes`.
     #[default(256 << 20)]
     pub max_buffered_body_bytes: u64,
+    /// Of `max_buffered_body_bytes`, what one tenant's request bodies may hold at once,
+    /// bytes; beyond, that tenant's next body gets 429 and `Retry-After` while the other
+    /// tenants are served, so one tenant sending large bodies slowly cannot take the whole
+    /// budget from the rest. Acts only when the router knows tenants (`api_key_file`:
+    /// each key's tenant, a key naming none being a tenant of its own; else
+    /// `tenant_header`). A value below `max_body_bytes` is raised to it (a tenant can
+    /// always send one body of the largest size); 0: no share per tenant.
+    #[default(64 << 20)]
+    pub max_buffered_body_bytes_per_tenant: u64,
     /// Most token ids a prompt may carry (`prompt` as ids, `input_ids`); beyond, 400 before
     /// the ids are held in memory.
     #[default(kvroute_protocol::openai::DEFAULT_MAX_PROMPT_TOKENS)]

@@ -19,7 +19,7 @@ use crate::app::AppState;
 use crate::config::EppBodyMode;
 use crate::pipeline::pick::{Picked, pick};
 use crate::pipeline::respond::StreamGuard;
-use crate::pipeline::{RequestCtx, authenticate, ctx::count_error, prepare};
+use crate::pipeline::{RequestCtx, authenticate, ctx::count_error, over_share, prepare};
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -163,7 +163,7 @@ pub(super) async fn run(
         Err(e) => return refuse(&s, &io, &e, "", decisions).await,
     };
     // The body's share of the router's body budget, given back once the pick is sent.
-    let mut held = s.body_budget.hold();
+    let mut held = s.body_budget.hold(s.tenancy.body_share(key.as_deref(), &headers));
     let body = if h.end_of_stream {
         // No body: refused below as `serve` refuses an empty one (400).
         Bytes::new()
@@ -173,7 +173,7 @@ pub(super) async fn run(
         }
         match collect_body(&s, &mut io, modes.request_duplex, &mut held).await {
             Some(Ok(b)) => b,
-            Some(Err(e)) => return refuse(&s, &io, &e, "", decisions).await,
+            Some(Err(e)) => return refuse(&s, &io, &over_share(&s, key.as_deref(), e), "", decisions).await,
             None => return,
         }
     };

@@ -110,7 +110,9 @@ async fn run(
     let key = authenticate(s, headers).map_err(|e| (e, ""))?;
     // The body's share of the budget is given back when this request is answered
     // (`run` returns: the response began, or an error).
-    let (bytes, _held) = read_body(s, headers, body).await.map_err(|e| (e, ""))?;
+    let share = s.tenancy.body_share(key.as_deref(), headers);
+    let (bytes, _held) =
+        read_body(s, headers, body, share).await.map_err(|e| (over_share(s, key.as_deref(), e), ""))?;
     let mut ctx = prepare(s, api, headers, t0, key.as_deref(), bytes).map_err(|e| (e, ""))?;
     if let Some(c) = cascade::start(s, &ctx.info) {
         return cascade::run(&ctx, c).await;
@@ -184,6 +186,17 @@ fn admit_tokens(s: &AppState, key: &KeyEntry, info: &kvroute_protocol::openai::R
     }
 }
 
+/// `e` as it was, counted `over_body_share` for the key's tenant when it is the tenant's
+/// share of the body budget that refused the body (429 from [`read_body`]).
+pub fn over_share(s: &AppState, key: Option<&KeyEntry>, e: ApiError) -> ApiError {
+    if let Some(key) = key
+        && e.status == StatusCode::TOO_MANY_REQUESTS
+    {
+        tenant_outcome(s, key, "over_body_share");
+    }
+    e
+}
+
 fn tenant_outcome(s: &AppState, key: &KeyEntry, outcome: &str) {
     s.metrics
         .tenant_requests
@@ -199,12 +212,15 @@ pub const CLIENT_CLOSED_REQUEST: StatusCode = match StatusCode::from_u16(499) {
 };
 
 /// Reads the body within the configured limit (413 beyond), its bytes taken from the
-/// router's body budget as they arrive ([`crate::body_budget`]); the returned hold gives
-/// them back when dropped, so the caller keeps it until the request is answered.
+/// router's body budget as they arrive ([`crate::body_budget`]) and from the tenant's
+/// `share` of it ([`crate::tenant::Tenancy::body_share`]; `None`: no tenant, as for the
+/// admin endpoints); the returned hold gives them back when dropped, so the caller keeps it
+/// until the request is answered.
 ///
 /// # Errors
 /// 415 for a `Content-Encoding` other than `identity` (bodies are read uncompressed), 413
-/// when the body is larger than `max_body_bytes`, 503 when the body budget
+/// when the body is larger than `max_body_bytes`, 429 when the tenant's share
+/// (`max_buffered_body_bytes_per_tenant`) cannot hold it, 503 when the body budget
 /// (`max_buffered_body_bytes`) cannot hold it, 408 when it does not arrive within
 /// `body_read_timeout_secs`, 499 ([`CLIENT_CLOSED_REQUEST`]) when the client closed the
 /// connection before its end, 400 when it cannot be read otherwise.
@@ -212,6 +228,7 @@ pub async fn read_body(
     s: &AppState,
     headers: &HeaderMap,
     body: Body,
+    share: Option<usize>,
 ) -> Result<(Bytes, crate::body_budget::BodyHold), ApiError> {
     // Bodies are read as they come: a compressed one would only fail later as "not UTF-8".
     if let Some(enc) = headers.get(header::CONTENT_ENCODING)
@@ -232,7 +249,7 @@ pub async fn read_body(
     if announced.is_some_and(|len| len > limit as u64) {
         return Err(too_large());
     }
-    let mut hold = s.body_budget.hold();
+    let mut hold = s.body_budget.hold(share);
     // An announced length is taken whole before a byte is read: a body the budget cannot
     // hold is refused before the client sends it.
     hold.cover(announced.unwrap_or(0))?;
