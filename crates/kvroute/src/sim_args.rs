@@ -54,7 +54,8 @@ impl JobsArgs {
 ///
 /// # Errors
 /// An unknown name; a file that cannot be read, is not TOML or names an unknown constant
-/// (the message names the file, and the line for a syntax error); bad JSON; a constant of
+/// (the message names the file, and the line of the syntax error or of the constant); bad
+/// JSON; a constant of
 /// the wrong kind (a negative or fractional count, a string where a number goes, a TOML
 /// `nan` or `inf`) or out of range: named, with what it must be.
 pub(crate) fn load_profile(name: &str, file: Option<&std::path::Path>, set: Option<&str>) -> anyhow::Result<Profile> {
@@ -64,9 +65,18 @@ pub(crate) fn load_profile(name: &str, file: Option<&std::path::Path>, set: Opti
     if let Some(path) = file {
         let what = format!("--profile-file {}", path.display());
         let text = std::fs::read_to_string(path).with_context(|| what.clone())?;
-        let table: toml::Table = toml::from_str(&text).with_context(|| what.clone())?;
-        let patch = toml_constants(table).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
-        overlay(&mut v, &patch).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        // Each constant with where it stands, set one at a time so that an error names its line.
+        let table: std::collections::BTreeMap<String, toml::Spanned<toml::Value>> =
+            toml::from_str(&text).with_context(|| what.clone())?;
+        let mut constants: Vec<_> = table.into_iter().collect();
+        constants.sort_by_key(|(_, x)| x.span().start);
+        for (k, x) in constants {
+            let line = text[..x.span().start.min(text.len())].matches('\n').count() + 1;
+            let one = toml::Table::from_iter([(k, x.into_inner())]);
+            toml_constants(one)
+                .and_then(|patch| overlay(&mut v, &patch))
+                .map_err(|e| anyhow::anyhow!("{what}: line {line}: {e}"))?;
+        }
     }
     if let Some(set) = set {
         let patch: serde_json::Value = serde_json::from_str(set).context("--profile-set: not JSON")?;

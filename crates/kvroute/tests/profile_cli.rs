@@ -63,7 +63,7 @@ fn bad_input_is_named() {
         (vec!["profile", "show", "h100-llama3-8b", "--profile-file", bad.to_str().expect("p")], "kv_tokens"),
         (
             vec!["profile", "show", "h100-llama3-8b", "--profile-file", unknown.to_str().expect("p")],
-            "prefill_per_tokn_s",
+            "line 1: unknown field `prefill_per_tokn_s`",
         ),
     ] {
         let out = kvroute(&args);
@@ -89,12 +89,13 @@ fn constants_of_the_wrong_kind_are_named_with_what_they_must_be() {
     .enumerate()
     {
         let file = dir.path().join(format!("p{i}.toml"));
-        std::fs::write(&file, format!("{content}\n")).expect("write");
+        // A good constant first: the error names the bad one's line.
+        std::fs::write(&file, format!("max_batch = 64\n{content}\n")).expect("write");
         let file = file.to_str().expect("path");
         let out = kvroute(&["profile", "show", "h100-llama3-8b", "--profile-file", file]);
         assert!(!out.status.success(), "{content}");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(&format!("--profile-file {file}: {says}")), "{content}: {err}");
+        assert!(err.contains(&format!("--profile-file {file}: line 2: {says}")), "{content}: {err}");
     }
     let out = kvroute(&["profile", "show", "h100-llama3-8b", "--profile-set", r#"{"kv_tokens": -1}"#]);
     let err = String::from_utf8_lossy(&out.stderr);
