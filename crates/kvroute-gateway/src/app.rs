@@ -198,7 +198,7 @@ impl AppState {
 /// The local tokenizer of `tokenizer`, when configured.
 /// The body budget (`max_buffered_body_bytes`), with a share per tenant
 /// (`max_buffered_body_bytes_per_tenant`, at least `max_body_bytes`) when the router knows
-/// tenants: one per key-file tenant, else [`crate::body_budget::HEADER_TENANT_SHARES`]
+/// tenants: one per key-file tenant, else [`crate::tenant::HEADER_TENANT_SHARES`]
 /// hashed over with `tenant_header`.
 fn body_budget(
     cfg: &GatewayConfig,
@@ -208,11 +208,9 @@ fn body_budget(
     let per_tenant = cfg.max_buffered_body_bytes_per_tenant;
     let count = match keys {
         Some(k) => Some(k.tenants()),
-        None => cfg.tenant_header.as_ref().map(|_| crate::body_budget::HEADER_TENANT_SHARES),
+        None => cfg.tenant_header.as_ref().map(|_| crate::tenant::HEADER_TENANT_SHARES),
     };
-    let shares = count
-        .filter(|_| per_tenant > 0)
-        .map(|n| crate::body_budget::TenantShares::new(n, per_tenant.max(cfg.max_body_bytes as u64)));
+    let shares = count.filter(|_| per_tenant > 0).map(|n| (n, per_tenant.max(cfg.max_body_bytes as u64)));
     crate::body_budget::BodyBudget::new(cfg.max_buffered_body_bytes, shares, metrics.buffered_body_bytes.clone())
 }
 

@@ -15,7 +15,7 @@
 //! (the parsed prompt, a salted copy) is not counted.
 //!
 //! When the router knows its tenants, each tenant also has a share of the budget
-//! (`max_buffered_body_bytes_per_tenant`, [`TenantShares`]): a body past its tenant's share
+//! (`max_buffered_body_bytes_per_tenant`, [`crate::tenant::Shares`]): a body past its tenant's share
 //! is refused with 429 and `Retry-After`, so one tenant's slow or large bodies leave the
 //! rest of the budget to the others. A share is an atomic count, taken before the budget
 //! and given back with it; no lock is taken on a request's way.
@@ -23,16 +23,10 @@
 use kvroute_protocol::api_error::ApiError;
 use prometheus_client::metrics::gauge::Gauge;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The budget's unit, bytes: a body holds `ceil(bytes / UNIT)` permits.
 const UNIT: u64 = 1024;
-
-/// Shares of a tenant's name hashed over when tenants come from `tenant_header` (an open
-/// set): two tenants whose names land on one share hold it together, which can only make
-/// their bound tighter, never looser.
-pub const HEADER_TENANT_SHARES: usize = 4096;
 
 /// The budget shared by every request of one router (`serve` and the endpoint picker).
 #[derive(Debug, Clone)]
@@ -42,62 +36,21 @@ pub struct BodyBudget {
     bytes: u64,
     /// `kvroute_buffered_body_bytes`: what the holds cover now.
     held: Gauge,
-    /// Each tenant's share, when the router knows tenants and bounds them.
-    shares: Option<Arc<TenantShares>>,
-}
-
-/// What each tenant's bodies hold now, of at most `max_buffered_body_bytes_per_tenant`:
-/// one atomic count (KiB) per share. A share is a key-file tenant's own
-/// ([`crate::api_keys::KeyEntry::share`]) or, for `tenant_header` tenants, one of
-/// [`HEADER_TENANT_SHARES`] that the tenant's name hashes to.
-#[derive(Debug)]
-pub struct TenantShares {
-    /// KiB held per share.
-    held: Box<[AtomicU64]>,
-    /// A share's bound, KiB.
-    cap: u64,
-    /// The bound in bytes, for messages.
-    cap_bytes: u64,
-}
-
-impl TenantShares {
-    /// `count` shares (at least 1) of `cap_bytes` each (rounded up to whole KiB).
-    pub fn new(count: usize, cap_bytes: u64) -> TenantShares {
-        TenantShares {
-            held: (0..count.max(1)).map(|_| AtomicU64::new(0)).collect(),
-            cap: cap_bytes.div_ceil(UNIT),
-            cap_bytes,
-        }
-    }
-
-    /// Takes `units` KiB of share `i`, or nothing when that would pass the bound.
-    fn take(&self, i: usize, units: u64) -> bool {
-        let slot = &self.held[i % self.held.len()];
-        let before = slot.fetch_add(units, Ordering::AcqRel);
-        if before.saturating_add(units) > self.cap {
-            slot.fetch_sub(units, Ordering::AcqRel);
-            return false;
-        }
-        true
-    }
-
-    /// Gives `units` KiB of share `i` back.
-    fn give(&self, i: usize, units: u64) {
-        self.held[i % self.held.len()].fetch_sub(units, Ordering::AcqRel);
-    }
-
-    /// KiB share `i` holds now.
-    pub fn held_kib(&self, i: usize) -> u64 {
-        self.held[i % self.held.len()].load(Ordering::Acquire)
-    }
+    /// Each tenant's share (KiB), when the router knows tenants and bounds them.
+    shares: Option<Arc<crate::tenant::Shares>>,
+    /// A share's bound in bytes, for messages.
+    share_bytes: u64,
 }
 
 impl BodyBudget {
     /// A budget of `bytes` (rounded up to whole KiB; at most what a semaphore counts, about
-    /// 2^61 KiB), whose holds are shown in `held` (bytes), with per-tenant `shares` or none.
-    pub fn new(bytes: u64, shares: Option<TenantShares>, held: Gauge) -> BodyBudget {
+    /// 2^61 KiB), whose holds are shown in `held` (bytes), with `shares` per tenant — how
+    /// many, and the bytes of each (rounded up to whole KiB) — or none.
+    pub fn new(bytes: u64, shares: Option<(usize, u64)>, held: Gauge) -> BodyBudget {
         let permits = bytes.div_ceil(UNIT).min(Semaphore::MAX_PERMITS as u64) as usize;
-        BodyBudget { permits: Arc::new(Semaphore::new(permits)), bytes, held, shares: shares.map(Arc::new) }
+        let share_bytes = shares.map_or(0, |(_, b)| b);
+        let shares = shares.map(|(n, b)| Arc::new(crate::tenant::Shares::new(n, b.div_ceil(UNIT))));
+        BodyBudget { permits: Arc::new(Semaphore::new(permits)), bytes, held, shares, share_bytes }
     }
 
     /// An empty hold on this budget, for one body of the tenant whose share is `share`
@@ -107,8 +60,8 @@ impl BodyBudget {
         BodyHold { budget: self.clone(), permit: None, bytes: 0, share }
     }
 
-    /// The per-tenant shares, when there are any.
-    pub fn shares(&self) -> Option<&TenantShares> {
+    /// The per-tenant shares (KiB held), when there are any.
+    pub fn shares(&self) -> Option<&crate::tenant::Shares> {
         self.shares.as_deref()
     }
 
@@ -148,7 +101,7 @@ impl BodyHold {
         if let Some((shares, i)) = tenant
             && !shares.take(i, need)
         {
-            return Err(self.tenant_refusal(shares.cap_bytes));
+            return Err(self.tenant_refusal());
         }
         let Some(more) =
             u32::try_from(need).ok().and_then(|n| Arc::clone(&self.budget.permits).try_acquire_many_owned(n).ok())
@@ -184,7 +137,8 @@ impl BodyHold {
         .retry_after(1)
     }
 
-    fn tenant_refusal(&self, cap_bytes: u64) -> ApiError {
+    fn tenant_refusal(&self) -> ApiError {
+        let cap_bytes = self.budget.share_bytes;
         ApiError::new(
             http::StatusCode::TOO_MANY_REQUESTS,
             format!(
@@ -243,7 +197,7 @@ mod tests {
     #[test]
     fn a_tenant_holds_at_most_its_share_and_leaves_the_rest_to_the_others() {
         let shown = Gauge::default();
-        let budget = BodyBudget::new(16 * 1024, Some(TenantShares::new(2, 6 * 1024)), shown.clone());
+        let budget = BodyBudget::new(16 * 1024, Some((2, 6 * 1024)), shown.clone());
         let mut a1 = budget.hold(Some(0));
         a1.cover(4 * 1024).expect("4 KiB of tenant 0's 6");
         let mut a2 = budget.hold(Some(0));
@@ -266,9 +220,9 @@ mod tests {
         none2.cover(2 * 1024).expect("the 2 KiB tenant 0 gave back");
         let mut a3 = budget.hold(Some(0));
         assert_eq!(a3.cover(1024).expect_err("the budget is full").status.as_u16(), 503);
-        assert_eq!(budget.shares().map(|t| t.held_kib(0)), Some(4));
+        assert_eq!(budget.shares().map(|t| t.held(0)), Some(4));
         drop((a1, a3, b, none, none2));
-        assert_eq!(budget.shares().map(|t| (t.held_kib(0), t.held_kib(1))), Some((0, 0)));
+        assert_eq!(budget.shares().map(|t| (t.held(0), t.held(1))), Some((0, 0)));
         assert_eq!(budget.available_bytes(), 16 * 1024);
     }
 

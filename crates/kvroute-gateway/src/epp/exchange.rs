@@ -163,7 +163,7 @@ pub(super) async fn run(
         Err(e) => return refuse(&s, &io, &e, "", decisions).await,
     };
     // The body's share of the router's body budget, given back once the pick is sent.
-    let mut held = s.body_budget.hold(s.tenancy.body_share(key.as_deref(), &headers));
+    let mut held = s.body_budget.hold(s.tenancy.share(key.as_deref(), &headers));
     let body = if h.end_of_stream {
         // No body: refused below as `serve` refuses an empty one (400).
         Bytes::new()

@@ -110,7 +110,7 @@ async fn run(
     let key = authenticate(s, headers).map_err(|e| (e, ""))?;
     // The body's share of the budget is given back when this request is answered
     // (`run` returns: the response began, or an error).
-    let share = s.tenancy.body_share(key.as_deref(), headers);
+    let share = s.tenancy.share(key.as_deref(), headers);
     let (bytes, _held) =
         read_body(s, headers, body, share).await.map_err(|e| (over_share(s, key.as_deref(), e), ""))?;
     let mut ctx = prepare(s, api, headers, t0, key.as_deref(), bytes).map_err(|e| (e, ""))?;
@@ -213,7 +213,7 @@ pub const CLIENT_CLOSED_REQUEST: StatusCode = match StatusCode::from_u16(499) {
 
 /// Reads the body within the configured limit (413 beyond), its bytes taken from the
 /// router's body budget as they arrive ([`crate::body_budget`]) and from the tenant's
-/// `share` of it ([`crate::tenant::Tenancy::body_share`]; `None`: no tenant, as for the
+/// `share` of it ([`crate::tenant::Tenancy::share`]; `None`: no tenant, as for the
 /// admin endpoints); the returned hold gives them back when dropped, so the caller keeps it
 /// until the request is answered.
 ///
