@@ -70,6 +70,9 @@ pub struct AppState {
     /// The request bodies held at once (`max_buffered_body_bytes`), shared by `serve` and
     /// the endpoint picker.
     pub body_budget: crate::body_budget::BodyBudget,
+    /// Each tenant's requests in the router (`max_in_flight_per_tenant`), when the router
+    /// knows tenants and bounds them.
+    pub tenant_in_flight: Option<Arc<crate::model::shares::Shares>>,
     /// This replica's id: `replica_id`, or a random one per start (also its id in the
     /// NATS cluster sync).
     pub replica_id: String,
@@ -125,6 +128,9 @@ impl AppState {
         let journal = cfg.state_dir.as_ref().map(|_| Arc::new(crate::cluster::journal::PrefixJournal::new(&metrics)));
         let kv_mover = crate::kv_move::KvMover::new(&cfg.kv_migration, &replica_id, client.clone(), &metrics);
         let body_budget = body_budget(&cfg, api_keys.as_ref(), &metrics);
+        let tenant_in_flight = tenant_shares(&cfg, api_keys.as_ref())
+            .filter(|_| cfg.max_in_flight_per_tenant > 0)
+            .map(|n| Arc::new(crate::model::shares::Shares::new(n, u64::from(cfg.max_in_flight_per_tenant))));
         Ok(Arc::new(AppState {
             via_name: crate::hops::via_name(&replica_id),
             kv_mover,
@@ -134,6 +140,7 @@ impl AppState {
             recorder,
             tenancy,
             body_budget,
+            tenant_in_flight,
             static_workers: arc_swap::ArcSwap::from_pointee(crate::model::worker_url::static_set(&cfg.worker_urls)),
             cascade: arc_swap::ArcSwap::from_pointee(cfg.cascade.clone()),
             lora: crate::lora::Multiplexer::new(&cfg.lora),
@@ -196,9 +203,19 @@ impl AppState {
 }
 
 /// The local tokenizer of `tokenizer`, when configured.
+/// How many tenant shares the router keeps ([`crate::model::shares::Shares`]): one per key-file
+/// tenant, else [`crate::model::shares::HEADER_TENANT_SHARES`] with `tenant_header`; `None` when
+/// it knows no tenants.
+fn tenant_shares(cfg: &GatewayConfig, keys: Option<&crate::api_keys::ApiKeys>) -> Option<usize> {
+    match keys {
+        Some(k) => Some(k.tenants()),
+        None => cfg.tenant_header.as_ref().map(|_| crate::model::shares::HEADER_TENANT_SHARES),
+    }
+}
+
 /// The body budget (`max_buffered_body_bytes`), with a share per tenant
 /// (`max_buffered_body_bytes_per_tenant`, at least `max_body_bytes`) when the router knows
-/// tenants: one per key-file tenant, else [`crate::tenant::HEADER_TENANT_SHARES`]
+/// tenants: one per key-file tenant, else [`crate::model::shares::HEADER_TENANT_SHARES`]
 /// hashed over with `tenant_header`.
 fn body_budget(
     cfg: &GatewayConfig,
@@ -206,11 +223,8 @@ fn body_budget(
     metrics: &Metrics,
 ) -> crate::body_budget::BodyBudget {
     let per_tenant = cfg.max_buffered_body_bytes_per_tenant;
-    let count = match keys {
-        Some(k) => Some(k.tenants()),
-        None => cfg.tenant_header.as_ref().map(|_| crate::tenant::HEADER_TENANT_SHARES),
-    };
-    let shares = count.filter(|_| per_tenant > 0).map(|n| (n, per_tenant.max(cfg.max_body_bytes as u64)));
+    let shares =
+        tenant_shares(cfg, keys).filter(|_| per_tenant > 0).map(|n| (n, per_tenant.max(cfg.max_body_bytes as u64)));
     crate::body_budget::BodyBudget::new(cfg.max_buffered_body_bytes, shares, metrics.buffered_body_bytes.clone())
 }
 

@@ -15,7 +15,7 @@
 //! (the parsed prompt, a salted copy) is not counted.
 //!
 //! When the router knows its tenants, each tenant also has a share of the budget
-//! (`max_buffered_body_bytes_per_tenant`, [`crate::tenant::Shares`]): a body past its tenant's share
+//! (`max_buffered_body_bytes_per_tenant`, [`crate::model::shares::Shares`]): a body past its tenant's share
 //! is refused with 429 and `Retry-After`, so one tenant's slow or large bodies leave the
 //! rest of the budget to the others. A share is an atomic count, taken before the budget
 //! and given back with it; no lock is taken on a request's way.
@@ -37,7 +37,7 @@ pub struct BodyBudget {
     /// `kvroute_buffered_body_bytes`: what the holds cover now.
     held: Gauge,
     /// Each tenant's share (KiB), when the router knows tenants and bounds them.
-    shares: Option<Arc<crate::tenant::Shares>>,
+    shares: Option<Arc<crate::model::shares::Shares>>,
     /// A share's bound in bytes, for messages.
     share_bytes: u64,
 }
@@ -49,7 +49,7 @@ impl BodyBudget {
     pub fn new(bytes: u64, shares: Option<(usize, u64)>, held: Gauge) -> BodyBudget {
         let permits = bytes.div_ceil(UNIT).min(Semaphore::MAX_PERMITS as u64) as usize;
         let share_bytes = shares.map_or(0, |(_, b)| b);
-        let shares = shares.map(|(n, b)| Arc::new(crate::tenant::Shares::new(n, b.div_ceil(UNIT))));
+        let shares = shares.map(|(n, b)| Arc::new(crate::model::shares::Shares::new(n, b.div_ceil(UNIT))));
         BodyBudget { permits: Arc::new(Semaphore::new(permits)), bytes, held, shares, share_bytes }
     }
 
@@ -61,7 +61,7 @@ impl BodyBudget {
     }
 
     /// The per-tenant shares (KiB held), when there are any.
-    pub fn shares(&self) -> Option<&crate::tenant::Shares> {
+    pub fn shares(&self) -> Option<&crate::model::shares::Shares> {
         self.shares.as_deref()
     }
 

@@ -40,7 +40,8 @@ pub struct ModelLabel {
 pub struct TenantLabels {
     /// The key's tenant (`-` for a key without one).
     pub tenant: String,
-    /// `admitted`, `rate_limited_requests`, `rate_limited_tokens` or `over_body_share`.
+    /// `admitted`, `rate_limited_requests`, `rate_limited_tokens`, `over_body_share` or
+    /// `over_in_flight`.
     pub outcome: String,
 }
 
@@ -396,7 +397,7 @@ impl Metrics {
         );
         r.register(
             "kvroute_tenant_requests",
-            "Requests by API-key tenant and outcome (admitted, rate_limited_requests, rate_limited_tokens, over_body_share)",
+            "Requests by API-key tenant and outcome (admitted, rate_limited_requests, rate_limited_tokens, over_body_share, over_in_flight)",
             self.tenant_requests.clone(),
         );
         r.register("kvroute_decision_seconds", "Routing decision time", self.decision_seconds.clone());

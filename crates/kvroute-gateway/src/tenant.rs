@@ -21,11 +21,6 @@ use kvroute_protocol::openai::RoutingInfo;
 /// Longest `tenant_header` value used as a tenant name (bytes); a longer one is cut.
 pub const MAX_TENANT_NAME: usize = 256;
 
-/// Shares a tenant's name is hashed over when tenants come from `tenant_header` (an open
-/// set): two tenants whose names land on one share hold it together, which can only make
-/// their bound tighter, never looser.
-pub const HEADER_TENANT_SHARES: usize = 4096;
-
 /// The response headers that carry decision details.
 pub const DECISION_HEADERS: [&str; 3] = ["x-kvroute-worker", "x-kvroute-decision", "x-kvroute-cascade"];
 
@@ -113,7 +108,8 @@ impl Tenancy {
         self.isolation.then(|| self.scopes.salt(name))
     }
 
-    /// The request's tenant share ([`Shares`]; of the body budget, of in-flight requests): its
+    /// The request's tenant share ([`crate::model::shares::Shares`]; of the body budget, of
+    /// requests in flight): its
     /// API key's tenant's (`key`, checked already), else with `tenant_header` the share its
     /// tenant's name hashes to (the anonymous tenant's when the header is absent); `None`
     /// when the router knows no tenants. Independent of `tenant_isolation`.
@@ -125,7 +121,7 @@ impl Tenancy {
         let value = headers.get(name).map(|v| v.as_bytes()).unwrap_or_default();
         let value = &value[..value.len().min(MAX_TENANT_NAME)];
         let hash = kvroute_core::hash::stable_hash(value);
-        Some((hash % HEADER_TENANT_SHARES as u64) as usize)
+        Some((hash % crate::model::shares::HEADER_TENANT_SHARES as u64) as usize)
     }
 
     /// Whether the response to the request with `headers` may carry decision details:
@@ -304,50 +300,5 @@ mod tests {
         assert_eq!(kvroute_core::tenant::unsalted_text(&info.text), "hello");
         assert_eq!(kvroute_core::tenant::unsalted_tokens(info.token_ids.as_deref().expect("ids")), &[1, 2]);
         assert_ne!(info.session.as_deref(), Some("s"));
-    }
-}
-
-/// A bound per tenant on something the router holds for it (bodies' KiB, requests in
-/// flight): one atomic count per share, a share being a key-file tenant's own
-/// ([`KeyEntry::share`]) or, for `tenant_header` tenants, one of [`HEADER_TENANT_SHARES`]
-/// that the tenant's name hashes to ([`Tenancy::share`]). Taken and given back without a
-/// lock.
-#[derive(Debug)]
-pub struct Shares {
-    held: Box<[std::sync::atomic::AtomicU64]>,
-    cap: u64,
-}
-
-impl Shares {
-    /// `count` shares (at least 1) of at most `cap` units each.
-    pub fn new(count: usize, cap: u64) -> Shares {
-        Shares { held: (0..count.max(1)).map(|_| std::sync::atomic::AtomicU64::new(0)).collect(), cap }
-    }
-
-    /// Takes `units` of share `i`, or nothing (`false`) when that would pass the bound.
-    pub fn take(&self, i: usize, units: u64) -> bool {
-        use std::sync::atomic::Ordering;
-        let slot = &self.held[i % self.held.len()];
-        let before = slot.fetch_add(units, Ordering::AcqRel);
-        if before.saturating_add(units) > self.cap {
-            slot.fetch_sub(units, Ordering::AcqRel);
-            return false;
-        }
-        true
-    }
-
-    /// Gives `units` of share `i` back (taken before with [`Shares::take`]).
-    pub fn give(&self, i: usize, units: u64) {
-        self.held[i % self.held.len()].fetch_sub(units, std::sync::atomic::Ordering::AcqRel);
-    }
-
-    /// Units share `i` holds now.
-    pub fn held(&self, i: usize) -> u64 {
-        self.held[i % self.held.len()].load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    /// A share's bound, units.
-    pub fn cap(&self) -> u64 {
-        self.cap
     }
 }

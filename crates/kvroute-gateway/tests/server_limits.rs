@@ -239,3 +239,56 @@ async fn one_tenant_holds_at_most_its_share_of_the_body_budget() {
     let _ = std::fs::remove_file(&keys);
     stop.cancel();
 }
+
+/// One tenant has at most `max_in_flight_per_tenant` requests in the router: with two of
+/// tenant A's streams open, A's third request is refused with 429 and `Retry-After`
+/// (counted `over_in_flight`) while tenant B is served; once A's streams end, A is served
+/// again. Without the bound, A's streams could fill `max_in_flight_per_model` for everyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_has_at_most_its_share_of_requests_in_flight() {
+    let stop = CancellationToken::new();
+    let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
+    let keys = std::env::temp_dir().join(format!("kvroute-inflight-keys-{}.txt", std::process::id()));
+    std::fs::write(&keys, "sk-a team-a\nsk-b team-b\n").expect("write keys");
+    let config = GatewayConfig {
+        max_in_flight_per_tenant: 2,
+        api_key_file: Some(keys.display().to_string()),
+        ..common::config(&[&w], "round_robin")
+    };
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let c = reqwest::Client::new();
+    let send = |key: &str, stream: bool| {
+        let body = serde_json::json!({
+            "model": "sim-llama-3-8b", "max_tokens": if stream { 4000 } else { 1 }, "stream": stream,
+            "messages": [{"role": "user", "content": "hello"}],
+        });
+        guard(c.post(format!("{r}/v1/chat/completions")).bearer_auth(key).json(&body).send())
+    };
+    // Two long streams of tenant A, each past its first chunk: both in flight.
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let mut s = send("sk-a", true).await.expect("send");
+        assert_eq!(s.status(), 200);
+        guard(s.chunk()).await.expect("first chunk").expect("a chunk");
+        open.push(s);
+    }
+    let a = send("sk-a", false).await.expect("send");
+    assert_eq!(a.status(), 429);
+    assert_eq!(a.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+    let text = a.text().await.expect("text");
+    assert!(text.contains("max_in_flight_per_tenant"), "{text}");
+    assert_eq!(send("sk-b", false).await.expect("send").status(), 200, "tenant B is served");
+    let m = c.get(format!("{r}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    let line = r#"kvroute_tenant_requests_total{tenant="team-a",outcome="over_in_flight"} 1"#;
+    assert!(m.lines().any(|l| l == line), "{m}");
+    // A's streams end (the client goes): A's places come back.
+    drop(open);
+    guard(async {
+        while send("sk-a", false).await.expect("send").status() != 200 {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let _ = std::fs::remove_file(&keys);
+    stop.cancel();
+}

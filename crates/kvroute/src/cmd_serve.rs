@@ -47,6 +47,9 @@ pub struct Args {
     /// Of those, what one tenant's bodies may hold at once, bytes (429 beyond; 0: no share).
     #[arg(long, env = "KVROUTE_MAX_BUFFERED_BODY_BYTES_PER_TENANT")]
     pub max_buffered_body_bytes_per_tenant: Option<u64>,
+    /// Requests one tenant may have in the router at once (429 beyond; 0: no bound).
+    #[arg(long, env = "KVROUTE_MAX_IN_FLIGHT_PER_TENANT")]
+    pub max_in_flight_per_tenant: Option<u32>,
     /// Seconds a client has to send a request's headers, from the connection's accept for
     /// the first (TLS handshake included); also the idle limit of a connection.
     #[arg(long, env = "KVROUTE_HEADER_READ_TIMEOUT_SECS")]
@@ -329,6 +332,7 @@ fn scalar_flags(a: &Args, cfg: &mut GatewayConfig) {
         max_body_bytes,
         max_buffered_body_bytes,
         max_buffered_body_bytes_per_tenant,
+        max_in_flight_per_tenant,
         max_prompt_tokens,
         header_read_timeout_secs,
         body_read_timeout_secs,

@@ -159,6 +159,14 @@ pub struct GatewayConfig {
     /// In-flight requests admitted per (model, role); beyond, 503 at once (Cognitora cgn-router).
     #[default = 4096]
     pub max_in_flight_per_model: u32,
+    /// Requests one tenant may have in the router at once, over every model (from its
+    /// arrival to its answer's end, streams included); beyond, 429 with `Retry-After` to
+    /// that tenant while the others are served, so one tenant's open streams cannot fill
+    /// `max_in_flight_per_model` for everyone. Acts only when the router knows tenants
+    /// (`api_key_file`, else `tenant_header`), as `max_buffered_body_bytes_per_tenant`;
+    /// 0: no bound per tenant.
+    #[default = 1024]
+    pub max_in_flight_per_tenant: u32,
     /// Requests one worker may have in flight, this router's and (with `nats`) the other
     /// replicas' (Ray Serve's `max_ongoing_requests`): a worker at its cap is no candidate,
     /// and with every candidate at it the request is answered 503 with `Retry-After` (Ray

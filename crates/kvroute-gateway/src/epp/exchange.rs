@@ -19,7 +19,7 @@ use crate::app::AppState;
 use crate::config::EppBodyMode;
 use crate::pipeline::pick::{Picked, pick};
 use crate::pipeline::respond::StreamGuard;
-use crate::pipeline::{RequestCtx, authenticate, ctx::count_error, over_share, prepare};
+use crate::pipeline::{RequestCtx, authenticate, ctx::count_error, over_share, prepare, tenant_in_flight};
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -162,8 +162,14 @@ pub(super) async fn run(
         Ok(k) => k,
         Err(e) => return refuse(&s, &io, &e, "", decisions).await,
     };
+    let share = s.tenancy.share(key.as_deref(), &headers);
+    // The tenant's place, held until the exchange ends (the answer observed, or an error).
+    let _in_flight = match tenant_in_flight(&s, key.as_deref(), share) {
+        Ok(h) => h,
+        Err(e) => return refuse(&s, &io, &e, "", decisions).await,
+    };
     // The body's share of the router's body budget, given back once the pick is sent.
-    let mut held = s.body_budget.hold(s.tenancy.share(key.as_deref(), &headers));
+    let mut held = s.body_budget.hold(share);
     let body = if h.end_of_stream {
         // No body: refused below as `serve` refuses an empty one (400).
         Bytes::new()

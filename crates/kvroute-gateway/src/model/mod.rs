@@ -1,4 +1,5 @@
-//! The gateway's vocabulary: worker URL checks, capacity facts, locality and registration records.
+//! The gateway's vocabulary: worker URL checks, capacity facts, locality and registration records,
+//! per-tenant shares.
 //! Pure data and checks, no I/O; it imports nothing else of the gateway, and every other
 //! module may use it.
 
@@ -6,4 +7,5 @@ pub mod capacity;
 pub mod locality;
 pub mod random;
 pub mod registration;
+pub mod shares;
 pub mod worker_url;

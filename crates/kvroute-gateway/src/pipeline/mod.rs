@@ -2,10 +2,12 @@
 //!
 //! ```text
 //! loop     a request already carrying this replica's `Via` → 508    crate::hops
+//! tenant   with API keys the key is checked and its request bucket  authenticate,
+//!          taken (401/429); the tenant's place in the router, held  tenant_in_flight (here)
+//!          to the answer's last byte (`max_in_flight_per_tenant`, 429)
 //! read     body within the size limit                              read_body (here)
 //! parse    body → routing info (model, text or token ids, session) kvroute_protocol::openai::parse
-//!          (with API keys: the key is checked and its request bucket taken before the body
-//!          is read, its token bucket after the parse — `authenticate`, 401/429)
+//!          (with API keys, the key's token bucket is taken after the parse, 429)
 //!          → one `ctx::RequestCtx` the later stages share       run (here)
 //! load     a catalogue LoRA adapter no worker has: one loads it     lora::ensure_loaded
 //! key      local tokenizer / engine tokens, tenant salt, model     steps::key, keys::resolve
@@ -108,12 +110,86 @@ async fn run(
     let t0 = Instant::now();
     crate::hops::check_arrival(headers, &s.via_name).map_err(|e| (e, ""))?;
     let key = authenticate(s, headers).map_err(|e| (e, ""))?;
-    // The body's share of the budget is given back when this request is answered
-    // (`run` returns: the response began, or an error).
     let share = s.tenancy.share(key.as_deref(), headers);
-    let (bytes, _held) =
-        read_body(s, headers, body, share).await.map_err(|e| (over_share(s, key.as_deref(), e), ""))?;
-    let mut ctx = prepare(s, api, headers, t0, key.as_deref(), bytes).map_err(|e| (e, ""))?;
+    // The tenant's place, held until the answer's last byte (or its error).
+    let in_flight = tenant_in_flight(s, key.as_deref(), share).map_err(|e| (e, ""))?;
+    let r = answer(s, api, headers, body, t0, key.as_deref(), share).await?;
+    Ok(match in_flight {
+        Some(hold) => r.map(|inner| Body::new(HeldBody { inner, _hold: hold })),
+        None => r,
+    })
+}
+
+/// A response body that holds its tenant's place until it is dropped (sent, or the client
+/// gone); its frames, end and size hint are the inner body's, so a whole answer keeps its
+/// `Content-Length`.
+struct HeldBody {
+    inner: Body,
+    _hold: crate::model::shares::ShareHold,
+}
+
+impl axum::body::HttpBody for HeldBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, axum::Error>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// One of the tenant's places in the router (`max_in_flight_per_tenant`; `None`: no
+/// tenant, or no bound).
+///
+/// # Errors
+/// 429 with `Retry-After: 1` when the tenant has as many requests in the router as it may
+/// (counted `over_in_flight` for an API key's tenant).
+pub fn tenant_in_flight(
+    s: &AppState,
+    key: Option<&KeyEntry>,
+    share: Option<usize>,
+) -> Result<Option<crate::model::shares::ShareHold>, ApiError> {
+    let (Some(shares), Some(i)) = (&s.tenant_in_flight, share) else { return Ok(None) };
+    shares.hold_one(i).map(Some).ok_or_else(|| {
+        if let Some(key) = key {
+            tenant_outcome(s, key, "over_in_flight");
+        }
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "this tenant has {} requests in the router, as many as it may (max_in_flight_per_tenant); \
+                 retry when one ends",
+                shares.cap()
+            ),
+        )
+        .retry_after(1)
+    })
+}
+
+/// The stages after the tenant is known: read, parse, then cascade or route and send.
+async fn answer(
+    s: &Arc<AppState>,
+    api: Api,
+    headers: &HeaderMap,
+    body: Body,
+    t0: Instant,
+    key: Option<&KeyEntry>,
+    share: Option<usize>,
+) -> Result<Response, (ApiError, &'static str)> {
+    // The body's share of the budget is given back when this request is answered
+    // (`answer` returns: the response began, or an error).
+    let (bytes, _held) = read_body(s, headers, body, share).await.map_err(|e| (over_share(s, key, e), ""))?;
+    let mut ctx = prepare(s, api, headers, t0, key, bytes).map_err(|e| (e, ""))?;
     if let Some(c) = cascade::start(s, &ctx.info) {
         return cascade::run(&ctx, c).await;
     }
