@@ -202,10 +202,9 @@ impl AppState {
     }
 }
 
-/// The local tokenizer of `tokenizer`, when configured.
-/// How many tenant shares the router keeps ([`crate::model::shares::Shares`]): one per key-file
-/// tenant, else [`crate::model::shares::HEADER_TENANT_SHARES`] with `tenant_header`; `None` when
-/// it knows no tenants.
+/// How many tenant shares the router keeps ([`crate::model::shares::Shares`]): one per
+/// key-file tenant, else [`crate::model::shares::HEADER_TENANT_SHARES`] with
+/// `tenant_header`; `None` when it knows no tenants.
 fn tenant_shares(cfg: &GatewayConfig, keys: Option<&crate::api_keys::ApiKeys>) -> Option<usize> {
     match keys {
         Some(k) => Some(k.tenants()),
@@ -228,6 +227,7 @@ fn body_budget(
     crate::body_budget::BodyBudget::new(cfg.max_buffered_body_bytes, shares, metrics.buffered_body_bytes.clone())
 }
 
+/// The local tokenizer of `tokenizer`, when configured.
 fn load_tokenizer(cfg: &GatewayConfig) -> anyhow::Result<Option<Arc<crate::tokenizer::LocalTokenizer>>> {
     Ok(match &cfg.tokenizer {
         Some(p) => {

@@ -15,9 +15,9 @@
 //! (the parsed prompt, a salted copy) is not counted.
 //!
 //! When the router knows its tenants, each tenant also has a share of the budget
-//! (`max_buffered_body_bytes_per_tenant`, [`crate::model::shares::Shares`]): a body past its tenant's share
-//! is refused with 429 and `Retry-After`, so one tenant's slow or large bodies leave the
-//! rest of the budget to the others. A share is an atomic count, taken before the budget
+//! (`max_buffered_body_bytes_per_tenant`, [`crate::model::shares::Shares`]): a body past
+//! its tenant's share is refused with 429 and `Retry-After`, so one tenant's slow or large
+//! bodies leave the rest of the budget to the others. A share is an atomic count, taken before the budget
 //! and given back with it; no lock is taken on a request's way.
 
 use kvroute_protocol::api_error::ApiError;
