@@ -78,8 +78,9 @@ pub struct KeyEntry {
     /// one, else a name of the key's own (`key:` and a hash of the key), so keys without a
     /// tenant never share prefix state.
     pub cache_tenant: String,
-    /// Its tenant's share ([`crate::model::shares::Shares`]: of the body budget, of requests in flight): one
-    /// number per distinct `cache_tenant`, in the file's order, below [`ApiKeys::tenants`].
+    /// Its tenant's share ([`crate::model::shares::Shares`]: of the body budget, of requests
+    /// in flight): one number per distinct `cache_tenant`, in the file's order, below
+    /// [`ApiKeys::tenants`].
     pub share: usize,
     /// Requests per minute, when limited.
     requests: Option<DefaultDirectRateLimiter>,

@@ -109,10 +109,10 @@ impl Tenancy {
     }
 
     /// The request's tenant share ([`crate::model::shares::Shares`]; of the body budget, of
-    /// requests in flight): its
-    /// API key's tenant's (`key`, checked already), else with `tenant_header` the share its
-    /// tenant's name hashes to (the anonymous tenant's when the header is absent); `None`
-    /// when the router knows no tenants. Independent of `tenant_isolation`.
+    /// requests in flight): its API key's tenant's (`key`, checked already), else with
+    /// `tenant_header` the share its tenant's name hashes to (the anonymous tenant's when the
+    /// header is absent); `None` when the router knows no tenants. Independent of
+    /// `tenant_isolation`.
     pub fn share(&self, key: Option<&KeyEntry>, headers: &HeaderMap) -> Option<usize> {
         if let Some(key) = key {
             return Some(key.share);

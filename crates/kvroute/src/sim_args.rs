@@ -55,9 +55,9 @@ impl JobsArgs {
 /// # Errors
 /// An unknown name; a file that cannot be read, is not TOML or names an unknown constant
 /// (the message names the file, and the line of the syntax error or of the constant); bad
-/// JSON; a constant of
-/// the wrong kind (a negative or fractional count, a string where a number goes, a TOML
-/// `nan` or `inf`) or out of range: named, with what it must be.
+/// JSON; a constant of the wrong kind (a negative or fractional count, a string where a
+/// number goes, a TOML `nan` or `inf`) or out of range: named, with its line and what it
+/// must be.
 pub(crate) fn load_profile(name: &str, file: Option<&std::path::Path>, set: Option<&str>) -> anyhow::Result<Profile> {
     let base = Profile::named(name)
         .with_context(|| format!("--profile: unknown profile `{name}`; known: {}", Profile::NAMES.join(", ")))?;
