@@ -292,3 +292,34 @@ async fn one_tenant_has_at_most_its_share_of_requests_in_flight() {
     let _ = std::fs::remove_file(&keys);
     stop.cancel();
 }
+
+/// A request refused before its body is read (here 401: no API key) has its body read and
+/// dropped after the refusal is sent, so a client still sending a large body finishes
+/// writing it instead of hitting a broken pipe (the router closed the connection under it
+/// before: its refusal was lost). The client reads the refusal first, then writes 4 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_refused_before_it_is_read_is_drained_not_cut() {
+    let stop = CancellationToken::new();
+    let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
+    let keys = std::env::temp_dir().join(format!("kvroute-drain-keys-{}.txt", std::process::id()));
+    std::fs::write(&keys, "sk-a team-a\n").expect("write keys");
+    let config = GatewayConfig {
+        max_body_bytes: 8 << 20,
+        api_key_file: Some(keys.display().to_string()),
+        ..common::config(&[&w], "round_robin")
+    };
+    let (r, _task) = common::start_router(config, stop.clone()).await;
+    let body = chat_body(4 << 20);
+    let mut s = TcpStream::connect(addr(&r)).await.expect("connect");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.expect("write head");
+    let mut status = vec![0u8; 12];
+    guard(s.read_exact(&mut status)).await.expect("read");
+    assert_eq!(&status, b"HTTP/1.1 401", "{}", String::from_utf8_lossy(&status));
+    guard(async { s.write_all(body.as_bytes()).await.expect("the body is read, not cut off") }).await;
+    let _ = std::fs::remove_file(&keys);
+    stop.cancel();
+}

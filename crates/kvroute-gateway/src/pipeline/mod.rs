@@ -108,16 +108,37 @@ async fn run(
     body: Body,
 ) -> Result<Response, (ApiError, &'static str)> {
     let t0 = Instant::now();
-    crate::hops::check_arrival(headers, &s.via_name).map_err(|e| (e, ""))?;
-    let key = authenticate(s, headers).map_err(|e| (e, ""))?;
-    let share = s.tenancy.share(key.as_deref(), headers);
-    // The tenant's place, held until the answer's last byte (or its error).
-    let in_flight = tenant_in_flight(s, key.as_deref(), share).map_err(|e| (e, ""))?;
+    let admitted = crate::hops::check_arrival(headers, &s.via_name).and_then(|()| {
+        let key = authenticate(s, headers)?;
+        let share = s.tenancy.share(key.as_deref(), headers);
+        // The tenant's place, held until the answer's last byte (or its error).
+        Ok((tenant_in_flight(s, key.as_deref(), share)?, key, share))
+    });
+    let (in_flight, key, share) = match admitted {
+        Ok(a) => a,
+        Err(e) => {
+            drain_unread(s, body);
+            return Err((e, ""));
+        }
+    };
     let r = answer(s, api, headers, body, t0, key.as_deref(), share).await?;
     Ok(match in_flight {
         Some(hold) => r.map(|inner| Body::new(HeldBody { inner, _hold: hold })),
         None => r,
     })
+}
+
+/// A request refused before its body was read: the body is read and dropped in the
+/// background — at most `max_body_bytes` of it, within `body_read_timeout_secs`, nothing
+/// kept — so that a client still sending it reads the refusal instead of a broken pipe
+/// (nginx's lingering close). The connection is held that long at most.
+fn drain_unread(s: &AppState, body: Body) {
+    use http_body_util::BodyExt;
+    let timeout = std::time::Duration::from_secs_f64(s.cfg.body_read_timeout_secs);
+    let mut body = http_body_util::Limited::new(body, s.cfg.max_body_bytes);
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(timeout, async { while let Some(Ok(_)) = body.frame().await {} }).await;
+    });
 }
 
 /// A response body that holds its tenant's place until it is dropped (sent, or the client
@@ -311,6 +332,7 @@ pub async fn read_body(
         && !enc.to_str().is_ok_and(|e| e.trim().eq_ignore_ascii_case("identity"))
     {
         let enc = String::from_utf8_lossy(enc.as_bytes());
+        drain_unread(s, body);
         return Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             format!("`Content-Encoding: {enc}` is not supported: send the request body uncompressed"),
@@ -328,7 +350,10 @@ pub async fn read_body(
     let mut hold = s.body_budget.hold(share);
     // An announced length is taken whole before a byte is read: a body the budget cannot
     // hold is refused before the client sends it.
-    hold.cover(announced.unwrap_or(0))?;
+    if let Err(e) = hold.cover(announced.unwrap_or(0)) {
+        drain_unread(s, body);
+        return Err(e);
+    }
     let timeout = std::time::Duration::from_secs_f64(s.cfg.body_read_timeout_secs);
     let Ok(read) = tokio::time::timeout(timeout, collect_within(body, limit, &mut hold)).await else {
         return Err(ApiError::new(
@@ -338,7 +363,10 @@ pub async fn read_body(
     };
     let e = match read {
         Ok(bytes) => return Ok((bytes, hold)),
-        Err(Unread::Budget(e)) => return Err(e),
+        Err(Unread::Budget(e, rest)) => {
+            drain_unread(s, Body::new(rest));
+            return Err(e);
+        }
         Err(Unread::Body(e)) => e,
     };
     let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&*e);
@@ -363,8 +391,9 @@ pub async fn read_body(
 
 /// Why [`collect_within`] stopped short of the body's end.
 enum Unread {
-    /// The body budget could not hold the bytes read so far (503).
-    Budget(ApiError),
+    /// The body budget could not hold the bytes read so far (503, or 429 past the tenant's
+    /// share), with the rest of the body, unread.
+    Budget(ApiError, http_body_util::Limited<Body>),
     /// Reading failed: over `limit`, the client gone, or another transport error.
     Body(axum::BoxError),
 }
@@ -380,7 +409,9 @@ async fn collect_within(body: Body, limit: usize, hold: &mut crate::body_budget:
     while let Some(frame) = body.frame().await {
         let Ok(chunk) = frame.map_err(Unread::Body)?.into_data() else { continue };
         let read = single.as_ref().map_or(0, Bytes::len) + joined.len() + chunk.len();
-        hold.cover(read as u64).map_err(Unread::Budget)?;
+        if let Err(e) = hold.cover(read as u64) {
+            return Err(Unread::Budget(e, body));
+        }
         if single.is_none() && joined.is_empty() {
             single = Some(chunk);
         } else {
