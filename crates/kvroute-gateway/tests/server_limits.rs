@@ -177,10 +177,7 @@ async fn request_bodies_held_at_once_are_bounded_by_the_body_budget() {
 /// Without the share, A's bodies could take the whole budget and B's would get 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_tenant_holds_at_most_its_share_of_the_body_budget() {
-    let stop = CancellationToken::new();
-    let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
-    let keys = std::env::temp_dir().join(format!("kvroute-share-keys-{}.txt", std::process::id()));
-    std::fs::write(&keys, "sk-a team-a\nsk-a2 team-a\nsk-b team-b\n").expect("write keys");
+    let (stop, w, keys) = worker_and_keys("share", "sk-a team-a\nsk-a2 team-a\nsk-b team-b\n").await;
     let _ = rustls::crypto::ring::default_provider().install_default();
     let c = reqwest::Client::new();
     let big = chat_body(40_000);
@@ -246,10 +243,7 @@ async fn one_tenant_holds_at_most_its_share_of_the_body_budget() {
 /// again. Without the bound, A's streams could fill `max_in_flight_per_model` for everyone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_tenant_has_at_most_its_share_of_requests_in_flight() {
-    let stop = CancellationToken::new();
-    let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
-    let keys = std::env::temp_dir().join(format!("kvroute-inflight-keys-{}.txt", std::process::id()));
-    std::fs::write(&keys, "sk-a team-a\nsk-b team-b\n").expect("write keys");
+    let (stop, w, keys) = worker_and_keys("inflight", "sk-a team-a\nsk-b team-b\n").await;
     let config = GatewayConfig {
         max_in_flight_per_tenant: 2,
         api_key_file: Some(keys.display().to_string()),
@@ -299,10 +293,7 @@ async fn one_tenant_has_at_most_its_share_of_requests_in_flight() {
 /// before: its refusal was lost). The client reads the refusal first, then writes 4 MiB.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_refused_before_it_is_read_is_drained_not_cut() {
-    let stop = CancellationToken::new();
-    let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
-    let keys = std::env::temp_dir().join(format!("kvroute-drain-keys-{}.txt", std::process::id()));
-    std::fs::write(&keys, "sk-a team-a\n").expect("write keys");
+    let (stop, w, keys) = worker_and_keys("drain", "sk-a team-a\n").await;
     let config = GatewayConfig {
         max_body_bytes: 8 << 20,
         api_key_file: Some(keys.display().to_string()),
@@ -322,4 +313,14 @@ async fn a_body_refused_before_it_is_read_is_drained_not_cut() {
     guard(async { s.write_all(body.as_bytes()).await.expect("the body is read, not cut off") }).await;
     let _ = std::fs::remove_file(&keys);
     stop.cancel();
+}
+
+/// A simulated worker and an API key file of `keys` (named by `tag`), with the token that
+/// stops the worker.
+async fn worker_and_keys(tag: &str, keys: &str) -> (CancellationToken, String, std::path::PathBuf) {
+    let stop = CancellationToken::new();
+    let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
+    let file = std::env::temp_dir().join(format!("kvroute-{tag}-keys-{}.txt", std::process::id()));
+    std::fs::write(&file, keys).expect("write keys");
+    (stop, w, file)
 }
