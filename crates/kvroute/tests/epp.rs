@@ -473,3 +473,33 @@ async fn request_headers_sent_twice_end_the_stream_with_an_error() {
     let answer = tokio::time::timeout(Duration::from_secs(10), s.rx.message()).await.expect("an answer in time");
     assert_eq!(answer.expect_err("an error status").code(), tonic::Code::InvalidArgument);
 }
+
+/// The endpoint picker holds a tenant's place for the whole exchange
+/// (`max_in_flight_per_tenant`): with one of tenant a's requests picked and its stream
+/// open, a's next request gets an immediate 429 naming the bound while tenant b's is
+/// picked; once a's stream ends, a is picked again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_holds_its_places_for_the_whole_exchange() {
+    let f = fleet(&["--tenant-header", "x-tenant", "--max-in-flight-per-tenant", "1"]).await;
+    let body = chat("sim-llama-3-8b", "hello", false);
+    let mut first = open(&f.epp).await;
+    first.request_with(&body, None, &[("x-tenant", "a")]).await.expect("a's first request picked");
+    let mut second = open(&f.epp).await;
+    let (code, text) = second.request_with(&body, None, &[("x-tenant", "a")]).await.expect_err("a is at its bound");
+    assert_eq!(code, 429, "{text}");
+    assert!(text.contains("max_in_flight_per_tenant"), "{text}");
+    let mut other = open(&f.epp).await;
+    other.request_with(&body, None, &[("x-tenant", "b")]).await.expect("b is picked");
+    // a's first stream ends (the gateway closes it): its place comes back.
+    drop(first);
+    let mut picked = false;
+    for _ in 0..200 {
+        let mut again = open(&f.epp).await;
+        if again.request_with(&body, None, &[("x-tenant", "a")]).await.is_ok() {
+            picked = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(picked, "a's place did not come back after its stream ended");
+}
