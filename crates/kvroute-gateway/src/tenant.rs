@@ -97,10 +97,16 @@ impl Tenancy {
         if let Some(key) = key {
             return Some(self.scopes.salt(&key.cache_tenant));
         }
+        let value = self.header_tenant(headers)?;
+        Some(self.scopes.salt(&String::from_utf8_lossy(value)))
+    }
+
+    /// With `tenant_header`, the tenant `headers` name: the header's value, cut to
+    /// [`MAX_TENANT_NAME`] bytes (empty when absent: the anonymous tenant); `None` without it.
+    fn header_tenant<'h>(&self, headers: &'h HeaderMap) -> Option<&'h [u8]> {
         let name = self.header.as_ref()?;
         let value = headers.get(name).map(|v| v.as_bytes()).unwrap_or_default();
-        let value = &value[..value.len().min(MAX_TENANT_NAME)];
-        Some(self.scopes.salt(&String::from_utf8_lossy(value)))
+        Some(&value[..value.len().min(MAX_TENANT_NAME)])
     }
 
     /// The salt of the tenant named `name` (`None` with isolation off).
@@ -117,10 +123,7 @@ impl Tenancy {
         if let Some(key) = key {
             return Some(key.share);
         }
-        let name = self.header.as_ref()?;
-        let value = headers.get(name).map(|v| v.as_bytes()).unwrap_or_default();
-        let value = &value[..value.len().min(MAX_TENANT_NAME)];
-        let hash = kvroute_core::hash::stable_hash(value);
+        let hash = kvroute_core::hash::stable_hash(self.header_tenant(headers)?);
         Some((hash % crate::model::shares::HEADER_TENANT_SHARES as u64) as usize)
     }
 
