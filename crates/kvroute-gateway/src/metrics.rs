@@ -421,7 +421,7 @@ impl Metrics {
         );
         r.register(
             "kvroute_buffered_body_bytes",
-            "Bytes of request bodies held now, of max_buffered_body_bytes (whole KiB per body)",
+            "Bytes of request bodies held now (and of endpoint-picker messages still arriving), of max_buffered_body_bytes (whole KiB per body)",
             self.buffered_body_bytes.clone(),
         );
     }

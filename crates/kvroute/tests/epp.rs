@@ -444,6 +444,110 @@ async fn bodies_held_at_once_share_the_body_budget() {
     assert!(!picked.is_empty(), "{picked:?}");
 }
 
+/// One ext_proc stream written on the wire by hand: gRPC frames (a flag byte, a 4-byte
+/// big-endian length, the message), so a message can be cut short.
+struct Wire {
+    tx: mpsc::Sender<Result<bytes::Bytes, std::io::Error>>,
+    rx: tonic::body::Body,
+    read: Vec<u8>,
+}
+
+impl Wire {
+    async fn open(epp: &str) -> Wire {
+        use tower_service::Service;
+        let mut ch = tonic::transport::Channel::from_shared(format!("http://{epp}"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connect");
+        let (tx, rx) = mpsc::channel(16);
+        let chunks = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+        let body = tonic::body::Body::new(axum::body::Body::from_stream(chunks));
+        let req = http::Request::post(format!("http://{epp}/envoy.service.ext_proc.v3.ExternalProcessor/Process"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(body)
+            .expect("request");
+        futures_util::future::poll_fn(|cx| ch.poll_ready(cx)).await.expect("ready");
+        let rx = ch.call(req).await.expect("response").into_body();
+        Wire { tx, rx, read: Vec::new() }
+    }
+
+    /// Sends the first `sent` bytes of `m`'s frame (all of it: `usize::MAX`).
+    async fn send(&self, m: Msg, sent: usize) {
+        use prost::Message;
+        let m = ProcessingRequest { request: Some(m), ..Default::default() }.encode_to_vec();
+        let mut frame = vec![0u8];
+        frame.extend_from_slice(&(m.len() as u32).to_be_bytes());
+        frame.extend_from_slice(&m);
+        frame.truncate(sent);
+        self.tx.send(Ok(frame.into())).await.expect("send");
+    }
+
+    /// The next reply (fails after 10 s, or when the stream ends without one).
+    async fn recv(&mut self) -> Reply {
+        use http_body_util::BodyExt;
+        loop {
+            if self.read.len() >= 5 {
+                let len = u32::from_be_bytes([self.read[1], self.read[2], self.read[3], self.read[4]]) as usize;
+                if self.read.len() >= 5 + len {
+                    let m: Vec<u8> = self.read.drain(..5 + len).skip(5).collect();
+                    let r = <ProcessingResponse as prost::Message>::decode(m.as_slice()).expect("a response");
+                    return r.response.expect("a reply");
+                }
+            }
+            let frame = tokio::time::timeout(Duration::from_secs(10), self.rx.frame()).await.expect("in time");
+            let frame = frame.expect("not ended").expect("no error");
+            if let Some(d) = frame.data_ref() {
+                self.read.extend_from_slice(d);
+            }
+        }
+    }
+}
+
+/// tonic assembles a gRPC message whole before the picker reads it. A message the gateway
+/// has begun and not finished counts against the body budget as its bytes arrive, so
+/// streams each sending a large body message slowly cannot make the router hold more than
+/// `max_buffered_body_bytes`: the stream that does not fit gets an immediate 503. Before,
+/// every half-sent message was held outside the budget and no stream was refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_still_arriving_count_against_the_body_budget() {
+    let f = fleet(&["--max-body-bytes", "1048576", "--max-buffered-body-bytes", "2097152"]).await;
+    let big = chat("sim-llama-3-8b", &"word ".repeat(180_000), false);
+    let body = HttpBody { body: serde_json::to_vec(&big).expect("json"), end_of_stream: true, ..Default::default() };
+    assert!((900_000..1_000_000).contains(&body.body.len()));
+    let h =
+        headers(&[(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")], false);
+    // Three streams each send 600 KB of their body's message and wait: 1.8 MB of 2 MiB.
+    let mut streams = Vec::new();
+    for i in 1..=3u64 {
+        let w = Wire::open(&f.epp).await;
+        w.send(Msg::RequestHeaders(h.clone()), usize::MAX).await;
+        w.send(Msg::RequestBody(body.clone()), 600_000).await;
+        let mut held = 0;
+        for _ in 0..200 {
+            held = metric(&f.router, "kvroute_buffered_body_bytes", "").await;
+            if held >= i * 600_000 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(held >= i * 600_000, "stream {i}: {held} bytes held");
+        streams.push(w);
+    }
+    // A fourth does not fit beside them.
+    let mut fourth = Wire::open(&f.epp).await;
+    fourth.send(Msg::RequestHeaders(h.clone()), usize::MAX).await;
+    fourth.send(Msg::RequestBody(body.clone()), 600_000).await;
+    let Reply::ImmediateResponse(i) = fourth.recv().await else { panic!("an immediate response") };
+    let text = String::from_utf8_lossy(&i.body);
+    assert_eq!(i.status.map(|s| s.code), Some(503), "{text}");
+    assert!(text.contains("max_buffered_body_bytes"), "{text}");
+    // The three go away; their bytes are back.
+    drop(streams);
+    expect_metric(&f.router, "kvroute_buffered_body_bytes", "", 0).await;
+}
+
 /// A stream carries one request: request headers sent again after the pick end the stream
 /// with `INVALID_ARGUMENT`, where they got no reply and the stream waited until it closed.
 /// (And a request that ends with its headers is answered as `serve` answers it.)

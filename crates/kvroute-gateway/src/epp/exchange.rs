@@ -14,6 +14,7 @@
 //! stream closed     before the response ended: the client went away, counted cancelled
 //! ```
 
+use super::transit::StreamBudget;
 use super::wire;
 use crate::app::AppState;
 use crate::config::EppBodyMode;
@@ -85,6 +86,8 @@ struct Io {
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
     /// Longest wait for the gateway's next message (`request_timeout_secs`).
     idle: Duration,
+    /// The stream's messages still arriving, covered by the body budget.
+    transit: Option<Arc<StreamBudget>>,
 }
 
 impl Io {
@@ -104,6 +107,11 @@ impl Io {
             }
             Err(_) => Ok(None),
         }
+    }
+
+    /// Why the body budget failed the stream's request half, when it did.
+    fn refusal(&self) -> Option<ApiError> {
+        self.transit.as_ref().and_then(|t| t.refusal())
     }
 
     /// Sends `r`; false when the gateway is gone.
@@ -133,20 +141,19 @@ fn api_of(path: &str) -> Option<Api> {
 }
 
 /// Runs one ext_proc stream to its end.
+///
+/// `transit` is the stream's share of the body budget for messages still arriving
+/// ([`super::transit`]); `None` when the request did not come through the metered service
+/// (in `serve` it always does).
 pub(super) async fn run(
     s: Arc<AppState>,
     inbound: Streaming<ProcessingRequest>,
+    transit: Option<Arc<StreamBudget>>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
 ) {
-    let mut io = Io { inbound, tx, idle: Duration::from_secs_f64(s.cfg.request_timeout_secs) };
-    let Some(first) = io.next().await else { return };
-    let Some(Msg::RequestHeaders(h)) = &first.request else {
-        let _ = io
-            .tx
-            .send(Err(Status::invalid_argument("the first message of an ext_proc stream must be request headers")))
-            .await;
-        return;
-    };
+    let mut io = Io { inbound, tx, idle: Duration::from_secs_f64(s.cfg.request_timeout_secs), transit };
+    let Some(first) = first_message(&s, &mut io).await else { return };
+    let Some(Msg::RequestHeaders(h)) = &first.request else { return };
     let t0 = Instant::now();
     let modes = match Modes::of(s.cfg.epp_body_mode, wire::announced_modes(&first)) {
         Ok(m) => m,
@@ -163,6 +170,7 @@ pub(super) async fn run(
         Err(e) => return refuse(&s, &io, &e, "", decisions).await,
     };
     let share = s.tenancy.share(key.as_deref(), &headers);
+    io.transit.as_ref().inspect(|t| t.set_share(share));
     // The tenant's place, held until the exchange ends (the answer observed, or an error).
     let _in_flight = match tenant_in_flight(&s, key.as_deref(), share) {
         Ok(h) => h,
@@ -183,6 +191,8 @@ pub(super) async fn run(
             None => return,
         }
     };
+    // The rest of the stream is the response the gateway relays.
+    io.transit.as_ref().inspect(|t| t.request_read());
     let picked_at = Instant::now();
     let mut ctx = match prepare(&s, api, &headers, t0, key.as_deref(), body.clone()) {
         Ok(c) => c,
@@ -214,6 +224,28 @@ pub(super) async fn run(
     observe(&ctx, picked, &mut io, modes, decisions).await;
 }
 
+/// The stream's first message, which must be the request headers; `None` when the stream
+/// ended or failed first (a refusal of the body budget answered, [`super::transit`]), or
+/// began with another message (the stream ended with `INVALID_ARGUMENT`).
+async fn first_message(s: &AppState, io: &mut Io) -> Option<ProcessingRequest> {
+    let first = match io.next_or_error().await {
+        Ok(m) => m?,
+        Err(_) => {
+            // The request headers did not fit the body budget: no key is known yet.
+            if let Some(e) = io.refusal() {
+                refuse(s, io, &e, "", false).await;
+            }
+            return None;
+        }
+    };
+    if matches!(first.request, Some(Msg::RequestHeaders(_))) {
+        return Some(first);
+    }
+    let e = Status::invalid_argument("the first message of an ext_proc stream must be request headers");
+    let _ = io.tx.send(Err(e)).await;
+    None
+}
+
 /// Answers the request with `e` (an immediate response), counted as `serve` counts it;
 /// shown as `serve` shows it (worker addresses only to a client that `may_see_decisions`).
 async fn refuse(s: &AppState, io: &Io, e: &ApiError, branch: &'static str, may_see_decisions: bool) {
@@ -233,7 +265,8 @@ async fn refuse(s: &AppState, io: &Io, e: &ApiError, branch: &'static str, may_s
 /// `max_body_bytes` + 64 KiB, included), and for a buffered body that does not end in its
 /// message: BUFFERED_PARTIAL's first bytes of a body over the gateway's buffer, from which
 /// no prompt can be read. 503 when the router's body budget (`max_buffered_body_bytes`)
-/// cannot hold the body: `held` covers what was read.
+/// cannot hold the body (`held` covers what was read) or a message of it while it arrives
+/// ([`super::transit`]), 429 when the tenant's share cannot.
 async fn collect_body(
     s: &AppState,
     io: &mut Io,
@@ -252,7 +285,8 @@ async fn collect_body(
         let m = match io.next_or_error().await {
             Ok(m) => m?,
             Err(status) if status.code() == tonic::Code::OutOfRange => return too_large(),
-            Err(_) => return None,
+            // A message the body budget could not hold while it arrived.
+            Err(_) => return io.refusal().map(Err),
         };
         match m.request {
             Some(Msg::RequestBody(b)) => {

@@ -14,6 +14,7 @@
 //! routable worker, not draining, cluster state synced).
 
 mod exchange;
+pub mod transit;
 pub mod wire;
 
 use crate::app::AppState;
@@ -52,9 +53,45 @@ impl ExternalProcessor for Picker {
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let (tx, rx) = tokio::sync::mpsc::channel(STREAM_QUEUE);
-        tokio::spawn(exchange::run(Arc::clone(&self.s), request.into_inner(), tx));
+        let transit = request.extensions().get::<Arc<transit::StreamBudget>>().cloned();
+        tokio::spawn(exchange::run(Arc::clone(&self.s), request.into_inner(), transit, tx));
         let out = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
         Ok(Response::new(Box::pin(out)))
+    }
+}
+
+/// The ext_proc service, each stream's body metered against the body budget
+/// ([`transit`]): the picker finds the stream's [`transit::StreamBudget`] in its request's
+/// extensions.
+#[derive(Clone)]
+struct MeteredPicker {
+    inner: ExternalProcessorServer<Picker>,
+    budget: crate::body_budget::BodyBudget,
+}
+
+impl tonic::server::NamedService for MeteredPicker {
+    const NAME: &'static str = <ExternalProcessorServer<Picker> as tonic::server::NamedService>::NAME;
+}
+
+impl tower_service::Service<http::Request<tonic::body::Body>> for MeteredPicker {
+    type Response = <ExternalProcessorServer<Picker> as tower_service::Service<
+        http::Request<transit::Metered<tonic::body::Body>>,
+    >>::Response;
+    type Error = std::convert::Infallible;
+    type Future = <ExternalProcessorServer<Picker> as tower_service::Service<
+        http::Request<transit::Metered<tonic::body::Body>>,
+    >>::Future;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        tower_service::Service::<http::Request<transit::Metered<tonic::body::Body>>>::poll_ready(&mut self.inner, cx)
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let (parts, body) = req.into_parts();
+        let (body, stream) = transit::Metered::new(body, self.budget.clone());
+        let mut req = http::Request::from_parts(parts, body);
+        req.extensions_mut().insert(stream);
+        self.inner.call(req)
     }
 }
 
@@ -124,6 +161,7 @@ pub async fn serve(
     // A buffered request body is one message: room for the largest body the router accepts.
     let max_message = s.cfg.max_body_bytes.saturating_add(1 << 16);
     let picker = ExternalProcessorServer::new(Picker { s: Arc::clone(&s) }).max_decoding_message_size(max_message);
+    let picker = MeteredPicker { inner: picker, budget: s.body_budget.clone() };
     let health = HealthServer::new(Probes { s: Arc::clone(&s) });
     tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
