@@ -27,9 +27,11 @@ const MODEL: &str = "sim-llama-3-8b";
 
 /// Series prefixes this test's fleet cannot feed (live policy needs etcd, KV-event series
 /// need engines publishing events, the endpoint picker's need a gateway calling it — its
-/// series are checked in crates/kvroute/tests/epp.rs): dashboard queries on them must run,
-/// not return data.
-const NEEDS_OUTSIDE_PIECES: [&str; 3] = ["kvroute_policy_updates", "kvroute_kv_event_", "kvroute_epp_"];
+/// series are checked in crates/kvroute/tests/epp.rs — and the cluster sync's need NATS,
+/// checked in crates/kvroute/tests/cluster_cli.rs): dashboard queries on them must run, not
+/// return data.
+const NEEDS_OUTSIDE_PIECES: [&str; 5] =
+    ["kvroute_policy_updates", "kvroute_kv_event_", "kvroute_epp_", "kvroute_sync_", "kvroute_nats_"];
 
 /// How long a wait may last before the test fails.
 const DEADLINE: Duration = Duration::from_secs(60);
