@@ -548,6 +548,65 @@ async fn messages_still_arriving_count_against_the_body_budget() {
     expect_metric(&f.router, "kvroute_buffered_body_bytes", "", 0).await;
 }
 
+/// Once a stream's request headers named its tenant, the messages that follow are also
+/// taken from the tenant's share of the budget while they arrive: a tenant's second
+/// half-sent body past its share gets an immediate 429, and another tenant's body is picked.
+/// (Buffered mode: the body is sent after the picker's "go on" to the headers, so the
+/// tenant is known by then.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_arriving_is_taken_from_its_tenant_s_share() {
+    let f = fleet(&[
+        "--epp-body-mode",
+        "buffered",
+        "--tenant-header",
+        "x-tenant",
+        "--max-body-bytes",
+        "1048576",
+        "--max-buffered-body-bytes",
+        "8388608",
+        "--max-buffered-body-bytes-per-tenant",
+        "1048576",
+    ])
+    .await;
+    let big = chat("sim-llama-3-8b", &"word ".repeat(180_000), false);
+    let body = HttpBody { body: serde_json::to_vec(&big).expect("json"), end_of_stream: true, ..Default::default() };
+    let opened = async |tenant: &str| {
+        let w = Wire::open(&f.epp).await;
+        let pairs = [
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("content-type", "application/json"),
+            ("x-tenant", tenant),
+        ];
+        w.send(Msg::RequestHeaders(headers(&pairs, false)), usize::MAX).await;
+        w
+    };
+    let mut a1 = opened("a").await;
+    let Reply::RequestHeaders(_) = a1.recv().await else { panic!("go on") };
+    a1.send(Msg::RequestBody(body.clone()), 600_000).await;
+    let mut held = 0;
+    for _ in 0..200 {
+        held = metric(&f.router, "kvroute_buffered_body_bytes", "").await;
+        if held >= 600_000 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(held >= 600_000, "{held} bytes held");
+    let mut a2 = opened("a").await;
+    let Reply::RequestHeaders(_) = a2.recv().await else { panic!("go on") };
+    a2.send(Msg::RequestBody(body.clone()), 600_000).await;
+    let Reply::ImmediateResponse(i) = a2.recv().await else { panic!("an immediate response") };
+    let text = String::from_utf8_lossy(&i.body);
+    assert_eq!(i.status.map(|s| s.code), Some(429), "{text}");
+    assert!(text.contains("max_buffered_body_bytes_per_tenant"), "{text}");
+    let mut b = opened("b").await;
+    let Reply::RequestHeaders(_) = b.recv().await else { panic!("go on") };
+    b.send(Msg::RequestBody(body.clone()), usize::MAX).await;
+    let Reply::RequestBody(_) = b.recv().await else { panic!("tenant b's request picked") };
+    drop(a1);
+}
+
 /// A stream carries one request: request headers sent again after the pick end the stream
 /// with `INVALID_ARGUMENT`, where they got no reply and the stream waited until it closed.
 /// (And a request that ends with its headers is answered as `serve` answers it.)

@@ -15,7 +15,9 @@
 //!
 //! The tenant is known once the picker has read the request headers (the stream's first
 //! message) and checked its key; the messages that start after that ([`StreamBudget::set_share`])
-//! are also taken from the tenant's share. Once the request body is read
+//! are also taken from the tenant's share (in full-duplex mode the gateway sends the first
+//! body chunk right behind the headers: a message that began before that is taken from the
+//! budget alone). Once the request body is read
 //! ([`StreamBudget::request_read`]) nothing more is metered: the rest of the stream is the
 //! response the gateway relays, in chunks of its own buffer's size.
 
