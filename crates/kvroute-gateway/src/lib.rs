@@ -173,7 +173,7 @@ pub async fn serve_with_reload(
     let mut tasks = spawn_background(&state, &cancel);
     let limits = server::Limits::from_config(&state.cfg);
     tasks.extend(admin.map(|(l, a)| spawn_admin(l, a, limits, tls.clone(), cancel.clone())));
-    tasks.extend(epp.map(|l| spawn_epp(&state, l, cancel.clone())));
+    tasks.extend(epp.map(|l| spawn_epp(&state, l, limits, cancel.clone())));
     let deadline = server::serve(listener, main_app, limits, tls, shutdown, drain_hooks(&state)).await;
     // The background tasks (health checks, KV events, etcd, NATS) stop now; none may hold
     // the process past the drain deadline (a NATS flush or an etcd call to a server that
@@ -222,17 +222,26 @@ async fn bind_epp(state: &AppState) -> anyhow::Result<Option<tokio::net::TcpList
 }
 
 /// Serves the endpoint picker until `stop` (the main listener has drained: a gateway's
-/// ext_proc streams are served through the drain delay, as HTTP clients are).
+/// ext_proc streams are served through the drain delay, as HTTP clients are), with the main
+/// port's connection guards (`limits`), up to [`epp::MAX_STREAMS_PER_CONNECTION`] streams
+/// a connection (a gateway multiplexes its requests on a few), no probe reserve (the
+/// gateway's health checks are gRPC calls on its ordinary connections) and no drain delay.
 fn spawn_epp(
     state: &Arc<AppState>,
     listener: tokio::net::TcpListener,
+    limits: server::Limits,
     stop: tokio_util::sync::CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    let state = Arc::clone(state);
+    let limits = server::Limits {
+        http2_max_concurrent_streams: Some(epp::MAX_STREAMS_PER_CONNECTION),
+        probe_connections: 0,
+        drain_delay: Duration::ZERO,
+        ..limits
+    };
+    let app = epp::router(state);
     tokio::spawn(async move {
-        if let Err(e) = epp::serve(state, listener, stop).await {
-            tracing::error!(error = %e, "endpoint picker stopped");
-        }
+        server::serve(listener, app, limits, None, async move { stop.cancelled().await }, server::Drain::default())
+            .await;
     })
 }
 

@@ -120,6 +120,9 @@ pub struct Limits {
     pub max_connections_per_client: usize,
     /// HTTP/2 PING interval, and how long a PING may go unanswered; `None`: no PINGs.
     pub http2_keep_alive: Option<Duration>,
+    /// Streams open at once on one HTTP/2 connection at most; `None`: hyper's default
+    /// (200). The endpoint picker's gateway multiplexes its requests on a few connections.
+    pub http2_max_concurrent_streams: Option<u32>,
     /// After the shutdown signal, how long new connections are still accepted.
     pub drain_delay: Duration,
     /// After the shutdown signal, how long until everything still open is dropped.
@@ -139,6 +142,7 @@ impl Limits {
             probe_connections: cfg.probe_connections,
             max_connections_per_client: cfg.max_connections_per_client,
             http2_keep_alive: (cfg.http2_keep_alive_secs > 0.0).then(|| secs(cfg.http2_keep_alive_secs)),
+            http2_max_concurrent_streams: None,
             drain_delay: secs(cfg.drain_delay_secs),
             drain_timeout: secs(cfg.drain_timeout_secs),
         }
@@ -425,7 +429,7 @@ async fn drain_signal(
     t0
 }
 
-/// The HTTP/1 and HTTP/2 connection settings of `limits` (head timeout, PINGs).
+/// The HTTP/1 and HTTP/2 connection settings of `limits` (head timeout, PINGs, streams).
 fn http_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout);
@@ -433,6 +437,9 @@ fn http_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
     h2.timer(TokioTimer::new());
     if let Some(k) = limits.http2_keep_alive {
         h2.keep_alive_interval(k).keep_alive_timeout(k);
+    }
+    if let Some(n) = limits.http2_max_concurrent_streams {
+        h2.max_concurrent_streams(n);
     }
     builder
 }

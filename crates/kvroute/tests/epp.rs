@@ -607,6 +607,47 @@ async fn a_message_arriving_is_taken_from_its_tenant_s_share() {
     drop(a1);
 }
 
+/// Reads from `s` until the router closes it; fails when it is still open after 30 s (a
+/// hang guard far above the deadlines the test sets, not a timing assertion).
+async fn closed_by_the_router(s: &mut tokio::net::TcpStream, what: &str) {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    let read_to_close = async {
+        while let Ok(n) = s.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), read_to_close)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: the endpoint picker kept the connection open"));
+}
+
+/// The picker's port has the main port's connection guards: a connection that sends
+/// nothing is closed after `header_read_timeout_secs`, and a client past
+/// `max_connections_per_client` is closed at once, while its first connection is served.
+/// (gRPC's own server, before, kept both open.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_s_port_closes_silent_connections_and_caps_a_client() {
+    let f = fleet(&["--header-read-timeout-secs", "1", "--max-connections-per-client", "1"]).await;
+    let mut silent = tokio::net::TcpStream::connect(&f.epp).await.expect("connect");
+    closed_by_the_router(&mut silent, "a silent connection").await;
+    let mut first = Wire::open(&f.epp).await;
+    let h =
+        headers(&[(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")], false);
+    first.send(Msg::RequestHeaders(h), usize::MAX).await;
+    let mut second = tokio::net::TcpStream::connect(&f.epp).await.expect("connect");
+    closed_by_the_router(&mut second, "a second connection of the client").await;
+    let body = HttpBody {
+        body: serde_json::to_vec(&chat("sim-llama-3-8b", "hello", false)).expect("json"),
+        end_of_stream: true,
+        ..Default::default()
+    };
+    first.send(Msg::RequestBody(body), usize::MAX).await;
+    let Reply::RequestHeaders(_) = first.recv().await else { panic!("the first connection's request picked") };
+}
+
 /// A stream carries one request: request headers sent again after the pick end the stream
 /// with `INVALID_ARGUMENT`, where they got no reply and the stream waited until it closed.
 /// (And a request that ends with its headers is answered as `serve` answers it.)

@@ -34,7 +34,7 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 /// Responses queued per ext_proc stream before the picker waits for the gateway to read.
 const STREAM_QUEUE: usize = 32;
 /// Most ext_proc streams (requests) open at once on one gateway connection.
-const MAX_STREAMS_PER_CONNECTION: u32 = 4096;
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 4096;
 
 /// A stream of messages to the gateway.
 type Outbound<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -149,27 +149,16 @@ impl Health for Probes {
     }
 }
 
-/// Serves the endpoint picker on `listener` until `stop`.
-///
-/// # Errors
-/// The gRPC server's transport error.
-pub async fn serve(
-    s: Arc<AppState>,
-    listener: tokio::net::TcpListener,
-    stop: tokio_util::sync::CancellationToken,
-) -> anyhow::Result<()> {
+/// The endpoint picker's gRPC services (ext_proc and health) as a router, for
+/// [`crate::server::serve`] on the `epp_listen` listener: the main port's connection guards
+/// (`max_connections`, `max_connections_per_client`, the deadline for a connection that
+/// sends nothing, `header_read_timeout_secs`) apply to it too, with up to
+/// [`MAX_STREAMS_PER_CONNECTION`] streams a connection.
+pub fn router(s: &Arc<AppState>) -> axum::Router {
     // A buffered request body is one message: room for the largest body the router accepts.
     let max_message = s.cfg.max_body_bytes.saturating_add(1 << 16);
-    let picker = ExternalProcessorServer::new(Picker { s: Arc::clone(&s) }).max_decoding_message_size(max_message);
+    let picker = ExternalProcessorServer::new(Picker { s: Arc::clone(s) }).max_decoding_message_size(max_message);
     let picker = MeteredPicker { inner: picker, budget: s.body_budget.clone() };
-    let health = HealthServer::new(Probes { s: Arc::clone(&s) });
-    tonic::transport::Server::builder()
-        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
-        .add_service(picker)
-        .add_service(health)
-        .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), async move {
-            stop.cancelled().await;
-        })
-        .await?;
-    Ok(())
+    let health = HealthServer::new(Probes { s: Arc::clone(s) });
+    tonic::service::Routes::new(picker).add_service(health).into_axum_router()
 }
