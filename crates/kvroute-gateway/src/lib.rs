@@ -173,7 +173,8 @@ pub async fn serve_with_reload(
     let mut tasks = spawn_background(&state, &cancel);
     let limits = server::Limits::from_config(&state.cfg);
     tasks.extend(admin.map(|(l, a)| spawn_admin(l, a, limits, tls.clone(), cancel.clone())));
-    tasks.extend(epp.map(|l| spawn_epp(&state, l, limits, cancel.clone())));
+    let epp_tls = epp_tls(&state.cfg, tls.as_ref(), epp.as_ref())?;
+    tasks.extend(epp.map(|l| spawn_epp(&state, l, limits, epp_tls, cancel.clone())));
     let deadline = server::serve(listener, main_app, limits, tls, shutdown, drain_hooks(&state)).await;
     // The background tasks (health checks, KV events, etcd, NATS) stop now; none may hold
     // the process past the drain deadline (a NATS flush or an etcd call to a server that
@@ -221,6 +222,27 @@ async fn bind_epp(state: &AppState) -> anyhow::Result<Option<tokio::net::TcpList
     Ok(Some(l))
 }
 
+/// The endpoint picker's TLS with `epp_tls`: the main port's certificate (`main`), else a
+/// self-signed one for the listener's address, `localhost` and the host's name.
+///
+/// # Errors
+/// The self-signed certificate could not be made.
+fn epp_tls(
+    cfg: &GatewayConfig,
+    main: Option<&Arc<tls::ServerTls>>,
+    listener: Option<&tokio::net::TcpListener>,
+) -> anyhow::Result<Option<Arc<tls::ServerTls>>> {
+    let Some(l) = listener.filter(|_| cfg.epp_tls) else { return Ok(None) };
+    if let Some(t) = main {
+        return Ok(Some(Arc::clone(t)));
+    }
+    let mut names = vec!["localhost".to_string(), l.local_addr()?.ip().to_string()];
+    names.extend(std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()));
+    let t = tls::ServerTls::self_signed(names)?;
+    tracing::info!("endpoint picker serves TLS with a self-signed certificate (epp_tls, no tls_cert)");
+    Ok(Some(t))
+}
+
 /// Serves the endpoint picker until `stop` (the main listener has drained: a gateway's
 /// ext_proc streams are served through the drain delay, as HTTP clients are), with the main
 /// port's connection guards (`limits`), up to [`epp::MAX_STREAMS_PER_CONNECTION`] streams
@@ -230,6 +252,7 @@ fn spawn_epp(
     state: &Arc<AppState>,
     listener: tokio::net::TcpListener,
     limits: server::Limits,
+    tls: Option<Arc<tls::ServerTls>>,
     stop: tokio_util::sync::CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let limits = server::Limits {
@@ -240,7 +263,7 @@ fn spawn_epp(
     };
     let app = epp::router(state);
     tokio::spawn(async move {
-        server::serve(listener, app, limits, None, async move { stop.cancelled().await }, server::Drain::default())
+        server::serve(listener, app, limits, tls, async move { stop.cancelled().await }, server::Drain::default())
             .await;
     })
 }

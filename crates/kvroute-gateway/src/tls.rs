@@ -1,5 +1,6 @@
-//! TLS with rustls: HTTPS for clients (`tls_cert`, `tls_key`, read again on SIGHUP) and the
-//! trust roots for `https://` workers (`worker_ca_file`).
+//! TLS with rustls: HTTPS for clients (`tls_cert`, `tls_key`, read again on SIGHUP; or, for
+//! the endpoint picker's listener with `epp_tls` and no certificate, a self-signed one) and
+//! the trust roots for `https://` workers (`worker_ca_file`).
 //!
 //! The server side offers HTTP/2 and HTTP/1.1 through ALPN, with rustls's safe defaults
 //! (TLS 1.2 and 1.3, the `ring` provider). A reload builds a whole new server configuration
@@ -14,17 +15,25 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// The client-facing TLS configuration: the certificate and key files, and the
-/// configuration built from them, swapped whole on reload.
+/// Where a [`ServerTls`]'s certificate comes from.
+#[derive(Debug)]
+enum Source {
+    /// PEM files (`tls_cert`, `tls_key`), read again on reload.
+    Files { cert: PathBuf, key: PathBuf },
+    /// Generated at start ([`ServerTls::self_signed`]); a reload keeps it.
+    SelfSigned,
+}
+
+/// The client-facing TLS configuration: where its certificate comes from, and the
+/// configuration built from it, swapped whole on reload.
 pub struct ServerTls {
-    cert: PathBuf,
-    key: PathBuf,
+    source: Source,
     current: ArcSwap<rustls::ServerConfig>,
 }
 
 impl std::fmt::Debug for ServerTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerTls").field("cert", &self.cert).field("key", &self.key).finish_non_exhaustive()
+        f.debug_struct("ServerTls").field("source", &self.source).finish_non_exhaustive()
     }
 }
 
@@ -37,21 +46,35 @@ impl ServerTls {
     /// match the certificate; the message names the file.
     pub fn load(cert: &Path, key: &Path) -> anyhow::Result<Arc<ServerTls>> {
         let config = server_config(cert, key)?;
-        Ok(Arc::new(ServerTls {
-            cert: cert.to_path_buf(),
-            key: key.to_path_buf(),
-            current: ArcSwap::from_pointee(config),
-        }))
+        let source = Source::Files { cert: cert.to_path_buf(), key: key.to_path_buf() };
+        Ok(Arc::new(ServerTls { source, current: ArcSwap::from_pointee(config) }))
     }
 
-    /// Reads both files again and, if they load, serves the new certificate to every
-    /// handshake from now on.
+    /// A certificate generated now and signed by its own key (ECDSA P-256), for `names`
+    /// (DNS names or IP addresses): what the Gateway API Inference Extension's reference
+    /// endpoint picker serves when it is given no certificate, so a gateway set up to
+    /// reach it over TLS without verifying the certificate (NGINX Gateway Fabric's
+    /// default, Istio's `insecureSkipVerify`) reaches kvroute the same way.
+    ///
+    /// # Errors
+    /// The key or certificate could not be generated.
+    pub fn self_signed(names: Vec<String>) -> anyhow::Result<Arc<ServerTls>> {
+        let made = rcgen::generate_simple_self_signed(names).context("a self-signed certificate")?;
+        let key = PrivateKeyDer::Pkcs8(made.signing_key.serialize_der().into());
+        let config = with_cert(vec![made.cert.der().clone()], key).context("a self-signed certificate")?;
+        Ok(Arc::new(ServerTls { source: Source::SelfSigned, current: ArcSwap::from_pointee(config) }))
+    }
+
+    /// Reads the files again and, if they load, serves the new certificate to every
+    /// handshake from now on (a self-signed certificate is kept).
     ///
     /// # Errors
     /// As [`ServerTls::load`]; the certificate in use is then kept.
     pub fn reload(&self) -> anyhow::Result<()> {
-        let config = server_config(&self.cert, &self.key)?;
-        self.current.store(Arc::new(config));
+        if let Source::Files { cert, key } = &self.source {
+            let config = server_config(cert, key)?;
+            self.current.store(Arc::new(config));
+        }
         Ok(())
     }
 
@@ -74,13 +97,21 @@ fn server_config(cert: &Path, key: &Path) -> anyhow::Result<rustls::ServerConfig
     let key_der = PrivateKeyDer::from_pem_file(key).with_context(|| {
         format!("tls_key {}: no PEM private key (PKCS#8, PKCS#1 or SEC1) in the file", key.display())
     })?;
+    with_cert(chain, key_der)
+        .with_context(|| format!("tls_key {} does not fit tls_cert {}", key.display(), cert.display()))
+}
+
+/// A server configuration serving `chain` with `key`, ALPN `h2` then `http/1.1`.
+///
+/// # Errors
+/// The key does not fit the certificate.
+fn with_cert(chain: Vec<CertificateDer<'static>>, key: PrivateKeyDer<'static>) -> anyhow::Result<rustls::ServerConfig> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .context("TLS protocol versions")?
         .with_no_client_auth()
-        .with_single_cert(chain, key_der)
-        .with_context(|| format!("tls_key {} does not fit tls_cert {}", key.display(), cert.display()))?;
+        .with_single_cert(chain, key)?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(config)
 }

@@ -127,6 +127,10 @@ pub struct Args {
     /// full_duplex), buffered, full_duplex.
     #[arg(long, env = "KVROUTE_EPP_BODY_MODE", value_parser = ["auto", "buffered", "full_duplex"])]
     pub epp_body_mode: Option<String>,
+    /// Serve --epp-listen over TLS: the --tls-cert/--tls-key certificate, else a self-signed one
+    /// made at start (gateways that reach their picker without verifying it).
+    #[arg(long, env = "KVROUTE_EPP_TLS")]
+    pub epp_tls: bool,
     /// File of client API keys, one `KEY [TENANT] [rpm=N] [tpm=N]` per line.
     #[arg(long, env = "KVROUTE_API_KEY_FILE")]
     pub api_key_file: Option<String>,
@@ -419,6 +423,7 @@ fn security_flags(a: &Args, cfg: &mut GatewayConfig) {
     if a.epp_listen.is_some() {
         cfg.epp_listen = a.epp_listen.clone();
     }
+    cfg.epp_tls |= a.epp_tls;
     cfg.epp_body_mode = match a.epp_body_mode.as_deref() {
         Some("buffered") => EppBodyMode::Buffered,
         Some("full_duplex") => EppBodyMode::FullDuplex,

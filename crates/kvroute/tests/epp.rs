@@ -476,10 +476,7 @@ impl Wire {
     /// Sends the first `sent` bytes of `m`'s frame (all of it: `usize::MAX`).
     async fn send(&self, m: Msg, sent: usize) {
         use prost::Message;
-        let m = ProcessingRequest { request: Some(m), ..Default::default() }.encode_to_vec();
-        let mut frame = vec![0u8];
-        frame.extend_from_slice(&(m.len() as u32).to_be_bytes());
-        frame.extend_from_slice(&m);
+        let mut frame = grpc_frame(&ProcessingRequest { request: Some(m), ..Default::default() }.encode_to_vec());
         frame.truncate(sent);
         self.tx.send(Ok(frame.into())).await.expect("send");
     }
@@ -646,6 +643,77 @@ async fn the_picker_s_port_closes_silent_connections_and_caps_a_client() {
     };
     first.send(Msg::RequestBody(body), usize::MAX).await;
     let Reply::RequestHeaders(_) = first.recv().await else { panic!("the first connection's request picked") };
+}
+
+/// `message` framed as gRPC sends it (a flag byte, a 4-byte big-endian length).
+fn grpc_frame(message: &[u8]) -> Vec<u8> {
+    let mut f = vec![0u8];
+    f.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    f.extend_from_slice(message);
+    f
+}
+
+/// With `--epp-tls` and no certificate, the picker serves TLS (ALPN h2) with a self-signed
+/// certificate, as the Gateway API Inference Extension's reference picker does: a gRPC
+/// client that does not verify it gets the health service's answer and a pick, and a
+/// plaintext client gets nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn epp_tls_serves_grpc_over_a_self_signed_certificate() {
+    use futures_util::StreamExt;
+    let f = fleet(&["--epp-tls"]).await;
+    let tls = reqwest::Client::builder()
+        .tls_danger_accept_invalid_certs(true)
+        .http2_prior_knowledge()
+        .build()
+        .expect("client");
+    let grpc = |path: &str| {
+        tls.post(format!("https://{}/{path}", f.epp))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+    };
+    // grpc.health.v1 HealthCheckRequest { service: "liveness" } -> { status: SERVING (1) }.
+    let mut check = vec![0x0a, 8];
+    check.extend_from_slice(b"liveness");
+    let r = grpc("grpc.health.v1.Health/Check").body(grpc_frame(&check)).send().await.expect("health over TLS");
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.bytes().await.expect("body").to_vec(), grpc_frame(&[0x08, 0x01]));
+    // A whole exchange's first half: request headers and body in, the pick out.
+    let pairs = [(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")];
+    let body = serde_json::to_vec(&chat("sim-llama-3-8b", "hello over TLS", false)).expect("json");
+    let mut wire = Vec::new();
+    for m in [
+        Msg::RequestHeaders(headers(&pairs, false)),
+        Msg::RequestBody(HttpBody { body, end_of_stream: true, ..Default::default() }),
+    ] {
+        wire.extend(grpc_frame(&prost::Message::encode_to_vec(&ProcessingRequest {
+            request: Some(m),
+            ..Default::default()
+        })));
+    }
+    let (tx, rx) = mpsc::channel::<Result<Vec<u8>, std::io::Error>>(2);
+    tx.send(Ok(wire)).await.expect("queue");
+    let chunks = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+    let r = grpc("envoy.service.ext_proc.v3.ExternalProcessor/Process")
+        .body(reqwest::Body::wrap_stream(chunks))
+        .send()
+        .await
+        .expect("ext_proc over TLS");
+    let mut replies = r.bytes_stream();
+    let mut read = Vec::new();
+    while read.len() < 5 || read.len() < 5 + u32::from_be_bytes([read[1], read[2], read[3], read[4]]) as usize {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), replies.next()).await.expect("in time");
+        read.extend_from_slice(&chunk.expect("a reply").expect("bytes"));
+    }
+    let len = u32::from_be_bytes([read[1], read[2], read[3], read[4]]) as usize;
+    let reply: ProcessingResponse = prost::Message::decode(&read[5..5 + len]).expect("a response");
+    let Some(Reply::RequestHeaders(h)) = reply.response else { panic!("a pick: {reply:?}") };
+    let set = h.response.and_then(|c| c.header_mutation).expect("mutation").set_headers;
+    assert!(set.iter().filter_map(|o| o.header.as_ref()).any(|h| h.key == "x-gateway-destination-endpoint"));
+    drop(tx);
+    // Plaintext HTTP/2 to the TLS port gets no answer.
+    let plain = reqwest::Client::builder().http2_prior_knowledge().build().expect("client");
+    let r = plain.post(format!("http://{}/grpc.health.v1.Health/Check", f.epp)).body(grpc_frame(&check)).send().await;
+    assert!(r.is_err(), "a plaintext request was answered: {r:?}");
 }
 
 /// A stream carries one request: request headers sent again after the pick end the stream

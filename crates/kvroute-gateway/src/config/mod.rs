@@ -205,6 +205,12 @@ pub struct GatewayConfig {
     /// passed back through kvroute).
     #[default(EppBodyMode::Auto)]
     pub epp_body_mode: EppBodyMode,
+    /// Serve `epp_listen` over TLS (ALPN `h2`): with `tls_cert`/`tls_key`, the main port's
+    /// certificate (reloaded with it on SIGHUP); without, a self-signed certificate made at
+    /// start, as the Gateway API Inference Extension's reference endpoint picker serves by
+    /// default, for gateways that reach their picker over TLS without verifying it (NGINX
+    /// Gateway Fabric's default; Istio with `insecureSkipVerify`). Off: plaintext h2c.
+    pub epp_tls: bool,
     /// Client request headers forwarded to workers (case-insensitive names; at most 32).
     /// `Content-Type` is always set to JSON. Default: `authorization` only, as vLLM and
     /// SGLang servers started with `--api-key` expect.
@@ -572,9 +578,14 @@ impl GatewayConfig {
     }
 
     /// `epp_listen`: an IP address and port, and no serving mode that needs kvroute to send
-    /// the request itself.
+    /// the request itself; `epp_tls` only with it.
     fn check_epp(&self) -> Result<(), ConfigError> {
-        let Some(a) = &self.epp_listen else { return Ok(()) };
+        let Some(a) = &self.epp_listen else {
+            return match self.epp_tls {
+                true => Err(err("epp_tls", "needs epp_listen: it serves the endpoint picker's listener over TLS")),
+                false => Ok(()),
+            };
+        };
         a.parse::<std::net::SocketAddr>()
             .map_err(|_| err("epp_listen", format!("`{a}`: expected HOST:PORT with an IP host")))?;
         if self.pd.enabled {
@@ -974,6 +985,10 @@ mod tests {
         assert_eq!(bad.validate().unwrap_err().key, "forward_headers");
         let bad = GatewayConfig { admin_listen: Some("localhost".into()), ..GatewayConfig::default() };
         assert_eq!(bad.validate().unwrap_err().key, "admin_listen");
+        let bad = GatewayConfig { epp_tls: true, ..GatewayConfig::default() };
+        assert_eq!(bad.validate().unwrap_err().key, "epp_tls", "epp_tls without epp_listen");
+        let epp = Some("127.0.0.1:9002".to_string());
+        GatewayConfig { epp_tls: true, epp_listen: epp, ..GatewayConfig::default() }.validate().expect("epp_tls");
         // state_dir: a directory, or a path still to be created; not a file, not empty.
         let file = env!("CARGO_MANIFEST_DIR").to_string() + "/Cargo.toml";
         for d in [String::new(), file] {
