@@ -38,8 +38,29 @@ fn invalid_config_is_refused_naming_the_key() {
     assert!(err.contains("policy_knobs") && err.contains("cache_treshold"), "{err}");
 }
 
+/// Whether the endpoint picker on `epp` answers a gRPC health check over TLS to a client
+/// that trusts only `ca` (a new client, so a new connection and handshake).
+async fn epp_answers_over_tls(epp: &str, ca: &pki::TestCa) -> bool {
+    let root = reqwest::Certificate::from_pem(ca.pem().as_bytes()).expect("CA pem");
+    let c = reqwest::Client::builder().tls_certs_only([root]).http2_prior_knowledge().build().expect("client");
+    // grpc.health.v1 HealthCheckRequest { service: "liveness" }, framed.
+    let mut check = vec![0, 0, 0, 0, 10, 0x0a, 8];
+    check.extend_from_slice(b"liveness");
+    let call = c
+        .post(format!("https://{epp}/grpc.health.v1.Health/Check"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(check)
+        .send();
+    match tokio::time::timeout(Duration::from_secs(10), call).await {
+        Ok(Ok(r)) => r.bytes().await.is_ok_and(|b| b.as_ref() == [0, 0, 0, 0, 2, 0x08, 0x01]),
+        _ => false,
+    }
+}
+
 /// `kvroute serve --tls-cert --tls-key`: HTTPS from the start; a certificate renewed in
-/// place is served after SIGHUP, to new connections, and the process keeps running.
+/// place is served after SIGHUP, to new connections, and the process keeps running. With
+/// `--epp-tls` the endpoint picker's listener serves the same certificate, renewed with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_certificate_is_reloaded_on_sighup() {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -47,9 +68,10 @@ async fn https_certificate_is_reloaded_on_sighup() {
     let (ca1, ca2) = (pki::TestCa::new("first CA"), pki::TestCa::new("second CA"));
     let (crt, key) = ca1.server_cert(&dir.0, "router");
     let port = free_port();
+    let epp = format!("127.0.0.1:{}", free_port());
     let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(["serve", "--port", &port.to_string(), "--tls-cert", crt.to_str().expect("utf8")])
-        .args(["--tls-key", key.to_str().expect("utf8")])
+        .args(["--tls-key", key.to_str().expect("utf8"), "--epp-listen", &epp, "--epp-tls"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -76,6 +98,8 @@ async fn https_certificate_is_reloaded_on_sighup() {
     }
     assert!(up, "kvroute serve never answered over HTTPS");
     assert!(!answers(&ca2).await);
+    assert!(epp_answers_over_tls(&epp, &ca1).await, "the endpoint picker serves the main port's certificate");
+    assert!(!epp_answers_over_tls(&epp, &ca2).await);
 
     let (crt2, key2) = ca2.server_cert(&dir.0, "renewed");
     std::fs::rename(&crt2, &crt).expect("replace certificate");
@@ -92,6 +116,8 @@ async fn https_certificate_is_reloaded_on_sighup() {
     }
     assert!(renewed, "the renewed certificate was not served after SIGHUP");
     assert!(!answers(&ca1).await, "the old certificate is still served to new connections");
+    assert!(epp_answers_over_tls(&epp, &ca2).await, "the endpoint picker serves the renewed certificate");
+    assert!(!epp_answers_over_tls(&epp, &ca1).await);
     assert!(router.0.try_wait().expect("wait").is_none(), "SIGHUP ended the process");
 }
 
