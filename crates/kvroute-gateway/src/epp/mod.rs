@@ -12,6 +12,10 @@
 //! services the endpoint-picker protocol names: `liveness` (the process answers),
 //! `readiness` and `envoy.service.ext_proc.v3.ExternalProcessor` (as `/readiness`: a
 //! routable worker, not draining, cluster state synced).
+//!
+//! The port is served like the main one ([`router`], given to `server::serve` by `lib.rs`):
+//! the same connection guards, over TLS with `epp_tls`; each stream's messages are counted
+//! against the body budget while they arrive ([`transit`]).
 
 mod exchange;
 pub mod transit;
