@@ -70,6 +70,20 @@ async fn expect_metric(router: &str, name: &str, labels: &str, want: u64) {
     panic!("{name}{{{labels}}} is {got}, expected {want}");
 }
 
+/// `kvroute_buffered_body_bytes` once it reaches `bytes` (polled every 50 ms), or its last
+/// value after 10 s; the caller asserts on it.
+async fn buffered_at_least(router: &str, bytes: u64) -> u64 {
+    let mut held = 0;
+    for _ in 0..200 {
+        held = metric(router, "kvroute_buffered_body_bytes", "").await;
+        if held >= bytes {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    held
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_through_a_gateway_stand_in_are_picked_served_and_settled() {
     let f = fleet(&[]).await;
@@ -420,14 +434,7 @@ async fn bodies_held_at_once_share_the_body_budget() {
     let (start, rest) = bytes.split_at(30_000);
     slow.send(Msg::RequestBody(HttpBody { body: start.to_vec(), end_of_stream: false, ..Default::default() }), None)
         .await;
-    let mut held = 0;
-    for _ in 0..200 {
-        held = metric(&f.router, "kvroute_buffered_body_bytes", "").await;
-        if held >= 30_000 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let held = buffered_at_least(&f.router, 30_000).await;
     assert!((30_000..=65_536).contains(&held), "held {held}");
     // Another body of 40 KB does not fit beside it.
     let mut other = open(&f.epp).await;
@@ -521,14 +528,7 @@ async fn messages_still_arriving_count_against_the_body_budget() {
         let w = Wire::open(&f.epp).await;
         w.send(Msg::RequestHeaders(h.clone()), usize::MAX).await;
         w.send(Msg::RequestBody(body.clone()), 600_000).await;
-        let mut held = 0;
-        for _ in 0..200 {
-            held = metric(&f.router, "kvroute_buffered_body_bytes", "").await;
-            if held >= i * 600_000 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let held = buffered_at_least(&f.router, i * 600_000).await;
         assert!(held >= i * 600_000, "stream {i}: {held} bytes held");
         streams.push(w);
     }
@@ -581,14 +581,7 @@ async fn a_message_arriving_is_taken_from_its_tenant_s_share() {
     let mut a1 = opened("a").await;
     let Reply::RequestHeaders(_) = a1.recv().await else { panic!("go on") };
     a1.send(Msg::RequestBody(body.clone()), 600_000).await;
-    let mut held = 0;
-    for _ in 0..200 {
-        held = metric(&f.router, "kvroute_buffered_body_bytes", "").await;
-        if held >= 600_000 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let held = buffered_at_least(&f.router, 600_000).await;
     assert!(held >= 600_000, "{held} bytes held");
     let mut a2 = opened("a").await;
     let Reply::RequestHeaders(_) = a2.recv().await else { panic!("go on") };
