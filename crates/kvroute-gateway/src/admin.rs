@@ -87,7 +87,7 @@ pub async fn require_admin(State(s): State<Arc<AppState>>, req: Request, next: N
 /// the entry model of each `[[cascade.chain]]`.
 pub async fn models(State(s): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Response {
     if let Some(keys) = &s.api_keys
-        && let Err(e) = keys.authenticate(&headers)
+        && let Err(e) = keys.keys().authenticate(&headers)
     {
         return e.into_response();
     }
@@ -368,7 +368,10 @@ pub async fn debug_route(
         // request's headers name (`tenant_header`).
         let salt = match q.get("tenant") {
             Some(t) => s.tenancy.salt_of_name(t),
-            None => s.tenancy.salt_of(s.api_keys.as_ref(), &headers),
+            None => {
+                let keys = s.api_keys.as_ref().map(crate::api_keys::KeyFile::keys);
+                s.tenancy.salt_of(keys.as_deref().map(|k| &**k), &headers)
+            }
         };
         let mut ctx = RequestCtx::new(&s, api, &headers, std::time::Instant::now(), salt, bytes, info);
         crate::pipeline::steps::key(&mut ctx).await?;

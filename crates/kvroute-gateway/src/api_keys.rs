@@ -13,17 +13,30 @@
 //! bucket holds enough again). The tenant names the key's owner in
 //! `kvroute_tenant_requests_total{tenant, outcome}`; only tenants from the file appear, so
 //! the label set is bounded by the file.
+//!
+//! The file is read again on every SIGHUP ([`KeyFile::reload`]), so a leaked key is revoked
+//! and a new tenant added without a restart: requests from then on see the new keys, those
+//! already admitted finish. A key whose line is unchanged keeps its buckets (what it has
+//! used this minute still counts); a key whose limits changed starts with full ones. A
+//! tenant keeps its share of the body budget and of requests in flight
+//! ([`KeyEntry::share`]) across reloads. A file that fails to read or parse changes
+//! nothing (the keys in effect stay).
 
 use axum::http::{HeaderMap, StatusCode, header};
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use kvroute_protocol::api_error::ApiError;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
 /// Most keys a file may hold (bounds memory and the tenant label set).
 pub const MAX_KEYS: usize = 100_000;
+
+/// How many tenant shares ([`crate::model::shares::Shares`]) a router with a key file keeps:
+/// one per tenant a file may name, so a reload that adds tenants never runs out (a share
+/// is one 8-byte count: 800 KB for each bound).
+pub const MAX_TENANT_SHARES: usize = MAX_KEYS;
 
 /// A key file refused by [`ApiKeys::parse`], naming the line (1-based).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -79,9 +92,13 @@ pub struct KeyEntry {
     /// tenant never share prefix state.
     pub cache_tenant: String,
     /// Its tenant's share ([`crate::model::shares::Shares`]: of the body budget, of requests
-    /// in flight): one number per distinct `cache_tenant`, in the file's order, below
-    /// [`ApiKeys::tenants`].
+    /// in flight): one number per distinct `cache_tenant`, below [`MAX_TENANT_SHARES`] —
+    /// in the file's order at startup; on a reload a tenant keeps its number and a new one
+    /// takes the lowest number no tenant of the new file holds.
     pub share: usize,
+    /// Its requests and tokens per minute (0: unlimited), as the file or the defaults set
+    /// them: a reload keeps the key's buckets only when these did not change.
+    limits: (u32, u32),
     /// Requests per minute, when limited.
     requests: Option<DefaultDirectRateLimiter>,
     /// Tokens per minute, when limited, and that limit.
@@ -92,8 +109,17 @@ pub struct KeyEntry {
 #[derive(Debug, Default)]
 pub struct ApiKeys {
     keys: HashMap<String, Arc<KeyEntry>>,
-    /// Distinct tenants (`cache_tenant`s) over the keys.
-    tenants: usize,
+    /// Each distinct tenant (`cache_tenant`) over the keys, with its share's number.
+    shares: HashMap<String, usize>,
+}
+
+/// One line of a key file, parsed ([`ApiKeys::parse_after`]).
+struct Line<'t> {
+    number: usize,
+    key: &'t str,
+    tenant: Option<&'t str>,
+    rpm: u32,
+    tpm: u32,
 }
 
 /// The credential of `Authorization: Bearer <value>` in `headers`, if there is one (what the
@@ -124,74 +150,153 @@ fn retry_after(not_until: &governor::NotUntil<<DefaultClock as Clock>::Instant>)
     secs.clamp(1, u64::from(u32::MAX)) as u32
 }
 
+/// The lines of a key file that list a key, in order, each with its limits.
+///
+/// # Errors
+/// As [`ApiKeys::parse`], but for duplicate keys (found when the keys are gathered).
+fn lines(text: &str, default_rpm: u32, default_tpm: u32) -> Result<Vec<Line<'_>>, KeyFileError> {
+    let mut out = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let number = i + 1;
+        let line = raw.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let key = words.next().unwrap_or_default();
+        let mut l = Line { number, key, tenant: None, rpm: default_rpm, tpm: default_tpm };
+        for w in words {
+            match w.split_once('=') {
+                Some((name @ ("rpm" | "tpm"), v)) => {
+                    let n: u32 = v.parse().map_err(|_| KeyFileError::Number {
+                        line: number,
+                        name: name.to_string(),
+                        value: v.to_string(),
+                    })?;
+                    if name == "rpm" {
+                        l.rpm = n;
+                    } else {
+                        l.tpm = n;
+                    }
+                }
+                Some((name, _)) => return Err(KeyFileError::UnknownSetting { line: number, name: name.to_string() }),
+                None if l.tenant.is_none() => l.tenant = Some(w),
+                None => return Err(KeyFileError::Form { line: number }),
+            }
+        }
+        if out.len() == MAX_KEYS {
+            return Err(KeyFileError::TooMany { line: number });
+        }
+        out.push(l);
+    }
+    if out.is_empty() {
+        return Err(KeyFileError::NoKey);
+    }
+    Ok(out)
+}
+
+/// A key's cache scope tenant ([`KeyEntry::cache_tenant`]).
+fn cache_tenant(key: &str, tenant: Option<&str>) -> String {
+    tenant.map_or_else(|| format!("key:{:016x}", kvroute_core::hash::stable_hash(key.as_bytes())), str::to_string)
+}
+
+/// A share number for each distinct tenant of `tenants` (at most [`MAX_KEYS`] of them, so
+/// every number is below [`MAX_TENANT_SHARES`]): its number in `before` when it had one,
+/// else the lowest number not kept, in the order the tenants first appear.
+fn number_shares(tenants: &[String], before: Option<&HashMap<String, usize>>) -> HashMap<String, usize> {
+    let mut shares: HashMap<String, usize> = HashMap::new();
+    let mut taken: HashSet<usize> = HashSet::new();
+    if let Some(before) = before {
+        for t in tenants {
+            if let Some(&i) = before.get(t) {
+                shares.insert(t.clone(), i);
+                taken.insert(i);
+            }
+        }
+    }
+    let mut next = 0;
+    for t in tenants {
+        if !shares.contains_key(t) {
+            while taken.contains(&next) {
+                next += 1;
+            }
+            shares.insert(t.clone(), next);
+            taken.insert(next);
+        }
+    }
+    shares
+}
+
 impl ApiKeys {
     /// Parses a key file's text; `default_rpm` / `default_tpm` apply to lines that set none
-    /// (0 = unlimited).
+    /// (0 = unlimited). Tenants' shares are numbered in the file's order.
     ///
     /// # Errors
     /// [`KeyFileError`] naming the line: a duplicate key, an unknown or malformed
     /// `name=value`, more than two plain words, more than [`MAX_KEYS`] keys, or no key at all.
     pub fn parse(text: &str, default_rpm: u32, default_tpm: u32) -> Result<Self, KeyFileError> {
-        let mut keys = HashMap::new();
-        let mut shares: HashMap<String, usize> = HashMap::new();
-        for (i, raw) in text.lines().enumerate() {
-            let line_no = i + 1;
-            let line = raw.split('#').next().unwrap_or("").trim();
-            if line.is_empty() {
-                continue;
-            }
-            let mut words = line.split_whitespace();
-            let key = words.next().unwrap_or_default();
-            let (mut tenant, mut rpm, mut tpm) = (None, default_rpm, default_tpm);
-            for w in words {
-                match w.split_once('=') {
-                    Some((name @ ("rpm" | "tpm"), v)) => {
-                        let n: u32 = v.parse().map_err(|_| KeyFileError::Number {
-                            line: line_no,
-                            name: name.to_string(),
-                            value: v.to_string(),
-                        })?;
-                        if name == "rpm" {
-                            rpm = n;
-                        } else {
-                            tpm = n;
-                        }
-                    }
-                    Some((name, _)) => {
-                        return Err(KeyFileError::UnknownSetting { line: line_no, name: name.to_string() });
-                    }
-                    None if tenant.is_none() => tenant = Some(w.to_string()),
-                    None => return Err(KeyFileError::Form { line: line_no }),
-                }
-            }
-            if keys.len() == MAX_KEYS {
-                return Err(KeyFileError::TooMany { line: line_no });
-            }
-            let cache_tenant = tenant
-                .clone()
-                .unwrap_or_else(|| format!("key:{:016x}", kvroute_core::hash::stable_hash(key.as_bytes())));
-            let next = shares.len();
-            let share = *shares.entry(cache_tenant.clone()).or_insert(next);
-            let entry = KeyEntry {
-                share,
-                cache_tenant,
-                tenant: tenant.unwrap_or_else(|| "-".into()),
-                requests: limiter(rpm),
-                tokens: limiter(tpm).map(|l| (l, tpm)),
-            };
-            if keys.insert(key.to_string(), Arc::new(entry)).is_some() {
-                return Err(KeyFileError::Duplicate { line: line_no });
+        Self::parse_after(text, default_rpm, default_tpm, None)
+    }
+
+    /// [`ApiKeys::parse`] of a file read again while `before` is in effect: a key whose
+    /// tenant and limits are unchanged keeps its entry (its buckets: what it used this
+    /// minute still counts), a tenant kept keeps its share, and a new tenant takes the
+    /// lowest share no tenant of this file keeps.
+    ///
+    /// # Errors
+    /// As [`ApiKeys::parse`].
+    pub fn parse_after(
+        text: &str,
+        default_rpm: u32,
+        default_tpm: u32,
+        before: Option<&ApiKeys>,
+    ) -> Result<Self, KeyFileError> {
+        let lines = lines(text, default_rpm, default_tpm)?;
+        let cache_tenants: Vec<String> = lines.iter().map(|l| cache_tenant(l.key, l.tenant)).collect();
+        let shares = number_shares(&cache_tenants, before.map(|b| &b.shares));
+        let mut keys = HashMap::with_capacity(lines.len());
+        for (l, cache_tenant) in lines.iter().zip(cache_tenants) {
+            let tenant = l.tenant.unwrap_or("-");
+            let share = shares[&cache_tenant];
+            let kept = before.and_then(|b| b.keys.get(l.key)).filter(|e| {
+                e.tenant == tenant && e.cache_tenant == cache_tenant && e.share == share && e.limits == (l.rpm, l.tpm)
+            });
+            let entry = kept.cloned().unwrap_or_else(|| {
+                Arc::new(KeyEntry {
+                    share,
+                    cache_tenant,
+                    tenant: tenant.to_string(),
+                    limits: (l.rpm, l.tpm),
+                    requests: limiter(l.rpm),
+                    tokens: limiter(l.tpm).map(|t| (t, l.tpm)),
+                })
+            });
+            if keys.insert(l.key.to_string(), entry).is_some() {
+                return Err(KeyFileError::Duplicate { line: l.number });
             }
         }
-        if keys.is_empty() {
-            return Err(KeyFileError::NoKey);
-        }
-        Ok(ApiKeys { keys, tenants: shares.len() })
+        Ok(ApiKeys { keys, shares })
+    }
+
+    /// How many keys the file lists.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether the file lists no key (never true of a parsed file).
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// The tenant names (`kvroute_tenant_requests_total`'s `tenant` label: `-` for keys
+    /// naming none) of the keys.
+    pub fn tenant_labels(&self) -> HashSet<&str> {
+        self.keys.values().map(|e| e.tenant.as_str()).collect()
     }
 
     /// How many distinct tenants the keys name (a key naming none counts as one of its own).
     pub fn tenants(&self) -> usize {
-        self.tenants
+        self.shares.len()
     }
 
     /// Reads and parses `path`.
@@ -214,6 +319,85 @@ impl ApiKeys {
             return Err(ApiError::new(StatusCode::UNAUTHORIZED, "missing API key: send `Authorization: Bearer KEY`"));
         };
         self.keys.get(key).cloned().ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "invalid API key"))
+    }
+}
+
+/// The running key set of `api_key_file`: read at startup, read again by
+/// [`KeyFile::reload`] (on SIGHUP), and read by requests without a lock.
+#[derive(Debug)]
+pub struct KeyFile {
+    path: String,
+    default_rpm: u32,
+    default_tpm: u32,
+    keys: arc_swap::ArcSwap<ApiKeys>,
+}
+
+/// What a [`KeyFile::reload`] changed, counted in keys (a key whose tenant or limits
+/// changed is `changed`, one left as it was `kept`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyChanges {
+    /// Keys new in the file.
+    pub added: usize,
+    /// Keys gone from the file (refused with a 401 from now on).
+    pub removed: usize,
+    /// Keys listed before and now with another tenant or other limits (new buckets).
+    pub changed: usize,
+    /// Keys whose line is unchanged (their buckets kept).
+    pub kept: usize,
+    /// Tenant labels no key names any more (their `kvroute_tenant_requests_total` series
+    /// can go).
+    pub tenants_gone: Vec<String>,
+}
+
+impl KeyChanges {
+    /// Whether the reload changed any key.
+    pub fn any(&self) -> bool {
+        self.added + self.removed + self.changed > 0
+    }
+}
+
+impl KeyFile {
+    /// Reads and parses `path` ([`ApiKeys::load`]).
+    ///
+    /// # Errors
+    /// As [`ApiKeys::load`].
+    pub fn load(path: &str, default_rpm: u32, default_tpm: u32) -> anyhow::Result<KeyFile> {
+        let keys = ApiKeys::load(path, default_rpm, default_tpm)?;
+        Ok(KeyFile { path: path.to_string(), default_rpm, default_tpm, keys: arc_swap::ArcSwap::from_pointee(keys) })
+    }
+
+    /// The keys in effect (one atomic load; no lock).
+    pub fn keys(&self) -> arc_swap::Guard<Arc<ApiKeys>> {
+        self.keys.load()
+    }
+
+    /// Reads the file again ([`ApiKeys::parse_after`] the keys in effect) and puts its keys
+    /// in effect for the requests that arrive from then on. Blocking file I/O: call it off
+    /// the async runtime.
+    ///
+    /// # Errors
+    /// The file cannot be read or does not parse (the message names the file and line); the
+    /// keys in effect stay.
+    pub fn reload(&self) -> anyhow::Result<KeyChanges> {
+        let path = &self.path;
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("api_key_file {path}: {e}"))?;
+        let before = self.keys.load_full();
+        let next = ApiKeys::parse_after(&text, self.default_rpm, self.default_tpm, Some(&before))
+            .map_err(|e| anyhow::anyhow!("api_key_file {path}: {e}"))?;
+        let mut c = KeyChanges::default();
+        for (key, entry) in &next.keys {
+            match before.keys.get(key) {
+                None => c.added += 1,
+                Some(old) if Arc::ptr_eq(old, entry) => c.kept += 1,
+                Some(_) => c.changed += 1,
+            }
+        }
+        c.removed = before.keys.keys().filter(|k| !next.keys.contains_key(*k)).count();
+        let now = next.tenant_labels();
+        c.tenants_gone = before.tenant_labels().into_iter().filter(|t| !now.contains(t)).map(str::to_string).collect();
+        c.tenants_gone.sort();
+        self.keys.store(Arc::new(next));
+        Ok(c)
     }
 }
 
@@ -320,5 +504,56 @@ mod tests {
         for _ in 0..100 {
             b.admit_request().expect("unlimited");
         }
+    }
+
+    /// A file read again: an unchanged line keeps its entry (its buckets), a changed limit or
+    /// tenant gets a new one, a kept tenant keeps its share and a new tenant takes the lowest
+    /// share no kept tenant holds.
+    #[test]
+    fn a_reparse_keeps_unchanged_keys_and_every_kept_tenant_s_share() {
+        let before = ApiKeys::parse("sk-a ta rpm=1\nsk-b tb\nsk-c tc\nsk-d tb\n", 0, 0).expect("parses");
+        let share = |k: &ApiKeys, key: &str| k.authenticate(&bearer(key)).expect(key).share;
+        assert_eq!([share(&before, "sk-a"), share(&before, "sk-b"), share(&before, "sk-c")], [0, 1, 2]);
+        before.authenticate(&bearer("sk-a")).expect("a").admit_request().expect("a's one request this minute");
+        // ta leaves (its share 0 is free), tc stays, te and tf are new; sk-d's limit changes.
+        let after = ApiKeys::parse_after("sk-c tc\nsk-e te\nsk-a tc\nsk-f tf\nsk-d tb rpm=5\n", 0, 0, Some(&before))
+            .expect("parses");
+        assert_eq!(share(&after, "sk-c"), 2, "a kept tenant keeps its share");
+        assert_eq!(share(&after, "sk-d"), 1, "tb is kept through sk-d");
+        assert_eq!(share(&after, "sk-e"), 0, "a new tenant takes the lowest free share");
+        assert_eq!(share(&after, "sk-f"), 3);
+        assert_eq!(share(&after, "sk-a"), 2, "sk-a moved to tc's share");
+        let (c0, c1) =
+            (before.authenticate(&bearer("sk-c")).expect("c"), after.authenticate(&bearer("sk-c")).expect("c"));
+        assert!(Arc::ptr_eq(&c0, &c1), "an unchanged line keeps its entry");
+        assert!(!Arc::ptr_eq(&before.keys["sk-d"], &after.keys["sk-d"]), "a changed limit gets new buckets");
+        // sk-a changed tenant: new buckets, so its next request is admitted.
+        after.authenticate(&bearer("sk-a")).expect("a").admit_request().expect("new buckets");
+        assert_eq!(after.tenants(), 4);
+        // An unchanged rate-limited key keeps what it used.
+        let again = ApiKeys::parse_after("sk-a ta rpm=1\n", 0, 0, Some(&before)).expect("parses");
+        assert!(again.authenticate(&bearer("sk-a")).expect("a").admit_request().is_err(), "bucket kept");
+    }
+
+    /// [`KeyFile::reload`] counts what changed and names the tenants gone; a file that does
+    /// not parse, or is gone, keeps the keys in effect.
+    #[test]
+    fn a_key_file_reload_counts_its_changes_and_a_bad_file_changes_nothing() {
+        let path = std::env::temp_dir().join(format!("kvroute-keyfile-unit-{}.txt", std::process::id()));
+        std::fs::write(&path, "sk-a ta\nsk-b tb\nsk-c\n").expect("write");
+        let file = KeyFile::load(path.to_str().expect("utf8"), 0, 0).expect("loads");
+        std::fs::write(&path, "sk-a ta\nsk-b tb rpm=3\nsk-d td\n").expect("write");
+        let c = file.reload().expect("reloads");
+        assert_eq!((c.added, c.removed, c.changed, c.kept), (1, 1, 1, 1));
+        assert_eq!(c.tenants_gone, vec!["-".to_string()]);
+        assert!(
+            file.keys().authenticate(&bearer("sk-c")).is_err() && file.keys().authenticate(&bearer("sk-d")).is_ok()
+        );
+        std::fs::write(&path, "sk-a ta\nsk-e rpm=x\n").expect("write");
+        let e = file.reload().expect_err("does not parse").to_string();
+        assert!(e.contains("line 2") && e.contains("rpm"), "{e}");
+        std::fs::remove_file(&path).expect("remove");
+        assert!(file.reload().is_err(), "a missing file is an error");
+        assert!(file.keys().authenticate(&bearer("sk-d")).is_ok(), "the keys in effect stay");
     }
 }

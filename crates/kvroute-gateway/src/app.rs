@@ -43,8 +43,9 @@ pub struct AppState {
     /// Cancelled just before the drain deadline: streams still open end with an SSE
     /// error event before their connection is dropped.
     pub cut_streams: tokio_util::sync::CancellationToken,
-    /// Client API keys (`api_key_file`); `None`: every client is served.
-    pub api_keys: Option<crate::api_keys::ApiKeys>,
+    /// Client API keys (`api_key_file`, read again on SIGHUP); `None`: every client is
+    /// served.
+    pub api_keys: Option<crate::api_keys::KeyFile>,
     /// The traffic recorder (`record`), when configured.
     pub recorder: Option<crate::record::Recorder>,
     /// The cluster sync over NATS (`nats`), when configured.
@@ -113,7 +114,7 @@ impl AppState {
         let client = worker_client(&cfg)?;
         let forward_headers = forward_headers(&cfg)?;
         let api_keys = match &cfg.api_key_file {
-            Some(p) => Some(crate::api_keys::ApiKeys::load(p, cfg.api_key_rpm, cfg.api_key_tpm)?),
+            Some(p) => Some(crate::api_keys::KeyFile::load(p, cfg.api_key_rpm, cfg.api_key_tpm)?),
             None => None,
         };
         let tenancy = crate::tenant::Tenancy::new(&cfg)?;
@@ -203,11 +204,12 @@ impl AppState {
 }
 
 /// How many tenant shares the router keeps ([`crate::model::shares::Shares`]): one per
-/// key-file tenant, else [`crate::model::shares::HEADER_TENANT_SHARES`] with
+/// tenant a key file may name ([`crate::api_keys::MAX_TENANT_SHARES`]: a reload may add
+/// tenants), else [`crate::model::shares::HEADER_TENANT_SHARES`] with
 /// `tenant_header`; `None` when it knows no tenants.
-fn tenant_shares(cfg: &GatewayConfig, keys: Option<&crate::api_keys::ApiKeys>) -> Option<usize> {
+fn tenant_shares(cfg: &GatewayConfig, keys: Option<&crate::api_keys::KeyFile>) -> Option<usize> {
     match keys {
-        Some(k) => Some(k.tenants()),
+        Some(_) => Some(crate::api_keys::MAX_TENANT_SHARES),
         None => cfg.tenant_header.as_ref().map(|_| crate::model::shares::HEADER_TENANT_SHARES),
     }
 }
@@ -218,7 +220,7 @@ fn tenant_shares(cfg: &GatewayConfig, keys: Option<&crate::api_keys::ApiKeys>) -
 /// hashed over with `tenant_header`.
 fn body_budget(
     cfg: &GatewayConfig,
-    keys: Option<&crate::api_keys::ApiKeys>,
+    keys: Option<&crate::api_keys::KeyFile>,
     metrics: &Metrics,
 ) -> crate::body_budget::BodyBudget {
     let per_tenant = cfg.max_buffered_body_bytes_per_tenant;

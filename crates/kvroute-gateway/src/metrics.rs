@@ -41,9 +41,14 @@ pub struct TenantLabels {
     /// The key's tenant (`-` for a key without one).
     pub tenant: String,
     /// `admitted`, `rate_limited_requests`, `rate_limited_tokens`, `over_body_share` or
-    /// `over_in_flight`.
+    /// `over_in_flight` ([`TENANT_OUTCOMES`]).
     pub outcome: String,
 }
+
+/// Every `outcome` of `kvroute_tenant_requests_total` (a tenant gone from the key file has
+/// its series removed: these are the ones it may have).
+pub const TENANT_OUTCOMES: [&str; 5] =
+    ["admitted", "rate_limited_requests", "rate_limited_tokens", "over_body_share", "over_in_flight"];
 
 /// Labels of `kvroute_kv_migrations_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -268,6 +273,8 @@ pub struct Metrics {
     pub sync_peers_left: Family<OutcomeLabel, Counter>,
     /// Configuration reloads on SIGHUP, by outcome (`applied`, `unchanged`, `invalid`).
     pub config_reloads: Family<OutcomeLabel, Counter>,
+    /// `api_key_file` reads on SIGHUP, by outcome (`applied`, `unchanged`, `invalid`).
+    pub api_key_reloads: Family<OutcomeLabel, Counter>,
     /// Trace lines of the traffic recorder (`record`), by outcome: `written`, `dropped`
     /// (its queue was full), `error` (the write failed).
     pub record_lines: Family<OutcomeLabel, Counter>,
@@ -377,6 +384,7 @@ impl Metrics {
             sync_peers: Gauge::default(),
             sync_peers_left: Family::default(),
             config_reloads: Family::default(),
+            api_key_reloads: Family::default(),
             record_lines: Family::default(),
             prefix_state_events: Family::default(),
             epp_requests: Family::default(),
@@ -662,6 +670,11 @@ impl Metrics {
             "kvroute_config_reloads",
             "Configuration reloads on SIGHUP, by outcome",
             self.config_reloads.clone(),
+        );
+        r.register(
+            "kvroute_api_key_reloads",
+            "api_key_file read again on SIGHUP, by outcome",
+            self.api_key_reloads.clone(),
         );
         r.register(
             "kvroute_record_lines",

@@ -1,5 +1,6 @@
-//! Configuration reload on SIGHUP: the TLS certificate ([`crate::tls`]) and, when the
-//! server was given a [`ConfigSource`], the whole configuration file.
+//! Configuration reload on SIGHUP: the TLS certificate ([`crate::tls`]), the API keys
+//! (`api_key_file`'s contents, [`reload_api_keys`]) and, when the server was given a
+//! [`ConfigSource`], the whole configuration file.
 //!
 //! A reload reads the configuration again (for `kvroute serve`: the `--config` file, then
 //! the environment and flags, exactly as at startup) and compares it with the one in
@@ -240,7 +241,47 @@ impl Reloader {
 fn expose_outcomes(state: &AppState) {
     for o in [Outcome::Applied, Outcome::Unchanged, Outcome::Invalid] {
         drop(state.metrics.config_reloads.get_or_create(&OutcomeLabel { outcome: o.as_str().into() }));
+        if state.api_keys.is_some() {
+            drop(state.metrics.api_key_reloads.get_or_create(&OutcomeLabel { outcome: o.as_str().into() }));
+        }
     }
+}
+
+/// Reads `api_key_file` again ([`crate::api_keys::KeyFile::reload`], off the runtime):
+/// logs what changed, counts the outcome in `kvroute_api_key_reloads_total` and removes the
+/// `kvroute_tenant_requests_total` series of tenants no key names any more. Nothing
+/// without a key file.
+pub async fn reload_api_keys(state: &Arc<AppState>) -> Option<Outcome> {
+    state.api_keys.as_ref()?;
+    let s = Arc::clone(state);
+    let read = tokio::task::spawn_blocking(move || s.api_keys.as_ref().map(crate::api_keys::KeyFile::reload))
+        .await
+        .unwrap_or_else(|e| Some(Err(anyhow::anyhow!("reading api_key_file panicked: {e}"))))?;
+    let outcome = match read {
+        Ok(c) => {
+            for tenant in &c.tenants_gone {
+                for outcome in crate::metrics::TENANT_OUTCOMES {
+                    let labels = crate::metrics::TenantLabels { tenant: tenant.clone(), outcome: outcome.into() };
+                    state.metrics.tenant_requests.remove(&labels);
+                }
+            }
+            tracing::info!(
+                added = c.added,
+                removed = c.removed,
+                changed = c.changed,
+                kept = c.kept,
+                tenants_gone = c.tenants_gone.join(", "),
+                "SIGHUP: api_key_file reloaded"
+            );
+            if c.any() { Outcome::Applied } else { Outcome::Unchanged }
+        }
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "SIGHUP: api_key_file not reloaded; the keys in effect stay");
+            Outcome::Invalid
+        }
+    };
+    crate::metrics::count_outcome(&state.metrics.api_key_reloads, outcome.as_str());
+    Some(outcome)
 }
 
 /// The `[pd]` keys applied live (the pools' policies and knobs).
@@ -331,14 +372,17 @@ pub async fn run(
     state: Arc<AppState>,
 ) {
     expose_outcomes(&state);
-    let mut reloader = source.as_ref().map(|_| Reloader::new(state));
+    let mut reloader = source.as_ref().map(|_| Reloader::new(Arc::clone(&state)));
     while hup.recv().await {
+        reload_api_keys(&state).await;
         match tls.as_ref().map(|t| t.reload()) {
             Some(Ok(())) => tracing::info!("SIGHUP: TLS certificate reloaded"),
             Some(Err(e)) => {
                 tracing::error!(error = format!("{e:#}"), "SIGHUP: TLS reload failed; keeping the certificate in use");
             }
-            None if source.is_none() => tracing::info!("SIGHUP: nothing to reload (no tls_cert, no config file)"),
+            None if source.is_none() && state.api_keys.is_none() => {
+                tracing::info!("SIGHUP: nothing to reload (no tls_cert, no api_key_file, no config file)");
+            }
             None => {}
         }
         if let (Some(source), Some(reloader)) = (&source, reloader.as_mut()) {

@@ -14,24 +14,49 @@ fn chat(max_tokens: u32) -> serde_json::Value {
         "max_tokens": max_tokens})
 }
 
+/// A router (round robin) in front of one instant simulated worker, its key file in the
+/// temporary directory; both stopped and the file removed on drop.
+struct Keyed {
+    router: String,
+    file: std::path::PathBuf,
+    stop: CancellationToken,
+    stop_worker: CancellationToken,
+}
+
+impl Keyed {
+    /// Writes `keys` to a file named after `name` and starts the router with it.
+    async fn start(name: &str, keys: &str) -> Keyed {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let stop_worker = CancellationToken::new();
+        let sim = EngineSimConfig { instant: true, ..EngineSimConfig::default() };
+        let (w, _sim) = engine_sim::spawn_local(sim, stop_worker.clone()).await.expect("worker");
+        let file = std::env::temp_dir().join(format!("kvroute-{name}-{}.txt", std::process::id()));
+        std::fs::write(&file, keys).expect("write keys");
+        let config = GatewayConfig {
+            policy: "round_robin".into(),
+            worker_urls: vec![w],
+            port: 0,
+            api_key_file: Some(file.display().to_string()),
+            ..GatewayConfig::default()
+        };
+        let stop = CancellationToken::new();
+        let (router, _task) = common::start_router(config, stop.clone()).await;
+        Keyed { router, file, stop, stop_worker }
+    }
+}
+
+impl Drop for Keyed {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        self.stop_worker.cancel();
+        let _ = std::fs::remove_file(&self.file);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_are_required_and_each_key_is_held_to_its_requests_and_tokens_per_minute() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let stop_w = CancellationToken::new();
-    let sim = EngineSimConfig { instant: true, ..EngineSimConfig::default() };
-    let (w, _sim) = engine_sim::spawn_local(sim, stop_w.clone()).await.expect("worker");
-    let file = std::env::temp_dir().join(format!("kvroute-keys-{}.txt", std::process::id()));
-    std::fs::write(&file, "# test keys\nsk-req team-a rpm=3\nsk-tok team-b tpm=50\nsk-free\n").expect("write keys");
-    let config = GatewayConfig {
-        policy: "round_robin".into(),
-        worker_urls: vec![w],
-        port: 0,
-        api_key_file: Some(file.display().to_string()),
-        ..GatewayConfig::default()
-    };
-    let stop = CancellationToken::new();
-    let (r, _task) = common::start_router(config, stop.clone()).await;
-    let c = reqwest::Client::new();
+    let keyed = Keyed::start("keys", "# test keys\nsk-req team-a rpm=3\nsk-tok team-b tpm=50\nsk-free\n").await;
+    let (c, r) = (reqwest::Client::new(), keyed.router.clone());
     let send = |key: Option<&str>, body: serde_json::Value| {
         let mut rb = c.post(format!("{r}/v1/chat/completions")).json(&body);
         if let Some(k) = key {
@@ -86,9 +111,6 @@ async fn keys_are_required_and_each_key_is_held_to_its_requests_and_tokens_per_m
         assert!(text.contains(line), "missing `{line}` in\n{text}");
     }
     assert!(!text.contains("sk-"), "a key appeared in the metrics");
-    stop.cancel();
-    stop_w.cancel();
-    let _ = std::fs::remove_file(&file);
 }
 
 #[tokio::test]
@@ -100,4 +122,59 @@ async fn a_bad_key_file_stops_the_router_naming_the_line() {
     let msg = format!("{err:#}");
     assert!(msg.contains("line 2") && msg.contains("rpm"), "{msg}");
     let _ = std::fs::remove_file(&file);
+}
+
+/// `kvroute_api_key_reloads_total{outcome}` from `/metrics` (0 when absent).
+async fn key_reloads(c: &reqwest::Client, r: &str, outcome: &str) -> u64 {
+    let text = guard(c.get(format!("{r}/metrics")).send()).await.expect("metrics").text().await.expect("text");
+    let prefix = format!("kvroute_api_key_reloads_total{{outcome=\"{outcome}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&prefix)).map_or(0, |v| v.trim().parse().expect("counter"))
+}
+
+/// Rewrites the key file in one step (a rename), as a deploy tool would, sends this process
+/// a SIGHUP and waits (bounded) until the `n`-th reload with `outcome` is counted.
+async fn rewrite_and_reload(c: &reqwest::Client, r: &str, file: &std::path::Path, text: &str, outcome: &str, n: u64) {
+    let tmp = file.with_extension("tmp");
+    std::fs::write(&tmp, text).expect("write keys");
+    std::fs::rename(&tmp, file).expect("replace keys");
+    let pid = std::process::id().to_string();
+    assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status().expect("kill").success());
+    guard(async {
+        while key_reloads(c, r, outcome).await < n {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+}
+
+/// The key file is read again on SIGHUP, without any configuration file: a key removed is
+/// refused from then on, a key added is served, a key whose line is unchanged keeps what it
+/// used of its minute, a tenant no key names leaves `/metrics`, and a file that does not
+/// parse keeps the keys in effect. (A SIGHUP goes to the whole test process: this is the
+/// only test of this binary that sends one.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reads_the_key_file_again_and_a_bad_file_keeps_the_keys_in_effect() {
+    let keyed = Keyed::start("keys-reload", "sk-leaked team-old\nsk-kept team-kept rpm=2\n").await;
+    let (c, r, file) = (reqwest::Client::new(), keyed.router.clone(), keyed.file.clone());
+    let status = |key: &'static str| {
+        let rb = c.post(format!("{r}/v1/chat/completions")).json(&chat(5)).bearer_auth(key);
+        async move { guard(rb.send()).await.expect("send").status().as_u16() }
+    };
+    assert_eq!(status("sk-leaked").await, 200);
+    assert_eq!(status("sk-new").await, 401);
+    assert_eq!((status("sk-kept").await, status("sk-kept").await), (200, 200), "its two requests of the minute");
+    assert_eq!(key_reloads(&c, &r, "applied").await, 0);
+
+    rewrite_and_reload(&c, &r, &file, "sk-kept team-kept rpm=2\nsk-new team-new\n", "applied", 1).await;
+    assert_eq!(status("sk-leaked").await, 401, "a removed key is refused");
+    assert_eq!(status("sk-new").await, 200, "an added key is served");
+    assert_eq!(status("sk-kept").await, 429, "an unchanged key keeps what it used of its minute");
+    let text = guard(c.get(format!("{r}/metrics")).send()).await.expect("metrics").text().await.expect("text");
+    assert!(!text.contains("team-old"), "a tenant gone from the file stays in /metrics:\n{text}");
+    assert!(text.contains(r#"kvroute_tenant_requests_total{tenant="team-new",outcome="admitted"} 1"#), "{text}");
+
+    rewrite_and_reload(&c, &r, &file, "sk-new team-new rpm=fast\n", "invalid", 1).await;
+    assert_eq!(status("sk-new").await, 200, "a file that does not parse changed the keys");
+    assert_eq!(status("sk-kept").await, 429, "a file that does not parse changed the keys");
+    assert_eq!(status("sk-leaked").await, 401);
 }

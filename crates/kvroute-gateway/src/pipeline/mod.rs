@@ -255,7 +255,7 @@ pub fn prepare<'a>(
 /// 401 for a missing or unknown key, 429 with `Retry-After` over its requests per minute.
 pub fn authenticate(s: &AppState, headers: &HeaderMap) -> Result<Option<Arc<KeyEntry>>, ApiError> {
     let Some(keys) = &s.api_keys else { return Ok(None) };
-    let key = keys.authenticate(headers)?;
+    let key = keys.keys().authenticate(headers)?;
     if let Err(e) = key.admit_request() {
         tenant_outcome(s, &key, "rate_limited_requests");
         return Err(e);
