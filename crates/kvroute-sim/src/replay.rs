@@ -661,18 +661,29 @@ impl Router {
             self.views.push(v);
         }
         if let Some((pull, best)) = pullable {
-            // Only an engine less loaded than every holder of the longest prefix can gain by
-            // a pull: the holders run the request without one.
-            let holders = self.views.iter().filter(|v| v.cached_tokens.is_some_and(|c| c >= best));
-            let holder_load = holders.map(WorkerView::load).min().unwrap_or(u32::MAX);
-            for v in &mut self.views {
-                if let Some(own) = v.cached_tokens
-                    && best > own
-                    && v.load() < holder_load
-                {
-                    v.cached_tokens = Some(own + pull.credit(&cfg.profile, own, best - own));
-                }
-            }
+            credit_pulls(&mut self.views, &pull, &cfg.profile, best);
+        }
+    }
+}
+
+/// Credits the views of the engines a KV pull would serve ([`KvPull`], "The policy's
+/// view") with the tokens of the `best` (the most any engine's cache holds of the
+/// request's prompt, tokens) a pull would bring, net of its cost ([`KvPull::credit`]):
+/// only an engine both less loaded and with less prefill queued than every holder of
+/// `best` gains by one — a holder with no more queued starts the request as soon, without
+/// the copy's wait.
+fn credit_pulls(views: &mut [WorkerView], pull: &KvPull, profile: &crate::engine::Profile, best: u64) {
+    let (holder_load, holder_queue) = views
+        .iter()
+        .filter(|v| v.cached_tokens.is_some_and(|c| c >= best))
+        .fold((u32::MAX, u64::MAX), |(l, q), v| (l.min(v.load()), q.min(v.pending_prefill_tokens)));
+    for v in views.iter_mut() {
+        if let Some(own) = v.cached_tokens
+            && best > own
+            && v.load() < holder_load
+            && v.pending_prefill_tokens < holder_queue
+        {
+            v.cached_tokens = Some(own + pull.credit(profile, own, best - own));
         }
     }
 }
@@ -974,5 +985,39 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A pull is credited only to an engine both less loaded and with less prefill queued
+    /// than every holder: a holder that is busier but has nothing queued (its requests
+    /// decoding) starts the request as soon as any other engine would, without the copy.
+    #[test]
+    fn a_pull_is_credited_only_past_a_holder_with_more_queued() {
+        let profile = crate::engine::Profile::named("h100-llama3-8b").expect("profile");
+        let pull = KvPull::default();
+        let view = |id: u32, in_flight: u32, pending: u64, cached: u64| WorkerView {
+            in_flight,
+            pending_prefill_tokens: pending,
+            cached_tokens: Some(cached),
+            ..WorkerView::idle(WorkerId(id))
+        };
+        let credited = |views: &[WorkerView]| -> Vec<u64> {
+            let mut v = views.to_vec();
+            credit_pulls(&mut v, &pull, &profile, 4096);
+            v.iter().map(|w| w.cached_tokens.unwrap_or(0)).collect()
+        };
+        let gain = 512 + pull.credit(&profile, 512, 4096 - 512);
+        assert!(gain > 512 && gain < 4096, "{gain}");
+        // The holder runs two requests that are decoding: nothing queued, no credit.
+        assert_eq!(credited(&[view(0, 2, 0, 4096), view(1, 0, 0, 512)]), vec![4096, 512]);
+        // The holder has a prompt's prefill queued: the idle engine is credited.
+        assert_eq!(credited(&[view(0, 2, 3000, 4096), view(1, 0, 0, 512)]), vec![4096, gain]);
+        // An engine with as much queued as the holder, or as loaded, is not.
+        assert_eq!(credited(&[view(0, 2, 3000, 4096), view(1, 0, 3000, 512)]), vec![4096, 512]);
+        assert_eq!(credited(&[view(0, 2, 3000, 4096), view(1, 2, 0, 512)]), vec![4096, 512]);
+        // Two holders: the least queued of them is the bar.
+        assert_eq!(
+            credited(&[view(0, 3, 3000, 4096), view(2, 3, 100, 4096), view(1, 0, 200, 512)]),
+            vec![4096, 4096, 512]
+        );
     }
 }

@@ -232,11 +232,16 @@ pub struct ReplayConfig {
 ///   `WAITING_FOR_REMOTE_KVS` requests do); neither engine computes meanwhile (the copy
 ///   is RDMA reading the holder's GPU memory). The blocks then enter the engine's prefix
 ///   cache as if computed there.
-/// - **The policy's view**: an engine less loaded than every holder of the longest prefix
-///   is credited with the tokens a pull there would bring, net of its cost
+/// - **The policy's view**: an engine less loaded than every holder of the longest prefix,
+///   and with less prefill queued (`pending_prefill_tokens`) than every one of them, is
+///   credited with the tokens a pull there would bring, net of its cost
 ///   ([`KvPull::credit`], in its `cached_tokens`), so the policy weighs load against the
 ///   prefix at the transfer's price. An engine as loaded as a holder is not: the holder
-///   runs the request without a pull.
+///   runs the request without a pull; nor is one with as much queued as a holder: the
+///   holder starts the request as soon, without the copy's wait. (Crediting on load alone
+///   sent MT-bench's requests on 16 engines, where holders have no queue, to idle engines
+///   through copies, 1.06× the fleet-oracle bound's mean TTFT against 1.03× now:
+///   docs/lab/2026-11-29-pull-credit.md.)
 ///
 /// Not modelled: the holder evicting the blocks while they are read (vLLM pins them until
 /// the read ends), the network shared by concurrent pulls.
