@@ -8,6 +8,12 @@
 //! request: its prompt (token ids counted, text at 4 characters per token) plus `max_tokens`
 //! when given — the convention of OpenAI's TPM limits.
 //!
+//! A key may be listed by its SHA-256 instead, `sha256:` and 64 hex digits (`printf %s KEY |
+//! sha256sum`), so the file need not hold a usable secret: a request's key is then hashed
+//! and looked up by its digest. A key listed so is the same key to clients; to the router
+//! it is another line (a key that moves from one form to the other starts with full
+//! buckets and, without a tenant, a cache scope of its own).
+//!
 //! Clients send `Authorization: Bearer KEY` (what the OpenAI SDKs send); a missing or
 //! unknown key is a 401, a key over a limit a 429 with `Retry-After` (seconds until the
 //! bucket holds enough again). The tenant names the key's owner in
@@ -71,9 +77,15 @@ pub enum KeyFileError {
         /// Line.
         line: usize,
     },
-    /// A key listed twice.
+    /// A key listed twice (also: a key and its SHA-256).
     #[error("line {line}: this key is already listed above")]
     Duplicate {
+        /// Line.
+        line: usize,
+    },
+    /// `sha256:` followed by anything but 64 hex digits.
+    #[error("line {line}: `sha256:` must be followed by the key's SHA-256 as 64 hex digits")]
+    Digest {
         /// Line.
         line: usize,
     },
@@ -105,10 +117,17 @@ pub struct KeyEntry {
     tokens: Option<(DefaultDirectRateLimiter, u32)>,
 }
 
+/// What starts a key listed by its SHA-256.
+pub const DIGEST_PREFIX: &str = "sha256:";
+
 /// The keys of `api_key_file`.
 #[derive(Debug, Default)]
 pub struct ApiKeys {
+    /// Every key by the form the file lists it in: the key itself, or [`DIGEST_PREFIX`] and
+    /// its SHA-256 in lowercase hex.
     keys: HashMap<String, Arc<KeyEntry>>,
+    /// The keys listed by digest, by their SHA-256.
+    digests: HashMap<[u8; 32], Arc<KeyEntry>>,
     /// Each distinct tenant (`cache_tenant`) over the keys, with its share's number.
     shares: HashMap<String, usize>,
 }
@@ -116,7 +135,10 @@ pub struct ApiKeys {
 /// One line of a key file, parsed ([`ApiKeys::parse_after`]).
 struct Line<'t> {
     number: usize,
-    key: &'t str,
+    /// The key as listed (a digest's hex in lowercase).
+    key: String,
+    /// The SHA-256 when the line lists the key by it.
+    digest: Option<[u8; 32]>,
     tenant: Option<&'t str>,
     rpm: u32,
     tpm: u32,
@@ -163,8 +185,16 @@ fn lines(text: &str, default_rpm: u32, default_tpm: u32) -> Result<Vec<Line<'_>>
             continue;
         }
         let mut words = line.split_whitespace();
-        let key = words.next().unwrap_or_default();
-        let mut l = Line { number, key, tenant: None, rpm: default_rpm, tpm: default_tpm };
+        let written = words.next().unwrap_or_default();
+        let digest = match written.strip_prefix(DIGEST_PREFIX) {
+            Some(hex) => Some(digest_of_hex(hex).ok_or(KeyFileError::Digest { line: number })?),
+            None => None,
+        };
+        let key = match digest {
+            Some(_) => written.to_ascii_lowercase(),
+            None => written.to_string(),
+        };
+        let mut l = Line { number, key, digest, tenant: None, rpm: default_rpm, tpm: default_tpm };
         for w in words {
             match w.split_once('=') {
                 Some((name @ ("rpm" | "tpm"), v)) => {
@@ -193,6 +223,28 @@ fn lines(text: &str, default_rpm: u32, default_tpm: u32) -> Result<Vec<Line<'_>>
         return Err(KeyFileError::NoKey);
     }
     Ok(out)
+}
+
+/// The 32 bytes of 64 hex digits (either case), `None` for anything else.
+fn digest_of_hex(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.as_bytes();
+    if hex.len() != 64 {
+        return None;
+    }
+    let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let mut out = [0u8; 32];
+    for (i, pair) in hex.chunks_exact(2).enumerate() {
+        out[i] = nibble(pair[0])? << 4 | nibble(pair[1])?;
+    }
+    Some(out)
+}
+
+/// SHA-256 of `key` (how a key listed by digest is found).
+fn sha256(key: &str) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, key.as_bytes());
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
 }
 
 /// A key's cache scope tenant ([`KeyEntry::cache_tenant`]).
@@ -252,13 +304,14 @@ impl ApiKeys {
         before: Option<&ApiKeys>,
     ) -> Result<Self, KeyFileError> {
         let lines = lines(text, default_rpm, default_tpm)?;
-        let cache_tenants: Vec<String> = lines.iter().map(|l| cache_tenant(l.key, l.tenant)).collect();
+        let cache_tenants: Vec<String> = lines.iter().map(|l| cache_tenant(&l.key, l.tenant)).collect();
         let shares = number_shares(&cache_tenants, before.map(|b| &b.shares));
         let mut keys = HashMap::with_capacity(lines.len());
+        let mut digests = HashMap::new();
         for (l, cache_tenant) in lines.iter().zip(cache_tenants) {
             let tenant = l.tenant.unwrap_or("-");
             let share = shares[&cache_tenant];
-            let kept = before.and_then(|b| b.keys.get(l.key)).filter(|e| {
+            let kept = before.and_then(|b| b.keys.get(&l.key)).filter(|e| {
                 e.tenant == tenant && e.cache_tenant == cache_tenant && e.share == share && e.limits == (l.rpm, l.tpm)
             });
             let entry = kept.cloned().unwrap_or_else(|| {
@@ -271,11 +324,26 @@ impl ApiKeys {
                     tokens: limiter(l.tpm).map(|t| (t, l.tpm)),
                 })
             });
-            if keys.insert(l.key.to_string(), entry).is_some() {
+            if let Some(d) = l.digest {
+                digests.insert(d, Arc::clone(&entry));
+            }
+            if keys.insert(l.key.clone(), entry).is_some() {
                 return Err(KeyFileError::Duplicate { line: l.number });
             }
         }
-        Ok(ApiKeys { keys, shares })
+        // A key listed both as itself and by its digest: the later of the two lines.
+        if !digests.is_empty() {
+            let digest_lines: HashMap<[u8; 32], usize> =
+                lines.iter().filter_map(|l| Some((l.digest?, l.number))).collect();
+            let twin = lines
+                .iter()
+                .filter(|l| l.digest.is_none())
+                .find_map(|l| Some(l.number.max(*digest_lines.get(&sha256(&l.key))?)));
+            if let Some(line) = twin {
+                return Err(KeyFileError::Duplicate { line });
+            }
+        }
+        Ok(ApiKeys { keys, digests, shares })
     }
 
     /// How many keys the file lists.
@@ -318,7 +386,11 @@ impl ApiKeys {
         let Some(key) = presented else {
             return Err(ApiError::new(StatusCode::UNAUTHORIZED, "missing API key: send `Authorization: Bearer KEY`"));
         };
-        self.keys.get(key).cloned().ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "invalid API key"))
+        // A key presented as `sha256:…` is never taken for a digest the file lists: it is a
+        // key like any other, found only by its own digest.
+        let listed = if key.starts_with(DIGEST_PREFIX) { None } else { self.keys.get(key) };
+        let listed = listed.or_else(|| (!self.digests.is_empty()).then(|| self.digests.get(&sha256(key))).flatten());
+        listed.cloned().ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "invalid API key"))
     }
 }
 
@@ -555,5 +627,39 @@ mod tests {
         std::fs::remove_file(&path).expect("remove");
         assert!(file.reload().is_err(), "a missing file is an error");
         assert!(file.keys().authenticate(&bearer("sk-d")).is_ok(), "the keys in effect stay");
+    }
+
+    /// A key listed by its SHA-256 is found by the key, never by the digest presented as a
+    /// key; a malformed digest, or a key listed both ways, is refused naming the line.
+    #[test]
+    fn a_key_listed_by_its_sha256_is_found_by_the_key_and_never_by_the_digest() {
+        let hex = |key: &str| -> String { sha256(key).iter().map(|b| format!("{b:02x}")).collect() };
+        // FIPS 180-2's test vector: what `printf %s abc | sha256sum` prints.
+        assert_eq!(hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        let real = hex("sk-hashed");
+        let text = format!("sk-plain team-a\nsha256:{} team-b rpm=1\n", real.to_uppercase());
+        let keys = ApiKeys::parse(&text, 0, 0).expect("parses");
+        let b = keys.authenticate(&bearer("sk-hashed")).expect("found by its digest");
+        assert_eq!(b.tenant, "team-b");
+        assert_eq!(keys.authenticate(&bearer("sk-plain")).expect("plain").tenant, "team-a");
+        for presented in [format!("sha256:{real}"), real.clone(), format!("sha256:{}", real.to_uppercase())] {
+            assert!(keys.authenticate(&bearer(&presented)).is_err(), "{presented} let in");
+        }
+        assert_eq!(keys.len(), 2);
+        // The digest's limits apply to the key.
+        b.admit_request().expect("its one request");
+        assert!(keys.authenticate(&bearer("sk-hashed")).expect("b").admit_request().is_err());
+        // A reload keeps the digest's buckets (hex in either case is the same line).
+        let again = ApiKeys::parse_after(&format!("sha256:{real} team-b rpm=1\n"), 0, 0, Some(&keys)).expect("parses");
+        assert!(again.authenticate(&bearer("sk-hashed")).expect("b").admit_request().is_err(), "buckets kept");
+        for (text, line) in [
+            (format!("sk-a\nsha256:{}\n", &real[..63]), "line 2"),
+            ("sha256:zz\n".to_string(), "line 1"),
+            (format!("sha256:{real}\nsk-hashed\n"), "line 2"),
+            (format!("sk-hashed t\n\nsha256:{real} u\n"), "line 3"),
+        ] {
+            let e = ApiKeys::parse(&text, 0, 0).expect_err(&text).to_string();
+            assert!(e.starts_with(line), "{text:?}: {e}");
+        }
     }
 }

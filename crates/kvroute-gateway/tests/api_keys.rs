@@ -55,7 +55,10 @@ impl Drop for Keyed {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_are_required_and_each_key_is_held_to_its_requests_and_tokens_per_minute() {
-    let keyed = Keyed::start("keys", "# test keys\nsk-req team-a rpm=3\nsk-tok team-b tpm=50\nsk-free\n").await;
+    // `sk-hashed` listed by its SHA-256 (`printf %s sk-hashed | sha256sum`).
+    let hashed = "c291001835042e213221b2f9fca79c9c91d08813d599b717bc695a268edb2ea6";
+    let keys = format!("# test keys\nsk-req team-a rpm=3\nsk-tok team-b tpm=50\nsk-free\nsha256:{hashed} team-h\n");
+    let keyed = Keyed::start("keys", &keys).await;
     let (c, r) = (reqwest::Client::new(), keyed.router.clone());
     let send = |key: Option<&str>, body: serde_json::Value| {
         let mut rb = c.post(format!("{r}/v1/chat/completions")).json(&body);
@@ -100,6 +103,11 @@ async fn keys_are_required_and_each_key_is_held_to_its_requests_and_tokens_per_m
     for _ in 0..5 {
         assert_eq!(send(Some("sk-free"), chat(5)).await.expect("send").status(), 200);
     }
+    // A key listed by its digest is served under its tenant; the digest itself is no key.
+    assert_eq!(send(Some("sk-hashed"), chat(5)).await.expect("send").status(), 200);
+    for digest in [format!("sha256:{hashed}"), hashed.to_string()] {
+        assert_eq!(send(Some(&digest), chat(5)).await.expect("send").status(), 401, "{digest}");
+    }
     let text = guard(c.get(format!("{r}/metrics")).send()).await.expect("metrics").text().await.expect("text");
     for line in [
         r#"kvroute_tenant_requests_total{tenant="team-a",outcome="admitted"} 3"#,
@@ -107,6 +115,7 @@ async fn keys_are_required_and_each_key_is_held_to_its_requests_and_tokens_per_m
         r#"kvroute_tenant_requests_total{tenant="team-b",outcome="admitted"} 1"#,
         r#"kvroute_tenant_requests_total{tenant="team-b",outcome="rate_limited_tokens"} 2"#,
         r#"kvroute_tenant_requests_total{tenant="-",outcome="admitted"} 5"#,
+        r#"kvroute_tenant_requests_total{tenant="team-h",outcome="admitted"} 1"#,
     ] {
         assert!(text.contains(line), "missing `{line}` in\n{text}");
     }
