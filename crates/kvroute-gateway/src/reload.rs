@@ -1,6 +1,8 @@
 //! Configuration reload on SIGHUP: the TLS certificate ([`crate::tls`]), the API keys
 //! (`api_key_file`'s contents, [`reload_api_keys`]) and, when the server was given a
-//! [`ConfigSource`], the whole configuration file.
+//! [`ConfigSource`], the whole configuration file. With `reload_watch_secs` the same files
+//! are also looked at that often, and the parts whose files changed are reloaded without a
+//! signal ([`run`]), for containers nobody can signal.
 //!
 //! A reload reads the configuration again (for `kvroute serve`: the `--config` file, then
 //! the environment and flags, exactly as at startup) and compares it with the one in
@@ -32,6 +34,7 @@ use crate::metrics::OutcomeLabel;
 use crate::model::worker_url::static_set;
 use std::collections::HashSet;
 use std::sync::Arc;
+use tracing::Instrument;
 
 /// Reads the configuration again: called on each SIGHUP, off the async runtime (it may
 /// read files). An error (unreadable file, bad TOML, invalid value naming the key) keeps
@@ -88,16 +91,13 @@ impl Reloader {
             Ok(next) => match self.own_worker(&next).await {
                 // A router listed as its own worker loops: the file is refused whole.
                 Some(e) => {
-                    tracing::error!(error = e, "SIGHUP: configuration not reloaded; the one in effect stays");
+                    tracing::error!(error = e, "configuration not reloaded; the one in effect stays");
                     Outcome::Invalid
                 }
                 None => self.apply_valid(next).await,
             },
             Err(e) => {
-                tracing::error!(
-                    error = format!("{e:#}"),
-                    "SIGHUP: configuration not reloaded; the one in effect stays"
-                );
+                tracing::error!(error = format!("{e:#}"), "configuration not reloaded; the one in effect stays");
                 Outcome::Invalid
             }
         };
@@ -131,7 +131,7 @@ impl Reloader {
                     changed = true;
                 }
                 Err(e) => {
-                    tracing::error!(error = format!("{e:#}"), "SIGHUP: policy not applied; the policy in effect stays");
+                    tracing::error!(error = format!("{e:#}"), "policy not applied; the policy in effect stays");
                     failed = true;
                 }
             }
@@ -142,7 +142,7 @@ impl Reloader {
         }
         if next.cascade != self.running.cascade {
             self.state.cascade.store(Arc::new(next.cascade.clone()));
-            tracing::info!(chains = next.cascade.chain.len(), "SIGHUP: cascade chains applied");
+            tracing::info!(chains = next.cascade.chain.len(), "cascade chains applied");
             self.running.cascade.clone_from(&next.cascade);
             changed = true;
         }
@@ -150,25 +150,22 @@ impl Reloader {
             for w in self.state.fleet.load().iter() {
                 w.set_capacity(crate::fleet::CapacitySource::Config, next.capacity_of(&w.url));
             }
-            tracing::info!(workers = next.capacity.len(), "SIGHUP: capacity table applied");
+            tracing::info!(workers = next.capacity.len(), "capacity table applied");
             self.running.capacity.clone_from(&next.capacity);
             changed = true;
         }
         let restart = restart_keys(&self.running, &next);
         if !restart.is_empty() {
-            tracing::warn!(
-                keys = restart.join(", "),
-                "SIGHUP: changed in the file but need a restart; left as they are"
-            );
+            tracing::warn!(keys = restart.join(", "), "changed in the file but need a restart; left as they are");
         }
         match (failed, changed) {
             (true, _) => Outcome::Invalid,
             (false, true) => {
-                tracing::info!("SIGHUP: configuration reloaded");
+                tracing::info!("configuration reloaded");
                 Outcome::Applied
             }
             (false, false) => {
-                tracing::info!("SIGHUP: configuration reloaded, no live change");
+                tracing::info!("configuration reloaded, no live change");
                 Outcome::Unchanged
             }
         }
@@ -194,9 +191,9 @@ impl Reloader {
         let knobs = crate::policy_control::apply(&self.state, &setting, crate::policy_control::Form::Plain)
             .map_err(|(field, e)| anyhow::anyhow!("{field}: {e}"))?;
         if before == next.policy {
-            tracing::info!(policy = next.policy, %knobs, "SIGHUP: policy knobs applied");
+            tracing::info!(policy = next.policy, %knobs, "policy knobs applied");
         } else {
-            tracing::info!(policy = next.policy, previous = before, %knobs, "SIGHUP: policy switched");
+            tracing::info!(policy = next.policy, previous = before, %knobs, "policy switched");
         }
         Ok(())
     }
@@ -216,18 +213,18 @@ impl Reloader {
         self.state.static_workers.store(Arc::new(next));
         for u in &added {
             match self.state.add_worker(u).await {
-                Ok(_) => tracing::info!(worker = u, "SIGHUP: worker added"),
-                Err(e) => tracing::warn!(worker = u, error = %e, "SIGHUP: worker not added"),
+                Ok(_) => tracing::info!(worker = u, "worker added"),
+                Err(e) => tracing::warn!(worker = u, error = %e, "worker not added"),
             }
         }
         for u in &removed {
             match self.state.fleet.by_url(u) {
                 Some(w) if w.registration.load().is_some() => {
-                    tracing::info!(worker = u, "SIGHUP: worker left the list but stays: it is registered in etcd");
+                    tracing::info!(worker = u, "worker left the list but stays: it is registered in etcd");
                 }
                 Some(_) => {
                     self.state.remove_worker(u);
-                    tracing::info!(worker = u, "SIGHUP: worker removed");
+                    tracing::info!(worker = u, "worker removed");
                 }
                 None => {}
             }
@@ -271,12 +268,12 @@ pub async fn reload_api_keys(state: &Arc<AppState>) -> Option<Outcome> {
                 changed = c.changed,
                 kept = c.kept,
                 tenants_gone = c.tenants_gone.join(", "),
-                "SIGHUP: api_key_file reloaded"
+                "api_key_file reloaded"
             );
             if c.any() { Outcome::Applied } else { Outcome::Unchanged }
         }
         Err(e) => {
-            tracing::error!(error = format!("{e:#}"), "SIGHUP: api_key_file not reloaded; the keys in effect stay");
+            tracing::error!(error = format!("{e:#}"), "api_key_file not reloaded; the keys in effect stay");
             Outcome::Invalid
         }
     };
@@ -362,9 +359,80 @@ impl Hangup {
     }
 }
 
-/// Handles each SIGHUP: reads the TLS certificate and key again (a reload that fails is
-/// logged and keeps the certificate in use), then, with a `source`, the configuration
-/// ([`Reloader`]). With neither it logs that there is nothing to reload.
+/// What set a reload off (the `trigger` of its log lines' `reload` span).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Trigger {
+    /// A SIGHUP: every part is read again.
+    Signal,
+    /// `reload_watch_secs`: only the parts whose files changed.
+    FileChange,
+}
+
+impl Trigger {
+    /// `SIGHUP` or `file_change`.
+    fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Signal => "SIGHUP",
+            Trigger::FileChange => "file_change",
+        }
+    }
+}
+
+/// The files a reload reads, as last seen ([`Watch::look`]): a hash of each file's bytes
+/// (`None` when unreadable), and the configuration the source last gave.
+#[derive(Debug, Default)]
+struct Watch {
+    tls: Option<u64>,
+    keys: Option<u64>,
+    /// The configuration last read (`Ok`), or the error it gave (`Err`, its message).
+    config: Option<Result<GatewayConfig, String>>,
+}
+
+/// What changed since the last look ([`Watch::look`]).
+#[derive(Debug, Default)]
+struct Changed {
+    tls: bool,
+    keys: bool,
+    /// The configuration read, when it differs from the last one.
+    config: Option<anyhow::Result<GatewayConfig>>,
+}
+
+/// A hash of the bytes of the files at `paths` (`None` when one cannot be read).
+fn files_hash(paths: &[&str]) -> Option<u64> {
+    let mut all = Vec::new();
+    for p in paths {
+        all.extend_from_slice(&std::fs::read(p).ok()?);
+        all.push(0);
+    }
+    Some(kvroute_core::hash::stable_hash(&all))
+}
+
+impl Watch {
+    /// Reads every watched file (blocking I/O) and the configuration from `source`, and
+    /// records them; returns what differs from the last look (everything on the first).
+    fn look(&mut self, cfg: &GatewayConfig, source: Option<&ConfigSource>) -> Changed {
+        let tls: Vec<&str> = cfg.tls_cert.iter().chain(&cfg.tls_key).map(String::as_str).collect();
+        let tls = (!tls.is_empty()).then(|| files_hash(&tls)).flatten();
+        let keys = cfg.api_key_file.as_deref().and_then(|p| files_hash(&[p]));
+        let mut changed = Changed { tls: tls != self.tls, keys: keys != self.keys, config: None };
+        (self.tls, self.keys) = (tls, keys);
+        if let Some(source) = source {
+            let next = source().map_err(|e| format!("{e:#}"));
+            if self.config.as_ref() != Some(&next) {
+                changed.config = Some(next.clone().map_err(anyhow::Error::msg));
+                self.config = Some(next);
+            }
+        }
+        changed
+    }
+}
+
+/// Handles each SIGHUP and, with `reload_watch_secs`, each look at the files: reads the TLS
+/// certificate and key again (a reload that fails is logged and keeps the certificate in
+/// use), the API keys ([`reload_api_keys`]) and, with a `source`, the configuration
+/// ([`Reloader`]) — on a SIGHUP all of them, on a look only those whose files changed
+/// (the configuration: when what the source reads differs from its last read). With
+/// nothing to reload a SIGHUP is logged.
 pub async fn run(
     mut hup: Hangup,
     tls: Option<Arc<crate::tls::ServerTls>>,
@@ -373,26 +441,70 @@ pub async fn run(
 ) {
     expose_outcomes(&state);
     let mut reloader = source.as_ref().map(|_| Reloader::new(Arc::clone(&state)));
-    while hup.recv().await {
-        reload_api_keys(&state).await;
-        match tls.as_ref().map(|t| t.reload()) {
-            Some(Ok(())) => tracing::info!("SIGHUP: TLS certificate reloaded"),
-            Some(Err(e)) => {
-                tracing::error!(error = format!("{e:#}"), "SIGHUP: TLS reload failed; keeping the certificate in use");
+    let period = state.cfg.reload_watch_secs;
+    let mut tick = (period > 0.0).then(|| {
+        let every = std::time::Duration::from_secs_f64(period);
+        let mut t = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        // A slow look (a large key file on a slow disk) is not followed by a burst of them.
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    });
+    // The files as they are at start: a look reloads only what changed since.
+    let mut watch = Some(Watch::default());
+    let _ = look(&mut watch, &state, source.as_ref()).await;
+    loop {
+        let trigger = tokio::select! {
+            alive = hup.recv() => if alive { Trigger::Signal } else { break },
+            _ = async { match tick.as_mut() { Some(t) => t.tick().await, None => std::future::pending().await } } => Trigger::FileChange,
+        };
+        let span = tracing::info_span!("reload", trigger = trigger.as_str());
+        let changed = look(&mut watch, &state, source.as_ref()).await;
+        let every = trigger == Trigger::Signal;
+        async {
+            if every || changed.keys {
+                reload_api_keys(&state).await;
             }
-            None if source.is_none() && state.api_keys.is_none() => {
-                tracing::info!("SIGHUP: nothing to reload (no tls_cert, no api_key_file, no config file)");
+            if let Some(t) = tls.as_ref().filter(|_| every || changed.tls) {
+                match t.reload() {
+                    Ok(()) => tracing::info!("TLS certificate reloaded"),
+                    Err(e) => {
+                        tracing::error!(error = format!("{e:#}"), "TLS reload failed; keeping the certificate in use")
+                    }
+                }
             }
-            None => {}
+            if every && tls.is_none() && source.is_none() && state.api_keys.is_none() {
+                tracing::info!("nothing to reload (no tls_cert, no api_key_file, no config file)");
+            }
+            // A SIGHUP applies the configuration just read even when it reads as before
+            // (the restart-only keys are named again, the outcome counted).
+            let last = || watch.as_ref().and_then(|w| w.config.clone()).map(|r| r.map_err(anyhow::Error::msg));
+            let next = if every { last() } else { changed.config };
+            if let (Some(next), Some(reloader)) = (next, reloader.as_mut()) {
+                reloader.apply(next).await;
+            }
         }
-        if let (Some(source), Some(reloader)) = (&source, reloader.as_mut()) {
-            let read = Arc::clone(source);
-            let next = tokio::task::spawn_blocking(move || read())
-                .await
-                .unwrap_or_else(|e| Err(anyhow::anyhow!("reading the configuration panicked: {e}")));
-            reloader.apply(next).await;
-        }
+        .instrument(span)
+        .await;
     }
+}
+
+/// [`Watch::look`] off the async runtime (it reads files); `watch` is `None` only while
+/// the look runs.
+async fn look(watch: &mut Option<Watch>, state: &Arc<AppState>, source: Option<&ConfigSource>) -> Changed {
+    let (mut w, s, source) = (watch.take().unwrap_or_default(), Arc::clone(state), source.cloned());
+    let (w, changed) = tokio::task::spawn_blocking(move || {
+        let changed = w.look(&s.cfg, source.as_ref());
+        (w, changed)
+    })
+    .await
+    .unwrap_or_else(|e| {
+        (
+            Watch::default(),
+            Changed { config: Some(Err(anyhow::anyhow!("reading the files panicked: {e}"))), ..Changed::default() },
+        )
+    });
+    *watch = Some(w);
+    changed
 }
 
 #[cfg(test)]

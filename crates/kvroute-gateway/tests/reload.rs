@@ -196,3 +196,64 @@ async fn sighup_reloads_policy_knobs_and_workers_and_an_invalid_file_keeps_the_c
     guard(server).await.expect("join").expect("serve");
     stop_w.cancel();
 }
+
+/// Waits (bounded: the hang guard) until `check` holds.
+async fn until<F: std::future::Future<Output = bool>>(mut check: impl FnMut() -> F) {
+    guard(async {
+        while !check().await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
+/// With `reload_watch_secs`, no signal is needed: a changed configuration file is applied
+/// and a changed key file read again at the next look, an invalid file is counted once
+/// (not at every look), and files that did not change are not reloaded at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_file_watch_applies_what_changed_without_a_signal() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let stop_w = CancellationToken::new();
+    let sim = EngineSimConfig { instant: true, ..EngineSimConfig::default() };
+    let (w1, _s1) = engine_sim::spawn_local(sim, stop_w.clone()).await.expect("worker");
+    let dir = TempDir::new("watch");
+    let (path, keys) = (dir.0.join("kvroute.toml"), dir.0.join("keys.txt"));
+    write(&keys, "sk-a team-a\nsk-b team-b\n");
+    let extra = format!("reload_watch_secs = 1.0\napi_key_file = \"{}\"", keys.display());
+    write(&path, &file_text("round_robin", &extra, &[&w1]));
+    let source: ConfigSource = {
+        let path = path.clone();
+        Arc::new(move || Ok(GatewayConfig::from_toml(&std::fs::read_to_string(&path)?)?))
+    };
+    let cfg = source().expect("the first file is valid");
+    let stop = CancellationToken::new();
+    let (r, server) = common::start_router_with_reload(cfg, Some(source), stop.clone()).await;
+    let c = common::client();
+    let chat = |key: &'static str| {
+        let body = serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2});
+        let rb = reqwest::Client::new().post(format!("{r}/v1/chat/completions")).bearer_auth(key).json(&body);
+        async move { guard(rb.send()).await.expect("chat").status().as_u16() }
+    };
+    assert_eq!((chat("sk-a").await, chat("sk-b").await), (200, 200));
+
+    write(&path, &file_text("least_load", &extra, &[&w1]));
+    until(|| async { policy(&c, &r).await["policy"] == "least_load" }).await;
+    write(&keys, "sk-a team-a\n");
+    until(|| async { chat("sk-b").await == 401 }).await;
+    assert_eq!(chat("sk-a").await, 200, "a key left in the file");
+
+    write(&path, "policy = \"round_robin\nworker_urls = [");
+    until(|| async { reloads(&c, &r, "invalid").await == 1 }).await;
+    // Looks go on every second; the invalid file is not counted again, and nothing that
+    // did not change is reloaded (no `unchanged` reload ever).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(reloads(&c, &r, "invalid").await, 1);
+    assert_eq!(reloads(&c, &r, "applied").await, 1);
+    assert_eq!(reloads(&c, &r, "unchanged").await, 0);
+    assert_eq!(policy(&c, &r).await["policy"], "least_load", "an invalid file kept the policy in effect");
+    drop(c);
+    stop.cancel();
+    guard(server).await.expect("join").expect("serve");
+    stop_w.cancel();
+}

@@ -204,6 +204,10 @@ pub struct Args {
     /// PEM private key of --tls-cert.
     #[arg(long, env = "KVROUTE_TLS_KEY")]
     pub tls_key: Option<String>,
+    /// Every this many seconds, reload what changed in the files SIGHUP reads (TLS files,
+    /// --api-key-file, --config); 0: SIGHUP only.
+    #[arg(long, env = "KVROUTE_RELOAD_WATCH_SECS")]
+    pub reload_watch_secs: Option<f64>,
     /// PEM bundle of CA certificates trusted for https:// workers (besides the system roots).
     #[arg(long, env = "KVROUTE_WORKER_CA_FILE")]
     pub worker_ca_file: Option<String>,
@@ -346,6 +350,7 @@ fn scalar_flags(a: &Args, cfg: &mut GatewayConfig) {
         http2_keep_alive_secs,
         drain_timeout_secs,
         drain_delay_secs,
+        reload_watch_secs,
         connect_timeout_secs,
         request_timeout_secs,
         stream_first_byte_timeout_secs,

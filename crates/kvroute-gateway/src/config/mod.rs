@@ -259,6 +259,13 @@ pub struct GatewayConfig {
     pub tls_cert: Option<String>,
     /// PEM private key (PKCS#8, PKCS#1 or SEC1) of `tls_cert`.
     pub tls_key: Option<String>,
+    /// Every this many seconds, read the files a SIGHUP reads again — `tls_cert`, `tls_key`,
+    /// `api_key_file` and, with `kvroute serve --config`, the configuration — and reload
+    /// what changed as a SIGHUP would: for deployments that cannot signal the process (a
+    /// Kubernetes Secret or ConfigMap mounted into a container without a shell, a
+    /// certificate renewed by cert-manager). 0: off, SIGHUP only. At least 1 s.
+    #[default = 0.0]
+    pub reload_watch_secs: f64,
     /// PEM bundle of CA certificates trusted for `https://` workers, besides the system's
     /// roots (a private CA of the inference fleet).
     pub worker_ca_file: Option<String>,
@@ -837,6 +844,13 @@ impl GatewayConfig {
                 ));
             }
         }
+        let w = self.reload_watch_secs;
+        if !(w.is_finite() && (w == 0.0 || (1.0..=MAX_TIMEOUT_SECS).contains(&w))) {
+            return Err(err(
+                "reload_watch_secs",
+                format!("must be 0 (off) or 1 to {MAX_TIMEOUT_SECS} seconds, got {w}"),
+            ));
+        }
         let m = self.health.models_refresh_secs;
         if !(m.is_finite() && (0.0..=MAX_TIMEOUT_SECS).contains(&m)) {
             return Err(err(
@@ -1043,6 +1057,19 @@ mod tests {
         long.validate().expect("a short drain_timeout_secs still starts");
         let neg = GatewayConfig { http2_keep_alive_secs: -1.0, ..GatewayConfig::default() };
         assert_eq!(neg.validate().unwrap_err().key, "http2_keep_alive_secs");
+    }
+
+    /// `reload_watch_secs`: 0 (off) or 1 s up to the timeouts' bound; anything else is
+    /// refused naming the key (a look more often than once a second is not a reload).
+    #[test]
+    fn the_reload_watch_is_off_or_at_least_a_second() {
+        for ok in [0.0, 1.0, 10.0, MAX_TIMEOUT_SECS] {
+            GatewayConfig { reload_watch_secs: ok, ..GatewayConfig::default() }.validate().expect("valid");
+        }
+        for bad in [0.5, -1.0, f64::NAN, f64::INFINITY, MAX_TIMEOUT_SECS * 2.0] {
+            let e = GatewayConfig { reload_watch_secs: bad, ..GatewayConfig::default() }.validate().unwrap_err();
+            assert_eq!(e.key, "reload_watch_secs", "{bad}");
+        }
     }
 
     #[test]
