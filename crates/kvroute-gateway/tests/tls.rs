@@ -200,3 +200,38 @@ async fn a_reload_serves_the_new_certificate_to_new_connections_and_a_bad_file_k
     assert_eq!(half.validate().expect_err("cert without key").key, "tls_key");
     stop.cancel();
 }
+
+/// With `reload_watch_secs`, a certificate renewed in place (as cert-manager renews a
+/// mounted Secret) is served to new connections without a signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_renewed_in_place_is_served_without_a_signal_with_the_file_watch() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = TempDir::new("tls-watch");
+    let (ca1, ca2) = (TestCa::new("first CA"), TestCa::new("second CA"));
+    let (crt, key) = ca1.server_cert(&dir.0, "router");
+    let cfg = GatewayConfig {
+        tls_cert: Some(crt.display().to_string()),
+        tls_key: Some(key.display().to_string()),
+        reload_watch_secs: 1.0,
+        ..common::config(&[], "round_robin")
+    };
+    let stop = CancellationToken::new();
+    let url = start_https_router(cfg, stop.clone(), &client_trusting(&ca1, true)).await;
+    let answers = |ca: &TestCa| {
+        let c = client_trusting(ca, true);
+        let url = url.clone();
+        async move { guard(c.get(format!("{url}/health")).send()).await.is_ok_and(|r| r.status() == 200) }
+    };
+    assert!(answers(&ca1).await && !answers(&ca2).await, "serving the first certificate");
+    let (crt2, key2) = ca2.server_cert(&dir.0, "renewed");
+    std::fs::rename(&key2, &key).expect("replace key");
+    std::fs::rename(&crt2, &crt).expect("replace certificate");
+    guard(async {
+        while !answers(&ca2).await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(!answers(&ca1).await, "the first certificate is no longer served");
+    stop.cancel();
+}
