@@ -157,6 +157,13 @@ async fn https_workers_are_trusted_through_worker_ca_file_and_not_without_it() {
     stop_w.cancel();
 }
 
+/// Whether `url`'s `/health` answers 200 to a client trusting only `ca`: a new client, so
+/// each check is a new connection and a new handshake.
+async fn answers(url: &str, ca: &TestCa) -> bool {
+    let c = client_trusting(ca, true);
+    guard(c.get(format!("{url}/health")).send()).await.is_ok_and(|r| r.status() == 200)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_serves_the_new_certificate_to_new_connections_and_a_bad_file_keeps_the_old_one() {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -167,20 +174,14 @@ async fn a_reload_serves_the_new_certificate_to_new_connections_and_a_bad_file_k
     let app = axum::Router::new().route("/health", axum::routing::get(|| async { "ok" }));
     let stop = CancellationToken::new();
     let url = serve_tls(app, Arc::clone(&tls), stop.clone()).await;
-    // A new client per request: each check is a new connection and a new handshake.
-    let answers = |ca: &TestCa| {
-        let c = client_trusting(ca, true);
-        let url = url.clone();
-        async move { guard(c.get(format!("{url}/health")).send()).await.is_ok_and(|r| r.status() == 200) }
-    };
-    assert!(answers(&ca1).await && !answers(&ca2).await, "serving the first certificate");
+    assert!(answers(&url, &ca1).await && !answers(&url, &ca2).await, "serving the first certificate");
 
     // Renewed in place (a new certificate from another CA), then reloaded.
     let (crt2, key2) = ca2.server_cert(&dir.0, "renewed");
     std::fs::rename(&crt2, &crt).expect("replace certificate");
     std::fs::rename(&key2, &key).expect("replace key");
     tls.reload().expect("reload");
-    assert!(answers(&ca2).await && !answers(&ca1).await, "serving the renewed certificate");
+    assert!(answers(&url, &ca2).await && !answers(&url, &ca1).await, "serving the renewed certificate");
 
     // A broken renewal: the reload fails naming the file and the certificate in use stays.
     std::fs::write(&crt, "-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n").expect("write");
@@ -194,7 +195,7 @@ async fn a_reload_serves_the_new_certificate_to_new_connections_and_a_bad_file_k
     std::fs::rename(&crt3, &crt).expect("replace certificate");
     let e = tls.reload().expect_err("a key that does not fit is refused");
     assert!(format!("{e:#}").contains("does not fit"), "{e:#}");
-    assert!(answers(&ca2).await, "still serving the last good certificate");
+    assert!(answers(&url, &ca2).await, "still serving the last good certificate");
     // The configuration refuses half a TLS setup.
     let half = GatewayConfig { tls_cert: Some(crt.display().to_string()), ..GatewayConfig::default() };
     assert_eq!(half.validate().expect_err("cert without key").key, "tls_key");
@@ -217,21 +218,16 @@ async fn a_certificate_renewed_in_place_is_served_without_a_signal_with_the_file
     };
     let stop = CancellationToken::new();
     let url = start_https_router(cfg, stop.clone(), &client_trusting(&ca1, true)).await;
-    let answers = |ca: &TestCa| {
-        let c = client_trusting(ca, true);
-        let url = url.clone();
-        async move { guard(c.get(format!("{url}/health")).send()).await.is_ok_and(|r| r.status() == 200) }
-    };
-    assert!(answers(&ca1).await && !answers(&ca2).await, "serving the first certificate");
+    assert!(answers(&url, &ca1).await && !answers(&url, &ca2).await, "serving the first certificate");
     let (crt2, key2) = ca2.server_cert(&dir.0, "renewed");
     std::fs::rename(&key2, &key).expect("replace key");
     std::fs::rename(&crt2, &crt).expect("replace certificate");
     guard(async {
-        while !answers(&ca2).await {
+        while !answers(&url, &ca2).await {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
     .await;
-    assert!(!answers(&ca1).await, "the first certificate is no longer served");
+    assert!(!answers(&url, &ca1).await, "the first certificate is no longer served");
     stop.cancel();
 }
