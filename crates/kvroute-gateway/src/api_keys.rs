@@ -225,6 +225,26 @@ fn lines(text: &str, default_rpm: u32, default_tpm: u32) -> Result<Vec<Line<'_>>
     Ok(out)
 }
 
+/// Largest key file read (64 MiB: [`MAX_KEYS`] lines of over 600 bytes each); a larger
+/// one is refused rather than read into memory, at startup and on every reload.
+pub const MAX_KEY_FILE_BYTES: u64 = 64 << 20;
+
+/// The text of the key file at `path`, at most [`MAX_KEY_FILE_BYTES`].
+///
+/// # Errors
+/// The file cannot be read, is larger, or is not UTF-8 (naming the file).
+fn read_key_file(path: &str) -> anyhow::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_KEY_FILE_BYTES + 1).read_to_string(&mut text))
+        .map_err(|e| anyhow::anyhow!("api_key_file {path}: {e}"))?;
+    if text.len() as u64 > MAX_KEY_FILE_BYTES {
+        anyhow::bail!("api_key_file {path}: larger than {MAX_KEY_FILE_BYTES} bytes");
+    }
+    Ok(text)
+}
+
 /// The 32 bytes of 64 hex digits (either case), `None` for anything else.
 fn digest_of_hex(hex: &str) -> Option<[u8; 32]> {
     let hex = hex.as_bytes();
@@ -373,7 +393,7 @@ impl ApiKeys {
     /// The file cannot be read, or [`ApiKeys::parse`] fails (the message names the file and
     /// line).
     pub fn load(path: &str, default_rpm: u32, default_tpm: u32) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("api_key_file {path}: {e}"))?;
+        let text = read_key_file(path)?;
         Self::parse(&text, default_rpm, default_tpm).map_err(|e| anyhow::anyhow!("api_key_file {path}: {e}"))
     }
 
@@ -452,7 +472,7 @@ impl KeyFile {
     /// keys in effect stay.
     pub fn reload(&self) -> anyhow::Result<KeyChanges> {
         let path = &self.path;
-        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("api_key_file {path}: {e}"))?;
+        let text = read_key_file(path)?;
         let before = self.keys.load_full();
         let next = ApiKeys::parse_after(&text, self.default_rpm, self.default_tpm, Some(&before))
             .map_err(|e| anyhow::anyhow!("api_key_file {path}: {e}"))?;
@@ -624,6 +644,10 @@ mod tests {
         std::fs::write(&path, "sk-a ta\nsk-e rpm=x\n").expect("write");
         let e = file.reload().expect_err("does not parse").to_string();
         assert!(e.contains("line 2") && e.contains("rpm"), "{e}");
+        // A file past the bound (sparse: nothing written) is refused unread past it.
+        std::fs::File::create(&path).and_then(|f| f.set_len(MAX_KEY_FILE_BYTES + 1)).expect("sparse file");
+        let e = file.reload().expect_err("too large").to_string();
+        assert!(e.contains("larger than"), "{e}");
         std::fs::remove_file(&path).expect("remove");
         assert!(file.reload().is_err(), "a missing file is an error");
         assert!(file.keys().authenticate(&bearer("sk-d")).is_ok(), "the keys in effect stay");

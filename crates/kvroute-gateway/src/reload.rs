@@ -397,11 +397,14 @@ struct Changed {
     config: Option<anyhow::Result<GatewayConfig>>,
 }
 
-/// A hash of the bytes of the files at `paths` (`None` when one cannot be read).
+/// A hash of the bytes of the files at `paths` (`None` when one cannot be read), each read
+/// up to just past [`crate::api_keys::MAX_KEY_FILE_BYTES`] (a larger file is refused when
+/// loaded, whatever its tail holds).
 fn files_hash(paths: &[&str]) -> Option<u64> {
+    use std::io::Read;
     let mut all = Vec::new();
     for p in paths {
-        all.extend_from_slice(&std::fs::read(p).ok()?);
+        std::fs::File::open(p).ok()?.take(crate::api_keys::MAX_KEY_FILE_BYTES + 1).read_to_end(&mut all).ok()?;
         all.push(0);
     }
     Some(kvroute_core::hash::stable_hash(&all))
