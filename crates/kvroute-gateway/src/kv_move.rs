@@ -241,7 +241,7 @@ impl KvMover {
 
     /// `w` reported computing `uncached` prompt tokens in `secs` (llama.cpp
     /// `timings.prompt_n`, `prompt_ms`): a prefill-cost sample (ignored under
-    /// [`MIN_PREFILL_SAMPLE`] tokens).
+    /// `MIN_PREFILL_SAMPLE` tokens).
     pub fn observe_prefill(&self, w: &WorkerEntry, uncached: u64, secs: f64) {
         if uncached >= MIN_PREFILL_SAMPLE {
             self.measured(w, |c| {

@@ -300,7 +300,7 @@ pub enum AddWorkerError {
 const PROBE_RESTORED_TOKENS: u64 = 16;
 
 /// `llama_slot_routing = "auto"` for a llama.cpp worker coming back up (it may have been
-/// restarted with another `--cache-ram`): probes it again ([`host_prompt_cache_probe`])
+/// restarted with another `--cache-ram`): probes it again (`host_prompt_cache_probe`)
 /// and sets its slot routing from what it finds. A worker joining is probed before it
 /// joins ([`AppState::add_worker`]).
 pub async fn slot_routing_probe(s: Arc<AppState>, w: Arc<crate::fleet::WorkerEntry>) {

@@ -250,7 +250,7 @@ impl TtftFit {
 }
 
 impl WorkerProfile {
-    /// The fit ([`TtftFit`]); `None` before [`MIN_FIT_SAMPLES`] observations or while the
+    /// The fit ([`TtftFit`]); `None` before `MIN_FIT_SAMPLES` (8) observations or while the
     /// predictions seen do not spread enough to fit a slope. The context term is fitted
     /// with the scale when the context terms seen spread and are not a multiple of the
     /// predictions (then a least-squares fit of both, kept when both are positive), else

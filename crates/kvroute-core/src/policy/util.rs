@@ -483,7 +483,7 @@ fn argmin_of<'a, K: Ord + Copy>(
 /// the tied workers.
 ///
 /// A clone shares the counter: the two copies of a policy that the gateway keeps
-/// ([`Policy::twin`](crate::policy::Policy::twin)) spread ties as one, whichever copy a
+/// ([`Twin::twin`](crate::policy::Twin::twin)) spread ties as one, whichever copy a
 /// decision reads.
 #[derive(Debug, Default, Clone)]
 pub struct Rotation(std::sync::Arc<std::sync::atomic::AtomicU64>);

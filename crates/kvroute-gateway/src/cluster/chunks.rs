@@ -15,7 +15,7 @@
 //!   to only that long after the cluster last saw its text, so a replica that missed it (one
 //!   started without a snapshot, a batch lost while NATS reconnected) is taught a hot prefix
 //!   again within that time, where before it never was.
-//! - [`ChunkStore::resolve`]: rebuilds the text a peer encoded; `None` when a chunk of the
+//! - [`ChunkStore::resolve_at`]: rebuilds the text a peer encoded; `None` when a chunk of the
 //!   chain is not here (evicted, or its announcement lost or not yet arrived), and the
 //!   receiver then applies the event without its prompt (counted by the caller).
 //!

@@ -6,7 +6,7 @@
 //! `serve` (parse, admit, decide, commit), answers the endpoints to try in
 //! `x-gateway-destination-endpoint` and the `envoy.lb` dynamic metadata, or answers the
 //! request itself (an immediate response with `serve`'s status and JSON body), and
-//! watches the response go by to settle the dispatch ([`exchange`]).
+//! watches the response go by to settle the dispatch (`exchange`).
 //!
 //! The same port serves the gRPC health checking protocol (`grpc.health.v1`) with the
 //! services the endpoint-picker protocol names: `liveness` (the process answers),

@@ -406,7 +406,7 @@ enum Attempt {
     Closed(String),
 }
 
-/// Most attempts of one request that may end in [`Failure::Closed`] (each sent twice):
+/// Most attempts of one request that may end in `Failure::Closed` (each sent twice):
 /// the second such hang-up ends the request with 502. Two, not one, because two pooled
 /// connections to one worker can go stale together; a request that two workers (or one,
 /// twice) hang up on while it is being sent is the likely cause itself — a body over the

@@ -3,7 +3,7 @@
 //! exactly as [`super::steps`] runs them for `serve`, and then, instead of sending, the
 //! endpoints to try in order. The committed dispatch (ledger ticket, prefix index, session,
 //! predict-on-route, cluster sync) is held in a [`Picked`] until the gateway reports the
-//! answer, then settled by the same [`StreamGuard`] that settles a relayed stream in `serve`.
+//! answer, then settled by the same `StreamGuard` that settles a relayed stream in `serve`.
 
 use super::ctx::RequestCtx;
 use super::dispatch::{self, Blame, Committed, Dispatch, DispatchError, SlotHold};

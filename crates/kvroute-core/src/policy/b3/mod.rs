@@ -1,9 +1,9 @@
 //! The B3 study's routing policies (`scripts/cache_aware_proxy.py`, its `pick_instance_*` functions):
 //! `lmetric`, `load_only`, `sticky`, `unified` and `capped`, sharing one per-worker state machine. Each
-//! picker lives in the file of its name ([`lmetric`], [`load_only`], [`sticky`], [`unified`]).
+//! picker lives in the file of its name (`lmetric`, `load_only`, `sticky`, `unified`).
 //!
 //! Shared state, per worker: an LRU set of 512-token block hashes
-//! ([`LruBlockSet`], `inst.cached_blocks`) updated when a request is dispatched
+//! ([`crate::lru_blocks::LruBlockSet`], `inst.cached_blocks`) updated when a request is dispatched
 //! ([`Policy::on_routed`]); `estimate_cache_hit` is the longest leading run of the request's
 //! blocks in that set, converted to tokens — or, for a worker that publishes KV events
 //! ([`WorkerView::cached_tokens`] set), the engine's own count. Load comes from the worker view:
