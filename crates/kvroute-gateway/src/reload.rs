@@ -452,9 +452,12 @@ pub async fn run(
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         t
     });
-    // The files as they are at start: a look reloads only what changed since.
-    let mut watch = Some(Watch::default());
-    let _ = look(&mut watch, &state, source.as_ref()).await;
+    // With the watch on, the files as they are at start: a look reloads only what changed
+    // since. (Without it, a SIGHUP reloads everything and needs no earlier look.)
+    let mut watch = Watch::default();
+    if tick.is_some() {
+        let _ = look(&mut watch, &state, source.as_ref()).await;
+    }
     loop {
         let trigger = tokio::select! {
             alive = hup.recv() => if alive { Trigger::Signal } else { break },
@@ -480,7 +483,7 @@ pub async fn run(
             }
             // A SIGHUP applies the configuration just read even when it reads as before
             // (the restart-only keys are named again, the outcome counted).
-            let last = || watch.as_ref().and_then(|w| w.config.clone()).map(|r| r.map_err(anyhow::Error::msg));
+            let last = || watch.config.clone().map(|r| r.map_err(anyhow::Error::msg));
             let next = if every { last() } else { changed.config };
             if let (Some(next), Some(reloader)) = (next, reloader.as_mut()) {
                 reloader.apply(next).await;
@@ -491,10 +494,10 @@ pub async fn run(
     }
 }
 
-/// [`Watch::look`] off the async runtime (it reads files); `watch` is `None` only while
-/// the look runs.
-async fn look(watch: &mut Option<Watch>, state: &Arc<AppState>, source: Option<&ConfigSource>) -> Changed {
-    let (mut w, s, source) = (watch.take().unwrap_or_default(), Arc::clone(state), source.cloned());
+/// [`Watch::look`] off the async runtime (it reads files); `watch` holds its default only
+/// while the look runs.
+async fn look(watch: &mut Watch, state: &Arc<AppState>, source: Option<&ConfigSource>) -> Changed {
+    let (mut w, s, source) = (std::mem::take(watch), Arc::clone(state), source.cloned());
     let (w, changed) = tokio::task::spawn_blocking(move || {
         let changed = w.look(&s.cfg, source.as_ref());
         (w, changed)
@@ -506,7 +509,7 @@ async fn look(watch: &mut Option<Watch>, state: &Arc<AppState>, source: Option<&
             Changed { config: Some(Err(anyhow::anyhow!("reading the files panicked: {e}"))), ..Changed::default() },
         )
     });
-    *watch = Some(w);
+    *watch = w;
     changed
 }
 
