@@ -27,6 +27,16 @@
 //! tenant keeps its share of the body budget and of requests in flight
 //! ([`KeyEntry::share`]) across reloads. A file that fails to read or parse changes
 //! nothing (the keys in effect stay).
+//!
+//! With the cluster sync (`nats`), a key's limits are the cluster's, not each replica's:
+//! what a replica takes from a limited key's buckets is counted ([`ClusterSpend`]) and
+//! published with its next batch of routing events (within ~5 ms), and every other replica
+//! takes the same amount from its own buckets for that key ([`KeyEntry::take_spent`]). Keys
+//! are matched across replicas by [`ClusterSpend::id`], a hash of the key's SHA-256 (so a
+//! key listed as itself on one replica and by its digest on another is one key, and no key
+//! or digest goes on the wire). A bucket never goes below empty: the cluster may admit
+//! more than a key's minute by what the replicas admit for it before they hear of each
+//! other (a sync's lag, milliseconds).
 
 use axum::http::{HeaderMap, StatusCode, header};
 use governor::clock::{Clock, DefaultClock};
@@ -35,6 +45,7 @@ use kvroute_protocol::api_error::ApiError;
 use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU32;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Most keys a file may hold (bounds memory and the tenant label set).
 pub const MAX_KEYS: usize = 100_000;
@@ -115,6 +126,66 @@ pub struct KeyEntry {
     requests: Option<DefaultDirectRateLimiter>,
     /// Tokens per minute, when limited, and that limit.
     tokens: Option<(DefaultDirectRateLimiter, u32)>,
+    /// What this replica took from the buckets and has not told its cluster yet; `None`
+    /// for a key without limits (nothing to share).
+    pub spend: Option<Arc<ClusterSpend>>,
+}
+
+/// What one replica took from a limited key's buckets since it last told the other
+/// replicas of its cluster (the cluster sync publishes it, [`ClusterSpend::take`]). The
+/// request path adds to it with two atomic additions and queues it for publication only
+/// when it is not queued already ([`ClusterSpend::add`]): one entry per key in the
+/// publisher's queue, whatever the key's rate.
+#[derive(Debug)]
+pub struct ClusterSpend {
+    /// The key's name across the cluster: the first 8 bytes of SHA-256 over a fixed label
+    /// and the key's SHA-256, the same whether a replica lists the key as itself or by its
+    /// digest; neither the key nor its digest can be read from it.
+    pub id: u64,
+    requests: AtomicU64,
+    tokens: AtomicU64,
+    queued: AtomicBool,
+}
+
+impl ClusterSpend {
+    fn new(digest: &[u8; 32]) -> ClusterSpend {
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        ctx.update(b"kvroute cluster key spend v1\0");
+        ctx.update(digest);
+        let d = ctx.finish();
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&d.as_ref()[..8]);
+        ClusterSpend {
+            id: u64::from_le_bytes(id),
+            requests: AtomicU64::new(0),
+            tokens: AtomicU64::new(0),
+            queued: AtomicBool::new(false),
+        }
+    }
+
+    /// Counts `requests` and `tokens` taken from the key's buckets here; `true` when the
+    /// caller must queue this spend for publication (it was not queued), after which it
+    /// is queued until [`ClusterSpend::take`] (or [`ClusterSpend::unqueue`] when the
+    /// queue refused it).
+    pub fn add(&self, requests: u64, tokens: u64) -> bool {
+        self.requests.fetch_add(requests, Ordering::Relaxed);
+        self.tokens.fetch_add(tokens, Ordering::Relaxed);
+        !self.queued.swap(true, Ordering::AcqRel)
+    }
+
+    /// The queue refused it: the next [`ClusterSpend::add`] queues it again, with what was
+    /// counted so far.
+    pub fn unqueue(&self) {
+        self.queued.store(false, Ordering::Release);
+    }
+
+    /// What was counted since the last take, `(requests, tokens)`, counted from zero again.
+    /// Marked unqueued first, so what a request adds meanwhile is either in this take or
+    /// queued again by that request: nothing counted is left unqueued.
+    pub fn take(&self) -> (u64, u64) {
+        self.queued.store(false, Ordering::SeqCst);
+        (self.requests.swap(0, Ordering::SeqCst), self.tokens.swap(0, Ordering::SeqCst))
+    }
 }
 
 /// What starts a key listed by its SHA-256.
@@ -130,6 +201,8 @@ pub struct ApiKeys {
     digests: HashMap<[u8; 32], Arc<KeyEntry>>,
     /// Each distinct tenant (`cache_tenant`) over the keys, with its share's number.
     shares: HashMap<String, usize>,
+    /// The limited keys by [`ClusterSpend::id`] (another replica's spend is applied here).
+    by_spend: HashMap<u64, Arc<KeyEntry>>,
 }
 
 /// One line of a key file, parsed ([`ApiKeys::parse_after`]).
@@ -328,6 +401,7 @@ impl ApiKeys {
         let shares = number_shares(&cache_tenants, before.map(|b| &b.shares));
         let mut keys = HashMap::with_capacity(lines.len());
         let mut digests = HashMap::new();
+        let mut by_spend = HashMap::new();
         for (l, cache_tenant) in lines.iter().zip(cache_tenants) {
             let tenant = l.tenant.unwrap_or("-");
             let share = shares[&cache_tenant];
@@ -335,6 +409,7 @@ impl ApiKeys {
                 e.tenant == tenant && e.cache_tenant == cache_tenant && e.share == share && e.limits == (l.rpm, l.tpm)
             });
             let entry = kept.cloned().unwrap_or_else(|| {
+                let limited = l.rpm > 0 || l.tpm > 0;
                 Arc::new(KeyEntry {
                     share,
                     cache_tenant,
@@ -342,10 +417,14 @@ impl ApiKeys {
                     limits: (l.rpm, l.tpm),
                     requests: limiter(l.rpm),
                     tokens: limiter(l.tpm).map(|t| (t, l.tpm)),
+                    spend: limited.then(|| Arc::new(ClusterSpend::new(&l.digest.unwrap_or_else(|| sha256(&l.key))))),
                 })
             });
             if let Some(d) = l.digest {
                 digests.insert(d, Arc::clone(&entry));
+            }
+            if let Some(spend) = &entry.spend {
+                by_spend.insert(spend.id, Arc::clone(&entry));
             }
             if keys.insert(l.key.clone(), entry).is_some() {
                 return Err(KeyFileError::Duplicate { line: l.number });
@@ -363,7 +442,13 @@ impl ApiKeys {
                 return Err(KeyFileError::Duplicate { line });
             }
         }
-        Ok(ApiKeys { keys, digests, shares })
+        Ok(ApiKeys { keys, digests, shares, by_spend })
+    }
+
+    /// The limited key another replica names by `id` ([`ClusterSpend::id`]), if this
+    /// replica's file lists it.
+    pub fn by_spend_id(&self, id: u64) -> Option<&Arc<KeyEntry>> {
+        self.by_spend.get(&id)
     }
 
     /// How many keys the file lists.
@@ -493,7 +578,35 @@ impl KeyFile {
     }
 }
 
+/// Takes up to `n` cells from `l`, a bucket of `burst` cells: as many as it holds when it
+/// holds fewer (it never goes below empty). At most ~2 × log2(`burst`) tries.
+fn drain(l: &DefaultDirectRateLimiter, n: u64, burst: u32) {
+    let mut left = n.min(u64::from(burst)) as u32;
+    let mut step = left;
+    while left > 0 && step > 0 {
+        match l.check_n(NonZeroU32::new(step).unwrap_or(NonZeroU32::MIN)) {
+            Ok(Ok(())) => {
+                left -= step;
+                step = step.min(left);
+            }
+            _ => step /= 2,
+        }
+    }
+}
+
 impl KeyEntry {
+    /// Takes from the key's buckets what another replica of the cluster admitted for it:
+    /// `requests` from the request bucket and `tokens` from the token bucket, each as far as
+    /// the bucket holds (an empty bucket stays empty; it never owes).
+    pub fn take_spent(&self, requests: u64, tokens: u64) {
+        if let Some(l) = &self.requests {
+            drain(l, requests, self.limits.0);
+        }
+        if let Some((l, tpm)) = &self.tokens {
+            drain(l, tokens, *tpm);
+        }
+    }
+
     /// Takes one request from the key's request bucket.
     ///
     /// # Errors
@@ -575,6 +688,47 @@ mod tests {
             h.insert(header::AUTHORIZATION, v.parse().expect("header"));
             assert_eq!(super::bearer(&h), None, "{v:?}");
         }
+    }
+
+    #[test]
+    fn another_replica_s_spend_drains_the_buckets_as_far_as_they_go() {
+        // Limits whose buckets refill no cell within a second.
+        let keys = ApiKeys::parse("sk-a t rpm=3 tpm=60\nsk-b\nsk-c rpm=10\n", 0, 0).expect("parses");
+        let a = keys.authenticate(&bearer("sk-a")).expect("a");
+        a.take_spent(2, 30);
+        a.admit_request().expect("the third of the minute");
+        assert_eq!(a.admit_request().expect_err("a fourth").status, StatusCode::TOO_MANY_REQUESTS);
+        a.admit_tokens(30).expect("the last 30 tokens");
+        assert_eq!(a.admit_tokens(1).expect_err("one more").status, StatusCode::TOO_MANY_REQUESTS);
+        // More than a bucket holds empties it, and an empty one stays empty (nothing owed).
+        let c = keys.authenticate(&bearer("sk-c")).expect("c");
+        c.take_spent(9, 0);
+        c.admit_request().expect("the last of 10");
+        c.take_spent(u64::MAX, u64::MAX);
+        assert!(c.admit_request().is_err());
+        // A key without limits shares nothing.
+        assert!(keys.authenticate(&bearer("sk-b")).expect("b").spend.is_none());
+    }
+
+    #[test]
+    fn a_key_has_one_cluster_name_whether_listed_as_itself_or_by_its_digest() {
+        let digest = sha256("sk-a").iter().map(|b| format!("{b:02x}")).collect::<String>();
+        let plain = ApiKeys::parse("sk-a t rpm=3\nsk-b t rpm=3\n", 0, 0).expect("parses");
+        let hashed = ApiKeys::parse(&format!("sha256:{digest} t rpm=3\n"), 0, 0).expect("parses");
+        let id = |k: &ApiKeys, key: &str| k.authenticate(&bearer(key)).expect(key).spend.as_ref().expect("limited").id;
+        assert_eq!(id(&plain, "sk-a"), id(&hashed, "sk-a"));
+        assert_ne!(id(&plain, "sk-a"), id(&plain, "sk-b"));
+        let found = hashed.by_spend_id(id(&plain, "sk-a")).expect("found by the other replica's name");
+        assert!(Arc::ptr_eq(found, &hashed.authenticate(&bearer("sk-a")).expect("a")));
+        // The name is neither the key's digest nor a prefix of it.
+        assert_ne!(id(&plain, "sk-a").to_le_bytes(), sha256("sk-a")[..8]);
+        // Counts are taken once, and a key is queued once until they are taken.
+        let spend = plain.authenticate(&bearer("sk-a")).expect("a").spend.clone().expect("limited");
+        assert!(spend.add(1, 0), "queued by its first spend");
+        assert!(!spend.add(1, 250), "not queued twice");
+        assert_eq!(spend.take(), (2, 250));
+        assert_eq!(spend.take(), (0, 0));
+        assert!(spend.add(1, 0), "queued again after the take");
     }
 
     #[test]

@@ -404,3 +404,43 @@ async fn two_replicas_under_one_id_are_reported() {
         .await;
     stop.cancel();
 }
+
+/// An API key's limits are the cluster's: what one replica admits for a key, the others
+/// take from their own buckets for it, so two replicas together allow a key `rpm=2` two
+/// requests a minute, not four. Another key's buckets are not touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs nats-server (Debian nats-server): KVROUTE_NATS_BIN=$(command -v nats-server) scripts/test.sh"]
+async fn a_key_s_rate_limit_holds_across_the_replicas() {
+    let nats = Nats::start(free_port()).await;
+    let stop = CancellationToken::new();
+    let ws = workers(1, 50.0, &stop).await;
+    let file = std::env::temp_dir().join(format!("kvroute-cluster-keys-{}.txt", std::process::id()));
+    // rpm=2 refills one request every 30 s: none within the test.
+    std::fs::write(&file, "sk-shared team-a rpm=2\nsk-other team-b rpm=2\n").expect("write keys");
+    let keyed = || GatewayConfig {
+        api_key_file: Some(file.display().to_string()),
+        ..synced_with(Some(&nats.url), &ws, "round_robin")
+    };
+    let (a, _) = common::start_router(keyed(), stop.clone()).await;
+    let (b, _) = common::start_router(keyed(), stop.clone()).await;
+    let c = common::client();
+    ready(&c, &a).await;
+    ready(&c, &b).await;
+    let send = async |router: &str, key: &str| {
+        let q = ask("Shared limits.", "q", 2, false);
+        let r = c.post(format!("{router}/v1/chat/completions")).bearer_auth(key).json(&q).send();
+        guard(r).await.expect("send").status().as_u16()
+    };
+    let spends = async |router: &str| metric(&c, router, "kvroute_sync_events_total{outcome=\"spend_applied\"}").await;
+
+    assert_eq!(send(&a, "sk-shared").await, 200, "the key's first request, on A");
+    eventually("B takes A's spend from its buckets", async || spends(&b).await >= 1.0).await;
+    assert_eq!(send(&b, "sk-shared").await, 200, "its second, on B");
+    assert_eq!(send(&b, "sk-shared").await, 429, "a third on B: the cluster's minute is used");
+    eventually("A takes B's spend from its buckets", async || spends(&a).await >= 1.0).await;
+    assert_eq!(send(&a, "sk-shared").await, 429, "and on A");
+    assert_eq!(send(&b, "sk-other").await, 200, "another key's buckets are its own");
+    assert_eq!(metric(&c, &b, "kvroute_sync_events_total{outcome=\"spend_unknown_key\"}").await, 0.0);
+    stop.cancel();
+    let _ = std::fs::remove_file(&file);
+}

@@ -12,6 +12,8 @@
 //!                   the same policy; a remote load ticket opens on the worker
 //!      first token→ the ticket's prefill part settles
 //!      done       → the ticket closes
+//!      spent      → (beside the events) what the sender took from an API key's rate-limit
+//!                   buckets, taken from this replica's buckets for the same key
 //! kvroute.<cluster>.snapshot (queue group) ◄── a starting replica's request; one peer
 //!      answers with its recent routed events in chunks; ready when they are applied or
 //!      `sync_snapshot_timeout_secs` passes
@@ -225,6 +227,22 @@ pub struct Batch {
     /// and a new instance is a restart. 0 from versions that did not send one.
     #[serde(default)]
     pub instance: u64,
+    /// What the sender took from limited API keys' buckets since its last report of each
+    /// key ([`crate::api_keys::ClusterSpend`]); absent when empty, and ignored by versions
+    /// before it (a map field they do not know).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spent: Vec<KeySpend>,
+}
+
+/// Requests and tokens one replica admitted for one API key ([`Batch::spent`]).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct KeySpend {
+    /// The key's [`crate::api_keys::ClusterSpend::id`].
+    pub key: u64,
+    /// Requests taken from its request bucket.
+    pub requests: u64,
+    /// Tokens taken from its token bucket.
+    pub tokens: u64,
 }
 
 /// One part of a snapshot answer (msgpack, to the requester's inbox).
@@ -245,6 +263,9 @@ pub(crate) enum Out {
     Routed(Box<RoutedEvent>),
     FirstToken(u64),
     Done(u64),
+    /// A key's spend to report ([`ReplicaSync::spent`]); its counts are taken when the
+    /// batch is built.
+    Spent(Arc<crate::api_keys::ClusterSpend>),
 }
 
 /// Recent routed events (this replica's and the ones it applied), the source of snapshots
@@ -434,6 +455,16 @@ impl ReplicaSync {
         true
     }
 
+    /// Counts `requests` and `tokens` taken from a limited API key's buckets here, for the
+    /// other replicas to take from theirs ([`Batch::spent`]). Never blocks: the key is
+    /// queued once until its next batch; when the queue is full its counts wait for the
+    /// key's next request.
+    pub fn spent(&self, spend: &Arc<crate::api_keys::ClusterSpend>, requests: u64, tokens: u64) {
+        if spend.add(requests, tokens) && self.tx.try_send(Out::Spent(Arc::clone(spend))).is_err() {
+            spend.unqueue();
+        }
+    }
+
     /// Announces that a request was sent (see [`Announce`]). Never blocks: a full queue
     /// drops the event.
     pub fn routed(self: &Arc<Self>, a: Announce<'_>) -> SharedTicket {
@@ -483,9 +514,44 @@ mod tests {
                 WireEvent::FirstToken(3),
                 WireEvent::Done(3),
             ],
+            spent: vec![KeySpend { key: 5, requests: 1, tokens: 300 }],
         };
         let bytes = rmp_serde::to_vec_named(&b).expect("encode");
         assert_eq!(rmp_serde::from_slice::<Batch>(&bytes).expect("decode"), b);
+    }
+
+    #[test]
+    fn key_spends_are_a_field_older_replicas_skip_and_absent_from_their_batches() {
+        // The batch as replicas before `spent` read and wrote it.
+        #[derive(Debug, Serialize, Deserialize, PartialEq)]
+        struct Older {
+            replica: String,
+            seq: u64,
+            sent_unix_ns: u64,
+            events: Vec<WireEvent>,
+            bye: bool,
+            instance: u64,
+        }
+        let new = Batch {
+            replica: "r1".into(),
+            seq: 2,
+            sent_unix_ns: 3,
+            events: vec![WireEvent::Done(4)],
+            bye: false,
+            instance: 5,
+            spent: vec![KeySpend { key: 6, requests: 1, tokens: 7 }],
+        };
+        let older: Older = rmp_serde::from_slice(&rmp_serde::to_vec_named(&new).expect("encode")).expect("decode");
+        assert_eq!(older.events, new.events, "an older replica still reads the events");
+        let from_older: Batch =
+            rmp_serde::from_slice(&rmp_serde::to_vec_named(&older).expect("encode")).expect("decode");
+        assert!(from_older.spent.is_empty());
+        let no_spend = Batch { spent: Vec::new(), ..new };
+        assert_eq!(
+            rmp_serde::to_vec_named(&no_spend).expect("encode"),
+            rmp_serde::to_vec_named(&older).expect("encode"),
+            "a batch without spends is encoded as before"
+        );
     }
 
     #[test]

@@ -139,6 +139,7 @@ async fn publish(
         events: Vec::new(),
         bye: true,
         instance: sync.instance,
+        spent: Vec::new(),
     };
     if let Ok(payload) = rmp_serde::to_vec_named(&bye) {
         let _ =
@@ -148,10 +149,12 @@ async fn publish(
 }
 
 /// Publishes the events in `buf` (emptied) in batches that fit a NATS message; nothing but
-/// a heartbeat when it is empty.
+/// a heartbeat when it is empty. API keys' spends go with the events they were queued
+/// among.
 async fn publish_buffered(sync: &ReplicaSync, client: &async_nats::Client, seq: &mut u64, buf: &mut Vec<Out>) {
     let limit = max_message(client);
     let mut events = Vec::with_capacity(buf.len());
+    let mut spent = Vec::new();
     let mut size = 64;
     for e in buf.drain(..) {
         let ev = match e {
@@ -162,23 +165,37 @@ async fn publish_buffered(sync: &ReplicaSync, client: &async_nats::Client, seq: 
             }
             Out::FirstToken(id) => WireEvent::FirstToken(id),
             Out::Done(id) => WireEvent::Done(id),
+            Out::Spent(s) => {
+                let (requests, tokens) = s.take();
+                if requests + tokens > 0 {
+                    spent.push(KeySpend { key: s.id, requests, tokens });
+                    size += 32;
+                }
+                continue;
+            }
         };
         let n = match &ev {
             WireEvent::Routed(r) => r.size_estimate(),
             _ => 16,
         };
-        if size + n > limit / 2 && !events.is_empty() {
-            send_batch(sync, client, seq, std::mem::take(&mut events)).await;
+        if size + n > limit / 2 && !(events.is_empty() && spent.is_empty()) {
+            send_batch(sync, client, seq, std::mem::take(&mut events), std::mem::take(&mut spent)).await;
             size = 64;
         }
         size += n;
         events.push(ev);
     }
-    send_batch(sync, client, seq, events).await;
+    send_batch(sync, client, seq, events, spent).await;
 }
 
-async fn send_batch(sync: &ReplicaSync, client: &async_nats::Client, seq: &mut u64, events: Vec<WireEvent>) {
-    let n = events.len() as u64;
+async fn send_batch(
+    sync: &ReplicaSync,
+    client: &async_nats::Client,
+    seq: &mut u64,
+    events: Vec<WireEvent>,
+    spent: Vec<KeySpend>,
+) {
+    let n = (events.len() + spent.len()) as u64;
     let batch = Batch {
         replica: sync.replica.clone(),
         seq: *seq,
@@ -186,6 +203,7 @@ async fn send_batch(sync: &ReplicaSync, client: &async_nats::Client, seq: &mut u
         events,
         bye: false,
         instance: sync.instance,
+        spent,
     };
     *seq += 1;
     let payload = match rmp_serde::to_vec_named(&batch) {
@@ -413,7 +431,31 @@ impl Peers {
                 sync.count(outcome, n);
             }
         }
+        take_spent(state, sync, &batch.spent);
         state.metrics.sync_remote_in_flight.set(self.tickets as i64);
+    }
+}
+
+/// Takes another replica's API-key spends from this replica's buckets for the same keys
+/// (`spend_applied`); a key this replica does not list, or not limited here, is counted
+/// `spend_unknown_key` (its file differs, or it has none).
+fn take_spent(state: &AppState, sync: &ReplicaSync, spent: &[KeySpend]) {
+    if spent.is_empty() {
+        return;
+    }
+    let keys = state.api_keys.as_ref().map(crate::api_keys::KeyFile::keys);
+    let mut applied = 0;
+    for s in spent {
+        if let Some(e) = keys.as_ref().and_then(|k| k.by_spend_id(s.key)) {
+            e.take_spent(s.requests, s.tokens);
+            applied += 1;
+        }
+    }
+    if applied > 0 {
+        sync.count("spend_applied", applied);
+    }
+    if applied < spent.len() as u64 {
+        sync.count("spend_unknown_key", spent.len() as u64 - applied);
     }
 }
 

@@ -260,6 +260,7 @@ pub fn authenticate(s: &AppState, headers: &HeaderMap) -> Result<Option<Arc<KeyE
         tenant_outcome(s, &key, "rate_limited_requests");
         return Err(e);
     }
+    share_spend(s, &key, 1, 0);
     Ok(Some(key))
 }
 
@@ -273,6 +274,7 @@ fn admit_tokens(s: &AppState, key: &KeyEntry, info: &kvroute_protocol::openai::R
     let tokens = prompt + u64::from(info.max_tokens.unwrap_or(0));
     match key.admit_tokens(tokens) {
         Ok(()) => {
+            share_spend(s, key, 0, tokens);
             tenant_outcome(s, key, "admitted");
             Ok(())
         }
@@ -280,6 +282,15 @@ fn admit_tokens(s: &AppState, key: &KeyEntry, info: &kvroute_protocol::openai::R
             tenant_outcome(s, key, "rate_limited_tokens");
             Err(e)
         }
+    }
+}
+
+/// With the cluster sync, counts what `key`'s buckets just gave for the other replicas to
+/// take from theirs ([`crate::cluster::sync::ReplicaSync::spent`]); nothing for a key
+/// without limits or a router without the sync.
+fn share_spend(s: &AppState, key: &KeyEntry, requests: u64, tokens: u64) {
+    if let (Some(sync), Some(spend)) = (&s.sync, &key.spend) {
+        sync.spent(spend, requests, tokens);
     }
 }
 
