@@ -25,7 +25,7 @@ FLOORS = {
     "config": 1,
     # F2 base components: import F0-F1, kvroute-core, kvroute-protocol.
     "metrics": 2, "fleet": 2, "routers": 2, "api_keys": 2, "tls": 2, "tokenizer": 2, "hops": 2,
-    "upstream": 2, "body_budget": 2,
+    "upstream": 2, "body_budget": 2, "admin_token": 2,
     # F3 components built on the base ones (never the app).
     "pd": 3, "lora": 3, "kv_tokens": 3, "kv_move": 3, "record": 3, "tenant": 3, "cluster::sync": 3,
     "cluster::last_known": 3, "cluster::journal": 3,

@@ -77,7 +77,8 @@ pub async fn require_admin(State(s): State<Arc<AppState>>, req: Request, next: N
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0)
         .or_else(|| ext.get::<axum::extract::connect_info::MockConnectInfo<SocketAddr>>().map(|m| m.0));
-    match admin_access(s.cfg.admin_token.as_deref(), req.headers(), peer) {
+    let token = s.tenancy.admin_token.current();
+    match admin_access(token.as_deref().map(String::as_str), req.headers(), peer) {
         Ok(()) => next.run(req).await,
         Err(e) => e.into_response(),
     }

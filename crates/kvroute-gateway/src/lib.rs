@@ -28,6 +28,7 @@
 #![warn(missing_docs)]
 
 pub mod admin;
+pub mod admin_token;
 pub mod api_keys;
 pub mod app;
 pub mod body_budget;
@@ -107,7 +108,7 @@ fn admin_elsewhere() -> Router<Arc<AppState>> {
 /// same-host reverse proxy would make every client on the main port look local). Serve it
 /// with connect info (`into_make_service_with_connect_info::<SocketAddr>`).
 pub fn app(state: Arc<AppState>) -> Router {
-    let routes = if state.cfg.admin_token.is_some() && state.cfg.admin_listen.is_none() {
+    let routes = if state.cfg.has_admin_token() && state.cfg.admin_listen.is_none() {
         public_routes().merge(admin_routes(&state))
     } else {
         public_routes().merge(admin_elsewhere())
@@ -205,7 +206,7 @@ async fn bind_admin(state: &Arc<AppState>) -> anyhow::Result<Option<(tokio::net:
             tracing::info!(addr = %l.local_addr()?, "admin API listening");
             Some((l, admin_app(Arc::clone(state))))
         }
-        None if state.cfg.admin_token.is_none() => {
+        None if !state.cfg.has_admin_token() => {
             tracing::info!("admin API off: set `admin_listen` (loopback) or `admin_token` to serve it");
             None
         }

@@ -275,6 +275,9 @@ pub struct Metrics {
     pub config_reloads: Family<OutcomeLabel, Counter>,
     /// `api_key_file` reads on SIGHUP, by outcome (`applied`, `unchanged`, `invalid`).
     pub api_key_reloads: Family<OutcomeLabel, Counter>,
+    /// `admin_token_file` reads on reloads, by outcome (`applied`: another token in effect,
+    /// `unchanged`, `invalid`: the token in effect stays).
+    pub admin_token_reloads: Family<OutcomeLabel, Counter>,
     /// Trace lines of the traffic recorder (`record`), by outcome: `written`, `dropped`
     /// (its queue was full), `error` (the write failed).
     pub record_lines: Family<OutcomeLabel, Counter>,
@@ -385,6 +388,7 @@ impl Metrics {
             sync_peers_left: Family::default(),
             config_reloads: Family::default(),
             api_key_reloads: Family::default(),
+            admin_token_reloads: Family::default(),
             record_lines: Family::default(),
             prefix_state_events: Family::default(),
             epp_requests: Family::default(),
@@ -675,6 +679,11 @@ impl Metrics {
             "kvroute_api_key_reloads",
             "api_key_file read again on SIGHUP, by outcome",
             self.api_key_reloads.clone(),
+        );
+        r.register(
+            "kvroute_admin_token_reloads",
+            "admin_token_file read again on a reload, by outcome",
+            self.admin_token_reloads.clone(),
         );
         r.register(
             "kvroute_record_lines",

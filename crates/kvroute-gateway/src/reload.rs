@@ -1,5 +1,6 @@
 //! Configuration reload on SIGHUP: the TLS certificate ([`crate::tls`]), the API keys
-//! (`api_key_file`'s contents, [`reload_api_keys`]) and, when the server was given a
+//! (`api_key_file`'s contents, [`reload_api_keys`]), the admin token (`admin_token_file`'s
+//! contents, [`reload_admin_token`]) and, when the server was given a
 //! [`ConfigSource`], the whole configuration file. With `reload_watch_secs` the same files
 //! are also looked at that often, and the parts whose files changed are reloaded without a
 //! signal ([`run`]), for containers nobody can signal.
@@ -241,7 +242,34 @@ fn expose_outcomes(state: &AppState) {
         if state.api_keys.is_some() {
             drop(state.metrics.api_key_reloads.get_or_create(&OutcomeLabel { outcome: o.as_str().into() }));
         }
+        if state.cfg.admin_token_file.is_some() {
+            drop(state.metrics.admin_token_reloads.get_or_create(&OutcomeLabel { outcome: o.as_str().into() }));
+        }
     }
+}
+
+/// Reads `admin_token_file` again ([`crate::admin_token::AdminToken::reload`], off the
+/// runtime): logs the outcome (never the token) and counts it in
+/// `kvroute_admin_token_reloads_total`. Nothing without the file.
+pub async fn reload_admin_token(state: &Arc<AppState>) -> Option<Outcome> {
+    state.cfg.admin_token_file.as_ref()?;
+    let s = Arc::clone(state);
+    let read = tokio::task::spawn_blocking(move || s.tenancy.admin_token.reload())
+        .await
+        .unwrap_or_else(|e| Err(anyhow::anyhow!("reading admin_token_file panicked: {e}")));
+    let outcome = match read {
+        Ok(crate::admin_token::TokenReload::Changed) => {
+            tracing::info!("admin token replaced from admin_token_file");
+            Outcome::Applied
+        }
+        Ok(_) => Outcome::Unchanged,
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "admin_token_file not reloaded; the token in effect stays");
+            Outcome::Invalid
+        }
+    };
+    crate::metrics::count_outcome(&state.metrics.admin_token_reloads, outcome.as_str());
+    Some(outcome)
 }
 
 /// Reads `api_key_file` again ([`crate::api_keys::KeyFile::reload`], off the runtime):
@@ -384,6 +412,7 @@ impl Trigger {
 struct Watch {
     tls: Option<u64>,
     keys: Option<u64>,
+    admin: Option<u64>,
     /// The configuration last read (`Ok`), or the error it gave (`Err`, its message).
     config: Option<Result<GatewayConfig, String>>,
 }
@@ -393,6 +422,7 @@ struct Watch {
 struct Changed {
     tls: bool,
     keys: bool,
+    admin: bool,
     /// The configuration read, when it differs from the last one.
     config: Option<anyhow::Result<GatewayConfig>>,
 }
@@ -417,8 +447,10 @@ impl Watch {
         let tls: Vec<&str> = cfg.tls_cert.iter().chain(&cfg.tls_key).map(String::as_str).collect();
         let tls = (!tls.is_empty()).then(|| files_hash(&tls)).flatten();
         let keys = cfg.api_key_file.as_deref().and_then(|p| files_hash(&[p]));
-        let mut changed = Changed { tls: tls != self.tls, keys: keys != self.keys, config: None };
-        (self.tls, self.keys) = (tls, keys);
+        let admin = cfg.admin_token_file.as_deref().and_then(|p| files_hash(&[p]));
+        let mut changed =
+            Changed { tls: tls != self.tls, keys: keys != self.keys, admin: admin != self.admin, config: None };
+        (self.tls, self.keys, self.admin) = (tls, keys, admin);
         if let Some(source) = source {
             let next = source().map_err(|e| format!("{e:#}"));
             if self.config.as_ref() != Some(&next) {
@@ -432,7 +464,8 @@ impl Watch {
 
 /// Handles each SIGHUP and, with `reload_watch_secs`, each look at the files: reads the TLS
 /// certificate and key again (a reload that fails is logged and keeps the certificate in
-/// use), the API keys ([`reload_api_keys`]) and, with a `source`, the configuration
+/// use), the API keys ([`reload_api_keys`]), the admin token ([`reload_admin_token`]) and,
+/// with a `source`, the configuration
 /// ([`Reloader`]) — on a SIGHUP all of them, on a look only those whose files changed
 /// (the configuration: when what the source reads differs from its last read). With
 /// nothing to reload a SIGHUP is logged.
@@ -470,6 +503,9 @@ pub async fn run(
             if every || changed.keys {
                 reload_api_keys(&state).await;
             }
+            if every || changed.admin {
+                reload_admin_token(&state).await;
+            }
             if let Some(t) = tls.as_ref().filter(|_| every || changed.tls) {
                 match t.reload() {
                     Ok(()) => tracing::info!("TLS certificate reloaded"),
@@ -478,8 +514,13 @@ pub async fn run(
                     }
                 }
             }
-            if every && tls.is_none() && source.is_none() && state.api_keys.is_none() {
-                tracing::info!("nothing to reload (no tls_cert, no api_key_file, no config file)");
+            if every
+                && tls.is_none()
+                && source.is_none()
+                && state.api_keys.is_none()
+                && state.cfg.admin_token_file.is_none()
+            {
+                tracing::info!("nothing to reload (no tls_cert, no api_key_file, no admin_token_file, no config file)");
             }
             // A SIGHUP applies the configuration just read even when it reads as before
             // (the restart-only keys are named again, the outcome counted).

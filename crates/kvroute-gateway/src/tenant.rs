@@ -40,8 +40,8 @@ pub struct Tenancy {
     pub header: Option<http::HeaderName>,
     /// `expose_decision_headers`.
     pub expose_decisions: bool,
-    /// `admin_token`.
-    pub admin_token: Option<String>,
+    /// `admin_token` or `admin_token_file`'s token (read again on reloads).
+    pub admin_token: crate::admin_token::AdminToken,
 }
 
 /// A tenancy setting the configuration got wrong.
@@ -53,14 +53,20 @@ pub enum TenancyError {
     /// `tenant_header` is no header name.
     #[error("tenant_header: {0}")]
     Header(#[from] http::header::InvalidHeaderName),
+    /// `admin_token_file` cannot be read or holds no token (the message names the file).
+    #[error("{0}")]
+    AdminToken(String),
 }
 
 impl Tenancy {
     /// The tenancy settings of `cfg`.
     ///
     /// # Errors
-    /// [`TenancyError`] naming the key.
+    /// [`TenancyError`] naming the key (or the admin token's file).
     pub fn new(cfg: &GatewayConfig) -> Result<Tenancy, TenancyError> {
+        let admin_token =
+            crate::admin_token::AdminToken::new(cfg.admin_token.as_deref(), cfg.admin_token_file.as_deref())
+                .map_err(|e| TenancyError::AdminToken(format!("{e:#}")))?;
         let scopes = Scopes::new(&cfg.shared_prefix_tenants).map_err(|m| TenancyError::Groups(m.to_string()))?;
         let header = cfg.tenant_header.as_ref().map(|h| http::HeaderName::from_bytes(h.as_bytes())).transpose()?;
         Ok(Tenancy {
@@ -68,7 +74,7 @@ impl Tenancy {
             scopes,
             header,
             expose_decisions: cfg.expose_decision_headers,
-            admin_token: cfg.admin_token.clone(),
+            admin_token,
         })
     }
 
@@ -134,12 +140,14 @@ impl Tenancy {
         if self.expose_decisions {
             return true;
         }
-        let Some(token) = self.admin_token.as_deref() else { return false };
+        if !self.admin_token.is_set() {
+            return false;
+        }
         let presented = [
             headers.get(ADMIN_TOKEN_HEADER).and_then(|v| v.to_str().ok()).map(str::trim),
             crate::api_keys::bearer(headers),
         ];
-        presented.into_iter().flatten().any(|p| crate::api_keys::same_secret(p, token))
+        presented.into_iter().flatten().any(|p| self.admin_token.matches(p))
     }
 }
 

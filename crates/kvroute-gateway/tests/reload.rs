@@ -257,3 +257,60 @@ async fn the_file_watch_applies_what_changed_without_a_signal() {
     guard(server).await.expect("join").expect("serve");
     stop_w.cancel();
 }
+
+/// `kvroute_admin_token_reloads_total{outcome}` from `/metrics` (0 when absent).
+async fn token_reloads(c: &reqwest::Client, r: &str, outcome: &str) -> u64 {
+    let text = c.get(format!("{r}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    let prefix = format!("kvroute_admin_token_reloads_total{{outcome=\"{outcome}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&prefix)).map_or(0, |v| v.trim().parse().expect("counter"))
+}
+
+/// `admin_token_file` with the file watch: the admin API, and the decision headers the
+/// admin token unlocks, follow the file's token without a restart or a signal (a Secret
+/// rotated in place); a file left empty keeps the token in effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_token_rotates_with_its_file() {
+    let stop_w = CancellationToken::new();
+    let sim = EngineSimConfig { instant: true, ..EngineSimConfig::default() };
+    let (w1, _s1) = engine_sim::spawn_local(sim, stop_w.clone()).await.expect("worker");
+    let dir = TempDir::new("admin-token");
+    let token = dir.0.join("token");
+    write(&token, "token-one\n");
+    let cfg = GatewayConfig {
+        admin_token: None,
+        admin_token_file: Some(token.display().to_string()),
+        reload_watch_secs: 1.0,
+        expose_decision_headers: false,
+        ..common::config(&[&w1], "round_robin")
+    };
+    let stop = CancellationToken::new();
+    let (r, server) = common::start_router(cfg, stop.clone()).await;
+    let c = reqwest::Client::new();
+    let admin = |t: &'static str| {
+        let rb = c.get(format!("{r}/workers")).bearer_auth(t);
+        async move { guard(rb.send()).await.expect("workers").status().as_u16() }
+    };
+    // Whether a chat presenting `t` as `x-kvroute-admin-token` is told where it went.
+    let sees_decision = |t: &'static str| {
+        let body = serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2});
+        let rb = c.post(format!("{r}/v1/chat/completions")).header("x-kvroute-admin-token", t).json(&body);
+        async move { guard(rb.send()).await.expect("chat").headers().contains_key("x-kvroute-worker") }
+    };
+    assert_eq!((admin("token-one").await, admin("token-two").await), (200, 401));
+    assert!(sees_decision("token-one").await && !sees_decision("token-two").await);
+
+    write(&token, "token-two\n");
+    until(|| async { admin("token-two").await == 200 }).await;
+    assert_eq!(admin("token-one").await, 401, "the old token is refused from then on");
+    assert!(sees_decision("token-two").await && !sees_decision("token-one").await);
+    assert_eq!(token_reloads(&c, &r, "applied").await, 1);
+
+    write(&token, " \n");
+    until(|| async { token_reloads(&c, &r, "invalid").await == 1 }).await;
+    assert_eq!(admin("token-two").await, 200, "an empty file keeps the token in effect");
+    drop(c);
+    stop.cancel();
+    guard(server).await.expect("join").expect("serve");
+    stop_w.cancel();
+}

@@ -115,6 +115,10 @@ pub struct Args {
     /// then only on a loopback --admin-listen).
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
     pub admin_token: Option<String>,
+    /// A file holding the admin API's token instead of --admin-token: read again on every
+    /// reload (SIGHUP, or --reload-watch-secs), so the token rotates without a restart.
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN_FILE", conflicts_with = "admin_token")]
+    pub admin_token_file: Option<String>,
     /// Serve the admin API on this separate IP:PORT (the main port then has none); without
     /// --admin-token it must be loopback and refuses requests relayed by a proxy.
     #[arg(long, env = "KVROUTE_ADMIN_LISTEN")]
@@ -409,8 +413,14 @@ fn security_flags(a: &Args, cfg: &mut GatewayConfig) {
     if a.api_key_file.is_some() {
         cfg.api_key_file = a.api_key_file.clone();
     }
+    // A token set here replaces the file's, in either form.
     if a.admin_token.is_some() {
         cfg.admin_token = a.admin_token.clone();
+        cfg.admin_token_file = None;
+    }
+    if a.admin_token_file.is_some() {
+        cfg.admin_token_file = a.admin_token_file.clone();
+        cfg.admin_token = None;
     }
     if a.tenant_header.is_some() {
         cfg.tenant_header = a.tenant_header.clone();

@@ -188,6 +188,12 @@ pub struct GatewayConfig {
     /// loopback" cannot stand for "local" there. The admin API is then only on
     /// `admin_listen`.
     pub admin_token: Option<String>,
+    /// A file holding the admin API's token instead (`admin_token` and this are exclusive):
+    /// read at start (a file that cannot be read, or holds only whitespace, stops it) and
+    /// again on every reload — SIGHUP, or a change seen by `reload_watch_secs` — so a token
+    /// kept in a Kubernetes Secret rotates without a restart ([`crate::admin_token`]). At
+    /// most 4 KiB; surrounding whitespace is dropped. Its path needs a restart.
+    pub admin_token_file: Option<String>,
     /// A separate listener (`IP:PORT`) for the admin API; when set, the main port serves no
     /// admin endpoint (404), so the two can face different networks. Without `admin_token`
     /// it must be a loopback address, and it answers only loopback clients whose request
@@ -571,7 +577,7 @@ impl GatewayConfig {
             let addr = a
                 .parse::<std::net::SocketAddr>()
                 .map_err(|_| err("admin_listen", format!("`{a}`: expected HOST:PORT with an IP host")))?;
-            if self.admin_token.is_none() && !addr.ip().to_canonical().is_loopback() {
+            if !self.has_admin_token() && !addr.ip().to_canonical().is_loopback() {
                 return Err(err(
                     "admin_listen",
                     format!(
@@ -773,12 +779,23 @@ impl GatewayConfig {
         Ok(())
     }
 
-    /// `admin_token`: not empty when set.
+    /// `admin_token`: not empty when set; `admin_token_file`: not with it, not an empty path.
     fn check_admin_token(&self) -> Result<(), ConfigError> {
         if self.admin_token.as_deref().is_some_and(str::is_empty) {
             return Err(err("admin_token", "must not be empty"));
         }
-        Ok(())
+        match self.admin_token_file.as_deref() {
+            Some("") => Err(err("admin_token_file", "must not be empty")),
+            Some(_) if self.admin_token.is_some() => {
+                Err(err("admin_token_file", "set `admin_token` or `admin_token_file`, not both"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the admin API has a token (`admin_token` or `admin_token_file`).
+    pub fn has_admin_token(&self) -> bool {
+        self.admin_token.is_some() || self.admin_token_file.is_some()
     }
 
     /// `policy` and `policy_knobs`: the registry builds them.
@@ -1039,9 +1056,19 @@ mod tests {
             let e = bad.validate().unwrap_err();
             assert_eq!(e.key, "admin_listen", "{public}");
             assert!(e.message.contains("admin_token"), "{e}");
-            let ok = GatewayConfig { admin_token: Some("t".into()), ..bad };
+            let ok = GatewayConfig { admin_token: Some("t".into()), ..bad.clone() };
             ok.validate().expect("with a token any address is allowed");
+            let ok = GatewayConfig { admin_token_file: Some("/run/secrets/token".into()), ..bad };
+            ok.validate().expect("a token from a file too");
         }
+        let both = GatewayConfig {
+            admin_token: Some("t".into()),
+            admin_token_file: Some("/run/secrets/token".into()),
+            ..GatewayConfig::default()
+        };
+        assert_eq!(both.validate().unwrap_err().key, "admin_token_file");
+        let empty = GatewayConfig { admin_token_file: Some(String::new()), ..GatewayConfig::default() };
+        assert_eq!(empty.validate().unwrap_err().key, "admin_token_file");
         for lo in ["127.0.0.1:30001", "[::1]:30001", "127.0.0.2:30001"] {
             let ok = GatewayConfig { admin_listen: Some(lo.into()), ..GatewayConfig::default() };
             ok.validate().expect(lo);
