@@ -183,8 +183,10 @@ impl ClusterSpend {
     /// Marked unqueued first, so what a request adds meanwhile is either in this take or
     /// queued again by that request: nothing counted is left unqueued.
     pub fn take(&self) -> (u64, u64) {
-        self.queued.store(false, Ordering::SeqCst);
-        (self.requests.swap(0, Ordering::SeqCst), self.tokens.swap(0, Ordering::SeqCst))
+        // A swap, not a store: it reads the flag a request set after its additions
+        // (acquire after their release), so those additions are in the counts taken below.
+        self.queued.swap(false, Ordering::AcqRel);
+        (self.requests.swap(0, Ordering::AcqRel), self.tokens.swap(0, Ordering::AcqRel))
     }
 }
 

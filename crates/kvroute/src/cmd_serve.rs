@@ -209,7 +209,7 @@ pub struct Args {
     #[arg(long, env = "KVROUTE_TLS_KEY")]
     pub tls_key: Option<String>,
     /// Every this many seconds, reload what changed in the files SIGHUP reads (TLS files,
-    /// --api-key-file, --config); 0: SIGHUP only.
+    /// --api-key-file, --admin-token-file, --config); 0: SIGHUP only.
     #[arg(long, env = "KVROUTE_RELOAD_WATCH_SECS")]
     pub reload_watch_secs: Option<f64>,
     /// PEM bundle of CA certificates trusted for https:// workers (besides the system roots).

@@ -167,7 +167,7 @@ async fn publish_buffered(sync: &ReplicaSync, client: &async_nats::Client, seq: 
             Out::Done(id) => WireEvent::Done(id),
             Out::Spent(s) => {
                 let (requests, tokens) = s.take();
-                if requests + tokens > 0 {
+                if requests > 0 || tokens > 0 {
                     spent.push(KeySpend { key: s.id, requests, tokens });
                     size += 32;
                 }

@@ -266,10 +266,11 @@ pub struct GatewayConfig {
     /// PEM private key (PKCS#8, PKCS#1 or SEC1) of `tls_cert`.
     pub tls_key: Option<String>,
     /// Every this many seconds, read the files a SIGHUP reads again — `tls_cert`, `tls_key`,
-    /// `api_key_file` and, with `kvroute serve --config`, the configuration — and reload
-    /// what changed as a SIGHUP would: for deployments that cannot signal the process (a
-    /// Kubernetes Secret or ConfigMap mounted into a container without a shell, a
-    /// certificate renewed by cert-manager). 0: off, SIGHUP only. At least 1 s.
+    /// `api_key_file`, `admin_token_file` and, with `kvroute serve --config`, the
+    /// configuration — and reload what changed as a SIGHUP would: for deployments that
+    /// cannot signal the process (a Kubernetes Secret or ConfigMap mounted into a container
+    /// without a shell, a certificate renewed by cert-manager). 0: off, SIGHUP only. At
+    /// least 1 s.
     #[default = 0.0]
     pub reload_watch_secs: f64,
     /// PEM bundle of CA certificates trusted for `https://` workers, besides the system's
