@@ -36,7 +36,8 @@
 //! key listed as itself on one replica and by its digest on another is one key, and no key
 //! or digest goes on the wire). A bucket never goes below empty: the cluster may admit
 //! more than a key's minute by what the replicas admit for it before they hear of each
-//! other (a sync's lag, milliseconds).
+//! other (a sync's lag, milliseconds). A starting replica takes from its buckets how far a
+//! peer follows them spent ([`crate::cluster::sync::SpendShadow`], in its snapshot).
 
 use axum::http::{HeaderMap, StatusCode, header};
 use governor::clock::{Clock, DefaultClock};
@@ -142,13 +143,15 @@ pub struct ClusterSpend {
     /// and the key's SHA-256, the same whether a replica lists the key as itself or by its
     /// digest; neither the key nor its digest can be read from it.
     pub id: u64,
+    /// The key's requests and tokens per minute (0: unlimited), as its buckets hold them.
+    pub limits: (u32, u32),
     requests: AtomicU64,
     tokens: AtomicU64,
     queued: AtomicBool,
 }
 
 impl ClusterSpend {
-    fn new(digest: &[u8; 32]) -> ClusterSpend {
+    fn new(digest: &[u8; 32], limits: (u32, u32)) -> ClusterSpend {
         let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
         ctx.update(b"kvroute cluster key spend v1\0");
         ctx.update(digest);
@@ -157,6 +160,7 @@ impl ClusterSpend {
         id.copy_from_slice(&d.as_ref()[..8]);
         ClusterSpend {
             id: u64::from_le_bytes(id),
+            limits,
             requests: AtomicU64::new(0),
             tokens: AtomicU64::new(0),
             queued: AtomicBool::new(false),
@@ -419,7 +423,9 @@ impl ApiKeys {
                     limits: (l.rpm, l.tpm),
                     requests: limiter(l.rpm),
                     tokens: limiter(l.tpm).map(|t| (t, l.tpm)),
-                    spend: limited.then(|| Arc::new(ClusterSpend::new(&l.digest.unwrap_or_else(|| sha256(&l.key))))),
+                    spend: limited.then(|| {
+                        Arc::new(ClusterSpend::new(&l.digest.unwrap_or_else(|| sha256(&l.key)), (l.rpm, l.tpm)))
+                    }),
                 })
             });
             if let Some(d) = l.digest {

@@ -407,7 +407,8 @@ async fn two_replicas_under_one_id_are_reported() {
 
 /// An API key's limits are the cluster's: what one replica admits for a key, the others
 /// take from their own buckets for it, so two replicas together allow a key `rpm=2` two
-/// requests a minute, not four. Another key's buckets are not touched.
+/// requests a minute, not four. Another key's buckets are not touched. A replica starting
+/// later starts with the buckets as spent as its peers', not full.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs nats-server (Debian nats-server): KVROUTE_NATS_BIN=$(command -v nats-server) scripts/test.sh"]
 async fn a_key_s_rate_limit_holds_across_the_replicas() {
@@ -441,6 +442,15 @@ async fn a_key_s_rate_limit_holds_across_the_replicas() {
     assert_eq!(send(&a, "sk-shared").await, 429, "and on A");
     assert_eq!(send(&b, "sk-other").await, 200, "another key's buckets are its own");
     assert_eq!(metric(&c, &b, "kvroute_sync_events_total{outcome=\"spend_unknown_key\"}").await, 0.0);
+
+    // A replica that starts now (a restart, a rollout) takes the snapshot of how far each
+    // key's buckets are spent: no fresh minute for sk-shared, one request left of sk-other's.
+    eventually("A takes B's spend of the other key", async || spends(&a).await >= 2.0).await;
+    let (n, _) = common::start_router(keyed(), stop.clone()).await;
+    ready(&c, &n).await;
+    assert_eq!(send(&n, "sk-shared").await, 429, "the new replica knows the minute is used");
+    assert_eq!(send(&n, "sk-other").await, 200, "the other key's second request");
+    assert_eq!(send(&n, "sk-other").await, 429, "and no third");
     stop.cancel();
     let _ = std::fs::remove_file(&file);
 }

@@ -256,6 +256,87 @@ pub struct SnapshotChunk {
     pub last: bool,
     /// Routed events, oldest first.
     pub events: Vec<RoutedEvent>,
+    /// What limited API keys' buckets hold spent now, as the answering replica follows the
+    /// cluster's spends ([`SpendShadow`]): the starting replica takes it from its full
+    /// buckets, so a restart does not hand every key a fresh minute. Absent when empty,
+    /// and ignored by versions before it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spent: Vec<KeySpend>,
+}
+
+/// How far each limited API key's buckets are spent, as this replica follows the cluster's
+/// spends (its own and the ones it applied): a shadow of the buckets' GCRA (the `governor`
+/// crate's algorithm, which does not expose its state), kept by the sync's tasks off the
+/// request path, for the snapshot a starting replica asks for. Per key and bucket, the
+/// theoretical arrival time `tat`: a spend of `n` cells at `t` moves it to
+/// `max(tat, t) + n × T` (T = one minute over the limit), never past `t` + one minute (a
+/// bucket never owes); the cells spent at `t` are `(tat − t) / T`, rounded up. Keys whose buckets are
+/// full again are forgotten when a snapshot reads the shadow ([`SpendShadow::spent_at`]) or
+/// the map grows past twice [`crate::api_keys::MAX_KEYS`]: one entry per limited key spent
+/// from in the last minute, and a spend is recorded only for a key a key file lists.
+#[derive(Debug, Default)]
+pub struct SpendShadow {
+    keys: std::collections::HashMap<u64, Shadow>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Shadow {
+    /// Requests and tokens per minute.
+    limits: (u32, u32),
+    /// The two buckets' theoretical arrival times, ns on the caller's clock.
+    tat: [u64; 2],
+}
+
+/// A minute, ns: every bucket holds one minute of its limit.
+const MINUTE_NS: u64 = 60_000_000_000;
+
+impl SpendShadow {
+    /// Records `requests` and `tokens` spent at `now` (ns) for key `id` with `limits`.
+    pub fn record(&mut self, id: u64, limits: (u32, u32), requests: u64, tokens: u64, now: u64) {
+        // Keys a reload removed are forgotten once their buckets are full again: by a
+        // snapshot's read, or here when the map has grown past twice the keys a file holds.
+        if self.keys.len() >= 2 * crate::api_keys::MAX_KEYS && !self.keys.contains_key(&id) {
+            self.keys.retain(|_, s| s.tat.iter().any(|&t| t > now));
+        }
+        let s = self.keys.entry(id).or_insert(Shadow { limits, tat: [0, 0] });
+        s.limits = limits;
+        for (i, (limit, n)) in [(limits.0, requests), (limits.1, tokens)].into_iter().enumerate() {
+            if limit > 0 && n > 0 {
+                let t = MINUTE_NS / u64::from(limit);
+                let tat = s.tat[i].max(now).saturating_add(n.saturating_mul(t));
+                s.tat[i] = tat.min(now + MINUTE_NS);
+            }
+        }
+    }
+
+    /// The cells each key's buckets hold spent at `now` (ns), keys with nothing spent left
+    /// out; forgets those.
+    pub fn spent_at(&mut self, now: u64) -> Vec<KeySpend> {
+        self.keys.retain(|_, s| s.tat.iter().any(|&t| t > now));
+        let cells = |tat: u64, limit: u32| {
+            // Rounded up: a bucket short of part of a cell has no cell to give.
+            if limit == 0 { 0 } else { tat.saturating_sub(now).div_ceil(MINUTE_NS / u64::from(limit)) }
+        };
+        self.keys
+            .iter()
+            .map(|(&key, s)| KeySpend {
+                key,
+                requests: cells(s.tat[0], s.limits.0),
+                tokens: cells(s.tat[1], s.limits.1),
+            })
+            .filter(|k| k.requests > 0 || k.tokens > 0)
+            .collect()
+    }
+
+    /// Keys followed.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether no key is followed.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
 }
 
 #[derive(Debug)]
@@ -311,6 +392,8 @@ pub struct ReplicaSync {
     pub(crate) recent: Mutex<Recent>,
     /// Prompt text chunks this replica announced or applied ([`super::chunks`]).
     pub(crate) chunks: Mutex<super::chunks::ChunkStore>,
+    /// The cluster's API-key spends, followed for snapshots ([`SpendShadow`]).
+    pub(crate) shadow: Mutex<SpendShadow>,
     /// The chunks' clock ([`ReplicaSync::clock_secs`]).
     started: std::time::Instant,
     outcomes: prometheus_client::metrics::family::Family<
@@ -387,6 +470,7 @@ impl ReplicaSync {
             ready: AtomicBool::new(false),
             recent: Mutex::new(Recent::bounded(SNAPSHOT_MAX_BYTES)),
             chunks: Mutex::default(),
+            shadow: Mutex::default(),
             started: std::time::Instant::now(),
             outcomes: metrics.sync_events.clone(),
         })
@@ -396,6 +480,11 @@ impl ReplicaSync {
     /// ([`super::chunks::REFRESH_SECS`]).
     fn clock_secs(&self) -> u64 {
         self.started.elapsed().as_secs()
+    }
+
+    /// Nanoseconds since this sync was made: the clock of [`SpendShadow`].
+    pub(crate) fn clock_ns(&self) -> u64 {
+        self.started.elapsed().as_nanos() as u64
     }
 
     /// Whether the start-up snapshot was applied (or its wait ended).
@@ -653,6 +742,30 @@ mod tests {
         let cut = cut_text(&t);
         assert!(cut.len() <= MAX_EVENT_TEXT && cut.len() >= MAX_EVENT_TEXT - 1, "{}", cut.len());
         assert!(t.starts_with(&cut));
+    }
+
+    #[test]
+    fn the_spend_shadow_follows_a_bucket_s_gcra() {
+        let s = 1_000_000_000u64; // a second, ns
+        let mut sh = SpendShadow::default();
+        // rpm=60: a request every second refills; tpm=0: tokens unlimited.
+        sh.record(7, (60, 0), 30, 5000, 10 * s);
+        assert_eq!(sh.spent_at(10 * s), [KeySpend { key: 7, requests: 30, tokens: 0 }]);
+        // Ten seconds later, ten requests have come back; half a second later, not an
+        // eleventh.
+        assert_eq!(sh.spent_at(20 * s)[0].requests, 20);
+        assert_eq!(sh.spent_at(20 * s + s / 2)[0].requests, 20);
+        // More than a minute's worth empties the bucket, and no more.
+        sh.record(7, (60, 0), 500, 0, 20 * s);
+        assert_eq!(sh.spent_at(20 * s)[0].requests, 60);
+        // A minute later the bucket is full again: the key is forgotten.
+        assert!(sh.spent_at(80 * s).is_empty());
+        assert!(sh.is_empty());
+        // Tokens: tpm=600 (one every 0.1 s), spent in two steps.
+        sh.record(8, (0, 600), 1, 100, 0);
+        sh.record(8, (0, 600), 1, 200, s);
+        assert_eq!(sh.spent_at(s), [KeySpend { key: 8, requests: 0, tokens: 290 }]);
+        assert_eq!(sh.len(), 1);
     }
 
     #[test]

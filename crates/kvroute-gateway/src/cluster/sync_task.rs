@@ -168,6 +168,7 @@ async fn publish_buffered(sync: &ReplicaSync, client: &async_nats::Client, seq: 
             Out::Spent(s) => {
                 let (requests, tokens) = s.take();
                 if requests > 0 || tokens > 0 {
+                    sync.shadow.lock().record(s.id, s.limits, requests, tokens, sync.clock_ns());
                     spent.push(KeySpend { key: s.id, requests, tokens });
                     size += 32;
                 }
@@ -436,21 +437,28 @@ impl Peers {
     }
 }
 
-/// Takes another replica's API-key spends from this replica's buckets for the same keys
-/// (`spend_applied`); a key this replica does not list, or not limited here, is counted
-/// `spend_unknown_key` (its file differs, or it has none).
+/// Takes another replica's API-key spends (live, or a snapshot's) from this replica's
+/// buckets for the same keys, and follows them for later snapshots (`spend_applied`); a key
+/// this replica does not list, or not limited here, is counted `spend_unknown_key` (its
+/// file differs, or it has none).
 fn take_spent(state: &AppState, sync: &ReplicaSync, spent: &[KeySpend]) {
     if spent.is_empty() {
         return;
     }
     let keys = state.api_keys.as_ref().map(crate::api_keys::KeyFile::keys);
     let mut applied = 0;
+    let mut shadow = sync.shadow.lock();
+    let now = sync.clock_ns();
     for s in spent {
         if let Some(e) = keys.as_ref().and_then(|k| k.by_spend_id(s.key)) {
             e.take_spent(s.requests, s.tokens);
+            if let Some(c) = &e.spend {
+                shadow.record(s.key, c.limits, s.requests, s.tokens, now);
+            }
             applied += 1;
         }
     }
+    drop(shadow);
     if applied > 0 {
         sync.count("spend_applied", applied);
     }
@@ -571,6 +579,7 @@ async fn fetch_snapshot(state: &AppState, sync: &ReplicaSync, client: &async_nat
             continue;
         }
         next_part += 1;
+        take_spent(state, sync, &chunk.spent);
         for mut r in chunk.events {
             sync.resolve(&mut r);
             if let Some(w) = state.fleet.by_url(&r.worker) {
@@ -596,8 +605,9 @@ async fn fetch_snapshot(state: &AppState, sync: &ReplicaSync, client: &async_nat
     let _ = sub.unsubscribe().await;
 }
 
-/// Answers snapshot requests (one replica of the queue group answers each): the recent
-/// routed events in chunks that fit a NATS message.
+/// Answers snapshot requests (one replica of the queue group answers each): how far the
+/// limited API keys' buckets are spent ([`SpendShadow`]), then the recent routed events, in
+/// parts that fit a NATS message.
 async fn answer_snapshots(sync: Arc<ReplicaSync>, client: async_nats::Client, cancel: CancellationToken) {
     let Ok(mut requests) = client.queue_subscribe(sync.snapshot_subject.clone(), "snapshot".into()).await else {
         tracing::error!("cannot answer snapshot requests: subscribe failed");
@@ -610,30 +620,55 @@ async fn answer_snapshots(sync: Arc<ReplicaSync>, client: async_nats::Client, ca
         };
         let Some(reply) = msg.reply else { continue };
         let events: Vec<Arc<RoutedEvent>> = sync.recent.lock().events.iter().cloned().collect();
-        let limit = max_message(&client) / 2;
-        let mut part = 0u32;
-        let mut chunk: Vec<RoutedEvent> = Vec::new();
-        let mut size = 64;
-        let total = events.len();
-        for (i, e) in events.into_iter().enumerate() {
-            size += e.size_estimate();
-            chunk.push(e.as_ref().clone());
-            let last = i + 1 == total;
-            if size > limit || last {
-                let c = SnapshotChunk { replica: sync.replica.clone(), part, last, events: std::mem::take(&mut chunk) };
-                part += 1;
-                size = 64;
-                if !publish_chunk(&client, &reply, &c).await {
-                    break;
-                }
+        let spent = sync.shadow.lock().spent_at(sync.clock_ns());
+        let parts = snapshot_parts(&sync.replica, &events, spent, max_message(&client) / 2);
+        let n = parts.len();
+        for c in &parts {
+            if !publish_chunk(&client, &reply, c).await {
+                break;
             }
         }
-        if total == 0 {
-            let c = SnapshotChunk { replica: sync.replica.clone(), part: 0, last: true, events: Vec::new() };
-            publish_chunk(&client, &reply, &c).await;
-        }
-        tracing::info!(events = total, parts = part.max(1), "snapshot sent to a starting replica");
+        tracing::info!(events = events.len(), parts = n, "snapshot sent to a starting replica");
     }
+}
+
+/// A snapshot answer's parts, each of about `limit` bytes at most: the keys' spends, then
+/// the events, numbered from 0, the last marked (one empty part when there is nothing).
+fn snapshot_parts(
+    replica: &str,
+    events: &[Arc<RoutedEvent>],
+    spent: Vec<KeySpend>,
+    limit: usize,
+) -> Vec<SnapshotChunk> {
+    let part = |part: usize| SnapshotChunk {
+        replica: replica.to_string(),
+        part: part.min(u32::MAX as usize) as u32,
+        last: false,
+        events: Vec::new(),
+        spent: Vec::new(),
+    };
+    let mut parts = Vec::new();
+    for keys in spent.chunks((limit / 32).max(1)) {
+        parts.push(SnapshotChunk { spent: keys.to_vec(), ..part(parts.len()) });
+    }
+    let mut chunk = part(parts.len());
+    let mut size = 64;
+    for e in events {
+        size += e.size_estimate();
+        chunk.events.push(e.as_ref().clone());
+        if size > limit {
+            let next = part(parts.len() + 1);
+            parts.push(std::mem::replace(&mut chunk, next));
+            size = 64;
+        }
+    }
+    if !chunk.events.is_empty() || parts.is_empty() {
+        parts.push(chunk);
+    }
+    if let Some(l) = parts.last_mut() {
+        l.last = true;
+    }
+    parts
 }
 
 async fn publish_chunk(client: &async_nats::Client, reply: &async_nats::Subject, c: &SnapshotChunk) -> bool {
@@ -642,4 +677,50 @@ async fn publish_chunk(client: &async_nats::Client, reply: &async_nats::Subject,
         tokio::time::timeout(Duration::from_secs(2), client.publish(reply.clone(), Bytes::from(payload))).await,
         Ok(Ok(()))
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(id: u64, text_bytes: usize) -> Arc<RoutedEvent> {
+        Arc::new(RoutedEvent {
+            id,
+            model: "m".into(),
+            worker: "http://127.0.0.1:1".into(),
+            policy: "cache_aware".into(),
+            prefix: WirePrefix::Text("x".repeat(text_bytes)),
+            blocks: Vec::new(),
+            block_tokens: 16,
+            session: None,
+            input_tokens: 1,
+            output_tokens: None,
+            uncached: 1,
+            decode: 1,
+            pool: 0,
+        })
+    }
+
+    #[test]
+    fn a_snapshot_sends_the_keys_spends_first_then_the_events_in_numbered_parts() {
+        let spend = |key| KeySpend { key, requests: 1, tokens: 0 };
+        let events: Vec<_> = (0..10).map(|i| event(i, 300)).collect();
+        let parts = snapshot_parts("r", &events, (0..5).map(spend).collect(), 1100);
+        let numbers: Vec<u32> = parts.iter().map(|p| p.part).collect();
+        assert_eq!(numbers, (0..parts.len() as u32).collect::<Vec<_>>());
+        assert_eq!(parts.iter().filter(|p| p.last).count(), 1);
+        assert!(parts.last().expect("parts").last);
+        assert_eq!(parts[0].spent.len(), 5, "1,100 bytes hold 34 spends of 32");
+        assert!(parts[0].events.is_empty());
+        let sent: Vec<u64> = parts.iter().flat_map(|p| p.events.iter().map(|e| e.id)).collect();
+        assert_eq!(sent, (0..10).collect::<Vec<_>>(), "every event, in order");
+        assert!(parts[1..].iter().all(|p| p.events.len() <= 3 && p.spent.is_empty()));
+        // Many spends take several parts; nothing at all is one empty last part.
+        let many = snapshot_parts("r", &[], (0..100).map(spend).collect(), 320);
+        assert_eq!((many.len(), many.iter().map(|p| p.spent.len()).sum::<usize>()), (10, 100));
+        assert!(many[9].last && !many[8].last);
+        let none = snapshot_parts("r", &[], Vec::new(), 1000);
+        assert_eq!(none.len(), 1);
+        assert!(none[0].last && none[0].events.is_empty() && none[0].spent.is_empty());
+    }
 }
