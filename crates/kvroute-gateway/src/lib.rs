@@ -156,6 +156,23 @@ pub async fn serve_with_reload(
     reload: Option<ConfigSource>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    serve_when_ready(listener, cfg, reload, shutdown, |_| {}).await
+}
+
+/// [`serve_with_reload`], calling `ready` with the configuration in effect once everything
+/// that can stop the start has passed (the configuration validated, the TLS files, API
+/// keys, admin token and tokenizer read, the listeners bound) and just before the first
+/// connection is served: what `kvroute serve` announces then.
+///
+/// # Errors
+/// As [`serve_with_reload`].
+pub async fn serve_when_ready(
+    listener: tokio::net::TcpListener,
+    cfg: GatewayConfig,
+    reload: Option<ConfigSource>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    ready: impl FnOnce(&GatewayConfig),
+) -> anyhow::Result<()> {
     cfg.validate()?;
     let tls = load_tls(&cfg)?;
     // Registered before the first connection is accepted, so a SIGHUP reloads rather than
@@ -176,6 +193,7 @@ pub async fn serve_with_reload(
     tasks.extend(admin.map(|(l, a)| spawn_admin(l, a, limits, tls.clone(), cancel.clone())));
     let epp_tls = epp_tls(&state.cfg, tls.as_ref(), epp.as_ref())?;
     tasks.extend(epp.map(|l| spawn_epp(&state, l, limits, epp_tls, cancel.clone())));
+    ready(&state.cfg);
     let deadline = server::serve(listener, main_app, limits, tls, shutdown, drain_hooks(&state)).await;
     // The background tasks (health checks, KV events, etcd, NATS) stop now; none may hold
     // the process past the drain deadline (a NATS flush or an etcd call to a server that

@@ -762,14 +762,18 @@ pub async fn serve_until_signal(a: Args) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", cfg.host, cfg.port))?;
-    eprintln!(
-        "kvroute: serving on {}://{} with policy {} and {} worker(s)",
-        if cfg.tls_cert.is_some() { "https" } else { "http" },
-        listener.local_addr()?,
-        cfg.policy,
-        cfg.worker_urls.len()
-    );
-    kvroute_gateway::serve_with_reload(listener, cfg, reload, shutdown_signal()).await
+    let addr = listener.local_addr()?;
+    // Announced once the gateway has read every file it needs: a missing key file prints
+    // its error, not "serving on" first.
+    let announce = move |cfg: &kvroute_gateway::GatewayConfig| {
+        eprintln!(
+            "kvroute: serving on {}://{addr} with policy {} and {} worker(s)",
+            if cfg.tls_cert.is_some() { "https" } else { "http" },
+            cfg.policy,
+            cfg.worker_urls.len()
+        );
+    };
+    kvroute_gateway::serve_when_ready(listener, cfg, reload, shutdown_signal(), announce).await
 }
 
 /// With `--config`, what SIGHUP reads again: the file, then the environment and flags, as

@@ -38,6 +38,23 @@ fn invalid_config_is_refused_naming_the_key() {
     assert!(err.contains("policy_knobs") && err.contains("cache_treshold"), "{err}");
 }
 
+/// A file the gateway reads at start that is missing stops it naming the file, and
+/// `kvroute serve` does not announce "serving on" before that (it announces once the
+/// gateway has read what it needs).
+#[test]
+fn a_missing_key_or_token_file_stops_the_start_before_serving_is_announced() {
+    for flag in ["--api-key-file", "--admin-token-file"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["serve", "--port", "0", flag, "/nonexistent/kvroute-file"])
+            .output()
+            .expect("run");
+        assert!(!out.status.success(), "{flag}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("/nonexistent/kvroute-file"), "{flag}: {err}");
+        assert!(!err.contains("serving on"), "{flag}: {err}");
+    }
+}
+
 /// Whether the endpoint picker on `epp` answers a gRPC health check over TLS to a client
 /// that trusts only `ca` (a new client, so a new connection and handshake).
 async fn epp_answers_over_tls(epp: &str, ca: &pki::TestCa) -> bool {
