@@ -122,6 +122,11 @@ impl AppState {
         let recorder = start_recorder(&cfg, &metrics)?;
         let replica_id =
             cfg.replica_id.clone().unwrap_or_else(|| format!("r{:016x}", crate::model::random::os_random_u64()));
+        let fleet = Fleet::default();
+        // Other replicas' in-flight requests count in the views only with the sync.
+        if cfg.nats.is_some() {
+            fleet.count_remote_load();
+        }
         let sync = cfg
             .nats
             .as_ref()
@@ -159,7 +164,7 @@ impl AppState {
             )),
             routers,
             cfg,
-            fleet: Fleet::default(),
+            fleet,
             client,
             metrics,
             start: Instant::now(),

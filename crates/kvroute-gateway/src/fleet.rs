@@ -511,22 +511,25 @@ impl WorkerEntry {
     /// The routing core's view of this worker now.
     pub fn view(&self) -> WorkerView {
         let mut v = WorkerView::idle(self.id);
-        self.fill_view(&mut v, self.core_capacity(), self.role());
+        self.fill_view(&mut v, self.core_capacity(), self.role(), true);
         v
     }
 
     /// Writes this worker's view into `v` (whose `id` must be this worker's), with its
     /// `capacity` and `role` as the caller read them (a roster keeps both, so a request's
-    /// candidate read does not load them per worker). Every other field is read now.
+    /// candidate read does not load them per worker), and the other replicas' load when
+    /// `remote` ([`Fleet::count_remote_load`]). Every other field is read now.
     #[inline]
-    fn fill_view(&self, v: &mut WorkerView, capacity: kvroute_core::types::Capacity, role: Role) {
+    fn fill_view(&self, v: &mut WorkerView, capacity: kvroute_core::types::Capacity, role: Role, remote: bool) {
         v.health = if self.is_ejected() { Health::Unhealthy } else { self.health() };
         self.load.fill(v);
-        let remote = self.remote_load.get();
-        v.in_flight = v.in_flight.saturating_add(remote.in_flight);
-        v.waiting = v.waiting.saturating_add(remote.waiting);
-        v.pending_prefill_tokens = v.pending_prefill_tokens.saturating_add(remote.pending_prefill_tokens);
-        v.decode_tokens = v.decode_tokens.saturating_add(remote.decode_tokens);
+        if remote {
+            let remote = self.remote_load.get();
+            v.in_flight = v.in_flight.saturating_add(remote.in_flight);
+            v.waiting = v.waiting.saturating_add(remote.waiting);
+            v.pending_prefill_tokens = v.pending_prefill_tokens.saturating_add(remote.pending_prefill_tokens);
+            v.decode_tokens = v.decode_tokens.saturating_add(remote.decode_tokens);
+        }
         v.capacity = capacity;
         v.role = role;
         v.tie_key = Some(self.tie_key);
@@ -721,6 +724,10 @@ pub struct Fleet {
     next_id: AtomicU32,
     /// The workers of each model a request named, kept until the next roster change.
     rosters: ArcSwap<Rosters>,
+    /// Whether views add the load other replicas report ([`WorkerEntry::remote_load`]):
+    /// set with the cluster sync ([`Fleet::count_remote_load`]). Without it that load is
+    /// always zero, and a request's candidate read skips the cache line it sits on.
+    remote_load: AtomicBool,
 }
 
 /// A worker URL `reqwest` cannot build a request URL from.
@@ -835,6 +842,13 @@ impl Fleet {
         self.candidates_in(model, None)
     }
 
+    /// Makes every view from now on add the load other replicas report on each worker
+    /// ([`WorkerEntry::remote_load`]): called once at start with the cluster sync, before
+    /// any request. Without it views leave that load out (it is zero without the sync).
+    pub fn count_remote_load(&self) {
+        self.remote_load.store(true, Relaxed);
+    }
+
     /// [`Fleet::candidates`] among the workers of one of `roles` (`None`: any role).
     ///
     /// The workers come from the model's roster (kept between requests, rebuilt after the
@@ -842,6 +856,7 @@ impl Fleet {
     /// O(workers of the model), a few atomic loads each.
     pub fn candidates_in(&self, model: &str, roles: Option<&[Role]>) -> Candidates {
         let roster = self.roster(model, roles);
+        let remote = self.remote_load.load(Relaxed);
         let n = roster.entries.len();
         let mut views = Vec::with_capacity(n);
         let mut dispatches = Vec::with_capacity(n);
@@ -849,7 +864,7 @@ impl Fleet {
             dispatches.push(w.load.dispatches());
             views.push(WorkerView::idle(w.id));
             if let Some(v) = views.last_mut() {
-                w.fill_view(v, capacity, role);
+                w.fill_view(v, capacity, role, remote);
             }
         }
         let entries = Arc::clone(&roster.entries);
@@ -1027,6 +1042,19 @@ mod tests {
         let v = f.candidates("m").views;
         assert_eq!((v[0].in_flight, v[0].pending_prefill_tokens, v[1].is_routable()), (1, 100, false));
         drop(a);
+    }
+
+    #[test]
+    fn views_add_the_other_replicas_load_once_the_fleet_counts_it() {
+        let f = Fleet::default();
+        let (w, _) = f.add("http://a", vec!["m".into()], Health::Healthy).expect("add");
+        let _own = w.load.dispatched(100, 10);
+        let _remote = w.remote_load.dispatched(50, 5);
+        let v = |f: &Fleet| f.candidates("m").views[0];
+        assert_eq!((v(&f).in_flight, v(&f).pending_prefill_tokens), (1, 100), "without the sync");
+        f.count_remote_load();
+        assert_eq!((v(&f).in_flight, v(&f).pending_prefill_tokens), (2, 150), "with it");
+        assert_eq!(w.view().in_flight, 2, "a worker's own view always adds it");
     }
 
     #[test]
