@@ -288,3 +288,21 @@ fn start_recorder(cfg: &GatewayConfig, metrics: &Metrics) -> anyhow::Result<Opti
         None => None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_core::types::Health;
+
+    /// With `nats`, the views a request decides on count the other replicas' requests in
+    /// flight (the fleet reads them only when told to); without it they are left out.
+    #[test]
+    fn with_the_sync_the_views_count_the_other_replicas_load() {
+        for (nats, in_flight) in [(None, 0), (Some("nats://127.0.0.1:1".to_string()), 1)] {
+            let s = AppState::new(GatewayConfig { nats: nats.clone(), ..GatewayConfig::default() }).expect("state");
+            let (w, _) = s.fleet.add("http://127.0.0.1:9", vec!["m".into()], Health::Healthy).expect("add");
+            let _remote = w.remote_load.dispatched(10, 1);
+            assert_eq!(s.fleet.candidates("m").views[0].in_flight, in_flight, "nats {nats:?}");
+        }
+    }
+}
