@@ -270,10 +270,13 @@ pub struct SnapshotChunk {
 /// request path, for the snapshot a starting replica asks for. Per key and bucket, the
 /// theoretical arrival time `tat`: a spend of `n` cells at `t` moves it to
 /// `max(tat, t) + n × T` (T = one minute over the limit), never past `t` + one minute (a
-/// bucket never owes); the cells spent at `t` are `(tat − t) / T`, rounded up. Keys whose buckets are
-/// full again are forgotten when a snapshot reads the shadow ([`SpendShadow::spent_at`]) or
-/// the map grows past twice [`crate::api_keys::MAX_KEYS`]: one entry per limited key spent
-/// from in the last minute, and a spend is recorded only for a key a key file lists.
+/// bucket never owes); the cells spent at `t` are `(tat − t) / T`, rounded up. Keys whose
+/// buckets are full again are forgotten when a snapshot reads the shadow
+/// ([`SpendShadow::spent_at`]) or the map grows past twice [`crate::api_keys::MAX_KEYS`]:
+/// one entry per limited key spent from in the last minute, and a spend is recorded only
+/// for a key a key file lists. A spend a starting replica receives live while its snapshot
+/// is being answered may be in both: it then takes that spend twice (it errs towards
+/// refusing).
 #[derive(Debug, Default)]
 pub struct SpendShadow {
     keys: std::collections::HashMap<u64, Shadow>,
