@@ -253,6 +253,11 @@ async fn prometheus_scrapes_kvroute_and_every_dashboard_query_reads_its_series()
     std::fs::write(&keys, "sk-main team-a\nsk-limited team-b rpm=1\n").expect("write the API-key file");
     let mut main_cfg = common::config(&[&w1, &w2], "cache_aware");
     main_cfg.api_key_file = Some(keys.display().to_string());
+    // The admin token from a file, as a Secret gives it (the reload panel reads its series).
+    let token = dir.0.join("admin-token");
+    std::fs::write(&token, common::ADMIN_TOKEN).expect("write the admin token file");
+    main_cfg.admin_token = None;
+    main_cfg.admin_token_file = Some(token.display().to_string());
     main_cfg.scrape_metrics = true;
     main_cfg.health.interval_secs = 0.5;
     let stop = CancellationToken::new();
