@@ -44,6 +44,9 @@ NEIGHBOURS = {
     # The prefix journal stores the cluster sync's routed events, written like the last
     # known registry.
     ("cluster::journal", "cluster::sync"), ("cluster::journal", "cluster::last_known"),
+    # The admin token is a secret read and compared as API keys are (a bounded file read,
+    # a constant-time comparison).
+    ("admin_token", "api_keys"),
 }
 
 def module_of(path: pathlib.Path, src: pathlib.Path = SRC) -> str:

@@ -7,7 +7,7 @@
 //! leaves) is dropped. A file that cannot be read, is empty, or is larger than
 //! [`MAX_TOKEN_FILE_BYTES`] stops the start; on a reload it keeps the token in effect.
 //! Requests read the token through an `ArcSwap`, with no lock; a token is compared in
-//! constant time.
+//! constant time ([`crate::api_keys::same_secret`], as API keys are).
 
 use arc_swap::ArcSwapOption;
 use std::sync::Arc;
@@ -40,14 +40,7 @@ pub enum TokenReload {
 /// The file cannot be read, is larger than [`MAX_TOKEN_FILE_BYTES`], is not UTF-8, or holds
 /// only whitespace (the message names the file).
 fn read_token(path: &str) -> anyhow::Result<String> {
-    use std::io::Read;
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_TOKEN_FILE_BYTES + 1).read_to_string(&mut text))
-        .map_err(|e| anyhow::anyhow!("admin_token_file {path}: {e}"))?;
-    if text.len() as u64 > MAX_TOKEN_FILE_BYTES {
-        anyhow::bail!("admin_token_file {path}: larger than {MAX_TOKEN_FILE_BYTES} bytes");
-    }
+    let text = crate::api_keys::read_bounded_text(path, MAX_TOKEN_FILE_BYTES, "admin_token_file")?;
     let token = text.trim();
     if token.is_empty() {
         anyhow::bail!("admin_token_file {path}: holds no token");
@@ -75,10 +68,7 @@ impl AdminToken {
     /// Whether `presented` is the token in effect, compared in constant time; `false`
     /// without a token.
     pub fn matches(&self, presented: &str) -> bool {
-        self.token
-            .load()
-            .as_deref()
-            .is_some_and(|t| bool::from(subtle::ConstantTimeEq::ct_eq(presented.as_bytes(), t.as_bytes())))
+        self.token.load().as_deref().is_some_and(|t| crate::api_keys::same_secret(presented, t))
     }
 
     /// The token in effect (one atomic load).

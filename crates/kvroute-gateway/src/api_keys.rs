@@ -311,15 +311,25 @@ pub const MAX_KEY_FILE_BYTES: u64 = 64 << 20;
 /// The text of the key file at `path`, at most [`MAX_KEY_FILE_BYTES`].
 ///
 /// # Errors
-/// The file cannot be read, is larger, or is not UTF-8 (naming the file).
+/// As [`read_bounded_text`].
 fn read_key_file(path: &str) -> anyhow::Result<String> {
+    read_bounded_text(path, MAX_KEY_FILE_BYTES, "api_key_file")
+}
+
+/// The text of the file at `path`, the value of configuration key `key`, read up to just
+/// past `max` bytes: a larger file is refused rather than read into memory.
+///
+/// # Errors
+/// The file cannot be read, is larger than `max`, or is not UTF-8 (naming `key` and the
+/// file).
+pub(crate) fn read_bounded_text(path: &str, max: u64, key: &str) -> anyhow::Result<String> {
     use std::io::Read;
     let mut text = String::new();
     std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_KEY_FILE_BYTES + 1).read_to_string(&mut text))
-        .map_err(|e| anyhow::anyhow!("api_key_file {path}: {e}"))?;
-    if text.len() as u64 > MAX_KEY_FILE_BYTES {
-        anyhow::bail!("api_key_file {path}: larger than {MAX_KEY_FILE_BYTES} bytes");
+        .and_then(|f| f.take(max + 1).read_to_string(&mut text))
+        .map_err(|e| anyhow::anyhow!("{key} {path}: {e}"))?;
+    if text.len() as u64 > max {
+        anyhow::bail!("{key} {path}: larger than {max} bytes");
     }
     Ok(text)
 }
