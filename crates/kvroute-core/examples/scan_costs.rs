@@ -47,7 +47,7 @@ fn main() -> Result<(), String> {
     let sizes: Vec<usize> = (0..n).map(|i| (i * 7919) % 1000 + 5).collect();
     println!("{n} workers, {} bytes a view", std::mem::size_of::<WorkerView>());
     time(&format!("decide ({policy})"), || {
-        let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng, fleet: None };
         let _ = black_box(decide(p.as_ref(), black_box(&req), &c, &mut ctx));
     });
     time("FleetScan::of (prefix policies' pass)", || {

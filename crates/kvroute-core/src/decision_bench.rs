@@ -78,7 +78,7 @@ pub fn warmed(name: &str, trace: &[TraceReq], c: &[WorkerView]) -> Result<Box<dy
     let mut p = registry::build(name, &serde_json::Value::Null).map_err(|e| e.to_string())?;
     let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(1);
     for (i, r) in trace.iter().enumerate() {
-        let mut ctx = PickCtx { now: Nanos::from_millis(i as u64), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::from_millis(i as u64), rng: &mut rng, fleet: None };
         let _ = route(p.as_mut(), &view(r, None), c, &mut ctx);
     }
     Ok(p)

@@ -11,6 +11,7 @@
 //! - [`radix`]: approximate multi-tenant radix tree (SGLang / Ray Serve semantics).
 //! - [`block_index`]: block hash → workers index with TTL and a block budget.
 //! - [`lru_blocks`]: B3 `cache_aware_proxy.py`'s per-worker LRU set of block hashes.
+//! - [`fleet_digest`]: what a scoring decision reads from every worker, kept between decisions.
 //! - [`ledger`]: per-worker load counters with explicit request transitions.
 //! - [`admission`]: per-(model, role) admission with RAII permits (Cognitora cgn-router).
 //! - [`policy`]: the [`policy::Policy`] trait and every policy.
@@ -29,6 +30,7 @@ pub mod block_index;
 pub mod cascade;
 pub mod decision_bench;
 pub mod disagg;
+pub mod fleet_digest;
 pub mod hash;
 pub mod kv_migration;
 pub mod ledger;

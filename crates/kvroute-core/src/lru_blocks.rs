@@ -252,6 +252,12 @@ impl Hits {
         self.entries.iter().map(|e| u64::from(e.1)).max().unwrap_or(0)
     }
 
+    /// Each worker holding at least one leading block, with how many, in increasing id
+    /// order.
+    pub fn entries(&self) -> impl Iterator<Item = (WorkerId, u32)> + '_ {
+        self.entries.iter().copied()
+    }
+
     /// Starts [`Hits::get`]'s cursor again at the lowest id, for a second pass over the
     /// fleet in id order.
     pub fn rewind(&mut self) {

@@ -27,7 +27,7 @@ fn warm(p: &mut dyn Policy, c: &[WorkerView], n: usize) {
         let sid = format!("s{i}");
         let mut req = RequestView::from_text("m", &text);
         req.session_id = Some(&sid);
-        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
         route(p, &req, c, &mut ctx).expect("routable");
     }
 }
@@ -43,7 +43,7 @@ fn fingerprint(p: &dyn Policy, c: &[WorkerView], n: usize) -> Vec<(WorkerId, u64
             req.session_id = Some(&sid);
             // A fresh seed per call: random policies then draw the same numbers each time.
             let mut rng = Xoshiro256PlusPlus::seed_from_u64(i as u64);
-            let mut ctx = PickCtx { now: Nanos::from_secs(2), rng: &mut rng };
+            let mut ctx = PickCtx { now: Nanos::from_secs(2), rng: &mut rng, fleet: None };
             let (d, _) = decide(p, &req, c, &mut ctx).expect("routable");
             (d.worker, d.matched)
         })
@@ -69,7 +69,7 @@ fn dry_runs_leave_every_policy_exactly_as_it_was() {
             let mut req = RequestView::from_text("m", &text);
             req.session_id = Some(&sid);
             let mut rng = Xoshiro256PlusPlus::seed_from_u64(i as u64);
-            let mut ctx = PickCtx { now: Nanos::from_secs(2), rng: &mut rng };
+            let mut ctx = PickCtx { now: Nanos::from_secs(2), rng: &mut rng, fleet: None };
             decide(p.as_ref(), &req, &c, &mut ctx).expect("routable");
         }
         assert_eq!(p.index_size(), size, "{name}: a dry run changed the prefix index");
@@ -97,7 +97,7 @@ fn a_commit_is_what_records_a_request() {
         let text = prompt(400);
         let req = RequestView::from_text("m", &text);
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
-        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
         let (d, key) = decide(p.as_ref(), &req, &c, &mut ctx).expect("routable");
         assert_eq!(p.index_size(), 0, "{name}: deciding recorded the request");
         assert_eq!(d.matched, 0, "{name}");
@@ -106,7 +106,7 @@ fn a_commit_is_what_records_a_request() {
         commit(p.as_mut(), &req, &key, target, Nanos::from_secs(1));
         assert!(p.index_size() > 0, "{name}: a commit recorded nothing");
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
-        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
         let (again, _) = decide(p.as_ref(), &req, &c, &mut ctx).expect("routable");
         assert!(again.matched > 0, "{name}: the committed prefix is not matched");
         assert_eq!(again.worker, target, "{name}: the prefix went to the worker it was sent to");
@@ -122,14 +122,14 @@ fn a_session_is_bound_when_it_is_committed_not_when_it_is_decided() {
         let mut req = RequestView::from_text("m", &text);
         req.session_id = Some("alice");
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(3);
-        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
         let (d, key) = decide(p.as_ref(), &req, &c, &mut ctx).expect("routable");
         // Committed to another worker (a retry target): the session follows the request.
         let target = fallbacks(&d, &c)[0];
         assert_ne!(target, d.worker);
         commit(p.as_mut(), &req, &key, target, Nanos::from_secs(1));
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(3);
-        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
         let (next, _) = decide(p.as_ref(), &req, &c, &mut ctx).expect("routable");
         assert_eq!(next.worker, target, "{name}");
         if name == "sticky" {
@@ -153,7 +153,7 @@ fn a_retry_takes_the_policy_s_own_order_or_the_routable_workers_by_load() {
         let text = prompt(0);
         let req = RequestView::from_text("m", &text);
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(5);
-        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
         let (d, _) = decide(p.as_ref(), &req, &c, &mut ctx).expect("routable");
         let order = fallbacks(&d, &c);
         assert!(!order.contains(&d.worker), "{name}: the chosen worker is its own fallback");

@@ -46,7 +46,7 @@ proptest! {
         let mut p = build("round_robin", &serde_json::Value::Null).expect("build");
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
         for t in 0..turns * routable.len().max(1) {
-            let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng };
+            let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: None };
             match route(p.as_mut(), &RequestView::from_text("m", "x"), &views, &mut ctx) {
                 Ok(d) => prop_assert_eq!(d.worker, routable[t % routable.len()]),
                 Err(_) => prop_assert!(routable.is_empty()),
@@ -235,7 +235,7 @@ proptest! {
             let mut req = RequestView::from_text("m", text);
             let sid = format!("s{}", i % 3);
             req.session_id = Some(&sid);
-            let mut ctx = PickCtx { now: Nanos::from_millis(i as u64), rng: &mut rng };
+            let mut ctx = PickCtx { now: Nanos::from_millis(i as u64), rng: &mut rng, fleet: None };
             match route(p.as_mut(), &req, &fleet, &mut ctx) {
                 Ok(d) => {
                     prop_assert!(any_healthy);
@@ -268,7 +268,7 @@ proptest! {
                     v.in_flight = (*l + i as u32) % 23;
                     v
                 }).collect();
-                let mut ctx = PickCtx { now: Nanos::from_millis(i as u64 * 10), rng: &mut rng };
+                let mut ctx = PickCtx { now: Nanos::from_millis(i as u64 * 10), rng: &mut rng, fleet: None };
                 let d = route(p.as_mut(), &RequestView::from_text("m", text), &fleet, &mut ctx).expect("route");
                 out.push((d.worker, d.branch, d.matched));
             }
@@ -330,9 +330,9 @@ proptest! {
             req.session_id = Some(&sid);
             let views = fleet(*load, i);
             let read = if twinned { i % 2 } else { 0 };
-            let mut ctx1 = PickCtx { now, rng: &mut rng1 };
+            let mut ctx1 = PickCtx { now, rng: &mut rng1, fleet: None };
             let r1 = decide(one.as_ref(), &req, &views, &mut ctx1);
-            let mut ctx2 = PickCtx { now, rng: &mut rng2 };
+            let mut ctx2 = PickCtx { now, rng: &mut rng2, fleet: None };
             let r2 = decide(two[read].as_ref(), &req, &views, &mut ctx2);
             // A refusal (B3 capped: a session past its turns) must be the same refusal.
             let ((d1, k1), (d2, k2)) = match (r1, r2) {

@@ -22,7 +22,7 @@ fn fleet(loads: &[u32]) -> Vec<WorkerView> {
 
 fn go(p: &mut dyn Policy, text: &str, c: &[WorkerView], seed: u64) -> Decision {
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-    let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+    let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
     route(p, &RequestView::from_text("m", text), c, &mut ctx).expect("routable")
 }
 
@@ -85,7 +85,7 @@ fn cache_aware_tree_stays_within_max_tree_size_between_eviction_passes() {
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
     for i in 0..300 {
         let prompt = format!("{i:05} distinct prompt {}", "x".repeat(80));
-        let mut ctx = PickCtx { now: Nanos::from_secs(i + 1), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::from_secs(i + 1), rng: &mut rng, fleet: None };
         route(p.as_mut(), &RequestView::from_text("m", &prompt), &fleet(&[0, 0, 0]), &mut ctx).expect("routable");
         most = most.max(p.index_size() as usize);
         assert!(p.index_size() as usize <= budget + prompt.len(), "prompt {i}: tree {} > budget", p.index_size());
@@ -93,7 +93,7 @@ fn cache_aware_tree_stays_within_max_tree_size_between_eviction_passes() {
     assert!(most > budget / 2, "the tree was used ({most})");
     // The most recent prompt is still there in full.
     let last = format!("{:05} distinct prompt {}", 299, "x".repeat(80));
-    let mut ctx = PickCtx { now: Nanos::from_secs(400), rng: &mut rng };
+    let mut ctx = PickCtx { now: Nanos::from_secs(400), rng: &mut rng, fleet: None };
     let d = route(p.as_mut(), &RequestView::from_text("m", &last), &fleet(&[0, 0, 0]), &mut ctx).expect("routable");
     assert_eq!((d.branch, d.matched as usize), (Branch::HighMatch, last.len()));
 }
@@ -236,7 +236,7 @@ fn kv_score_with_the_seed_defaults_hashes_the_first_64_tokens_whatever_the_block
     };
     let c = fleet(&[0, 0, 0, 0]);
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
-    let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+    let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
     let first = route(p.as_mut(), &view(&A), &c, &mut ctx).expect("routable");
     let second = route(p.as_mut(), &view(&B), &c, &mut ctx).expect("routable");
     assert_eq!(second.worker, first.worker);
@@ -265,7 +265,7 @@ fn kv_score_over_the_whole_prompt_by_queue_spreads_a_shared_system_prompt_and_th
     for (mut p, spreads) in [(kv_score_whole_prompt(), true), (kv_score_seed(), false)] {
         let mut c = fleet(&[0, 0, 0, 0]);
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
-        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
         let first = route(p.as_mut(), &view(&A), &c, &mut ctx).expect("routable").worker;
         // The holder now has that request's prefill queued.
         c[first.index()].in_flight = 1;
@@ -375,7 +375,7 @@ fn all_unhealthy_is_an_error_not_a_panic() {
             w.health = Health::Unhealthy;
         }
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
-        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: None };
         assert!(route(p.as_mut(), &RequestView::from_text("m", "hi"), &c, &mut ctx).is_err(), "{name}");
         assert!(route(p.as_mut(), &RequestView::from_text("m", "hi"), &[], &mut ctx).is_err(), "{name}");
     }
@@ -433,7 +433,7 @@ fn consistent_hash_sends_a_session_to_the_same_named_worker_on_every_replica() {
         let mut req = RequestView::from_text("m", "hello");
         req.session_id = Some(&sid);
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
-        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
         let da = route(p.as_mut(), &req, &a, &mut ctx).expect("routable");
         let db = route(p.as_mut(), &req, &b, &mut ctx).expect("routable");
         assert_eq!(named(&a, &da), named(&b, &db), "{sid}: the replicas disagree");

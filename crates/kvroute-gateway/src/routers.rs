@@ -338,14 +338,16 @@ mod tests {
         let fleet = [WorkerView::idle(WorkerId(0)), WorkerView::idle(WorkerId(1))];
         let req = RequestView::from_text("m", "a long shared system prompt, then the question");
         let mut rng = routers.rng();
-        let (_, key) = r.decide(&req, &fleet, &mut PickCtx { now: Nanos::ZERO, rng: &mut rng }).expect("decides");
+        let (_, key) =
+            r.decide(&req, &fleet, &mut PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: None }).expect("decides");
         r.commit(&req, &key, WorkerId(1), Nanos::ZERO);
         // A writer the OS descheduled while it holds one copy (either one): a decision on the
         // same thread would wait for ever with one copy; it reads the other, which has the
         // commit too.
         for held in 0..2 {
             let _writer = r.policy.hold(held);
-            let (d, _) = r.decide(&req, &fleet, &mut PickCtx { now: Nanos::ZERO, rng: &mut rng }).expect("decides");
+            let (d, _) =
+                r.decide(&req, &fleet, &mut PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: None }).expect("decides");
             assert_eq!(d.worker, WorkerId(1), "the committed prefix leads the decision (copy {held} held)");
             assert!(!r.try_commit(&req, &key, WorkerId(0), Nanos::ZERO), "another writer at work: nothing recorded");
         }
@@ -354,7 +356,8 @@ mod tests {
         let r1 = single.get("m", Nanos::ZERO);
         assert_eq!(r1.policy.copies(), 1);
         r1.commit(&req, &key, WorkerId(1), Nanos::ZERO);
-        let (d, _) = r1.decide(&req, &fleet, &mut PickCtx { now: Nanos::ZERO, rng: &mut rng }).expect("decides");
+        let (d, _) =
+            r1.decide(&req, &fleet, &mut PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: None }).expect("decides");
         assert_eq!(d.worker, WorkerId(1));
     }
 }

@@ -238,10 +238,10 @@ impl<'t> Sim<'t> {
         let trace = self.trace;
         let (r, now) = (&trace[i], trace[i].arrival);
         let mut req = request_view(r, Role::Prefill);
-        let mut ctx = PickCtx { now, rng: &mut routers.rng };
+        let mut ctx = PickCtx { now, rng: &mut routers.rng, fleet: None };
         let Ok(pre) = route(routers.prefill.as_mut(), &req, prefill_views, &mut ctx) else { return false };
         req.role = Role::Decode;
-        let mut ctx = PickCtx { now, rng: &mut routers.rng };
+        let mut ctx = PickCtx { now, rng: &mut routers.rng, fleet: None };
         let Ok(dec) = route(routers.decode.as_mut(), &req, decode_views, &mut ctx) else { return false };
         self.predicted.predict(pre.worker, &r.blocks, now, Nanos(u64::MAX));
         let est = pre.cached_tokens_estimate(r.input_tokens);
@@ -267,7 +267,7 @@ impl<'t> Sim<'t> {
         let trace = self.trace;
         let (r, now) = (&trace[i], trace[i].arrival);
         let req = request_view(r, Role::Both);
-        let mut ctx = PickCtx { now, rng: &mut routers.rng };
+        let mut ctx = PickCtx { now, rng: &mut routers.rng, fleet: None };
         let Ok(d) = route(routers.decode.as_mut(), &req, decode_views, &mut ctx) else { return false };
         self.predicted.predict(d.worker, &r.blocks, now, Nanos(u64::MAX));
         let est = d.cached_tokens_estimate(r.input_tokens);

@@ -31,6 +31,7 @@ pub use crate::types::{
     UTIL_WINDOW, request_view,
 };
 use crate::types::{Maintenance, RouterView};
+use kvroute_core::fleet_digest::FleetDigest;
 use kvroute_core::ledger::{LoadLedger, Ticket};
 use kvroute_core::policy::{Decision, Observation, PickCtx, Policy, RouteError, route};
 use kvroute_core::precise::PredictWindow;
@@ -570,6 +571,10 @@ struct Router {
     /// window, not on the request (no precise prefix state, slot routing or KV mover): then
     /// only the views of the engines that moved are rebuilt ([`Moved`]).
     reuse_views: bool,
+    /// The views' digest, kept beside them when the policy reads one
+    /// ([`Policy::reads_fleet_digest`]) and the views are kept ([`Router::reuse_views`]):
+    /// updated for the engines that moved, refreshed when every view is rebuilt.
+    digest: Option<FleetDigest>,
     /// The engines to rebuild the views of (scratch).
     moved: Vec<u32>,
     /// With KV pulls: the leading blocks of the request last routed that the engine holding
@@ -585,16 +590,18 @@ impl Router {
     /// The router of `cfg`.
     fn new(cfg: &ReplayConfig) -> Result<Router, ReplayError> {
         let policy: Box<dyn Policy> = registry::build(&cfg.policy, &cfg.knobs)?;
+        let reuse_views = matches!(cfg.prefix_state, PrefixState::Approximate)
+            && !cfg.slot_routing
+            && cfg.kv_migration.is_none()
+            && cfg.kv_pull.is_none();
         Ok(Router {
+            digest: (reuse_views && policy.reads_fleet_digest()).then(FleetDigest::default),
             rng: rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
             maintenance: Maintenance::new(policy.as_ref()),
             policy,
             views: Vec::with_capacity(cfg.engines),
             util: (0..cfg.engines).map(|_| BusyWindow::default()).collect(),
-            reuse_views: matches!(cfg.prefix_state, PrefixState::Approximate)
-                && !cfg.slot_routing
-                && cfg.kv_migration.is_none()
-                && cfg.kv_pull.is_none(),
+            reuse_views,
             moved: Vec::new(),
             pull_best: 0,
             #[cfg(test)]
@@ -620,6 +627,9 @@ impl Router {
             for &w in &self.moved {
                 let w = w as usize;
                 self.views[w] = view.of(w, Role::Both, &engines[w], &mut self.util[w], r);
+                if let Some(d) = self.digest.as_mut() {
+                    d.update(w, &self.views[w]);
+                }
             }
             #[cfg(test)]
             if self.check_views {
@@ -627,12 +637,18 @@ impl Router {
                 let kept = std::mem::take(&mut self.views);
                 self.fill_views(book, engines, cfg, r, now);
                 assert_eq!(kept, self.views, "the views kept at {now:?}");
+                if let Some(d) = &self.digest {
+                    assert!(d.describes(&self.views), "the digest kept at {now:?}");
+                }
             }
         } else {
             self.fill_views(book, engines, cfg, r, now);
+            if let Some(d) = self.digest.as_mut() {
+                d.refresh(&self.views);
+            }
         }
         let req = request_view(r, Role::Both);
-        let mut ctx = PickCtx { now, rng: &mut self.rng };
+        let mut ctx = PickCtx { now, rng: &mut self.rng, fleet: self.digest.as_ref() };
         route(self.policy.as_mut(), &req, &self.views, &mut ctx)
     }
 

@@ -5,6 +5,11 @@
 //! then a probe request `--prompt-tokens` long — decided `--decisions` times, each call
 //! timed on its own (key, pick and fallbacks; nothing committed).
 //!
+//! Each decision is given the fleet's digest ([`kvroute_core::fleet_digest::FleetDigest`],
+//! built with the fleet, as the replay keeps one beside its engines' views), so a policy
+//! that reads it (least_ttft) reads only the workers that can win; `--no-digest` times
+//! decisions that read every view, as `kvroute serve`'s do.
+//!
 //! With `--gateway` each timed call also reads the candidates the way a request does: the
 //! workers are a gateway fleet ([`kvroute_gateway::fleet::Fleet`]) of N workers serving
 //! the model, and each decision starts from `Fleet::candidates` (the model's roster, each
@@ -53,6 +58,11 @@ pub struct Args {
     /// `kvroute_gateway::fleet::MAX_WORKERS` workers); JSON objects get `"gateway": true`.
     #[arg(long)]
     pub gateway: bool,
+    /// Decide without the fleet's digest: every policy reads every view (as through
+    /// `kvroute serve`, whose gateway keeps no digest; implied by `--gateway`). JSON
+    /// objects say `"digest"`.
+    #[arg(long)]
+    pub no_digest: bool,
 }
 
 /// A gateway fleet of `n` workers serving model `m`, loaded as the module doc says, and the
@@ -116,6 +126,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     for &n in &sizes {
         let c = fleet(n);
+        let digest = kvroute_core::fleet_digest::FleetDigest::new(&c);
+        let digest = (!a.no_digest && !a.gateway).then_some(&digest);
         let gateway = if a.gateway { Some(gateway_fleet(n)?) } else { None };
         for name in &names {
             let p = warmed(name, &trace, &c).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -123,7 +135,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
             let mut h = hdrhistogram::Histogram::<u64>::new(3).context("histogram")?;
             for _ in 0..a.decisions {
-                let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng };
+                let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng, fleet: digest };
                 let t = Instant::now();
                 match &gateway {
                     Some((g, _)) => {
@@ -141,7 +153,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if a.json {
                 let o = serde_json::json!({"policy": name, "workers": n, "p50_ns": p50, "p99_ns": p99,
                     "p999_ns": p999, "max_ns": max, "index_size": p.index_size(), "prompt_tokens": a.prompt_tokens,
-                    "gateway": a.gateway});
+                    "gateway": a.gateway, "digest": digest.is_some()});
                 println!("{o}");
             } else {
                 println!("{n:>7} {name:<16} {p50:>9} {p99:>9} {p999:>9} {max:>9} {:>11}", p.index_size());

@@ -230,7 +230,7 @@ fn decide_loop(
             session_id: None,
             role: Role::Both,
         };
-        let mut ctx = PickCtx { now: Nanos(t0.elapsed().as_nanos() as u64), rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos(t0.elapsed().as_nanos() as u64), rng: &mut rng, fleet: None };
         let _ = std::hint::black_box(decide(policy.as_ref(), &req, &views, &mut ctx));
         let _ = h.record(t.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64);
     }

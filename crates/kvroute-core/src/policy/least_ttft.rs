@@ -36,11 +36,13 @@
 //!   pays it (docs/profiles.md), and is 0 where it does not help the fit. The measurements
 //!   behind each term: docs/lab/2026-11-26-policy-module-history.md.
 
+use crate::fleet_digest::FleetDigest;
 use crate::lru_blocks::Hits;
 use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig};
 use crate::policy::util::{FleetMeans, MeanSums, rotate};
 use crate::policy::{
     Branch, Decision, KnobError, Observation, PickCtx, Policy, RequestKey, RouteError, TtftPrediction, patch_knobs,
+    view_of,
 };
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -424,7 +426,13 @@ impl LeastTtft {
     /// every worker is a candidate). A worker is within when its load with the request
     /// (`load + 1`) is at most `max(session_balance_rel × mean load, mean load +
     /// session_balance_abs)`, the mean over the routable workers.
-    fn session_cap(&self, req: &RequestView<'_>, c: &[WorkerView], means: &FleetMeans) -> Option<f64> {
+    fn session_cap(
+        &self,
+        req: &RequestView<'_>,
+        c: &[WorkerView],
+        fleet: Option<&FleetDigest>,
+        means: &FleetMeans,
+    ) -> Option<f64> {
         let rel = self.cfg.session_balance_rel;
         let sid = req.session_id?;
         if rel == 0.0 || self.cost.sessions.get(sid).is_some() {
@@ -438,10 +446,15 @@ impl LeastTtft {
         if cap > means.max_concurrent? {
             return None;
         }
-        let (inside, outside) = c
-            .iter()
-            .filter(|w| w.is_routable())
-            .fold((0u32, 0u32), |(i, o), w| if within(w, cap) { (i + 1, o) } else { (i, o + 1) });
+        let (inside, outside) = match fleet {
+            Some(f) => f
+                .loads()
+                .fold((0u32, 0u32), |(i, o), (load, n)| if load_within(load, cap) { (i + n, o) } else { (i, o + n) }),
+            None => c
+                .iter()
+                .filter(|w| w.is_routable())
+                .fold((0u32, 0u32), |(i, o), w| if within(w, cap) { (i + 1, o) } else { (i, o + 1) }),
+        };
         (inside > 0 && outside > 0).then_some(cap)
     }
 
@@ -570,6 +583,12 @@ enum Pass<'a> {
     /// [`LeastTtft::ceiling`], and those whose queue alone is beyond the best so far; idle
     /// workers holding nothing of the prompt ([`is_idle_miss`]) are charged once.
     Fast(&'a mut Hits, &'a mut Survey),
+    /// As [`Pass::Fast`], the fleet read from the caller's digest instead of a survey of
+    /// the views: the workers whose floor is not [`beyond`] the ceiling are found from the
+    /// digest's buckets, each read in increasing floor and left at the first floor past
+    /// it, and scored in candidate order ([`LeastTtft::kept_contenders`]). The `f64` is
+    /// [`Survey::own`].
+    Kept(&'a mut Hits, &'a FleetDigest, f64),
     /// Every worker scored, each asking its own block set: the reference (a property test
     /// compares them).
     #[cfg_attr(not(test), allow(dead_code))]
@@ -807,17 +826,19 @@ impl LeastTtft {
         ceiling
     }
 
-    /// [`Policy::pick`] once the fleet is surveyed ([`LeastTtft::survey`]).
-    fn pick_surveyed(
+    /// [`Policy::pick`] once the fleet's `means` are known: from a pass over the views
+    /// ([`LeastTtft::survey`], `scan` [`Pass::Fast`]) or from the caller's `fleet` digest
+    /// (`scan` [`Pass::Kept`]; `fleet` is then the digest, and ids are found through it).
+    fn pick_with(
         &self,
         req: &RequestView<'_>,
         key: &RequestKey,
         c: &[WorkerView],
-        hits: &mut Hits,
-        survey: &mut Survey,
+        means: FleetMeans,
+        fleet: Option<&FleetDigest>,
+        scan: Pass<'_>,
     ) -> Result<Decision, RouteError> {
         let input = u64::from(req.input_tokens);
-        let means = survey.means;
         let stall = self.cost.stall_weight_of(means.waiting);
         let miss_share = self.miss_share(&means);
         let best_hit = self.best_hit_ratio();
@@ -826,7 +847,10 @@ impl LeastTtft {
         if cc.session_affinity
             && let Some(sid) = req.session_id
             && let Some(bound) = self.cost.sessions.get(sid)
-            && let Some(a) = c.iter().find(|w| w.id == bound && w.is_routable())
+            && let Some(a) = match fleet {
+                Some(_) => view_of(c, fleet, bound).filter(|w| w.is_routable()),
+                None => c.iter().find(|w| w.id == bound && w.is_routable()),
+            }
         {
             let mean = means.load.unwrap_or(0.0).max(1.0);
             let t = self.terms(a, &ask);
@@ -837,8 +861,8 @@ impl LeastTtft {
                 return Ok(d);
             }
         }
-        let cap = self.session_cap(req, c, &means);
-        let ties = self.best_of(c, &ask, cap, Pass::Fast(hits, survey));
+        let cap = self.session_cap(req, c, fleet, &means);
+        let ties = self.best_of(c, &ask, cap, scan);
         let branch = match (cap.is_some(), ties.len() == 1) {
             (true, _) => Branch::NewBinding,
             (false, true) => Branch::Score,
@@ -846,7 +870,7 @@ impl LeastTtft {
         };
         let w = rotate(&ties, &self.cost.rotation).ok_or(RouteError::NoWorker)?;
         // The chosen worker's terms with its prediction (the same inputs, the same score).
-        let v = c.iter().find(|v| v.id == w).ok_or(RouteError::NoWorker)?;
+        let v = view_of(c, fleet, w).ok_or(RouteError::NoWorker)?;
         let t = self.terms(v, &ask);
         let mut d = Decision::new(t.id, branch).with_match(t.hit.0, t.hit.1, t.hit.2).with_score(t.score);
         d.predicted_ttft = Some(t.prediction);
@@ -895,6 +919,12 @@ impl LeastTtft {
                     consider(w, hits.get(w.id), true);
                 }
             }
+            Pass::Kept(hits, fleet, own) => {
+                for pos in self.kept_contenders(c, ask, cap, fleet, own, hits) {
+                    let w = &c[pos as usize];
+                    consider(w, hits.get(w.id), true);
+                }
+            }
             Pass::Full => {
                 for w in c.iter().filter(|w| w.is_routable() && cap.is_none_or(|cap| within(w, cap))) {
                     consider(w, self.cost.sets.hit(w.id, &ask.key.blocks) as u64, false);
@@ -902,6 +932,94 @@ impl LeastTtft {
             }
         }
         ties
+    }
+}
+
+impl LeastTtft {
+    /// The positions, in increasing order, of the workers within `cap` whose
+    /// [`LeastTtft::floor`] is not [`beyond`] the ceiling — the charge of the worker with
+    /// the least floor, or of the one with the least floor among those holding the most
+    /// leading blocks, whichever is less, each the first in candidate order among equal
+    /// floors (what [`LeastTtft::ceiling`] finds from a survey) — read from `fleet`: a
+    /// bucket's floors grow with its queued prefill (the floor's operations are monotone in
+    /// it), so each bucket is read from its head and left at its first floor past
+    /// `ceiling × (1 + 10⁻⁶)`, which is beyond the ceiling and bounds every floor after it.
+    /// The same set the survey's pass keeps, so the same decision. `own` is
+    /// [`Survey::own`]; `hits` is rewound before it returns.
+    fn kept_contenders(
+        &self,
+        c: &[WorkerView],
+        ask: &Ask<'_>,
+        cap: Option<f64>,
+        fleet: &FleetDigest,
+        own: f64,
+        hits: &mut Hits,
+    ) -> SmallVec<[u32; 32]> {
+        let miss_weight = self.miss_weight(ask.miss_share);
+        let floor_of = |load: u32, waiting: u32, pending: u64| {
+            // As the survey writes a slot: D(0) is 0.
+            let decode = if waiting == 0 { 0.0 } else { self.cost.decode_charge(f64::from(waiting)) };
+            self.floor(&Slot { pending, decode, floor: 0.0, load, pos: 0 }, own, miss_weight, ask.stall)
+        };
+        let in_cap = |load: u32| cap.is_none_or(|cap| load_within(load, cap));
+        // The least of `(floor, position)`: the first in candidate order among equal floors.
+        let lower = |low: &mut Option<(f64, u32)>, f: f64, pos: u32| {
+            if low.is_none_or(|(lf, lp)| f < lf || (f == lf && pos < lp)) {
+                *low = Some((f, pos));
+            }
+        };
+        let mut low = None;
+        for (load, waiting, set) in fleet.buckets().filter(|b| in_cap(b.0)) {
+            let mut head = None;
+            for &(pending, pos) in set {
+                let f = floor_of(load, waiting, pending);
+                // Equal floors at larger queued prefill (rounding) may come earlier in order.
+                if head.is_some_and(|h| f != h) {
+                    break;
+                }
+                head = Some(f);
+                lower(&mut low, f, pos);
+            }
+        }
+        let mut deep = None;
+        let deepest = hits.deepest();
+        if deepest > 0 {
+            for (id, n) in hits.entries() {
+                let Some(pos) = fleet.position(id).filter(|&p| u64::from(n) == deepest && fleet.routable(p)) else {
+                    continue;
+                };
+                let w = &c[pos];
+                if in_cap(w.load()) {
+                    let load = w.load();
+                    lower(&mut deep, floor_of(load, w.waiting.min(load), w.pending_prefill_tokens), pos as u32);
+                }
+            }
+        }
+        let ceiling = low
+            .into_iter()
+            .chain(deep)
+            .map(|(_, pos)| {
+                let w = &c[pos as usize];
+                self.charge(w, ask, hits.get(w.id), &self.queue(w)).charged
+            })
+            .reduce(f64::min);
+        hits.rewind();
+        let mut out = SmallVec::new();
+        let Some(ceiling) = ceiling else { return out };
+        let past = ceiling * (1.0 + 1e-6);
+        for (load, waiting, set) in fleet.buckets().filter(|b| in_cap(b.0)) {
+            for &(pending, pos) in set {
+                let f = floor_of(load, waiting, pending);
+                if f > past {
+                    break;
+                }
+                if !beyond(f, ceiling) {
+                    out.push(pos);
+                }
+            }
+        }
+        out.sort_unstable();
+        out
     }
 }
 
@@ -919,17 +1037,28 @@ impl Policy for LeastTtft {
         req: &RequestView<'_>,
         key: &RequestKey,
         c: &[WorkerView],
-        _: &mut PickCtx<'_>,
+        ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
         let mut hits = self.cost.sets.hits(&key.blocks);
+        if let Some(fleet) = ctx.fleet.filter(|f| f.usable_for(c)) {
+            // The fleet's means and queues kept by the caller: no pass over the views.
+            let input = u64::from(req.input_tokens);
+            let own = (input - hits.deepest().saturating_mul(key.block_tokens).min(input)) as f64;
+            return self.pick_with(req, key, c, fleet.means(), Some(fleet), Pass::Kept(&mut hits, fleet, own));
+        }
         let mut survey = self.survey(c, key, u64::from(req.input_tokens), &mut hits, SLOTS.take());
-        let d = self.pick_surveyed(req, key, c, &mut hits, &mut survey);
+        let means = survey.means;
+        let d = self.pick_with(req, key, c, means, None, Pass::Fast(&mut hits, &mut survey));
         SLOTS.set(survey.slots);
         d
     }
 
     fn on_routed(&mut self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) {
         self.cost.on_routed(req, key, worker, now);
+    }
+
+    fn reads_fleet_digest(&self) -> bool {
+        true
     }
 
     fn on_worker_removed(&mut self, worker: WorkerId) {
@@ -1044,15 +1173,23 @@ mod tests {
 
     fn go(p: &mut dyn Policy, r: &RequestView<'_>, c: &[WorkerView]) -> Decision {
         let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
-        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: None };
         crate::policy::route(p, r, c, &mut ctx).expect("route")
     }
 
-    /// A decision without its commit.
-    fn peek(p: &dyn Policy, r: &RequestView<'_>, c: &[WorkerView]) -> Decision {
+    /// A decision without its commit, checked against the same decision read through a
+    /// [`FleetDigest`] of `c`.
+    fn peek(p: &LeastTtft, r: &RequestView<'_>, c: &[WorkerView]) -> Decision {
         let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
-        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng };
-        crate::policy::decide(p, r, c, &mut ctx).expect("decide").0
+        // Both from the same point of the tie rotation.
+        let rotation = p.cost.rotation.peek();
+        let digest = FleetDigest::new(c);
+        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: Some(&digest) };
+        let kept = crate::policy::decide(p, r, c, &mut ctx).expect("decide").0;
+        p.cost.rotation.set(rotation);
+        let d = crate::policy::decide(p, r, c, &mut PickCtx { fleet: None, ..ctx }).expect("decide").0;
+        assert_eq!(kept, d, "read through a digest");
+        d
     }
 
     fn fresh() -> LeastTtft {
@@ -1120,18 +1257,20 @@ mod tests {
         ) {
             let cost = PrefillCostConfig { cache_tokens: 2048, batch_factor: knobs.1, ..Default::default() };
             let cfg = match knobs.0 {
-                0 => LeastTtftConfig::default(),
+                0 => LeastTtftConfig { session_balance_min_hit: 0.0, ..Default::default() },
                 1 => LeastTtftConfig { context_weight: 0.001, waiting_delay_weight: 0.5, ..Default::default() },
                 _ => LeastTtftConfig { decode_occupancy_full: 0.0, miss_queue_scale: 0.0, ..Default::default() },
             };
             let mut p = LeastTtft::new(cfg, cost);
             let c = fleet_of(&specs, order);
-            for (prompt, w) in &history {
+            for (i, (prompt, w)) in history.iter().enumerate() {
                 let blocks: Vec<BlockHash> = prompt.iter().map(|&h| BlockHash(h)).collect();
-                let mut key = p.key(&req(&blocks));
+                // Some turns of a session, bound where they went.
+                let r = RequestView { session_id: (i % 4 == 0).then_some("s0"), ..req(&blocks) };
+                let mut key = p.key(&r);
                 let w = &c[w % c.len()];
                 key.worker_kv_tokens = w.capacity.kv_tokens;
-                p.on_routed(&req(&blocks), &key, w.id, Nanos::ZERO);
+                p.on_routed(&r, &key, w.id, Nanos::ZERO);
             }
             for &(w, predicted, reported, ttft) in &observed {
                 let w = c[w % c.len()].id;
@@ -1168,6 +1307,39 @@ mod tests {
                 let fast = p.best_of(&c, &ask, cap, Pass::Fast(&mut hits, &mut survey));
                 let full = p.best_of(&c, &ask, cap, Pass::Full);
                 prop_assert_eq!(fast.to_vec(), full.to_vec());
+            }
+            // The fleet read from a digest kept view by view (built for the fleet with its
+            // engine-reported counts, then brought to the fleet without them).
+            let plain: Vec<WorkerView> = c.iter().map(|w| WorkerView { cached_tokens: None, ..*w }).collect();
+            let mut digest = FleetDigest::new(&c);
+            prop_assert!(!digest.usable_for(&c) || c.iter().all(|w| !w.is_routable() || w.cached_tokens.is_none()));
+            for (i, w) in plain.iter().enumerate() {
+                digest.update(i, w);
+            }
+            prop_assert!(digest.usable_for(&plain));
+            prop_assert_eq!(digest.means(), means);
+            let deepest = hits.deepest();
+            let own = (ask.input - deepest.saturating_mul(key.block_tokens).min(ask.input)) as f64;
+            let mut plain_survey = p.survey(&plain, &key, ask.input, &mut hits, Vec::new());
+            for cap in [None, Some(3.0), Some(1.5)] {
+                let kept = p.best_of(&plain, &ask, cap, Pass::Kept(&mut hits, &digest, own));
+                let fast = p.best_of(&plain, &ask, cap, Pass::Fast(&mut hits, &mut plain_survey));
+                let full = p.best_of(&plain, &ask, cap, Pass::Full);
+                prop_assert_eq!(kept.to_vec(), full.to_vec());
+                prop_assert_eq!(fast.to_vec(), full.to_vec());
+            }
+            // Whole decisions, with and without the digest, with and without a session id
+            // (the session gate and a bound session read the fleet through the digest).
+            for sid in [None, Some("s0"), Some("s1")] {
+                let r = RequestView { session_id: sid, ..req(&blocks) };
+                let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
+                // Each from the same point of the tie rotation.
+                let rotation = p.cost.rotation.peek();
+                let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: Some(&digest) };
+                let kept = crate::policy::decide(&p, &r, &plain, &mut ctx).map(|d| d.0);
+                p.cost.rotation.set(rotation);
+                let read = crate::policy::decide(&p, &r, &plain, &mut PickCtx { fleet: None, ..ctx }).map(|d| d.0);
+                prop_assert_eq!(kept, read);
             }
             // prefill_cost's scan, on the same block sets.
             let fast = p.cost.best_of(&c, &key, ask.input, ask.stall, Scan::Fast);

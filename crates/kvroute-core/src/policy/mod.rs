@@ -25,6 +25,7 @@ pub mod prefill_cost;
 pub mod prefix_affinity;
 pub mod util;
 
+use crate::fleet_digest::FleetDigest;
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::Serialize;
 use smallvec::SmallVec;
@@ -248,17 +249,27 @@ pub enum RouteError {
 /// A random source passed into policies (seeded in tests and in the simulator).
 pub type Rng<'a> = &'a mut dyn rand_core::Rng;
 
-/// Per-call context: the time and the random source. Nothing else is ambient.
+/// Per-call context: the time, the random source and, when the caller keeps one, the
+/// candidates' digest. Nothing else is ambient.
 pub struct PickCtx<'a> {
     /// Current time (wall or logical).
     pub now: Nanos,
     /// Random source.
     pub rng: Rng<'a>,
+    /// The candidates' [`FleetDigest`], when the caller keeps one beside its views (the
+    /// replay does): a policy that reads it (least_ttft) then reads only the workers that
+    /// can win, and decides as it would without it. It must describe the candidates passed
+    /// with it ([`FleetDigest::describes`]); one that does not fit them
+    /// ([`FleetDigest::usable_for`]) is not read. `None`: every policy reads the views.
+    pub fleet: Option<&'a FleetDigest>,
 }
 
 impl std::fmt::Debug for PickCtx<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PickCtx").field("now", &self.now).finish_non_exhaustive()
+        f.debug_struct("PickCtx")
+            .field("now", &self.now)
+            .field("fleet", &self.fleet.map(FleetDigest::len))
+            .finish_non_exhaustive()
     }
 }
 
@@ -351,6 +362,12 @@ pub trait Policy: Send + Sync + std::fmt::Debug + Twin {
     /// scalar fields. A router that shares what it routed with other replicas must then
     /// send the prefix itself (cluster sync), not just the key's block hashes.
     fn records_request_prefix(&self) -> bool {
+        false
+    }
+
+    /// Whether [`Policy::pick`] reads [`PickCtx::fleet`] when given one (least_ttft): a
+    /// caller keeps a [`FleetDigest`] beside its views only for a policy that reads it.
+    fn reads_fleet_digest(&self) -> bool {
         false
     }
 
@@ -536,7 +553,11 @@ pub fn decide(
     }
     let mut key = policy.key(req);
     let mut d = policy.pick(req, &key, candidates, ctx)?;
-    let mut chosen = candidates.iter().find(|w| w.id == d.worker && w.is_routable());
+    // Ids are unique when the digest fits: its position of the id is the first.
+    let mut chosen = match ctx.fleet.filter(|f| f.usable_for(candidates)) {
+        Some(_) => view_of(candidates, ctx.fleet, d.worker).filter(|w| w.is_routable()),
+        None => candidates.iter().find(|w| w.id == d.worker && w.is_routable()),
+    };
     if chosen.is_none() {
         // A policy bug must not send traffic to a dead worker: fall back to least load.
         let fb = fallbacks_by_load(candidates, WorkerId(u32::MAX));
@@ -550,6 +571,19 @@ pub fn decide(
     }
     key.worker_kv_tokens = chosen.and_then(|w| w.capacity.kv_tokens);
     Ok((d, key))
+}
+
+/// The view of `id` among `candidates` (the first, when ids repeat), found through
+/// `fleet`'s positions when it fits them ([`FleetDigest::usable_for`]), else by a pass.
+pub(crate) fn view_of<'c>(
+    candidates: &'c [WorkerView],
+    fleet: Option<&FleetDigest>,
+    id: WorkerId,
+) -> Option<&'c WorkerView> {
+    match fleet.filter(|f| f.usable_for(candidates)) {
+        Some(f) => f.position(id).and_then(|p| candidates.get(p)).filter(|w| w.id == id),
+        None => candidates.iter().find(|w| w.id == id),
+    }
 }
 
 /// Commits a decision: records that `req` (with the `key` [`decide`] returned) was sent to

@@ -387,7 +387,7 @@ pub(crate) mod tests {
 
     fn go(p: &mut PrefillCost, r: &RequestView<'_>, c: &[WorkerView]) -> Decision {
         let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
-        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: None };
         crate::policy::route(p, r, c, &mut ctx).expect("route")
     }
 

@@ -493,6 +493,18 @@ impl Rotation {
     pub fn next(&self) -> u64 {
         self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
+
+    /// Tests: the count [`Rotation::next`] returns next.
+    #[cfg(test)]
+    pub(crate) fn peek(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Tests: sets the count [`Rotation::next`] returns next.
+    #[cfg(test)]
+    pub(crate) fn set(&self, to: u64) {
+        self.0.store(to, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Picks `tied[rotation % len]` and advances the rotation when there is a real tie, so a
@@ -564,64 +576,7 @@ pub fn routable_ids(candidates: &[WorkerView]) -> SmallVec<[WorkerId; 16]> {
     candidates.iter().filter(|w| w.is_routable()).map(|w| w.id).collect()
 }
 
-/// The means over the routable candidates a scoring policy reads before it scores them,
-/// read in one pass ([`mean_load`], [`mean_max_concurrent`] and [`mean_waiting`] are its
-/// fields).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct FleetMeans {
-    /// [`mean_load`] (`None` when no candidate is routable).
-    pub load: Option<f64>,
-    /// [`mean_max_concurrent`] (`None` when no candidate is routable).
-    pub max_concurrent: Option<f64>,
-    /// [`mean_waiting`] (0 when no candidate is routable).
-    pub waiting: f64,
-}
-
-impl FleetMeans {
-    /// The means of `candidates`.
-    pub fn of(candidates: &[WorkerView]) -> Self {
-        let mut sums = MeanSums::default();
-        for w in candidates.iter().filter(|w| w.is_routable()) {
-            sums.add(w);
-        }
-        sums.means()
-    }
-}
-
-/// The sums [`FleetMeans`] divides, for a policy that reads the means in a pass over the
-/// fleet it makes anyway: [`MeanSums::add`] each routable candidate, then
-/// [`MeanSums::means`] is [`FleetMeans::of`] the candidates. The sums are of integers, kept
-/// as integers (a floating-point sum is exact, and the same, while under 2^53; integer
-/// additions do not hold up the pass that makes them).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct MeanSums {
-    n: u64,
-    load: u64,
-    conc: u64,
-    waiting: u64,
-}
-
-impl MeanSums {
-    /// Adds one routable candidate.
-    #[inline]
-    pub fn add(&mut self, w: &WorkerView) {
-        self.n += 1;
-        self.load = self.load.saturating_add(u64::from(w.load()));
-        self.conc = self.conc.saturating_add(u64::from(w.capacity.max_concurrent.max(1)));
-        self.waiting = self.waiting.saturating_add(u64::from(w.waiting));
-    }
-
-    /// The means of the candidates added.
-    pub fn means(&self) -> FleetMeans {
-        let n = self.n as f64;
-        let mean = |sum: u64| (self.n > 0).then(|| sum as f64 / n);
-        FleetMeans {
-            load: mean(self.load),
-            max_concurrent: mean(self.conc),
-            waiting: mean(self.waiting).unwrap_or(0.0),
-        }
-    }
-}
+pub use crate::fleet_digest::{FleetMeans, MeanSums};
 
 /// Mean [`WorkerView::load`] over routable candidates, `None` when there is none.
 pub fn mean_load(candidates: &[WorkerView]) -> Option<f64> {

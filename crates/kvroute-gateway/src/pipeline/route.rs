@@ -230,7 +230,7 @@ pub fn decide_in(
     let cpu0 = thread_cpu_seconds();
     let t0 = Instant::now();
     let mut rng = routers.rng();
-    let mut ctx = PickCtx { now: s.now(), rng: &mut rng };
+    let mut ctx = PickCtx { now: s.now(), rng: &mut rng, fleet: None };
     let (decided, lock_wait) = router.decide_timed(&req, &candidates.views, &mut ctx);
     let wall = t0.elapsed().as_secs_f64();
     s.metrics.decision_lock_wait_seconds.observe(lock_wait);

@@ -363,7 +363,7 @@ mod tests {
 
     fn pick(p: &mut B3, r: &RequestView<'_>, c: &[WorkerView]) -> Decision {
         let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(1);
-        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: None };
         crate::policy::route(p, r, c, &mut ctx).expect("routable")
     }
 
@@ -377,7 +377,7 @@ mod tests {
         let blocks = [BlockHash(1), BlockHash(2)];
         let c = fleet(&[0, 0]);
         let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(1);
-        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng };
+        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: None };
         // Decisions alone count nothing: a decision changes nothing until it is committed.
         for _ in 0..3 {
             assert!(p.pick(&req(&blocks, Some("s")), &p.key(&req(&blocks, Some("s"))), &c, &mut ctx).is_ok());

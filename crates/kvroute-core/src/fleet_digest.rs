@@ -1,0 +1,369 @@
+//! What a scoring decision needs from every worker of a fleet, kept between decisions by
+//! whoever keeps the workers' views, so a decision reads only the workers that can win.
+//!
+//! A scoring policy such as least_ttft ranks a request's workers by a charge built from
+//! fleet-wide figures (the mean load and waiting queue) and from each worker's queue; to
+//! rule a worker out it needs a lower bound of its charge, and to find the workers whose
+//! bound is low it would otherwise read every view on every decision — at 1,024 workers
+//! that pass was half of least_ttft's decision (docs/lab/2026-11-28-least-ttft-survey.md).
+//! A [`FleetDigest`] keeps those figures as the views change: the sums the means divide,
+//! the routable workers bucketed by `(load, waiting)` and ordered within a bucket by queued
+//! prefill (a lower bound of the charge grows with each of the three), each worker's
+//! position by id, and how many routable workers carry each load. Keeping it costs
+//! O(log n) per changed view ([`FleetDigest::update`]); a decision given one through
+//! [`crate::policy::PickCtx::fleet`] reads the buckets' heads and the few workers whose
+//! bound can reach the best, and decides exactly as the full scan does (a property test,
+//! `least_ttft::tests`, compares them over random fleets).
+//!
+//! Pure data: no clock, no lock. The replay keeps one beside its views and updates it for
+//! the engines that moved; `kvroute bench decision` builds one with its fleet.
+
+use crate::types::{WorkerId, WorkerView};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+/// The means over the routable candidates a scoring policy reads before it scores them,
+/// read in one pass ([`crate::policy::util::mean_load`], [`crate::policy::util::mean_max_concurrent`] and [`crate::policy::util::mean_waiting`] are its
+/// fields).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FleetMeans {
+    /// [`crate::policy::util::mean_load`] (`None` when no candidate is routable).
+    pub load: Option<f64>,
+    /// [`crate::policy::util::mean_max_concurrent`] (`None` when no candidate is routable).
+    pub max_concurrent: Option<f64>,
+    /// [`crate::policy::util::mean_waiting`] (0 when no candidate is routable).
+    pub waiting: f64,
+}
+
+impl FleetMeans {
+    /// The means of `candidates`.
+    pub fn of(candidates: &[WorkerView]) -> Self {
+        let mut sums = MeanSums::default();
+        for w in candidates.iter().filter(|w| w.is_routable()) {
+            sums.add(w);
+        }
+        sums.means()
+    }
+}
+
+/// The sums [`FleetMeans`] divides, for a policy that reads the means in a pass over the
+/// fleet it makes anyway: [`MeanSums::add`] each routable candidate, then
+/// [`MeanSums::means`] is [`FleetMeans::of`] the candidates. The sums are of integers, kept
+/// as integers (a floating-point sum is exact, and the same, while under 2^53; integer
+/// additions do not hold up the pass that makes them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MeanSums {
+    n: u64,
+    load: u64,
+    conc: u64,
+    waiting: u64,
+}
+
+impl MeanSums {
+    /// Adds one routable candidate.
+    #[inline]
+    pub fn add(&mut self, w: &WorkerView) {
+        self.add_parts(w.load(), w.capacity.max_concurrent.max(1), w.waiting);
+    }
+
+    /// Adds one routable candidate by its [`WorkerView::load`], `max_concurrent` (0 read
+    /// as 1) and [`WorkerView::waiting`].
+    #[inline]
+    pub(crate) fn add_parts(&mut self, load: u32, conc: u32, waiting: u32) {
+        self.n += 1;
+        self.load = self.load.saturating_add(u64::from(load));
+        self.conc = self.conc.saturating_add(u64::from(conc));
+        self.waiting = self.waiting.saturating_add(u64::from(waiting));
+    }
+
+    /// Takes back what [`MeanSums::add_parts`] added with the same arguments (the sums of
+    /// fewer than 2^32 workers' `u32` fields never saturate, so this is exact).
+    pub(crate) fn remove_parts(&mut self, load: u32, conc: u32, waiting: u32) {
+        self.n = self.n.saturating_sub(1);
+        self.load = self.load.saturating_sub(u64::from(load));
+        self.conc = self.conc.saturating_sub(u64::from(conc));
+        self.waiting = self.waiting.saturating_sub(u64::from(waiting));
+    }
+
+    /// The means of the candidates added.
+    pub fn means(&self) -> FleetMeans {
+        let n = self.n as f64;
+        let mean = |sum: u64| (self.n > 0).then(|| sum as f64 / n);
+        FleetMeans {
+            load: mean(self.load),
+            max_concurrent: mean(self.conc),
+            waiting: mean(self.waiting).unwrap_or(0.0),
+        }
+    }
+}
+
+/// The fields of one worker's view the digest reads ([`FleetDigest`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Rec {
+    id: WorkerId,
+    routable: bool,
+    /// [`WorkerView::load`].
+    load: u32,
+    /// [`WorkerView::waiting`].
+    waiting: u32,
+    /// `max_concurrent`, 0 read as 1 (as the means read it).
+    conc: u32,
+    /// [`WorkerView::pending_prefill_tokens`].
+    pending: u64,
+    /// Whether the view carries an engine-reported cached count
+    /// ([`WorkerView::cached_tokens`]), which depends on the request.
+    precise: bool,
+}
+
+impl Rec {
+    fn of(w: &WorkerView) -> Rec {
+        Rec {
+            id: w.id,
+            routable: w.is_routable(),
+            load: w.load(),
+            waiting: w.waiting,
+            conc: w.capacity.max_concurrent.max(1),
+            pending: w.pending_prefill_tokens,
+            precise: w.cached_tokens.is_some(),
+        }
+    }
+
+    /// The key of its bucket: its load and its waiting requests counted up to its load
+    /// (what the decode charge of the waiting requests reads).
+    fn bucket(&self) -> (u32, u32) {
+        (self.load, self.waiting.min(self.load))
+    }
+}
+
+/// A fleet's views as a scoring decision reads them, kept up to date view by view (module
+/// docs). Built from the views ([`FleetDigest::new`]); after a view at position `i`
+/// changes, [`FleetDigest::update`]`(i, view)`; after many changed, or the fleet's length
+/// did, [`FleetDigest::refresh`]. A decision trusts the digest to describe the views it is
+/// given with them: [`FleetDigest::describes`] checks that (a pass over the views, for
+/// tests and debug builds).
+///
+/// Memory: ~40 bytes a worker in the records, plus a map entry and an ordered-set entry
+/// for each (about 100 bytes a worker in all).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FleetDigest {
+    recs: Vec<Rec>,
+    /// The first position of each id.
+    positions: HashMap<WorkerId, u32>,
+    /// Whether some id appears twice (then positions by id are not trusted).
+    duplicate_ids: bool,
+    /// The routable workers as `(pending prefill tokens, position)`, by `(load, waiting up
+    /// to load)`.
+    buckets: BTreeMap<(u32, u32), BTreeSet<(u64, u32)>>,
+    /// Routable workers by load.
+    loads: BTreeMap<u32, u32>,
+    /// The sums of [`FleetMeans`] over the routable workers.
+    sums: MeanSums,
+    /// Routable workers whose view carries an engine-reported cached count.
+    precise: u32,
+}
+
+impl FleetDigest {
+    /// The digest of `views` (positions are indices into `views`).
+    pub fn new(views: &[WorkerView]) -> FleetDigest {
+        let mut d = FleetDigest::default();
+        d.refresh(views);
+        d
+    }
+
+    /// Workers described.
+    pub fn len(&self) -> usize {
+        self.recs.len()
+    }
+
+    /// Whether it describes no worker.
+    pub fn is_empty(&self) -> bool {
+        self.recs.is_empty()
+    }
+
+    /// Brings the digest up to `views`: records the views that changed (all of them when the
+    /// length did). O(n) to compare, plus O(log n) per changed view.
+    pub fn refresh(&mut self, views: &[WorkerView]) {
+        if views.len() != self.recs.len() {
+            *self = FleetDigest { recs: Vec::with_capacity(views.len()), ..FleetDigest::default() };
+            for (i, w) in views.iter().enumerate() {
+                let r = Rec::of(w);
+                self.recs.push(r);
+                self.enter(i, &r);
+            }
+            self.index_positions();
+            return;
+        }
+        for (i, w) in views.iter().enumerate() {
+            self.update(i, w);
+        }
+    }
+
+    /// Records that the view at position `pos` is now `view`: O(log n). A position past the
+    /// end is a caller's error and is ignored in release builds (the digest then no longer
+    /// [`describes`](FleetDigest::describes) the views; [`FleetDigest::refresh`] repairs it).
+    pub fn update(&mut self, pos: usize, view: &WorkerView) {
+        let Some(&old) = self.recs.get(pos) else {
+            debug_assert!(false, "position {pos} past the digest's {} workers", self.recs.len());
+            return;
+        };
+        let new = Rec::of(view);
+        if new == old {
+            return;
+        }
+        self.leave(pos, &old);
+        self.recs[pos] = new;
+        self.enter(pos, &new);
+        if new.id != old.id {
+            self.index_positions();
+        }
+    }
+
+    /// Whether the digest describes exactly `views` (a pass over them).
+    pub fn describes(&self, views: &[WorkerView]) -> bool {
+        views.len() == self.recs.len() && views.iter().zip(&self.recs).all(|(w, r)| Rec::of(w) == *r)
+    }
+
+    /// The means over the routable workers ([`FleetMeans::of`] the views).
+    pub fn means(&self) -> FleetMeans {
+        self.sums.means()
+    }
+
+    /// The position of `id`'s view, `None` when it is not in the fleet or ids repeat.
+    pub fn position(&self, id: WorkerId) -> Option<usize> {
+        if self.duplicate_ids {
+            return None;
+        }
+        self.positions.get(&id).map(|&p| p as usize)
+    }
+
+    /// Whether a decision may read the fleet from the digest instead of from `views`: it
+    /// describes as many views, every id once, and no routable view carries an
+    /// engine-reported cached count (which depends on the request, so the digest does not
+    /// keep it).
+    pub fn usable_for(&self, views: &[WorkerView]) -> bool {
+        debug_assert!(
+            views.len() != self.recs.len() || self.describes(views),
+            "a digest kept out of step with its views"
+        );
+        views.len() == self.recs.len() && !self.duplicate_ids && self.precise == 0
+    }
+
+    /// The routable workers bucketed: `(load, waiting up to load)` and the bucket's
+    /// `(pending prefill tokens, position)` in increasing order, buckets in increasing key
+    /// order.
+    pub(crate) fn buckets(&self) -> impl Iterator<Item = (u32, u32, &BTreeSet<(u64, u32)>)> {
+        self.buckets.iter().map(|(&(load, waiting), set)| (load, waiting, set))
+    }
+
+    /// Routable workers by load, in increasing load.
+    pub(crate) fn loads(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        self.loads.iter().map(|(&l, &n)| (l, n))
+    }
+
+    /// Whether the worker at `pos` is routable.
+    pub(crate) fn routable(&self, pos: usize) -> bool {
+        self.recs.get(pos).is_some_and(|r| r.routable)
+    }
+
+    fn enter(&mut self, pos: usize, r: &Rec) {
+        if !r.routable {
+            return;
+        }
+        self.sums.add_parts(r.load, r.conc, r.waiting);
+        self.buckets.entry(r.bucket()).or_default().insert((r.pending, pos as u32));
+        *self.loads.entry(r.load).or_default() += 1;
+        self.precise += u32::from(r.precise);
+    }
+
+    fn leave(&mut self, pos: usize, r: &Rec) {
+        if !r.routable {
+            return;
+        }
+        self.sums.remove_parts(r.load, r.conc, r.waiting);
+        if let Some(set) = self.buckets.get_mut(&r.bucket()) {
+            set.remove(&(r.pending, pos as u32));
+            if set.is_empty() {
+                self.buckets.remove(&r.bucket());
+            }
+        }
+        if let Some(n) = self.loads.get_mut(&r.load) {
+            *n -= 1;
+            if *n == 0 {
+                self.loads.remove(&r.load);
+            }
+        }
+        self.precise -= u32::from(r.precise);
+    }
+
+    fn index_positions(&mut self) {
+        self.positions.clear();
+        self.duplicate_ids = false;
+        for (i, r) in self.recs.iter().enumerate() {
+            match self.positions.entry(r.id) {
+                std::collections::hash_map::Entry::Occupied(_) => self.duplicate_ids = true,
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(i as u32);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::Health;
+    use proptest::prelude::*;
+
+    fn view(id: u32, (load, waiting, pending, healthy, precise): (u32, u32, u64, bool, bool)) -> WorkerView {
+        let mut w = WorkerView::idle(WorkerId(id));
+        w.in_flight = load;
+        w.waiting = waiting;
+        w.pending_prefill_tokens = pending;
+        w.cached_tokens = precise.then_some(512);
+        if !healthy {
+            w.health = Health::Unhealthy;
+        }
+        w
+    }
+
+    proptest! {
+        /// Views changed one at a time, and whole fleets refreshed, leave the digest equal to
+        /// one built afresh from the views.
+        #[test]
+        fn a_digest_kept_view_by_view_equals_one_built_afresh(
+            first in proptest::collection::vec((0u32..5, 0u32..3, 0u64..4, proptest::bool::weighted(0.8), proptest::bool::weighted(0.1)), 1..30),
+            changes in proptest::collection::vec((0usize..30, (0u32..5, 0u32..3, 0u64..4, proptest::bool::weighted(0.8), proptest::bool::weighted(0.1)), 0u32..3), 0..60),
+            regrown in proptest::collection::vec((0u32..5, 0u32..3, 0u64..4, proptest::bool::weighted(0.8), proptest::bool::weighted(0.1)), 1..30),
+        ) {
+            let mut views: Vec<WorkerView> = first.iter().enumerate().map(|(i, &s)| view(i as u32, s)).collect();
+            let mut d = FleetDigest::new(&views);
+            for &(pos, spec, id_shift) in &changes {
+                let pos = pos % views.len();
+                // Sometimes a new id at a position (a worker replaced), once in a while a repeated one.
+                let id = views[pos].id.0 + id_shift * 100;
+                views[pos] = view(id, spec);
+                d.update(pos, &views[pos]);
+                prop_assert_eq!(&d, &FleetDigest::new(&views));
+                prop_assert!(d.describes(&views));
+                prop_assert_eq!(d.means(), FleetMeans::of(&views));
+            }
+            let again: Vec<WorkerView> = regrown.iter().enumerate().map(|(i, &s)| view(i as u32, s)).collect();
+            d.refresh(&again);
+            prop_assert_eq!(&d, &FleetDigest::new(&again));
+        }
+    }
+
+    #[test]
+    fn a_repeated_id_makes_positions_untrusted() {
+        let views = vec![view(1, (0, 0, 0, true, false)), view(1, (1, 0, 0, true, false))];
+        let d = FleetDigest::new(&views);
+        assert_eq!(d.position(WorkerId(1)), None);
+        assert!(!d.usable_for(&views));
+        let views = vec![view(1, (0, 0, 0, true, false)), view(2, (1, 0, 0, true, true))];
+        let d = FleetDigest::new(&views);
+        assert_eq!(d.position(WorkerId(2)), Some(1));
+        assert!(!d.usable_for(&views), "a precise count depends on the request");
+        let views = vec![view(1, (0, 0, 0, true, false)), view(2, (1, 0, 0, false, true))];
+        assert!(FleetDigest::new(&views).usable_for(&views), "an unroutable view's count is never read");
+    }
+}
