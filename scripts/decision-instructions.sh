@@ -7,9 +7,15 @@
 # Instructions are not time (cache misses and divisions cost more than they count), so
 # read it beside decision-compare.py's timings.
 #
-# usage: scripts/decision-instructions.sh WORKERS BINARY... [-- POLICY,...]   (needs valgrind)
+# With --probes first, the probe decisions alone: the difference between runs of 5,500 and
+# 500 probes, over 5,000 (the warm-up's decisions are made without a fleet digest, so the
+# mean over all of them hides what a digest saves).
+#
+# usage: scripts/decision-instructions.sh [--probes] WORKERS BINARY... [-- POLICY,...]   (needs valgrind)
 set -euo pipefail
-workers=${1:?usage: $0 WORKERS BINARY... [-- POLICY,...]}
+probes=0
+if [ "${1:-}" = "--probes" ]; then probes=1; shift; fi
+workers=${1:?usage: $0 [--probes] WORKERS BINARY... [-- POLICY,...]}
 shift
 bins=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do bins+=("$1"); shift; done
@@ -22,10 +28,16 @@ printf '%-16s' policy; for b in "${bins[@]}"; do printf ' %14s' "$(basename "$(d
 for p in ${policies//,/ }; do
   printf '%-16s' "$p"
   for b in "${bins[@]}"; do
-    valgrind --tool=callgrind --callgrind-out-file=/dev/null --toggle-collect='kvroute_core::policy::decide*' \
-      "$b" bench decision --workers "$workers" --policy "$p" --decisions 500 >/dev/null 2>"$err"
-    ir=$(grep -o 'Collected : [0-9]*' "$err" | awk '{print $3}')
-    printf ' %14d' $((ir / 12531))
+    count() {
+      valgrind --tool=callgrind --callgrind-out-file=/dev/null --toggle-collect='kvroute_core::policy::decide*' \
+        "$b" bench decision --workers "$workers" --policy "$p" --decisions "$1" >/dev/null 2>"$err"
+      grep -o 'Collected : [0-9]*' "$err" | awk '{print $3}'
+    }
+    if [ "$probes" = 1 ]; then
+      printf ' %14d' $((($(count 5500) - $(count 500)) / 5000))
+    else
+      printf ' %14d' $(($(count 500) / 12531))
+    fi
   done
   echo
 done

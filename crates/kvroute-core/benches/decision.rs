@@ -2,9 +2,10 @@
 //! Mooncake conversation trace, tree insert/match, and index memory per cached block.
 //!
 //! Run: `cargo bench -p kvroute-core --bench decision`. Besides Criterion's estimates it
-//! prints p50/p99 per policy (each call timed on its own) and bytes per cached block. Each
-//! decision is given the fleet's digest ([`kvroute_core::fleet_digest::FleetDigest`]), as
-//! the replay gives it; `kvroute bench decision --no-digest` times decisions without one.
+//! prints p50/p99 per policy (each call timed on its own) and bytes per cached block. A
+//! policy that reads the fleet's digest ([`kvroute_core::fleet_digest::FleetDigest`]) is
+//! given one, as the replay gives it; `kvroute bench decision --no-digest` times decisions
+//! without one.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvroute_core::decision_bench::{TraceReq, fleet, parse_mooncake, probe, view, warmed};
@@ -40,21 +41,22 @@ fn bench_decisions(c: &mut Criterion) {
             .warm_up_time(std::time::Duration::from_millis(300));
         for name in registry::names() {
             let cands = fleet(n);
-            // The views' digest, kept beside them as the replay keeps it (read by least_ttft).
+            // The views' digest, kept beside them as the replay keeps it (read by least_ttft and prefill_cost).
             let digest = kvroute_core::fleet_digest::FleetDigest::new(&cands);
             let p = warmed(name, &trace, &cands).unwrap_or_else(|e| panic!("{e}"));
+            let digest = p.reads_fleet_digest().then_some(&digest);
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
             let req = view(&pr, Some(&text));
             g.bench_function(name, |b| {
                 b.iter(|| {
-                    let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng, fleet: Some(&digest) };
+                    let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng, fleet: digest };
                     black_box(kvroute_core::policy::decide(p.as_ref(), black_box(&req), &cands, &mut ctx).ok())
                 })
             });
             // p50/p99 of single decisions (key + pick + fallbacks; no commit).
             let mut h = hdrhistogram::Histogram::<u64>::new(3).unwrap_or_else(|e| panic!("{e}"));
             for _ in 0..20_000 {
-                let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng, fleet: Some(&digest) };
+                let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng, fleet: digest };
                 let t = Instant::now();
                 let _ = black_box(kvroute_core::policy::decide(p.as_ref(), black_box(&req), &cands, &mut ctx));
                 let _ = h.record(t.elapsed().as_nanos() as u64);

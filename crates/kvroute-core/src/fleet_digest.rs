@@ -12,8 +12,9 @@
 //! position by id, and how many routable workers carry each load. Keeping it costs
 //! O(log n) per changed view ([`FleetDigest::update`]); a decision given one through
 //! [`crate::policy::PickCtx::fleet`] reads the buckets' heads and the few workers whose
-//! bound can reach the best, and decides exactly as the full scan does (a property test,
-//! `least_ttft::tests`, compares them over random fleets).
+//! bound can reach the best, and decides exactly as the full scan does (least_ttft and
+//! prefill_cost read it; a property test, `least_ttft::tests`, compares both policies'
+//! scans over random fleets).
 //!
 //! Pure data: no clock, no lock. The replay keeps one beside its views and updates it for
 //! the engines that moved; `kvroute bench decision` builds one with its fleet.
@@ -127,6 +128,11 @@ impl Rec {
         }
     }
 
+    /// No request and no queued prefill.
+    fn is_idle(&self) -> bool {
+        self.load == 0 && self.pending == 0
+    }
+
     /// The key of its bucket: its load and its waiting requests counted up to its load
     /// (what the decode charge of the waiting requests reads).
     fn bucket(&self) -> (u32, u32) {
@@ -159,6 +165,8 @@ pub struct FleetDigest {
     sums: MeanSums,
     /// Routable workers whose view carries an engine-reported cached count.
     precise: u32,
+    /// Routable idle workers: no request, no queued prefill.
+    idle: u32,
 }
 
 impl FleetDigest {
@@ -238,7 +246,8 @@ impl FleetDigest {
     /// Whether a decision may read the fleet from the digest instead of from `views`: it
     /// describes as many views, every id once, and no routable view carries an
     /// engine-reported cached count (which depends on the request, so the digest does not
-    /// keep it).
+    /// keep it). A policy also reads the views when the fleet is
+    /// [`mostly_idle`](FleetDigest::mostly_idle).
     pub fn usable_for(&self, views: &[WorkerView]) -> bool {
         debug_assert!(
             views.len() != self.recs.len() || self.describes(views),
@@ -259,6 +268,22 @@ impl FleetDigest {
         self.loads.iter().map(|(&l, &n)| (l, n))
     }
 
+    /// The most workers a decision reading the digest scores before it reads the views
+    /// instead: `64 + n / 8`. Past that most of the fleet can win (an idle
+    /// over-provisioned fleet, where every idle worker ties), and a pass over the views,
+    /// in order, is cheaper than collecting and ordering positions from the buckets (the
+    /// replay on 10,000 engines took twice as long that way).
+    pub(crate) fn contenders_cap(&self) -> usize {
+        64 + self.recs.len() / 8
+    }
+
+    /// Whether more routable workers are idle than `64 + n / 8` (n the workers): on
+    /// such a fleet (over-provisioned, or between bursts) every idle worker that holds
+    /// nothing of a prompt can win, and a decision reads the views in order instead.
+    pub fn mostly_idle(&self) -> bool {
+        self.idle as usize > self.contenders_cap()
+    }
+
     /// Whether the worker at `pos` is routable.
     pub(crate) fn routable(&self, pos: usize) -> bool {
         self.recs.get(pos).is_some_and(|r| r.routable)
@@ -272,6 +297,7 @@ impl FleetDigest {
         self.buckets.entry(r.bucket()).or_default().insert((r.pending, pos as u32));
         *self.loads.entry(r.load).or_default() += 1;
         self.precise += u32::from(r.precise);
+        self.idle += u32::from(r.is_idle());
     }
 
     fn leave(&mut self, pos: usize, r: &Rec) {
@@ -292,6 +318,7 @@ impl FleetDigest {
             }
         }
         self.precise -= u32::from(r.precise);
+        self.idle -= u32::from(r.is_idle());
     }
 
     fn index_positions(&mut self) {

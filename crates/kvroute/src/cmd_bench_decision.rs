@@ -5,10 +5,10 @@
 //! then a probe request `--prompt-tokens` long — decided `--decisions` times, each call
 //! timed on its own (key, pick and fallbacks; nothing committed).
 //!
-//! Each decision is given the fleet's digest ([`kvroute_core::fleet_digest::FleetDigest`],
-//! built with the fleet, as the replay keeps one beside its engines' views), so a policy
-//! that reads it (least_ttft) reads only the workers that can win; `--no-digest` times
-//! decisions that read every view, as `kvroute serve`'s do.
+//! A policy that reads the fleet's digest ([`kvroute_core::fleet_digest::FleetDigest`]:
+//! least_ttft, prefill_cost) is given one, built with the fleet, as the replay keeps one
+//! beside its engines' views, so it reads only the workers that can win; `--no-digest`
+//! times decisions that read every view, as `kvroute serve`'s do.
 //!
 //! With `--gateway` each timed call also reads the candidates the way a request does: the
 //! workers are a gateway fleet ([`kvroute_gateway::fleet::Fleet`]) of N workers serving
@@ -131,6 +131,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let gateway = if a.gateway { Some(gateway_fleet(n)?) } else { None };
         for name in &names {
             let p = warmed(name, &trace, &c).map_err(|e| anyhow::anyhow!("{e}"))?;
+            // Kept for a policy that reads it, as the replay keeps it.
+            let digest = digest.filter(|_| p.reads_fleet_digest());
             let req = view(&pr, Some(&text));
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
             let mut h = hdrhistogram::Histogram::<u64>::new(3).context("histogram")?;

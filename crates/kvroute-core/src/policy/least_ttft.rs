@@ -919,12 +919,21 @@ impl LeastTtft {
                     consider(w, hits.get(w.id), true);
                 }
             }
-            Pass::Kept(hits, fleet, own) => {
-                for pos in self.kept_contenders(c, ask, cap, fleet, own, hits) {
-                    let w = &c[pos as usize];
-                    consider(w, hits.get(w.id), true);
+            Pass::Kept(hits, fleet, own) => match self.kept_contenders(c, ask, cap, fleet, own, hits) {
+                Some(contenders) => {
+                    for pos in contenders {
+                        let w = &c[pos as usize];
+                        consider(w, hits.get(w.id), true);
+                    }
                 }
-            }
+                // Most of the fleet can win: every routable worker within the gate, in
+                // order (the full scan, its hopeless workers unscored).
+                None => {
+                    for w in c.iter().filter(|w| w.is_routable() && cap.is_none_or(|cap| within(w, cap))) {
+                        consider(w, hits.get(w.id), true);
+                    }
+                }
+            },
             Pass::Full => {
                 for w in c.iter().filter(|w| w.is_routable() && cap.is_none_or(|cap| within(w, cap))) {
                     consider(w, self.cost.sets.hit(w.id, &ask.key.blocks) as u64, false);
@@ -945,7 +954,8 @@ impl LeastTtft {
     /// it), so each bucket is read from its head and left at its first floor past
     /// `ceiling × (1 + 10⁻⁶)`, which is beyond the ceiling and bounds every floor after it.
     /// The same set the survey's pass keeps, so the same decision. `own` is
-    /// [`Survey::own`]; `hits` is rewound before it returns.
+    /// [`Survey::own`]; `hits` is rewound before it returns. `None` when there are more
+    /// than [`FleetDigest::contenders_cap`]: then the views are read in order instead.
     fn kept_contenders(
         &self,
         c: &[WorkerView],
@@ -954,7 +964,7 @@ impl LeastTtft {
         fleet: &FleetDigest,
         own: f64,
         hits: &mut Hits,
-    ) -> SmallVec<[u32; 32]> {
+    ) -> Option<SmallVec<[u32; 32]>> {
         let miss_weight = self.miss_weight(ask.miss_share);
         let floor_of = |load: u32, waiting: u32, pending: u64| {
             // As the survey writes a slot: D(0) is 0.
@@ -984,10 +994,8 @@ impl LeastTtft {
         let mut deep = None;
         let deepest = hits.deepest();
         if deepest > 0 {
-            for (id, n) in hits.entries() {
-                let Some(pos) = fleet.position(id).filter(|&p| u64::from(n) == deepest && fleet.routable(p)) else {
-                    continue;
-                };
+            for (id, _) in hits.entries().filter(|&(_, n)| u64::from(n) == deepest) {
+                let Some(pos) = fleet.position(id).filter(|&p| fleet.routable(p)) else { continue };
                 let w = &c[pos];
                 if in_cap(w.load()) {
                     let load = w.load();
@@ -1005,8 +1013,9 @@ impl LeastTtft {
             .reduce(f64::min);
         hits.rewind();
         let mut out = SmallVec::new();
-        let Some(ceiling) = ceiling else { return out };
+        let Some(ceiling) = ceiling else { return Some(out) };
         let past = ceiling * (1.0 + 1e-6);
+        let most = fleet.contenders_cap();
         for (load, waiting, set) in fleet.buckets().filter(|b| in_cap(b.0)) {
             for &(pending, pos) in set {
                 let f = floor_of(load, waiting, pending);
@@ -1014,12 +1023,15 @@ impl LeastTtft {
                     break;
                 }
                 if !beyond(f, ceiling) {
+                    if out.len() == most {
+                        return None;
+                    }
                     out.push(pos);
                 }
             }
         }
         out.sort_unstable();
-        out
+        Some(out)
     }
 }
 
@@ -1040,7 +1052,7 @@ impl Policy for LeastTtft {
         ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
         let mut hits = self.cost.sets.hits(&key.blocks);
-        if let Some(fleet) = ctx.fleet.filter(|f| f.usable_for(c)) {
+        if let Some(fleet) = ctx.fleet.filter(|f| f.usable_for(c) && !f.mostly_idle()) {
             // The fleet's means and queues kept by the caller: no pass over the views.
             let input = u64::from(req.input_tokens);
             let own = (input - hits.deepest().saturating_mul(key.block_tokens).min(input)) as f64;
@@ -1341,10 +1353,34 @@ mod tests {
                 let read = crate::policy::decide(&p, &r, &plain, &mut PickCtx { fleet: None, ..ctx }).map(|d| d.0);
                 prop_assert_eq!(kept, read);
             }
-            // prefill_cost's scan, on the same block sets.
+            // prefill_cost's scans, on the same block sets; from the digest without the
+            // engine-reported counts.
+            let kept = p.cost.best_kept(&plain, &key, ask.input, ask.stall, &digest);
+            let full = p.cost.best_of(&plain, &key, ask.input, ask.stall, Scan::Full);
+            prop_assert_eq!((kept.0, kept.1.to_vec()), (full.0, full.1.to_vec()));
             let fast = p.cost.best_of(&c, &key, ask.input, ask.stall, Scan::Fast);
             let full = p.cost.best_of(&c, &key, ask.input, ask.stall, Scan::Full);
             prop_assert_eq!((fast.0, fast.1.to_vec()), (full.0, full.1.to_vec()));
+        }
+    }
+
+    #[test]
+    fn a_fleet_where_most_workers_tie_is_read_in_order_and_decided_the_same() {
+        // 600 workers, all alike but a few: more can win than a digest's decision collects
+        // (64 + 600 / 8), so it reads the views instead — at once when most are idle, after
+        // collecting that many when they are busy alike; `peek` checks each decision.
+        for busy in [0, 1] {
+            let mut p = fresh();
+            let mut c = crate::policy::prefill_cost::tests::alike(busy);
+            let h: Vec<BlockHash> = (0..4).map(BlockHash).collect();
+            let first = go(&mut p, &req(&h), &c);
+            assert_eq!(first.branch, Branch::TieBreak);
+            let d = peek(&p, &req(&h), &c);
+            assert_eq!((d.worker, d.branch), (first.worker, Branch::Score), "it holds the prompt now");
+            // With that worker busy, the prompt goes to another.
+            c[first.worker.index()].in_flight = 8;
+            c[first.worker.index()].pending_prefill_tokens = 50_000;
+            assert_ne!(peek(&p, &req(&h), &c).worker, first.worker);
         }
     }
 

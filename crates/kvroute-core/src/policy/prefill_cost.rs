@@ -31,10 +31,13 @@
 //! Ties go to the worker holding more of the prefix, then rotate. Knobs: [`PrefillCostConfig`]
 //! (`kvroute policies`). Measurements: docs/lab/2026-11-26-policy-module-history.md.
 
+use crate::fleet_digest::FleetDigest;
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::{Hits, WorkerBlockSets};
 use crate::policy::util::{Rotation, SessionTable, mean_load, mean_waiting, rotate};
-use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
+use crate::policy::{
+    Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs, view_of,
+};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
@@ -185,43 +188,138 @@ impl PrefillCost {
         stall: f64,
         scan: Scan,
     ) -> (Option<u64>, SmallVec<[(WorkerId, Match); 8]>) {
-        let mut best: Option<(u64, u64)> = None; // (cost, Reverse-ish cached)
-        let mut tied: SmallVec<[(WorkerId, Match); 8]> = SmallVec::new();
         let mut hits = if scan == Scan::Fast { self.sets.hits(&key.blocks) } else { Hits::default() };
+        self.scan_views(c, key, input, stall, scan, &mut hits)
+    }
+
+    /// [`PrefillCost::best_of`] with the request's [`WorkerBlockSets::hits`] already known
+    /// (read with [`Scan::Fast`], from its lowest id).
+    fn scan_views(
+        &self,
+        c: &[WorkerView],
+        key: &RequestKey,
+        input: u64,
+        stall: f64,
+        scan: Scan,
+        hits: &mut Hits,
+    ) -> (Option<u64>, SmallVec<[(WorkerId, Match); 8]>) {
+        let mut least = LeastCost::default();
         for w in c.iter().filter(|w| w.is_routable()) {
             let hit = match scan {
                 Scan::Fast => hits.get(w.id),
                 Scan::Full => self.sets.hit(w.id, &key.blocks) as u64,
             };
-            let load = f64::from(w.load());
             // A lower bound of the cost: the queued prefill and decode charge alone (the
             // request's own prefill is non-negative, and the same conversions round
             // monotonically). A worker already dearer than the best loses whatever it
             // holds, so its match is not looked up.
-            let decode = self.decode_charge(load) as u64;
-            let factor = 1.0 + self.cfg.batch_factor * load;
-            if scan == Scan::Fast
-                && best.is_some_and(|(b, _)| ((w.pending_prefill_tokens + decode) as f64 * factor) as u64 > b)
-            {
+            let load = f64::from(w.load());
+            let terms = self.load_terms(load);
+            let pending = w.pending_prefill_tokens;
+            if scan == Scan::Fast && least.best.is_some_and(|(b, _)| self.cost_with(terms, load, pending, 0.0, 0) > b) {
                 continue;
             }
             let (cached, hit) = Self::cached_of(w, key, input, hit);
-            let per_token = self.cfg.miss_weight + self.stall_charge(stall, load);
-            let miss = ((input - cached) as f64 * per_token) as u64;
-            let additive = w.pending_prefill_tokens + miss + decode;
-            let cost = (additive as f64 * factor) as u64;
-            let key = (cost, u64::MAX - cached);
-            match best {
-                Some(b) if key > b => {}
-                Some(b) if key == b => tied.push((w.id, hit)),
-                _ => {
-                    best = Some(key);
-                    tied.clear();
-                    tied.push((w.id, hit));
+            least.offer((self.cost_with(terms, load, pending, stall, input - cached), u64::MAX - cached), w.id, hit);
+        }
+        least.done()
+    }
+
+    /// A worker's cost key for the request — `(cost, u64::MAX − cached tokens)`, the least
+    /// wins — and its match, with the estimate's leading blocks it holds, `hit`, known.
+    fn cost_of(&self, w: &WorkerView, key: &RequestKey, input: u64, stall: f64, hit: u64) -> ((u64, u64), Match) {
+        let (cached, hit) = Self::cached_of(w, key, input, hit);
+        let cost = self.cost_floor(w.load(), w.pending_prefill_tokens, stall, input - cached);
+        ((cost, u64::MAX - cached), hit)
+    }
+
+    /// The cost of a worker with `load` requests and `pending` prefill tokens queued for a
+    /// request leaving `own` tokens uncached: `(pending + own × (miss_weight + stall(w)) +
+    /// D(load)) × (1 + batch_factor × load)`, each product truncated to whole tokens. With
+    /// `own` at most the worker's own uncached tokens (0, or the prompt's tokens beyond
+    /// the most any worker holds) a lower bound of its cost: every operation is monotone in
+    /// `own` and in `pending`.
+    fn cost_floor(&self, load: u32, pending: u64, stall: f64, own: u64) -> u64 {
+        let load = f64::from(load);
+        self.cost_with(self.load_terms(load), load, pending, stall, own)
+    }
+
+    /// What a worker's `load` adds to its cost whatever the request: its decode charge
+    /// truncated to whole tokens, and `1 + batch_factor × load`.
+    #[inline]
+    fn load_terms(&self, load: f64) -> (u64, f64) {
+        (self.decode_charge(load) as u64, 1.0 + self.cfg.batch_factor * load)
+    }
+
+    /// [`PrefillCost::cost_floor`] with its [`PrefillCost::load_terms`] known.
+    #[inline]
+    fn cost_with(&self, (decode, factor): (u64, f64), load: f64, pending: u64, stall: f64, own: u64) -> u64 {
+        let miss =
+            if own == 0 { 0 } else { (own as f64 * (self.cfg.miss_weight + self.stall_charge(stall, load))) as u64 };
+        ((pending + miss + decode) as f64 * factor) as u64
+    }
+
+    /// [`PrefillCost::best_of`] with the fleet read from its `fleet` digest (which must fit
+    /// `c`, [`FleetDigest::usable_for`]): the workers whose [`PrefillCost::cost_floor`]
+    /// (with the prompt's tokens beyond the most any worker holds) is at most the cost of
+    /// the worker with the least floor, or of the cheapest of the workers holding the most
+    /// leading blocks, found from the digest's buckets (each read in increasing queued
+    /// prefill and left at the first floor past that), and scored in candidate order. A
+    /// worker left out costs more than the least cost, so it is neither the best nor tied
+    /// with it: the same result as the scan of every worker. With more than
+    /// [`FleetDigest::contenders_cap`] such workers, the scan of every worker.
+    pub(crate) fn best_kept(
+        &self,
+        c: &[WorkerView],
+        key: &RequestKey,
+        input: u64,
+        stall: f64,
+        fleet: &FleetDigest,
+    ) -> (Option<u64>, SmallVec<[(WorkerId, Match); 8]>) {
+        let mut hits = self.sets.hits(&key.blocks);
+        let deepest = hits.deepest();
+        let own = input - deepest.saturating_mul(key.block_tokens).min(input);
+        let low = fleet
+            .buckets()
+            .filter_map(|(load, _, set)| {
+                set.first().map(|&(pending, pos)| (self.cost_floor(load, pending, stall, own), pos))
+            })
+            .min();
+        let deep = hits
+            .entries()
+            .filter(|&(_, n)| deepest > 0 && u64::from(n) == deepest)
+            .filter_map(|(id, n)| fleet.position(id).filter(|&p| fleet.routable(p)).map(|p| (p, n)))
+            .map(|(p, n)| self.cost_of(&c[p], key, input, stall, u64::from(n)).0.0)
+            .min();
+        let ceiling = low
+            .map(|(_, pos)| {
+                let w = &c[pos as usize];
+                self.cost_of(w, key, input, stall, hits.get(w.id)).0.0
+            })
+            .into_iter()
+            .chain(deep)
+            .min();
+        hits.rewind();
+        let Some(ceiling) = ceiling else { return (None, SmallVec::new()) };
+        let mut contenders: SmallVec<[u32; 32]> = SmallVec::new();
+        let most = fleet.contenders_cap();
+        for (load, _, set) in fleet.buckets() {
+            for &(_, pos) in set.iter().take_while(|p| self.cost_floor(load, p.0, stall, own) <= ceiling) {
+                if contenders.len() == most {
+                    // Most of the fleet can win: read the views in order instead.
+                    return self.scan_views(c, key, input, stall, Scan::Fast, &mut hits);
                 }
+                contenders.push(pos);
             }
         }
-        (best.map(|(cost, _)| cost), tied)
+        contenders.sort_unstable();
+        let mut least = LeastCost::default();
+        for pos in contenders {
+            let w = &c[pos as usize];
+            let (k, hit) = self.cost_of(w, key, input, stall, hits.get(w.id));
+            least.offer(k, w.id, hit);
+        }
+        least.done()
     }
 
     /// [`PrefillCost::stall_weight`] with the mean waiting requests already known.
@@ -249,6 +347,33 @@ impl PrefillCost {
     /// (`worker_kv_tokens`) when known, else `cache_tokens`.
     fn capacity_blocks(&self, worker_kv_tokens: Option<u64>, block_tokens: u64) -> usize {
         (worker_kv_tokens.unwrap_or(self.cfg.cache_tokens) / block_tokens.max(1)).max(1) as usize
+    }
+}
+
+/// The least cost key offered so far — `(cost, u64::MAX − cached tokens)` — and the
+/// workers offered with it, in the order offered ([`PrefillCost::best_of`]'s result).
+#[derive(Default)]
+struct LeastCost {
+    best: Option<(u64, u64)>,
+    tied: SmallVec<[(WorkerId, Match); 8]>,
+}
+
+impl LeastCost {
+    fn offer(&mut self, key: (u64, u64), id: WorkerId, hit: Match) {
+        match self.best {
+            Some(b) if key > b => {}
+            Some(b) if key == b => self.tied.push((id, hit)),
+            _ => {
+                self.best = Some(key);
+                self.tied.clear();
+                self.tied.push((id, hit));
+            }
+        }
+    }
+
+    /// The least cost (`None` when nothing was offered) and the workers reaching it.
+    fn done(self) -> (Option<u64>, SmallVec<[(WorkerId, Match); 8]>) {
+        (self.best.map(|(cost, _)| cost), self.tied)
     }
 }
 
@@ -301,29 +426,40 @@ impl Policy for PrefillCost {
         req: &RequestView<'_>,
         key: &RequestKey,
         c: &[WorkerView],
-        _: &mut PickCtx<'_>,
+        ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
         let input = req.input_tokens as u64;
+        // The caller's digest of the fleet, when it keeps one: no pass over the views.
+        let fleet = ctx.fleet.filter(|f| f.usable_for(c));
         if self.cfg.session_affinity
             && let Some(sid) = req.session_id
             && let Some(bound) = self.sessions.get(sid)
-            && let Some(a) = c.iter().find(|w| w.id == bound && w.is_routable())
+            && let Some(a) = match fleet {
+                Some(_) => view_of(c, fleet, bound).filter(|w| w.is_routable()),
+                None => c.iter().find(|w| w.id == bound && w.is_routable()),
+            }
         {
-            let mean = mean_load(c).unwrap_or(0.0).max(1.0);
+            let mean = fleet.map_or_else(|| mean_load(c), |f| f.means().load).unwrap_or(0.0).max(1.0);
             let (cached, m) = self.cached(a, key, input);
             if cached * 2 > input && a.load() as f64 <= mean * self.cfg.overload_factor {
                 let cost = a.pending_prefill_tokens + (input - cached);
                 return Ok(Decision::new(a.id, Branch::Sticky).with_match(m.0, m.1, m.2).with_score(cost as f64));
             }
         }
-        let stall = self.stall_weight(c);
-        let (best, tied) = self.best_of(c, key, input, stall, Scan::Fast);
+        let (best, tied) = match fleet.filter(|f| !f.mostly_idle()) {
+            Some(f) => self.best_kept(c, key, input, self.stall_weight_of(f.means().waiting), f),
+            None => self.best_of(c, key, input, self.stall_weight(c), Scan::Fast),
+        };
         let cost = best.ok_or(RouteError::NoWorker)?;
         let ids: SmallVec<[WorkerId; 8]> = tied.iter().map(|t| t.0).collect();
         let w = rotate(&ids, &self.rotation).ok_or(RouteError::NoWorker)?;
         let m = tied.iter().find(|t| t.0 == w).map_or((0, 0, MatchUnit::None), |t| t.1);
         let branch = if ids.len() > 1 { Branch::TieBreak } else { Branch::Score };
         Ok(Decision::new(w, branch).with_match(m.0, m.1, m.2).with_score(cost as f64))
+    }
+
+    fn reads_fleet_digest(&self) -> bool {
+        true
     }
 
     fn on_routed(&mut self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, _now: Nanos) {
@@ -385,10 +521,48 @@ pub(crate) mod tests {
         }
     }
 
+    /// Routes `r`, checking first that the decision read through a [`FleetDigest`] of `c`
+    /// is the same.
     fn go(p: &mut PrefillCost, r: &RequestView<'_>, c: &[WorkerView]) -> Decision {
         let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
-        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: None };
-        crate::policy::route(p, r, c, &mut ctx).expect("route")
+        let rotation = p.rotation.peek();
+        let digest = FleetDigest::new(c);
+        let mut ctx = PickCtx { now: Nanos::ZERO, rng: &mut rng, fleet: Some(&digest) };
+        let kept = crate::policy::decide(p, r, c, &mut ctx).expect("decide").0;
+        p.rotation.set(rotation);
+        let d = crate::policy::route(p, r, c, &mut PickCtx { fleet: None, ..ctx }).expect("route");
+        assert_eq!(kept, d, "read through a digest");
+        d
+    }
+
+    /// 600 workers with `busy` requests each and nothing queued, but every 50th with 2
+    /// requests and 3,000 tokens queued: mostly idle when `busy` is 0.
+    pub(crate) fn alike(busy: u32) -> Vec<WorkerView> {
+        let mut c: Vec<WorkerView> = (0..600).map(|i| WorkerView::idle(WorkerId(i))).collect();
+        for (i, w) in c.iter_mut().enumerate() {
+            w.in_flight = if i % 50 == 0 { 2 } else { busy };
+            w.pending_prefill_tokens = if i % 50 == 0 { 3000 } else { 0 };
+        }
+        assert_eq!(FleetDigest::new(&c).mostly_idle(), busy == 0);
+        c
+    }
+
+    #[test]
+    fn a_fleet_where_most_workers_tie_is_read_in_order_and_decided_the_same() {
+        // 600 workers, all alike but a few: more can win than a digest's decision collects
+        // (64 + 600 / 8), so it reads the views instead — at once when most are idle, after
+        // collecting that many when they are busy alike; `go` checks each decision.
+        for busy in [0, 1] {
+            let mut p = PrefillCost::new(PrefillCostConfig::default());
+            let c = alike(busy);
+            let h: Vec<BlockHash> = (0..4).map(BlockHash).collect();
+            let first = go(&mut p, &req(&h), &c);
+            assert_eq!(first.branch, Branch::TieBreak);
+            // The second turn goes where the first went: it holds the prefix.
+            let mut next = h.clone();
+            next.push(BlockHash(9));
+            assert_eq!(go(&mut p, &req(&next), &c).worker, first.worker);
+        }
     }
 
     #[test]
