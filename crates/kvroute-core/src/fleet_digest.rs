@@ -16,15 +16,22 @@
 //! prefill_cost read it; a property test, `least_ttft::tests`, compares both policies'
 //! scans over random fleets).
 //!
+//! Where most of the fleet can win (more routable workers idle than `64 + n / 8`, as on an
+//! over-provisioned fleet where every idle worker holding nothing of a prompt ties) a
+//! decision reads the views in order instead: collecting and ordering that many positions
+//! costs more.
+//!
 //! Pure data: no clock, no lock. The replay keeps one beside its views and updates it for
-//! the engines that moved; `kvroute bench decision` builds one with its fleet.
+//! the engines that moved; `kvroute bench decision` builds one with its fleet. The gateway
+//! keeps none yet: `kvroute serve`'s decisions read every view.
 
 use crate::types::{WorkerId, WorkerView};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// The means over the routable candidates a scoring policy reads before it scores them,
-/// read in one pass ([`crate::policy::util::mean_load`], [`crate::policy::util::mean_max_concurrent`] and [`crate::policy::util::mean_waiting`] are its
-/// fields).
+/// read in one pass, or from a [`FleetDigest`] ([`crate::policy::util::mean_load`],
+/// [`crate::policy::util::mean_max_concurrent`] and [`crate::policy::util::mean_waiting`]
+/// are its fields).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FleetMeans {
     /// [`crate::policy::util::mean_load`] (`None` when no candidate is routable).

@@ -257,9 +257,9 @@ pub struct PickCtx<'a> {
     /// Random source.
     pub rng: Rng<'a>,
     /// The candidates' [`FleetDigest`], when the caller keeps one beside its views (the
-    /// replay does): a policy that reads it (least_ttft, prefill_cost) then reads only the workers that
-    /// can win, and decides as it would without it. It must describe the candidates passed
-    /// with it ([`FleetDigest::describes`]); one that does not fit them
+    /// replay does): a policy that reads it (least_ttft, prefill_cost) then reads only the
+    /// workers that can win, and decides as it would without it. It must describe the
+    /// candidates passed with it ([`FleetDigest::describes`]); one that does not fit them
     /// ([`FleetDigest::usable_for`]) is not read. `None`: every policy reads the views.
     pub fleet: Option<&'a FleetDigest>,
 }
@@ -365,8 +365,9 @@ pub trait Policy: Send + Sync + std::fmt::Debug + Twin {
         false
     }
 
-    /// Whether [`Policy::pick`] reads [`PickCtx::fleet`] when given one (least_ttft, prefill_cost): a
-    /// caller keeps a [`FleetDigest`] beside its views only for a policy that reads it.
+    /// Whether [`Policy::pick`] reads [`PickCtx::fleet`] when given one (least_ttft,
+    /// prefill_cost): a caller keeps a [`FleetDigest`] beside its views only for a policy
+    /// that reads it.
     fn reads_fleet_digest(&self) -> bool {
         false
     }
