@@ -42,7 +42,7 @@ use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig};
 use crate::policy::util::{FleetMeans, MeanSums, rotate};
 use crate::policy::{
     Branch, Decision, KnobError, Observation, PickCtx, Policy, RequestKey, RouteError, TtftPrediction, patch_knobs,
-    view_of,
+    routable_view_of, view_of,
 };
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -826,18 +826,20 @@ impl LeastTtft {
         ceiling
     }
 
-    /// [`Policy::pick`] once the fleet's `means` are known: from a pass over the views
-    /// ([`LeastTtft::survey`], `scan` [`Pass::Fast`]) or from the caller's `fleet` digest
-    /// (`scan` [`Pass::Kept`]; `fleet` is then the digest, and ids are found through it).
+    /// [`Policy::pick`] with the fleet read as `scan` reads it: surveyed from the views
+    /// ([`Pass::Fast`]) or from the caller's digest ([`Pass::Kept`], which also finds ids).
     fn pick_with(
         &self,
         req: &RequestView<'_>,
         key: &RequestKey,
         c: &[WorkerView],
-        means: FleetMeans,
-        fleet: Option<&FleetDigest>,
         scan: Pass<'_>,
     ) -> Result<Decision, RouteError> {
+        let (means, fleet) = match &scan {
+            Pass::Fast(_, survey) => (survey.means, None),
+            Pass::Kept(_, fleet, _) => (fleet.means(), Some(*fleet)),
+            Pass::Full => (FleetMeans::of(c), None),
+        };
         let input = u64::from(req.input_tokens);
         let stall = self.cost.stall_weight_of(means.waiting);
         let miss_share = self.miss_share(&means);
@@ -847,10 +849,7 @@ impl LeastTtft {
         if cc.session_affinity
             && let Some(sid) = req.session_id
             && let Some(bound) = self.cost.sessions.get(sid)
-            && let Some(a) = match fleet {
-                Some(_) => view_of(c, fleet, bound).filter(|w| w.is_routable()),
-                None => c.iter().find(|w| w.id == bound && w.is_routable()),
-            }
+            && let Some(a) = routable_view_of(c, fleet, bound)
         {
             let mean = means.load.unwrap_or(0.0).max(1.0);
             let t = self.terms(a, &ask);
@@ -1056,11 +1055,10 @@ impl Policy for LeastTtft {
             // The fleet's means and queues kept by the caller: no pass over the views.
             let input = u64::from(req.input_tokens);
             let own = (input - hits.deepest().saturating_mul(key.block_tokens).min(input)) as f64;
-            return self.pick_with(req, key, c, fleet.means(), Some(fleet), Pass::Kept(&mut hits, fleet, own));
+            return self.pick_with(req, key, c, Pass::Kept(&mut hits, fleet, own));
         }
         let mut survey = self.survey(c, key, u64::from(req.input_tokens), &mut hits, SLOTS.take());
-        let means = survey.means;
-        let d = self.pick_with(req, key, c, means, None, Pass::Fast(&mut hits, &mut survey));
+        let d = self.pick_with(req, key, c, Pass::Fast(&mut hits, &mut survey));
         SLOTS.set(survey.slots);
         d
     }

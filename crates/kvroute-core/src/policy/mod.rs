@@ -554,11 +554,7 @@ pub fn decide(
     }
     let mut key = policy.key(req);
     let mut d = policy.pick(req, &key, candidates, ctx)?;
-    // Ids are unique when the digest fits: its position of the id is the first.
-    let mut chosen = match ctx.fleet.filter(|f| f.usable_for(candidates)) {
-        Some(_) => view_of(candidates, ctx.fleet, d.worker).filter(|w| w.is_routable()),
-        None => candidates.iter().find(|w| w.id == d.worker && w.is_routable()),
-    };
+    let mut chosen = routable_view_of(candidates, ctx.fleet, d.worker);
     if chosen.is_none() {
         // A policy bug must not send traffic to a dead worker: fall back to least load.
         let fb = fallbacks_by_load(candidates, WorkerId(u32::MAX));
@@ -584,6 +580,19 @@ pub(crate) fn view_of<'c>(
     match fleet.filter(|f| f.usable_for(candidates)) {
         Some(f) => f.position(id).and_then(|p| candidates.get(p)).filter(|w| w.id == id),
         None => candidates.iter().find(|w| w.id == id),
+    }
+}
+
+/// The first routable view of `id` among `candidates`, found as [`view_of`] finds it (ids
+/// are unique when the digest fits, so its position of the id is the first).
+pub(crate) fn routable_view_of<'c>(
+    candidates: &'c [WorkerView],
+    fleet: Option<&FleetDigest>,
+    id: WorkerId,
+) -> Option<&'c WorkerView> {
+    match fleet.filter(|f| f.usable_for(candidates)) {
+        Some(_) => view_of(candidates, fleet, id).filter(|w| w.is_routable()),
+        None => candidates.iter().find(|w| w.id == id && w.is_routable()),
     }
 }
 

@@ -36,7 +36,7 @@ use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::{Hits, WorkerBlockSets};
 use crate::policy::util::{Rotation, SessionTable, mean_load, mean_waiting, rotate};
 use crate::policy::{
-    Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs, view_of,
+    Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs, routable_view_of,
 };
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -434,10 +434,7 @@ impl Policy for PrefillCost {
         if self.cfg.session_affinity
             && let Some(sid) = req.session_id
             && let Some(bound) = self.sessions.get(sid)
-            && let Some(a) = match fleet {
-                Some(_) => view_of(c, fleet, bound).filter(|w| w.is_routable()),
-                None => c.iter().find(|w| w.id == bound && w.is_routable()),
-            }
+            && let Some(a) = routable_view_of(c, fleet, bound)
         {
             let mean = fleet.map_or_else(|| mean_load(c), |f| f.means().load).unwrap_or(0.0).max(1.0);
             let (cached, m) = self.cached(a, key, input);
