@@ -11,11 +11,17 @@
 # 500 probes, over 5,000 (the warm-up's decisions are made without a fleet digest, so the
 # mean over all of them hides what a digest saves).
 #
-# usage: scripts/decision-instructions.sh [--probes] WORKERS BINARY... [-- POLICY,...]   (needs valgrind)
+# With --probe-at SECS, the probes are decided then (`kvroute bench decision --probe-at`;
+# every binary needs the flag): 13 probes kv_score's index while its entries live.
+#
+# usage: scripts/decision-instructions.sh [--probes] [--probe-at SECS] WORKERS BINARY... [-- POLICY,...]   (needs valgrind)
 set -euo pipefail
 probes=0
-if [ "${1:-}" = "--probes" ]; then probes=1; shift; fi
-workers=${1:?usage: $0 [--probes] WORKERS BINARY... [-- POLICY,...]}
+at=()
+while [ "${1:-}" = "--probes" ] || [ "${1:-}" = "--probe-at" ]; do
+  if [ "$1" = "--probes" ]; then probes=1; shift; else at=(--probe-at "$2"); shift 2; fi
+done
+workers=${1:?usage: $0 [--probes] [--probe-at SECS] WORKERS BINARY... [-- POLICY,...]}
 shift
 bins=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do bins+=("$1"); shift; done
@@ -30,7 +36,7 @@ for p in ${policies//,/ }; do
   for b in "${bins[@]}"; do
     count() {
       valgrind --tool=callgrind --callgrind-out-file=/dev/null --toggle-collect='kvroute_core::policy::decide*' \
-        "$b" bench decision --workers "$workers" --policy "$p" --decisions "$1" >/dev/null 2>"$err"
+        "$b" bench decision --workers "$workers" --policy "$p" --decisions "$1" "${at[@]}" >/dev/null 2>"$err"
       grep -o 'Collected : [0-9]*' "$err" | awk '{print $3}'
     }
     if [ "$probes" = 1 ]; then

@@ -3,7 +3,8 @@
 //! the fixture of [`kvroute_core::decision_bench`] — each policy's index warmed by the whole
 //! Mooncake conversation trace (`data/traces`, or `--trace`) on N workers of uneven load,
 //! then a probe request `--prompt-tokens` long — decided `--decisions` times, each call
-//! timed on its own (key, pick and fallbacks; nothing committed).
+//! timed on its own (key and pick: fallbacks are worked out only for a retry; nothing
+//! committed) at `--probe-at` seconds.
 //!
 //! A policy that reads the fleet's digest ([`kvroute_core::fleet_digest::FleetDigest`]:
 //! least_ttft, prefill_cost) is given one, built with the fleet, as the replay keeps one
@@ -63,6 +64,12 @@ pub struct Args {
     /// objects say `"digest"`.
     #[arg(long)]
     pub no_digest: bool,
+    /// When the probe is decided, seconds on the policies' clock. The warm-up routes one
+    /// trace request a millisecond from 0 (the whole Mooncake trace: ~12 s), so at the
+    /// default 4000 an index whose entries expire (kv_score's, `ttl_secs` 120) holds
+    /// nothing: pass 13 to probe it warm. JSON objects say `probe_at_secs`.
+    #[arg(long, default_value_t = 4000.0)]
+    pub probe_at: f64,
 }
 
 /// A gateway fleet of `n` workers serving model `m`, loaded as the module doc says, and the
@@ -114,6 +121,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !(1..=MAX_DECISIONS).contains(&a.decisions) {
         bail!("--decisions: from 1 to {MAX_DECISIONS}");
     }
+    if !(0.0..=1e9).contains(&a.probe_at) {
+        bail!("--probe-at: seconds from 0 to 1e9, got {}", a.probe_at);
+    }
+    let probe_at = Nanos::from_secs_f64(a.probe_at);
     let max = kvroute_gateway::fleet::MAX_WORKERS;
     if a.gateway && sizes.iter().any(|n| *n > max) {
         bail!("--workers: a gateway fleet has at most {max} workers (--gateway)");
@@ -137,7 +148,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
             let mut h = hdrhistogram::Histogram::<u64>::new(3).context("histogram")?;
             for _ in 0..a.decisions {
-                let mut ctx = PickCtx { now: Nanos::from_secs(4000), rng: &mut rng, fleet: digest };
+                let mut ctx = PickCtx { now: probe_at, rng: &mut rng, fleet: digest };
                 let t = Instant::now();
                 match &gateway {
                     Some((g, _)) => {
@@ -155,7 +166,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if a.json {
                 let o = serde_json::json!({"policy": name, "workers": n, "p50_ns": p50, "p99_ns": p99,
                     "p999_ns": p999, "max_ns": max, "index_size": p.index_size(), "prompt_tokens": a.prompt_tokens,
-                    "gateway": a.gateway, "digest": digest.is_some()});
+                    "gateway": a.gateway, "digest": digest.is_some(), "probe_at_secs": a.probe_at});
                 println!("{o}");
             } else {
                 println!("{n:>7} {name:<16} {p50:>9} {p99:>9} {p999:>9} {max:>9} {:>11}", p.index_size());

@@ -33,6 +33,16 @@
 //! spread over the tied workers instead of all landing on one. Branch `tie_break`, else
 //! `score`.
 //!
+//! **Deciding without scoring every worker**: a worker holding none of the prefix scores at
+//! most the score of the fleet's least util and power and most capacity with no overlap,
+//! so when that bound lies below the best holder's score minus `epsilon`, the holders
+//! alone make the tie band and are all that is scored and hashed (one pass gathers the
+//! norms, those extremes and the holders). Otherwise every worker is scored. The same
+//! decision either way (a property test compares them with a full scan). The retry order
+//! is not worked out with the decision: it keeps what ranks the workers
+//! ([`Ranking`], a [`crate::policy::RetryOrder`]) and [`crate::policy::fallbacks`]
+//! ranks the decision's views with it when a retry asks.
+//!
 //! **Live weights**: the four weights and `epsilon` sit in an `ArcSwap` swapped whole, as
 //! cgn-router's do: [`Policy::set_live_knobs`] changes them without `&mut self`, so the
 //! gateway applies `PUT /policy` and the etcd policy key under its read lock and no decision
@@ -45,6 +55,7 @@ use crate::policy::{
 };
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 /// The four score weights (Cognitora cgn-router defaults 0.55 / 0.25 / 0.10 / 0.10).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -167,7 +178,7 @@ impl KvScoreConfig {
 const LIVE_KNOBS: [&str; 5] = ["w_kv", "w_load", "w_pwr", "w_cap", "epsilon"];
 
 /// The live part of the configuration: weights and tie band.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct Live {
     weights: KvWeights,
     epsilon: f64,
@@ -260,6 +271,419 @@ fn request_prefix(req: &RequestView<'_>, blocks: &[crate::types::BlockHash]) -> 
     req.text.map_or_else(|| prefix_key(blocks), |t| stable_hash(t.as_bytes()))
 }
 
+impl KvScore {
+    /// What ranks the workers for `req` (its key `key`): the live weights, the overlaps the
+    /// index holds for its blocks at `now`, its tie-break prefix.
+    fn ranking(&self, req: &RequestView<'_>, key: &RequestKey, now: Nanos) -> Ranking {
+        let mut overlaps = Vec::new();
+        self.index.overlaps(&key.blocks, now, &mut overlaps);
+        Ranking {
+            live: **self.live.load(),
+            load_signal: self.cfg.load_signal,
+            prefix_tokens: self.cfg.prefix_tokens,
+            input_tokens: req.input_tokens,
+            n_blocks: key.blocks.len(),
+            prefix: request_prefix(req, &key.blocks),
+            overlaps,
+        }
+    }
+}
+
+/// The score of a worker from its four terms, each in [0, 1] (the module's formula). With
+/// weights ≥ 0 it never decreases as `overlap` or `capacity` grow nor increases as `util` or
+/// `norm_watts` do, in floating point too (each operation is monotone): what lets a bound
+/// computed from the fleet's extremes rule workers out.
+#[inline]
+fn score(w: KvWeights, overlap: f64, util: f64, norm_watts: f64, capacity: f64) -> f64 {
+    w.w_kv * overlap + w.w_load * (1.0 - util) + w.w_pwr * (1.0 - norm_watts) + w.w_cap * capacity
+}
+
+/// The fleet's maxima the terms are normalised by (over the routable candidates).
+#[derive(Debug, Clone, Copy, Default)]
+struct Norms {
+    max_watts: f64,
+    max_cap: f64,
+    max_queued: f64,
+}
+
+/// A worker's queued work for [`LoadSignal::Queue`], prefill tokens.
+#[inline]
+fn queued(v: &WorkerView) -> f64 {
+    v.pending_prefill_tokens as f64 + QUEUE_TOKENS_PER_REQUEST * f64::from(v.in_flight.saturating_add(v.waiting))
+}
+
+/// Everything that ranks the candidates for one request but the views: the live weights
+/// and tie band, what the policy's index holds of the request's blocks, and its tie-break
+/// prefix. A decision keeps it ([`crate::policy::OwnOrder`]) so that the retry
+/// order — the tie band by stable hash, then the rest by descending score — is worked out
+/// only when a retry asks ([`crate::policy::fallbacks`]).
+#[derive(Debug, PartialEq)]
+pub struct Ranking {
+    live: Live,
+    load_signal: LoadSignal,
+    prefix_tokens: u32,
+    input_tokens: u32,
+    /// Blocks hashed for the overlap.
+    n_blocks: usize,
+    /// The request's prefix hash ([`request_prefix`]).
+    prefix: u64,
+    /// (worker, leading blocks held), sorted by worker id.
+    overlaps: Vec<(WorkerId, usize)>,
+}
+
+/// A ranked worker: its score, id and tie key.
+type Scored = (f64, WorkerId, Option<u64>);
+
+impl Ranking {
+    /// The overlap term of `v`, which holds `held` of the request's leading blocks in the
+    /// index: with KV events the engine-reported cached share of the first
+    /// `prefix_tokens`, else the held share of the hashed blocks.
+    #[inline]
+    fn overlap(&self, v: &WorkerView, held: usize) -> f64 {
+        match v.cached_tokens {
+            Some(t) => {
+                let p = u64::from(self.input_tokens.min(self.prefix_tokens));
+                if p == 0 { 0.0 } else { t.min(p) as f64 / p as f64 }
+            }
+            None if self.n_blocks == 0 => 0.0,
+            None => held as f64 / self.n_blocks as f64,
+        }
+    }
+
+    /// Whether `v`'s overlap term is above zero ([`Ranking::overlap`] without its division).
+    #[inline]
+    fn holds(&self, v: &WorkerView, held: usize) -> bool {
+        match v.cached_tokens {
+            Some(t) => t > 0 && self.input_tokens.min(self.prefix_tokens) > 0,
+            None => self.n_blocks > 0 && held > 0,
+        }
+    }
+
+    /// The load term's `util` of `v`.
+    #[inline]
+    fn util(&self, v: &WorkerView, n: &Norms) -> f64 {
+        match self.load_signal {
+            LoadSignal::Seed => seed_util(v),
+            LoadSignal::Queue => queue_util(queued(v), n),
+        }
+    }
+
+    /// The score of `v`, which holds `held` leading blocks.
+    #[inline]
+    fn score_of(&self, v: &WorkerView, held: usize, n: &Norms) -> f64 {
+        let norm_watts = norm_watts(v.power_watts.unwrap_or(0.0), n);
+        let capacity = if n.max_cap > 0.0 { capacity_raw(v) / n.max_cap } else { 0.0 };
+        score(self.live.weights, self.overlap(v, held), self.util(v, n), norm_watts, capacity)
+    }
+
+    /// The tie-break hash of a worker in the band: its tie key's, else its id's.
+    #[inline]
+    fn tie(&self, id: WorkerId, key: Option<u64>) -> u64 {
+        match key {
+            Some(k) => tie_hash_key(k, self.prefix),
+            None => tie_hash(id, self.prefix),
+        }
+    }
+
+    /// The sort key of the policy's order (smallest first): workers in the tie band
+    /// (score ≥ `floor`) by descending stable hash, then the rest by descending score; the
+    /// id last, so keys are distinct.
+    #[inline]
+    fn order_key(&self, &(sc, id, key): &Scored, floor: f64) -> (u8, u64, WorkerId) {
+        let desc = |x: f64| {
+            let b = x.to_bits();
+            !(if b >> 63 == 1 { !b } else { b | (1 << 63) })
+        };
+        if sc >= floor { (0, !self.tie(id, key), id) } else { (1, desc(sc), id) }
+    }
+
+    /// Every routable candidate scored, and the fleet's norms: one pass for the maxima,
+    /// one for the scores.
+    fn score_all(&self, c: &[WorkerView]) -> Vec<Scored> {
+        let n = norms(c.iter().filter(|v| v.is_routable()), self.load_signal);
+        let mut scored = Vec::with_capacity(c.len());
+        let mut next = 0; // `overlaps` is sorted by worker id, as candidates usually are.
+        for v in c.iter().filter(|v| v.is_routable()) {
+            let held = crate::select::find_sorted(&self.overlaps, &mut next, v.id).unwrap_or(0);
+            scored.push((self.score_of(v, held, &n), v.id, v.tie_key));
+        }
+        scored
+    }
+
+    /// The first `k` workers of the policy's order over `c`, with how many share the tie
+    /// band; `None` when no candidate is routable. Reads every view: the order of a full
+    /// scan, which [`Ranking::holders_win`] reproduces without one when it can.
+    fn ranked(&self, c: &[WorkerView], k: usize) -> Option<(SmallVec<[Scored; 16]>, usize)> {
+        let scored = self.score_all(c);
+        let best = scored.iter().map(|(s, _, _)| *s).fold(f64::NEG_INFINITY, f64::max);
+        if scored.is_empty() {
+            return None;
+        }
+        let floor = best - self.live.epsilon;
+        let tied = scored.iter().filter(|(s, _, _)| *s >= floor).count();
+        // Only the head is needed: the k smallest keys in one pass, the hash computed only
+        // for workers in the band.
+        let head = crate::select::smallest_k(scored.iter().enumerate().map(|(i, w)| (self.order_key(w, floor), i)), k);
+        Some((head.into_iter().map(|(_, i)| scored[i]).collect(), tied))
+    }
+
+    /// The decision by a full scan, in the order's own terms (what the policy's faster
+    /// paths are checked against).
+    #[cfg(test)]
+    fn decide_by_scan(self, c: &[WorkerView]) -> Result<Decision, RouteError> {
+        let (head, tied) = self.ranked(c, 1).ok_or(RouteError::NoWorker)?;
+        let (score, worker, _) = head[0];
+        Ok(self.decision(Winner { worker, score, tied }))
+    }
+
+    /// The winner when the workers holding part of the prefix (overlap > 0) are the only
+    /// ones that can reach the tie band: one pass over the views that keeps the fleet's
+    /// norms and, for the others, the extremes of each term (least util and power, most
+    /// capacity) — no score, no hash — then the holders scored. `Err` with the fleet's
+    /// norms when no worker holds any of the prefix or the others' best possible score
+    /// reaches the band: the caller scans ([`Ranking::scan_winner`]). The same winner,
+    /// score and band as the scan (a property test compares them): the others' scores are
+    /// at most the bound, which lies below the band's floor.
+    fn holders_win(&self, c: &[WorkerView]) -> Result<Winner, Norms> {
+        let mut n = Norms::default();
+        let mut rest = Extremes::default();
+        let mut holders: SmallVec<[(usize, usize); 16]> = SmallVec::new();
+        let mut next = 0;
+        let mut caps = CapacityMemo::default();
+        let queue = self.load_signal == LoadSignal::Queue;
+        for (i, v) in c.iter().enumerate().filter(|(_, v)| v.is_routable()) {
+            let held = crate::select::find_sorted(&self.overlaps, &mut next, v.id).unwrap_or(0);
+            let raw_cap = caps.raw(v);
+            let q = if queue { queued(v) } else { 0.0 };
+            if let Some(x) = v.power_watts {
+                n.max_watts = larger(n.max_watts, x);
+            }
+            n.max_cap = larger(n.max_cap, raw_cap);
+            n.max_queued = larger(n.max_queued, q);
+            if self.holds(v, held) {
+                holders.push((i, held));
+            } else {
+                rest.add(v, raw_cap, q, self.load_signal);
+            }
+        }
+        if holders.is_empty() {
+            return Err(n);
+        }
+        let scored: SmallVec<[Scored; 16]> =
+            holders.iter().map(|&(i, held)| (self.score_of(&c[i], held, &n), c[i].id, c[i].tie_key)).collect();
+        let best = scored.iter().map(|(s, _, _)| *s).fold(f64::NEG_INFINITY, f64::max);
+        let floor = best - self.live.epsilon;
+        // The others cannot reach the band (a NaN bound counts as reaching it).
+        let others_out = !rest.any || rest.bound(self.live.weights, &n, self.load_signal) < floor;
+        if !floor.is_finite() || !others_out {
+            return Err(n);
+        }
+        let tied = scored.iter().filter(|(s, _, _)| *s >= floor).count();
+        let (_, &(score, worker, _)) =
+            scored.iter().map(|w| (self.order_key(w, floor), w)).min_by_key(|(k, _)| *k).ok_or(n)?;
+        Ok(Winner { worker, score, tied })
+    }
+
+    /// The winner by scoring every routable worker, given the fleet's norms `n`: one pass
+    /// for the scores and the best, one over the tie band for the largest stable hash
+    /// (what [`Ranking::ranked`] gives first, without keeping an order). `None` when no
+    /// candidate is routable.
+    fn scan_winner(&self, c: &[WorkerView], n: &Norms) -> Option<Winner> {
+        let mut scores = Vec::with_capacity(c.len());
+        let mut best = f64::NEG_INFINITY;
+        let mut next = 0;
+        for v in c {
+            let s = if v.is_routable() {
+                let held = crate::select::find_sorted(&self.overlaps, &mut next, v.id).unwrap_or(0);
+                let s = self.score_of(v, held, n);
+                best = best.max(s);
+                s
+            } else {
+                f64::NAN // never in the band
+            };
+            scores.push(s);
+        }
+        let floor = best - self.live.epsilon;
+        let mut tied = 0;
+        let mut win: Option<((u64, WorkerId), usize)> = None;
+        for (i, (v, &s)) in c.iter().zip(&scores).enumerate() {
+            if s >= floor {
+                tied += 1;
+                let k = (!self.tie(v.id, v.tie_key), v.id);
+                if win.is_none_or(|(w, _)| k < w) {
+                    win = Some((k, i));
+                }
+            }
+        }
+        match win {
+            Some((_, i)) => Some(Winner { worker: c[i].id, score: scores[i], tied }),
+            // No score reached the floor (none is a number): the order's head.
+            None => self.ranked(c, 1).map(|(head, tied)| Winner { worker: head[0].1, score: head[0].0, tied }),
+        }
+    }
+
+    /// The decision naming `w`, keeping this ranking for a retry's order.
+    fn decision(self, w: Winner) -> Decision {
+        let held = self.overlaps.binary_search_by_key(&w.worker, |(id, _)| *id).map_or(0, |i| self.overlaps[i].1);
+        let n_blocks = self.n_blocks as u64;
+        let mut d = Decision::new(w.worker, if w.tied > 1 { Branch::TieBreak } else { Branch::Score })
+            .with_match(held as u64, n_blocks, if n_blocks == 0 { MatchUnit::None } else { MatchUnit::Blocks })
+            .with_score(w.score);
+        d.own_order = Some(crate::policy::OwnOrder(std::sync::Arc::new(self)));
+        d
+    }
+}
+
+impl crate::policy::RetryOrder for Ranking {
+    /// The tie band by stable hash, then the rest by descending score, over the views the
+    /// decision read.
+    fn fallbacks(&self, c: &[WorkerView], chosen: WorkerId) -> crate::policy::Fallbacks {
+        self.ranked(c, 1 + MAX_FALLBACKS)
+            .map(|(head, _)| head.iter().map(|(_, id, _)| *id).filter(|id| *id != chosen).take(MAX_FALLBACKS).collect())
+            .unwrap_or_default()
+    }
+
+    fn same_as(&self, other: &dyn crate::policy::RetryOrder) -> bool {
+        (other as &dyn std::any::Any).downcast_ref::<Ranking>().is_some_and(|o| o == self)
+    }
+}
+
+/// The chosen worker, its score and the size of the tie band.
+#[derive(Debug, Clone, Copy)]
+struct Winner {
+    worker: WorkerId,
+    score: f64,
+    tied: usize,
+}
+
+/// `x` when it is above `m`, else `m`: [`f64::max`] for an `m` that is a number, which
+/// leaves out a `NaN` `x` as it does, in one comparison.
+#[inline]
+fn larger(m: f64, x: f64) -> f64 {
+    if x > m { x } else { m }
+}
+
+/// `x` when it is below `m`, else `m` ([`larger`]'s counterpart).
+#[inline]
+fn smaller(m: f64, x: f64) -> f64 {
+    if x < m { x } else { m }
+}
+
+/// [`capacity_raw`] of a fleet's workers read in turn, divided again only when a worker's
+/// capacity facts differ from the one before (a fleet of one kind of engine divides once).
+#[derive(Debug, Default)]
+struct CapacityMemo {
+    last: Option<((u32, u64, u32, bool), f64)>,
+}
+
+impl CapacityMemo {
+    #[inline]
+    fn raw(&mut self, v: &WorkerView) -> f64 {
+        let c = &v.capacity;
+        let facts = (c.tp_size, c.vram_gib.to_bits(), c.dtype_bytes, c.free_model_slots == 0);
+        match self.last {
+            Some((f, raw)) if f == facts => raw,
+            _ => {
+                let raw = capacity_raw(v);
+                self.last = Some((facts, raw));
+                raw
+            }
+        }
+    }
+}
+
+/// cgn-router's `util`: `max(in_flight / max_concurrent, sm_util)`, in [0, 1].
+#[inline]
+fn seed_util(v: &WorkerView) -> f64 {
+    (f64::from(v.in_flight) / f64::from(v.capacity.max_concurrent.max(1))).max(v.sm_util.unwrap_or(0.0)).clamp(0.0, 1.0)
+}
+
+/// [`LoadSignal::Queue`]'s `util` of a worker with `q` queued tokens.
+#[inline]
+fn queue_util(q: f64, n: &Norms) -> f64 {
+    if n.max_queued > 0.0 { (q / n.max_queued).clamp(0.0, 1.0) } else { 0.0 }
+}
+
+/// `watts` over the fleet's most, in [0, 1] (0 when no worker reports power).
+#[inline]
+fn norm_watts(watts: f64, n: &Norms) -> f64 {
+    if n.max_watts > 0.0 { (watts / n.max_watts).clamp(0.0, 1.0) } else { 0.0 }
+}
+
+/// The maxima the terms are normalised by, over `routable` (the most queued work only for
+/// [`LoadSignal::Queue`], which alone reads it).
+fn norms<'a>(routable: impl Iterator<Item = &'a WorkerView>, signal: LoadSignal) -> Norms {
+    let queue = signal == LoadSignal::Queue;
+    routable.fold(Norms::default(), |n, v| Norms {
+        max_watts: v.power_watts.map_or(n.max_watts, |x| larger(n.max_watts, x)),
+        max_cap: larger(n.max_cap, capacity_raw(v)),
+        max_queued: if queue { larger(n.max_queued, queued(v)) } else { 0.0 },
+    })
+}
+
+/// The extremes of each term over workers holding none of the prefix: the best score any
+/// of them can have is [`score`] of them ([`Extremes::bound`]).
+#[derive(Debug, Clone, Copy)]
+struct Extremes {
+    any: bool,
+    /// Least `in_flight / max_concurrent` of those without `sm_util`, as a fraction (kept
+    /// exact: the division is done once, for the least).
+    frac: (u32, u32),
+    /// Least [`seed_util`] of those with `sm_util`.
+    util: f64,
+    queued: f64,
+    watts: f64,
+    cap: f64,
+}
+
+impl Default for Extremes {
+    fn default() -> Self {
+        Extremes {
+            any: false,
+            frac: (1, 1),
+            util: f64::INFINITY,
+            queued: f64::INFINITY,
+            watts: f64::INFINITY,
+            cap: 0.0,
+        }
+    }
+}
+
+impl Extremes {
+    #[inline]
+    fn add(&mut self, v: &WorkerView, raw_cap: f64, q: f64, signal: LoadSignal) {
+        self.any = true;
+        match signal {
+            LoadSignal::Seed if v.sm_util.is_none() => {
+                let (num, den) = (v.in_flight, v.capacity.max_concurrent.max(1));
+                // num / den < a / b, exactly.
+                if u64::from(num) * u64::from(self.frac.1) < u64::from(self.frac.0) * u64::from(den) {
+                    self.frac = (num, den);
+                }
+            }
+            LoadSignal::Seed => self.util = smaller(self.util, seed_util(v)),
+            LoadSignal::Queue => self.queued = smaller(self.queued, q),
+        }
+        self.watts = smaller(self.watts, v.power_watts.unwrap_or(0.0));
+        self.cap = larger(self.cap, raw_cap);
+    }
+
+    /// The best score a worker of these can have: [`score`] with no overlap, the least util
+    /// and power and the most capacity. Division and rounding are monotone, so each term
+    /// of each worker is at most the bound's.
+    fn bound(&self, w: KvWeights, n: &Norms, signal: LoadSignal) -> f64 {
+        let util = match signal {
+            LoadSignal::Seed => {
+                let (num, den) = self.frac;
+                (f64::from(num) / f64::from(den)).clamp(0.0, 1.0).min(self.util)
+            }
+            LoadSignal::Queue => queue_util(self.queued, n),
+        };
+        let capacity = if n.max_cap > 0.0 { self.cap / n.max_cap } else { 0.0 };
+        score(w, 0.0, util, norm_watts(self.watts, n), capacity)
+    }
+}
+
 impl Policy for KvScore {
     fn name(&self) -> &'static str {
         "kv_score"
@@ -277,84 +701,17 @@ impl Policy for KvScore {
         c: &[WorkerView],
         ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
-        let blocks = &key.blocks;
-        let mut overlaps = Vec::new();
-        self.index.overlaps(blocks, ctx.now, &mut overlaps);
-        let live = **self.live.load();
-        let w = live.weights;
-        let routable = || c.iter().filter(|w| w.is_routable());
-        let queued = |v: &WorkerView| {
-            v.pending_prefill_tokens as f64
-                + QUEUE_TOKENS_PER_REQUEST * f64::from(v.in_flight.saturating_add(v.waiting))
+        let ranking = self.ranking(req, key, ctx.now);
+        // With nothing of the prefix in the index, holders could come only from engine
+        // reports: scan (no pass spent looking for them).
+        let won = match ranking.overlaps.is_empty() {
+            true => ranking.scan_winner(c, &norms(c.iter().filter(|v| v.is_routable()), ranking.load_signal)),
+            false => match ranking.holders_win(c) {
+                Ok(w) => Some(w),
+                Err(n) => ranking.scan_winner(c, &n),
+            },
         };
-        // The fleet's maxima the terms are normalised by, in one pass.
-        let (max_watts, max_cap, max_queued) = routable().fold((0.0_f64, 0.0_f64, 0.0_f64), |(wt, cp, q), v| {
-            (v.power_watts.map_or(wt, |x| wt.max(x)), cp.max(capacity_raw(v)), q.max(queued(v)))
-        });
-        let n_blocks = blocks.len();
-        let mut scored: Vec<(f64, WorkerId, Option<u64>)> = Vec::with_capacity(c.len());
-        let mut next = 0; // `overlaps` is sorted by worker id, as candidates usually are.
-        for v in routable() {
-            let held = crate::select::find_sorted(&overlaps, &mut next, v.id).unwrap_or(0);
-            let overlap = match v.cached_tokens {
-                // Precise (engine KV events): the cached share of the first prefix_tokens.
-                Some(t) => {
-                    let p = u64::from(req.input_tokens.min(self.cfg.prefix_tokens));
-                    if p == 0 { 0.0 } else { t.min(p) as f64 / p as f64 }
-                }
-                None if n_blocks == 0 => 0.0,
-                None => held as f64 / n_blocks as f64,
-            };
-            let util = match self.cfg.load_signal {
-                LoadSignal::Seed => (f64::from(v.in_flight) / f64::from(v.capacity.max_concurrent.max(1)))
-                    .max(v.sm_util.unwrap_or(0.0))
-                    .clamp(0.0, 1.0),
-                LoadSignal::Queue if max_queued > 0.0 => (queued(v) / max_queued).clamp(0.0, 1.0),
-                LoadSignal::Queue => 0.0,
-            };
-            let norm_watts =
-                if max_watts > 0.0 { (v.power_watts.unwrap_or(0.0) / max_watts).clamp(0.0, 1.0) } else { 0.0 };
-            let capacity = if max_cap > 0.0 { capacity_raw(v) / max_cap } else { 0.0 };
-            let score = w.w_kv * overlap + w.w_load * (1.0 - util) + w.w_pwr * (1.0 - norm_watts) + w.w_cap * capacity;
-            scored.push((score, v.id, v.tie_key));
-        }
-        if scored.is_empty() {
-            return Err(RouteError::NoWorker);
-        }
-        let best = scored.iter().map(|(s, _, _)| *s).fold(f64::NEG_INFINITY, f64::max);
-        let eps = live.epsilon;
-        let prefix = request_prefix(req, blocks);
-        let tied = scored.iter().filter(|(s, _, _)| *s >= best - eps).count();
-        // Order: by score descending, and within the tie band by the stable hash. One sort
-        // key per worker (tie band first, by descending stable hash; then by descending
-        // score), the hash computed only for workers in the band; only the winner and its
-        // fallbacks are needed, so the 1 + MAX_FALLBACKS smallest keys are kept in one pass
-        // instead of sorting the fleet (keys are distinct: they end with the worker id).
-        let desc = |x: f64| {
-            let b = x.to_bits();
-            !(if b >> 63 == 1 { !b } else { b | (1 << 63) })
-        };
-        let sort_key = |&(sc, id, key): &(f64, WorkerId, Option<u64>)| {
-            if sc >= best - eps {
-                let tie = match key {
-                    Some(k) => tie_hash_key(k, prefix),
-                    None => tie_hash(id, prefix),
-                };
-                (0u8, !tie, id)
-            } else {
-                (1u8, desc(sc), id)
-            }
-        };
-        let head =
-            crate::select::smallest_k(scored.iter().enumerate().map(|(i, w)| (sort_key(w), i)), 1 + MAX_FALLBACKS);
-        let scored: Vec<(f64, WorkerId, Option<u64>)> = head.iter().map(|&(_, i)| scored[i]).collect();
-        let (score, winner, _) = scored[0];
-        let held = overlaps.binary_search_by_key(&winner, |(id, _)| *id).map_or(0, |i| overlaps[i].1);
-        let mut d = Decision::new(winner, if tied > 1 { Branch::TieBreak } else { Branch::Score })
-            .with_match(held as u64, n_blocks as u64, if n_blocks == 0 { MatchUnit::None } else { MatchUnit::Blocks })
-            .with_score(score);
-        d.fallbacks = scored[1..].iter().take(MAX_FALLBACKS).map(|(_, id, _)| *id).collect();
-        Ok(d)
+        Ok(ranking.decision(won.ok_or(RouteError::NoWorker)?))
     }
 
     fn on_routed(&mut self, _req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, now: Nanos) {
@@ -403,5 +760,152 @@ impl Policy for KvScore {
 
     fn index_size(&self) -> u64 {
         self.index.entries() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{BlockSeq, Health};
+    use proptest::prelude::*;
+    use rand_core::SeedableRng;
+
+    /// A request of `blocks` (16 tokens each).
+    fn req(blocks: &[BlockHash]) -> RequestView<'_> {
+        RequestView {
+            blocks: Some(BlockSeq { block_tokens: 16, hashes: blocks }),
+            input_tokens: 16 * blocks.len() as u32,
+            ..RequestView::from_text("m", "")
+        }
+    }
+
+    /// One worker's facts: in flight, max concurrent, sm_util, watts, (tp, vram GiB, dtype
+    /// bytes, free slots), healthy, engine-reported cached tokens, named.
+    type Spec = (u32, u32, Option<f64>, Option<f64>, (u32, f64, u32, u32), bool, Option<u64>, bool);
+
+    fn fleet_of(specs: &[Spec]) -> Vec<WorkerView> {
+        specs
+            .iter()
+            .enumerate()
+            .map(|(i, &(in_flight, max_c, sm, watts, (tp, vram, dtype, slots), healthy, cached, named))| {
+                let mut w = WorkerView::idle(WorkerId(i as u32));
+                w.in_flight = in_flight;
+                w.pending_prefill_tokens = u64::from(in_flight) * 300;
+                w.capacity.max_concurrent = max_c;
+                w.sm_util = sm;
+                w.power_watts = watts;
+                w.capacity.tp_size = tp;
+                w.capacity.vram_gib = vram;
+                w.capacity.dtype_bytes = dtype;
+                w.capacity.free_model_slots = slots;
+                w.health = if healthy { Health::Healthy } else { Health::Unhealthy };
+                w.cached_tokens = cached;
+                w.tie_key = named.then_some(1000 + i as u64);
+                w
+            })
+            .collect()
+    }
+
+    fn spec() -> impl Strategy<Value = Spec> {
+        (
+            0u32..6,
+            prop_oneof![Just(0u32), 1u32..8, Just(64)],
+            proptest::option::weighted(0.2, 0.0f64..1.0),
+            proptest::option::weighted(0.3, prop_oneof![Just(0.0f64), 100.0f64..400.0]),
+            (1u32..3, prop_oneof![Just(80.0f64), 0.0f64..80.0], 1u32..3, prop_oneof![Just(1u32), Just(0u32)]),
+            proptest::bool::weighted(0.9),
+            proptest::option::weighted(0.1, 0u64..80),
+            proptest::bool::weighted(0.8),
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..Default::default() })]
+
+        /// Where the prefix holders decide alone, they pick the winner, score and tie band
+        /// a scan of every worker picks; and the policy's decision is the scan's.
+        #[test]
+        fn the_holders_decide_as_a_scan_of_every_worker(
+            specs in proptest::collection::vec(spec(), 1..40),
+            history in proptest::collection::vec((proptest::collection::vec(0u64..4, 1..6), 0usize..40), 0..40),
+            probe in proptest::collection::vec(0u64..4, 1..6),
+            knobs in (proptest::bool::ANY, proptest::bool::ANY, prop_oneof![Just(0.0f64), Just(0.01), 0.0f64..0.3],
+                      prop_oneof![Just(None), Just(Some((0.9, 0.05, 0.0, 0.05))), Just(Some((0.0, 0.5, 0.3, 0.2)))]),
+        ) {
+            let (queue, whole, epsilon, weights) = knobs;
+            let mut cfg = KvScoreConfig {
+                epsilon,
+                load_signal: if queue { LoadSignal::Queue } else { LoadSignal::Seed },
+                prefix_tokens: if whole { 1 << 20 } else { 64 },
+                ..Default::default()
+            };
+            if let Some((kv, load, pwr, cap)) = weights {
+                (cfg.w_kv, cfg.w_load, cfg.w_pwr, cfg.w_cap) = (kv, load, pwr, cap);
+            }
+            let mut p = KvScore::new(cfg);
+            let c = fleet_of(&specs);
+            for (prompt, w) in &history {
+                let blocks: Vec<BlockHash> = prompt.iter().map(|&h| BlockHash(h)).collect();
+                let r = req(&blocks);
+                let key = p.key(&r);
+                p.on_routed(&r, &key, c[w % c.len()].id, Nanos::ZERO);
+            }
+            let blocks: Vec<BlockHash> = probe.iter().map(|&h| BlockHash(h)).collect();
+            let r = req(&blocks);
+            let key = p.key(&r);
+            let ranking = p.ranking(&r, &key, Nanos::from_secs(1));
+            let scan = ranking.ranked(&c, 1);
+            let by_scan = |w: &Winner| {
+                let (head, tied) = scan.clone().expect("a routable worker");
+                (w.worker, w.score.to_bits(), w.tied) == (head[0].1, head[0].0.to_bits(), tied)
+            };
+            match ranking.holders_win(&c) {
+                Ok(w) => prop_assert!(by_scan(&w), "holders: {:?}, scan: {:?}", w, scan),
+                Err(n) => {
+                    prop_assert_eq!(format!("{n:?}"), format!("{:?}", norms(c.iter().filter(|v| v.is_routable()), ranking.load_signal)));
+                    match ranking.scan_winner(&c, &n) {
+                        Some(w) => prop_assert!(by_scan(&w), "scan_winner: {:?}, scan: {:?}", w, scan),
+                        None => prop_assert!(scan.is_none()),
+                    }
+                }
+            }
+            let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
+            let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
+            let picked = p.pick(&r, &key, &c, &mut ctx);
+            let scanned = ranking.decide_by_scan(&c);
+            prop_assert_eq!(picked.is_ok(), scanned.is_ok());
+            if let (Ok(a), Ok(b)) = (picked, scanned) {
+                // The same retry order too, then the rest of the decision.
+                prop_assert_eq!(crate::policy::fallbacks(&a, &c), crate::policy::fallbacks(&b, &c));
+                prop_assert_eq!(a, b);
+            }
+        }
+    }
+
+    /// A busy fleet where two workers hold the prompt's prefix: they decide without a scan,
+    /// and a retry takes the other holder first, then the rest by score.
+    #[test]
+    fn a_prefix_held_by_few_is_decided_by_its_holders_and_retried_in_the_scan_s_order() {
+        let specs: Vec<Spec> = (0..64).map(|i| (i % 4, 64, None, None, (1, 80.0, 2, 1), true, None, true)).collect();
+        let c = fleet_of(&specs);
+        let mut p = KvScore::new(KvScoreConfig::default());
+        let blocks = [BlockHash(7), BlockHash(8), BlockHash(9), BlockHash(10)];
+        let r = req(&blocks);
+        let key = p.key(&r);
+        p.on_routed(&r, &key, WorkerId(5), Nanos::ZERO);
+        p.on_routed(&r, &key, WorkerId(9), Nanos::ZERO);
+        let ranking = p.ranking(&r, &key, Nanos::from_secs(1));
+        let w = ranking.holders_win(&c).expect("the holders decide");
+        let (head, _) = ranking.ranked(&c, 1 + MAX_FALLBACKS).expect("routable");
+        assert_eq!(w.worker, head[0].1);
+        assert!([WorkerId(5), WorkerId(9)].contains(&w.worker));
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
+        let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
+        let d = p.pick(&r, &key, &c, &mut ctx).expect("routable");
+        let order = crate::policy::fallbacks(&d, &c);
+        let want: Vec<WorkerId> = head[1..].iter().map(|s| s.1).collect();
+        assert_eq!(order.to_vec(), want);
+        assert_eq!(order[0], if w.worker == WorkerId(5) { WorkerId(9) } else { WorkerId(5) });
+        assert!(order[1..].iter().all(|w| c[w.0 as usize].in_flight == 0), "then the idle workers");
     }
 }

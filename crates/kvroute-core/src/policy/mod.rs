@@ -115,11 +115,16 @@ pub struct Decision {
     /// The chosen worker.
     pub worker: WorkerId,
     /// Other routable candidates in the policy's order of preference, at most
-    /// [`MAX_FALLBACKS`]; empty when the policy has no order of its own (every policy but
-    /// `kv_score`): a retry then takes the routable candidates by load, which [`fallbacks`]
-    /// computes when a retry needs them — not on every decision, where that pass over the
-    /// fleet cost as much as a round-robin decision itself.
+    /// [`MAX_FALLBACKS`], when the policy listed them; empty otherwise. No built-in policy
+    /// lists them: a retry takes the routable candidates by load, or the order of
+    /// `own_order`, which [`fallbacks`] works out when a retry needs it — not on every
+    /// decision, where that pass over the fleet cost as much as a round-robin decision
+    /// itself.
     pub fallbacks: Fallbacks,
+    /// The policy's own retry order, kept to be worked out over the decision's views when a
+    /// retry asks ([`fallbacks`]); `None` for a policy without one (retries by load).
+    #[serde(skip)]
+    pub own_order: Option<OwnOrder>,
     /// The branch that decided.
     pub branch: Branch,
     /// Length of the prefix matched on `worker`, in `unit`s (0 when none).
@@ -137,6 +142,30 @@ pub struct Decision {
     /// (`least_ttft`); the front end hands it back in an [`Observation`] with what it
     /// measured, and exports the prediction error.
     pub predicted_ttft: Option<TtftPrediction>,
+}
+
+/// A policy's own retry order for one decision (kv_score's: the tie band by its stable
+/// hash, then the rest by descending score, as Cognitora cgn-router orders them), kept
+/// unworked until a retry asks ([`fallbacks`]).
+pub trait RetryOrder: std::fmt::Debug + Send + Sync + std::any::Any {
+    /// At most [`MAX_FALLBACKS`] routable workers of `candidates` (the views the decision
+    /// read), never `chosen`, in the policy's order.
+    fn fallbacks(&self, candidates: &[WorkerView], chosen: WorkerId) -> Fallbacks;
+
+    /// Whether `other` orders from the same facts (what makes two decisions equal: two
+    /// copies of a policy deciding alike keep equal orders).
+    fn same_as(&self, other: &dyn RetryOrder) -> bool;
+}
+
+/// A decision's [`RetryOrder`], shared by the decision's clones; equal when the orders
+/// are ([`RetryOrder::same_as`]).
+#[derive(Debug, Clone)]
+pub struct OwnOrder(pub std::sync::Arc<dyn RetryOrder>);
+
+impl PartialEq for OwnOrder {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.same_as(other.0.as_ref())
+    }
 }
 
 /// A policy's prediction of a request's time to first token on the chosen worker.
@@ -179,6 +208,7 @@ impl Decision {
         Decision {
             worker,
             fallbacks: SmallVec::new(),
+            own_order: None,
             branch,
             matched: 0,
             key_len: 0,
@@ -433,10 +463,15 @@ pub trait Policy: Send + Sync + std::fmt::Debug + Twin {
 
 /// The workers a request decided by `d` over `candidates` (the views it was decided on)
 /// moves to when its chosen worker fails, in order, at most [`MAX_FALLBACKS`]: the
-/// decision's own fallbacks when its policy ordered them, else [`fallbacks_by_load`]. Never
-/// the chosen worker; only candidates routable in their views.
+/// decision's listed fallbacks when its policy listed them, else its policy's own order
+/// ([`Decision::own_order`], worked out now over `candidates`), else
+/// [`fallbacks_by_load`]. Never the chosen worker; only candidates routable in their views.
 pub fn fallbacks(d: &Decision, candidates: &[WorkerView]) -> Fallbacks {
-    if d.fallbacks.is_empty() { fallbacks_by_load(candidates, d.worker) } else { d.fallbacks.clone() }
+    match &d.own_order {
+        _ if !d.fallbacks.is_empty() => d.fallbacks.clone(),
+        Some(OwnOrder(order)) => order.fallbacks(candidates, d.worker),
+        None => fallbacks_by_load(candidates, d.worker),
+    }
 }
 
 /// Routable candidates ordered by (load, id): the default fallback order.
