@@ -397,25 +397,26 @@ impl Ranking {
         if sc >= floor { (0, !self.tie(id, key), id) } else { (1, desc(sc), id) }
     }
 
-    /// Every routable candidate scored, and the fleet's norms: one pass for the maxima,
-    /// one for the scores.
-    fn score_all(&self, c: &[WorkerView]) -> Vec<Scored> {
-        let n = norms(c.iter().filter(|v| v.is_routable()), self.load_signal);
+    /// Every routable candidate's (score, id, tie key) given the fleet's norms `n`, in
+    /// candidate order, and the best score (−∞ when none is routable or a number).
+    fn scored(&self, c: &[WorkerView], n: &Norms) -> (Vec<Scored>, f64) {
         let mut scored = Vec::with_capacity(c.len());
+        let mut best = f64::NEG_INFINITY;
         let mut next = 0; // `overlaps` is sorted by worker id, as candidates usually are.
         for v in c.iter().filter(|v| v.is_routable()) {
             let held = crate::select::find_sorted(&self.overlaps, &mut next, v.id).unwrap_or(0);
-            scored.push((self.score_of(v, held, &n), v.id, v.tie_key));
+            let s = self.score_of(v, held, n);
+            best = best.max(s);
+            scored.push((s, v.id, v.tie_key));
         }
-        scored
+        (scored, best)
     }
 
     /// The first `k` workers of the policy's order over `c`, with how many share the tie
     /// band; `None` when no candidate is routable. Reads every view: the order of a full
     /// scan, which [`Ranking::holders_win`] reproduces without one when it can.
     fn ranked(&self, c: &[WorkerView], k: usize) -> Option<(SmallVec<[Scored; 16]>, usize)> {
-        let scored = self.score_all(c);
-        let best = scored.iter().map(|(s, _, _)| *s).fold(f64::NEG_INFINITY, f64::max);
+        let (scored, best) = self.scored(c, &norms(c.iter().filter(|v| v.is_routable()), self.load_signal));
         if scored.is_empty() {
             return None;
         }
@@ -489,18 +490,9 @@ impl Ranking {
     /// (what [`Ranking::ranked`] gives first, without keeping an order). `None` when no
     /// candidate is routable.
     fn scan_winner(&self, c: &[WorkerView], n: &Norms) -> Option<Winner> {
-        // (score, id, tie key) of the routable workers: the band's pass reads these 24
-        // bytes a worker, not the views again (at 4,096 workers the views outgrow the
-        // caches; the list does not).
-        let mut scored: Vec<Scored> = Vec::with_capacity(c.len());
-        let mut best = f64::NEG_INFINITY;
-        let mut next = 0;
-        for v in c.iter().filter(|v| v.is_routable()) {
-            let held = crate::select::find_sorted(&self.overlaps, &mut next, v.id).unwrap_or(0);
-            let s = self.score_of(v, held, n);
-            best = best.max(s);
-            scored.push((s, v.id, v.tie_key));
-        }
+        // The band's pass reads the kept (score, id, tie key), 24 bytes a worker, not the
+        // views again (at 4,096 workers the views outgrow the caches; the list does not).
+        let (scored, best) = self.scored(c, n);
         let floor = best - self.live.epsilon;
         let mut tied = 0;
         let mut win: Option<((u64, WorkerId), usize)> = None;
