@@ -41,10 +41,13 @@ fn bench_decisions(c: &mut Criterion) {
             .warm_up_time(std::time::Duration::from_millis(300));
         for name in registry::names() {
             let cands = fleet(n);
-            // The views' digest, kept beside them as the replay keeps it (read by least_ttft and prefill_cost).
-            let digest = kvroute_core::fleet_digest::FleetDigest::new(&cands);
+            // The views' digest, kept beside them as the replay keeps it (least_ttft, prefill_cost and kv_score read one).
             let p = warmed(name, &trace, &cands).unwrap_or_else(|e| panic!("{e}"));
-            let digest = p.reads_fleet_digest().then_some(&digest);
+            let digest = p.fleet_digest().map(|mut d| {
+                d.refresh(&cands);
+                d
+            });
+            let digest = digest.as_ref();
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
             let req = view(&pr, Some(&text));
             g.bench_function(name, |b| {

@@ -16,13 +16,20 @@
 //! prefill_cost read it; a property test, `least_ttft::tests`, compares both policies'
 //! scans over random fleets).
 //!
+//! A digest made with [`FleetDigest::with_terms`] also keeps the least and most of a few
+//! figures of each routable view a policy names ([`ViewTerms`]): kv_score (Cognitora
+//! cgn-router's score) normalises its terms by the fleet's most power, capacity and
+//! queued work, and bounds the workers holding none of a prompt by the fleet's least util
+//! and power, so with one it reads only the prefix holders' views when they decide alone.
+//!
 //! Where most of the fleet can win (more routable workers idle than `64 + n / 8`, as on an
 //! over-provisioned fleet where every idle worker holding nothing of a prompt ties) a
 //! decision reads the views in order instead: collecting and ordering that many positions
 //! costs more.
 //!
-//! Pure data: no clock, no lock. The replay keeps one beside its views and updates it for
-//! the engines that moved; `kvroute bench decision` builds one with its fleet. The gateway
+//! Pure data: no clock, no lock. A policy says which digest it reads
+//! ([`crate::policy::Policy::fleet_digest`]). The replay keeps one beside its views and
+//! updates it for the engines that moved; `kvroute bench decision` builds one with its fleet. The gateway
 //! keeps none yet: `kvroute serve`'s decisions read every view.
 
 use crate::types::{WorkerId, WorkerView};
@@ -174,6 +181,8 @@ pub struct FleetDigest {
     precise: u32,
     /// Routable idle workers: no request, no queued prefill.
     idle: u32,
+    /// The terms kept ([`FleetDigest::with_terms`]) and their values, if any.
+    terms: Option<Box<KeptTerms>>,
 }
 
 impl FleetDigest {
@@ -182,6 +191,35 @@ impl FleetDigest {
         let mut d = FleetDigest::default();
         d.refresh(views);
         d
+    }
+
+    /// An empty digest that also keeps, over the routable workers, the least and most of
+    /// each of `terms`' figures ([`FleetDigest::term_min`], [`FleetDigest::term_max`]);
+    /// bring it to a fleet with [`FleetDigest::refresh`]. Each term costs an ordered-map
+    /// update a changed view and ~40 bytes a worker.
+    pub fn with_terms(terms: &'static ViewTerms) -> FleetDigest {
+        FleetDigest { terms: Some(Box::new(KeptTerms::empty(terms))), ..FleetDigest::default() }
+    }
+
+    /// The terms this digest keeps, if any ([`FleetDigest::with_terms`]).
+    pub fn terms(&self) -> Option<&'static ViewTerms> {
+        self.terms.as_ref().map(|t| t.terms)
+    }
+
+    /// The least of term `i`'s figure over the routable workers (`None` when no routable
+    /// worker's figure is a number, or the digest keeps no terms or fewer).
+    pub fn term_min(&self, i: usize) -> Option<f64> {
+        self.terms.as_ref()?.sets.get(i)?.min()
+    }
+
+    /// The most of term `i`'s figure over the routable workers ([`FleetDigest::term_min`]).
+    pub fn term_max(&self, i: usize) -> Option<f64> {
+        self.terms.as_ref()?.sets.get(i)?.max()
+    }
+
+    /// Routable workers.
+    pub fn routable_count(&self) -> usize {
+        self.sums.n as usize
     }
 
     /// Workers described.
@@ -198,10 +236,14 @@ impl FleetDigest {
     /// length did). O(n) to compare, plus O(log n) per changed view.
     pub fn refresh(&mut self, views: &[WorkerView]) {
         if views.len() != self.recs.len() {
-            *self = FleetDigest { recs: Vec::with_capacity(views.len()), ..FleetDigest::default() };
+            let terms = self.terms.take().map(|t| Box::new(KeptTerms::empty(t.terms)));
+            *self = FleetDigest { recs: Vec::with_capacity(views.len()), terms, ..FleetDigest::default() };
             for (i, w) in views.iter().enumerate() {
                 let r = Rec::of(w);
                 self.recs.push(r);
+                if let Some(t) = self.terms.as_mut() {
+                    t.values.push(t.terms.of(w));
+                }
                 self.enter(i, &r);
             }
             self.index_positions();
@@ -221,11 +263,19 @@ impl FleetDigest {
             return;
         };
         let new = Rec::of(view);
-        if new == old {
+        let values = self.terms.as_ref().map(|t| t.terms.of(view));
+        let same_terms = match (&self.terms, &values) {
+            (Some(t), Some(v)) => t.values.get(pos).is_some_and(|old| same_figures(old, v)),
+            _ => true,
+        };
+        if new == old && same_terms {
             return;
         }
         self.leave(pos, &old);
         self.recs[pos] = new;
+        if let (Some(t), Some(v)) = (self.terms.as_mut(), values) {
+            t.values[pos] = v;
+        }
         self.enter(pos, &new);
         if new.id != old.id {
             self.index_positions();
@@ -234,7 +284,12 @@ impl FleetDigest {
 
     /// Whether the digest describes exactly `views` (a pass over them).
     pub fn describes(&self, views: &[WorkerView]) -> bool {
-        views.len() == self.recs.len() && views.iter().zip(&self.recs).all(|(w, r)| Rec::of(w) == *r)
+        views.len() == self.recs.len()
+            && views.iter().zip(&self.recs).all(|(w, r)| Rec::of(w) == *r)
+            && self
+                .terms
+                .as_ref()
+                .is_none_or(|t| views.iter().zip(&t.values).all(|(w, v)| same_figures(&t.terms.of(w), v)))
     }
 
     /// The means over the routable workers ([`FleetMeans::of`] the views).
@@ -306,6 +361,12 @@ impl FleetDigest {
         *self.loads.entry(r.load).or_default() += 1;
         self.precise += u32::from(r.precise);
         self.idle += u32::from(r.is_idle());
+        if let Some(t) = self.terms.as_mut() {
+            let values = t.values[pos];
+            for (set, &x) in t.sets.iter_mut().zip(&values) {
+                set.insert(x);
+            }
+        }
     }
 
     fn leave(&mut self, pos: usize, r: &Rec) {
@@ -327,6 +388,12 @@ impl FleetDigest {
         }
         self.precise -= u32::from(r.precise);
         self.idle -= u32::from(r.is_idle());
+        if let Some(t) = self.terms.as_mut() {
+            let values = t.values[pos];
+            for (set, &x) in t.sets.iter_mut().zip(&values) {
+                set.remove(x);
+            }
+        }
     }
 
     fn index_positions(&mut self) {
@@ -340,6 +407,110 @@ impl FleetDigest {
                 }
             }
         }
+    }
+}
+
+/// The most figures a [`ViewTerms`] names.
+pub const MAX_TERMS: usize = 4;
+
+/// A figure of one worker's view that a policy bounds by the fleet's least or most of it.
+pub type Figure = fn(&WorkerView) -> f64;
+
+/// Figures of a worker's view whose least and most over the routable workers a
+/// [`FleetDigest`] made with [`FleetDigest::with_terms`] keeps: a policy that normalises
+/// its score by fleet maxima, or bounds the workers it does not score by fleet extremes,
+/// reads them there instead of in a pass over the views (kv_score, Cognitora cgn-router's
+/// four-term score). A figure that is not a number (`NaN`) is left out, as a
+/// comparison-based maximum leaves it out.
+#[derive(Debug)]
+pub struct ViewTerms {
+    /// Names the set, so a policy can check that a digest keeps its own figures.
+    pub name: &'static str,
+    /// At most [`MAX_TERMS`] figures; term `i` is `figures[i]`.
+    pub figures: &'static [Figure],
+}
+
+impl ViewTerms {
+    /// The figures of `w` (unused slots 0).
+    fn of(&self, w: &WorkerView) -> [f64; MAX_TERMS] {
+        let mut out = [0.0; MAX_TERMS];
+        for (o, f) in out.iter_mut().zip(self.figures) {
+            *o = f(w);
+        }
+        out
+    }
+}
+
+/// Equal figures, bit for bit (a `NaN` equals itself here, so an unchanged view is not
+/// re-entered).
+fn same_figures(a: &[f64; MAX_TERMS], b: &[f64; MAX_TERMS]) -> bool {
+    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// The terms a digest keeps: which, each worker's figures by position, and a multiset of
+/// each figure over the routable workers.
+#[derive(Debug, Clone)]
+struct KeptTerms {
+    terms: &'static ViewTerms,
+    values: Vec<[f64; MAX_TERMS]>,
+    sets: Vec<Multiset>,
+}
+
+impl KeptTerms {
+    fn empty(terms: &'static ViewTerms) -> KeptTerms {
+        // Figures past MAX_TERMS are not kept (their term_min and term_max are None).
+        KeptTerms { terms, values: Vec::new(), sets: vec![Multiset::default(); terms.figures.len().min(MAX_TERMS)] }
+    }
+}
+
+impl PartialEq for KeptTerms {
+    fn eq(&self, o: &KeptTerms) -> bool {
+        self.terms.name == o.terms.name
+            && self.values.len() == o.values.len()
+            && self.values.iter().zip(&o.values).all(|(a, b)| same_figures(a, b))
+            && self.sets == o.sets
+    }
+}
+
+/// Numbers with repeats, ordered as [`f64::total_cmp`] orders them (`NaN` left out).
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Multiset(BTreeMap<u64, u32>);
+
+impl Multiset {
+    /// The key that orders `x` as `total_cmp` does.
+    fn key(x: f64) -> u64 {
+        let b = x.to_bits();
+        if b >> 63 == 1 { !b } else { b | (1 << 63) }
+    }
+
+    fn value(k: u64) -> f64 {
+        f64::from_bits(if k >> 63 == 1 { k & !(1 << 63) } else { !k })
+    }
+
+    fn insert(&mut self, x: f64) {
+        if !x.is_nan() {
+            *self.0.entry(Self::key(x)).or_default() += 1;
+        }
+    }
+
+    fn remove(&mut self, x: f64) {
+        if x.is_nan() {
+            return;
+        }
+        if let std::collections::btree_map::Entry::Occupied(mut e) = self.0.entry(Self::key(x)) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+    }
+
+    fn min(&self) -> Option<f64> {
+        self.0.keys().next().map(|&k| Self::value(k))
+    }
+
+    fn max(&self) -> Option<f64> {
+        self.0.keys().next_back().map(|&k| Self::value(k))
     }
 }
 
@@ -361,6 +532,16 @@ mod tests {
         w
     }
 
+    /// Figures of the views for the terms' test: one that is `NaN` for some views, one
+    /// that repeats across them.
+    static TEST_TERMS: ViewTerms = ViewTerms {
+        name: "test",
+        figures: &[
+            |w| if w.waiting == 2 { f64::NAN } else { f64::from(w.in_flight) - 2.0 },
+            |w| w.pending_prefill_tokens as f64 * 0.5,
+        ],
+    };
+
     proptest! {
         /// Views changed one at a time, and whole fleets refreshed, leave the digest equal to
         /// one built afresh from the views.
@@ -372,19 +553,37 @@ mod tests {
         ) {
             let mut views: Vec<WorkerView> = first.iter().enumerate().map(|(i, &s)| view(i as u32, s)).collect();
             let mut d = FleetDigest::new(&views);
+            let with_terms = |views: &[WorkerView]| {
+                let mut d = FleetDigest::with_terms(&TEST_TERMS);
+                d.refresh(views);
+                d
+            };
+            let mut t = with_terms(&views);
             for &(pos, spec, id_shift) in &changes {
                 let pos = pos % views.len();
                 // Sometimes a new id at a position (a worker replaced), once in a while a repeated one.
                 let id = views[pos].id.0 + id_shift * 100;
                 views[pos] = view(id, spec);
                 d.update(pos, &views[pos]);
+                t.update(pos, &views[pos]);
                 prop_assert_eq!(&d, &FleetDigest::new(&views));
                 prop_assert!(d.describes(&views));
                 prop_assert_eq!(d.means(), FleetMeans::of(&views));
+                prop_assert_eq!(&t, &with_terms(&views));
+                prop_assert!(t.describes(&views));
+                for (i, f) in TEST_TERMS.figures.iter().enumerate() {
+                    let xs: Vec<f64> = views.iter().filter(|v| v.is_routable()).map(f).filter(|x| !x.is_nan()).collect();
+                    prop_assert_eq!(t.term_min(i), xs.iter().copied().reduce(f64::min));
+                    prop_assert_eq!(t.term_max(i), xs.iter().copied().reduce(f64::max));
+                }
+                prop_assert_eq!(t.routable_count(), views.iter().filter(|v| v.is_routable()).count());
             }
             let again: Vec<WorkerView> = regrown.iter().enumerate().map(|(i, &s)| view(i as u32, s)).collect();
             d.refresh(&again);
             prop_assert_eq!(&d, &FleetDigest::new(&again));
+            t.refresh(&again);
+            prop_assert_eq!(&t, &with_terms(&again));
+            prop_assert_eq!(t.terms().map(|x| x.name), Some("test"));
         }
     }
 

@@ -572,7 +572,7 @@ struct Router {
     /// only the views of the engines that moved are rebuilt ([`Moved`]).
     reuse_views: bool,
     /// The views' digest, kept beside them when the policy reads one
-    /// ([`Policy::reads_fleet_digest`]) and the views are kept ([`Router::reuse_views`]):
+    /// ([`Policy::fleet_digest`]) and the views are kept ([`Router::reuse_views`]):
     /// updated for the engines that moved, refreshed when every view is rebuilt.
     digest: Option<FleetDigest>,
     /// The engines to rebuild the views of (scratch).
@@ -595,7 +595,7 @@ impl Router {
             && cfg.kv_migration.is_none()
             && cfg.kv_pull.is_none();
         Ok(Router {
-            digest: (reuse_views && policy.reads_fleet_digest()).then(FleetDigest::default),
+            digest: policy.fleet_digest().filter(|_| reuse_views),
             rng: rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
             maintenance: Maintenance::new(policy.as_ref()),
             policy,

@@ -7,7 +7,7 @@
 //! committed) at `--probe-at` seconds.
 //!
 //! A policy that reads the fleet's digest ([`kvroute_core::fleet_digest::FleetDigest`]:
-//! least_ttft, prefill_cost) is given one, built with the fleet, as the replay keeps one
+//! least_ttft, prefill_cost, kv_score) is given one, built with the fleet, as the replay keeps one
 //! beside its engines' views, so it reads only the workers that can win; `--no-digest`
 //! times decisions that read every view, as `kvroute serve`'s do.
 //!
@@ -137,13 +137,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     for &n in &sizes {
         let c = fleet(n);
-        let digest = kvroute_core::fleet_digest::FleetDigest::new(&c);
-        let digest = (!a.no_digest && !a.gateway).then_some(&digest);
         let gateway = if a.gateway { Some(gateway_fleet(n)?) } else { None };
         for name in &names {
             let p = warmed(name, &trace, &c).map_err(|e| anyhow::anyhow!("{e}"))?;
             // Kept for a policy that reads it, as the replay keeps it.
-            let digest = digest.filter(|_| p.reads_fleet_digest());
+            let digest = p.fleet_digest().filter(|_| !a.no_digest && !a.gateway).map(|mut d| {
+                d.refresh(&c);
+                d
+            });
+            let digest = digest.as_ref();
             let req = view(&pr, Some(&text));
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
             let mut h = hdrhistogram::Histogram::<u64>::new(3).context("histogram")?;

@@ -37,7 +37,11 @@
 //! most the score of the fleet's least util and power and most capacity with no overlap,
 //! so when that bound lies below the best holder's score minus `epsilon`, the holders
 //! alone make the tie band and are all that is scored and hashed (one pass gathers the
-//! norms, those extremes and the holders). Otherwise every worker is scored. The same
+//! norms, those extremes and the holders). Given a digest that keeps the fleet's norms
+//! and extremes as the views change ([`KV_SCORE_TERMS`], [`PickCtx::fleet`]; the replay
+//! and `kvroute bench decision` keep one, `kvroute serve` does not) the pass is skipped:
+//! the holders are found by position and theirs are the only views read. Otherwise every
+//! worker is scored. The same
 //! decision either way (a property test compares them with a full scan). The retry order
 //! is not worked out with the decision: it keeps what ranks the workers
 //! ([`Ranking`], a [`crate::policy::RetryOrder`]) and [`crate::policy::fallbacks`]
@@ -49,6 +53,7 @@
 //! waits. Other knobs go through [`Policy::set_knobs`].
 
 use crate::block_index::{BlockIndex, BlockIndexConfig};
+use crate::fleet_digest::{Figure, FleetDigest, ViewTerms};
 use crate::hash::{HashAlgo, prefix_key, request_blocks, stable_hash};
 use crate::policy::{
     Branch, Decision, KnobError, MAX_FALLBACKS, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs,
@@ -470,6 +475,47 @@ impl Ranking {
         if holders.is_empty() {
             return Err(n);
         }
+        self.holders_decide(c, &holders, n, &rest)
+    }
+
+    /// [`Ranking::holders_win`] with the fleet's norms and extremes read from a digest that
+    /// keeps kv_score's terms ([`KV_SCORE_TERMS`]) and describes `c`: the holders are found
+    /// from the index's overlaps by position, no other view is read. The extremes are
+    /// over every routable worker, holders too: a bound at least the others', so the
+    /// holders decide alone less often than after the pass, and always as a scan would.
+    fn holders_win_kept(&self, c: &[WorkerView], f: &FleetDigest) -> Result<Winner, Norms> {
+        let n = kept_norms(f, self.load_signal);
+        let mut holders: SmallVec<[(usize, usize); 16]> = SmallVec::new();
+        for &(id, held) in &self.overlaps {
+            let Some(i) = f.position(id) else { continue };
+            if c.get(i).is_some_and(|v| v.is_routable() && self.holds(v, held)) {
+                holders.push((i, held));
+            }
+        }
+        if holders.is_empty() {
+            return Err(n);
+        }
+        let rest = Extremes {
+            any: f.routable_count() > holders.len(),
+            // The least seed util is kept divided (`util`); the fraction is left at 1.
+            frac: (1, 1),
+            util: f.term_min(TERM_UTIL).unwrap_or(f64::INFINITY),
+            queued: f.term_min(TERM_QUEUED).unwrap_or(f64::INFINITY),
+            watts: f.term_min(TERM_WATTS).unwrap_or(f64::INFINITY),
+            cap: n.max_cap,
+        };
+        self.holders_decide(c, &holders, n, &rest)
+    }
+
+    /// The holders' winner (`holders`: positions in `c` and leading blocks held) when the
+    /// others (their extremes `rest`) cannot reach the band; else `Err(n)`.
+    fn holders_decide(
+        &self,
+        c: &[WorkerView],
+        holders: &[(usize, usize)],
+        n: Norms,
+        rest: &Extremes,
+    ) -> Result<Winner, Norms> {
         let scored: SmallVec<[Scored; 16]> =
             holders.iter().map(|&(i, held)| (self.score_of(&c[i], held, &n), c[i].id, c[i].tie_key)).collect();
         let best = scored.iter().map(|(s, _, _)| *s).fold(f64::NEG_INFINITY, f64::max);
@@ -611,6 +657,35 @@ fn norms<'a>(routable: impl Iterator<Item = &'a WorkerView>, signal: LoadSignal)
     })
 }
 
+/// The figures of a worker's view kv_score reads across the fleet, kept by a digest made
+/// with [`FleetDigest::with_terms`]`(&KV_SCORE_TERMS)` (the replay and `kvroute bench
+/// decision` keep one, [`Policy::fleet_digest`]): its power draw (0 when unknown), raw
+/// capacity, cgn-router's util and its queued work.
+pub static KV_SCORE_TERMS: ViewTerms =
+    ViewTerms { name: "kv_score", figures: &[watts_or_zero as Figure, capacity_raw, seed_util, queued] };
+
+const TERM_WATTS: usize = 0;
+const TERM_CAP: usize = 1;
+const TERM_UTIL: usize = 2;
+const TERM_QUEUED: usize = 3;
+
+/// A worker's power draw, 0 when unknown (as the power term reads it).
+fn watts_or_zero(v: &WorkerView) -> f64 {
+    v.power_watts.unwrap_or(0.0)
+}
+
+/// [`norms`] of the routable workers a digest keeping [`KV_SCORE_TERMS`] describes: the
+/// same maxima (each starts at 0 and a `NaN` is left out in both; unknown power counts as
+/// 0 here, which a maximum from 0 does not notice).
+fn kept_norms(f: &FleetDigest, signal: LoadSignal) -> Norms {
+    let most = |i| larger(0.0, f.term_max(i).unwrap_or(0.0));
+    Norms {
+        max_watts: most(TERM_WATTS),
+        max_cap: most(TERM_CAP),
+        max_queued: if signal == LoadSignal::Queue { most(TERM_QUEUED) } else { 0.0 },
+    }
+}
+
 /// The extremes of each term over workers holding none of the prefix: the best score any
 /// of them can have is [`score`] of them ([`Extremes::bound`]).
 #[derive(Debug, Clone, Copy)]
@@ -692,11 +767,14 @@ impl Policy for KvScore {
         ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
         let ranking = self.ranking(req, key, ctx.now);
+        // A digest keeping this policy's terms, describing these views.
+        let kept = ctx.fleet.filter(|f| f.terms().is_some_and(|t| t.name == KV_SCORE_TERMS.name) && f.usable_for(c));
         // With nothing of the prefix in the index, holders could come only from engine
         // reports: scan (no pass spent looking for them).
-        let won = match ranking.overlaps.is_empty() {
-            true => ranking.scan_winner(c, &norms(c.iter().filter(|v| v.is_routable()), ranking.load_signal)),
-            false => match ranking.holders_win(c) {
+        let won = match (ranking.overlaps.is_empty(), kept) {
+            (true, Some(f)) => ranking.scan_winner(c, &kept_norms(f, ranking.load_signal)),
+            (true, None) => ranking.scan_winner(c, &norms(c.iter().filter(|v| v.is_routable()), ranking.load_signal)),
+            (false, kept) => match kept.map_or_else(|| ranking.holders_win(c), |f| ranking.holders_win_kept(c, f)) {
                 Ok(w) => Some(w),
                 Err(n) => ranking.scan_winner(c, &n),
             },
@@ -750,6 +828,10 @@ impl Policy for KvScore {
 
     fn index_size(&self) -> u64 {
         self.index.entries() as u64
+    }
+
+    fn fleet_digest(&self) -> Option<FleetDigest> {
+        Some(FleetDigest::with_terms(&KV_SCORE_TERMS))
     }
 }
 
@@ -843,6 +925,10 @@ mod tests {
             let blocks: Vec<BlockHash> = probe.iter().map(|&h| BlockHash(h)).collect();
             let r = req(&blocks);
             let key = p.key(&r);
+            // The fleet as generated, and without engine-reported counts (which a digest
+            // does not describe).
+            let plain: Vec<WorkerView> = c.iter().map(|v| WorkerView { cached_tokens: None, ..*v }).collect();
+            for c in [c.clone(), plain] {
             let ranking = p.ranking(&r, &key, Nanos::from_secs(1));
             let scan = ranking.ranked(&c, 1);
             let by_scan = |w: &Winner| {
@@ -859,15 +945,33 @@ mod tests {
                     }
                 }
             }
-            let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
-            let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: None };
-            let picked = p.pick(&r, &key, &c, &mut ctx);
+            // The same from a digest keeping the policy's terms, brought to this fleet view
+            // by view from another one (where it is usable: no engine-reported counts).
+            let mut digest = p.fleet_digest().expect("kv_score reads a digest");
+            digest.refresh(&fleet_of(&specs.iter().rev().copied().collect::<Vec<_>>()));
+            digest.refresh(&c);
+            prop_assert!(digest.describes(&c));
+            if digest.usable_for(&c) {
+                match ranking.holders_win_kept(&c, &digest) {
+                    Ok(w) => prop_assert!(by_scan(&w), "holders (digest): {:?}, scan: {:?}", w, scan),
+                    Err(n) => {
+                        prop_assert_eq!(format!("{n:?}"), format!("{:?}", norms(c.iter().filter(|v| v.is_routable()), ranking.load_signal)));
+                        prop_assert_eq!(format!("{n:?}"), format!("{:?}", kept_norms(&digest, ranking.load_signal)));
+                    }
+                }
+            }
             let scanned = ranking.decide_by_scan(&c);
-            prop_assert_eq!(picked.is_ok(), scanned.is_ok());
-            if let (Ok(a), Ok(b)) = (picked, scanned) {
-                // The same retry order too, then the rest of the decision.
-                prop_assert_eq!(crate::policy::fallbacks(&a, &c), crate::policy::fallbacks(&b, &c));
-                prop_assert_eq!(a, b);
+            for fleet in [None, Some(&digest)] {
+                let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
+                let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet };
+                let picked = p.pick(&r, &key, &c, &mut ctx);
+                prop_assert_eq!(picked.is_ok(), scanned.is_ok());
+                if let (Ok(a), Ok(b)) = (picked, &scanned) {
+                    // The same retry order too, then the rest of the decision.
+                    prop_assert_eq!(crate::policy::fallbacks(&a, &c), crate::policy::fallbacks(b, &c));
+                    prop_assert_eq!(&a, b);
+                }
+            }
             }
         }
     }

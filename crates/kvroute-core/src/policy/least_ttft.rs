@@ -1067,8 +1067,8 @@ impl Policy for LeastTtft {
         self.cost.on_routed(req, key, worker, now);
     }
 
-    fn reads_fleet_digest(&self) -> bool {
-        true
+    fn fleet_digest(&self) -> Option<FleetDigest> {
+        Some(FleetDigest::default())
     }
 
     fn on_worker_removed(&mut self, worker: WorkerId) {

@@ -395,11 +395,13 @@ pub trait Policy: Send + Sync + std::fmt::Debug + Twin {
         false
     }
 
-    /// Whether [`Policy::pick`] reads [`PickCtx::fleet`] when given one (least_ttft,
-    /// prefill_cost): a caller keeps a [`FleetDigest`] beside its views only for a policy
-    /// that reads it.
-    fn reads_fleet_digest(&self) -> bool {
-        false
+    /// The digest [`Policy::pick`] reads from [`PickCtx::fleet`] when given one, empty:
+    /// a caller keeps it beside its views ([`FleetDigest::refresh`],
+    /// [`FleetDigest::update`]) only for a policy that returns one. least_ttft and
+    /// prefill_cost read the plain digest, kv_score one that also keeps its terms
+    /// ([`FleetDigest::with_terms`]); `None` (the default) for a policy that reads none.
+    fn fleet_digest(&self) -> Option<FleetDigest> {
+        None
     }
 
     /// A worker left the fleet (removed, or dead after retries): forget all its state

@@ -455,8 +455,8 @@ impl Policy for PrefillCost {
         Ok(Decision::new(w, branch).with_match(m.0, m.1, m.2).with_score(cost as f64))
     }
 
-    fn reads_fleet_digest(&self) -> bool {
-        true
+    fn fleet_digest(&self) -> Option<FleetDigest> {
+        Some(FleetDigest::default())
     }
 
     fn on_routed(&mut self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, _now: Nanos) {
