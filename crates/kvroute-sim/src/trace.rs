@@ -633,12 +633,30 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    fn tmp(name: &str, body: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("kvroute-trace-test-{}", std::process::id()));
+    /// A file written for one test, removed with its directory when dropped.
+    struct Tmp(PathBuf);
+
+    impl std::ops::Deref for Tmp {
+        type Target = Path;
+        fn deref(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Tmp {
+        fn drop(&mut self) {
+            if let Some(dir) = self.0.parent() {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        }
+    }
+
+    fn tmp(name: &str, body: &str) -> Tmp {
+        let dir = std::env::temp_dir().join(format!("kvroute-trace-test-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("tmp dir");
         let p = dir.join(name);
         std::fs::File::create(&p).and_then(|mut f| f.write_all(body.as_bytes())).expect("write");
-        p
+        Tmp(p)
     }
 
     #[test]
@@ -832,7 +850,8 @@ mod tests {
         };
         let e = read(Path::new("/nonexistent/x.jsonl"), None).expect_err("missing");
         assert_eq!(chain(&e).matches("os error 2").count(), 1, "{}", chain(&e));
-        let dir = tmp("d.jsonl", "").with_file_name("a-directory.jsonl");
+        let file = tmp("d.jsonl", "");
+        let dir = file.with_file_name("a-directory.jsonl");
         std::fs::create_dir_all(&dir).expect("dir");
         let e = read(&dir, None).expect_err("a directory");
         assert!(chain(&e).starts_with(&format!("{}: cannot read: ", dir.display())), "{}", chain(&e));

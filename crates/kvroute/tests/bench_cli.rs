@@ -212,9 +212,12 @@ fn compare_runs_to_completion() {
         (None, _) => "",
     };
     let json = std::env::temp_dir().join(format!("kvroute-compare-{}.json", std::process::id()));
+    let logs = std::env::temp_dir().join(format!("kvroute-compare-logs-{}", std::process::id()));
     let mut args = vec![
         "bench",
         "compare",
+        "--log-dir",
+        logs.to_str().expect("utf-8"),
         "--requests",
         "40",
         "--overhead-secs",
@@ -253,6 +256,7 @@ fn compare_runs_to_completion() {
         assert!((shares - 1.0).abs() < 1e-6, "shares sum to 1: {shares}");
     }
     let _ = std::fs::remove_file(&json);
+    let _ = std::fs::remove_dir_all(&logs);
 }
 
 #[test]

@@ -348,6 +348,7 @@ fn a_closed_pipe_ends_the_replay_without_a_panic() {
         .output()
         .expect("run");
     let err = String::from_utf8_lossy(&out.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
     assert!(out.status.success(), "{:?}\n{err}", out.status);
     assert!(!err.contains("panicked"), "{err}");
 }

@@ -33,6 +33,7 @@ fn invalid_config_is_refused_naming_the_key() {
         .args(["serve", "--config", cfg.to_str().expect("utf8"), "--port", "0"])
         .output()
         .expect("run");
+    let _ = std::fs::remove_dir_all(&dir);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("policy_knobs") && err.contains("cache_treshold"), "{err}");
