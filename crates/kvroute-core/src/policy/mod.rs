@@ -628,7 +628,7 @@ pub(crate) fn routable_view_of<'c>(
     id: WorkerId,
 ) -> Option<&'c WorkerView> {
     match fleet.filter(|f| f.usable_for(candidates)) {
-        Some(_) => view_of(candidates, fleet, id).filter(|w| w.is_routable()),
+        Some(f) => f.position(id).and_then(|p| candidates.get(p)).filter(|w| w.id == id && w.is_routable()),
         None => candidates.iter().find(|w| w.id == id && w.is_routable()),
     }
 }
