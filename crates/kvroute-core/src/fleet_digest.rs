@@ -217,6 +217,12 @@ impl FleetDigest {
         self.terms.as_ref()?.sets.get(i)?.max()
     }
 
+    /// Whether some routable worker's figure for term `i` is not a number (false when the
+    /// digest keeps no such term).
+    pub fn term_has_nan(&self, i: usize) -> bool {
+        self.terms.as_ref().and_then(|t| t.sets.get(i)).is_some_and(|m| m.1 > 0)
+    }
+
     /// Routable workers.
     pub fn routable_count(&self) -> usize {
         self.sums.n as usize
@@ -472,9 +478,10 @@ impl PartialEq for KeptTerms {
     }
 }
 
-/// Numbers with repeats, ordered as [`f64::total_cmp`] orders them (`NaN` left out).
+/// Numbers with repeats, ordered as [`f64::total_cmp`] orders them; `NaN`s are only
+/// counted.
 #[derive(Debug, Clone, Default, PartialEq)]
-struct Multiset(BTreeMap<u64, u32>);
+struct Multiset(BTreeMap<u64, u32>, u32);
 
 impl Multiset {
     /// The key that orders `x` as `total_cmp` does.
@@ -488,13 +495,16 @@ impl Multiset {
     }
 
     fn insert(&mut self, x: f64) {
-        if !x.is_nan() {
+        if x.is_nan() {
+            self.1 += 1;
+        } else {
             *self.0.entry(Self::key(x)).or_default() += 1;
         }
     }
 
     fn remove(&mut self, x: f64) {
         if x.is_nan() {
+            self.1 = self.1.saturating_sub(1);
             return;
         }
         if let std::collections::btree_map::Entry::Occupied(mut e) = self.0.entry(Self::key(x)) {
@@ -577,6 +587,7 @@ mod tests {
                     prop_assert_eq!(t.term_max(i), xs.iter().copied().reduce(f64::max));
                 }
                 prop_assert_eq!(t.routable_count(), views.iter().filter(|v| v.is_routable()).count());
+                prop_assert_eq!(t.term_has_nan(0), views.iter().any(|v| v.is_routable() && TEST_TERMS.figures[0](v).is_nan()));
             }
             let again: Vec<WorkerView> = regrown.iter().enumerate().map(|(i, &s)| view(i as u32, s)).collect();
             d.refresh(&again);

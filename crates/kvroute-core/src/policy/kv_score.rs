@@ -40,8 +40,12 @@
 //! norms, those extremes and the holders). Given a digest that keeps the fleet's norms
 //! and extremes as the views change ([`KV_SCORE_TERMS`], [`PickCtx::fleet`]; the replay
 //! and `kvroute bench decision` keep one, `kvroute serve` does not) the pass is skipped:
-//! the holders are found by position and theirs are the only views read. Otherwise every
-//! worker is scored. The same
+//! the holders are found by position and theirs are the only views read. With nothing of
+//! the prompt cached, such a digest can also show that every routable worker is within
+//! `epsilon` of the best (the best possible score minus `epsilon` is at most the worst
+//! possible one, as on a lightly loaded fleet of one kind of engine): the winner is then
+//! the largest tie-break hash over the fleet, found in one pass that scores no worker.
+//! Otherwise every worker is scored. The same
 //! decision either way (a property test compares them with a full scan). The retry order
 //! is not worked out with the decision: it keeps what ranks the workers
 //! ([`Ranking`], a [`crate::policy::RetryOrder`]) and [`crate::policy::fallbacks`]
@@ -558,6 +562,46 @@ impl Ranking {
         }
     }
 
+    /// The winner when nothing of the prompt is cached and a digest keeping kv_score's
+    /// terms shows that every routable worker is in the tie band: the score of the least
+    /// util and power and most capacity (at least the best score) minus `epsilon` is at
+    /// most the score of the most util and power and least capacity (at most any worker's),
+    /// as on a lightly loaded fleet of one kind of engine. cgn-router's tie-break then takes
+    /// the largest hash of (worker, prefix) over every routable worker — one pass over the
+    /// views that scores none of them. The same winner, score and band as
+    /// [`Ranking::scan_winner`] (every operation of the score is monotone, so each worker's
+    /// score lies between the two). `None` when that is not shown: the caller scans.
+    fn all_tie_winner(&self, c: &[WorkerView], f: &FleetDigest, n: &Norms) -> Option<Winner> {
+        let terms = [TERM_WATTS, TERM_CAP, TERM_UTIL, TERM_QUEUED];
+        if !self.overlaps.is_empty() || terms.iter().any(|&t| f.term_has_nan(t)) {
+            return None;
+        }
+        let (least_util, most_util) = match self.load_signal {
+            LoadSignal::Seed => (f.term_min(TERM_UTIL)?, f.term_max(TERM_UTIL)?),
+            LoadSignal::Queue => (queue_util(f.term_min(TERM_QUEUED)?, n), queue_util(f.term_max(TERM_QUEUED)?, n)),
+        };
+        let share = |raw: f64| if n.max_cap > 0.0 { raw / n.max_cap } else { 0.0 };
+        let w = self.live.weights;
+        let (watts, cap) =
+            ((f.term_min(TERM_WATTS)?, f.term_max(TERM_WATTS)?), (f.term_min(TERM_CAP)?, f.term_max(TERM_CAP)?));
+        let upper = score(w, 0.0, least_util, norm_watts(watts.0, n), share(cap.1));
+        let lower = score(w, 0.0, most_util, norm_watts(watts.1, n), share(cap.0));
+        if !(upper.is_finite() && lower.is_finite() && lower >= upper - self.live.epsilon) {
+            return None;
+        }
+        let mut tied = 0;
+        let mut win: Option<((u64, WorkerId), &WorkerView)> = None;
+        for v in c.iter().filter(|v| v.is_routable()) {
+            tied += 1;
+            let k = (!self.tie(v.id, v.tie_key), v.id);
+            if win.is_none_or(|(w, _)| k < w) {
+                win = Some((k, v));
+            }
+        }
+        let ((_, worker), v) = win?;
+        Some(Winner { worker, score: self.score_of(v, 0, n), tied })
+    }
+
     /// The decision naming `w`, keeping this ranking for a retry's order.
     fn decision(self, w: Winner) -> Decision {
         let held = self.overlaps.binary_search_by_key(&w.worker, |(id, _)| *id).map_or(0, |i| self.overlaps[i].1);
@@ -772,7 +816,10 @@ impl Policy for KvScore {
         // With nothing of the prefix in the index, holders could come only from engine
         // reports: scan (no pass spent looking for them).
         let won = match (ranking.overlaps.is_empty(), kept) {
-            (true, Some(f)) => ranking.scan_winner(c, &kept_norms(f, ranking.load_signal)),
+            (true, Some(f)) => {
+                let n = kept_norms(f, ranking.load_signal);
+                ranking.all_tie_winner(c, f, &n).or_else(|| ranking.scan_winner(c, &n))
+            }
             (true, None) => ranking.scan_winner(c, &norms(c.iter().filter(|v| v.is_routable()), ranking.load_signal)),
             (false, kept) => match kept.map_or_else(|| ranking.holders_win(c), |f| ranking.holders_win_kept(c, f)) {
                 Ok(w) => Some(w),
@@ -974,6 +1021,86 @@ mod tests {
             }
             }
         }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..Default::default() })]
+
+        /// With nothing of the prompt in the index and a digest, a fleet whose every worker
+        /// is shown to be in the tie band is decided by hashes alone, as the scan decides it;
+        /// and the policy's decision with the digest is the scan's either way.
+        #[test]
+        fn a_fleet_all_in_the_band_is_decided_by_hashes_as_the_scan_decides(
+            specs in proptest::collection::vec(spec(), 1..40),
+            (light, same_kind, nan_watts) in (proptest::bool::weighted(0.7), proptest::bool::weighted(0.7), proptest::bool::weighted(0.1)),
+            queue in proptest::bool::ANY,
+            epsilon in prop_oneof![Just(0.0f64), Just(0.01), 0.0f64..0.3],
+            short in proptest::bool::ANY,
+        ) {
+            let mut specs = specs;
+            let (watts, cap) = (specs[0].3, specs[0].4);
+            for s in specs.iter_mut() {
+                s.6 = None;
+                if light {
+                    // A lightly loaded fleet: 0–5 requests of 256.
+                    s.1 = 256;
+                }
+                if same_kind {
+                    (s.3, s.4) = (watts, cap);
+                }
+            }
+            if nan_watts {
+                specs[0].3 = Some(f64::NAN);
+            }
+            let c = fleet_of(&specs);
+            let cfg = KvScoreConfig {
+                epsilon,
+                load_signal: if queue { LoadSignal::Queue } else { LoadSignal::Seed },
+                ..Default::default()
+            };
+            let p = KvScore::new(cfg);
+            // A prompt of blocks, or one shorter than a block (keyed by its text).
+            let blocks = [BlockHash(1), BlockHash(2)];
+            let r = if short { RequestView::from_text("m", "hi") } else { req(&blocks) };
+            let key = p.key(&r);
+            let mut digest = p.fleet_digest().expect("kv_score reads a digest");
+            digest.refresh(&c);
+            let ranking = p.ranking(&r, &key, Nanos::from_secs(1));
+            let scan = ranking.ranked(&c, 1);
+            let n = kept_norms(&digest, ranking.load_signal);
+            if let Some(w) = ranking.all_tie_winner(&c, &digest, &n) {
+                let (head, tied) = scan.expect("a routable worker");
+                prop_assert_eq!((w.worker, w.score.to_bits(), w.tied), (head[0].1, head[0].0.to_bits(), tied));
+                prop_assert_eq!(tied, c.iter().filter(|v| v.is_routable()).count());
+            }
+            let scanned = ranking.decide_by_scan(&c);
+            let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
+            let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: Some(&digest) };
+            let picked = p.pick(&r, &key, &c, &mut ctx);
+            prop_assert_eq!(picked.is_ok(), scanned.is_ok());
+            if let (Ok(a), Ok(b)) = (picked, scanned) {
+                prop_assert_eq!(crate::policy::fallbacks(&a, &c), crate::policy::fallbacks(&b, &c));
+                prop_assert_eq!(a, b);
+            }
+        }
+    }
+
+    /// The bench's fleet (0–6 requests of 256 on each worker, one kind of engine) is one tie
+    /// band when nothing is cached: decided by hashes alone, from the digest.
+    #[test]
+    fn the_bench_fleet_cold_is_one_tie_band() {
+        let c = crate::decision_bench::fleet(64);
+        let p = KvScore::new(KvScoreConfig::default());
+        let blocks = [BlockHash(1), BlockHash(2)];
+        let r = req(&blocks);
+        let key = p.key(&r);
+        let mut digest = p.fleet_digest().expect("kv_score reads a digest");
+        digest.refresh(&c);
+        let ranking = p.ranking(&r, &key, Nanos::from_secs(1));
+        let n = kept_norms(&digest, ranking.load_signal);
+        let w = ranking.all_tie_winner(&c, &digest, &n).expect("every worker ties");
+        assert_eq!(w.tied, 64);
+        assert_eq!(w.worker, ranking.decide_by_scan(&c).expect("routable").worker);
     }
 
     /// A busy fleet where two workers hold the prompt's prefix: they decide without a scan,
