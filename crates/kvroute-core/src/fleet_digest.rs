@@ -20,7 +20,8 @@
 //! figures of each routable view a policy names ([`ViewTerms`]): kv_score (Cognitora
 //! cgn-router's score) normalises its terms by the fleet's most power, capacity and
 //! queued work, and bounds the workers holding none of a prompt by the fleet's least util
-//! and power, so with one it reads only the prefix holders' views when they decide alone.
+//! and power, so with one it reads only the prefix holders' views when they decide alone
+//! (and, with nothing cached, shows when every worker ties).
 //!
 //! Where most of the fleet can win (more routable workers idle than `64 + n / 8`, as on an
 //! over-provisioned fleet where every idle worker holding nothing of a prompt ties) a
@@ -29,8 +30,8 @@
 //!
 //! Pure data: no clock, no lock. A policy says which digest it reads
 //! ([`crate::policy::Policy::fleet_digest`]). The replay keeps one beside its views and
-//! updates it for the engines that moved; `kvroute bench decision` builds one with its fleet. The gateway
-//! keeps none yet: `kvroute serve`'s decisions read every view.
+//! updates it for the engines that moved; `kvroute bench decision` builds one with its
+//! fleet. The gateway keeps none yet: `kvroute serve`'s decisions read every view.
 
 use crate::types::{WorkerId, WorkerView};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -195,8 +196,9 @@ impl FleetDigest {
 
     /// An empty digest that also keeps, over the routable workers, the least and most of
     /// each of `terms`' figures ([`FleetDigest::term_min`], [`FleetDigest::term_max`]);
-    /// bring it to a fleet with [`FleetDigest::refresh`]. Each term costs an ordered-map
-    /// update a changed view and ~40 bytes a worker.
+    /// bring it to a fleet with [`FleetDigest::refresh`]. The figures cost 32 bytes a
+    /// worker, plus an ordered-map entry per distinct value of each; a changed view, an
+    /// ordered-map update per figure.
     pub fn with_terms(terms: &'static ViewTerms) -> FleetDigest {
         FleetDigest { terms: Some(Box::new(KeptTerms::empty(terms))), ..FleetDigest::default() }
     }
@@ -426,8 +428,9 @@ pub type Figure = fn(&WorkerView) -> f64;
 /// [`FleetDigest`] made with [`FleetDigest::with_terms`] keeps: a policy that normalises
 /// its score by fleet maxima, or bounds the workers it does not score by fleet extremes,
 /// reads them there instead of in a pass over the views (kv_score, Cognitora cgn-router's
-/// four-term score). A figure that is not a number (`NaN`) is left out, as a
-/// comparison-based maximum leaves it out.
+/// four-term score). A figure that is not a number (`NaN`) is left out of the least and
+/// most, as a comparison-based maximum leaves it out, and counted
+/// ([`FleetDigest::term_has_nan`]).
 #[derive(Debug)]
 pub struct ViewTerms {
     /// Names the set, so a policy can check that a digest keeps its own figures.

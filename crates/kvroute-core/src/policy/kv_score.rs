@@ -976,49 +976,49 @@ mod tests {
             // does not describe).
             let plain: Vec<WorkerView> = c.iter().map(|v| WorkerView { cached_tokens: None, ..*v }).collect();
             for c in [c.clone(), plain] {
-            let ranking = p.ranking(&r, &key, Nanos::from_secs(1));
-            let scan = ranking.ranked(&c, 1);
-            let by_scan = |w: &Winner| {
-                let (head, tied) = scan.clone().expect("a routable worker");
-                (w.worker, w.score.to_bits(), w.tied) == (head[0].1, head[0].0.to_bits(), tied)
-            };
-            match ranking.holders_win(&c) {
-                Ok(w) => prop_assert!(by_scan(&w), "holders: {:?}, scan: {:?}", w, scan),
-                Err(n) => {
-                    prop_assert_eq!(format!("{n:?}"), format!("{:?}", norms(c.iter().filter(|v| v.is_routable()), ranking.load_signal)));
-                    match ranking.scan_winner(&c, &n) {
-                        Some(w) => prop_assert!(by_scan(&w), "scan_winner: {:?}, scan: {:?}", w, scan),
-                        None => prop_assert!(scan.is_none()),
-                    }
-                }
-            }
-            // The same from a digest keeping the policy's terms, brought to this fleet view
-            // by view from another one (where it is usable: no engine-reported counts).
-            let mut digest = p.fleet_digest().expect("kv_score reads a digest");
-            digest.refresh(&fleet_of(&specs.iter().rev().copied().collect::<Vec<_>>()));
-            digest.refresh(&c);
-            prop_assert!(digest.describes(&c));
-            if digest.usable_for(&c) {
-                match ranking.holders_win_kept(&c, &digest) {
-                    Ok(w) => prop_assert!(by_scan(&w), "holders (digest): {:?}, scan: {:?}", w, scan),
+                let ranking = p.ranking(&r, &key, Nanos::from_secs(1));
+                let scan = ranking.ranked(&c, 1);
+                let by_scan = |w: &Winner| {
+                    let (head, tied) = scan.clone().expect("a routable worker");
+                    (w.worker, w.score.to_bits(), w.tied) == (head[0].1, head[0].0.to_bits(), tied)
+                };
+                match ranking.holders_win(&c) {
+                    Ok(w) => prop_assert!(by_scan(&w), "holders: {:?}, scan: {:?}", w, scan),
                     Err(n) => {
                         prop_assert_eq!(format!("{n:?}"), format!("{:?}", norms(c.iter().filter(|v| v.is_routable()), ranking.load_signal)));
-                        prop_assert_eq!(format!("{n:?}"), format!("{:?}", kept_norms(&digest, ranking.load_signal)));
+                        match ranking.scan_winner(&c, &n) {
+                            Some(w) => prop_assert!(by_scan(&w), "scan_winner: {:?}, scan: {:?}", w, scan),
+                            None => prop_assert!(scan.is_none()),
+                        }
                     }
                 }
-            }
-            let scanned = ranking.decide_by_scan(&c);
-            for fleet in [None, Some(&digest)] {
-                let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
-                let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet };
-                let picked = p.pick(&r, &key, &c, &mut ctx);
-                prop_assert_eq!(picked.is_ok(), scanned.is_ok());
-                if let (Ok(a), Ok(b)) = (picked, &scanned) {
-                    // The same retry order too, then the rest of the decision.
-                    prop_assert_eq!(crate::policy::fallbacks(&a, &c), crate::policy::fallbacks(b, &c));
-                    prop_assert_eq!(&a, b);
+                // The same from a digest keeping the policy's terms, brought to this fleet view
+                // by view from another one (where it is usable: no engine-reported counts).
+                let mut digest = p.fleet_digest().expect("kv_score reads a digest");
+                digest.refresh(&fleet_of(&specs.iter().rev().copied().collect::<Vec<_>>()));
+                digest.refresh(&c);
+                prop_assert!(digest.describes(&c));
+                if digest.usable_for(&c) {
+                    match ranking.holders_win_kept(&c, &digest) {
+                        Ok(w) => prop_assert!(by_scan(&w), "holders (digest): {:?}, scan: {:?}", w, scan),
+                        Err(n) => {
+                            prop_assert_eq!(format!("{n:?}"), format!("{:?}", norms(c.iter().filter(|v| v.is_routable()), ranking.load_signal)));
+                            prop_assert_eq!(format!("{n:?}"), format!("{:?}", kept_norms(&digest, ranking.load_signal)));
+                        }
+                    }
                 }
-            }
+                let scanned = ranking.decide_by_scan(&c);
+                for fleet in [None, Some(&digest)] {
+                    let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
+                    let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet };
+                    let picked = p.pick(&r, &key, &c, &mut ctx);
+                    prop_assert_eq!(picked.is_ok(), scanned.is_ok());
+                    if let (Ok(a), Ok(b)) = (picked, &scanned) {
+                        // The same retry order too, then the rest of the decision.
+                        prop_assert_eq!(crate::policy::fallbacks(&a, &c), crate::policy::fallbacks(b, &c));
+                        prop_assert_eq!(&a, b);
+                    }
+                }
             }
         }
     }
