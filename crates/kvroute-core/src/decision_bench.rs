@@ -44,10 +44,18 @@ pub fn parse_mooncake(text: &str) -> Result<Vec<TraceReq>, String> {
 /// prefill; each named by a stable key ([`WorkerView::tie_key`]), as the gateway names every
 /// worker by its URL, so consistent_hash and kv_score hash what they hash in `kvroute serve`.
 pub fn fleet(n: usize) -> Vec<WorkerView> {
+    fleet_loaded(n, 7)
+}
+
+/// [`fleet`] with `i % spread` requests in flight on worker `i` (of the 256 a worker takes):
+/// 7 is the bench's light fleet, where every worker is within kv_score's tie band of the
+/// least loaded; ~100 a busy one, where loads spread past it. A `spread` of 0 reads as 1.
+pub fn fleet_loaded(n: usize, spread: u32) -> Vec<WorkerView> {
+    let spread = spread.max(1) as usize;
     (0..n)
         .map(|i| {
             let mut w = WorkerView::idle(WorkerId(i as u32));
-            w.in_flight = (i % 7) as u32;
+            w.in_flight = (i % spread) as u32;
             w.pending_prefill_tokens = (i as u64 % 5) * 1000;
             w.tie_key = Some(crate::hash::stable_hash(format!("http://worker-{i}:8000").as_bytes()));
             w

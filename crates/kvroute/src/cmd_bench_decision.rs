@@ -15,12 +15,12 @@
 //! workers are a gateway fleet ([`kvroute_gateway::fleet::Fleet`]) of N workers serving
 //! the model, and each decision starts from `Fleet::candidates` (the model's roster, each
 //! worker's view read from its atomics) and ends when those candidates are dropped. Loads
-//! are open requests on the workers' counters: `i % 7` in flight on worker `i`, the first
-//! of them with `(i % 5) × 1000` tokens to prefill (a worker with nothing in flight has
-//! nothing queued, unlike the fixture's).
+//! are open requests on the workers' counters: `i % 7` in flight on worker `i` (7 is
+//! `--in-flight-spread`), the first of them with `(i % 5) × 1000` tokens to prefill (a
+//! worker with nothing in flight has nothing queued, unlike the fixture's).
 
 use anyhow::{Context, bail};
-use kvroute_core::decision_bench::{TraceReq, fleet, parse_mooncake, probe, view, warmed};
+use kvroute_core::decision_bench::{TraceReq, fleet_loaded, parse_mooncake, probe, view, warmed};
 use kvroute_core::policy::{PickCtx, decide};
 use kvroute_core::registry;
 use kvroute_core::types::Nanos;
@@ -70,17 +70,25 @@ pub struct Args {
     /// nothing: pass 13 to probe it warm. JSON objects say `probe_at_secs`.
     #[arg(long, default_value_t = 4000.0)]
     pub probe_at: f64,
+    /// Worker `i` runs `i % N` requests of the 256 it takes (1 to 256). The default 7 is a
+    /// light fleet (every worker within kv_score's tie band of the least loaded); ~100 a
+    /// busy one. JSON objects say `in_flight_spread`.
+    #[arg(long, default_value_t = 7)]
+    pub in_flight_spread: u32,
 }
 
 /// A gateway fleet of `n` workers serving model `m`, loaded as the module doc says, and the
 /// open requests that hold the load (dropping them settles it).
-fn gateway_fleet(n: usize) -> anyhow::Result<(kvroute_gateway::fleet::Fleet, Vec<kvroute_core::ledger::LoadTicket>)> {
+fn gateway_fleet(
+    n: usize,
+    spread: u32,
+) -> anyhow::Result<(kvroute_gateway::fleet::Fleet, Vec<kvroute_core::ledger::LoadTicket>)> {
     let fleet = kvroute_gateway::fleet::Fleet::default();
     let mut open = Vec::new();
     for i in 0..n {
         let url = format!("http://w{i}.bench.invalid:8000");
         let (w, _) = fleet.add(&url, vec!["m".into()], kvroute_core::types::Health::Healthy)?;
-        for k in 0..i % 7 {
+        for k in 0..i % spread as usize {
             let queued = if k == 0 { (i as u64 % 5) * 1000 } else { 0 };
             open.push(w.load.dispatched(queued, 256));
         }
@@ -121,6 +129,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !(1..=MAX_DECISIONS).contains(&a.decisions) {
         bail!("--decisions: from 1 to {MAX_DECISIONS}");
     }
+    if !(1..=256).contains(&a.in_flight_spread) {
+        bail!("--in-flight-spread: from 1 to 256, got {}", a.in_flight_spread);
+    }
     if !(0.0..=1e9).contains(&a.probe_at) {
         bail!("--probe-at: seconds from 0 to 1e9, got {}", a.probe_at);
     }
@@ -136,8 +147,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!("workers policy              p50_ns    p99_ns  p99.9_ns    max_ns  index_size");
     }
     for &n in &sizes {
-        let c = fleet(n);
-        let gateway = if a.gateway { Some(gateway_fleet(n)?) } else { None };
+        let c = fleet_loaded(n, a.in_flight_spread);
+        let gateway = if a.gateway { Some(gateway_fleet(n, a.in_flight_spread)?) } else { None };
         for name in &names {
             let p = warmed(name, &trace, &c).map_err(|e| anyhow::anyhow!("{e}"))?;
             // Kept for a policy that reads it, as the replay keeps it.
@@ -168,7 +179,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if a.json {
                 let o = serde_json::json!({"policy": name, "workers": n, "p50_ns": p50, "p99_ns": p99,
                     "p999_ns": p999, "max_ns": max, "index_size": p.index_size(), "prompt_tokens": a.prompt_tokens,
-                    "gateway": a.gateway, "digest": digest.is_some(), "probe_at_secs": a.probe_at});
+                    "gateway": a.gateway, "digest": digest.is_some(), "probe_at_secs": a.probe_at,
+                    "in_flight_spread": a.in_flight_spread});
                 println!("{o}");
             } else {
                 println!("{n:>7} {name:<16} {p50:>9} {p99:>9} {p999:>9} {max:>9} {:>11}", p.index_size());

@@ -291,6 +291,25 @@ fn bench_decision_prints_one_json_object_per_policy_and_fleet_size() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown policy `no_such_policy`"));
     let huge = kvroute(&["bench", "decision", "--prompt-tokens", "4000000000"]);
     assert!(String::from_utf8_lossy(&huge.stderr).contains("--prompt-tokens: from 1 to"), "refused before allocating");
+    let spread = kvroute(&["bench", "decision", "--in-flight-spread", "0"]);
+    assert!(String::from_utf8_lossy(&spread.stderr).contains("--in-flight-spread: from 1 to 256"));
+    // A busy fleet: the spread is echoed.
+    let busy = kvroute(&[
+        "bench",
+        "decision",
+        "--workers",
+        "300",
+        "--policy",
+        "kv_score",
+        "--decisions",
+        "20",
+        "--in-flight-spread",
+        "97",
+        "--json",
+    ]);
+    assert!(busy.status.success(), "{}", String::from_utf8_lossy(&busy.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&busy.stdout).expect("one JSON object");
+    assert_eq!(r["in_flight_spread"], 97, "{r}");
 }
 
 #[test]
