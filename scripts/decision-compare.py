@@ -6,10 +6,11 @@ policies change the later ones' timings (heap layout), so each round runs the OL
 then the NEW one, each policy in a process of its own; the table is the median of the
 rounds' p50 and p99 per policy and fleet size, in microseconds.
 
-usage: scripts/decision-compare.py [--gateway] [--probe-at SECS] OLD_BINARY NEW_BINARY WORKERS ROUNDS [POLICY,...]
+usage: scripts/decision-compare.py [--gateway] [--probe-at SECS] [--in-flight-spread N] OLD_BINARY NEW_BINARY WORKERS ROUNDS [POLICY,...]
        WORKERS as `kvroute bench decision --workers` (e.g. 256,1024,4096)
        --gateway: each decision with the gateway's candidate read (`bench decision --gateway`)
        --probe-at: when the probe is decided (`bench decision --probe-at`; both binaries need it)
+       --in-flight-spread: the fleet's load spread (`bench decision --in-flight-spread`; both binaries need it)
 """
 import json
 import statistics
@@ -22,12 +23,12 @@ POLICIES = ("round_robin,random,least_load,power_of_two,consistent_hash,cache_aw
 
 def main() -> int:
     extra = []
-    while len(sys.argv) > 1 and sys.argv[1] in ("--gateway", "--probe-at"):
+    while len(sys.argv) > 2 and sys.argv[1] in ("--gateway", "--probe-at", "--in-flight-spread"):
         if sys.argv[1] == "--gateway":
             extra.append("--gateway")
             del sys.argv[1]
         else:
-            extra += ["--probe-at", sys.argv[2]]
+            extra += [sys.argv[1], sys.argv[2]]
             del sys.argv[1:3]
     if len(sys.argv) < 5:
         print(__doc__, file=sys.stderr)

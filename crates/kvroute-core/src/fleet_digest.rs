@@ -219,6 +219,20 @@ impl FleetDigest {
         self.terms.as_ref()?.sets.get(i)?.max()
     }
 
+    /// Whether every routable worker has the same figure for term `i`, bit for bit, and it
+    /// is a number (false when no worker is routable or the digest keeps no such term).
+    pub fn term_uniform(&self, i: usize) -> bool {
+        self.terms.as_ref().and_then(|t| t.sets.get(i)).is_some_and(|m| m.0.len() == 1 && m.1 == 0)
+    }
+
+    /// The positions of the routable workers in increasing figure of term `i` (ties by
+    /// position), for a term the digest keeps in order ([`ViewTerms::ordered`]); workers
+    /// whose figure is not a number are left out. `None` for a term not kept in order.
+    pub fn term_order(&self, i: usize) -> Option<impl Iterator<Item = usize> + '_> {
+        let set = self.terms.as_ref()?.order.get(i)?.as_ref()?;
+        Some(set.iter().map(|&(_, pos)| pos as usize))
+    }
+
     /// Whether some routable worker's figure for term `i` is not a number (false when the
     /// digest keeps no such term).
     pub fn term_has_nan(&self, i: usize) -> bool {
@@ -374,6 +388,11 @@ impl FleetDigest {
             for (set, &x) in t.sets.iter_mut().zip(&values) {
                 set.insert(x);
             }
+            for (order, &x) in t.order.iter_mut().zip(&values) {
+                if let Some(o) = order.as_mut().filter(|_| !x.is_nan()) {
+                    o.insert((Multiset::key(x), pos as u32));
+                }
+            }
         }
     }
 
@@ -400,6 +419,11 @@ impl FleetDigest {
             let values = t.values[pos];
             for (set, &x) in t.sets.iter_mut().zip(&values) {
                 set.remove(x);
+            }
+            for (order, &x) in t.order.iter_mut().zip(&values) {
+                if let Some(o) = order.as_mut() {
+                    o.remove(&(Multiset::key(x), pos as u32));
+                }
             }
         }
     }
@@ -437,6 +461,10 @@ pub struct ViewTerms {
     pub name: &'static str,
     /// At most [`MAX_TERMS`] figures; term `i` is `figures[i]`.
     pub figures: &'static [Figure],
+    /// The terms whose routable workers' positions are also kept in increasing figure
+    /// ([`FleetDigest::term_order`]): an ordered-set entry a worker and an ordered-set
+    /// update a changed view each.
+    pub ordered: &'static [usize],
 }
 
 impl ViewTerms {
@@ -456,19 +484,27 @@ fn same_figures(a: &[f64; MAX_TERMS], b: &[f64; MAX_TERMS]) -> bool {
     a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-/// The terms a digest keeps: which, each worker's figures by position, and a multiset of
-/// each figure over the routable workers.
+/// The terms a digest keeps: which, each worker's figures by position, a multiset of each
+/// figure over the routable workers, and for the ordered terms the routable positions by
+/// `(figure's order key, position)`.
 #[derive(Debug, Clone)]
 struct KeptTerms {
     terms: &'static ViewTerms,
     values: Vec<[f64; MAX_TERMS]>,
     sets: Vec<Multiset>,
+    order: Vec<Option<BTreeSet<(u64, u32)>>>,
 }
 
 impl KeptTerms {
     fn empty(terms: &'static ViewTerms) -> KeptTerms {
         // Figures past MAX_TERMS are not kept (their term_min and term_max are None).
-        KeptTerms { terms, values: Vec::new(), sets: vec![Multiset::default(); terms.figures.len().min(MAX_TERMS)] }
+        let n = terms.figures.len().min(MAX_TERMS);
+        KeptTerms {
+            terms,
+            values: Vec::new(),
+            sets: vec![Multiset::default(); n],
+            order: (0..n).map(|i| terms.ordered.contains(&i).then(BTreeSet::new)).collect(),
+        }
     }
 }
 
@@ -478,6 +514,7 @@ impl PartialEq for KeptTerms {
             && self.values.len() == o.values.len()
             && self.values.iter().zip(&o.values).all(|(a, b)| same_figures(a, b))
             && self.sets == o.sets
+            && self.order == o.order
     }
 }
 
@@ -553,6 +590,7 @@ mod tests {
             |w| if w.waiting == 2 { f64::NAN } else { f64::from(w.in_flight) - 2.0 },
             |w| w.pending_prefill_tokens as f64 * 0.5,
         ],
+        ordered: &[0],
     };
 
     proptest! {
@@ -591,6 +629,13 @@ mod tests {
                 }
                 prop_assert_eq!(t.routable_count(), views.iter().filter(|v| v.is_routable()).count());
                 prop_assert_eq!(t.term_has_nan(0), views.iter().any(|v| v.is_routable() && TEST_TERMS.figures[0](v).is_nan()));
+                let f = TEST_TERMS.figures[0];
+                let mut want: Vec<usize> = (0..views.len()).filter(|&i| views[i].is_routable() && !f(&views[i]).is_nan()).collect();
+                want.sort_by(|&a, &b| f(&views[a]).total_cmp(&f(&views[b])).then(a.cmp(&b)));
+                prop_assert_eq!(t.term_order(0).map(|o| o.collect::<Vec<_>>()), Some(want));
+                prop_assert!(t.term_order(1).is_none());
+                let routable: Vec<f64> = views.iter().filter(|v| v.is_routable()).map(TEST_TERMS.figures[1]).collect();
+                prop_assert_eq!(t.term_uniform(1), !routable.is_empty() && routable.iter().all(|x| x.to_bits() == routable[0].to_bits()));
             }
             let again: Vec<WorkerView> = regrown.iter().enumerate().map(|(i, &s)| view(i as u32, s)).collect();
             d.refresh(&again);

@@ -45,7 +45,10 @@
 //! `epsilon` of the best (the best possible score minus `epsilon` is at most the worst
 //! possible one, as on a lightly loaded fleet of one kind of engine): the winner is then
 //! the largest tie-break hash over the fleet, found in one pass that scores no worker.
-//! Otherwise every worker is scored. The same
+//! When only part of the fleet ties but every worker reports the same power and capacity
+//! (one kind of engine, busier), every score falls as util grows: the band is read from
+//! the digest's util order until a score falls below the floor. Otherwise every worker is
+//! scored. The same
 //! decision either way (a property test compares them with a full scan). The retry order
 //! is not worked out with the decision: it keeps what ranks the workers
 //! ([`Ranking`], a [`crate::policy::RetryOrder`]) and [`crate::policy::fallbacks`]
@@ -602,6 +605,48 @@ impl Ranking {
         Some(Winner { worker, score: self.score_of(v, 0, n), tied })
     }
 
+    /// The winner when nothing of the prompt is in the index, read from a digest keeping
+    /// kv_score's terms in order, on a fleet whose routable workers all report the same
+    /// power and capacity and no engine counts (one kind of engine, as a fleet usually
+    /// is): every score is then one function of util that never rises as util does, so
+    /// the tie band is the least loaded workers. They are read in increasing util (the
+    /// queued work for [`LoadSignal::Queue`]) until a score falls below the floor, and
+    /// hashed; no other view is read. The same winner, score and band as
+    /// [`Ranking::scan_winner`]. `None` when the fleet is not of that kind, or the best
+    /// score is not a finite number: the caller scans.
+    fn uniform_winner(&self, c: &[WorkerView], f: &FleetDigest, n: &Norms) -> Option<Winner> {
+        if !self.overlaps.is_empty() || !f.term_uniform(TERM_WATTS) || !f.term_uniform(TERM_CAP) {
+            // Power or capacity differ between workers (or some figure is not a number).
+            return None;
+        }
+        let term = match self.load_signal {
+            LoadSignal::Seed => TERM_UTIL,
+            LoadSignal::Queue => TERM_QUEUED,
+        };
+        let mut floor = f64::NAN;
+        let mut tied = 0;
+        let mut win: Option<((u64, WorkerId), f64)> = None;
+        for pos in f.term_order(term)? {
+            let v = c.get(pos)?;
+            let s = self.score_of(v, 0, n);
+            if tied == 0 {
+                if !s.is_finite() {
+                    return None;
+                }
+                floor = s - self.live.epsilon;
+            }
+            if s.is_nan() || s < floor {
+                break;
+            }
+            tied += 1;
+            let k = (!self.tie(v.id, v.tie_key), v.id);
+            if win.is_none_or(|(w, _)| k < w) {
+                win = Some((k, s));
+            }
+        }
+        win.map(|((_, worker), score)| Winner { worker, score, tied })
+    }
+
     /// The decision naming `w`, keeping this ranking for a retry's order.
     fn decision(self, w: Winner) -> Decision {
         let held = self.overlaps.binary_search_by_key(&w.worker, |(id, _)| *id).map_or(0, |i| self.overlaps[i].1);
@@ -705,8 +750,11 @@ fn norms<'a>(routable: impl Iterator<Item = &'a WorkerView>, signal: LoadSignal)
 /// with [`FleetDigest::with_terms`]`(&KV_SCORE_TERMS)` (the replay and `kvroute bench
 /// decision` keep one, [`Policy::fleet_digest`]): its power draw (0 when unknown), raw
 /// capacity, cgn-router's util and its queued work.
-pub static KV_SCORE_TERMS: ViewTerms =
-    ViewTerms { name: "kv_score", figures: &[watts_or_zero as Figure, capacity_raw, seed_util, queued] };
+pub static KV_SCORE_TERMS: ViewTerms = ViewTerms {
+    name: "kv_score",
+    figures: &[watts_or_zero as Figure, capacity_raw, seed_util, queued],
+    ordered: &[TERM_UTIL, TERM_QUEUED],
+};
 
 const TERM_WATTS: usize = 0;
 const TERM_CAP: usize = 1;
@@ -818,7 +866,10 @@ impl Policy for KvScore {
         let won = match (ranking.overlaps.is_empty(), kept) {
             (true, Some(f)) => {
                 let n = kept_norms(f, ranking.load_signal);
-                ranking.all_tie_winner(c, f, &n).or_else(|| ranking.scan_winner(c, &n))
+                ranking
+                    .all_tie_winner(c, f, &n)
+                    .or_else(|| ranking.uniform_winner(c, f, &n))
+                    .or_else(|| ranking.scan_winner(c, &n))
             }
             (true, None) => ranking.scan_winner(c, &norms(c.iter().filter(|v| v.is_routable()), ranking.load_signal)),
             (false, kept) => match kept.map_or_else(|| ranking.holders_win(c), |f| ranking.holders_win_kept(c, f)) {
@@ -1072,6 +1123,59 @@ mod tests {
                 let (head, tied) = scan.expect("a routable worker");
                 prop_assert_eq!((w.worker, w.score.to_bits(), w.tied), (head[0].1, head[0].0.to_bits(), tied));
                 prop_assert_eq!(tied, c.iter().filter(|v| v.is_routable()).count());
+            }
+            let scanned = ranking.decide_by_scan(&c);
+            let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
+            let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: Some(&digest) };
+            let picked = p.pick(&r, &key, &c, &mut ctx);
+            prop_assert_eq!(picked.is_ok(), scanned.is_ok());
+            if let (Ok(a), Ok(b)) = (picked, scanned) {
+                prop_assert_eq!(crate::policy::fallbacks(&a, &c), crate::policy::fallbacks(&b, &c));
+                prop_assert_eq!(a, b);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..Default::default() })]
+
+        /// With nothing of the prompt in the index, on a fleet of one kind of engine (the
+        /// same power and capacity), the least loaded workers read from the digest's util
+        /// order give the scan's winner, score and band, and the policy's decision with the
+        /// digest is the scan's.
+        #[test]
+        fn a_uniform_fleet_s_band_read_in_util_order_is_the_scan_s(
+            specs in proptest::collection::vec(spec(), 1..40),
+            queue in proptest::bool::ANY,
+            epsilon in prop_oneof![Just(0.0f64), Just(0.01), 0.0f64..0.3],
+            short in proptest::bool::ANY,
+        ) {
+            let mut specs = specs;
+            let (watts, cap) = (specs[0].3, specs[0].4);
+            specs.iter_mut().for_each(|s| (s.3, s.4, s.6) = (watts, cap, None));
+            let c = fleet_of(&specs);
+            let cfg = KvScoreConfig {
+                epsilon,
+                load_signal: if queue { LoadSignal::Queue } else { LoadSignal::Seed },
+                ..Default::default()
+            };
+            let p = KvScore::new(cfg);
+            // A prompt of blocks, or one shorter than a block (keyed by its text).
+            let blocks = [BlockHash(1), BlockHash(2)];
+            let r = if short { RequestView::from_text("m", "hi") } else { req(&blocks) };
+            let key = p.key(&r);
+            let mut digest = p.fleet_digest().expect("kv_score reads a digest");
+            digest.refresh(&c);
+            let ranking = p.ranking(&r, &key, Nanos::from_secs(1));
+            let scan = ranking.ranked(&c, 1);
+            let n = kept_norms(&digest, ranking.load_signal);
+            match ranking.uniform_winner(&c, &digest, &n) {
+                Some(w) => {
+                    let (head, tied) = scan.expect("a routable worker");
+                    prop_assert_eq!((w.worker, w.score.to_bits(), w.tied), (head[0].1, head[0].0.to_bits(), tied));
+                }
+                // Only where no worker is routable.
+                None => prop_assert!(scan.is_none(), "the band not read from the digest: {:?}", scan),
             }
             let scanned = ranking.decide_by_scan(&c);
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
