@@ -1078,10 +1078,11 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 512, ..Default::default() })]
 
         /// With nothing of the prompt in the index and a digest, a fleet whose every worker
-        /// is shown to be in the tie band is decided by hashes alone, as the scan decides it;
-        /// and the policy's decision with the digest is the scan's either way.
+        /// is shown to be in the tie band is decided by hashes alone, and a fleet of one
+        /// kind of engine by its band walked in util order, as the scan decides it; and the
+        /// policy's decision with the digest is the scan's either way.
         #[test]
-        fn a_fleet_all_in_the_band_is_decided_by_hashes_as_the_scan_decides(
+        fn a_cold_fleet_s_band_found_from_the_digest_is_the_scan_s(
             specs in proptest::collection::vec(spec(), 1..40),
             (light, same_kind, nan_watts) in (proptest::bool::weighted(0.7), proptest::bool::weighted(0.7), proptest::bool::weighted(0.1)),
             queue in proptest::bool::ANY,
@@ -1119,63 +1120,19 @@ mod tests {
             let ranking = p.ranking(&r, &key, Nanos::from_secs(1));
             let scan = ranking.ranked(&c, 1);
             let n = kept_norms(&digest, ranking.load_signal);
-            if let Some(w) = ranking.all_tie_winner(&c, &digest, &n) {
-                let (head, tied) = scan.expect("a routable worker");
-                prop_assert_eq!((w.worker, w.score.to_bits(), w.tied), (head[0].1, head[0].0.to_bits(), tied));
-                prop_assert_eq!(tied, c.iter().filter(|v| v.is_routable()).count());
-            }
-            let scanned = ranking.decide_by_scan(&c);
-            let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
-            let mut ctx = PickCtx { now: Nanos::from_secs(1), rng: &mut rng, fleet: Some(&digest) };
-            let picked = p.pick(&r, &key, &c, &mut ctx);
-            prop_assert_eq!(picked.is_ok(), scanned.is_ok());
-            if let (Ok(a), Ok(b)) = (picked, scanned) {
-                prop_assert_eq!(crate::policy::fallbacks(&a, &c), crate::policy::fallbacks(&b, &c));
-                prop_assert_eq!(a, b);
-            }
-        }
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig { cases: 512, ..Default::default() })]
-
-        /// With nothing of the prompt in the index, on a fleet of one kind of engine (the
-        /// same power and capacity), the least loaded workers read from the digest's util
-        /// order give the scan's winner, score and band, and the policy's decision with the
-        /// digest is the scan's.
-        #[test]
-        fn a_uniform_fleet_s_band_read_in_util_order_is_the_scan_s(
-            specs in proptest::collection::vec(spec(), 1..40),
-            queue in proptest::bool::ANY,
-            epsilon in prop_oneof![Just(0.0f64), Just(0.01), 0.0f64..0.3],
-            short in proptest::bool::ANY,
-        ) {
-            let mut specs = specs;
-            let (watts, cap) = (specs[0].3, specs[0].4);
-            specs.iter_mut().for_each(|s| (s.3, s.4, s.6) = (watts, cap, None));
-            let c = fleet_of(&specs);
-            let cfg = KvScoreConfig {
-                epsilon,
-                load_signal: if queue { LoadSignal::Queue } else { LoadSignal::Seed },
-                ..Default::default()
+            let by_scan = |w: &Winner| {
+                let (head, tied) = scan.clone().expect("a routable worker");
+                (w.worker, w.score.to_bits(), w.tied) == (head[0].1, head[0].0.to_bits(), tied)
             };
-            let p = KvScore::new(cfg);
-            // A prompt of blocks, or one shorter than a block (keyed by its text).
-            let blocks = [BlockHash(1), BlockHash(2)];
-            let r = if short { RequestView::from_text("m", "hi") } else { req(&blocks) };
-            let key = p.key(&r);
-            let mut digest = p.fleet_digest().expect("kv_score reads a digest");
-            digest.refresh(&c);
-            let ranking = p.ranking(&r, &key, Nanos::from_secs(1));
-            let scan = ranking.ranked(&c, 1);
-            let n = kept_norms(&digest, ranking.load_signal);
+            if let Some(w) = ranking.all_tie_winner(&c, &digest, &n) {
+                prop_assert!(by_scan(&w), "all tie: {:?}, scan: {:?}", w, scan);
+                prop_assert_eq!(w.tied, c.iter().filter(|v| v.is_routable()).count());
+            }
+            // The band walked in util order: on a fleet of one kind of engine (no power
+            // that is not a number), whenever a worker is routable.
             match ranking.uniform_winner(&c, &digest, &n) {
-                Some(w) => {
-                    let (head, tied) = scan.expect("a routable worker");
-                    prop_assert_eq!((w.worker, w.score.to_bits(), w.tied), (head[0].1, head[0].0.to_bits(), tied));
-                }
-                // Only where no worker is routable.
-                None => prop_assert!(scan.is_none(), "the band not read from the digest: {:?}", scan),
+                Some(w) => prop_assert!(by_scan(&w), "util order: {:?}, scan: {:?}", w, scan),
+                None => prop_assert!(scan.is_none() || !same_kind || nan_watts, "not walked: {:?}", scan),
             }
             let scanned = ranking.decide_by_scan(&c);
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(0);
