@@ -20,8 +20,9 @@
 //! figures of each routable view a policy names ([`ViewTerms`]): kv_score (Cognitora
 //! cgn-router's score) normalises its terms by the fleet's most power, capacity and
 //! queued work, and bounds the workers holding none of a prompt by the fleet's least util
-//! and power, so with one it reads only the prefix holders' views when they decide alone
-//! (and, with nothing cached, shows when every worker ties).
+//! and power, so with one it reads only the prefix holders' views when they decide alone;
+//! with nothing cached, the extremes show when every worker ties, and positions kept in
+//! util order ([`ViewTerms::ordered`]) give the least loaded first when only they do.
 //!
 //! Where most of the fleet can win (more routable workers idle than `64 + n / 8`, as on an
 //! over-provisioned fleet where every idle worker holding nothing of a prompt ties) a
