@@ -105,6 +105,23 @@ fn read_trace(path: &std::path::Path) -> anyhow::Result<Vec<TraceReq>> {
     Ok(trace)
 }
 
+/// The numeric flags in their ranges, else an error naming the flag.
+fn check_ranges(a: &Args) -> anyhow::Result<()> {
+    if !(1..=MAX_PROMPT_TOKENS).contains(&a.prompt_tokens) {
+        bail!("--prompt-tokens: from 1 to {MAX_PROMPT_TOKENS}");
+    }
+    if !(1..=MAX_DECISIONS).contains(&a.decisions) {
+        bail!("--decisions: from 1 to {MAX_DECISIONS}");
+    }
+    if !(1..=256).contains(&a.in_flight_spread) {
+        bail!("--in-flight-spread: from 1 to 256, got {}", a.in_flight_spread);
+    }
+    if !(0.0..=1e9).contains(&a.probe_at) {
+        bail!("--probe-at: seconds from 0 to 1e9, got {}", a.probe_at);
+    }
+    Ok(())
+}
+
 /// Runs `kvroute bench decision`.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let sizes: Vec<usize> = a
@@ -123,18 +140,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             bail!("--policy: unknown policy `{n}`; known: all, {}", registry::names().join(", "));
         }
     }
-    if !(1..=MAX_PROMPT_TOKENS).contains(&a.prompt_tokens) {
-        bail!("--prompt-tokens: from 1 to {MAX_PROMPT_TOKENS}");
-    }
-    if !(1..=MAX_DECISIONS).contains(&a.decisions) {
-        bail!("--decisions: from 1 to {MAX_DECISIONS}");
-    }
-    if !(1..=256).contains(&a.in_flight_spread) {
-        bail!("--in-flight-spread: from 1 to 256, got {}", a.in_flight_spread);
-    }
-    if !(0.0..=1e9).contains(&a.probe_at) {
-        bail!("--probe-at: seconds from 0 to 1e9, got {}", a.probe_at);
-    }
+    check_ranges(&a)?;
     let probe_at = Nanos::from_secs_f64(a.probe_at);
     let max = kvroute_gateway::fleet::MAX_WORKERS;
     if a.gateway && sizes.iter().any(|n| *n > max) {
