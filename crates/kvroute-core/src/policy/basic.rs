@@ -180,11 +180,20 @@ impl Policy for ConsistentHash {
         _: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
         let key = session_or_prefix_key(req);
-        let w = c
-            .iter()
-            .filter(|w| w.is_routable())
-            .max_by_key(|w| (rendezvous_weight(key, w), w.tie_key.unwrap_or(u64::from(w.id.0))))
-            .ok_or(RouteError::NoWorker)?;
+        // The heaviest routable worker, the last of equals (as `max_by_key`), kept in three
+        // scalars: a fold's accumulator went through the stack on every worker, a store and
+        // a load the next comparison waited on (~3× the time at 1,024 workers).
+        let (mut best_weight, mut best_name, mut best) = (0u64, 0u64, usize::MAX);
+        for (i, w) in c.iter().enumerate() {
+            if !w.is_routable() {
+                continue;
+            }
+            let (weight, name) = (rendezvous_weight(key, w), w.tie_key.unwrap_or(u64::from(w.id.0)));
+            if best == usize::MAX || (weight, name) >= (best_weight, best_name) {
+                (best_weight, best_name, best) = (weight, name, i);
+            }
+        }
+        let w = c.get(best).ok_or(RouteError::NoWorker)?;
         Ok(Decision::new(w.id, Branch::ConsistentHash))
     }
 }
@@ -203,6 +212,33 @@ mod tests {
             let w = WorkerView::idle(WorkerId(id));
             assert_eq!(rendezvous_weight(key, &w), stable_hash(&bytes), "key {key:#x}, worker {id}");
         }
+    }
+
+    /// The heaviest routable worker wins, and of two equal ones (the same name twice) the
+    /// later, as `Iterator::max_by_key` chose before the loop kept the best in scalars.
+    #[test]
+    fn the_heaviest_routable_worker_wins_and_the_later_of_equals() {
+        let req = RequestView::from_text("m", "a prompt");
+        let key = session_or_prefix_key(&req);
+        let named = |id: u32, name: u64| WorkerView { tie_key: Some(name), ..WorkerView::idle(WorkerId(id)) };
+        let mut c: Vec<WorkerView> = (0..40).map(|i| named(i, 1000 + u64::from(i))).collect();
+        let heaviest = c.iter().max_by_key(|w| rendezvous_weight(key, w)).map(|w| w.id).expect("workers");
+        let pick = |c: &[WorkerView]| {
+            let mut rng = <rand_xoshiro::Xoshiro256PlusPlus as rand_core::SeedableRng>::seed_from_u64(0);
+            let mut ctx = PickCtx { now: crate::types::Nanos::ZERO, rng: &mut rng, fleet: None };
+            ConsistentHash.pick(&req, &RequestKey::default(), c, &mut ctx).map(|d| d.worker)
+        };
+        assert_eq!(pick(&c), Ok(heaviest));
+        // Unroutable, it is passed over; a second worker under its name (equal weight and
+        // name) placed after it wins over it.
+        let at = c.iter().position(|w| w.id == heaviest).expect("there");
+        c[at].health = crate::types::Health::Unhealthy;
+        assert_ne!(pick(&c), Ok(heaviest));
+        c[at].health = crate::types::Health::Healthy;
+        let twin = named(99, c[at].tie_key.expect("named"));
+        c.push(twin);
+        assert_eq!(pick(&c), Ok(WorkerId(99)));
+        assert_eq!(pick(&[]), Err(RouteError::NoWorker));
     }
 
     /// A named worker's weight (the gateway names every worker) hashes its name's 8
