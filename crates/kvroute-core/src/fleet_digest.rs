@@ -527,12 +527,11 @@ struct Multiset(BTreeMap<u64, u32>, u32);
 impl Multiset {
     /// The key that orders `x` as `total_cmp` does.
     fn key(x: f64) -> u64 {
-        let b = x.to_bits();
-        if b >> 63 == 1 { !b } else { b | (1 << 63) }
+        crate::select::total_order_key(x)
     }
 
     fn value(k: u64) -> f64 {
-        f64::from_bits(if k >> 63 == 1 { k & !(1 << 63) } else { !k })
+        crate::select::from_total_order_key(k)
     }
 
     fn insert(&mut self, x: f64) {

@@ -24,6 +24,20 @@ pub fn smallest_k<T: Ord>(items: impl IntoIterator<Item = T>, k: usize) -> Small
     best
 }
 
+/// An integer that orders `x` as [`f64::total_cmp`] does (for sort keys and ordered maps of
+/// floats); [`from_total_order_key`] inverts it.
+#[inline]
+pub fn total_order_key(x: f64) -> u64 {
+    let b = x.to_bits();
+    if b >> 63 == 1 { !b } else { b | (1 << 63) }
+}
+
+/// The `f64` whose [`total_order_key`] is `k`.
+#[inline]
+pub fn from_total_order_key(k: u64) -> f64 {
+    f64::from_bits(if k >> 63 == 1 { k & !(1 << 63) } else { !k })
+}
+
 /// The value of `key` in `items` (sorted by key, keys distinct), for a caller asking for
 /// keys mostly in increasing order (a fleet's candidates, usually listed by worker id):
 /// `next` is a cursor kept between calls (start at 0). O(1) for a key at or just past the

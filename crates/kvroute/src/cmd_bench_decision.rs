@@ -7,9 +7,9 @@
 //! committed) at `--probe-at` seconds.
 //!
 //! A policy that reads the fleet's digest ([`kvroute_core::fleet_digest::FleetDigest`]:
-//! least_ttft, prefill_cost, kv_score) is given one, built with the fleet, as the replay keeps one
-//! beside its engines' views, so it reads only the workers that can win; `--no-digest`
-//! times decisions that read every view, as `kvroute serve`'s do.
+//! least_ttft, prefill_cost, kv_score) is given one, built with the fleet, as the replay
+//! keeps one beside its engines' views, so it reads only the workers that can win;
+//! `--no-digest` times decisions that read every view, as `kvroute serve`'s do.
 //!
 //! With `--gateway` each timed call also reads the candidates the way a request does: the
 //! workers are a gateway fleet ([`kvroute_gateway::fleet::Fleet`]) of N workers serving

@@ -48,11 +48,10 @@
 //! When only part of the fleet ties but every worker reports the same power and capacity
 //! (one kind of engine, busier), every score falls as util grows: the band is read from
 //! the digest's util order until a score falls below the floor. Otherwise every worker is
-//! scored. The same
-//! decision either way (a property test compares them with a full scan). The retry order
-//! is not worked out with the decision: it keeps what ranks the workers
-//! ([`Ranking`], a [`crate::policy::RetryOrder`]) and [`crate::policy::fallbacks`]
-//! ranks the decision's views with it when a retry asks.
+//! scored. The same decision either way (property tests compare them with a full scan).
+//! The retry order is not worked out with the decision: it keeps what ranks the workers
+//! ([`Ranking`], a [`crate::policy::RetryOrder`]) and [`crate::policy::fallbacks`] ranks
+//! the decision's views with it when a retry asks.
 //!
 //! **Live weights**: the four weights and `epsilon` sit in an `ArcSwap` swapped whole, as
 //! cgn-router's do: [`Policy::set_live_knobs`] changes them without `&mut self`, so the
@@ -384,8 +383,7 @@ impl Ranking {
     #[inline]
     fn score_of(&self, v: &WorkerView, held: usize, n: &Norms) -> f64 {
         let norm_watts = norm_watts(v.power_watts.unwrap_or(0.0), n);
-        let capacity = if n.max_cap > 0.0 { capacity_raw(v) / n.max_cap } else { 0.0 };
-        score(self.live.weights, self.overlap(v, held), self.util(v, n), norm_watts, capacity)
+        score(self.live.weights, self.overlap(v, held), self.util(v, n), norm_watts, cap_share(capacity_raw(v), n))
     }
 
     /// The tie-break hash of a worker in the band: its tie key's, else its id's.
@@ -402,11 +400,18 @@ impl Ranking {
     /// id last, so keys are distinct.
     #[inline]
     fn order_key(&self, &(sc, id, key): &Scored, floor: f64) -> (u8, u64, WorkerId) {
-        let desc = |x: f64| {
-            let b = x.to_bits();
-            !(if b >> 63 == 1 { !b } else { b | (1 << 63) })
-        };
-        if sc >= floor { (0, !self.tie(id, key), id) } else { (1, desc(sc), id) }
+        if sc >= floor {
+            let (tie, id) = self.tie_order(id, key);
+            (0, tie, id)
+        } else {
+            (1, !crate::select::total_order_key(sc), id)
+        }
+    }
+
+    /// The order within the tie band, smallest first: by descending stable hash, then id.
+    #[inline]
+    fn tie_order(&self, id: WorkerId, key: Option<u64>) -> (u64, WorkerId) {
+        (!self.tie(id, key), id)
     }
 
     /// Every routable candidate's (score, id, tie key) given the fleet's norms `n`, in
@@ -552,7 +557,7 @@ impl Ranking {
         for (i, &(s, id, key)) in scored.iter().enumerate() {
             if s >= floor {
                 tied += 1;
-                let k = (!self.tie(id, key), id);
+                let k = self.tie_order(id, key);
                 if win.is_none_or(|(w, _)| k < w) {
                     win = Some((k, i));
                 }
@@ -583,12 +588,11 @@ impl Ranking {
             LoadSignal::Seed => (f.term_min(TERM_UTIL)?, f.term_max(TERM_UTIL)?),
             LoadSignal::Queue => (queue_util(f.term_min(TERM_QUEUED)?, n), queue_util(f.term_max(TERM_QUEUED)?, n)),
         };
-        let share = |raw: f64| if n.max_cap > 0.0 { raw / n.max_cap } else { 0.0 };
         let w = self.live.weights;
         let (watts, cap) =
             ((f.term_min(TERM_WATTS)?, f.term_max(TERM_WATTS)?), (f.term_min(TERM_CAP)?, f.term_max(TERM_CAP)?));
-        let upper = score(w, 0.0, least_util, norm_watts(watts.0, n), share(cap.1));
-        let lower = score(w, 0.0, most_util, norm_watts(watts.1, n), share(cap.0));
+        let upper = score(w, 0.0, least_util, norm_watts(watts.0, n), cap_share(cap.1, n));
+        let lower = score(w, 0.0, most_util, norm_watts(watts.1, n), cap_share(cap.0, n));
         if !(upper.is_finite() && lower.is_finite() && lower >= upper - self.live.epsilon) {
             return None;
         }
@@ -596,7 +600,7 @@ impl Ranking {
         let mut win: Option<((u64, WorkerId), &WorkerView)> = None;
         for v in c.iter().filter(|v| v.is_routable()) {
             tied += 1;
-            let k = (!self.tie(v.id, v.tie_key), v.id);
+            let k = self.tie_order(v.id, v.tie_key);
             if win.is_none_or(|(w, _)| k < w) {
                 win = Some((k, v));
             }
@@ -639,7 +643,7 @@ impl Ranking {
                 break;
             }
             tied += 1;
-            let k = (!self.tie(v.id, v.tie_key), v.id);
+            let k = self.tie_order(v.id, v.tie_key);
             if win.is_none_or(|(w, _)| k < w) {
                 win = Some((k, s));
             }
@@ -733,6 +737,13 @@ fn queue_util(q: f64, n: &Norms) -> f64 {
 #[inline]
 fn norm_watts(watts: f64, n: &Norms) -> f64 {
     if n.max_watts > 0.0 { (watts / n.max_watts).clamp(0.0, 1.0) } else { 0.0 }
+}
+
+/// A raw capacity ([`capacity_raw`]) over the fleet's most, the capacity term (0 when no
+/// worker has any).
+#[inline]
+fn cap_share(raw: f64, n: &Norms) -> f64 {
+    if n.max_cap > 0.0 { raw / n.max_cap } else { 0.0 }
 }
 
 /// The maxima the terms are normalised by, over `routable` (the most queued work only for
@@ -836,8 +847,7 @@ impl Extremes {
             }
             LoadSignal::Queue => queue_util(self.queued, n),
         };
-        let capacity = if n.max_cap > 0.0 { self.cap / n.max_cap } else { 0.0 };
-        score(w, 0.0, util, norm_watts(self.watts, n), capacity)
+        score(w, 0.0, util, norm_watts(self.watts, n), cap_share(self.cap, n))
     }
 }
 
