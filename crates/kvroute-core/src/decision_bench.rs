@@ -109,6 +109,18 @@ pub fn probe(trace: &[TraceReq], tokens: u32) -> (TraceReq, String) {
     (TraceReq { input: tokens, blocks }, text[..chars].to_string())
 }
 
+/// [`probe`] with every block new: no worker holds any of it, and a policy's decision is
+/// its cold one (a cache-aware policy then ranks by load alone, and an idle share of the
+/// fleet ties). The new hashes are below `u64::MAX − 2,000,000`, far from a Mooncake
+/// trace's `hash_ids` and from [`probe`]'s own.
+pub fn cold_probe(trace: &[TraceReq], tokens: u32) -> (TraceReq, String) {
+    let (mut p, text) = probe(trace, tokens);
+    for (i, b) in p.blocks.iter_mut().enumerate() {
+        *b = BlockHash(u64::MAX - 2_000_000 - i as u64);
+    }
+    (p, text)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,5 +135,8 @@ mod tests {
         let (p, _) = probe(&trace, 100_000);
         assert_eq!(p.blocks.len(), 195);
         assert!(parse_mooncake("{\"input_length\": 1}\n").expect_err("no hash_ids").contains("line 1"));
+        let (cold, _) = cold_probe(&trace, 4096);
+        assert_eq!((cold.input, cold.blocks.len()), (4096, 8));
+        assert!(cold.blocks.iter().all(|b| !trace[0].blocks.contains(b) && !p.blocks.contains(b)));
     }
 }

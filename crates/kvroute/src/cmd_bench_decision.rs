@@ -7,7 +7,7 @@
 //! committed) at `--probe-at` seconds.
 //!
 //! A policy that reads the fleet's digest ([`kvroute_core::fleet_digest::FleetDigest`]:
-//! least_ttft, prefill_cost, kv_score) is given one, built with the fleet, as the replay
+//! least_ttft, prefill_cost, kv_score, unified) is given one, built with the fleet, as the replay
 //! keeps one beside its engines' views, so it reads only the workers that can win;
 //! `--no-digest` times decisions that read every view, as `kvroute serve`'s do.
 //!
@@ -20,7 +20,7 @@
 //! worker with nothing in flight has nothing queued, unlike the fixture's).
 
 use anyhow::{Context, bail};
-use kvroute_core::decision_bench::{TraceReq, fleet_loaded, parse_mooncake, probe, view, warmed};
+use kvroute_core::decision_bench::{TraceReq, cold_probe, fleet_loaded, parse_mooncake, probe, view, warmed};
 use kvroute_core::policy::{PickCtx, decide};
 use kvroute_core::registry;
 use kvroute_core::types::Nanos;
@@ -75,6 +75,10 @@ pub struct Args {
     /// busy one. JSON objects say `in_flight_spread`.
     #[arg(long, default_value_t = 7)]
     pub in_flight_spread: u32,
+    /// Time a probe no worker holds any block of (its decision a cold prompt's), instead
+    /// of one that shares the trace's system prompt. JSON objects say `cold_probe`.
+    #[arg(long)]
+    pub cold_probe: bool,
 }
 
 /// A gateway fleet of `n` workers serving model `m`, loaded as the module doc says, and the
@@ -148,7 +152,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let default = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
     let trace = read_trace(a.trace.as_deref().unwrap_or(std::path::Path::new(default)))?;
-    let (pr, text) = probe(&trace, a.prompt_tokens);
+    let (pr, text) = if a.cold_probe { cold_probe(&trace, a.prompt_tokens) } else { probe(&trace, a.prompt_tokens) };
     if !a.json {
         println!("workers policy              p50_ns    p99_ns  p99.9_ns    max_ns  index_size");
     }
@@ -186,7 +190,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 let o = serde_json::json!({"policy": name, "workers": n, "p50_ns": p50, "p99_ns": p99,
                     "p999_ns": p999, "max_ns": max, "index_size": p.index_size(), "prompt_tokens": a.prompt_tokens,
                     "gateway": a.gateway, "digest": digest.is_some(), "probe_at_secs": a.probe_at,
-                    "in_flight_spread": a.in_flight_spread});
+                    "in_flight_spread": a.in_flight_spread, "cold_probe": a.cold_probe});
                 println!("{o}");
             } else {
                 println!("{n:>7} {name:<16} {p50:>9} {p99:>9} {p999:>9} {max:>9} {:>11}", p.index_size());

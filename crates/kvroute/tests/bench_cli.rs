@@ -305,11 +305,12 @@ fn bench_decision_prints_one_json_object_per_policy_and_fleet_size() {
         "20",
         "--in-flight-spread",
         "97",
+        "--cold-probe",
         "--json",
     ]);
     assert!(busy.status.success(), "{}", String::from_utf8_lossy(&busy.stderr));
     let r: serde_json::Value = serde_json::from_slice(&busy.stdout).expect("one JSON object");
-    assert_eq!(r["in_flight_spread"], 97, "{r}");
+    assert_eq!((&r["in_flight_spread"], &r["cold_probe"]), (&serde_json::json!(97), &serde_json::json!(true)), "{r}");
 }
 
 #[test]

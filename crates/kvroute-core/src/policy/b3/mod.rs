@@ -38,6 +38,7 @@
 //! Session bindings and turn counts live in bounded LRU maps (`max_sessions`; an evicted
 //! one is a new session). Knobs: [`B3Config`] (`block_tokens` 512, Mooncake's `hash_ids` blocks).
 
+use crate::fleet_digest::FleetDigest;
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, WorkerBlockSets};
 use crate::policy::util::{Rotation, SessionTable, SessionTurns};
@@ -248,14 +249,14 @@ impl Policy for B3 {
         req: &RequestView<'_>,
         key: &RequestKey,
         candidates: &[WorkerView],
-        _ctx: &mut PickCtx<'_>,
+        ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
         let blocks = &key.blocks;
         let d = match self.mode {
             B3Mode::LMetric => self.pick_lmetric(req, blocks, candidates),
             B3Mode::LoadOnly => self.pick_load_only(req, blocks, candidates),
             B3Mode::Sticky => self.pick_sticky(req, blocks, candidates),
-            B3Mode::Unified => self.pick_unified(req, blocks, candidates),
+            B3Mode::Unified => self.pick_unified(req, blocks, candidates, ctx.fleet),
             B3Mode::Capped => {
                 if req.session_id.is_some_and(|sid| self.turns.get(sid).unwrap_or(0) >= self.cfg.max_turns) {
                     return Err(RouteError::SessionCapped { max_turns: self.cfg.max_turns });
@@ -327,6 +328,12 @@ impl Policy for B3 {
 
     fn index_size(&self) -> u64 {
         self.cached.total()
+    }
+
+    /// `unified` reads a plain digest (its LMetric fallback, [`B3Mode::Unified`]); the
+    /// other pickers read every view.
+    fn fleet_digest(&self) -> Option<FleetDigest> {
+        (self.mode == B3Mode::Unified).then(FleetDigest::default)
     }
 }
 
