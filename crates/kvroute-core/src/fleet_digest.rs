@@ -14,10 +14,10 @@
 //! [`crate::policy::PickCtx::fleet`] reads the buckets' heads and the few workers whose
 //! bound can reach the best, and decides exactly as the full scan does (least_ttft and
 //! prefill_cost read it; a property test, `least_ttft::tests`, compares both policies'
-//! scans over random fleets). B3's unified reads the buckets for its LMetric fallback:
-//! a worker holding nothing of a prompt scores `(pending + prompt) × load`, least at the
-//! head of the lowest loads' buckets, and the workers tying it are a bucket's range
-//! (`b3::unified`'s tests compare it with the scan).
+//! scans over random fleets). B3's lmetric and capped, and unified's LMetric fallback,
+//! read the buckets: a worker holding nothing of a prompt scores `(pending + prompt) ×
+//! load`, least at the head of the lowest loads' buckets, and the workers tying it are a
+//! bucket's range (`b3::unified`'s tests compare both with the scan).
 //!
 //! A digest made with [`FleetDigest::with_terms`] also keeps the least and most of a few
 //! figures of each routable view a policy names ([`ViewTerms`]): kv_score (Cognitora

@@ -35,6 +35,11 @@
 //!   are counted when a request is committed, so concurrent turns of one session may pass
 //!   the cap by how many run at once. Branch `score`.
 //!
+//! Given the fleet's digest ([`crate::fleet_digest::FleetDigest`]), `lmetric`, `capped`
+//! and `unified`'s fallback read the views of the workers holding the prompt's first
+//! block and, of the others, only the load buckets that can win or tie; they decide as the
+//! pass over every view does.
+//!
 //! Session bindings and turn counts live in bounded LRU maps (`max_sessions`; an evicted
 //! one is a new session). Knobs: [`B3Config`] (`block_tokens` 512, Mooncake's `hash_ids` blocks).
 
@@ -253,7 +258,7 @@ impl Policy for B3 {
     ) -> Result<Decision, RouteError> {
         let blocks = &key.blocks;
         let d = match self.mode {
-            B3Mode::LMetric => self.pick_lmetric(req, blocks, candidates),
+            B3Mode::LMetric => self.pick_lmetric(req, blocks, candidates, ctx.fleet),
             B3Mode::LoadOnly => self.pick_load_only(req, blocks, candidates),
             B3Mode::Sticky => self.pick_sticky(req, blocks, candidates),
             B3Mode::Unified => self.pick_unified(req, blocks, candidates, ctx.fleet),
@@ -261,7 +266,7 @@ impl Policy for B3 {
                 if req.session_id.is_some_and(|sid| self.turns.get(sid).unwrap_or(0) >= self.cfg.max_turns) {
                     return Err(RouteError::SessionCapped { max_turns: self.cfg.max_turns });
                 }
-                self.pick_lmetric(req, blocks, candidates)
+                self.pick_lmetric(req, blocks, candidates, ctx.fleet)
             }
         };
         d.ok_or(RouteError::NoWorker)
@@ -330,10 +335,10 @@ impl Policy for B3 {
         self.cached.total()
     }
 
-    /// `unified` reads a plain digest (its LMetric fallback, [`B3Mode::Unified`]); the
-    /// other pickers read every view.
+    /// `lmetric`, `capped` and `unified` (its LMetric fallback) read a plain digest;
+    /// `load_only` and `sticky` read every view.
     fn fleet_digest(&self) -> Option<FleetDigest> {
-        (self.mode == B3Mode::Unified).then(FleetDigest::default)
+        matches!(self.mode, B3Mode::LMetric | B3Mode::Capped | B3Mode::Unified).then(FleetDigest::default)
     }
 }
 

@@ -268,7 +268,8 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 512, ..Default::default() })]
 
         /// The fallback read from a digest ties the same workers as the pass over every
-        /// view, and so decides (worker, branch, match, score, rotation) as it does.
+        /// view, and so decides (worker, branch, match, score, rotation) as it does; and
+        /// lmetric's first of the least score read from it is the scan's.
         #[test]
         fn the_digest_ties_the_workers_a_scan_of_every_view_ties(
             specs in proptest::collection::vec(
@@ -302,10 +303,23 @@ mod tests {
                 prop_assert!(input == 0 || f.buckets().count() > MAX_BUCKETS_WALKED);
             }
             let _ = peek(&p, &r, &c);
+            // lmetric (and capped) over the same fleet and block sets: the first of the
+            // least score, read from the digest, is the scan's.
+            let mut l = B3::new(B3Mode::LMetric, B3Config::default());
+            l.cached = p.cached.clone();
+            let mut hits = l.cached.hits(&blocks);
+            if let Some(kept) = l.first_least_kept(&r, &blocks, &c, &f, &hits) {
+                let scan = l.first_least_scan(&r, &blocks, &c, &mut hits).map(|t| t.id);
+                prop_assert_eq!(kept.map(|i| c[i].id), scan);
+            } else {
+                prop_assert!(input == 0 || f.buckets().count() > MAX_BUCKETS_WALKED);
+            }
+            let _ = peek(&l, &r, &c);
         }
     }
 
-    /// A queue of prefill so long that `pending + N` saturates ties whatever its length.
+    /// A queue of prefill so long that `pending + N` saturates ties whatever its length
+    /// (unified and lmetric).
     #[test]
     fn saturated_charges_tie() {
         let p = B3::new(B3Mode::Unified, B3Config::default());
@@ -317,6 +331,10 @@ mod tests {
         tied.sort_unstable();
         assert_eq!(tied.to_vec(), vec![0, 1]);
         assert_eq!(peek(&p, &r, &c).map(|d| d.branch), Ok(Branch::TieBreak));
+        // lmetric: the first of them, though its queue is the longer.
+        let l = B3::new(B3Mode::LMetric, B3Config::default());
+        assert_eq!(l.first_least_kept(&r, &cold, &c, &f, &l.cached.hits(&cold)), Some(Some(0)));
+        assert_eq!(peek(&l, &r, &c).map(|d| d.worker), Ok(WorkerId(0)));
     }
 
     /// On the decision bench's light fleet (worker `i` runs `i % 7` requests, nothing
