@@ -10,15 +10,11 @@
 //! least score, and the least position that has it, are the scan's (a property test
 //! compares them over random fleets).
 
-use super::{B3, Terms};
+use super::{B3, Holders, MAX_BUCKETS_WALKED, Terms};
 use crate::fleet_digest::FleetDigest;
 use crate::lru_blocks::Hits;
 use crate::policy::{Branch, Decision};
 use crate::types::{BlockHash, RequestView, WorkerView};
-
-/// The most buckets of the digest walked before the views are read instead (as
-/// `unified`'s walk).
-const MAX_BUCKETS_WALKED: usize = 64;
 
 impl B3 {
     pub(super) fn pick_lmetric(
@@ -29,7 +25,9 @@ impl B3 {
         fleet: Option<&FleetDigest>,
     ) -> Option<Decision> {
         let mut hits = self.cached.hits(blocks);
-        let kept = fleet.filter(|f| f.usable_for(c)).and_then(|f| self.first_least_kept(req, blocks, c, f, &hits));
+        let holders =
+            fleet.filter(|f| f.usable_for(c)).and_then(|f| Some((f, self.holders_kept(req, blocks, c, f, &hits)?)));
+        let kept = holders.and_then(|(f, holders)| first_least_kept(f, u64::from(req.input_tokens), &holders));
         let best = match kept {
             Some(at) => at.map(|i| self.terms_of(&c[i], req, blocks, hits.get(c[i].id))),
             None => self.first_least_scan(req, blocks, c, &mut hits),
@@ -54,64 +52,47 @@ impl B3 {
         }
         best
     }
+}
 
-    /// [`B3::first_least_scan`]'s position read from `f`, a digest describing `c` (no
-    /// view carries an engine-reported count): the holders of the prompt's first block
-    /// scored from their views, the others from the digest's buckets, walked by
-    /// increasing load until `N × load` passes the least score found. `Some(None)` when
-    /// no worker is routable; `None` (read the views) when the prompt has no tokens or
-    /// the walk passes [`MAX_BUCKETS_WALKED`] buckets.
-    pub(super) fn first_least_kept(
-        &self,
-        req: &RequestView<'_>,
-        blocks: &[BlockHash],
-        c: &[WorkerView],
-        f: &FleetDigest,
-        hits: &Hits,
-    ) -> Option<Option<usize>> {
-        let input = u64::from(req.input_tokens);
-        if input == 0 {
+/// [`B3::first_least_scan`]'s position read from `f`, a digest describing the candidates
+/// (no view carries an engine-reported count), for a prompt of `input` tokens (more than
+/// 0) whose first block `holders` hold ([`B3::holders_kept`]): the others' least score is
+/// read from the digest's buckets, walked by increasing load until `N × load` passes the
+/// least score found. `Some(None)` when no worker is routable; `None` (read the views)
+/// when the walk passes [`MAX_BUCKETS_WALKED`] buckets.
+pub(super) fn first_least_kept(f: &FleetDigest, input: u64, holders: &Holders) -> Option<Option<usize>> {
+    // (score, position), least first: the holders'.
+    let mut best: Option<(u128, usize)> = None;
+    for (i, t) in holders {
+        keep_least(&mut best, (t.score, *i as usize));
+    }
+    let holds = |pos: u32| holders.binary_search_by_key(&pos, |h| h.0).is_ok();
+    for (walked, (load, _, set)) in f.buckets().enumerate() {
+        let floor = u128::from(input) * u128::from(load);
+        if best.is_some_and(|b| floor > b.0) {
+            break;
+        }
+        if walked == MAX_BUCKETS_WALKED {
             return None;
         }
-        // (score, position), least first: the holders'.
-        let mut best: Option<(u128, usize)> = None;
-        let mut holders: smallvec::SmallVec<[u32; 16]> = smallvec::SmallVec::new();
-        for (id, held) in hits.entries() {
-            let Some(i) = f.position(id).filter(|&i| c.get(i).is_some_and(|w| w.id == id && w.is_routable())) else {
-                continue;
-            };
-            holders.push(i as u32);
-            keep_least(&mut best, (self.terms_of(&c[i], req, blocks, u64::from(held)).score, i));
+        // The bucket's least score among those holding nothing: its least pending.
+        let Some(&(pending, _)) = set.iter().find(|e| !holds(e.1)) else { continue };
+        let charge = pending.saturating_add(input);
+        let s = u128::from(charge) * u128::from(load);
+        if best.is_some_and(|b| s > b.0) {
+            continue;
         }
-        holders.sort_unstable();
-        let holds = |pos: u32| holders.binary_search(&pos).is_ok();
-        for (walked, (load, _, set)) in f.buckets().enumerate() {
-            let floor = u128::from(input) * u128::from(load);
-            if best.is_some_and(|b| floor > b.0) {
-                break;
-            }
-            if walked == MAX_BUCKETS_WALKED {
-                return None;
-            }
-            // The bucket's least score among those holding nothing: its least pending.
-            let Some(&(pending, _)) = set.iter().find(|e| !holds(e.1)) else { continue };
-            let charge = pending.saturating_add(input);
-            let s = u128::from(charge) * u128::from(load);
-            if best.is_some_and(|b| s > b.0) {
-                continue;
-            }
-            // The least position scoring `s` here: the first of one pending, else (load 0,
-            // or a saturated charge: every pending from there up) the least of the range.
-            let one = load > 0 && charge < u64::MAX;
-            let hi = if one { pending } else { u64::MAX };
-            let mut tying = set.range((pending, 0)..=(hi, u32::MAX)).filter(|e| !holds(e.1)).map(|e| e.1 as usize);
-            let first = if one { tying.next() } else { tying.min() };
-            if let Some(i) = first {
-                keep_least(&mut best, (s, i));
-            }
+        // The least position scoring `s` here: the first of one pending, else (load 0,
+        // or a saturated charge: every pending from there up) the least of the range.
+        let one = load > 0 && charge < u64::MAX;
+        let hi = if one { pending } else { u64::MAX };
+        let mut tying = set.range((pending, 0)..=(hi, u32::MAX)).filter(|e| !holds(e.1)).map(|e| e.1 as usize);
+        let first = if one { tying.next() } else { tying.min() };
+        if let Some(i) = first {
+            keep_least(&mut best, (s, i));
         }
-        Some(best.map(|b| b.1))
     }
+    Some(best.map(|b| b.1))
 }
 
 /// Keeps the least (score, position) of `best` and `x`.

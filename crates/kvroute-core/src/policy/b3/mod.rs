@@ -45,11 +45,12 @@
 
 use crate::fleet_digest::FleetDigest;
 use crate::hash::{HashAlgo, request_blocks};
-use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, WorkerBlockSets};
+use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, Hits, WorkerBlockSets};
 use crate::policy::util::{Rotation, SessionTable, SessionTurns};
 use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 mod lmetric;
 mod load_only;
@@ -166,6 +167,15 @@ pub struct B3 {
     rr_counter: Rotation,
 }
 
+/// The most buckets of a fleet digest `lmetric`, `capped` and `unified` walk for the least
+/// score among the workers holding nothing of a prompt before they read every view
+/// instead (a fleet with no idle worker and queued prefill far above the prompt's).
+const MAX_BUCKETS_WALKED: usize = 64;
+
+/// The routable workers holding a prompt's first block, by position in the candidates, with
+/// their terms ([`B3::holders_kept`]).
+type Holders = SmallVec<[(u32, Terms); 16]>;
+
 /// Per-worker LMetric terms of one request.
 #[derive(Debug, Clone, Copy)]
 struct Terms {
@@ -221,6 +231,31 @@ impl B3 {
         let bs = w.load() as u64;
         let p_tokens = w.pending_prefill_tokens.saturating_add(new_prefill);
         Terms { id: w.id, hit, cache_hit, new_prefill, bs, score: p_tokens as u128 * bs as u128 }
+    }
+
+    /// The routable workers of `c` holding the prompt's first block (`hits`), by position
+    /// from `f` (a digest describing `c`), each with its terms, sorted by position; `None`
+    /// when the prompt has no tokens (every worker's new prefill is then 0 and the digest's
+    /// walk has nothing to order by: the views are read).
+    fn holders_kept(
+        &self,
+        req: &RequestView<'_>,
+        blocks: &[BlockHash],
+        c: &[WorkerView],
+        f: &FleetDigest,
+        hits: &Hits,
+    ) -> Option<Holders> {
+        if req.input_tokens == 0 {
+            return None;
+        }
+        let mut holders = Holders::new();
+        for (id, held) in hits.entries() {
+            if let Some(i) = f.position(id).filter(|&i| c.get(i).is_some_and(|w| w.id == id && w.is_routable())) {
+                holders.push((i as u32, self.terms_of(&c[i], req, blocks, u64::from(held))));
+            }
+        }
+        holders.sort_unstable_by_key(|h| h.0);
+        Some(holders)
     }
 
     fn decision(&self, t: &Terms, branch: Branch) -> Decision {

@@ -13,7 +13,7 @@
 //! positions the digest's buckets show can tie: the tied set, and so the decision, is the
 //! scan's (a property test compares them over random fleets).
 
-use super::B3;
+use super::{B3, Holders, MAX_BUCKETS_WALKED};
 use crate::fleet_digest::FleetDigest;
 use crate::lru_blocks::Hits;
 use crate::policy::util::mean_load;
@@ -27,11 +27,6 @@ type Key = (u128, u64, u64);
 /// Positions in the candidates of the workers tied on the least [`Key`] (the scan lists
 /// them in the candidates' order, the digest in its own).
 type Tied = SmallVec<[usize; 16]>;
-
-/// The most buckets of the digest the fallback walks for the least score among the
-/// workers holding nothing of the prompt before it reads every view instead (a fleet
-/// with no idle worker and queued prefill far above the prompt's).
-const MAX_BUCKETS_WALKED: usize = 64;
 
 impl B3 {
     pub(super) fn pick_unified(
@@ -63,7 +58,8 @@ impl B3 {
         // LMetric fallback with the 4-key tie-break; the chosen one's terms are computed
         // again (the same inputs, the same terms).
         let mut hits = self.cached.hits(blocks);
-        let mut tied = match fleet.and_then(|f| self.tied_kept(req, blocks, c, f, &hits)) {
+        let kept = fleet.and_then(|f| Some((f, self.holders_kept(req, blocks, c, f, &hits)?)));
+        let mut tied = match kept.and_then(|(f, holders)| tied_kept(f, u64::from(req.input_tokens), &holders)) {
             Some(t) => t,
             None => self.tied_scan(req, blocks, c, &mut hits),
         };
@@ -101,47 +97,27 @@ impl B3 {
         }
         tied
     }
+}
 
-    /// [`B3::tied_scan`] read from `f`, a digest describing `c` (no view carries an
-    /// engine-reported count, [`FleetDigest::usable_for`]): the holders of the prompt's
-    /// first block are scored from their views; every other routable worker's new prefill
-    /// is the whole prompt `N`, so its key is `((pending + N) × load, N, load)`, least at
-    /// the least pending of its load, and no less than `N × load` — the digest's buckets,
-    /// walked by increasing load, give the least and the positions that tie it. `None`
-    /// (read the views) when the prompt has no tokens (every key's new prefill is 0) or
-    /// the walk passes [`MAX_BUCKETS_WALKED`] buckets.
-    fn tied_kept(
-        &self,
-        req: &RequestView<'_>,
-        blocks: &[BlockHash],
-        c: &[WorkerView],
-        f: &FleetDigest,
-        hits: &Hits,
-    ) -> Option<Tied> {
-        let input = u64::from(req.input_tokens);
-        if input == 0 {
-            return None;
-        }
-        // The routable holders by position, with their keys.
-        let mut holders: SmallVec<[(usize, Key); 16]> = SmallVec::new();
-        for (id, held) in hits.entries() {
-            let Some(i) = f.position(id).filter(|&i| c.get(i).is_some_and(|w| w.id == id && w.is_routable())) else {
-                continue;
-            };
-            let t = self.terms_of(&c[i], req, blocks, u64::from(held));
-            holders.push((i, (t.score, t.new_prefill, t.bs)));
-        }
-        holders.sort_unstable_by_key(|h| h.0);
-        let holds = |pos: u32| holders.binary_search_by_key(&(pos as usize), |h| h.0).is_ok();
-        let others = least_of_others(f, input, holds)?;
-        let best = holders.iter().map(|h| h.1).chain(others.map(|o| o.key(input))).min();
-        let mut tied = Tied::new();
-        if let Some(o) = others.filter(|o| Some(o.key(input)) == best) {
-            o.positions(f, input, holds, &mut tied);
-        }
-        tied.extend(holders.iter().filter(|h| Some(h.1) == best).map(|h| h.0));
-        Some(tied)
+/// [`B3::tied_scan`] read from `f`, a digest describing the candidates (no view carries an
+/// engine-reported count, [`FleetDigest::usable_for`]), for a prompt of `input` tokens
+/// (more than 0) whose first block `holders` hold ([`B3::holders_kept`]): every other
+/// routable worker's new prefill is the whole prompt `N`, so its key is `((pending + N) ×
+/// load, N, load)`, least at the least pending of its load, and no less than `N × load` —
+/// the digest's buckets, walked by increasing load, give the least and the positions that
+/// tie it. `None` (read the views) when the walk passes [`MAX_BUCKETS_WALKED`] buckets.
+fn tied_kept(f: &FleetDigest, input: u64, holders: &Holders) -> Option<Tied> {
+    let holders: SmallVec<[(usize, Key); 16]> =
+        holders.iter().map(|(i, t)| (*i as usize, (t.score, t.new_prefill, t.bs))).collect();
+    let holds = |pos: u32| holders.binary_search_by_key(&(pos as usize), |h| h.0).is_ok();
+    let others = least_of_others(f, input, holds)?;
+    let best = holders.iter().map(|h| h.1).chain(others.map(|o| o.key(input))).min();
+    let mut tied = Tied::new();
+    if let Some(o) = others.filter(|o| Some(o.key(input)) == best) {
+        o.positions(f, input, holds, &mut tied);
     }
+    tied.extend(holders.iter().filter(|h| Some(h.1) == best).map(|h| h.0));
+    Some(tied)
 }
 
 /// The least key among the routable workers that hold nothing of the prompt: their load,
@@ -205,6 +181,7 @@ fn least_of_others(f: &FleetDigest, input: u64, holds: impl Fn(u32) -> bool) -> 
 mod tests {
     use super::*;
     use crate::policy::PickCtx;
+    use crate::policy::b3::lmetric::first_least_kept;
     use crate::policy::b3::{B3Config, B3Mode};
     use crate::types::{BlockSeq, Health, Nanos, WorkerId};
     use proptest::prelude::*;
@@ -296,7 +273,8 @@ mod tests {
             let r = req(&blocks, input, sessions.get(session).copied());
             let f = FleetDigest::new(&c);
             let mut hits = p.cached.hits(&blocks);
-            if let Some(mut kept) = p.tied_kept(&r, &blocks, &c, &f, &hits) {
+            let holders = p.holders_kept(&r, &blocks, &c, &f, &hits);
+            if let Some(mut kept) = holders.as_ref().and_then(|h| tied_kept(&f, u64::from(input), h)) {
                 kept.sort_unstable();
                 prop_assert_eq!(kept.to_vec(), p.tied_scan(&r, &blocks, &c, &mut hits).to_vec());
             } else {
@@ -308,7 +286,7 @@ mod tests {
             let mut l = B3::new(B3Mode::LMetric, B3Config::default());
             l.cached = p.cached.clone();
             let mut hits = l.cached.hits(&blocks);
-            if let Some(kept) = l.first_least_kept(&r, &blocks, &c, &f, &hits) {
+            if let Some(kept) = holders.as_ref().and_then(|h| first_least_kept(&f, u64::from(input), h)) {
                 let scan = l.first_least_scan(&r, &blocks, &c, &mut hits).map(|t| t.id);
                 prop_assert_eq!(kept.map(|i| c[i].id), scan);
             } else {
@@ -327,13 +305,14 @@ mod tests {
         let f = FleetDigest::new(&c);
         let cold = [BlockHash(9)];
         let r = req(&cold, 1000, None);
-        let mut tied = p.tied_kept(&r, &cold, &c, &f, &p.cached.hits(&cold)).expect("read from the digest");
+        let none = p.holders_kept(&r, &cold, &c, &f, &p.cached.hits(&cold)).expect("a prompt");
+        let mut tied = tied_kept(&f, 1000, &none).expect("read from the digest");
         tied.sort_unstable();
         assert_eq!(tied.to_vec(), vec![0, 1]);
         assert_eq!(peek(&p, &r, &c).map(|d| d.branch), Ok(Branch::TieBreak));
         // lmetric: the first of them, though its queue is the longer.
         let l = B3::new(B3Mode::LMetric, B3Config::default());
-        assert_eq!(l.first_least_kept(&r, &cold, &c, &f, &l.cached.hits(&cold)), Some(Some(0)));
+        assert_eq!(first_least_kept(&f, 1000, &none), Some(Some(0)));
         assert_eq!(peek(&l, &r, &c).map(|d| d.worker), Ok(WorkerId(0)));
     }
 
@@ -353,12 +332,13 @@ mod tests {
         let f = FleetDigest::new(&c);
         let cold = [BlockHash(9)];
         let r = req(&cold, 4096, None);
-        let mut tied = p.tied_kept(&r, &cold, &c, &f, &p.cached.hits(&cold)).expect("read from the digest");
+        let kept = |p: &B3| tied_kept(&f, 4096, &p.holders_kept(&r, &cold, &c, &f, &p.cached.hits(&cold))?);
+        let mut tied = kept(&p).expect("read from the digest");
         tied.sort_unstable();
         assert_eq!(tied.to_vec(), (0..64).filter(|i| i % 7 == 0).collect::<Vec<usize>>());
         assert_eq!(peek(&p, &r, &c).map(|d| d.branch), Ok(Branch::TieBreak));
         crate::policy::record_routed(&mut p, &r, WorkerId(14), Nanos::ZERO);
-        let tied = p.tied_kept(&r, &cold, &c, &f, &p.cached.hits(&cold)).expect("read from the digest");
+        let tied = kept(&p).expect("read from the digest");
         assert_eq!(tied.to_vec(), vec![14]);
         assert_eq!(peek(&p, &r, &c).map(|d| (d.worker, d.branch)), Ok((WorkerId(14), Branch::Score)));
     }
