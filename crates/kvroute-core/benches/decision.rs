@@ -41,7 +41,7 @@ fn bench_decisions(c: &mut Criterion) {
             .warm_up_time(std::time::Duration::from_millis(300));
         for name in registry::names() {
             let cands = fleet(n);
-            // The views' digest, kept beside them as the replay keeps it (least_ttft, prefill_cost, kv_score, lmetric, capped and unified read one).
+            // The views' digest, kept beside them as the replay keeps it (least_ttft, prefill_cost, kv_score, the B3 scorers and the prefix policies read one).
             let p = warmed(name, &trace, &cands).unwrap_or_else(|e| panic!("{e}"));
             let digest = p.fleet_digest().map(|mut d| {
                 d.refresh(&cands);

@@ -17,7 +17,11 @@
 //! scans over random fleets). B3's lmetric and capped, and unified's LMetric fallback,
 //! read the buckets: a worker holding nothing of a prompt scores `(pending + prompt) ×
 //! load`, least at the head of the lowest loads' buckets, and the workers tying it are a
-//! bucket's range (`b3::unified`'s tests compare both with the scan).
+//! bucket's range (`b3::unified`'s tests compare both with the scan). The prefix policies
+//! (SGLang router cache_aware, Ray Serve PrefixCacheAffinityRouter) read the load range
+//! from it and, on an imbalanced fleet, the least loaded (or, all routable, draw two by
+//! position) without a pass. `tests/prop_core.rs` checks every policy that reads a digest
+//! decides with it as without it.
 //!
 //! A digest made with [`FleetDigest::with_terms`] also keeps the least and most of a few
 //! figures of each routable view a policy names ([`ViewTerms`]): kv_score (Cognitora
@@ -241,6 +245,22 @@ impl FleetDigest {
     /// digest keeps no such term).
     pub fn term_has_nan(&self, i: usize) -> bool {
         self.terms.as_ref().and_then(|t| t.sets.get(i)).is_some_and(|m| m.1 > 0)
+    }
+
+    /// `(least, most)` [`WorkerView::load`] over the routable workers, `None` when none is
+    /// routable (what [`crate::policy::util::FleetScan`] reads in a pass). O(log n).
+    pub fn load_range(&self) -> Option<(u32, u32)> {
+        Some((*self.loads.first_key_value()?.0, *self.loads.last_key_value()?.0))
+    }
+
+    /// The positions of the routable workers carrying the least load, in the digest's
+    /// order (by waiting, queued prefill, then position). O(those workers).
+    pub fn least_loaded(&self) -> impl Iterator<Item = u32> + '_ {
+        let least = self.loads.first_key_value().map(|(&l, _)| l);
+        self.buckets
+            .iter()
+            .take_while(move |(k, _)| Some(k.0) == least)
+            .flat_map(|(_, set)| set.iter().map(|&(_, pos)| pos))
     }
 
     /// Routable workers.

@@ -609,3 +609,53 @@ proptest! {
         prop_assert_eq!(least_loaded_at(&views, &at).to_vec(), pass.to_vec());
     }
 }
+
+/// The policies that read a fleet digest ([`kvroute_core::policy::Policy::fleet_digest`]).
+fn digest_readers() -> Vec<&'static str> {
+    names()
+        .iter()
+        .copied()
+        .filter(|n| build(n, &serde_json::Value::Null).is_ok_and(|p| p.fleet_digest().is_some()))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Every policy that reads a fleet digest (the replay and the benches keep one beside
+    /// their views) decides with it as without it: two copies fed the same commits, one
+    /// deciding with the digest, the other reading every view, over fleets whose loads
+    /// (often imbalanced), queues and health change between requests.
+    #[test]
+    fn a_policy_decides_with_the_fleet_digest_as_without_it(
+        policy in prop::sample::select(digest_readers()),
+        prompts in prop::collection::vec("[abc ]{0,48}", 1..16),
+        fleet in prop::collection::vec((0u32..80, 0u32..4, 0u64..4, 0u8..8), 1..12),
+        seed in any::<u64>(),
+    ) {
+        let mut with = build(policy, &serde_json::Value::Null).expect("build");
+        let mut without = build(policy, &serde_json::Value::Null).expect("build");
+        let mut digest = with.fleet_digest().expect("a digest reader");
+        let (mut ra, mut rb) = (Xoshiro256PlusPlus::seed_from_u64(seed), Xoshiro256PlusPlus::seed_from_u64(seed));
+        for (i, text) in prompts.iter().enumerate() {
+            let views: Vec<WorkerView> = fleet
+                .iter()
+                .enumerate()
+                .map(|(w, &(load, waiting, pending, h))| {
+                    let mut v = WorkerView::idle(WorkerId(w as u32));
+                    v.in_flight = (load + 7 * i as u32) % 83;
+                    v.waiting = waiting.min(v.in_flight);
+                    v.pending_prefill_tokens = pending * 700;
+                    v.health = if h == 0 { Health::Unhealthy } else { Health::Healthy };
+                    v
+                })
+                .collect();
+            digest.refresh(&views);
+            let req = RequestView::from_text("m", text);
+            let now = Nanos::from_millis(i as u64 * 10);
+            let a = route(with.as_mut(), &req, &views, &mut PickCtx { now, rng: &mut ra, fleet: Some(&digest) });
+            let b = route(without.as_mut(), &req, &views, &mut PickCtx { now, rng: &mut rb, fleet: None });
+            prop_assert_eq!(a, b, "request {} to {}", i, policy);
+        }
+    }
+}

@@ -7,7 +7,8 @@
 //! committed) at `--probe-at` seconds.
 //!
 //! A policy that reads the fleet's digest ([`kvroute_core::fleet_digest::FleetDigest`]:
-//! least_ttft, prefill_cost, kv_score, lmetric, capped, unified) is given one, built with the fleet, as the replay
+//! least_ttft, prefill_cost, kv_score, lmetric, capped, unified, cache_aware,
+//! prefix_affinity) is given one, built with the fleet, as the replay
 //! keeps one beside its engines' views, so it reads only the workers that can win;
 //! `--no-digest` times decisions that read every view, as `kvroute serve`'s do.
 //!

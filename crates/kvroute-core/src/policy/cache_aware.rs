@@ -34,12 +34,15 @@
 //! | `eviction_interval_secs` | 60 | seconds, 0.001–10^7 (SGLang's `eviction_interval`) |
 //! | `max_tree_size` | 16,777,216 | symbols (UTF-8 bytes of text, tokens or blocks; SGLang counts characters per worker) |
 
+use crate::fleet_digest::FleetDigest;
 use crate::policy::util::{
     BestMatch, FleetScan, PrefixKey, PrefixTrees, Rotation, argmin_by, fewest_by_order, least_loaded_at, rotate,
+    rotate_at,
 };
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 /// Most (tenant, leaf) pairs one insert evicts when the tree is over `max_tree_size`; the
 /// periodic pass finishes what is left.
@@ -120,19 +123,27 @@ impl Policy for CacheAware {
         req: &RequestView<'_>,
         _: &RequestKey,
         c: &[WorkerView],
-        _: &mut PickCtx<'_>,
+        ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
-        let scan = FleetScan::of(c, req);
-        let (min, max) = scan.load_range.ok_or(RouteError::NoWorker)?;
+        // With the fleet's digest the load range and the least loaded are read from it:
+        // an imbalanced fleet's decision reads no other view.
+        let fleet = ctx.fleet.filter(|f| f.usable_for(c));
+        let mut scan = None;
+        let (min, max) = FleetScan::load_range(fleet, c, req, &mut scan).ok_or(RouteError::NoWorker)?;
         let imbalanced = max - min > self.cfg.balance_abs_threshold
             && f64::from(max) > self.cfg.balance_rel_threshold * f64::from(min);
         let key = PrefixKey::of(req);
         if imbalanced || key.is_none() {
-            let w = self.least_loaded(c, |_| true).ok_or(RouteError::NoWorker)?;
+            let w = match fleet {
+                Some(f) => rotate_at(c, &mut f.least_loaded().collect::<SmallVec<[u32; 16]>>(), &self.rotation),
+                None => self.least_loaded(c, |_| true),
+            }
+            .ok_or(RouteError::NoWorker)?;
             let branch = if imbalanced { Branch::Imbalanced } else { Branch::NoPrefix };
             return Ok(Decision::new(w, branch));
         }
         let Some(key) = key else { return Err(RouteError::NoWorker) };
+        let scan = scan.unwrap_or_else(|| FleetScan::of(c, req));
         let m = BestMatch::with_scan(&self.trees, key, req, c, &scan);
         let (w, branch) = if m.rate > self.cfg.cache_threshold && !m.holders.is_empty() {
             (rotate(&m.least_loaded_holders(c), &self.rotation), Branch::HighMatch)
@@ -192,5 +203,11 @@ impl Policy for CacheAware {
 
     fn index_size(&self) -> u64 {
         self.trees.total_size() as u64
+    }
+
+    /// A plain digest: on an imbalanced fleet the load range and the least loaded come
+    /// from it.
+    fn fleet_digest(&self) -> Option<FleetDigest> {
+        Some(FleetDigest::default())
     }
 }

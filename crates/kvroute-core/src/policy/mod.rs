@@ -288,7 +288,7 @@ pub struct PickCtx<'a> {
     pub rng: Rng<'a>,
     /// The candidates' [`FleetDigest`], when the caller keeps one beside its views (the
     /// replay does): a policy that reads it ([`Policy::fleet_digest`]: least_ttft,
-    /// prefill_cost, kv_score, lmetric, capped, unified) then reads only the workers that can win, and decides as it
+    /// prefill_cost, kv_score, lmetric, capped, unified, cache_aware, prefix_affinity) then reads only the workers that can win, and decides as it
     /// would without it. It must describe the
     /// candidates passed with it ([`FleetDigest::describes`]); one that does not fit them
     /// ([`FleetDigest::usable_for`]) is not read. `None`: every policy reads the views.

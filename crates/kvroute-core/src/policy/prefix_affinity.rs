@@ -32,8 +32,10 @@
 //! | `eviction_target_chars` | 360,000 | chars (symbols) |
 //! | `eviction_interval_secs` | 10 | seconds, 0.001–10^7 |
 
+use crate::fleet_digest::FleetDigest;
 use crate::policy::util::{
-    BestMatch, FleetScan, PrefixKey, PrefixTrees, fewest_symbols, power_of_two, power_of_two_at, power_of_two_routable,
+    BestMatch, FleetScan, PrefixKey, PrefixTrees, fewest_symbols, power_of_two, power_of_two_all, power_of_two_at,
+    power_of_two_routable,
 };
 use crate::policy::{Branch, Decision, KnobError, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{Nanos, RequestView, WorkerId, WorkerView};
@@ -126,16 +128,20 @@ impl Policy for PrefixAffinity {
         c: &[WorkerView],
         ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
-        let scan = FleetScan::of(c, req);
-        let (lowest, highest) = scan.load_range.ok_or(RouteError::NoWorker)?;
+        // With the fleet's digest the load range is read from it, and an imbalanced fleet
+        // whose workers are all routable is drawn from by position: no other view is read.
+        let fleet = ctx.fleet.filter(|f| f.usable_for(c));
+        let mut scan = None;
+        let (lowest, highest) = FleetScan::load_range(fleet, c, req, &mut scan).ok_or(RouteError::NoWorker)?;
         let key = PrefixKey::of(req);
         let (draw, branch, matched) = if highest - lowest > self.cfg.imbalanced_threshold {
             (Draw::Routable, Branch::Imbalanced, None)
         } else if let Some(key) = key {
-            let m = BestMatch::with_scan(&self.trees, key, req, c, &scan);
+            let scan = scan.get_or_insert_with(|| FleetScan::of(c, req));
+            let m = BestMatch::with_scan(&self.trees, key, req, c, scan);
             if m.rate < self.cfg.match_rate_threshold {
                 // The smallest trees, from the trees' kept size order.
-                (Draw::At(fewest_symbols(&self.trees, c, &scan)), Branch::LowMatch, None)
+                (Draw::At(fewest_symbols(&self.trees, c, scan)), Branch::LowMatch, None)
             } else if m.holders.is_empty() {
                 (Draw::Routable, Branch::NoPrefix, None)
             } else {
@@ -145,6 +151,7 @@ impl Policy for PrefixAffinity {
             (Draw::Routable, Branch::NoPrefix, None)
         };
         let w = match &draw {
+            Draw::Routable if fleet.is_some_and(|f| f.routable_count() == c.len()) => power_of_two_all(c, ctx.rng),
             Draw::Routable => power_of_two_routable(c, ctx.rng),
             Draw::Ids(set) => power_of_two(set, c, ctx.rng),
             Draw::At(at) => power_of_two_at(c, at, ctx.rng),
@@ -198,6 +205,12 @@ impl Policy for PrefixAffinity {
     fn set_knobs(&mut self, patch: &serde_json::Value) -> Result<(), KnobError> {
         self.cfg = patch_knobs("prefix_affinity", &self.cfg, patch, PrefixAffinityConfig::validate)?;
         Ok(())
+    }
+
+    /// A plain digest: the load range comes from it, and an imbalanced fleet whose
+    /// workers are all routable is drawn from by position.
+    fn fleet_digest(&self) -> Option<FleetDigest> {
+        Some(FleetDigest::default())
     }
 
     fn index_size(&self) -> u64 {

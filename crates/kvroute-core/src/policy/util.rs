@@ -1,6 +1,7 @@
 //! Helpers shared by policies: the request's prefix key, per-key-kind radix trees, and
 //! small selection routines (least load with rotation, Power of Two Choices).
 
+use crate::fleet_digest::FleetDigest;
 use crate::policy::{MatchUnit, Rng};
 use crate::radix::{PrefixMatch, RadixTree, TenantSet};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
@@ -327,6 +328,21 @@ impl FleetScan {
         }
         FleetScan { load_range: routable.then_some((lo, hi)), approx, best_precise, any_precise, by_id }
     }
+
+    /// The routable candidates' load range, `(least, most)`: read from `fleet` (a digest
+    /// of `c`, when usable for it) in O(log n), else from the scan of `c`, made into
+    /// `scan` for the rest of the decision. `None` when none is routable.
+    pub fn load_range(
+        fleet: Option<&FleetDigest>,
+        c: &[WorkerView],
+        req: &RequestView<'_>,
+        scan: &mut Option<FleetScan>,
+    ) -> Option<(u32, u32)> {
+        match fleet.filter(|f| f.usable_for(c)) {
+            Some(f) => f.load_range(),
+            None => scan.insert(FleetScan::of(c, req)).load_range,
+        }
+    }
 }
 
 /// A precise worker's match rate: its engine's `cached` tokens over the prompt's `input`
@@ -517,6 +533,18 @@ pub fn rotate(tied: &[WorkerId], rotation: &Rotation) -> Option<WorkerId> {
     }
 }
 
+/// [`rotate`] over the candidates at positions `at` of `c` listed in any order: the one at
+/// the k-th least position (`k` the rotation's step when there is a real tie), as
+/// `rotate` over their ids in candidate order picks it. O(len(at)).
+pub fn rotate_at(c: &[WorkerView], at: &mut [u32], rotation: &Rotation) -> Option<WorkerId> {
+    let i = match at.len() {
+        0 => return None,
+        1 => at[0],
+        n => *at.select_nth_unstable((rotation.next() % n as u64) as usize).1,
+    };
+    c.get(i as usize).map(|w| w.id)
+}
+
 /// Power of Two Choices over `set` (ids of routable candidates): two distinct members drawn
 /// uniformly, the lower `load()` wins, the first drawn on a tie. `None` when `set` is empty.
 pub fn power_of_two(set: &[WorkerId], candidates: &[WorkerView], rng: Rng<'_>) -> Option<WorkerId> {
@@ -545,8 +573,24 @@ pub fn power_of_two_routable(candidates: &[WorkerView], rng: Rng<'_>) -> Option<
 /// range): the same draws and the same choice as over their ids, the drawn views read by
 /// position. `None` when `at` is empty.
 pub fn power_of_two_at(candidates: &[WorkerView], at: &[u32], rng: Rng<'_>) -> Option<WorkerId> {
-    let view = |i: usize| candidates.get(at[i] as usize);
-    let (a, b) = two_draws(at.len(), rng)?;
+    power_of_two_by(candidates, at.len(), |i| at[i] as usize, rng)
+}
+
+/// [`power_of_two_routable`] where every candidate is routable (a fleet digest says so):
+/// the same draws and choice, without listing the positions.
+pub fn power_of_two_all(candidates: &[WorkerView], rng: Rng<'_>) -> Option<WorkerId> {
+    power_of_two_by(candidates, candidates.len(), |i| i, rng)
+}
+
+/// Power of Two Choices over `n` members, the i-th at position `pos(i)` of `candidates`.
+fn power_of_two_by(
+    candidates: &[WorkerView],
+    n: usize,
+    pos: impl Fn(usize) -> usize,
+    rng: Rng<'_>,
+) -> Option<WorkerId> {
+    let view = |i: usize| candidates.get(pos(i));
+    let (a, b) = two_draws(n, rng)?;
     let first = view(a)?;
     Some(match b.and_then(view) {
         Some(second) if second.load() < first.load() => second.id,
