@@ -18,9 +18,10 @@
 //! read the buckets: a worker holding nothing of a prompt scores `(pending + prompt) ×
 //! load`, least at the head of the lowest loads' buckets, and the workers tying it are a
 //! bucket's range (`b3::unified`'s tests compare both with the scan). The prefix policies
-//! (SGLang router cache_aware, Ray Serve PrefixCacheAffinityRouter) read the load range
-//! from it and, on an imbalanced fleet, the least loaded (or, all routable, draw two by
-//! position) without a pass. `tests/prop_core.rs` checks every policy that reads a digest
+//! (SGLang router cache_aware, Ray Serve PrefixCacheAffinityRouter) read from it what their
+//! pass over the views gave them (`policy::util::FleetScan::of_kept`: the load range, the
+//! routable ids as a set, whether ids follow positions) and, on an imbalanced fleet, the
+//! least loaded (or, all routable, draw two by position). `tests/prop_core.rs` checks every policy that reads a digest
 //! decides with it as without it.
 //!
 //! A digest made with [`FleetDigest::with_terms`] also keeps the least and most of a few
@@ -41,6 +42,7 @@
 //! updates it for the engines that moved; `kvroute bench decision` builds one with its
 //! fleet. The gateway keeps none yet: `kvroute serve`'s decisions read every view.
 
+use crate::radix::TenantSet;
 use crate::types::{WorkerId, WorkerView};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -171,7 +173,7 @@ impl Rec {
 /// tests and debug builds).
 ///
 /// Memory: ~40 bytes a worker in the records, plus a map entry and an ordered-set entry
-/// for each (about 100 bytes a worker in all).
+/// for each and a bit of the routable id set (about 100 bytes a worker in all).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct FleetDigest {
     recs: Vec<Rec>,
@@ -179,6 +181,10 @@ pub struct FleetDigest {
     positions: HashMap<WorkerId, u32, foldhash::fast::FixedState>,
     /// Whether some id appears twice (then positions by id are not trusted).
     duplicate_ids: bool,
+    /// Whether some id is not above the one before it (ids out of position order).
+    ids_unordered: bool,
+    /// The routable workers' ids.
+    routable_ids: TenantSet,
     /// The routable workers as `(pending prefill tokens, position)`, by `(load, waiting up
     /// to load)`.
     buckets: BTreeMap<(u32, u32), BTreeSet<(u64, u32)>>,
@@ -263,6 +269,16 @@ impl FleetDigest {
             .flat_map(|(_, set)| set.iter().map(|&(_, pos)| pos))
     }
 
+    /// The routable workers' ids as a set.
+    pub fn routable_ids(&self) -> &TenantSet {
+        &self.routable_ids
+    }
+
+    /// Whether the workers' ids strictly increase with their position.
+    pub fn ids_increasing(&self) -> bool {
+        !self.ids_unordered
+    }
+
     /// Routable workers.
     pub fn routable_count(&self) -> usize {
         self.sums.n as usize
@@ -325,6 +341,10 @@ impl FleetDigest {
         self.enter(pos, &new);
         if new.id != old.id {
             self.index_positions();
+        }
+        if self.duplicate_ids {
+            // A removed id may be another routable worker's too.
+            self.routable_ids = TenantSet::from_ids(self.recs.iter().filter(|r| r.routable).map(|r| r.id));
         }
     }
 
@@ -403,6 +423,7 @@ impl FleetDigest {
             return;
         }
         self.sums.add_parts(r.load, r.conc, r.waiting);
+        self.routable_ids.insert(r.id);
         self.buckets.entry(r.bucket()).or_default().insert((r.pending, pos as u32));
         *self.loads.entry(r.load).or_default() += 1;
         self.precise += u32::from(r.precise);
@@ -425,6 +446,7 @@ impl FleetDigest {
             return;
         }
         self.sums.remove_parts(r.load, r.conc, r.waiting);
+        self.routable_ids.remove(r.id);
         if let Some(set) = self.buckets.get_mut(&r.bucket()) {
             set.remove(&(r.pending, pos as u32));
             if set.is_empty() {
@@ -455,6 +477,7 @@ impl FleetDigest {
     fn index_positions(&mut self) {
         self.positions.clear();
         self.duplicate_ids = false;
+        self.ids_unordered = self.recs.windows(2).any(|w| w[0].id >= w[1].id);
         for (i, r) in self.recs.iter().enumerate() {
             match self.positions.entry(r.id) {
                 std::collections::hash_map::Entry::Occupied(_) => self.duplicate_ids = true,
@@ -642,6 +665,9 @@ mod tests {
                 t.update(pos, &views[pos]);
                 prop_assert_eq!(&d, &FleetDigest::new(&views));
                 prop_assert!(d.describes(&views));
+                let routable = TenantSet::from_ids(views.iter().filter(|v| v.is_routable()).map(|v| v.id));
+                prop_assert_eq!(d.routable_ids(), &routable);
+                prop_assert_eq!(d.ids_increasing(), views.windows(2).all(|w| w[0].id < w[1].id));
                 prop_assert_eq!(d.means(), FleetMeans::of(&views));
                 prop_assert_eq!(&t, &with_terms(&views));
                 prop_assert!(t.describes(&views));

@@ -27,11 +27,21 @@ impl Symbol for u32 {}
 impl Symbol for u64 {}
 impl Symbol for crate::types::BlockHash {}
 
-/// A set of worker ids as a bitset (candidates allowed in a match).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// A set of worker ids as a bitset (candidates allowed in a match). Two sets are equal when
+/// they hold the same ids, however many words each has grown.
+#[derive(Debug, Clone, Default)]
 pub struct TenantSet {
     bits: SmallVec<[u64; 4]>,
 }
+
+impl PartialEq for TenantSet {
+    fn eq(&self, other: &Self) -> bool {
+        let word = |s: &TenantSet, i: usize| s.bits.get(i).copied().unwrap_or(0);
+        (0..self.bits.len().max(other.bits.len())).all(|i| word(self, i) == word(other, i))
+    }
+}
+
+impl Eq for TenantSet {}
 
 impl TenantSet {
     /// An empty set.

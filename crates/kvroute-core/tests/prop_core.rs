@@ -625,12 +625,14 @@ proptest! {
     /// Every policy that reads a fleet digest (the replay and the benches keep one beside
     /// their views) decides with it as without it: two copies fed the same commits, one
     /// deciding with the digest, the other reading every view, over fleets whose loads
-    /// (often imbalanced), queues and health change between requests.
+    /// (often imbalanced), queues and health change between requests, listed in id order
+    /// or not.
     #[test]
     fn a_policy_decides_with_the_fleet_digest_as_without_it(
         policy in prop::sample::select(digest_readers()),
         prompts in prop::collection::vec("[abc ]{0,48}", 1..16),
         fleet in prop::collection::vec((0u32..80, 0u32..4, 0u64..4, 0u8..8), 1..12),
+        reversed in any::<bool>(),
         seed in any::<u64>(),
     ) {
         let mut with = build(policy, &serde_json::Value::Null).expect("build");
@@ -642,7 +644,9 @@ proptest! {
                 .iter()
                 .enumerate()
                 .map(|(w, &(load, waiting, pending, h))| {
-                    let mut v = WorkerView::idle(WorkerId(w as u32));
+                    // Candidates in id order, or not.
+                    let id = if reversed { fleet.len() - 1 - w } else { w };
+                    let mut v = WorkerView::idle(WorkerId(id as u32));
                     v.in_flight = (load + 7 * i as u32) % 83;
                     v.waiting = waiting.min(v.in_flight);
                     v.pending_prefill_tokens = pending * 700;

@@ -125,11 +125,11 @@ impl Policy for CacheAware {
         c: &[WorkerView],
         ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
-        // With the fleet's digest the load range and the least loaded are read from it:
-        // an imbalanced fleet's decision reads no other view.
+        // With the fleet's digest the scan (load range, routable set) and the least loaded
+        // are read from it: no pass over the views.
         let fleet = ctx.fleet.filter(|f| f.usable_for(c));
-        let mut scan = None;
-        let (min, max) = FleetScan::load_range(fleet, c, req, &mut scan).ok_or(RouteError::NoWorker)?;
+        let scan = FleetScan::of_kept(fleet, c, req);
+        let (min, max) = scan.load_range.ok_or(RouteError::NoWorker)?;
         let imbalanced = max - min > self.cfg.balance_abs_threshold
             && f64::from(max) > self.cfg.balance_rel_threshold * f64::from(min);
         let key = PrefixKey::of(req);
@@ -143,7 +143,6 @@ impl Policy for CacheAware {
             return Ok(Decision::new(w, branch));
         }
         let Some(key) = key else { return Err(RouteError::NoWorker) };
-        let scan = scan.unwrap_or_else(|| FleetScan::of(c, req));
         let m = BestMatch::with_scan(&self.trees, key, req, c, &scan);
         let (w, branch) = if m.rate > self.cfg.cache_threshold && !m.holders.is_empty() {
             (rotate(&m.least_loaded_holders(c), &self.rotation), Branch::HighMatch)

@@ -128,20 +128,19 @@ impl Policy for PrefixAffinity {
         c: &[WorkerView],
         ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
-        // With the fleet's digest the load range is read from it, and an imbalanced fleet
-        // whose workers are all routable is drawn from by position: no other view is read.
+        // With the fleet's digest the scan (load range, routable set) is read from it, and
+        // an imbalanced fleet whose workers are all routable is drawn from by position.
         let fleet = ctx.fleet.filter(|f| f.usable_for(c));
-        let mut scan = None;
-        let (lowest, highest) = FleetScan::load_range(fleet, c, req, &mut scan).ok_or(RouteError::NoWorker)?;
+        let scan = FleetScan::of_kept(fleet, c, req);
+        let (lowest, highest) = scan.load_range.ok_or(RouteError::NoWorker)?;
         let key = PrefixKey::of(req);
         let (draw, branch, matched) = if highest - lowest > self.cfg.imbalanced_threshold {
             (Draw::Routable, Branch::Imbalanced, None)
         } else if let Some(key) = key {
-            let scan = scan.get_or_insert_with(|| FleetScan::of(c, req));
-            let m = BestMatch::with_scan(&self.trees, key, req, c, scan);
+            let m = BestMatch::with_scan(&self.trees, key, req, c, &scan);
             if m.rate < self.cfg.match_rate_threshold {
                 // The smallest trees, from the trees' kept size order.
-                (Draw::At(fewest_symbols(&self.trees, c, scan)), Branch::LowMatch, None)
+                (Draw::At(fewest_symbols(&self.trees, c, &scan)), Branch::LowMatch, None)
             } else if m.holders.is_empty() {
                 (Draw::Routable, Branch::NoPrefix, None)
             } else {

@@ -329,18 +329,20 @@ impl FleetScan {
         FleetScan { load_range: routable.then_some((lo, hi)), approx, best_precise, any_precise, by_id }
     }
 
-    /// The routable candidates' load range, `(least, most)`: read from `fleet` (a digest
-    /// of `c`, when usable for it) in O(log n), else from the scan of `c`, made into
-    /// `scan` for the rest of the decision. `None` when none is routable.
-    pub fn load_range(
-        fleet: Option<&FleetDigest>,
-        c: &[WorkerView],
-        req: &RequestView<'_>,
-        scan: &mut Option<FleetScan>,
-    ) -> Option<(u32, u32)> {
+    /// The scan of `c` for `req`, read from `fleet` (a digest of `c`) when it is usable
+    /// for `c` ([`FleetDigest::usable_for`]: no routable view carries an engine-reported
+    /// count, so every routable worker is approximate and none precise) without a pass:
+    /// the load range from its load map, the routable ids from its set (O(workers / 64)).
+    pub fn of_kept(fleet: Option<&FleetDigest>, c: &[WorkerView], req: &RequestView<'_>) -> Self {
         match fleet.filter(|f| f.usable_for(c)) {
-            Some(f) => f.load_range(),
-            None => scan.insert(FleetScan::of(c, req)).load_range,
+            Some(f) => FleetScan {
+                load_range: f.load_range(),
+                approx: f.routable_ids().clone(),
+                best_precise: 0.0,
+                any_precise: false,
+                by_id: f.ids_increasing(),
+            },
+            None => FleetScan::of(c, req),
         }
     }
 }
