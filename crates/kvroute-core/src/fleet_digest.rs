@@ -21,8 +21,8 @@
 //! (SGLang router cache_aware, Ray Serve PrefixCacheAffinityRouter) read from it what their
 //! pass over the views gave them (`policy::util::FleetScan::of_kept`: the load range, the
 //! routable ids as a set, whether ids follow positions) and, on an imbalanced fleet, the
-//! least loaded (or, all routable, draw two by position). `tests/prop_core.rs` checks every policy that reads a digest
-//! decides with it as without it.
+//! least loaded (or, all routable, draw two by position). `tests/prop_core.rs` checks that
+//! every policy that reads a digest decides with it as without it.
 //!
 //! A digest made with [`FleetDigest::with_terms`] also keeps the least and most of a few
 //! figures of each routable view a policy names ([`ViewTerms`]): kv_score (Cognitora

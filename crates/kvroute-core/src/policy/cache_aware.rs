@@ -204,8 +204,8 @@ impl Policy for CacheAware {
         self.trees.total_size() as u64
     }
 
-    /// A plain digest: on an imbalanced fleet the load range and the least loaded come
-    /// from it.
+    /// A plain digest: the fleet scan (load range, routable set) comes from it, and on an
+    /// imbalanced fleet the least loaded.
     fn fleet_digest(&self) -> Option<FleetDigest> {
         Some(FleetDigest::default())
     }

@@ -206,8 +206,8 @@ impl Policy for PrefixAffinity {
         Ok(())
     }
 
-    /// A plain digest: the load range comes from it, and an imbalanced fleet whose
-    /// workers are all routable is drawn from by position.
+    /// A plain digest: the fleet scan (load range, routable set) comes from it, and an
+    /// imbalanced fleet whose workers are all routable is drawn from by position.
     fn fleet_digest(&self) -> Option<FleetDigest> {
         Some(FleetDigest::default())
     }
