@@ -25,8 +25,10 @@ impl B3 {
         fleet: Option<&FleetDigest>,
     ) -> Option<Decision> {
         let mut hits = self.cached.hits(blocks);
-        let holders =
-            fleet.filter(|f| f.usable_for(c)).and_then(|f| Some((f, self.holders_kept(req, blocks, c, f, &hits)?)));
+        // A mostly idle fleet is read from its views, as `unified`'s fallback does (its
+        // least score's workers, with queues of different lengths, are most of the fleet).
+        let fleet = fleet.filter(|f| f.usable_for(c) && !f.mostly_idle());
+        let holders = fleet.and_then(|f| Some((f, self.holders_kept(req, blocks, c, f, &hits)?)));
         let kept = holders.and_then(|(f, holders)| first_least_kept(f, u64::from(req.input_tokens), &holders));
         let best = match kept {
             Some(at) => at.map(|i| self.terms_of(&c[i], req, blocks, hits.get(c[i].id))),
@@ -82,9 +84,12 @@ pub(super) fn first_least_kept(f: &FleetDigest, input: u64, holders: &Holders) -
         if best.is_some_and(|b| s > b.0) {
             continue;
         }
-        // The least position scoring `s` here: the first of one pending, else (load 0,
-        // or a saturated charge: every pending from there up) the least of the range.
-        let one = load > 0 && charge < u64::MAX;
+        // The least position scoring `s` here: the first of one pending (or of a bucket
+        // whose pending are all equal, as an idle fleet's are: its order is by position),
+        // else (load 0, or a saturated charge: every pending from there up) the least of
+        // the range.
+        let uniform = set.first().zip(set.last()).is_some_and(|(a, b)| a.0 == b.0);
+        let one = uniform || (load > 0 && charge < u64::MAX);
         let hi = if one { pending } else { u64::MAX };
         let mut tying = set.range((pending, 0)..=(hi, u32::MAX)).filter(|e| !holds(e.1)).map(|e| e.1 as usize);
         let first = if one { tying.next() } else { tying.min() };

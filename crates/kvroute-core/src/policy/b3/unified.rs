@@ -58,6 +58,10 @@ impl B3 {
         // LMetric fallback with the 4-key tie-break; the chosen one's terms are computed
         // again (the same inputs, the same terms).
         let mut hits = self.cached.hits(blocks);
+        // A mostly idle fleet ties most of its workers: listing them from the digest's
+        // buckets costs more than the pass over the views (the replay of the Mooncake hour
+        // on 10,000 engines took 3.8–4.8 s that way, against 3.0 s).
+        let fleet = fleet.filter(|f| !f.mostly_idle());
         let kept = fleet.and_then(|f| Some((f, self.holders_kept(req, blocks, c, f, &hits)?)));
         let mut tied = match kept.and_then(|(f, holders)| tied_kept(f, u64::from(req.input_tokens), &holders)) {
             Some(t) => t,
