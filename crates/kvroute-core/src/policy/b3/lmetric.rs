@@ -10,7 +10,7 @@
 //! least score, and the least position that has it, are the scan's (a property test
 //! compares them over random fleets).
 
-use super::{B3, Holders, MAX_BUCKETS_WALKED, Terms};
+use super::{B3, Holders, MAX_BUCKETS_WALKED, Terms, holds};
 use crate::fleet_digest::FleetDigest;
 use crate::lru_blocks::Hits;
 use crate::policy::{Branch, Decision};
@@ -68,7 +68,7 @@ pub(super) fn first_least_kept(f: &FleetDigest, input: u64, holders: &Holders) -
     for (i, t) in holders {
         keep_least(&mut best, (t.score, *i as usize));
     }
-    let holds = |pos: u32| holders.binary_search_by_key(&pos, |h| h.0).is_ok();
+    let holds = |pos: u32| holds(holders, pos);
     for (walked, (load, _, set)) in f.buckets().enumerate() {
         let floor = u128::from(input) * u128::from(load);
         if best.is_some_and(|b| floor > b.0) {

@@ -176,6 +176,11 @@ const MAX_BUCKETS_WALKED: usize = 64;
 /// their terms ([`B3::holders_kept`]).
 type Holders = SmallVec<[(u32, Terms); 16]>;
 
+/// Whether the worker at position `pos` is one of `holders` (sorted by position).
+fn holds(holders: &Holders, pos: u32) -> bool {
+    holders.binary_search_by_key(&pos, |h| h.0).is_ok()
+}
+
 /// Per-worker LMetric terms of one request.
 #[derive(Debug, Clone, Copy)]
 struct Terms {

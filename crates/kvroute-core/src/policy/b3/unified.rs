@@ -13,7 +13,7 @@
 //! positions the digest's buckets show can tie: the tied set, and so the decision, is the
 //! scan's (a property test compares them over random fleets).
 
-use super::{B3, Holders, MAX_BUCKETS_WALKED};
+use super::{B3, Holders, MAX_BUCKETS_WALKED, Terms, holds};
 use crate::fleet_digest::FleetDigest;
 use crate::lru_blocks::Hits;
 use crate::policy::util::mean_load;
@@ -23,6 +23,11 @@ use smallvec::SmallVec;
 
 /// LMetric's order of a worker: (score, new prefill tokens, num_requests), least first.
 type Key = (u128, u64, u64);
+
+/// A worker's [`Key`] from its terms.
+fn key_of(t: &Terms) -> Key {
+    (t.score, t.new_prefill, t.bs)
+}
 
 /// Positions in the candidates of the workers tied on the least [`Key`] (the scan lists
 /// them in the candidates' order, the digest in its own).
@@ -87,8 +92,7 @@ impl B3 {
         let mut best: Option<Key> = None;
         let mut tied = Tied::new();
         for (i, w) in c.iter().enumerate().filter(|(_, w)| w.is_routable()) {
-            let t = self.terms_of(w, req, blocks, hits.get(w.id));
-            let k = (t.score, t.new_prefill, t.bs);
+            let k = key_of(&self.terms_of(w, req, blocks, hits.get(w.id)));
             match best {
                 Some(b) if k > b => {}
                 Some(b) if k == b => tied.push(i),
@@ -111,16 +115,14 @@ impl B3 {
 /// the digest's buckets, walked by increasing load, give the least and the positions that
 /// tie it. `None` (read the views) when the walk passes [`MAX_BUCKETS_WALKED`] buckets.
 fn tied_kept(f: &FleetDigest, input: u64, holders: &Holders) -> Option<Tied> {
-    let holders: SmallVec<[(usize, Key); 16]> =
-        holders.iter().map(|(i, t)| (*i as usize, (t.score, t.new_prefill, t.bs))).collect();
-    let holds = |pos: u32| holders.binary_search_by_key(&(pos as usize), |h| h.0).is_ok();
+    let holds = |pos: u32| holds(holders, pos);
     let others = least_of_others(f, input, holds)?;
-    let best = holders.iter().map(|h| h.1).chain(others.map(|o| o.key(input))).min();
+    let best = holders.iter().map(|h| key_of(&h.1)).chain(others.map(|o| o.key(input))).min();
     let mut tied = Tied::new();
     if let Some(o) = others.filter(|o| Some(o.key(input)) == best) {
         o.positions(f, input, holds, &mut tied);
     }
-    tied.extend(holders.iter().filter(|h| Some(h.1) == best).map(|h| h.0));
+    tied.extend(holders.iter().filter(|h| Some(key_of(&h.1)) == best).map(|h| h.0 as usize));
     Some(tied)
 }
 
@@ -149,7 +151,10 @@ impl Others {
             _ => (self.charge - input, self.charge - input),
         };
         for (_, _, set) in f.buckets().skip_while(|b| b.0 < self.load).take_while(|b| b.0 == self.load) {
-            out.reserve(set.len());
+            if self.load == 0 {
+                // The whole bucket ties (no holder is in it: one of load 0 would win).
+                out.reserve(set.len());
+            }
             out.extend(set.range((lo, 0)..=(hi, u32::MAX)).filter(|e| !holds(e.1)).map(|e| e.1 as usize));
         }
     }
