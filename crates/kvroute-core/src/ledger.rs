@@ -16,6 +16,7 @@
 //! `ongoing_decode_tokens`, plus `waiting` (no first token yet).
 
 use crate::types::{WorkerId, WorkerView};
+use crate::view_changes::ViewChanges;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicU32, AtomicU64};
@@ -157,9 +158,25 @@ pub struct AtomicLoad {
     decode_tokens: AtomicU64,
     /// Requests ever dispatched here (monotonic).
     dispatches: AtomicU64,
+    /// Where each transition is marked, and as which worker ([`AtomicLoad::watch`]).
+    watch: std::sync::OnceLock<(Arc<ViewChanges>, WorkerId)>,
 }
 
 impl AtomicLoad {
+    /// From now on, marks worker `id` in `changes` after each transition of these counters
+    /// (a dispatch, a first token, a close), so a reader that keeps views re-reads it
+    /// ([`crate::view_changes`]). Set once; a second call changes nothing and returns false.
+    pub fn watch(&self, changes: Arc<ViewChanges>, id: WorkerId) -> bool {
+        self.watch.set((changes, id)).is_ok()
+    }
+
+    #[inline]
+    fn changed(&self) {
+        if let Some((c, id)) = self.watch.get() {
+            c.mark(*id);
+        }
+    }
+
     /// Requests ever dispatched to this worker: a decision made on a view of the counters
     /// read at count `n` is stale when this is no longer `n` (another request was sent
     /// there meanwhile).
@@ -216,6 +233,7 @@ impl AtomicLoad {
         self.in_flight.fetch_add(1, Relaxed);
         self.waiting.fetch_add(1, Relaxed);
         self.pending_prefill_tokens.fetch_add(uncached_prompt_tokens, Relaxed);
+        self.changed();
         LoadTicket {
             load: Arc::clone(self),
             prefill_tokens: uncached_prompt_tokens,
@@ -249,6 +267,7 @@ impl LoadTicket {
         l.waiting.fetch_sub(1, Relaxed);
         l.pending_prefill_tokens.fetch_sub(self.prefill_tokens, Relaxed);
         l.decode_tokens.fetch_add(self.decode_tokens, Relaxed);
+        l.changed();
     }
 
     /// The request ended (completed, failed or cancelled).
@@ -264,6 +283,7 @@ impl LoadTicket {
             l.pending_prefill_tokens.fetch_sub(self.prefill_tokens, Relaxed);
         }
         l.in_flight.fetch_sub(1, Relaxed);
+        l.changed();
         self.closed = true;
     }
 

@@ -13,6 +13,7 @@
 //! - [`lru_blocks`]: B3 `cache_aware_proxy.py`'s per-worker LRU set of block hashes.
 //! - [`fleet_digest`]: what a scoring decision reads from every worker, kept between decisions.
 //! - [`ledger`]: per-worker load counters with explicit request transitions.
+//! - [`view_changes`]: which workers' views changed since a reader of kept views last looked.
 //! - [`admission`]: per-(model, role) admission with RAII permits (Cognitora cgn-router).
 //! - [`policy`]: the [`policy::Policy`] trait and every policy.
 //! - [`registry`]: build a policy by name; list policies with knobs and defaults.
@@ -44,6 +45,7 @@ pub mod slots;
 pub mod tenant;
 pub mod trace;
 pub mod types;
+pub mod view_changes;
 
 pub use policy::{Branch, Decision, PickCtx, Policy, RouteError};
 pub use types::{BlockHash, Nanos, RequestView, Role, WorkerId, WorkerView};

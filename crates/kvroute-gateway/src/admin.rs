@@ -382,7 +382,7 @@ pub async fn debug_route(
             let url = |id: WorkerId| routed.candidates.entry(id).map(|w| w.url.to_string());
             serde_json::json!({
                 "worker": url(d.worker),
-                "fallbacks": kvroute_core::policy::fallbacks(d, &routed.candidates.views).iter().filter_map(|w| url(*w)).collect::<Vec<_>>(),
+                "fallbacks": kvroute_core::policy::fallbacks(d, &routed.candidates.decided_views()).iter().filter_map(|w| url(*w)).collect::<Vec<_>>(),
                 "policy": &*routed.router.policy_name,
                 "branch": d.branch.as_str(),
                 "matched": d.matched,

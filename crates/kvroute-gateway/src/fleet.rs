@@ -5,10 +5,17 @@
 //! tasks that learn about workers — health checks, `/metrics` scrapes, the admin API, KV-event
 //! subscribers — store into those atomics; only a change of membership builds a new list
 //! (pingora's `Backends` works the same way).
+//!
+//! A request need not read every worker: each model's roster keeps copies of its workers'
+//! views and their [`FleetDigest`] between requests ([`Fleet::decide_kept`]), and every
+//! store into what a view reads marks the worker changed ([`ViewChanges`]), so a decision
+//! re-reads only the marked workers before its policy reads the digest.
 
 use arc_swap::ArcSwap;
+use kvroute_core::fleet_digest::FleetDigest;
 use kvroute_core::ledger::AtomicLoad;
 use kvroute_core::types::{Health, Nanos, Role, WorkerId, WorkerView};
+use kvroute_core::view_changes::{ChangeReader, ViewChanges};
 use kvroute_protocol::openai::Api;
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -110,7 +117,7 @@ pub struct WorkerEntry {
     /// their routing events over NATS report them ([`crate::cluster::sync`]); zero without
     /// `nats`. The routing view adds them to [`WorkerEntry::load`].
     pub remote_load: Arc<AtomicLoad>,
-    /// Engine signals.
+    /// Engine signals. Whoever stores them calls [`WorkerEntry::signals_stored`] after.
     pub signals: EngineSignals,
     /// A stable hash of `url`: the worker's name in every replica's tie-breaks
     /// ([`kvroute_core::types::WorkerView::tie_key`]).
@@ -165,6 +172,9 @@ pub struct WorkerEntry {
     role: AtomicU8,
     /// Its bootstrap server's port (SGLang prefill workers).
     pub bootstrap_port: OptU32,
+    /// The fleet's view changes, marked whenever what its view reads changes (set when it
+    /// joins a fleet: [`Fleet::add_with`]).
+    changes: std::sync::OnceLock<Arc<ViewChanges>>,
     /// When its `/v1/models` was last read (gateway clock, ns).
     pub models_read_at: AtomicU64,
     /// Capacity facts by source ([`CapacitySource`]); written rarely (a worker added,
@@ -282,6 +292,7 @@ impl WorkerEntry {
             models_read_at: AtomicU64::new(0),
             role: AtomicU8::new(role_code(Role::Both)),
             bootstrap_port: OptU32::default(),
+            changes: std::sync::OnceLock::new(),
             capacity: ArcSwap::from_pointee((
                 crate::model::capacity::Capacity::default(),
                 kvroute_core::types::Capacity::default(),
@@ -379,7 +390,29 @@ impl WorkerEntry {
 
     /// Sets the health; returns the previous value.
     pub fn set_health(&self, h: Health) -> Health {
-        health_of(self.health.swap(health_code(h), Relaxed))
+        let was = health_of(self.health.swap(health_code(h), Relaxed));
+        if was != h {
+            self.view_changed();
+        }
+        was
+    }
+
+    /// Marks this worker's view changed for the kept views ([`Fleet::decide_kept`]): every
+    /// write of what [`WorkerEntry::view`] reads calls it after the write — health and
+    /// ejection here, the load counters through [`AtomicLoad::watch`], and whoever stores
+    /// [`WorkerEntry::signals`] ([`WorkerEntry::signals_stored`]). Capacity, role and
+    /// models rebuild the rosters instead.
+    #[inline]
+    fn view_changed(&self) {
+        if let Some(c) = self.changes.get() {
+            c.mark(self.id);
+        }
+    }
+
+    /// The engine signals ([`WorkerEntry::signals`]) were stored: call after storing them,
+    /// so views kept between requests re-read them.
+    pub fn signals_stored(&self) {
+        self.view_changed();
     }
 
     /// Health checks found the worker down: sets it unhealthy and wakes every request
@@ -470,6 +503,7 @@ impl WorkerEntry {
         if self.ejected.swap(true, Relaxed) {
             return false;
         }
+        self.view_changed();
         let k = self.ejections.fetch_add(1, Relaxed).min(16);
         let wait = PROBE_BACKOFF_START.0.saturating_mul(1 << k).min(PROBE_BACKOFF_MAX.0);
         self.probe_at.store(now.0.saturating_add(wait), Relaxed);
@@ -485,6 +519,7 @@ impl WorkerEntry {
         }
         if self.is_ejected() {
             self.ejected.store(false, Relaxed);
+            self.view_changed();
         } else if self.ejections.load(Relaxed) != 0 {
             self.ejections.store(0, Relaxed);
         }
@@ -500,7 +535,9 @@ impl WorkerEntry {
     pub fn probe_result(&self, passed: bool, now: Nanos) {
         if passed {
             self.consecutive_failures.store(0, Relaxed);
-            self.ejected.store(false, Relaxed);
+            if self.ejected.swap(false, Relaxed) {
+                self.view_changed();
+            }
         } else {
             let k = self.ejections.fetch_add(1, Relaxed).min(16);
             let wait = PROBE_BACKOFF_START.0.saturating_mul(1 << k).min(PROBE_BACKOFF_MAX.0);
@@ -510,8 +547,13 @@ impl WorkerEntry {
 
     /// The routing core's view of this worker now.
     pub fn view(&self) -> WorkerView {
+        self.view_in_fleet(true)
+    }
+
+    /// [`WorkerEntry::view`], adding the other replicas' load only when `remote`.
+    fn view_in_fleet(&self, remote: bool) -> WorkerView {
         let mut v = WorkerView::idle(self.id);
-        self.fill_view(&mut v, self.core_capacity(), self.role(), true);
+        self.fill_view(&mut v, self.core_capacity(), self.role(), remote);
         v
     }
 
@@ -649,24 +691,62 @@ pub struct Candidates {
     /// Each worker's dispatch count ([`kvroute_core::ledger::AtomicLoad::dispatches`]) when
     /// its view was read, in the order of `entries`.
     pub dispatches: Vec<u64>,
+    /// Set when the decision read the model's kept views ([`Fleet::decide_kept`]): then
+    /// `views` and `dispatches` are empty, and only the chosen worker's position and
+    /// dispatch count are held; [`Candidates::decided_views`] reads the views again.
+    kept: Option<KeptPick>,
+}
+
+/// What a decision made on kept views leaves of them: the chosen worker's id, position
+/// among the candidates and dispatch count when its kept view was read.
+#[derive(Debug, Clone, Copy)]
+struct KeptPick {
+    chosen: Option<(WorkerId, usize, u64)>,
+    /// Whether the views add other replicas' load ([`Fleet::count_remote_load`]).
+    remote: bool,
 }
 
 impl Candidates {
     /// Worker `id`'s dispatch count when its view was read (`None` if it is not a
-    /// candidate): the decision made on that view holds only while the count is unchanged
+    /// candidate, or, after a decision on kept views, not the chosen worker): the decision
+    /// made on that view holds only while the count is unchanged
     /// ([`kvroute_core::ledger::AtomicLoad::dispatched_if`]).
     pub fn dispatches_seen(&self, id: WorkerId) -> Option<u64> {
+        if let Some(k) = self.kept {
+            return k.chosen.filter(|c| c.0 == id).map(|c| c.2);
+        }
         self.entries.iter().zip(&self.dispatches).find(|(e, _)| e.id == id).map(|(_, n)| *n)
     }
 
     /// The worker with id `id` among the candidates.
     pub fn entry(&self, id: WorkerId) -> Option<&Arc<WorkerEntry>> {
+        if let Some((_, pos, _)) = self.kept.and_then(|k| k.chosen).filter(|c| c.0 == id) {
+            return self.entries.get(pos);
+        }
         self.entries.iter().find(|e| e.id == id)
+    }
+
+    /// The views the decision read, for what orders the other candidates after it (the
+    /// retry order, `/debug/route`'s fallbacks). After a decision on kept views
+    /// ([`Fleet::decide_kept`]) they are read again now: O(candidates), paid only by a
+    /// request that asks for more than its chosen worker.
+    pub fn decided_views(&self) -> std::borrow::Cow<'_, [WorkerView]> {
+        match self.kept {
+            Some(k) if self.views.is_empty() => {
+                std::borrow::Cow::Owned(self.entries.iter().map(|w| w.view_in_fleet(k.remote)).collect())
+            }
+            _ => std::borrow::Cow::Borrowed(&self.views),
+        }
     }
 
     /// Keeps the candidates whose entry satisfies `keep` (views and dispatch counts with
     /// them).
     pub fn retain(&mut self, mut keep: impl FnMut(&WorkerEntry) -> bool) {
+        if let Some(k) = self.kept.take() {
+            // Decided on kept views: read them now, as a candidate read would have.
+            self.views = self.entries.iter().map(|w| w.view_in_fleet(k.remote)).collect();
+            self.dispatches = self.entries.iter().map(|w| w.load.dispatches()).collect();
+        }
         let kept: Vec<bool> = self.entries.iter().map(|e| keep(e)).collect();
         if kept.iter().all(|k| *k) {
             return;
@@ -700,6 +780,101 @@ fn roster_changed() {
 struct Roster {
     entries: Arc<[Arc<WorkerEntry>]>,
     facts: Vec<(kvroute_core::types::Capacity, Role)>,
+    /// The views kept between requests ([`Fleet::decide_kept`]): one per deciding thread
+    /// at most ([`kept_copies`]), each behind its own lock that a decision only tries.
+    kept: Box<[Mutex<Option<Kept>>]>,
+}
+
+/// How many kept copies of a roster's views decisions may use at once: the threads that
+/// can decide at the same time (at most [`kvroute_core::view_changes::MAX_READERS`] / 2,
+/// so two rosters in use at once can each have their copies). A decision that finds every
+/// copy taken reads the candidates as without kept views.
+fn kept_copies() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::thread::available_parallelism()
+            .map_or(2, std::num::NonZeroUsize::get)
+            .clamp(1, kvroute_core::view_changes::MAX_READERS / 2)
+    })
+}
+
+/// One kept copy of a roster's views, and their digest: brought up to date at each
+/// decision by re-reading the workers whose views changed since ([`ViewChanges`]).
+#[derive(Debug)]
+struct Kept {
+    /// The router whose policy's digest this is ([`Fleet::decide_kept`]'s `owner`).
+    owner: u64,
+    /// Whether the views add other replicas' load.
+    remote: bool,
+    reader: ChangeReader,
+    views: Vec<WorkerView>,
+    /// Each worker's dispatch count when its view was read.
+    dispatches: Vec<u64>,
+    digest: FleetDigest,
+    /// The positions of the workers marked by bit `b` of the reader's marks:
+    /// `by_bit[starts[b]..starts[b + 1]]` (compressed rows; a bit names several workers
+    /// only when their ids are equal modulo the marks' capacity).
+    starts: Vec<u32>,
+    by_bit: Vec<u32>,
+}
+
+impl Kept {
+    /// Reads every view of `roster` for a reader of `changes` (`None` when every reader
+    /// slot is taken).
+    fn new(
+        roster: &Roster,
+        changes: &Arc<ViewChanges>,
+        owner: u64,
+        remote: bool,
+        digest: &FleetDigest,
+    ) -> Option<Kept> {
+        let mut reader = changes.reader()?;
+        // Drained before the views are read: a change from now on is marked again.
+        reader.drain(|_| {});
+        let n = roster.entries.len();
+        let (mut views, mut dispatches) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (w, &(capacity, role)) in roster.entries.iter().zip(&roster.facts) {
+            dispatches.push(w.load.dispatches());
+            let mut v = WorkerView::idle(w.id);
+            w.fill_view(&mut v, capacity, role, remote);
+            views.push(v);
+        }
+        let mut digest = digest.clone();
+        digest.refresh(&views);
+        let cap = changes.capacity();
+        let mut starts = vec![0u32; cap + 1];
+        for w in roster.entries.iter() {
+            starts[changes.bit(w.id) + 1] += 1;
+        }
+        for b in 0..cap {
+            starts[b + 1] += starts[b];
+        }
+        let mut by_bit = vec![0u32; n];
+        let mut next = starts.clone();
+        for (pos, w) in roster.entries.iter().enumerate() {
+            let b = changes.bit(w.id);
+            by_bit[next[b] as usize] = pos as u32;
+            next[b] += 1;
+        }
+        Some(Kept { owner, remote, reader, views, dispatches, digest, starts, by_bit })
+    }
+
+    /// Re-reads the views of the workers marked since the last call, and updates the
+    /// digest with each.
+    fn catch_up(&mut self, roster: &Roster) {
+        let Kept { reader, views, dispatches, digest, starts, by_bit, remote, .. } = self;
+        reader.drain(|b| {
+            for &pos in &by_bit[starts[b] as usize..starts[b + 1] as usize] {
+                let pos = pos as usize;
+                let (w, &(capacity, role)) = (&roster.entries[pos], &roster.facts[pos]);
+                dispatches[pos] = w.load.dispatches();
+                let v = &mut views[pos];
+                *v = WorkerView::idle(w.id);
+                w.fill_view(v, capacity, role, *remote);
+                digest.update(pos, v);
+            }
+        });
+    }
 }
 
 /// The rosters built at one epoch, by model and then by role mask ([`role_mask`]).
@@ -728,6 +903,18 @@ pub struct Fleet {
     /// set with the cluster sync ([`Fleet::count_remote_load`]). Without it that load is
     /// always zero, and a request's candidate read skips the cache line it sits on.
     remote_load: AtomicBool,
+    /// Marked by each worker whose view changes, read by the kept views.
+    changes: FleetChanges,
+}
+
+/// A fleet's [`ViewChanges`], one bit per worker id modulo [`MAX_WORKERS`].
+#[derive(Debug)]
+struct FleetChanges(Arc<ViewChanges>);
+
+impl Default for FleetChanges {
+    fn default() -> Self {
+        FleetChanges(Arc::new(ViewChanges::new(MAX_WORKERS)))
+    }
 }
 
 /// A worker URL `reqwest` cannot build a request URL from.
@@ -799,6 +986,10 @@ impl Fleet {
         }
         let id = WorkerId(self.next_id.fetch_add(1, Relaxed));
         let entry = WorkerEntry::new(id, url, models, health);
+        let changes = &self.changes.0;
+        let _ = entry.changes.set(Arc::clone(changes));
+        entry.load.watch(Arc::clone(changes), id);
+        entry.remote_load.watch(Arc::clone(changes), id);
         setup(&entry);
         let entry = Arc::new(entry);
         let mut next = Vec::with_capacity(cur.len() + 1);
@@ -881,7 +1072,77 @@ impl Fleet {
                 views[i].health = Health::Healthy;
             }
         }
-        Candidates { views, entries, dispatches }
+        Candidates { views, entries, dispatches, kept: None }
+    }
+
+    /// Decides on the views of `model`'s workers (every role) kept between requests, with
+    /// their digest: `decide` is given the views and the digest and returns its result and
+    /// the worker it chose. Before it runs, only the workers whose views changed since this
+    /// copy's last decision are read again ([`ViewChanges`]), so a decision costs what the
+    /// policy reads of the digest plus the changed workers, not a read of every worker.
+    ///
+    /// `owner` names the policy the digest is for (one kept copy serves one router);
+    /// `digest` is an empty digest of that policy's kind ([`kvroute_core::Policy::fleet_digest`]),
+    /// cloned and filled when a copy is first built (O(workers log workers), once per
+    /// roster change).
+    ///
+    /// `None` — decide on [`Fleet::candidates`] instead — when the model has no worker, no
+    /// worker is routable (that read offers the last resort), or every kept copy is in use
+    /// by other decisions or was built for another owner and every change-reader slot is
+    /// taken. Never waits for a lock.
+    pub fn decide_kept<R>(
+        &self,
+        model: &str,
+        owner: u64,
+        digest: &FleetDigest,
+        decide: impl FnOnce(&[WorkerView], &FleetDigest) -> (R, Option<WorkerId>),
+    ) -> Option<(R, Candidates)> {
+        let roster = self.roster(model, None);
+        if roster.entries.is_empty() {
+            return None;
+        }
+        let remote = self.remote_load.load(Relaxed);
+        let fits = |k: &Option<Kept>| k.as_ref().is_some_and(|k| k.owner == owner && k.remote == remote);
+        // A free copy built for this owner; else a free empty one; else any free one.
+        let mut spare = None;
+        let mut found = None;
+        for m in roster.kept.iter() {
+            let Some(g) = m.try_lock() else { continue };
+            if fits(&g) {
+                found = Some(g);
+                break;
+            }
+            if spare.as_ref().is_none_or(|s: &parking_lot::MutexGuard<'_, Option<Kept>>| s.is_some() && g.is_none()) {
+                spare = Some(g);
+            }
+        }
+        let mut slot = match found {
+            Some(g) => g,
+            None => {
+                let mut g = spare?;
+                // Built for one owner: the old copy's reader slot is freed first.
+                *g = None;
+                *g = Some(Kept::new(&roster, &self.changes.0, owner, remote, digest)?);
+                g
+            }
+        };
+        let kept = slot.as_mut()?;
+        kept.catch_up(&roster);
+        if kept.digest.routable_count() == 0 {
+            return None;
+        }
+        let (r, chosen) = decide(&kept.views, &kept.digest);
+        let chosen = chosen.and_then(|id| {
+            let pos = kept.digest.position(id)?;
+            Some((id, pos, kept.dispatches[pos]))
+        });
+        let candidates = Candidates {
+            views: Vec::new(),
+            entries: Arc::clone(&roster.entries),
+            dispatches: Vec::new(),
+            kept: Some(KeptPick { chosen, remote }),
+        };
+        Some((r, candidates))
     }
 
     /// The roster of `model` and `roles`: the cached one when no change happened since it
@@ -901,7 +1162,8 @@ impl Fleet {
         let entries: Arc<[Arc<WorkerEntry>]> =
             list.iter().filter(|w| w.serves(model) && roles.is_none_or(|r| r.contains(&w.role()))).cloned().collect();
         let facts = entries.iter().map(|w| (w.core_capacity(), w.role())).collect();
-        let roster = Arc::new(Roster { entries, facts });
+        let kept = (0..kept_copies()).map(|_| Mutex::new(None)).collect();
+        let roster = Arc::new(Roster { entries, facts, kept });
         if !roster.entries.is_empty() {
             self.rosters.rcu(|cur| {
                 let mut by_model = if cur.epoch == epoch && cur.by_model.len() < MAX_ROSTERS {
@@ -964,6 +1226,110 @@ impl PowerWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kept views of `model` (read through [`Fleet::decide_kept`] for `owner`) and
+    /// whether their digest describes them; `None` when no kept copy decided.
+    fn kept_views(f: &Fleet, model: &str, owner: u64, digest: &FleetDigest) -> Option<(Vec<WorkerView>, bool)> {
+        f.decide_kept(model, owner, digest, |views, d| ((views.to_vec(), d.describes(views)), None)).map(|(r, _)| r)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+
+        /// Whatever changes the workers' health, ejection, load (this replica's and the
+        /// others'), signals, capacity or membership between decisions, the views kept
+        /// between them are what a fresh read of every worker gives, and their digest
+        /// describes them — for two routers sharing the kept copies in turn.
+        #[test]
+        fn kept_views_are_what_a_fresh_read_gives(
+            remote in proptest::prelude::any::<bool>(),
+            ops in proptest::collection::vec((0u8..23, 0u16..64, 0u16..4096), 1..160),
+        ) {
+            let f = Fleet::default();
+            if remote {
+                f.count_remote_load();
+            }
+            let mut workers: Vec<Arc<WorkerEntry>> = (0..6)
+                .map(|i| f.add(&format!("http://w{i}:8000"), vec![], Health::Healthy).expect("room").0)
+                .collect();
+            let mut tickets: Vec<kvroute_core::ledger::LoadTicket> = Vec::new();
+            let digests = [FleetDigest::default(), FleetDigest::with_terms(&kvroute_core::policy::kv_score::KV_SCORE_TERMS)];
+            let mut added = 6;
+            for (step, (op, a, b)) in ops.into_iter().enumerate() {
+                let w = Arc::clone(&workers[usize::from(a) % workers.len()]);
+                let now = Nanos::from_secs(u64::from(b));
+                // Changes of membership and capacity (which rebuild the kept copies) are
+                // rarer than the others, so most decisions catch up on marked changes.
+                let op = if op < 20 { op % 10 } else { op - 10 };
+                match op {
+                    0 | 1 => tickets.push(w.load.dispatched(u64::from(b), u64::from(a))),
+                    2 => tickets.push(w.remote_load.dispatched(u64::from(b), 1)),
+                    3 => {
+                        let n = tickets.len().max(1);
+                        if let Some(t) = tickets.get_mut(usize::from(b) % n) { t.first_token() }
+                    }
+                    4 if !tickets.is_empty() => { tickets.swap_remove(usize::from(b) % tickets.len()); }
+                    5 => { w.set_health(if b % 2 == 0 { Health::Unhealthy } else { Health::Healthy }); }
+                    6 => { f.try_eject(&w, 0.5, now); }
+                    7 => w.record_success(),
+                    8 => w.probe_result(b % 2 == 0, now),
+                    9 => {
+                        w.signals.queue.set(Some(u32::from(b)));
+                        w.signals.kv_cache_usage.set(Some(f64::from(b) / 4096.0));
+                        w.signals.slots.set((b % 3 == 0).then_some(u32::from(a) + 1));
+                        w.signals_stored();
+                    }
+                    10 => {
+                        let c = crate::model::capacity::Capacity { max_concurrent: Some(u32::from(a) + 1), ..Default::default() };
+                        w.set_capacity(CapacitySource::Config, Some(c));
+                    }
+                    11 if workers.len() < 12 => {
+                        workers.push(f.add(&format!("http://w{added}:8000"), vec![], Health::Healthy).expect("room").0);
+                        added += 1;
+                    }
+                    12 if workers.len() > 1 => {
+                        f.remove(&w.url);
+                        workers.retain(|x| x.id != w.id);
+                    }
+                    _ => {}
+                }
+                // Decide now and then (not after every change), alternating two owners.
+                if step % 3 == 0 {
+                    let owner = (step / 60 % 2) as u64;
+                    let fresh = f.candidates("m");
+                    match kept_views(&f, "m", owner, &digests[owner as usize]) {
+                        Some((views, described)) => {
+                            proptest::prop_assert_eq!(&views, &fresh.views);
+                            proptest::prop_assert!(described);
+                        }
+                        // Only when no worker is routable (the fresh read offers the last resort).
+                        None => proptest::prop_assert!(!fresh.entries.iter().any(|w| w.is_routable())),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_decision_on_kept_views_holds_the_chosen_workers_dispatch_count() {
+        let f = Fleet::default();
+        let ws: Vec<_> =
+            (0..3).map(|i| f.add(&format!("http://k{i}:8000"), vec![], Health::Healthy).expect("room").0).collect();
+        let _open = ws[1].load.dispatched(10, 1);
+        let d = FleetDigest::default();
+        let (chosen, c) = f.decide_kept("m", 7, &d, |_, _| (ws[2].id, Some(ws[2].id))).expect("kept");
+        assert_eq!(chosen, ws[2].id);
+        assert_eq!(c.dispatches_seen(ws[2].id), Some(0));
+        assert_eq!(c.dispatches_seen(ws[1].id), None, "only the chosen worker's count is held");
+        assert_eq!(c.entry(ws[2].id).map(|w| w.id), Some(ws[2].id));
+        assert_eq!(c.entry(ws[1].id).map(|w| w.id), Some(ws[1].id));
+        // The retry order reads the views again: this replica's open request shows.
+        assert_eq!(c.decided_views()[1].in_flight, 1);
+        // A dispatch since is marked: the next decision re-reads that worker.
+        let _t = ws[2].load.dispatched(5, 1);
+        let (_, c) = f.decide_kept("m", 7, &d, |_, _| ((), Some(ws[2].id))).expect("kept");
+        assert_eq!(c.dispatches_seen(ws[2].id), Some(1));
+    }
 
     #[test]
     fn ejection_needs_failures_in_a_row_and_a_passing_probe_with_backoff() {

@@ -179,6 +179,7 @@ async fn scrape(s: &AppState, w: &WorkerEntry, body: &str) {
     sig.sm_util.set(sm_utilisation(body));
     sig.slots.set(slots);
     sig.hit_ratio.set(hit);
+    w.signals_stored();
 }
 
 /// One real inference request (a one-token completion of the worker's first model): what

@@ -42,7 +42,16 @@ pub struct ModelRouter {
     policy: Twin<Box<dyn Policy>>,
     /// When its next maintenance is due (gateway clock, ns; `u64::MAX` when never).
     next_maintain: AtomicU64,
+    /// This router's number in the process (views kept for its policy name it).
+    id: u64,
+    /// An empty digest of its policy's kind ([`Policy::fleet_digest`]; the kind does not
+    /// change with knobs), or a plain one for a policy that reads none (kept views still
+    /// spare its decisions a read of every worker).
+    digest: kvroute_core::fleet_digest::FleetDigest,
 }
+
+/// The next [`ModelRouter`]'s number.
+static NEXT_ROUTER: AtomicU64 = AtomicU64::new(0);
 
 impl ModelRouter {
     fn new(name: &str, policy: Box<dyn Policy>, copies: usize, now: Nanos) -> Self {
@@ -52,9 +61,18 @@ impl ModelRouter {
             policy_name: name.into(),
             records_request_prefix: policy.records_request_prefix(),
             calibrates: !policy.calibration().is_null(),
+            id: NEXT_ROUTER.fetch_add(1, Relaxed),
+            digest: policy.fleet_digest().unwrap_or_default(),
             policy: Twin::new(policy, second),
             next_maintain: AtomicU64::new(next),
         }
+    }
+
+    /// This router's number in the process and an empty digest of its policy's kind
+    /// ([`Policy::fleet_digest`]; a plain one for a policy that reads none): what keeping
+    /// views between its decisions needs ([`crate::fleet::Fleet::decide_kept`]).
+    pub fn kept_digest(&self) -> (u64, &kvroute_core::fleet_digest::FleetDigest) {
+        (self.id, &self.digest)
     }
 
     /// Decides (pure: no index, session table or counter changes).

@@ -10,12 +10,19 @@
 //! least_ttft, prefill_cost, kv_score, lmetric, capped, unified, cache_aware,
 //! prefix_affinity) is given one, built with the fleet, as the replay
 //! keeps one beside its engines' views, so it reads only the workers that can win;
-//! `--no-digest` times decisions that read every view, as `kvroute serve`'s do.
+//! `--no-digest` times decisions that read every view.
 //!
-//! With `--gateway` each timed call also reads the candidates the way a request does: the
-//! workers are a gateway fleet ([`kvroute_gateway::fleet::Fleet`]) of N workers serving
-//! the model, and each decision starts from `Fleet::candidates` (the model's roster, each
-//! worker's view read from its atomics) and ends when those candidates are dropped. Loads
+//! With `--gateway` each timed call also reads the candidates the way a request through
+//! `kvroute serve` does: the workers are a gateway fleet
+//! ([`kvroute_gateway::fleet::Fleet`]) of N workers serving the model. Each policy decides
+//! on the views the fleet keeps between requests and their digest (`Fleet::decide_kept`):
+//! before each timed call one worker's counters change (a request opened and closed on
+//! worker `k % N` at the `k`-th decision, as a dispatch marks its worker), and the call
+//! re-reads that worker's view and updates the digest before the policy decides (a policy
+//! that reads no digest decides on the kept views). With `--no-digest` each call starts
+//! from `Fleet::candidates` (the
+//! model's roster, each worker's view read from its atomics) and ends when those
+//! candidates are dropped. Loads
 //! are open requests on the workers' counters: `i % 7` in flight on worker `i` (7 is
 //! `--in-flight-spread`), the first of them with `(i % 5) × 1000` tokens to prefill (a
 //! worker with nothing in flight has nothing queued, unlike the fixture's).
@@ -57,12 +64,14 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     /// Time the gateway's candidate read with each decision (at most
-    /// `kvroute_gateway::fleet::MAX_WORKERS` workers); JSON objects get `"gateway": true`.
+    /// `kvroute_gateway::fleet::MAX_WORKERS` workers): the kept views and their digest, or
+    /// a read of every worker's view (see the module docs); JSON objects get
+    /// `"gateway": true`.
     #[arg(long)]
     pub gateway: bool,
-    /// Decide without the fleet's digest: every policy reads every view (as through
-    /// `kvroute serve`, whose gateway keeps no digest; implied by `--gateway`). JSON
-    /// objects say `"digest"`.
+    /// Decide without the fleet's digest: every policy reads every view (with `--gateway`:
+    /// as `kvroute serve` does for a request whose candidates it narrows or rewrites,
+    /// e.g. with KV events). JSON objects say `"digest"`.
     #[arg(long)]
     pub no_digest: bool,
     /// When the probe is decided, seconds on the policies' clock. The warm-up routes one
@@ -101,6 +110,57 @@ fn gateway_fleet(
     Ok((fleet, open))
 }
 
+/// The policies `--policy` names (`all`: every one), else an error naming the unknown one.
+fn policy_names(flag: &str) -> anyhow::Result<Vec<String>> {
+    let names: Vec<String> = if flag == "all" {
+        registry::names().iter().map(|s| (*s).to_string()).collect()
+    } else {
+        flag.split(',').map(|s| s.trim().to_string()).collect()
+    };
+    for n in &names {
+        if !registry::names().contains(&n.as_str()) {
+            bail!("--policy: unknown policy `{n}`; known: all, {}", registry::names().join(", "));
+        }
+    }
+    Ok(names)
+}
+
+/// One decision for `req` through the gateway fleet `g` (model `m`), as a request through
+/// `kvroute serve` makes it: on the fleet's kept views for router `owner` when `kept` is
+/// the empty digest they are kept with, else (or when no kept copy decides) on a fresh
+/// read of the candidates.
+fn decide_on_gateway(
+    g: &kvroute_gateway::fleet::Fleet,
+    owner: u64,
+    kept: Option<&kvroute_core::fleet_digest::FleetDigest>,
+    p: &dyn kvroute_core::Policy,
+    req: &kvroute_core::RequestView<'_>,
+    ctx: &mut PickCtx<'_>,
+) {
+    let on_kept = kept.and_then(|d| {
+        g.decide_kept(black_box("m"), owner, d, |views, d| {
+            let mut ctx = PickCtx { now: ctx.now, rng: &mut *ctx.rng, fleet: Some(d) };
+            let r = decide(p, black_box(req), views, &mut ctx);
+            let chosen = r.as_ref().ok().map(|(d, _)| d.worker);
+            (r, chosen)
+        })
+    });
+    if on_kept.is_none() {
+        let cands = g.candidates(black_box("m"));
+        let _ = black_box(decide(p, black_box(req), &cands.views, ctx));
+    }
+    black_box(on_kept);
+}
+
+/// Opens and closes a request on worker `k % n` of `g`: its view is marked changed (and
+/// back as it was), as a dispatch marks the worker it goes to.
+fn touch(g: &kvroute_gateway::fleet::Fleet, k: usize) {
+    let list = g.load();
+    if let Some(w) = list.get(k % list.len().max(1)) {
+        drop(w.load.dispatched(0, 0));
+    }
+}
+
 fn read_trace(path: &std::path::Path) -> anyhow::Result<Vec<TraceReq>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("--trace {}", path.display()))?;
     let trace = parse_mooncake(&text).map_err(|e| anyhow::anyhow!("--trace {}: {e}", path.display()))?;
@@ -135,16 +195,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .map(|s| s.trim().parse::<usize>().ok().filter(|n| (1..=65_536).contains(n)))
         .collect::<Option<_>>()
         .ok_or_else(|| anyhow::anyhow!("--workers: expected sizes from 1 to 65536, comma separated"))?;
-    let names: Vec<String> = if a.policy == "all" {
-        registry::names().iter().map(|s| (*s).to_string()).collect()
-    } else {
-        a.policy.split(',').map(|s| s.trim().to_string()).collect()
-    };
-    for n in &names {
-        if !registry::names().contains(&n.as_str()) {
-            bail!("--policy: unknown policy `{n}`; known: all, {}", registry::names().join(", "));
-        }
-    }
+    let names = policy_names(&a.policy)?;
     check_ranges(&a)?;
     let probe_at = Nanos::from_secs_f64(a.probe_at);
     let max = kvroute_gateway::fleet::MAX_WORKERS;
@@ -160,7 +211,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     for &n in &sizes {
         let c = fleet_loaded(n, a.in_flight_spread);
         let gateway = if a.gateway { Some(gateway_fleet(n, a.in_flight_spread)?) } else { None };
-        for name in &names {
+        for (owner, name) in names.iter().enumerate() {
             let p = warmed(name, &trace, &c).map_err(|e| anyhow::anyhow!("{e}"))?;
             // Kept for a policy that reads it, as the replay keeps it.
             let digest = p.fleet_digest().filter(|_| !a.no_digest && !a.gateway).map(|mut d| {
@@ -168,17 +219,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 d
             });
             let digest = digest.as_ref();
+            // With `--gateway`: the empty digest the gateway's kept views are built with.
+            let kept = (!a.no_digest && a.gateway).then(|| p.fleet_digest().unwrap_or_default());
             let req = view(&pr, Some(&text));
             let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(2);
             let mut h = hdrhistogram::Histogram::<u64>::new(3).context("histogram")?;
-            for _ in 0..a.decisions {
+            for k in 0..a.decisions {
+                if let (Some((g, _)), Some(_)) = (&gateway, &kept) {
+                    touch(g, k);
+                }
                 let mut ctx = PickCtx { now: probe_at, rng: &mut rng, fleet: digest };
                 let t = Instant::now();
                 match &gateway {
-                    Some((g, _)) => {
-                        let cands = g.candidates(black_box("m"));
-                        let _ = black_box(decide(p.as_ref(), black_box(&req), &cands.views, &mut ctx));
-                    }
+                    Some((g, _)) => decide_on_gateway(g, owner as u64, kept.as_ref(), p.as_ref(), &req, &mut ctx),
                     None => {
                         let _ = black_box(decide(p.as_ref(), black_box(&req), &c, &mut ctx));
                     }
@@ -187,10 +240,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
             let (p50, p99, p999, max) =
                 (h.value_at_quantile(0.5), h.value_at_quantile(0.99), h.value_at_quantile(0.999), h.max());
+            // Whether the policy read a digest (the replay's kind, or the gateway's kept one).
+            let read_digest = digest.is_some() || (kept.is_some() && p.fleet_digest().is_some());
             if a.json {
                 let o = serde_json::json!({"policy": name, "workers": n, "p50_ns": p50, "p99_ns": p99,
                     "p999_ns": p999, "max_ns": max, "index_size": p.index_size(), "prompt_tokens": a.prompt_tokens,
-                    "gateway": a.gateway, "digest": digest.is_some(), "probe_at_secs": a.probe_at,
+                    "gateway": a.gateway, "digest": read_digest, "probe_at_secs": a.probe_at,
                     "in_flight_spread": a.in_flight_spread, "cold_probe": a.cold_probe});
                 println!("{o}");
             } else {

@@ -314,14 +314,14 @@ fn bench_decision_prints_one_json_object_per_policy_and_fleet_size() {
 }
 
 #[test]
-fn bench_decision_with_the_gateway_reads_candidates_from_a_fleet_of_that_size() {
+fn bench_decision_with_the_gateway_decides_on_a_fleet_of_that_size_and_its_kept_views() {
     let out = kvroute(&[
         "bench",
         "decision",
         "--workers",
         "3,9",
         "--policy",
-        "least_load",
+        "least_load,least_ttft",
         "--decisions",
         "50",
         "--gateway",
@@ -330,8 +330,28 @@ fn bench_decision_with_the_gateway_reads_candidates_from_a_fleet_of_that_size() 
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let rows: Vec<serde_json::Value> =
         String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
-    assert_eq!(rows.iter().map(|r| r["workers"].as_u64()).collect::<Vec<_>>(), [Some(3), Some(9)]);
+    assert_eq!(rows.iter().map(|r| r["workers"].as_u64()).collect::<Vec<_>>(), [Some(3), Some(3), Some(9), Some(9)]);
     assert!(rows.iter().all(|r| r["gateway"] == true && r["p50_ns"].as_u64() > Some(0)), "{rows:?}");
+    // The gateway's kept views carry least_ttft's digest; least_load reads none.
+    let digest =
+        |policy: &str| rows.iter().filter(|r| r["policy"] == policy).map(|r| r["digest"].clone()).collect::<Vec<_>>();
+    assert_eq!(digest("least_ttft"), [true, true], "{rows:?}");
+    assert_eq!(digest("least_load"), [false, false], "{rows:?}");
+    let fresh = kvroute(&[
+        "bench",
+        "decision",
+        "--workers",
+        "9",
+        "--policy",
+        "least_ttft",
+        "--decisions",
+        "20",
+        "--gateway",
+        "--no-digest",
+        "--json",
+    ]);
+    let r: serde_json::Value = serde_json::from_slice(&fresh.stdout).expect("one JSON object");
+    assert_eq!((&r["gateway"], &r["digest"]), (&serde_json::json!(true), &serde_json::json!(false)), "{r}");
     let big = kvroute(&["bench", "decision", "--workers", "5000", "--gateway"]);
     assert!(
         String::from_utf8_lossy(&big.stderr).contains("at most 4096 workers"),

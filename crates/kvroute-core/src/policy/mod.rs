@@ -287,7 +287,7 @@ pub struct PickCtx<'a> {
     /// Random source.
     pub rng: Rng<'a>,
     /// The candidates' [`FleetDigest`], when the caller keeps one beside its views (the
-    /// replay does): a policy that reads it ([`Policy::fleet_digest`]: least_ttft,
+    /// replay does, and the gateway on a request it decides on its kept views): a policy that reads it ([`Policy::fleet_digest`]: least_ttft,
     /// prefill_cost, kv_score, lmetric, capped, unified, cache_aware, prefix_affinity) then reads only the workers that can win, and decides as it
     /// would without it. It must describe the
     /// candidates passed with it ([`FleetDigest::describes`]); one that does not fit them

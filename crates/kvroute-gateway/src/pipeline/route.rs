@@ -218,6 +218,9 @@ pub fn decide_in(
     roles: Option<&[Role]>,
 ) -> Result<Routed, ApiError> {
     let (s, model, precise) = (&**ctx.s, ctx.model.as_str(), &ctx.precise);
+    if let Some(routed) = decide_kept(ctx, routers, roles) {
+        return routed;
+    }
     let mut candidates = candidates_for(ctx, roles)?;
     let engine_blocks = precise_cached_tokens(s, precise, &mut candidates);
     let req = ctx.view();
@@ -236,15 +239,7 @@ pub fn decide_in(
     s.metrics.decision_lock_wait_seconds.observe(lock_wait);
     s.metrics.decision_cpu_seconds.observe((thread_cpu_seconds() - cpu0).max(0.0));
     s.metrics.decision_seconds.observe(wall);
-    let (decision, key) = decided.map_err(|e| match e {
-        kvroute_core::policy::RouteError::NoWorker => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no healthy worker available").retry_after(1)
-        }
-        // B3's capped workload, live: the session is over; retrying will not help.
-        capped @ kvroute_core::policy::RouteError::SessionCapped { .. } => {
-            ApiError::new(StatusCode::TOO_MANY_REQUESTS, capped.to_string())
-        }
-    })?;
+    let (decision, key) = decided.map_err(route_error)?;
     if decision.key_len > 0 {
         s.metrics.match_rate.observe(decision.match_rate());
     }
@@ -254,6 +249,89 @@ pub fn decide_in(
     Ok(Routed { decision, key, router, candidates, chosen_precise, chosen_slots, engine_blocks, slot_key })
 }
 
+/// [`decide_in`] on the views the model's workers keep between requests
+/// ([`crate::fleet::Fleet::decide_kept`]) and their digest (read by the policies that read
+/// one, [`kvroute_core::Policy::fleet_digest`]), when nothing narrows or rewrites the candidates' views for this request — every role, no
+/// subset hint, no `max_ongoing_requests` cap, no locality preference, no llama.cpp slot
+/// routing, no KV events — so the decision is the one a read of every view would give.
+/// `None`: decide on a fresh read of the candidates instead (also when no worker is
+/// routable, or every kept copy is busy).
+fn decide_kept(
+    ctx: &RequestCtx<'_>,
+    routers: &crate::routers::Routers,
+    roles: Option<&[Role]>,
+) -> Option<Result<Routed, ApiError>> {
+    let (s, model) = (&**ctx.s, ctx.model.as_str());
+    let plain = roles.is_none()
+        && ctx.subset.is_none()
+        && s.cfg.max_ongoing_requests == 0
+        && !s.cfg.locality.active()
+        && s.cfg.llama_slot_routing == crate::config::SlotRouting::Off
+        && !matches!(ctx.precise, Precise::Tokens(_));
+    if !plain {
+        return None;
+    }
+    let router = routers.get(model, s.now());
+    let (owner, digest) = router.kept_digest();
+    let req = ctx.view();
+    let lookup = lookup_model(ctx);
+    let mut rng = routers.rng();
+    let now = s.now();
+    let (timed, candidates) = s.fleet.decide_kept(lookup, owner, digest, |views, digest| {
+        let cpu0 = thread_cpu_seconds();
+        let t0 = Instant::now();
+        let mut pick = PickCtx { now, rng: &mut rng, fleet: Some(digest) };
+        let (decided, lock_wait) = router.decide_timed(&req, views, &mut pick);
+        let wall = t0.elapsed().as_secs_f64();
+        let chosen = decided.as_ref().ok().map(|(d, _)| d.worker);
+        ((decided, lock_wait, wall, thread_cpu_seconds() - cpu0), chosen)
+    })?;
+    let (decided, lock_wait, wall, cpu) = timed;
+    s.metrics.decision_lock_wait_seconds.observe(lock_wait);
+    s.metrics.decision_cpu_seconds.observe(cpu.max(0.0));
+    s.metrics.decision_seconds.observe(wall);
+    Some(decided.map_err(route_error).map(|(decision, key)| {
+        if decision.key_len > 0 {
+            s.metrics.match_rate.observe(decision.match_rate());
+        }
+        Routed {
+            decision,
+            key,
+            router: Arc::clone(&router),
+            candidates,
+            chosen_precise: false,
+            chosen_slots: false,
+            engine_blocks: Vec::new(),
+            slot_key: None,
+        }
+    }))
+}
+
+/// The policy's refusal as the client sees it.
+fn route_error(e: kvroute_core::policy::RouteError) -> ApiError {
+    match e {
+        kvroute_core::policy::RouteError::NoWorker => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no healthy worker available").retry_after(1)
+        }
+        // B3's capped workload, live: the session is over; retrying will not help.
+        capped @ kvroute_core::policy::RouteError::SessionCapped { .. } => {
+            ApiError::new(StatusCode::TOO_MANY_REQUESTS, capped.to_string())
+        }
+    }
+}
+
+/// The model name the request's candidates are looked up by: the one it names (workers
+/// listing no models serve any), none for the catch-all `*`, else its routing model.
+fn lookup_model<'a>(ctx: &'a RequestCtx<'_>) -> &'a str {
+    if !ctx.info.model.is_empty() {
+        ctx.info.model.as_str()
+    } else if ctx.model == "*" {
+        ""
+    } else {
+        ctx.model.as_str()
+    }
+}
+
 /// The request's candidates: the workers of `roles` serving its model, within the
 /// gateway's subset hint (endpoint picker) and under `max_ongoing_requests`.
 ///
@@ -261,15 +339,8 @@ pub fn decide_in(
 /// 404 for a model no worker serves; 503 when none is left (no worker registered, none of
 /// the subset, every one at its cap).
 fn candidates_for(ctx: &RequestCtx<'_>, roles: Option<&[Role]>) -> Result<Candidates, ApiError> {
-    let (s, info, model) = (&**ctx.s, &ctx.info, ctx.model.as_str());
-    // Candidates serve the model the request names (workers listing no models serve any).
-    let lookup = if !info.model.is_empty() {
-        info.model.as_str()
-    } else if model == "*" {
-        ""
-    } else {
-        model
-    };
+    let (s, info) = (&**ctx.s, &ctx.info);
+    let lookup = lookup_model(ctx);
     let mut candidates = s.fleet.candidates_in(lookup, roles);
     if let Some(subset) = ctx.subset {
         // The gateway's subset hint (endpoint-picker protocol): none of it eligible is 503.
@@ -392,7 +463,7 @@ pub fn decision_header(policy: &str, d: &Decision) -> String {
 /// ([`kvroute_core::policy::fallbacks`] over the views the decision read).
 pub fn order(routed: &Routed) -> impl Iterator<Item = WorkerId> + '_ {
     let d = &routed.decision;
-    std::iter::once(d.worker).chain(fallbacks(d, &routed.candidates.views))
+    std::iter::once(d.worker).chain(fallbacks(d, &routed.candidates.decided_views()))
 }
 
 /// [`order`], taken lazily: the fallbacks are worked out (a pass over the candidates
@@ -412,7 +483,7 @@ impl<'a> RetryOrder<'a> {
     /// The fallbacks (positions 1 and on), worked out on first use.
     fn rest(&mut self) -> &[WorkerId] {
         let routed = self.routed;
-        self.rest.get_or_insert_with(|| fallbacks(&routed.decision, &routed.candidates.views))
+        self.rest.get_or_insert_with(|| fallbacks(&routed.decision, &routed.candidates.decided_views()))
     }
 
     /// The worker at position `i` (0: the chosen one), `None` past the end.
