@@ -33,14 +33,17 @@
 //! util order ([`ViewTerms::ordered`]) give the least loaded first when only they do.
 //!
 //! Where most of the fleet can win (more routable workers idle than `64 + n / 8`, as on an
-//! over-provisioned fleet where every idle worker holding nothing of a prompt ties) a
-//! decision reads the views in order instead: collecting and ordering that many positions
-//! costs more.
+//! over-provisioned fleet where every idle worker holding nothing of a prompt ties)
+//! least_ttft and prefill_cost read the views in order instead: collecting and ordering
+//! that many positions costs more. The B3 scorers (lmetric, capped, unified) need not: a
+//! worker with no request scores 0 there, the least there is, so the digest's zero-load
+//! workers, kept as bits by position ([`FleetDigest::zero_load`]), are their least score
+//! or their tied set, however many.
 //!
 //! Pure data: no clock, no lock. A policy says which digest it reads
 //! ([`crate::policy::Policy::fleet_digest`]). The replay keeps one beside its views and
 //! updates it for the engines that moved; `kvroute bench decision` builds one with its
-//! fleet. The gateway keeps none yet: `kvroute serve`'s decisions read every view.
+//! fleet; the gateway keeps one with each copy of a model's kept views.
 
 use crate::radix::TenantSet;
 use crate::types::{WorkerId, WorkerView};
@@ -196,6 +199,8 @@ pub struct FleetDigest {
     precise: u32,
     /// Routable idle workers: no request, no queued prefill.
     idle: u32,
+    /// Bit `pos` set: the worker at `pos` is routable with no request (load 0).
+    zero_load: Vec<u64>,
     /// The terms kept ([`FleetDigest::with_terms`]) and their values, if any.
     terms: Option<Box<KeptTerms>>,
 }
@@ -299,7 +304,13 @@ impl FleetDigest {
     pub fn refresh(&mut self, views: &[WorkerView]) {
         if views.len() != self.recs.len() {
             let terms = self.terms.take().map(|t| Box::new(KeptTerms::empty(t.terms)));
-            *self = FleetDigest { recs: Vec::with_capacity(views.len()), terms, ..FleetDigest::default() };
+            let words = views.len().div_ceil(64);
+            *self = FleetDigest {
+                recs: Vec::with_capacity(views.len()),
+                terms,
+                zero_load: vec![0; words],
+                ..FleetDigest::default()
+            };
             for (i, w) in views.iter().enumerate() {
                 let r = Rec::of(w);
                 self.recs.push(r);
@@ -413,6 +424,12 @@ impl FleetDigest {
         self.idle as usize > self.contenders_cap()
     }
 
+    /// The routable workers with no request (load 0), one bit a position (bit `p % 64` of
+    /// word `p / 64`).
+    pub fn zero_load(&self) -> &[u64] {
+        &self.zero_load
+    }
+
     /// Whether the worker at `pos` is routable.
     pub(crate) fn routable(&self, pos: usize) -> bool {
         self.recs.get(pos).is_some_and(|r| r.routable)
@@ -428,6 +445,10 @@ impl FleetDigest {
         *self.loads.entry(r.load).or_default() += 1;
         self.precise += u32::from(r.precise);
         self.idle += u32::from(r.is_idle());
+        let (word, bit) = (pos / 64, 1u64 << (pos % 64));
+        if r.load == 0 {
+            self.zero_load[word] |= bit;
+        }
         if let Some(t) = self.terms.as_mut() {
             let values = t.values[pos];
             for (set, &x) in t.sets.iter_mut().zip(&values) {
@@ -461,6 +482,8 @@ impl FleetDigest {
         }
         self.precise -= u32::from(r.precise);
         self.idle -= u32::from(r.is_idle());
+        let (word, bit) = (pos / 64, 1u64 << (pos % 64));
+        self.zero_load[word] &= !bit;
         if let Some(t) = self.terms.as_mut() {
             let values = t.values[pos];
             for (set, &x) in t.sets.iter_mut().zip(&values) {
@@ -669,6 +692,14 @@ mod tests {
                 prop_assert_eq!(d.routable_ids(), &routable);
                 prop_assert_eq!(d.ids_increasing(), views.windows(2).all(|w| w[0].id < w[1].id));
                 prop_assert_eq!(d.means(), FleetMeans::of(&views));
+                let bits = |keep: &dyn Fn(&WorkerView) -> bool| {
+                    let mut b = vec![0u64; views.len().div_ceil(64)];
+                    for (i, _) in views.iter().enumerate().filter(|(_, v)| v.is_routable() && keep(v)) {
+                        b[i / 64] |= 1 << (i % 64);
+                    }
+                    b
+                };
+                prop_assert_eq!(d.zero_load(), &bits(&|v| v.load() == 0)[..]);
                 prop_assert_eq!(&t, &with_terms(&views));
                 prop_assert!(t.describes(&views));
                 for (i, f) in TEST_TERMS.figures.iter().enumerate() {

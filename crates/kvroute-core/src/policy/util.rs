@@ -547,6 +547,42 @@ pub fn rotate_at(c: &[WorkerView], at: &mut [u32], rotation: &Rotation) -> Optio
     c.get(i as usize).map(|w| w.id)
 }
 
+/// Positions in a bit set, one bit a position (bit `p % 64` of word `p / 64`), as the
+/// fleet digest keeps its zero-load and idle workers
+/// ([`crate::fleet_digest::FleetDigest`]): how many are set. O(words).
+pub fn bits_count(bits: &[u64]) -> usize {
+    bits.iter().map(|w| w.count_ones() as usize).sum()
+}
+
+/// The `k`-th least position set in `bits` (0: the least), `None` past the last: what
+/// [`rotate_at`] picks among tied workers listed as bits. O(words).
+pub fn bits_nth(bits: &[u64], mut k: usize) -> Option<usize> {
+    for (i, &w) in bits.iter().enumerate() {
+        let n = w.count_ones() as usize;
+        if k >= n {
+            k -= n;
+            continue;
+        }
+        let mut w = w;
+        for _ in 0..k {
+            w &= w - 1;
+        }
+        return Some(i * 64 + w.trailing_zeros() as usize);
+    }
+    None
+}
+
+/// Sets (`on`) or clears position `pos` of `bits` (a position past the end is ignored).
+pub fn bits_set(bits: &mut [u64], pos: usize, on: bool) {
+    if let Some(w) = bits.get_mut(pos / 64) {
+        if on {
+            *w |= 1 << (pos % 64);
+        } else {
+            *w &= !(1 << (pos % 64));
+        }
+    }
+}
+
 /// Power of Two Choices over `set` (ids of routable candidates): two distinct members drawn
 /// uniformly, the lower `load()` wins, the first drawn on a tie. `None` when `set` is empty.
 pub fn power_of_two(set: &[WorkerId], candidates: &[WorkerView], rng: Rng<'_>) -> Option<WorkerId> {

@@ -8,11 +8,13 @@
 //! prompt's first block and, of the others, the digest's load buckets (as `unified` does:
 //! a worker holding nothing scores `(pending + N) × load`, never below `N × load`): the
 //! least score, and the least position that has it, are the scan's (a property test
-//! compares them over random fleets).
+//! compares them over random fleets). A worker with no request scores 0: the first of
+//! them is read from the digest's zero-load bits, however idle the fleet.
 
-use super::{B3, Holders, MAX_BUCKETS_WALKED, Terms, holds};
+use super::{B3, Holders, Kept, MAX_BUCKETS_WALKED, Terms, holds};
 use crate::fleet_digest::FleetDigest;
 use crate::lru_blocks::Hits;
+use crate::policy::util::bits_nth;
 use crate::policy::{Branch, Decision};
 use crate::types::{BlockHash, RequestView, WorkerView};
 
@@ -25,10 +27,21 @@ impl B3 {
         fleet: Option<&FleetDigest>,
     ) -> Option<Decision> {
         let mut hits = self.cached.hits(blocks);
-        // A mostly idle fleet is read from its views, as `unified`'s fallback does (its
-        // least score's workers, with queues of different lengths, are most of the fleet).
-        let fleet = fleet.filter(|f| f.usable_for(c) && !f.mostly_idle());
-        let holders = fleet.and_then(|f| Some((f, self.holders_kept(req, blocks, c, f, &hits)?)));
+        let fleet = fleet.filter(|f| f.usable_for(c));
+        // A worker with no request scores 0, the least there is: the first of them, or a
+        // holder before it that also scores 0 (nothing queued, the whole prompt cached).
+        if let Some(f) = fleet.filter(|_| req.input_tokens > 0)
+            && let Some(zero) = bits_nth(f.zero_load(), 0)
+        {
+            let at = self
+                .zero_score_holders(Kept { req, blocks, c, f, hits: &hits })
+                .iter()
+                .map(|h| h.0 as usize)
+                .fold(zero, usize::min);
+            let t = self.terms_of(&c[at], req, blocks, hits.get(c[at].id));
+            return Some(self.decision(&t, Branch::Score));
+        }
+        let holders = fleet.and_then(|f| Some((f, self.holders_kept(Kept { req, blocks, c, f, hits: &hits })?)));
         let kept = holders.and_then(|(f, holders)| first_least_kept(f, u64::from(req.input_tokens), &holders));
         let best = match kept {
             Some(at) => at.map(|i| self.terms_of(&c[i], req, blocks, hits.get(c[i].id))),

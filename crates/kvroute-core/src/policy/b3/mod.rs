@@ -37,8 +37,9 @@
 //!
 //! Given the fleet's digest ([`crate::fleet_digest::FleetDigest`]), `lmetric`, `capped`
 //! and `unified`'s fallback read the views of the workers holding the prompt's first
-//! block and, of the others, only the load buckets that can win or tie; they decide as the
-//! pass over every view does.
+//! block and, of the others, only the load buckets that can win or tie; with a worker of
+//! no request routable (it scores 0, the least there is) only the digest's zero-load bits
+//! and the holders that also score 0. They decide as the pass over every view does.
 //!
 //! Session bindings and turn counts live in bounded LRU maps (`max_sessions`; an evicted
 //! one is a new session). Knobs: [`B3Config`] (`block_tokens` 512, Mooncake's `hash_ids` blocks).
@@ -181,6 +182,18 @@ fn holds(holders: &Holders, pos: u32) -> bool {
     holders.binary_search_by_key(&pos, |h| h.0).is_ok()
 }
 
+/// What a decision reads through the fleet's digest: the request, its block hashes, the
+/// candidates, a digest describing them (no view with an engine-reported count) and the
+/// workers holding the prompt's first block.
+#[derive(Clone, Copy)]
+struct Kept<'a, 'r> {
+    req: &'a RequestView<'r>,
+    blocks: &'a [BlockHash],
+    c: &'a [WorkerView],
+    f: &'a FleetDigest,
+    hits: &'a Hits,
+}
+
 /// Per-worker LMetric terms of one request.
 #[derive(Debug, Clone, Copy)]
 struct Terms {
@@ -238,18 +251,41 @@ impl B3 {
         Terms { id: w.id, hit, cache_hit, new_prefill, bs, score: p_tokens as u128 * bs as u128 }
     }
 
+    /// The routable holders of the prompt's first block (`hits`) that score 0, LMetric's
+    /// least, read through `f` (a digest describing `c`, no view with an engine-reported
+    /// count): those with no request (load 0: the digest's zero-load bits; their terms
+    /// need no view, as nothing times 0 is 0) and those with nothing queued and the whole
+    /// prompt cached (their views read). With their terms, in no particular order;
+    /// O(holders), one position lookup each.
+    fn zero_score_holders(&self, k: Kept<'_, '_>) -> Holders {
+        let Kept { req, blocks, c, f, hits } = k;
+        let (input, block) = (u64::from(req.input_tokens), self.block_size_of(req));
+        let zero = f.zero_load();
+        let mut out = Holders::new();
+        for (id, held) in hits.entries() {
+            let Some(i) = f.position(id) else { continue };
+            if zero.get(i / 64).is_some_and(|w| w >> (i % 64) & 1 == 1) {
+                let cache_hit = (u64::from(held) * block).min(input);
+                let hit = (u64::from(held), blocks.len() as u64, MatchUnit::Blocks);
+                out.push((i as u32, Terms { id, hit, cache_hit, new_prefill: input - cache_hit, bs: 0, score: 0 }));
+            } else if u64::from(held).saturating_mul(block) >= input
+                && let Some(w) = c.get(i).filter(|w| w.id == id && w.is_routable())
+            {
+                let t = self.terms_of(w, req, blocks, u64::from(held));
+                if t.score == 0 {
+                    out.push((i as u32, t));
+                }
+            }
+        }
+        out
+    }
+
     /// The routable workers of `c` holding the prompt's first block (`hits`), by position
     /// from `f` (a digest describing `c`), each with its terms, sorted by position; `None`
     /// when the prompt has no tokens (every worker's new prefill is then 0 and the digest's
     /// walk has nothing to order by: the views are read).
-    fn holders_kept(
-        &self,
-        req: &RequestView<'_>,
-        blocks: &[BlockHash],
-        c: &[WorkerView],
-        f: &FleetDigest,
-        hits: &Hits,
-    ) -> Option<Holders> {
+    fn holders_kept(&self, k: Kept<'_, '_>) -> Option<Holders> {
+        let Kept { req, blocks, c, f, hits } = k;
         if req.input_tokens == 0 {
             return None;
         }

@@ -13,10 +13,10 @@
 //! positions the digest's buckets show can tie: the tied set, and so the decision, is the
 //! scan's (a property test compares them over random fleets).
 
-use super::{B3, Holders, MAX_BUCKETS_WALKED, Terms, holds};
+use super::{B3, Holders, Kept, MAX_BUCKETS_WALKED, Terms, holds};
 use crate::fleet_digest::FleetDigest;
 use crate::lru_blocks::Hits;
-use crate::policy::util::mean_load;
+use crate::policy::util::{bits_count, bits_nth, bits_set, mean_load};
 use crate::policy::{Branch, Decision};
 use crate::types::{BlockHash, RequestView, WorkerView};
 use smallvec::SmallVec;
@@ -63,21 +63,32 @@ impl B3 {
         // LMetric fallback with the 4-key tie-break; the chosen one's terms are computed
         // again (the same inputs, the same terms).
         let mut hits = self.cached.hits(blocks);
-        // A mostly idle fleet ties most of its workers: listing them from the digest's
-        // buckets costs more than the pass over the views (the replay of the Mooncake hour
-        // on 10,000 engines took 3.8–4.8 s that way, against 3.0 s).
-        let fleet = fleet.filter(|f| !f.mostly_idle());
-        let kept = fleet.and_then(|f| Some((f, self.holders_kept(req, blocks, c, f, &hits)?)));
-        let mut tied = match kept.and_then(|(f, holders)| tied_kept(f, u64::from(req.input_tokens), &holders)) {
-            Some(t) => t,
-            None => self.tied_scan(req, blocks, c, &mut hits),
-        };
-        // The rotation's pick among the tied in the candidates' order: the k-th least
-        // position (a selection, as the digest lists them in its own order).
-        let (at, branch) = match tied.len() {
-            0 => return None,
-            1 => (tied[0], Branch::Score),
-            n => (*tied.select_nth_unstable((self.rr_counter.next() % n as u64) as usize).1, Branch::TieBreak),
+        let input = u64::from(req.input_tokens);
+        // A fleet with a worker that has no request: the tied set as bits by position,
+        // however many tie; else the digest's walk, else the views.
+        let zero = fleet.and_then(|f| self.zero_load_tied(Kept { req, blocks, c, f, hits: &hits }));
+        let kept = fleet
+            .filter(|_| zero.is_none())
+            .and_then(|f| Some((f, self.holders_kept(Kept { req, blocks, c, f, hits: &hits })?)));
+        let (at, branch) = match zero {
+            Some(bits) => match bits_count(&bits) {
+                0 => return None,
+                1 => (bits_nth(&bits, 0)?, Branch::Score),
+                n => (bits_nth(&bits, (self.rr_counter.next() % n as u64) as usize)?, Branch::TieBreak),
+            },
+            None => {
+                let mut tied = match kept.as_ref().and_then(|(f, holders)| tied_kept(f, input, holders)) {
+                    Some(t) => t,
+                    None => self.tied_scan(req, blocks, c, &mut hits),
+                };
+                // The rotation's pick among the tied in the candidates' order: the k-th
+                // least position (a selection, as the digest lists them in its own order).
+                match tied.len() {
+                    0 => return None,
+                    1 => (tied[0], Branch::Score),
+                    n => (*tied.select_nth_unstable((self.rr_counter.next() % n as u64) as usize).1, Branch::TieBreak),
+                }
+            }
         };
         let w = &c[at];
         hits.rewind();
@@ -85,6 +96,28 @@ impl B3 {
         // The session is (re)bound to the worker it is sent to when it is committed.
         let branch = if was_bound { Branch::AffinityBroken } else { branch };
         Some(self.decision(&winner, branch))
+    }
+
+    /// [`B3::tied_scan`]'s set read from `f` (a digest describing `c`) when some routable
+    /// worker has no request (load 0) and the prompt has tokens (`N`): a holder of its
+    /// first block that scores 0 ([`B3::zero_score_holders`]) has a key below `(0, N, 0)`
+    /// (its new prefill is less than `N`), and every other worker of load 0 holds nothing
+    /// and has that key, the least of those holding nothing. So the tied set is the
+    /// holders scoring 0 with the least key when there are any, else every zero-load
+    /// worker — as bits by position however many tie: O(workers / 64 + holders).
+    /// `None` when no routable worker has load 0.
+    fn zero_load_tied(&self, k: Kept<'_, '_>) -> Option<Vec<u64>> {
+        let zero = k.f.zero_load();
+        if k.req.input_tokens == 0 || zero.iter().all(|w| *w == 0) {
+            return None;
+        }
+        let holders = self.zero_score_holders(k);
+        let Some(best) = holders.iter().map(|h| key_of(&h.1)).min() else { return Some(zero.to_vec()) };
+        let mut bits = vec![0; zero.len()];
+        for h in holders.iter().filter(|h| key_of(&h.1) == best) {
+            bits_set(&mut bits, h.0 as usize, true);
+        }
+        Some(bits)
     }
 
     /// The tied workers by one pass over every routable view (an idle fleet ties whole).
@@ -250,6 +283,20 @@ mod tests {
         c
     }
 
+    #[test]
+    fn a_busy_holder_of_the_whole_prompt_with_nothing_queued_scores_as_an_idle_worker() {
+        // Worker 0 runs two requests, has nothing queued and holds the whole prompt (two
+        // 512-token blocks): it scores 0, as idle worker 1 does, and comes first.
+        let c = fleet_of(&[(2, 0, 0, true), (0, 0, 0, true)], 0, false);
+        let blocks = [BlockHash(1), BlockHash(2)];
+        for mode in [B3Mode::LMetric, B3Mode::Unified] {
+            let mut p = B3::new(mode, B3Config::default());
+            crate::policy::record_routed(&mut p, &req(&blocks, 1024, None), c[0].id, Nanos::ZERO);
+            let d = peek(&p, &req(&blocks, 1024, None), &c).expect("decides");
+            assert_eq!((d.worker, d.score), (c[0].id, Some(0.0)), "{mode:?}");
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 512, ..Default::default() })]
 
@@ -269,8 +316,11 @@ mod tests {
             session in 0usize..4,
             floor in prop_oneof![Just(0u32), 1u32..3],
             reversed in proptest::bool::ANY,
+            rotation in 0u64..1000,
         ) {
             let mut p = B3::new(B3Mode::Unified, B3Config { hit_ratio_threshold: 0.2, ..B3Config::default() });
+            // The tie rotation from any point (a pick past the first tied is checked too).
+            p.rr_counter.set(rotation);
             let c = fleet_of(&specs, floor, reversed);
             let sessions = ["a", "b"];
             for (prompt, w, s) in &history {
@@ -282,10 +332,16 @@ mod tests {
             let r = req(&blocks, input, sessions.get(session).copied());
             let f = FleetDigest::new(&c);
             let mut hits = p.cached.hits(&blocks);
-            let holders = p.holders_kept(&r, &blocks, &c, &f, &hits);
+            let holders = p.holders_kept(Kept { req: &r, blocks: &blocks, c: &c, f: &f, hits: &hits });
             if let Some(mut kept) = holders.as_ref().and_then(|h| tied_kept(&f, u64::from(input), h)) {
                 kept.sort_unstable();
-                prop_assert_eq!(kept.to_vec(), p.tied_scan(&r, &blocks, &c, &mut hits).to_vec());
+                let scan = p.tied_scan(&r, &blocks, &c, &mut hits).to_vec();
+                prop_assert_eq!(kept.to_vec(), scan.clone());
+                // Some worker without a request holds nothing: the same set, as bits.
+                if let Some(bits) = p.zero_load_tied(Kept { req: &r, blocks: &blocks, c: &c, f: &f, hits: &hits }) {
+                    let listed: Vec<usize> = (0..c.len()).filter(|&i| bits[i / 64] >> (i % 64) & 1 == 1).collect();
+                    prop_assert_eq!(listed, scan);
+                }
             } else {
                 prop_assert!(input == 0 || f.buckets().count() > MAX_BUCKETS_WALKED);
             }
@@ -314,7 +370,9 @@ mod tests {
         let f = FleetDigest::new(&c);
         let cold = [BlockHash(9)];
         let r = req(&cold, 1000, None);
-        let none = p.holders_kept(&r, &cold, &c, &f, &p.cached.hits(&cold)).expect("a prompt");
+        let none = p
+            .holders_kept(Kept { req: &r, blocks: &cold, c: &c, f: &f, hits: &p.cached.hits(&cold) })
+            .expect("a prompt");
         let mut tied = tied_kept(&f, 1000, &none).expect("read from the digest");
         tied.sort_unstable();
         assert_eq!(tied.to_vec(), vec![0, 1]);
@@ -341,7 +399,13 @@ mod tests {
         let f = FleetDigest::new(&c);
         let cold = [BlockHash(9)];
         let r = req(&cold, 4096, None);
-        let kept = |p: &B3| tied_kept(&f, 4096, &p.holders_kept(&r, &cold, &c, &f, &p.cached.hits(&cold))?);
+        let kept = |p: &B3| {
+            tied_kept(
+                &f,
+                4096,
+                &p.holders_kept(Kept { req: &r, blocks: &cold, c: &c, f: &f, hits: &p.cached.hits(&cold) })?,
+            )
+        };
         let mut tied = kept(&p).expect("read from the digest");
         tied.sort_unstable();
         assert_eq!(tied.to_vec(), (0..64).filter(|i| i % 7 == 0).collect::<Vec<usize>>());
