@@ -33,12 +33,15 @@
 //! util order ([`ViewTerms::ordered`]) give the least loaded first when only they do.
 //!
 //! Where most of the fleet can win (more routable workers idle than `64 + n / 8`, as on an
-//! over-provisioned fleet where every idle worker holding nothing of a prompt ties)
-//! least_ttft and prefill_cost read the views in order instead: collecting and ordering
-//! that many positions costs more. The B3 scorers (lmetric, capped, unified) need not: a
-//! worker with no request scores 0 there, the least there is, so the digest's zero-load
-//! workers, kept as bits by position ([`FleetDigest::zero_load`]), are their least score
-//! or their tied set, however many.
+//! over-provisioned fleet where every idle worker holding nothing of a prompt ties),
+//! collecting and ordering that many positions would cost more than a pass over the views.
+//! So the digest also keeps its idle and its zero-load workers as bits by position
+//! ([`FleetDigest::idle_at`], [`FleetDigest::zero_load`]): least_ttft and prefill_cost
+//! charge the idle workers holding nothing of the prompt alike and take them as one class
+//! beside the few other contenders; the B3 scorers (lmetric, capped, unified) score a
+//! worker with no request 0, the least there is, so the zero-load workers are their least
+//! or their tied set. Either way O(n / 64) plus the contenders, however idle the fleet; a
+//! decision reads the views only when more than `64 + n / 8` busy workers can win.
 //!
 //! Pure data: no clock, no lock. A policy says which digest it reads
 //! ([`crate::policy::Policy::fleet_digest`]). The replay keeps one beside its views and
@@ -201,6 +204,8 @@ pub struct FleetDigest {
     idle: u32,
     /// Bit `pos` set: the worker at `pos` is routable with no request (load 0).
     zero_load: Vec<u64>,
+    /// Bit `pos` set: the worker at `pos` is routable and idle (load 0, no queued prefill).
+    idle_at: Vec<u64>,
     /// The terms kept ([`FleetDigest::with_terms`]) and their values, if any.
     terms: Option<Box<KeptTerms>>,
 }
@@ -309,6 +314,7 @@ impl FleetDigest {
                 recs: Vec::with_capacity(views.len()),
                 terms,
                 zero_load: vec![0; words],
+                idle_at: vec![0; words],
                 ..FleetDigest::default()
             };
             for (i, w) in views.iter().enumerate() {
@@ -419,7 +425,8 @@ impl FleetDigest {
 
     /// Whether more routable workers are idle than `64 + n / 8` (n the workers): on
     /// such a fleet (over-provisioned, or between bursts) every idle worker that holds
-    /// nothing of a prompt can win, and a decision reads the views in order instead.
+    /// nothing of a prompt can win, and a decision takes them as a class
+    /// ([`FleetDigest::idle_at`]) instead of listing them.
     pub fn mostly_idle(&self) -> bool {
         self.idle as usize > self.contenders_cap()
     }
@@ -428,6 +435,11 @@ impl FleetDigest {
     /// word `p / 64`).
     pub fn zero_load(&self) -> &[u64] {
         &self.zero_load
+    }
+
+    /// The routable idle workers (load 0, no queued prefill), one bit a position.
+    pub fn idle_at(&self) -> &[u64] {
+        &self.idle_at
     }
 
     /// Whether the worker at `pos` is routable.
@@ -448,6 +460,9 @@ impl FleetDigest {
         let (word, bit) = (pos / 64, 1u64 << (pos % 64));
         if r.load == 0 {
             self.zero_load[word] |= bit;
+        }
+        if r.is_idle() {
+            self.idle_at[word] |= bit;
         }
         if let Some(t) = self.terms.as_mut() {
             let values = t.values[pos];
@@ -484,6 +499,7 @@ impl FleetDigest {
         self.idle -= u32::from(r.is_idle());
         let (word, bit) = (pos / 64, 1u64 << (pos % 64));
         self.zero_load[word] &= !bit;
+        self.idle_at[word] &= !bit;
         if let Some(t) = self.terms.as_mut() {
             let values = t.values[pos];
             for (set, &x) in t.sets.iter_mut().zip(&values) {
@@ -700,6 +716,7 @@ mod tests {
                     b
                 };
                 prop_assert_eq!(d.zero_load(), &bits(&|v| v.load() == 0)[..]);
+                prop_assert_eq!(d.idle_at(), &bits(&|v| v.load() == 0 && v.pending_prefill_tokens == 0)[..]);
                 prop_assert_eq!(&t, &with_terms(&views));
                 prop_assert!(t.describes(&views));
                 for (i, f) in TEST_TERMS.figures.iter().enumerate() {

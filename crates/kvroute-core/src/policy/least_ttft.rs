@@ -39,7 +39,7 @@
 use crate::fleet_digest::FleetDigest;
 use crate::lru_blocks::Hits;
 use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig};
-use crate::policy::util::{FleetMeans, MeanSums, rotate};
+use crate::policy::util::{FleetMeans, MeanSums, bits_count_in, bits_next, bits_nth, bits_nth_from, bits_set, rotate};
 use crate::policy::{
     Branch, Decision, KnobError, Observation, PickCtx, Policy, RequestKey, RouteError, TtftPrediction, patch_knobs,
     routable_view_of, view_of,
@@ -652,6 +652,18 @@ struct Charge {
     context: f64,
 }
 
+/// What a decision read through the fleet's digest ([`Pass::Kept`]) scores with: the
+/// candidates, what it asks, the session gate's cap, a digest fitting the candidates and
+/// [`Survey::own`].
+#[derive(Clone, Copy)]
+struct KeptScan<'a, 'k> {
+    c: &'a [WorkerView],
+    ask: &'a Ask<'k>,
+    cap: Option<f64>,
+    fleet: &'a FleetDigest,
+    own: f64,
+}
+
 /// What one decision knows of the request and the fleet before it scores a worker.
 #[derive(Clone, Copy)]
 struct Ask<'a> {
@@ -754,6 +766,14 @@ impl LeastTtft {
         // Through i64, one instruction (a u64 takes several); never above `pending as f64`.
         let pending = s.pending.min(i64::MAX as u64) as i64 as f64;
         (pending + own * per_token + s.decode) * factor
+    }
+
+    /// [`LeastTtft::floor`] of a worker with `load` requests, `waiting` of them waiting
+    /// (counted up to `load`) and `pending` prefill tokens queued, its slot packed as the
+    /// survey packs it (`D(0)` is 0).
+    fn floor_at(&self, load: u32, waiting: u32, pending: u64, own: f64, miss_weight: f64, stall: f64) -> f64 {
+        let decode = if waiting == 0 { 0.0 } else { self.cost.decode_charge(f64::from(waiting)) };
+        self.floor(&Slot { pending, decode, floor: 0.0, load, pos: 0 }, own, miss_weight, stall)
     }
 
     /// The fleet's means and, in the same pass, what the fast scan needs ([`Survey`]), its
@@ -867,7 +887,7 @@ impl LeastTtft {
             (false, true) => Branch::Score,
             (false, false) => Branch::TieBreak,
         };
-        let w = rotate(&ties, &self.cost.rotation).ok_or(RouteError::NoWorker)?;
+        let w = ties.pick(&self.cost.rotation).ok_or(RouteError::NoWorker)?;
         // The chosen worker's terms with its prediction (the same inputs, the same score).
         let v = view_of(c, fleet, w).ok_or(RouteError::NoWorker)?;
         let t = self.terms(v, &ask);
@@ -880,7 +900,16 @@ impl LeastTtft {
     /// score, the most cached tokens among equal scores, in candidate order; empty when
     /// there is none. On an idle fleet every worker ties, so ties keep 4-byte ids; the
     /// chosen worker's terms are computed again (the same inputs, the same terms).
-    fn best_of(&self, c: &[WorkerView], ask: &Ask<'_>, cap: Option<f64>, scan: Pass<'_>) -> SmallVec<[WorkerId; 8]> {
+    fn best_of(&self, c: &[WorkerView], ask: &Ask<'_>, cap: Option<f64>, scan: Pass<'_>) -> Ties {
+        let scan = match scan {
+            Pass::Kept(hits, fleet, own) if fleet.mostly_idle() => {
+                match self.idle_ties(KeptScan { c, ask, cap, fleet, own }, hits) {
+                    Some(t) => return t,
+                    None => Pass::Kept(hits, fleet, own),
+                }
+            }
+            other => other,
+        };
         let mut best: Option<Charge> = None;
         let mut ties: SmallVec<[WorkerId; 8]> = SmallVec::new();
         // The charge of an idle worker holding nothing of the prompt, computed once (fast
@@ -896,13 +925,12 @@ impl LeastTtft {
                 }
                 self.charge(w, ask, hit, &queue)
             };
-            match &best {
-                Some(b) if tied(t.score, b.score) && t.cached == b.cached => ties.push(t.id),
-                Some(b) if t.score > b.score || (tied(t.score, b.score) && t.cached < b.cached) => {}
-                _ => {
+            match offer(&mut best, t) {
+                Offer::Ties => ties.push(t.id),
+                Offer::Loses => {}
+                Offer::Leads => {
                     ties.clear();
                     ties.push(t.id);
-                    best = Some(t);
                 }
             }
         };
@@ -918,7 +946,7 @@ impl LeastTtft {
                     consider(w, hits.get(w.id), true);
                 }
             }
-            Pass::Kept(hits, fleet, own) => match self.kept_contenders(c, ask, cap, fleet, own, hits) {
+            Pass::Kept(hits, fleet, own) => match self.kept_contenders(KeptScan { c, ask, cap, fleet, own }, hits) {
                 Some(contenders) => {
                     for pos in contenders {
                         let w = &c[pos as usize];
@@ -939,7 +967,133 @@ impl LeastTtft {
                 }
             }
         }
-        ties
+        Ties::Listed(ties)
+    }
+
+    /// [`LeastTtft::best_of`] on a mostly idle fleet read from its digest `fleet`: the idle
+    /// workers holding nothing of the prompt ([`is_idle_miss`]: the digest's idle bits, the
+    /// holders' cleared) are all charged alike, so the scan's outcome over them is decided
+    /// by the first of each run of them between two other contenders — the whole run ties,
+    /// leads or loses with it. The other contenders are the idle holders and the workers of
+    /// the digest's buckets whose floor is not [`beyond`] that charge (the scan would pass
+    /// over every other, as [`LeastTtft::kept_contenders`] argues), scored in candidate
+    /// order between the runs. The tie is kept as runs and positions, and the rotation's
+    /// pick found among them: O(workers / 64 + holders + contenders) however many idle
+    /// workers tie. `None` (read the views) when no idle worker holds nothing, load 0 is
+    /// outside `cap`, or more than [`FleetDigest::contenders_cap`] others contend.
+    fn idle_ties(&self, k: KeptScan<'_, '_>, hits: &mut Hits) -> Option<Ties> {
+        let KeptScan { c, ask, cap, fleet, own } = k;
+        if cap.is_some_and(|cap| !load_within(0, cap)) {
+            return None;
+        }
+        let idle = fleet.idle_at();
+        let mut class = idle.to_vec();
+        let mut contenders: SmallVec<[u32; 32]> = SmallVec::new();
+        for (id, _) in hits.entries() {
+            if let Some(p) = fleet.position(id).filter(|&p| idle.get(p / 64).is_some_and(|w| w >> (p % 64) & 1 == 1)) {
+                bits_set(&mut class, p, false);
+                contenders.push(p as u32);
+            }
+        }
+        let first = &c[bits_nth(&class, 0)?];
+        let alike = self.charge(first, ask, 0, &self.queue(first));
+        let miss_weight = self.miss_weight(ask.miss_share);
+        // The idle workers (load 0, nothing queued) are the runs and the holders above.
+        let floor_of =
+            |load: u32, waiting: u32, pending: u64| self.floor_at(load, waiting, pending, own, miss_weight, ask.stall);
+        walk_buckets(fleet, cap, alike.charged, true, floor_of, &mut contenders)?;
+        contenders.sort_unstable();
+        hits.rewind();
+        // The scan in candidate order: ties as `(from, to, run)` — a run of class positions
+        // in `from..to`, or the contender at `from`.
+        let mut best: Option<Charge> = None;
+        let mut ties: SmallVec<[(usize, usize, bool); 8]> = SmallVec::new();
+        let mut next = 0;
+        for at in contenders.iter().map(|&p| p as usize).chain(std::iter::once(c.len())) {
+            if let Some(head) = bits_next(&class, next).filter(|&h| h < at) {
+                let t = Charge { id: c[head].id, ..alike };
+                match offer(&mut best, t) {
+                    Offer::Ties => ties.push((next, at, true)),
+                    Offer::Loses => {}
+                    Offer::Leads => {
+                        ties.clear();
+                        ties.push((next, at, true));
+                    }
+                }
+            }
+            if let Some(w) = c.get(at) {
+                match offer(&mut best, self.charge(w, ask, hits.get(w.id), &self.queue(w))) {
+                    Offer::Ties => ties.push((at, at + 1, false)),
+                    Offer::Loses => {}
+                    Offer::Leads => {
+                        ties.clear();
+                        ties.push((at, at + 1, false));
+                    }
+                }
+            }
+            next = at + 1;
+        }
+        let size = |&(from, to, run): &(usize, usize, bool)| if run { bits_count_in(&class, from, to) } else { 1 };
+        let n: usize = ties.iter().map(size).sum();
+        // The rotation moves only on a real tie, as `rotate` over a list does.
+        let mut k = if n > 1 { (self.cost.rotation.next() % n as u64) as usize } else { 0 };
+        for t in &ties {
+            let len = size(t);
+            if k < len {
+                let pos = if t.2 { bits_nth_from(&class, t.0, k)? } else { t.0 };
+                return Some(Ties::Picked(c[pos].id, n));
+            }
+            k -= len;
+        }
+        Some(Ties::Listed(SmallVec::new()))
+    }
+}
+
+/// What offering a worker's charge to the least so far does, by the scan's rule: equal
+/// scores (within [`tied`]) with as many cached tokens tie; a greater score, or an equal
+/// one with fewer cached, loses; anything else leads (and becomes the least so far).
+enum Offer {
+    Ties,
+    Loses,
+    Leads,
+}
+
+/// Offers `t` to `best` ([`Offer`]).
+fn offer(best: &mut Option<Charge>, t: Charge) -> Offer {
+    match best {
+        Some(b) if tied(t.score, b.score) && t.cached == b.cached => Offer::Ties,
+        Some(b) if t.score > b.score || (tied(t.score, b.score) && t.cached < b.cached) => Offer::Loses,
+        _ => {
+            *best = Some(t);
+            Offer::Leads
+        }
+    }
+}
+
+/// The workers tied on the least charge ([`LeastTtft::best_of`]): listed in candidate
+/// order, or — a mostly idle fleet's tie, read as runs of the digest's idle bits — already
+/// picked by the tie rotation from that many.
+#[derive(Debug)]
+enum Ties {
+    Listed(SmallVec<[WorkerId; 8]>),
+    Picked(WorkerId, usize),
+}
+
+impl Ties {
+    /// How many tie.
+    fn len(&self) -> usize {
+        match self {
+            Ties::Listed(v) => v.len(),
+            Ties::Picked(_, n) => *n,
+        }
+    }
+
+    /// The rotation's pick ([`rotate`]; already made for [`Ties::Picked`]).
+    fn pick(&self, rotation: &crate::policy::util::Rotation) -> Option<WorkerId> {
+        match self {
+            Ties::Listed(v) => rotate(v, rotation),
+            Ties::Picked(id, _) => Some(*id),
+        }
     }
 }
 
@@ -955,21 +1109,11 @@ impl LeastTtft {
     /// The same set the survey's pass keeps, so the same decision. `own` is
     /// [`Survey::own`]; `hits` is rewound before it returns. `None` when there are more
     /// than [`FleetDigest::contenders_cap`]: then the views are read in order instead.
-    fn kept_contenders(
-        &self,
-        c: &[WorkerView],
-        ask: &Ask<'_>,
-        cap: Option<f64>,
-        fleet: &FleetDigest,
-        own: f64,
-        hits: &mut Hits,
-    ) -> Option<SmallVec<[u32; 32]>> {
+    fn kept_contenders(&self, k: KeptScan<'_, '_>, hits: &mut Hits) -> Option<SmallVec<[u32; 32]>> {
+        let KeptScan { c, ask, cap, fleet, own } = k;
         let miss_weight = self.miss_weight(ask.miss_share);
-        let floor_of = |load: u32, waiting: u32, pending: u64| {
-            // As the survey writes a slot: D(0) is 0.
-            let decode = if waiting == 0 { 0.0 } else { self.cost.decode_charge(f64::from(waiting)) };
-            self.floor(&Slot { pending, decode, floor: 0.0, load, pos: 0 }, own, miss_weight, ask.stall)
-        };
+        let floor_of =
+            |load: u32, waiting: u32, pending: u64| self.floor_at(load, waiting, pending, own, miss_weight, ask.stall);
         let in_cap = |load: u32| cap.is_none_or(|cap| load_within(load, cap));
         // The least of `(floor, position)`: the first in candidate order among equal floors.
         let lower = |low: &mut Option<(f64, u32)>, f: f64, pos: u32| {
@@ -1013,25 +1157,44 @@ impl LeastTtft {
         hits.rewind();
         let mut out = SmallVec::new();
         let Some(ceiling) = ceiling else { return Some(out) };
-        let past = ceiling * (1.0 + 1e-6);
-        let most = fleet.contenders_cap();
-        for (load, waiting, set) in fleet.buckets().filter(|b| in_cap(b.0)) {
-            for &(pending, pos) in set {
-                let f = floor_of(load, waiting, pending);
-                if f > past {
-                    break;
-                }
-                if !beyond(f, ceiling) {
-                    if out.len() == most {
-                        return None;
-                    }
-                    out.push(pos);
-                }
-            }
-        }
+        walk_buckets(fleet, cap, ceiling, false, floor_of, &mut out)?;
         out.sort_unstable();
         Some(out)
     }
+}
+
+/// Pushes onto `out` the positions of the digest's workers within `cap` whose floor
+/// (`floor_of(load, waiting, pending)`, [`LeastTtft::floor`]) is not [`beyond`] `ceiling`:
+/// a bucket's floors grow with its queued prefill, so each is read from its head and left
+/// at its first floor past `ceiling × (1 + 10⁻⁶)`, beyond the ceiling and a bound of every
+/// floor after it. With `skip_idle` the idle workers (load 0, nothing queued) are passed
+/// over. `None` when more than [`FleetDigest::contenders_cap`] would be pushed.
+fn walk_buckets(
+    fleet: &FleetDigest,
+    cap: Option<f64>,
+    ceiling: f64,
+    skip_idle: bool,
+    floor_of: impl Fn(u32, u32, u64) -> f64,
+    out: &mut SmallVec<[u32; 32]>,
+) -> Option<()> {
+    let past = ceiling * (1.0 + 1e-6);
+    let most = fleet.contenders_cap();
+    for (load, waiting, set) in fleet.buckets().filter(|b| cap.is_none_or(|cap| load_within(b.0, cap))) {
+        let from = if skip_idle && load == 0 { (1, 0) } else { (0, 0) };
+        for &(pending, pos) in set.range(from..) {
+            let f = floor_of(load, waiting, pending);
+            if f > past {
+                break;
+            }
+            if !beyond(f, ceiling) {
+                if out.len() == most {
+                    return None;
+                }
+                out.push(pos);
+            }
+        }
+    }
+    Some(())
 }
 
 impl Policy for LeastTtft {
@@ -1051,7 +1214,7 @@ impl Policy for LeastTtft {
         ctx: &mut PickCtx<'_>,
     ) -> Result<Decision, RouteError> {
         let mut hits = self.cost.sets.hits(&key.blocks);
-        if let Some(fleet) = ctx.fleet.filter(|f| f.usable_for(c) && !f.mostly_idle()) {
+        if let Some(fleet) = ctx.fleet.filter(|f| f.usable_for(c)) {
             // The fleet's means and queues kept by the caller: no pass over the views.
             let input = u64::from(req.input_tokens);
             let own = (input - hits.deepest().saturating_mul(key.block_tokens).min(input)) as f64;
@@ -1176,6 +1339,16 @@ impl Policy for LeastTtft {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether two passes' ties agree: the same list, or a pick among as many as the other
+    /// lists, one of them.
+    fn same_ties(a: &Ties, b: &Ties) -> bool {
+        match (a, b) {
+            (Ties::Listed(x), Ties::Listed(y)) => x == y,
+            (Ties::Picked(id, n), Ties::Listed(y)) => *n == y.len() && y.contains(id),
+            _ => false,
+        }
+    }
     use crate::policy::prefill_cost::Scan;
     use crate::policy::prefill_cost::tests::req;
     use crate::types::BlockHash;
@@ -1316,7 +1489,7 @@ mod tests {
             for cap in [None, Some(3.0)] {
                 let fast = p.best_of(&c, &ask, cap, Pass::Fast(&mut hits, &mut survey));
                 let full = p.best_of(&c, &ask, cap, Pass::Full);
-                prop_assert_eq!(fast.to_vec(), full.to_vec());
+                prop_assert!(same_ties(&fast, &full), "{fast:?} against {full:?}");
             }
             // The fleet read from a digest kept view by view (built for the fleet with its
             // engine-reported counts, then brought to the fleet without them).
@@ -1335,8 +1508,8 @@ mod tests {
                 let kept = p.best_of(&plain, &ask, cap, Pass::Kept(&mut hits, &digest, own));
                 let fast = p.best_of(&plain, &ask, cap, Pass::Fast(&mut hits, &mut plain_survey));
                 let full = p.best_of(&plain, &ask, cap, Pass::Full);
-                prop_assert_eq!(kept.to_vec(), full.to_vec());
-                prop_assert_eq!(fast.to_vec(), full.to_vec());
+                prop_assert!(same_ties(&kept, &full), "{kept:?} against {full:?}");
+                prop_assert!(same_ties(&fast, &full), "{fast:?} against {full:?}");
             }
             // Whole decisions, with and without the digest, with and without a session id
             // (the session gate and a bound session read the fleet through the digest).
@@ -1353,7 +1526,7 @@ mod tests {
             }
             // prefill_cost's scans, on the same block sets; from the digest without the
             // engine-reported counts.
-            let kept = p.cost.best_kept(&plain, &key, ask.input, ask.stall, &digest);
+            let kept = p.cost.best_kept(crate::policy::prefill_cost::KeptAsk { c: &plain, key: &key, input: ask.input, stall: ask.stall, fleet: &digest });
             let full = p.cost.best_of(&plain, &key, ask.input, ask.stall, Scan::Full);
             prop_assert_eq!((kept.0, kept.1.to_vec()), (full.0, full.1.to_vec()));
             let fast = p.cost.best_of(&c, &key, ask.input, ask.stall, Scan::Fast);
@@ -1362,11 +1535,49 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// On large fleets, most of them mostly idle (their idle workers' tie read as runs
+        /// of the digest's idle bits), with prompts held here and there and knobs that let
+        /// busy workers charge what idle ones do (no decode, batch, stall or waiting
+        /// charge), the decision read through the digest is the one read from every view,
+        /// from any point of the tie rotation.
+        #[test]
+        fn a_mostly_idle_fleet_decides_through_the_digest_as_from_every_view(
+            specs in proptest::collection::vec(crate::policy::prefill_cost::tests::big_spec(), 60..300),
+            history in proptest::collection::vec((proptest::collection::vec(0u64..4, 1..5), 0usize..300), 0..30),
+            probe in proptest::collection::vec(0u64..4, 1..5),
+            plain in proptest::bool::ANY,
+            reversed in proptest::bool::ANY,
+            rotation in 0u64..1000,
+        ) {
+            let mut p = if plain {
+                let own = LeastTtftConfig { waiting_delay_weight: 0.0, ..LeastTtftConfig::default() };
+                let cost =
+                    PrefillCostConfig { decode_weight: 0, batch_factor: 0.0, stall_weight: 0.0, ..PrefillCostConfig::default() };
+                LeastTtft::new(own, cost)
+            } else {
+                fresh()
+            };
+            let c = crate::policy::prefill_cost::tests::big_fleet(&specs, reversed);
+            for (prompt, w) in &history {
+                let blocks: Vec<BlockHash> = prompt.iter().map(|&h| BlockHash(h)).collect();
+                crate::policy::record_routed(&mut p, &req(&blocks), c[w % c.len()].id, Nanos::ZERO);
+            }
+            p.cost.rotation.set(rotation);
+            let blocks: Vec<BlockHash> = probe.iter().map(|&h| BlockHash(h)).collect();
+            if c.iter().any(WorkerView::is_routable) {
+                peek(&p, &req(&blocks), &c);
+            }
+        }
+    }
+
     #[test]
     fn a_fleet_where_most_workers_tie_is_read_in_order_and_decided_the_same() {
         // 600 workers, all alike but a few: more can win than a digest's decision collects
-        // (64 + 600 / 8), so it reads the views instead — at once when most are idle, after
-        // collecting that many when they are busy alike; `peek` checks each decision.
+        // (64 + 600 / 8): idle, they are taken as one class (the digest's idle bits); busy
+        // alike, the views are read after collecting that many; `peek` checks each decision.
         for busy in [0, 1] {
             let mut p = fresh();
             let mut c = crate::policy::prefill_cost::tests::alike(busy);

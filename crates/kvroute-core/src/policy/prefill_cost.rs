@@ -34,7 +34,7 @@
 use crate::fleet_digest::FleetDigest;
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::{Hits, WorkerBlockSets};
-use crate::policy::util::{Rotation, SessionTable, mean_load, mean_waiting, rotate};
+use crate::policy::util::{Rotation, SessionTable, bits_count, bits_nth, bits_set, mean_load, mean_waiting, rotate};
 use crate::policy::{
     Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs, routable_view_of,
 };
@@ -268,14 +268,8 @@ impl PrefillCost {
     /// worker left out costs more than the least cost, so it is neither the best nor tied
     /// with it: the same result as the scan of every worker. With more than
     /// [`FleetDigest::contenders_cap`] such workers, the scan of every worker.
-    pub(crate) fn best_kept(
-        &self,
-        c: &[WorkerView],
-        key: &RequestKey,
-        input: u64,
-        stall: f64,
-        fleet: &FleetDigest,
-    ) -> (Option<u64>, SmallVec<[(WorkerId, Match); 8]>) {
+    pub(crate) fn best_kept(&self, k: KeptAsk<'_>) -> (Option<u64>, SmallVec<[(WorkerId, Match); 8]>) {
+        let KeptAsk { c, key, input, stall, fleet } = k;
         let mut hits = self.sets.hits(&key.blocks);
         let deepest = hits.deepest();
         let own = input - deepest.saturating_mul(key.block_tokens).min(input);
@@ -285,12 +279,7 @@ impl PrefillCost {
                 set.first().map(|&(pending, pos)| (self.cost_floor(load, pending, stall, own), pos))
             })
             .min();
-        let deep = hits
-            .entries()
-            .filter(|&(_, n)| deepest > 0 && u64::from(n) == deepest)
-            .filter_map(|(id, n)| fleet.position(id).filter(|&p| fleet.routable(p)).map(|p| (p, n)))
-            .map(|(p, n)| self.cost_of(&c[p], key, input, stall, u64::from(n)).0.0)
-            .min();
+        let deep = self.deepest_cost(k, &hits);
         let ceiling = low
             .map(|(_, pos)| {
                 let w = &c[pos as usize];
@@ -320,6 +309,75 @@ impl PrefillCost {
             least.offer(k, w.id, hit);
         }
         least.done()
+    }
+
+    /// The least cost and the workers reaching it (as bits by position) on a fleet whose
+    /// digest `fleet` fits `c` and has many idle workers: the idle workers holding nothing
+    /// of the prompt all cost the same (load 0, nothing queued, nothing cached), which bounds
+    /// the least cost; the others that can reach it are the idle holders and the workers of
+    /// the digest's buckets whose [`PrefillCost::cost_floor`] is within it, each scored. A
+    /// worker left out costs more than the least, so the tied set is the scan's, kept as
+    /// bits however many idle workers tie: O(workers / 64 + holders + contenders). `None`
+    /// (decide otherwise) when no worker is idle, or more than
+    /// [`FleetDigest::contenders_cap`] busy workers are within the bound.
+    fn tied_idle(&self, k: KeptAsk<'_>) -> Option<(u64, Vec<u64>)> {
+        let KeptAsk { c, key, input, stall, fleet } = k;
+        let mut hits = self.sets.hits(&key.blocks);
+        let idle = fleet.idle_at();
+        // The idle holders, scored one by one: each keys below the idle workers holding
+        // nothing (it costs no more, with more cached), so if one is the least the bits of
+        // those are cleared below, and the holders need not be taken out of them.
+        let mut contenders: SmallVec<[u32; 32]> = SmallVec::new();
+        for (id, _) in hits.entries() {
+            if let Some(p) = fleet.position(id).filter(|&p| idle.get(p / 64).is_some_and(|w| w >> (p % 64) & 1 == 1)) {
+                contenders.push(p as u32);
+            }
+        }
+        let mut class = idle.to_vec();
+        let first = bits_nth(&class, 0)?;
+        let class_key = self.cost_of(&c[first], key, input, stall, 0).0;
+        // The least cost is at most theirs, and at most the cheapest deepest holder's.
+        let ceiling = self.deepest_cost(k, &hits).map_or(class_key.0, |d| d.min(class_key.0));
+        let own = input - hits.deepest().saturating_mul(key.block_tokens).min(input);
+        let most = fleet.contenders_cap();
+        for (load, _, set) in fleet.buckets() {
+            // The idle workers (load 0, nothing queued) are the class and its holders.
+            let from = if load == 0 { (1, 0) } else { (0, 0) };
+            for &(_, pos) in set.range(from..).take_while(|p| self.cost_floor(load, p.0, stall, own) <= ceiling) {
+                if contenders.len() == most {
+                    return None;
+                }
+                contenders.push(pos);
+            }
+        }
+        contenders.sort_unstable();
+        let scored: SmallVec<[(u32, (u64, u64)); 32]> = contenders
+            .iter()
+            .map(|&pos| {
+                let w = &c[pos as usize];
+                (pos, self.cost_of(w, key, input, stall, hits.get(w.id)).0)
+            })
+            .collect();
+        let best = scored.iter().map(|s| s.1).fold(class_key, std::cmp::min);
+        if best != class_key {
+            class.iter_mut().for_each(|w| *w = 0);
+        }
+        for &(pos, _) in scored.iter().filter(|s| s.1 == best) {
+            bits_set(&mut class, pos as usize, true);
+        }
+        Some((best.0, class))
+    }
+
+    /// The least cost among the routable workers holding the most leading blocks of the
+    /// request (`hits`, read through `fleet`); `None` when none holds any.
+    fn deepest_cost(&self, k: KeptAsk<'_>, hits: &Hits) -> Option<u64> {
+        let KeptAsk { c, key, input, stall, fleet } = k;
+        let deepest = hits.deepest();
+        hits.entries()
+            .filter(|&(_, n)| deepest > 0 && u64::from(n) == deepest)
+            .filter_map(|(id, n)| fleet.position(id).filter(|&p| fleet.routable(p)).map(|p| (p, n)))
+            .map(|(p, n)| self.cost_of(&c[p], key, input, stall, u64::from(n)).0.0)
+            .min()
     }
 
     /// [`PrefillCost::stall_weight`] with the mean waiting requests already known.
@@ -375,6 +433,19 @@ impl LeastCost {
     fn done(self) -> (Option<u64>, SmallVec<[(WorkerId, Match); 8]>) {
         (self.best.map(|(cost, _)| cost), self.tied)
     }
+}
+
+/// What a decision read through the fleet's digest scores with
+/// ([`PrefillCost::best_kept`]): the candidates, the request's key and prompt tokens, the
+/// decision's stall weight ([`PrefillCost::stall_weight_of`]) and a digest fitting the
+/// candidates ([`FleetDigest::usable_for`]).
+#[derive(Clone, Copy)]
+pub(crate) struct KeptAsk<'a> {
+    pub(crate) c: &'a [WorkerView],
+    pub(crate) key: &'a RequestKey,
+    pub(crate) input: u64,
+    pub(crate) stall: f64,
+    pub(crate) fleet: &'a FleetDigest,
 }
 
 /// How a scoring policy reads the fleet when it looks for its best workers.
@@ -443,8 +514,23 @@ impl Policy for PrefillCost {
                 return Ok(Decision::new(a.id, Branch::Sticky).with_match(m.0, m.1, m.2).with_score(cost as f64));
             }
         }
+        if let Some(f) = fleet.filter(|f| f.mostly_idle()) {
+            let stall = self.stall_weight_of(f.means().waiting);
+            if let Some((cost, tied)) = self.tied_idle(KeptAsk { c, key, input, stall, fleet: f }) {
+                // The rotation's pick among the tied in candidate order: the k-th least position.
+                let (at, branch) = match bits_count(&tied) {
+                    1 => (bits_nth(&tied, 0), Branch::Score),
+                    n => (bits_nth(&tied, (self.rotation.next() % n as u64) as usize), Branch::TieBreak),
+                };
+                let w = &c[at.ok_or(RouteError::NoWorker)?];
+                let m = self.cached(w, key, input).1;
+                return Ok(Decision::new(w.id, branch).with_match(m.0, m.1, m.2).with_score(cost as f64));
+            }
+        }
         let (best, tied) = match fleet.filter(|f| !f.mostly_idle()) {
-            Some(f) => self.best_kept(c, key, input, self.stall_weight_of(f.means().waiting), f),
+            Some(f) => {
+                self.best_kept(KeptAsk { c, key, input, stall: self.stall_weight_of(f.means().waiting), fleet: f })
+            }
             None => self.best_of(c, key, input, self.stall_weight(c), Scan::Fast),
         };
         let cost = best.ok_or(RouteError::NoWorker)?;
@@ -532,6 +618,76 @@ pub(crate) mod tests {
         d
     }
 
+    /// A worker of a large random fleet: (idle, in_flight, waiting, pending prefill
+    /// tokens in 512s, healthy).
+    pub(crate) type BigSpec = (bool, u32, u32, u64, bool);
+
+    /// A fleet of `specs`, ids by position (or reversed).
+    pub(crate) fn big_fleet(specs: &[BigSpec], reversed: bool) -> Vec<WorkerView> {
+        let mut c: Vec<WorkerView> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, &(idle, in_flight, waiting, pending, healthy))| {
+                let mut w = WorkerView::idle(WorkerId(i as u32));
+                if !idle {
+                    w.in_flight = in_flight;
+                    w.waiting = waiting.min(in_flight);
+                    w.pending_prefill_tokens = pending * 512;
+                }
+                if !healthy {
+                    w.health = crate::types::Health::Unhealthy;
+                }
+                w
+            })
+            .collect();
+        if reversed {
+            c.reverse();
+        }
+        c
+    }
+
+    /// A large fleet's worker: mostly idle (so most fleets are past the digest's cap).
+    pub(crate) fn big_spec() -> impl Strategy<Value = BigSpec> {
+        (proptest::bool::weighted(0.85), 0u32..4, 0u32..3, 0u64..3, proptest::bool::weighted(0.95))
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..Default::default() })]
+
+        /// On large fleets, most of them mostly idle, with prompts held here and there and
+        /// knobs that let busy workers cost what idle ones do (no decode or batch charge),
+        /// the decision read through the digest — the idle workers' tied set as bits — is
+        /// the one read from every view, from any point of the tie rotation.
+        #[test]
+        fn a_mostly_idle_fleet_decides_through_the_digest_as_from_every_view(
+            specs in proptest::collection::vec(big_spec(), 60..300),
+            history in proptest::collection::vec((proptest::collection::vec(0u64..4, 1..5), 0usize..300), 0..30),
+            probe in proptest::collection::vec(0u64..4, 1..5),
+            plain in proptest::bool::ANY,
+            reversed in proptest::bool::ANY,
+            rotation in 0u64..1000,
+        ) {
+            let cfg = if plain {
+                PrefillCostConfig { decode_weight: 0, batch_factor: 0.0, stall_weight: 0.0, ..PrefillCostConfig::default() }
+            } else {
+                PrefillCostConfig::default()
+            };
+            let mut p = PrefillCost::new(cfg);
+            let c = big_fleet(&specs, reversed);
+            for (prompt, w) in &history {
+                let blocks: Vec<BlockHash> = prompt.iter().map(|&h| BlockHash(h)).collect();
+                crate::policy::record_routed(&mut p, &req(&blocks), c[w % c.len()].id, Nanos::ZERO);
+            }
+            p.rotation.set(rotation);
+            let blocks: Vec<BlockHash> = probe.iter().map(|&h| BlockHash(h)).collect();
+            if c.iter().any(WorkerView::is_routable) {
+                go(&mut p, &req(&blocks), &c);
+            }
+        }
+    }
+
     /// 600 workers with `busy` requests each and nothing queued, but every 50th with 2
     /// requests and 3,000 tokens queued: mostly idle when `busy` is 0.
     pub(crate) fn alike(busy: u32) -> Vec<WorkerView> {
@@ -547,8 +703,8 @@ pub(crate) mod tests {
     #[test]
     fn a_fleet_where_most_workers_tie_is_read_in_order_and_decided_the_same() {
         // 600 workers, all alike but a few: more can win than a digest's decision collects
-        // (64 + 600 / 8), so it reads the views instead — at once when most are idle, after
-        // collecting that many when they are busy alike; `go` checks each decision.
+        // (64 + 600 / 8): idle, they are taken as one class (the digest's idle bits); busy
+        // alike, the views are read after collecting that many; `go` checks each decision.
         for busy in [0, 1] {
             let mut p = PrefillCost::new(PrefillCostConfig::default());
             let c = alike(busy);

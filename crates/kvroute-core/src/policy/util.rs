@@ -556,20 +556,45 @@ pub fn bits_count(bits: &[u64]) -> usize {
 
 /// The `k`-th least position set in `bits` (0: the least), `None` past the last: what
 /// [`rotate_at`] picks among tied workers listed as bits. O(words).
-pub fn bits_nth(bits: &[u64], mut k: usize) -> Option<usize> {
-    for (i, &w) in bits.iter().enumerate() {
+pub fn bits_nth(bits: &[u64], k: usize) -> Option<usize> {
+    bits_nth_from(bits, 0, k)
+}
+
+/// The least position set in `bits` at `from` or after.
+pub fn bits_next(bits: &[u64], from: usize) -> Option<usize> {
+    bits_nth_from(bits, from, 0)
+}
+
+/// The `k`-th least position set in `bits` at `from` or after (0: the least).
+pub fn bits_nth_from(bits: &[u64], from: usize, mut k: usize) -> Option<usize> {
+    let start = from / 64;
+    for (i, &w) in bits.iter().enumerate().skip(start) {
+        let mut w = if i == start { w & (u64::MAX << (from % 64)) } else { w };
         let n = w.count_ones() as usize;
         if k >= n {
             k -= n;
             continue;
         }
-        let mut w = w;
         for _ in 0..k {
             w &= w - 1;
         }
         return Some(i * 64 + w.trailing_zeros() as usize);
     }
     None
+}
+
+/// How many positions are set in `bits` from `from` to before `to`.
+pub fn bits_count_in(bits: &[u64], from: usize, to: usize) -> usize {
+    let to = to.min(bits.len() * 64);
+    let (mut n, mut lo) = (0, from);
+    while lo < to {
+        let (word, shift) = (lo / 64, lo % 64);
+        let len = (to - lo).min(64 - shift);
+        let mask = if len == 64 { u64::MAX } else { ((1u64 << len) - 1) << shift };
+        n += (bits[word] & mask).count_ones() as usize;
+        lo += len;
+    }
+    n
 }
 
 /// Sets (`on`) or clears position `pos` of `bits` (a position past the end is ignored).
@@ -767,4 +792,34 @@ pub fn check_eviction_interval(secs: f64) -> Result<(), String> {
         return Err(format!("eviction_interval_secs must be in [0.001, 1e7] seconds, got {secs:e}"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bit_sets_count_and_select_positions_as_a_list_of_them_does() {
+        let list = [0usize, 5, 63, 64, 70, 127, 128, 200];
+        let mut bits = vec![0u64; 4];
+        for &p in &list {
+            bits_set(&mut bits, p, true);
+        }
+        assert_eq!(bits_count(&bits), list.len());
+        for from in 0..260 {
+            let after: Vec<usize> = list.iter().copied().filter(|&p| p >= from).collect();
+            for k in 0..=after.len() {
+                assert_eq!(bits_nth_from(&bits, from, k), after.get(k).copied(), "from {from}, k {k}");
+            }
+            assert_eq!(bits_next(&bits, from), after.first().copied());
+            for to in from..260 {
+                let n = list.iter().filter(|&&p| p >= from && p < to).count();
+                assert_eq!(bits_count_in(&bits, from, to), n, "{from}..{to}");
+            }
+        }
+        assert_eq!(bits_nth(&bits, 3), Some(64));
+        bits_set(&mut bits, 64, false);
+        bits_set(&mut bits, 9999, true);
+        assert_eq!(bits_nth(&bits, 3), Some(70));
+    }
 }
