@@ -519,6 +519,7 @@ impl Policy for PrefillCost {
             if let Some((cost, tied)) = self.tied_idle(KeptAsk { c, key, input, stall, fleet: f }) {
                 // The rotation's pick among the tied in candidate order: the k-th least position.
                 let (at, branch) = match bits_count(&tied) {
+                    0 => (None, Branch::Score),
                     1 => (bits_nth(&tied, 0), Branch::Score),
                     n => (bits_nth(&tied, (self.rotation.next() % n as u64) as usize), Branch::TieBreak),
                 };

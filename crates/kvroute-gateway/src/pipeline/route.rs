@@ -251,9 +251,10 @@ pub fn decide_in(
 
 /// [`decide_in`] on the views the model's workers keep between requests
 /// ([`crate::fleet::Fleet::decide_kept`]) and their digest (read by the policies that read
-/// one, [`kvroute_core::Policy::fleet_digest`]), when nothing narrows or rewrites the candidates' views for this request — every role, no
-/// subset hint, no `max_ongoing_requests` cap, no locality preference, no llama.cpp slot
-/// routing, no KV events — so the decision is the one a read of every view would give.
+/// one, [`kvroute_core::Policy::fleet_digest`]), when nothing narrows or rewrites the
+/// candidates' views for this request — every role, no subset hint, no
+/// `max_ongoing_requests` cap, no locality preference, no llama.cpp slot routing, no KV
+/// events — so the decision is the one a read of every view would give.
 /// `None`: decide on a fresh read of the candidates instead (also when no worker is
 /// routable, or every kept copy is busy).
 fn decide_kept(
