@@ -39,7 +39,9 @@
 use crate::fleet_digest::FleetDigest;
 use crate::lru_blocks::Hits;
 use crate::policy::prefill_cost::{Match, PrefillCost, PrefillCostConfig};
-use crate::policy::util::{FleetMeans, MeanSums, bits_count_in, bits_next, bits_nth, bits_nth_from, bits_set, rotate};
+use crate::policy::util::{
+    FleetMeans, MeanSums, bits_count_in, bits_has, bits_next, bits_nth, bits_nth_from, bits_set, rotate,
+};
 use crate::policy::{
     Branch, Decision, KnobError, Observation, PickCtx, Policy, RequestKey, RouteError, TtftPrediction, patch_knobs,
     routable_view_of, view_of,
@@ -990,7 +992,7 @@ impl LeastTtft {
         let mut class = idle.to_vec();
         let mut contenders: SmallVec<[u32; 32]> = SmallVec::new();
         for (id, _) in hits.entries() {
-            if let Some(p) = fleet.position(id).filter(|&p| idle.get(p / 64).is_some_and(|w| w >> (p % 64) & 1 == 1)) {
+            if let Some(p) = fleet.position(id).filter(|&p| bits_has(idle, p)) {
                 bits_set(&mut class, p, false);
                 contenders.push(p as u32);
             }

@@ -34,7 +34,9 @@
 use crate::fleet_digest::FleetDigest;
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::{Hits, WorkerBlockSets};
-use crate::policy::util::{Rotation, SessionTable, bits_count, bits_nth, bits_set, mean_load, mean_waiting, rotate};
+use crate::policy::util::{
+    Rotation, SessionTable, bits_count, bits_has, bits_nth, bits_set, mean_load, mean_waiting, rotate,
+};
 use crate::policy::{
     Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs, routable_view_of,
 };
@@ -329,7 +331,7 @@ impl PrefillCost {
         // those are cleared below, and the holders need not be taken out of them.
         let mut contenders: SmallVec<[u32; 32]> = SmallVec::new();
         for (id, _) in hits.entries() {
-            if let Some(p) = fleet.position(id).filter(|&p| idle.get(p / 64).is_some_and(|w| w >> (p % 64) & 1 == 1)) {
+            if let Some(p) = fleet.position(id).filter(|&p| bits_has(idle, p)) {
                 contenders.push(p as u32);
             }
         }

@@ -597,6 +597,11 @@ pub fn bits_count_in(bits: &[u64], from: usize, to: usize) -> usize {
     n
 }
 
+/// Whether position `pos` is set in `bits` (a position past the end is not).
+pub fn bits_has(bits: &[u64], pos: usize) -> bool {
+    bits.get(pos / 64).is_some_and(|w| w >> (pos % 64) & 1 == 1)
+}
+
 /// Sets (`on`) or clears position `pos` of `bits` (a position past the end is ignored).
 pub fn bits_set(bits: &mut [u64], pos: usize, on: bool) {
     if let Some(w) = bits.get_mut(pos / 64) {
@@ -812,6 +817,7 @@ mod tests {
                 assert_eq!(bits_nth_from(&bits, from, k), after.get(k).copied(), "from {from}, k {k}");
             }
             assert_eq!(bits_next(&bits, from), after.first().copied());
+            assert_eq!(bits_has(&bits, from), list.contains(&from));
             for to in from..260 {
                 let n = list.iter().filter(|&&p| p >= from && p < to).count();
                 assert_eq!(bits_count_in(&bits, from, to), n, "{from}..{to}");

@@ -47,7 +47,7 @@
 use crate::fleet_digest::FleetDigest;
 use crate::hash::{HashAlgo, request_blocks};
 use crate::lru_blocks::{DEFAULT_CAPACITY_BLOCKS, Hits, WorkerBlockSets};
-use crate::policy::util::{Rotation, SessionTable, SessionTurns};
+use crate::policy::util::{Rotation, SessionTable, SessionTurns, bits_has};
 use crate::policy::{Branch, Decision, KnobError, MatchUnit, PickCtx, Policy, RequestKey, RouteError, patch_knobs};
 use crate::types::{BlockHash, Nanos, RequestView, WorkerId, WorkerView};
 use serde::{Deserialize, Serialize};
@@ -264,7 +264,7 @@ impl B3 {
         let mut out = Holders::new();
         for (id, held) in hits.entries() {
             let Some(i) = f.position(id) else { continue };
-            if zero.get(i / 64).is_some_and(|w| w >> (i % 64) & 1 == 1) {
+            if bits_has(zero, i) {
                 let cache_hit = (u64::from(held) * block).min(input);
                 let hit = (u64::from(held), blocks.len() as u64, MatchUnit::Blocks);
                 out.push((i as u32, Terms { id, hit, cache_hit, new_prefill: input - cache_hit, bs: 0, score: 0 }));

@@ -225,6 +225,7 @@ mod tests {
     use crate::policy::PickCtx;
     use crate::policy::b3::lmetric::first_least_kept;
     use crate::policy::b3::{B3Config, B3Mode};
+    use crate::policy::util::bits_has;
     use crate::types::{BlockSeq, Health, Nanos, WorkerId};
     use proptest::prelude::*;
     use rand_core::SeedableRng;
@@ -339,7 +340,7 @@ mod tests {
                 prop_assert_eq!(kept.to_vec(), scan.clone());
                 // Some worker without a request holds nothing: the same set, as bits.
                 if let Some(bits) = p.zero_load_tied(Kept { req: &r, blocks: &blocks, c: &c, f: &f, hits: &hits }) {
-                    let listed: Vec<usize> = (0..c.len()).filter(|&i| bits[i / 64] >> (i % 64) & 1 == 1).collect();
+                    let listed: Vec<usize> = (0..c.len()).filter(|&i| bits_has(&bits, i)).collect();
                     prop_assert_eq!(listed, scan);
                 }
             } else {
