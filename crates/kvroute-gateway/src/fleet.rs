@@ -742,10 +742,11 @@ impl Candidates {
     /// Keeps the candidates whose entry satisfies `keep` (views and dispatch counts with
     /// them).
     pub fn retain(&mut self, mut keep: impl FnMut(&WorkerEntry) -> bool) {
-        if let Some(k) = self.kept.take() {
+        if self.kept.is_some() {
             // Decided on kept views: read them now, as a candidate read would have.
-            self.views = self.entries.iter().map(|w| w.view_in_fleet(k.remote)).collect();
             self.dispatches = self.entries.iter().map(|w| w.load.dispatches()).collect();
+            self.views = self.decided_views().into_owned();
+            self.kept = None;
         }
         let kept: Vec<bool> = self.entries.iter().map(|e| keep(e)).collect();
         if kept.iter().all(|k| *k) {
@@ -783,6 +784,34 @@ struct Roster {
     /// The views kept between requests ([`Fleet::decide_kept`]): one per deciding thread
     /// at most ([`kept_copies`]), each behind its own lock that a decision only tries.
     kept: Box<[Mutex<Option<Kept>>]>,
+}
+
+impl Roster {
+    /// Reads the view of the worker at `pos` into `v`, its idle view
+    /// ([`WorkerView::idle`]) — its capacity and role as the roster keeps them (so they are
+    /// not loaded per worker), every other field now, the other replicas' load when
+    /// `remote` ([`Fleet::count_remote_load`]) — and returns its dispatch count, read just
+    /// before the view.
+    #[inline]
+    fn read_into(&self, pos: usize, remote: bool, v: &mut WorkerView) -> u64 {
+        let (w, &(capacity, role)) = (&self.entries[pos], &self.facts[pos]);
+        let dispatches = w.load.dispatches();
+        w.fill_view(v, capacity, role, remote);
+        dispatches
+    }
+
+    /// Every worker's view and dispatch count ([`Roster::read_into`]), in roster order.
+    fn read_all(&self, remote: bool) -> (Vec<WorkerView>, Vec<u64>) {
+        let n = self.entries.len();
+        let (mut views, mut dispatches) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (pos, w) in self.entries.iter().enumerate() {
+            views.push(WorkerView::idle(w.id));
+            if let Some(v) = views.last_mut() {
+                dispatches.push(self.read_into(pos, remote, v));
+            }
+        }
+        (views, dispatches)
+    }
 }
 
 /// How many kept copies of a roster's views decisions may use at once: the threads that
@@ -831,14 +860,8 @@ impl Kept {
         let mut reader = changes.reader()?;
         // Drained before the views are read: a change from now on is marked again.
         reader.drain(|_| {});
-        let n = roster.entries.len();
-        let (mut views, mut dispatches) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for (w, &(capacity, role)) in roster.entries.iter().zip(&roster.facts) {
-            dispatches.push(w.load.dispatches());
-            let mut v = WorkerView::idle(w.id);
-            w.fill_view(&mut v, capacity, role, remote);
-            views.push(v);
-        }
+        let (views, dispatches) = roster.read_all(remote);
+        let n = views.len();
         let mut digest = digest.clone();
         digest.refresh(&views);
         let cap = changes.capacity();
@@ -866,12 +889,9 @@ impl Kept {
         reader.drain(|b| {
             for &pos in &by_bit[starts[b] as usize..starts[b + 1] as usize] {
                 let pos = pos as usize;
-                let (w, &(capacity, role)) = (&roster.entries[pos], &roster.facts[pos]);
-                dispatches[pos] = w.load.dispatches();
-                let v = &mut views[pos];
-                *v = WorkerView::idle(w.id);
-                w.fill_view(v, capacity, role, *remote);
-                digest.update(pos, v);
+                views[pos] = WorkerView::idle(roster.entries[pos].id);
+                dispatches[pos] = roster.read_into(pos, *remote, &mut views[pos]);
+                digest.update(pos, &views[pos]);
             }
         });
     }
@@ -1047,17 +1067,7 @@ impl Fleet {
     /// O(workers of the model), a few atomic loads each.
     pub fn candidates_in(&self, model: &str, roles: Option<&[Role]>) -> Candidates {
         let roster = self.roster(model, roles);
-        let remote = self.remote_load.load(Relaxed);
-        let n = roster.entries.len();
-        let mut views = Vec::with_capacity(n);
-        let mut dispatches = Vec::with_capacity(n);
-        for (w, &(capacity, role)) in roster.entries.iter().zip(&roster.facts) {
-            dispatches.push(w.load.dispatches());
-            views.push(WorkerView::idle(w.id));
-            if let Some(v) = views.last_mut() {
-                w.fill_view(v, capacity, role, remote);
-            }
-        }
+        let (mut views, dispatches) = roster.read_all(self.remote_load.load(Relaxed));
         let entries = Arc::clone(&roster.entries);
         // The views just read (an ejected worker's says unhealthy): the same snapshot the
         // policy decides on, not the entries' atomics read a second time.

@@ -228,21 +228,9 @@ pub fn decide_in(
         candidates.views.iter().filter(|v| v.cached_tokens.is_some()).map(|v| v.id).collect();
     let slot_key = slot_cached_tokens(s, &req, &ctx.model, &mut candidates);
     let router = routers.get(model, s.now());
-    // The CPU clock is a system call (~0.5 µs here): read outside the wall-clock span, so
-    // the wall time is the decision's alone and the CPU time carries the clock's own cost.
-    let cpu0 = thread_cpu_seconds();
-    let t0 = Instant::now();
     let mut rng = routers.rng();
     let mut ctx = PickCtx { now: s.now(), rng: &mut rng, fleet: None };
-    let (decided, lock_wait) = router.decide_timed(&req, &candidates.views, &mut ctx);
-    let wall = t0.elapsed().as_secs_f64();
-    s.metrics.decision_lock_wait_seconds.observe(lock_wait);
-    s.metrics.decision_cpu_seconds.observe((thread_cpu_seconds() - cpu0).max(0.0));
-    s.metrics.decision_seconds.observe(wall);
-    let (decision, key) = decided.map_err(route_error)?;
-    if decision.key_len > 0 {
-        s.metrics.match_rate.observe(decision.match_rate());
-    }
+    let (decision, key) = decide_observed(s, &router, &req, &candidates.views, &mut ctx).map_err(route_error)?;
     let chosen_precise = from_events.contains(&decision.worker);
     let chosen_slots =
         !chosen_precise && candidates.views.iter().any(|v| v.id == decision.worker && v.cached_tokens.is_some());
@@ -278,34 +266,50 @@ fn decide_kept(
     let lookup = lookup_model(ctx);
     let mut rng = routers.rng();
     let now = s.now();
-    let (timed, candidates) = s.fleet.decide_kept(lookup, owner, digest, |views, digest| {
-        let cpu0 = thread_cpu_seconds();
-        let t0 = Instant::now();
+    let (decided, candidates) = s.fleet.decide_kept(lookup, owner, digest, |views, digest| {
         let mut pick = PickCtx { now, rng: &mut rng, fleet: Some(digest) };
-        let (decided, lock_wait) = router.decide_timed(&req, views, &mut pick);
-        let wall = t0.elapsed().as_secs_f64();
+        let decided = decide_observed(s, &router, &req, views, &mut pick);
         let chosen = decided.as_ref().ok().map(|(d, _)| d.worker);
-        ((decided, lock_wait, wall, thread_cpu_seconds() - cpu0), chosen)
+        (decided, chosen)
     })?;
-    let (decided, lock_wait, wall, cpu) = timed;
-    s.metrics.decision_lock_wait_seconds.observe(lock_wait);
-    s.metrics.decision_cpu_seconds.observe(cpu.max(0.0));
-    s.metrics.decision_seconds.observe(wall);
-    Some(decided.map_err(route_error).map(|(decision, key)| {
-        if decision.key_len > 0 {
-            s.metrics.match_rate.observe(decision.match_rate());
-        }
-        Routed {
-            decision,
-            key,
-            router: Arc::clone(&router),
-            candidates,
-            chosen_precise: false,
-            chosen_slots: false,
-            engine_blocks: Vec::new(),
-            slot_key: None,
-        }
+    Some(decided.map_err(route_error).map(|(decision, key)| Routed {
+        decision,
+        key,
+        router: Arc::clone(&router),
+        candidates,
+        chosen_precise: false,
+        chosen_slots: false,
+        engine_blocks: Vec::new(),
+        slot_key: None,
     }))
+}
+
+/// `router`'s decision on `views`, timed into the decision histograms — wall clock
+/// (`kvroute_decision_seconds`), the deciding thread's CPU time (`_cpu_seconds`) and the
+/// wait for a copy of the policy (`_lock_wait_seconds`) — and its match rate observed when
+/// it decides on a key.
+fn decide_observed(
+    s: &AppState,
+    router: &ModelRouter,
+    req: &kvroute_core::RequestView<'_>,
+    views: &[kvroute_core::WorkerView],
+    ctx: &mut PickCtx<'_>,
+) -> Result<(Decision, RequestKey), kvroute_core::policy::RouteError> {
+    // The CPU clock is a system call (~0.5 µs here): read outside the wall-clock span, so
+    // the wall time is the decision's alone and the CPU time carries the clock's own cost.
+    let cpu0 = thread_cpu_seconds();
+    let t0 = Instant::now();
+    let (decided, lock_wait) = router.decide_timed(req, views, ctx);
+    let wall = t0.elapsed().as_secs_f64();
+    s.metrics.decision_lock_wait_seconds.observe(lock_wait);
+    s.metrics.decision_cpu_seconds.observe((thread_cpu_seconds() - cpu0).max(0.0));
+    s.metrics.decision_seconds.observe(wall);
+    if let Ok((d, _)) = &decided
+        && d.key_len > 0
+    {
+        s.metrics.match_rate.observe(d.match_rate());
+    }
+    decided
 }
 
 /// The policy's refusal as the client sees it.
