@@ -927,14 +927,7 @@ impl LeastTtft {
                 }
                 self.charge(w, ask, hit, &queue)
             };
-            match offer(&mut best, t) {
-                Offer::Ties => ties.push(t.id),
-                Offer::Loses => {}
-                Offer::Leads => {
-                    ties.clear();
-                    ties.push(t.id);
-                }
-            }
+            keep_tie(&mut ties, offer(&mut best, t), t.id);
         };
         match scan {
             Pass::Fast(hits, survey) => {
@@ -1013,25 +1006,11 @@ impl LeastTtft {
         let mut next = 0;
         for at in contenders.iter().map(|&p| p as usize).chain(std::iter::once(c.len())) {
             if let Some(head) = bits_next(&class, next).filter(|&h| h < at) {
-                let t = Charge { id: c[head].id, ..alike };
-                match offer(&mut best, t) {
-                    Offer::Ties => ties.push((next, at, true)),
-                    Offer::Loses => {}
-                    Offer::Leads => {
-                        ties.clear();
-                        ties.push((next, at, true));
-                    }
-                }
+                keep_tie(&mut ties, offer(&mut best, Charge { id: c[head].id, ..alike }), (next, at, true));
             }
             if let Some(w) = c.get(at) {
-                match offer(&mut best, self.charge(w, ask, hits.get(w.id), &self.queue(w))) {
-                    Offer::Ties => ties.push((at, at + 1, false)),
-                    Offer::Loses => {}
-                    Offer::Leads => {
-                        ties.clear();
-                        ties.push((at, at + 1, false));
-                    }
-                }
+                let t = self.charge(w, ask, hits.get(w.id), &self.queue(w));
+                keep_tie(&mut ties, offer(&mut best, t), (at, at + 1, false));
             }
             next = at + 1;
         }
@@ -1068,6 +1047,19 @@ fn offer(best: &mut Option<Charge>, t: Charge) -> Offer {
         _ => {
             *best = Some(t);
             Offer::Leads
+        }
+    }
+}
+
+/// Keeps `item` among `ties` as the offer's outcome says: added to a tie, in place of
+/// everything before when it leads, left out when it loses.
+fn keep_tie<T>(ties: &mut SmallVec<[T; 8]>, o: Offer, item: T) {
+    match o {
+        Offer::Ties => ties.push(item),
+        Offer::Loses => {}
+        Offer::Leads => {
+            ties.clear();
+            ties.push(item);
         }
     }
 }
