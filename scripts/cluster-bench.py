@@ -24,7 +24,7 @@ reads:
 Standard library only. Usage:
   python3 scripts/cluster-bench.py --kvroute target/release/kvroute [--replicas 3]
       [--duration 20] [--concurrency 32] [--rounds 2] [--policy cache_aware] [--rate R]
-      [--nats-server nats-server] [--nats-nice N] [--own-core] [--json OUT]
+      [--nats-server nats-server] [--nats-nice N] [--own-core] [--unique] [--json OUT]
 The closed loop saturates the machine (the routers' throughput); --rate R sends an open
 loop of R requests/s in all, below saturation (decision time without CPU contention).
 --nats-nice N runs nats-server at that nice level, so that on a machine shared with the
@@ -32,6 +32,9 @@ replicas it yields the cores to them, as a NATS on its own host would. --own-cor
 replica 0 CPU 0 to itself and runs every other process (the other replicas, NATS, the
 workers, the load generator) on the remaining CPUs: replica 0's decision times then show
 what the sync costs a replica on a core of its own, without the other processes' wake-ups.
+--unique sends no prompt twice (by default the closed loop goes round 2,048 prompts, and
+a replica sends a prompt the cluster applied within sync_refresh_secs as a repeat: load
+only); with it every request adds a question the cluster has not seen.
 Every process is on 127.0.0.1 and ends with the script.
 """
 
@@ -136,6 +139,15 @@ def varz(port):
     return json.loads(get(f"http://127.0.0.1:{port}/varz")[1])
 
 
+def prompts_per_group(a):
+    """Questions per system prompt: 64 (2,048 prompts, sent again and again by the closed
+    loop), or enough that none is sent twice in the run (--unique, up to 8,000 requests/s;
+    an open loop at --rate)."""
+    if a.unique:
+        return int(max(a.rate or 0, 8_000) * a.duration / 32) + 1
+    return max(64, int(a.rate * a.duration / 32) + 1) if a.rate else 64
+
+
 def run_setting(a, workers, nats_url, sync, round_no, monitor):
     procs, urls = [], []
     cluster = f"bench{round_no}{'s' if sync else 'n'}"
@@ -160,7 +172,7 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
         subprocess.run(
             [a.kvroute, "bench", "--url", ",".join(urls), "--workload", "shared-prefix", "--groups", "32",
              # Open loop: enough requests for the whole duration (the workload is finite).
-             "--prompts-per-group", str(max(64, int(a.rate * a.duration / 32) + 1) if a.rate else 64), "--system-tokens", "1024", "--question-tokens", "64",
+             "--prompts-per-group", str(prompts_per_group(a)), "--system-tokens", "1024", "--question-tokens", "64",
              "--output-tokens", "1", "--max-concurrency", str(a.concurrency), "--duration",
              str(a.duration), "--no-stream", "--quiet", "--json", out]
             + (["--rate", str(a.rate)] if a.rate else ["--closed-loop"]),
@@ -172,6 +184,9 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
         cpu1 = [cpu_seconds(p.pid) for p in procs] + [cpu_seconds(a.nats_pid)]
         v1 = varz(monitor)
         summary = json.load(open(out))["summary"]
+        if a.unique and summary["requests"] > 32 * prompts_per_group(a):
+            print(f"  warning: {summary['requests']} requests over {32 * prompts_per_group(a)} prompts: some sent twice",
+                  flush=True)
         os.unlink(out)
         rows = []
         for i, (b, m) in enumerate(zip(before, after)):
@@ -198,6 +213,9 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
                 "dropped": d('kvroute_sync_events_total{outcome="dropped"}'),
                 "gaps": d("kvroute_sync_gaps_total"),
                 "unresolved": d('kvroute_sync_events_total{outcome="unresolved"}'),
+                # Peers' routed events the cluster had applied in full within
+                # sync_refresh_secs: load only, no commit.
+                "repeat_per_s": d('kvroute_sync_events_total{outcome="repeat"}') / wall,
                 "lag_p50_s": quantile(lag, 0.5),
                 "lag_p99_s": quantile(lag, 0.99),
                 "rss_mib": rss / 1024,
@@ -205,7 +223,9 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor):
             })
         routed = max(summary["requests"], 1)
         return {"sync": sync, "round": round_no, "wall_s": wall, "requests": summary["requests"],
-                "ok": summary["ok"], "req_per_s": summary["ok"] / wall, "replicas": rows,
+                "ok": summary["ok"],
+                # Over the load generator's own run (its prompts are built before it).
+                "req_per_s": summary["ok"] / max(summary.get("wall_s") or wall, 1e-9), "replicas": rows,
                 "nats_in_bytes_per_request": (v1["in_bytes"] - v0["in_bytes"]) / routed,
                 "nats_out_bytes_per_request": (v1["out_bytes"] - v0["out_bytes"]) / routed,
                 "nats_in_msgs": v1["in_msgs"] - v0["in_msgs"],
@@ -238,6 +258,9 @@ def main():
                     help="nice level of nats-server (0..19): >0 lets it yield the cores to the replicas")
     ap.add_argument("--own-core", action="store_true",
                     help="replica 0 on CPU 0 alone, every other process on the other CPUs")
+    ap.add_argument("--unique", action="store_true",
+                    help="no prompt sent twice (enough distinct questions for 8,000 requests/s): "
+                    "every request adds a question the cluster has not seen")
     ap.add_argument("--json", help="write every result here")
     a = ap.parse_args()
     if not (1 <= a.replicas <= 16 and 1 <= a.workers <= 64 and 0 < a.duration <= 600 and 1 <= a.concurrency <= 1024):
@@ -282,7 +305,8 @@ def main():
                           f"(CPU p50 <= {fmt_s(x['decision_cpu_p50_s'])}, p99 <= {fmt_s(x['decision_cpu_p99_s'])}, "
                           f"p99.9 <= {fmt_s(x['decision_cpu_p999_s'])}; "
                           f"{x['involuntary_switches_per_decision']:.2f} involuntary switches a request); "
-                          f"events out {x['published_per_s']:.0f}/s, in {x['applied_per_s']:.0f}/s, "
+                          f"events out {x['published_per_s']:.0f}/s, in {x['applied_per_s']:.0f}/s "
+                          f"(+ {x['repeat_per_s']:.0f}/s repeats), "
                           f"dropped {x['dropped']:.0f}, gaps {x['gaps']:.0f}, prompts unresolved {x['unresolved']:.0f}; lag p50 <= {fmt_s(x['lag_p50_s'])}, "
                           f"p99 <= {fmt_s(x['lag_p99_s'])}; RSS {x['rss_mib']:.1f} MiB (peak {x['peak_rss_mib']:.1f})",
                           flush=True)

@@ -127,10 +127,9 @@ impl AppState {
         if cfg.nats.is_some() {
             fleet.count_remote_load();
         }
-        let sync = cfg
-            .nats
-            .as_ref()
-            .map(|_| crate::cluster::sync::ReplicaSync::new(&cfg.cluster, Some(&replica_id), &metrics));
+        let sync = cfg.nats.as_ref().map(|_| {
+            crate::cluster::sync::ReplicaSync::new(&cfg.cluster, Some(&replica_id), cfg.sync_refresh_secs, &metrics)
+        });
         let journal = cfg.state_dir.as_ref().map(|_| Arc::new(crate::cluster::journal::PrefixJournal::new(&metrics)));
         let kv_mover = crate::kv_move::KvMover::new(&cfg.kv_migration, &replica_id, client.clone(), &metrics);
         let body_budget = body_budget(&cfg, api_keys.as_ref(), &metrics);

@@ -36,6 +36,9 @@ pub struct ModelRouter {
     /// Whether its policy records the request's own prefix ([`Policy::records_request_prefix`]):
     /// the cluster sync then carries the prompt's prefix, else only the key's block hashes.
     pub records_request_prefix: bool,
+    /// Whether its policy's commits are idempotent ([`Policy::idempotent_commits`]): the
+    /// cluster sync may then send a repeated request as load only.
+    pub idempotent_commits: bool,
     /// Whether its policy learns from observations ([`Policy::calibration`] is not null):
     /// only then does [`ModelRouter::observe`] take the write lock.
     calibrates: bool,
@@ -60,6 +63,7 @@ impl ModelRouter {
         ModelRouter {
             policy_name: name.into(),
             records_request_prefix: policy.records_request_prefix(),
+            idempotent_commits: policy.idempotent_commits(),
             calibrates: !policy.calibration().is_null(),
             id: NEXT_ROUTER.fetch_add(1, Relaxed),
             digest: policy.fleet_digest().unwrap_or_default(),

@@ -121,6 +121,19 @@ async fn replicas_share_prefix_state_and_load_and_a_new_replica_starts_from_a_sn
     let (on_a, on_b) = (dry_run(&c, &a, &next).await, dry_run(&c, &b, &next).await);
     assert_eq!((&on_b["worker"], &on_b["matched"]), (&on_a["worker"], &on_a["matched"]), "A {on_a} B {on_b}");
 
+    // The same request again through A, to the same worker: the cluster applied it in full
+    // a moment ago, so it goes as a repeat (load only) and B skips its commit.
+    let r = guard(c.post(format!("{a}/v1/chat/completions")).json(&next).send()).await.expect("send");
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-kvroute-worker"].to_str().expect("header"), on_a["worker"].as_str().expect("worker"));
+    eventually("B took A's repeat", async || {
+        metric(&c, &b, "kvroute_sync_events_total{outcome=\"repeat\"}").await == 1.0
+    })
+    .await;
+    assert_eq!(metric(&c, &b, "kvroute_sync_events_total{outcome=\"applied\"}").await, 2.0, "no second commit");
+    let on_b = dry_run(&c, &b, &next).await;
+    assert_eq!((&on_b["worker"], &on_b["matched"]), (&on_a["worker"], &on_a["matched"]), "A {on_a} B {on_b}");
+
     // Load: a stream open through A counts on its worker in B's view until it ends.
     let long = guard(
         c.post(format!("{a}/v1/chat/completions"))

@@ -396,6 +396,15 @@ pub trait Policy: Send + Sync + std::fmt::Debug + Twin {
         false
     }
 
+    /// Whether committing a request ([`Policy::on_routed`]) just after the same request was
+    /// committed to the same worker records nothing new beyond recency (an LRU position, a
+    /// TTL, a session's binding refreshed). The cluster sync then sends such a repeat to
+    /// the other replicas as load only, its full event at most every `sync_refresh_secs`.
+    /// B3 capped counts every turn of a session: not idempotent.
+    fn idempotent_commits(&self) -> bool {
+        true
+    }
+
     /// The digest [`Policy::pick`] reads from [`PickCtx::fleet`] when given one, empty:
     /// a caller keeps it beside its views ([`FleetDigest::refresh`],
     /// [`FleetDigest::update`]) only for a policy that returns one. least_ttft and

@@ -180,6 +180,7 @@ mod tests {
             uncached: 48,
             decode: 8,
             pool: 0,
+            repeat: false,
         }
     }
 

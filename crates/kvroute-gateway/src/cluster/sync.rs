@@ -4,12 +4,16 @@
 //!
 //! ```text
 //! request path ──try_send──► queue (65,536) ──► publisher: batches ≤ 1,024 events / 5 ms;
-//!                                                  a prompt's start the cluster has seen
-//!                                                  goes as its chunk chain (`chunks`)
+//!                                                  an event the cluster applied in full
+//!                                                  within `sync_refresh_secs` goes as a
+//!                                                  repeat (load only); a prompt's start
+//!                                                  the cluster has seen goes as its chunk
+//!                                                  chain (`chunks`)
 //!                                                  └─► kvroute.<cluster>.events  (msgpack)
 //! kvroute.<cluster>.events ──► subscriber: skip own, count gaps, rebuild prompts, apply:
 //!      routed     → the model's router commits it (prefix index, sessions) when it runs
-//!                   the same policy; a remote load ticket opens on the worker
+//!                   the same policy (a repeat: no commit); a remote load ticket opens on
+//!                   the worker
 //!      first token→ the ticket's prefill part settles
 //!      done       → the ticket closes
 //!      spent      → (beside the events) what the sender took from an API key's rate-limit
@@ -74,6 +78,9 @@ pub const SNAPSHOT_MAX_EVENTS: usize = 100_000;
 pub const SNAPSHOT_MAX_BYTES: usize = 8 << 20;
 /// Most bytes of routed events the prefix journal (`state_dir`) keeps (estimated).
 pub const JOURNAL_MAX_BYTES: usize = 64 << 20;
+/// Most routed events remembered as applied by the cluster (`sync_refresh_secs`), by a
+/// hash of what their commit reads: about 2 MiB.
+pub const ANNOUNCED_MAX: std::num::NonZeroUsize = std::num::NonZeroUsize::new(32_768).unwrap();
 /// Largest message this replica publishes, bytes, unless the server allows less (NATS's
 /// default `max_payload` is 1 MiB).
 pub const MAX_MESSAGE: usize = 512 << 10;
@@ -135,6 +142,13 @@ pub struct RoutedEvent {
     /// 2 its decode pool ([`Pool`]). Absent in events of older replicas (= 0).
     #[serde(default)]
     pub pool: u8,
+    /// The cluster applied this same event in full within `sync_refresh_secs`: it goes
+    /// without its prompt and block hashes, and receivers open its load ticket and skip
+    /// its commit (`kvroute_sync_events_total{outcome="repeat"}`). Absent (false) when sent
+    /// in full; a replica of a version before it reads such an event as one without a
+    /// prompt (its commit records nothing).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub repeat: bool,
 }
 
 /// Which of a replica's router sets decided a routed event.
@@ -179,7 +193,55 @@ impl RoutedEvent {
             uncached,
             decode,
             pool: pool as u8,
+            repeat: false,
         }
+    }
+
+    /// A hash of what a receiver's commit of this event reads (model, pool, policy,
+    /// worker, prompt, block hashes, token counts, session): equal for two events whose
+    /// commits record the same thing. `None` for an event with nothing to commit or with an
+    /// unresolved reference.
+    pub(crate) fn commit_identity(&self) -> Option<u64> {
+        self.identity_with(&self.prefix)
+    }
+
+    /// [`RoutedEvent::commit_identity`] with `prefix` for the event's own.
+    fn identity_with(&self, prefix: &WirePrefix) -> Option<u64> {
+        if *prefix == WirePrefix::None && self.blocks.is_empty() {
+            return None;
+        }
+        let mut h = Identity(xxhash_rust::xxh3::Xxh3::new());
+        h.bytes(self.model.as_bytes());
+        h.bytes(self.worker.as_bytes());
+        h.bytes(self.policy.as_bytes());
+        h.bytes(self.session.as_deref().map_or(&[0xff][..], str::as_bytes));
+        match prefix {
+            WirePrefix::None => h.bytes(&[0]),
+            WirePrefix::Text(t) => {
+                h.bytes(&[1]);
+                h.bytes(t.as_bytes());
+            }
+            WirePrefix::Tokens(t) => {
+                h.bytes(&[2]);
+                h.words(t.iter().map(|&x| u64::from(x)));
+            }
+            WirePrefix::Blocks(b, bs) => {
+                h.bytes(&[3]);
+                h.words(b.iter().copied());
+                h.bytes(&bs.to_le_bytes());
+            }
+            WirePrefix::TextRef { .. } => return None,
+        }
+        h.bytes(&[4]);
+        h.words(self.blocks.iter().copied());
+        h.bytes(&[5]);
+        h.words([
+            self.block_tokens,
+            u64::from(self.pool),
+            u64::from(self.input_tokens),
+            self.output_tokens.map_or(u64::MAX, u64::from),
+        ]);
+        Some(h.0.digest())
     }
 
     pub(crate) fn size_estimate(&self) -> usize {
@@ -190,7 +252,36 @@ impl RoutedEvent {
             WirePrefix::Blocks(b, _) => b.len() * 9,
             WirePrefix::TextRef { rest, .. } => 16 + rest.len(),
         };
+        // (A repeat has no prefix and no blocks.)
         200 + self.model.len() + self.worker.len() + prefix + self.blocks.len() * 9
+    }
+}
+
+/// The hasher of [`RoutedEvent::commit_identity`]: every piece with its length first, so
+/// that no two sequences of pieces hash the same bytes.
+struct Identity(xxhash_rust::xxh3::Xxh3);
+
+impl Identity {
+    fn bytes(&mut self, b: &[u8]) {
+        self.0.update(&(b.len() as u64).to_le_bytes());
+        self.0.update(b);
+    }
+
+    /// `xs` in runs of 64 words (a long list costs a few calls, not one per word).
+    fn words(&mut self, xs: impl IntoIterator<Item = u64>) {
+        let mut xs = xs.into_iter();
+        let mut buf = [0u8; 512];
+        loop {
+            let mut n = 0;
+            for x in xs.by_ref().take(64) {
+                buf[n..n + 8].copy_from_slice(&x.to_le_bytes());
+                n += 8;
+            }
+            if n == 0 {
+                break;
+            }
+            self.bytes(&buf[..n]);
+        }
     }
 }
 
@@ -344,7 +435,9 @@ impl SpendShadow {
 
 #[derive(Debug)]
 pub(crate) enum Out {
-    Routed(Box<RoutedEvent>),
+    /// A routed event, and whether its policy's commits are idempotent
+    /// ([`ModelRouter::idempotent_commits`]: it may go as a repeat).
+    Routed(Box<RoutedEvent>, bool),
     FirstToken(u64),
     Done(u64),
     /// A key's spend to report ([`ReplicaSync::spent`]); its counts are taken when the
@@ -397,6 +490,13 @@ pub struct ReplicaSync {
     pub(crate) chunks: Mutex<super::chunks::ChunkStore>,
     /// The cluster's API-key spends, followed for snapshots ([`SpendShadow`]).
     pub(crate) shadow: Mutex<SpendShadow>,
+    /// When the routed events this replica sent or applied in full were last sent, by
+    /// [`RoutedEvent::commit_identity`] (seconds on [`ReplicaSync::clock_secs`]; at most
+    /// [`ANNOUNCED_MAX`], least recently used out).
+    announced: Mutex<lru::LruCache<u64, u64, foldhash::fast::FixedState>>,
+    /// `sync_refresh_secs`: an event the cluster applied in full within it goes as a
+    /// repeat ([`RoutedEvent::repeat`]); 0 = never.
+    refresh_secs: u64,
     /// The chunks' clock ([`ReplicaSync::clock_secs`]).
     started: std::time::Instant,
     outcomes: prometheus_client::metrics::family::Family<
@@ -454,12 +554,18 @@ fn cut_text(t: &str) -> String {
 }
 
 impl ReplicaSync {
-    /// The sync of a replica named `replica` (a random id when `None`) in `cluster`; it
-    /// sends nothing until [`super::sync_task::run`] connects it.
-    pub fn new(cluster: &str, replica: Option<&str>, metrics: &crate::metrics::Metrics) -> Arc<Self> {
+    /// The sync of a replica named `replica` (a random id when `None`) in `cluster`, whose
+    /// events the cluster applied in full within `refresh_secs` go as repeats (0: never;
+    /// `sync_refresh_secs`); it sends nothing until [`super::sync_task::run`] connects it.
+    pub fn new(
+        cluster: &str,
+        replica: Option<&str>,
+        refresh_secs: u64,
+        metrics: &crate::metrics::Metrics,
+    ) -> Arc<Self> {
         let replica = replica.map_or_else(random_id, str::to_string);
         let (tx, rx) = mpsc::channel(QUEUE);
-        for outcome in ["published", "dropped", "applied", "unresolved"] {
+        for outcome in ["published", "dropped", "applied", "repeat", "unresolved"] {
             drop(metrics.sync_events.get_or_create(&crate::metrics::OutcomeLabel { outcome: outcome.into() }));
         }
         Arc::new(ReplicaSync {
@@ -474,6 +580,8 @@ impl ReplicaSync {
             recent: Mutex::new(Recent::bounded(SNAPSHOT_MAX_BYTES)),
             chunks: Mutex::default(),
             shadow: Mutex::default(),
+            announced: Mutex::new(lru::LruCache::with_hasher(ANNOUNCED_MAX, foldhash::fast::FixedState::default())),
+            refresh_secs,
             started: std::time::Instant::now(),
             outcomes: metrics.sync_events.clone(),
         })
@@ -505,15 +613,29 @@ impl ReplicaSync {
         self.outcomes.get_or_create(&crate::metrics::OutcomeLabel { outcome: outcome.into() }).inc_by(n);
     }
 
-    /// `r` as it goes on the wire: a prompt text as the chunk chain the cluster already
+    /// `r` as it goes on the wire: a repeat without its prompt and block hashes when the
+    /// cluster applied the same event in full within `refresh_secs`
+    /// ([`RoutedEvent::repeat`]); else a prompt text as the chunk chain the cluster already
     /// holds and the rest ([`WirePrefix::TextRef`]) when it shares one, else as it is.
-    pub(crate) fn on_the_wire(&self, r: &mut RoutedEvent) -> RoutedEvent {
-        // The prompt is set aside while the rest of the event is cloned.
+    /// Only an event whose policy's commits are idempotent (`may_repeat`) goes as a repeat.
+    pub(crate) fn on_the_wire(&self, r: &mut RoutedEvent, may_repeat: bool) -> RoutedEvent {
+        self.on_the_wire_at(r, may_repeat, self.clock_secs())
+    }
+
+    /// [`ReplicaSync::on_the_wire`] at `now`, seconds on [`ReplicaSync::clock_secs`].
+    fn on_the_wire_at(&self, r: &mut RoutedEvent, may_repeat: bool, now: u64) -> RoutedEvent {
+        // The prompt and blocks are set aside while the rest of the event is cloned.
         let prompt = std::mem::replace(&mut r.prefix, WirePrefix::None);
+        if may_repeat && self.refresh_secs > 0 && !self.remember_full(&prompt, r, now) {
+            let blocks = std::mem::take(&mut r.blocks);
+            let wire = RoutedEvent { repeat: true, ..r.clone() };
+            (r.prefix, r.blocks) = (prompt, blocks);
+            return wire;
+        }
         let mut wire = r.clone();
         wire.prefix = match &prompt {
             WirePrefix::Text(t) => {
-                let e = self.chunks.lock().encode_at(t, self.clock_secs());
+                let e = self.chunks.lock().encode_at(t, now);
                 if e.chunks == 0 {
                     WirePrefix::Text(e.rest)
                 } else {
@@ -524,6 +646,31 @@ impl ReplicaSync {
         };
         r.prefix = prompt;
         wire
+    }
+
+    /// Whether `r` (its prefix set aside as `prompt`) goes in full: `false` when the
+    /// cluster applied the same event in full within `refresh_secs`; else it is remembered
+    /// as applied at `now`.
+    fn remember_full(&self, prompt: &WirePrefix, r: &RoutedEvent, now: u64) -> bool {
+        let Some(id) = r.identity_with(prompt) else { return true };
+        let mut seen = self.announced.lock();
+        if seen.get(&id).is_some_and(|&t| now.saturating_sub(t) < self.refresh_secs) {
+            return false;
+        }
+        seen.put(id, now);
+        true
+    }
+
+    /// Remembers that another replica's event `r` (its reference resolved) was applied
+    /// here in full now: this replica's own event for the same commit goes as a repeat
+    /// until `refresh_secs` have passed.
+    pub(crate) fn applied_in_full(&self, r: &RoutedEvent) {
+        if self.refresh_secs == 0 {
+            return;
+        }
+        if let Some(id) = r.commit_identity() {
+            self.announced.lock().put(id, self.clock_secs());
+        }
     }
 
     /// Turns a received event's [`WirePrefix::TextRef`] back into its text, and learns the
@@ -562,7 +709,7 @@ impl ReplicaSync {
     pub fn routed(self: &Arc<Self>, a: Announce<'_>) -> SharedTicket {
         let id = self.next_id.fetch_add(1, Relaxed);
         let ev = RoutedEvent::of(&a, id);
-        self.send(Out::Routed(Box::new(ev)));
+        self.send(Out::Routed(Box::new(ev), a.router.idempotent_commits));
         SharedTicket { sync: Arc::clone(self), id, first: false }
     }
 }
@@ -602,6 +749,7 @@ mod tests {
                     uncached: 2,
                     decode: 258,
                     pool: 1,
+                    repeat: false,
                 }),
                 WireEvent::FirstToken(3),
                 WireEvent::Done(3),
@@ -697,6 +845,7 @@ mod tests {
             uncached: 900,
             decode: 4,
             pool: 0,
+            repeat: false,
         }
     }
 
@@ -713,20 +862,20 @@ mod tests {
     fn a_prompt_whose_start_the_cluster_has_seen_goes_as_a_reference_and_comes_back_whole() {
         let metrics = crate::metrics::Metrics::new();
         let (a, b, late) = (
-            ReplicaSync::new("c", Some("a"), &metrics),
-            ReplicaSync::new("c", Some("b"), &metrics),
-            ReplicaSync::new("c", Some("late"), &metrics),
+            ReplicaSync::new("c", Some("a"), 10, &metrics),
+            ReplicaSync::new("c", Some("b"), 10, &metrics),
+            ReplicaSync::new("c", Some("late"), 10, &metrics),
         );
         let document: String = (0..600).map(|i| format!("w{} ", i * 7919 % 1009)).collect();
         let first = format!("{document}first question?");
-        let w1 = a.on_the_wire(&mut routed_with(WirePrefix::Text(first.clone())));
+        let w1 = a.on_the_wire(&mut routed_with(WirePrefix::Text(first.clone())), true);
         assert_eq!(w1.prefix, WirePrefix::Text(first.clone()), "nothing is shared yet");
         let mut r1 = over_the_wire(&w1);
         assert!(b.resolve(&mut r1));
         assert_eq!(r1.prefix, WirePrefix::Text(first));
 
         let second = format!("{document}and a second question?");
-        let w2 = a.on_the_wire(&mut routed_with(WirePrefix::Text(second.clone())));
+        let w2 = a.on_the_wire(&mut routed_with(WirePrefix::Text(second.clone())), true);
         let WirePrefix::TextRef { rest, .. } = &w2.prefix else { panic!("{:?}", w2.prefix) };
         assert!(rest.len() < 300 && w2.size_estimate() < 600, "{} bytes of {}", rest.len(), second.len());
         let mut r2 = over_the_wire(&w2);
@@ -737,6 +886,50 @@ mod tests {
         let mut r3 = over_the_wire(&w2);
         assert!(!late.resolve(&mut r3));
         assert_eq!(r3, routed_with(WirePrefix::None));
+    }
+
+    #[test]
+    fn an_event_the_cluster_applied_in_full_goes_as_a_repeat_until_its_refresh() {
+        let metrics = crate::metrics::Metrics::new();
+        let (a, b, never) = (
+            ReplicaSync::new("c", Some("a"), 10, &metrics),
+            ReplicaSync::new("c", Some("b"), 10, &metrics),
+            ReplicaSync::new("c", Some("n"), 0, &metrics),
+        );
+        let event = |p: WirePrefix| RoutedEvent { blocks: vec![7, 8], ..routed_with(p) };
+        let prompt = WirePrefix::Text("a system prompt and a question".into());
+        let full = |w: &RoutedEvent| !w.repeat && w.prefix != WirePrefix::None && w.blocks == [7, 8];
+        let first = a.on_the_wire_at(&mut event(prompt.clone()), true, 0);
+        assert!(full(&first), "{first:?}");
+        // The same event within the refresh: load only, readable by any receiver.
+        let mut r = event(prompt.clone());
+        let again = over_the_wire(&a.on_the_wire_at(&mut r, true, 9));
+        assert_eq!(r, event(prompt.clone()), "the event kept for snapshots is whole");
+        assert_eq!(again, RoutedEvent { repeat: true, prefix: WirePrefix::None, blocks: Vec::new(), ..r.clone() });
+        assert!(full(&a.on_the_wire_at(&mut r.clone(), true, 10)), "the refresh sends it whole again");
+        // Another worker, another prompt, a session: not the same commit (each then
+        // repeats in its turn).
+        let other_worker = RoutedEvent { worker: "http://127.0.0.1:2".into(), ..r.clone() };
+        let other_prompt = event(WirePrefix::Text("another question".into()));
+        let with_session = RoutedEvent { session: Some("s".into()), ..r.clone() };
+        let other_session = RoutedEvent { session: Some("t".into()), ..r.clone() };
+        for e in [other_worker, other_prompt, with_session, other_session] {
+            assert!(full(&a.on_the_wire_at(&mut e.clone(), true, 11)), "{e:?}");
+            assert!(a.on_the_wire_at(&mut e.clone(), true, 12).repeat, "{e:?}");
+        }
+        // A policy whose commits are not idempotent (B3 capped counts a session's turns).
+        for now in [13, 14] {
+            assert!(full(&a.on_the_wire_at(&mut r.clone(), false, now)));
+        }
+        // A replica that applied a peer's full event sends its own as a repeat.
+        let mut got = over_the_wire(&first);
+        assert!(b.resolve(&mut got));
+        b.applied_in_full(&got);
+        assert!(b.on_the_wire_at(&mut r.clone(), true, 0).repeat);
+        // `sync_refresh_secs = 0`: every event in full.
+        for now in [0, 1] {
+            assert!(full(&never.on_the_wire_at(&mut r.clone(), true, now)));
+        }
     }
 
     #[test]
@@ -788,6 +981,7 @@ mod tests {
             uncached: 0,
             decode: 0,
             pool: 0,
+            repeat: false,
         };
         let e = Arc::new(ev);
         for _ in 0..100 {

@@ -158,9 +158,12 @@ async fn publish_buffered(sync: &ReplicaSync, client: &async_nats::Client, seq: 
     let mut size = 64;
     for e in buf.drain(..) {
         let ev = match e {
-            Out::Routed(mut r) => {
-                let wire = sync.on_the_wire(&mut r);
-                sync.recent.lock().push(Arc::from(r));
+            Out::Routed(mut r, may_repeat) => {
+                let wire = sync.on_the_wire(&mut r, may_repeat);
+                // A repeat adds nothing to a snapshot: its full event is in the log.
+                if !wire.repeat {
+                    sync.recent.lock().push(Arc::from(r));
+                }
                 WireEvent::Routed(wire)
             }
             Out::FirstToken(id) => WireEvent::FirstToken(id),
@@ -393,12 +396,14 @@ impl Peers {
         }
         peer.last_seq = batch.seq;
         peer.heard = now;
-        // Outcomes counted once per batch: [applied, policy_mismatch, unresolved, unknown_worker].
-        let mut outcomes = [0u64; 4];
+        // Outcomes counted once per batch: [applied, policy_mismatch, unresolved,
+        // unknown_worker, repeat].
+        let mut outcomes = [0u64; 5];
         for ev in batch.events {
             match ev {
                 WireEvent::Routed(mut r) => {
-                    if !sync.resolve(&mut r) {
+                    let resolved = r.repeat || sync.resolve(&mut r);
+                    if !resolved {
                         outcomes[2] += 1;
                     }
                     let Some(w) = state.fleet.by_url(&r.worker) else {
@@ -411,9 +416,7 @@ impl Peers {
                             self.tickets += 1;
                         }
                     }
-                    let applied = commit(state, &r, w.id, Wait::Yield).await;
-                    outcomes[usize::from(!applied)] += 1;
-                    sync.recent.lock().push(Arc::new(r));
+                    outcomes[apply_prefix(state, sync, r, w.id, resolved).await] += 1;
                 }
                 WireEvent::FirstToken(id) => {
                     if let Some((t, _)) = peer.tickets.get_mut(&id) {
@@ -427,7 +430,8 @@ impl Peers {
                 }
             }
         }
-        for (outcome, n) in ["applied", "policy_mismatch", "unresolved", "unknown_worker"].into_iter().zip(outcomes) {
+        let names = ["applied", "policy_mismatch", "unresolved", "unknown_worker", "repeat"];
+        for (outcome, n) in names.into_iter().zip(outcomes) {
             if n > 0 {
                 sync.count(outcome, n);
             }
@@ -435,6 +439,22 @@ impl Peers {
         take_spent(state, sync, &batch.spent);
         state.metrics.sync_remote_in_flight.set(self.tickets as i64);
     }
+}
+
+/// Commits another replica's routed event `r` (its prompt reference `resolved` or not)
+/// to `worker` in this replica's router and keeps it for snapshots; a repeat neither (its
+/// full event was applied within `sync_refresh_secs`). The index of its outcome in
+/// [`Peers::apply`]'s counts: 0 applied, 1 policy mismatch, 4 repeat.
+async fn apply_prefix(state: &AppState, sync: &ReplicaSync, r: RoutedEvent, worker: WorkerId, resolved: bool) -> usize {
+    if r.repeat {
+        return 4;
+    }
+    let applied = commit(state, &r, worker, Wait::Yield).await;
+    if applied && resolved {
+        sync.applied_in_full(&r);
+    }
+    sync.recent.lock().push(Arc::new(r));
+    usize::from(!applied)
 }
 
 /// Takes another replica's API-key spends (live, or a snapshot's) from this replica's
@@ -698,6 +718,7 @@ mod tests {
             uncached: 1,
             decode: 1,
             pool: 0,
+            repeat: false,
         })
     }
 

@@ -315,6 +315,13 @@ pub struct GatewayConfig {
     /// ready on local state alone, seconds.
     #[default = 5.0]
     pub sync_snapshot_timeout_secs: f64,
+    /// How often, at most, the replica sync sends in full a routed event the cluster has
+    /// already applied — the same prompt, block hashes and token counts on the same worker
+    /// under the same model and policy, no session — seconds; in between such an event
+    /// goes as load only and the other replicas skip its commit
+    /// ([`crate::cluster::sync::RoutedEvent::repeat`]). 0 = every event in full.
+    #[default = 10]
+    pub sync_refresh_secs: u64,
     /// Record every dispatched request as a line of a privacy-safe trace in this file
     /// (session-JSONL Mooncake form: timestamp, token counts, salted block ids, session;
     /// no text) that `kvroute replay --trace` reads ([`crate::record`]); unset = off.
@@ -654,6 +661,9 @@ impl GatewayConfig {
         }
         if !(self.sync_snapshot_timeout_secs.is_finite() && (0.0..=600.0).contains(&self.sync_snapshot_timeout_secs)) {
             return Err(err("sync_snapshot_timeout_secs", "expected 0 to 600 seconds"));
+        }
+        if self.sync_refresh_secs > 600 {
+            return Err(err("sync_refresh_secs", "expected 0 to 600 seconds"));
         }
         Ok(())
     }

@@ -348,6 +348,11 @@ impl Policy for B3 {
         d.ok_or(RouteError::NoWorker)
     }
 
+    fn idempotent_commits(&self) -> bool {
+        // Capped counts each committed turn of a session.
+        self.mode != B3Mode::Capped
+    }
+
     fn on_routed(&mut self, req: &RequestView<'_>, key: &RequestKey, worker: WorkerId, _now: Nanos) {
         let cap = self.cfg.cache_blocks;
         self.cached.insert(worker, &key.blocks, cap, false);
