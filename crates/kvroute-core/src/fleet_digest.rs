@@ -417,8 +417,7 @@ impl FleetDigest {
     /// instead: `64 + n / 8`. Past that most of the fleet can win (an idle
     /// over-provisioned fleet, where every idle worker ties), and a pass over the views,
     /// in order, is cheaper than collecting and ordering positions from the buckets
-    /// (prefill_cost's replay of the Mooncake hour on 10,000 engines took 10.3 s that way,
-    /// against 5.8 s reading the views).
+    /// (measured on the replay of 10,000 engines: docs/lab/2026-11-29-fleet-digest.md).
     pub(crate) fn contenders_cap(&self) -> usize {
         64 + self.recs.len() / 8
     }
