@@ -316,10 +316,11 @@ pub struct GatewayConfig {
     #[default = 5.0]
     pub sync_snapshot_timeout_secs: f64,
     /// How often, at most, the replica sync sends in full a routed event the cluster has
-    /// already applied — the same prompt, block hashes and token counts on the same worker
-    /// under the same model and policy, no session — seconds; in between such an event
-    /// goes as load only and the other replicas skip its commit
-    /// ([`crate::cluster::sync::RoutedEvent::repeat`]). 0 = every event in full.
+    /// already applied — the same prompt, block hashes, token counts and session (or none)
+    /// on the same worker under the same model and policy — seconds; in between such an
+    /// event goes as load only and the other replicas skip its commit
+    /// ([`crate::cluster::sync::RoutedEvent::repeat`]). 0 = every event in full. A policy
+    /// whose commits are not idempotent (B3 capped) always sends in full.
     #[default = 10]
     pub sync_refresh_secs: u64,
     /// Record every dispatched request as a line of a privacy-safe trace in this file
