@@ -167,14 +167,17 @@ async fn replicas_share_prefix_state_and_load_and_a_new_replica_starts_from_a_sn
 }
 
 /// Sends `docs` × `per_doc` questions, each document's questions spread over the rounds,
-/// to `routers` in turn (a client-side round robin), 3 at a time; returns the failures.
-async fn shared_prefix_workload(routers: &[String], docs: usize, per_doc: usize) -> usize {
+/// to `routers` in turn (a client-side round robin), 3 at a time, `passes` times over;
+/// returns the failures.
+async fn shared_prefix_workload(routers: &[String], docs: usize, per_doc: usize, passes: usize) -> usize {
     let c = common::client();
     let texts: Vec<String> = (0..docs).map(|d| document(100 + d, 3000)).collect();
     let mut order = Vec::new();
-    for round in 0..per_doc {
-        for d in 0..docs {
-            order.push((d, round));
+    for _ in 0..passes {
+        for round in 0..per_doc {
+            for d in 0..docs {
+                order.push((d, round));
+            }
         }
     }
     let sends = order.into_iter().enumerate().map(|(i, (d, round))| {
@@ -201,21 +204,39 @@ async fn shared_prefix_workload(routers: &[String], docs: usize, per_doc: usize)
 /// One run of the workload: `replicas` routers running `policy` (synced over `nats` or
 /// not) in front of 4 fresh engines; the engines' hit ratio.
 async fn hit_ratio(replicas: usize, nats: Option<&str>, policy: &str) -> f64 {
+    hit_ratio_of(replicas, nats, policy, |_| {}, 1).await.0
+}
+
+/// [`hit_ratio`] with the routers' configuration changed by `tweak` and the workload sent
+/// `passes` times over; also the repeats the routers applied (`outcome="repeat"`).
+async fn hit_ratio_of(
+    replicas: usize,
+    nats: Option<&str>,
+    policy: &str,
+    tweak: impl Fn(&mut GatewayConfig),
+    passes: usize,
+) -> (f64, f64) {
     let stop = CancellationToken::new();
     let ws = workers(4, 50.0, &stop).await;
     let mut routers = Vec::new();
     for _ in 0..replicas {
-        routers.push(common::start_router(synced_with(nats, &ws, policy), stop.clone()).await.0);
+        let mut cfg = synced_with(nats, &ws, policy);
+        tweak(&mut cfg);
+        routers.push(common::start_router(cfg, stop.clone()).await.0);
     }
     let c = common::client();
     for r in &routers {
         ready(&c, r).await;
     }
-    let failed = shared_prefix_workload(&routers, 16, 4).await;
+    let failed = shared_prefix_workload(&routers, 16, 4, passes).await;
     assert_eq!(failed, 0, "failed requests");
     let ratio = fleet_hit_ratio(&ws).await;
+    let mut repeats = 0.0;
+    for r in &routers {
+        repeats += metric(&c, r, "kvroute_sync_events_total{outcome=\"repeat\"}").await;
+    }
     stop.cancel();
-    ratio
+    (ratio, repeats)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -239,6 +260,25 @@ async fn three_synced_replicas_hit_the_cache_like_one_router() {
             three_synced >= 1.5 * three_alone,
             "{policy}: 3 synced {three_synced:.3} against 3 without sync {three_alone:.3}"
         );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs NATS (Debian nats-server): KVROUTE_NATS_BIN=$(command -v nats-server) scripts/test.sh"]
+async fn repeats_sent_as_load_only_keep_the_cluster_s_hit_ratio() {
+    let nats = Nats::start(free_port()).await;
+    // The workload twice over: in the second pass every question goes to another replica
+    // than the first time (64 requests a pass over 3 replicas), which applied the first
+    // in full and so sends it as a repeat.
+    for policy in ["cache_aware", "prefill_cost"] {
+        let (full, none) = hit_ratio_of(3, Some(&nats.url), policy, |c| c.sync_refresh_secs = 0, 2).await;
+        let (repeated, repeats) = hit_ratio_of(3, Some(&nats.url), policy, |_| {}, 2).await;
+        eprintln!(
+            "{policy}: 3 synced replicas, every event in full {full:.3}, repeats as load only {repeated:.3} ({repeats} repeats)"
+        );
+        assert_eq!(none, 0.0, "{policy}: sync_refresh_secs = 0 sends no repeat");
+        assert!(repeats >= 32.0, "{policy}: {repeats} repeats applied over 128 requests asked twice");
+        assert!((full - repeated).abs() <= 0.05, "{policy}: {repeated:.3} with repeats against {full:.3}");
     }
 }
 
