@@ -128,7 +128,13 @@ impl AppState {
             fleet.count_remote_load();
         }
         let sync = cfg.nats.as_ref().map(|_| {
-            crate::cluster::sync::ReplicaSync::new(&cfg.cluster, Some(&replica_id), cfg.sync_refresh_secs, &metrics)
+            crate::cluster::sync::ReplicaSync::new(
+                &cfg.cluster,
+                Some(&replica_id),
+                cfg.sync_refresh_secs,
+                Duration::from_millis(cfg.sync_batch_ms),
+                &metrics,
+            )
         });
         let journal = cfg.state_dir.as_ref().map(|_| Arc::new(crate::cluster::journal::PrefixJournal::new(&metrics)));
         let kv_mover = crate::kv_move::KvMover::new(&cfg.kv_migration, &replica_id, client.clone(), &metrics);

@@ -3,7 +3,8 @@
 //! lands on (`nats`, `cluster`).
 //!
 //! ```text
-//! request path ──try_send──► queue (65,536) ──► publisher: batches ≤ 1,024 events / 5 ms;
+//! request path ──try_send──► queue (65,536) ──► publisher: batches ≤ 1,024 events gathered
+//!                                                  over `sync_batch_ms` (20 ms);
 //!                                                  an event the cluster applied in full
 //!                                                  within `sync_refresh_secs` goes as a
 //!                                                  repeat (load only); a prompt's start
@@ -51,8 +52,6 @@ use tokio::sync::mpsc;
 pub const QUEUE: usize = 65_536;
 /// Most events in one published batch.
 pub const MAX_BATCH_EVENTS: usize = 1024;
-/// How long the publisher gathers events after the first of a batch.
-pub const BATCH_WINDOW: Duration = Duration::from_millis(5);
 /// A replica with nothing to send still publishes an empty batch this often (liveness).
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
 /// A replica not heard from for this long is gone: its remote load tickets close.
@@ -497,6 +496,8 @@ pub struct ReplicaSync {
     /// `sync_refresh_secs`: an event the cluster applied in full within it goes as a
     /// repeat ([`RoutedEvent::repeat`]); 0 = never.
     refresh_secs: u64,
+    /// `sync_batch_ms`: how long the publisher gathers events after the first of a batch.
+    pub(crate) batch_window: Duration,
     /// The chunks' clock ([`ReplicaSync::clock_secs`]).
     started: std::time::Instant,
     outcomes: prometheus_client::metrics::family::Family<
@@ -556,11 +557,14 @@ fn cut_text(t: &str) -> String {
 impl ReplicaSync {
     /// The sync of a replica named `replica` (a random id when `None`) in `cluster`, whose
     /// events the cluster applied in full within `refresh_secs` go as repeats (0: never;
-    /// `sync_refresh_secs`); it sends nothing until [`super::sync_task::run`] connects it.
+    /// `sync_refresh_secs`) and are published in batches gathered over `batch_window`
+    /// after their first event (`sync_batch_ms`); it sends nothing until
+    /// [`super::sync_task::run`] connects it.
     pub fn new(
         cluster: &str,
         replica: Option<&str>,
         refresh_secs: u64,
+        batch_window: Duration,
         metrics: &crate::metrics::Metrics,
     ) -> Arc<Self> {
         let replica = replica.map_or_else(random_id, str::to_string);
@@ -582,6 +586,7 @@ impl ReplicaSync {
             shadow: Mutex::default(),
             announced: Mutex::new(lru::LruCache::with_hasher(ANNOUNCED_MAX, foldhash::fast::FixedState::default())),
             refresh_secs,
+            batch_window,
             started: std::time::Instant::now(),
             outcomes: metrics.sync_events.clone(),
         })
@@ -862,9 +867,9 @@ mod tests {
     fn a_prompt_whose_start_the_cluster_has_seen_goes_as_a_reference_and_comes_back_whole() {
         let metrics = crate::metrics::Metrics::new();
         let (a, b, late) = (
-            ReplicaSync::new("c", Some("a"), 10, &metrics),
-            ReplicaSync::new("c", Some("b"), 10, &metrics),
-            ReplicaSync::new("c", Some("late"), 10, &metrics),
+            ReplicaSync::new("c", Some("a"), 10, Duration::from_millis(5), &metrics),
+            ReplicaSync::new("c", Some("b"), 10, Duration::from_millis(5), &metrics),
+            ReplicaSync::new("c", Some("late"), 10, Duration::from_millis(5), &metrics),
         );
         let document: String = (0..600).map(|i| format!("w{} ", i * 7919 % 1009)).collect();
         let first = format!("{document}first question?");
@@ -892,9 +897,9 @@ mod tests {
     fn an_event_the_cluster_applied_in_full_goes_as_a_repeat_until_its_refresh() {
         let metrics = crate::metrics::Metrics::new();
         let (a, b, never) = (
-            ReplicaSync::new("c", Some("a"), 10, &metrics),
-            ReplicaSync::new("c", Some("b"), 10, &metrics),
-            ReplicaSync::new("c", Some("n"), 0, &metrics),
+            ReplicaSync::new("c", Some("a"), 10, Duration::from_millis(5), &metrics),
+            ReplicaSync::new("c", Some("b"), 10, Duration::from_millis(5), &metrics),
+            ReplicaSync::new("c", Some("n"), 0, Duration::from_millis(5), &metrics),
         );
         let event = |p: WirePrefix| RoutedEvent { blocks: vec![7, 8], ..routed_with(p) };
         let prompt = WirePrefix::Text("a system prompt and a question".into());

@@ -116,7 +116,7 @@ async fn publish(
         };
         if let Some(e) = first {
             buf.push(e);
-            tokio::time::sleep(BATCH_WINDOW).await;
+            tokio::time::sleep(sync.batch_window).await;
             while buf.len() < MAX_BATCH_EVENTS {
                 match rx.try_recv() {
                     Ok(e) => buf.push(e),

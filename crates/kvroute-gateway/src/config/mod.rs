@@ -323,6 +323,13 @@ pub struct GatewayConfig {
     /// whose commits are not idempotent (B3 capped) always sends in full.
     #[default = 10]
     pub sync_refresh_secs: u64,
+    /// How long the replica sync gathers this replica's events after the first of a batch
+    /// before it publishes them to NATS, milliseconds (1–1,000): longer sends fewer, larger
+    /// messages — each one wakes the NATS server and every other replica, which on a busy
+    /// machine costs more than the bytes — and lets the other replicas see this replica's
+    /// requests that much later.
+    #[default = 20]
+    pub sync_batch_ms: u64,
     /// Record every dispatched request as a line of a privacy-safe trace in this file
     /// (session-JSONL Mooncake form: timestamp, token counts, salted block ids, session;
     /// no text) that `kvroute replay --trace` reads ([`crate::record`]); unset = off.
@@ -665,6 +672,9 @@ impl GatewayConfig {
         }
         if self.sync_refresh_secs > 600 {
             return Err(err("sync_refresh_secs", "expected 0 to 600 seconds"));
+        }
+        if !(1..=1000).contains(&self.sync_batch_ms) {
+            return Err(err("sync_batch_ms", "expected 1 to 1000 milliseconds"));
         }
         Ok(())
     }
@@ -1041,6 +1051,19 @@ mod tests {
         for d in [env!("CARGO_MANIFEST_DIR").to_string(), "/nonexistent/kvroute-state".into()] {
             GatewayConfig { state_dir: Some(d), ..GatewayConfig::default() }.validate().expect("a directory");
         }
+    }
+
+    #[test]
+    fn the_sync_s_batch_window_is_1_to_1000_ms_and_read_from_toml() {
+        for ms in [0, 1001] {
+            let bad = GatewayConfig { sync_batch_ms: ms, ..GatewayConfig::default() };
+            assert_eq!(bad.validate().unwrap_err().key, "sync_batch_ms", "{ms} ms");
+        }
+        for ms in [1, 1000] {
+            GatewayConfig { sync_batch_ms: ms, ..GatewayConfig::default() }.validate().expect("in range");
+        }
+        let cfg: GatewayConfig = toml::from_str("sync_batch_ms = 50").expect("toml");
+        assert_eq!((cfg.sync_batch_ms, GatewayConfig::default().sync_batch_ms), (50, 20));
     }
 
     #[test]
