@@ -402,9 +402,8 @@ mod tests {
             let e = build(args).expect_err("refused").to_string();
             assert!(e.starts_with(flag), "{args:?}: {e}");
         }
-        let dir = std::env::temp_dir().join(format!("kvroute-bench-cli-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let trace = dir.join("t.jsonl");
+        let dir = tempfile::Builder::new().prefix("kvroute-bench-cli-").tempdir().expect("temp dir");
+        let trace = dir.path().join("t.jsonl");
         std::fs::write(
             &trace,
             "{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1, \"hash_ids\": [0]}\n\
@@ -416,22 +415,19 @@ mod tests {
         let e = build(&["--trace", t, "--rate-scale", "1e-6"]).expect_err("refused").to_string();
         assert!(e.starts_with("--rate-scale: ") && e.contains("10^7 s"), "{e}");
         assert_eq!(build(&["--trace", t, "--rate-scale", "2"]).expect("runs").len(), 2);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_max_output_of_zero_is_refused_as_in_replay() {
         // It ran, every request capped at one token.
-        let dir = std::env::temp_dir().join(format!("kvroute-bench-cli-max-output-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let trace = dir.join("t.jsonl");
+        let dir = tempfile::Builder::new().prefix("kvroute-bench-cli-max-output-").tempdir().expect("temp dir");
+        let trace = dir.path().join("t.jsonl");
         std::fs::write(&trace, "{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 9, \"hash_ids\": [0]}\n")
             .expect("write trace");
         let t = trace.to_str().expect("utf-8 path");
         let e = build(&["--trace", t, "--max-output", "0"]).expect_err("refused").to_string();
         assert_eq!(e, "--max-output must be at least 1");
         assert_eq!(build(&["--trace", t, "--max-output", "1"]).expect("runs")[0].max_tokens, 1);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

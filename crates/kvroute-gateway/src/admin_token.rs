@@ -99,9 +99,8 @@ mod tests {
 
     #[test]
     fn the_file_s_token_is_trimmed_and_replaced_on_reload_and_a_bad_file_keeps_it() {
-        let dir = std::env::temp_dir().join(format!("kvroute-admin-token-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let path = dir.join("token");
+        let dir = tempfile::Builder::new().prefix("kvroute-admin-token-").tempdir().expect("temp dir");
+        let path = dir.path().join("token");
         let p = path.to_str().expect("utf-8");
         std::fs::write(&path, "first-token\n").expect("write");
         let t = AdminToken::new(None, Some(p)).expect("read");
@@ -124,6 +123,5 @@ mod tests {
         assert!(fixed.matches("fixed"));
         let none = AdminToken::new(None, None).expect("none");
         assert!(!none.is_set() && !none.matches(""));
-        let _ = std::fs::remove_dir(&dir);
     }
 }

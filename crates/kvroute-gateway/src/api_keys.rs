@@ -803,7 +803,9 @@ mod tests {
     /// not parse, or is gone, keeps the keys in effect.
     #[test]
     fn a_key_file_reload_counts_its_changes_and_a_bad_file_changes_nothing() {
-        let path = std::env::temp_dir().join(format!("kvroute-keyfile-unit-{}.txt", std::process::id()));
+        let tmp =
+            tempfile::Builder::new().prefix("kvroute-keyfile-unit-").suffix(".txt").tempfile().expect("temp file");
+        let path = tmp.path().to_path_buf();
         std::fs::write(&path, "sk-a ta\nsk-b tb\nsk-c\n").expect("write");
         let file = KeyFile::load(path.to_str().expect("utf8"), 0, 0).expect("loads");
         std::fs::write(&path, "sk-a ta\nsk-b tb rpm=3\nsk-d td\n").expect("write");

@@ -440,16 +440,15 @@ mod tests {
         p
     }
 
-    fn tempdir(name: &str) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("kvroute-tok-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    /// A fresh directory, removed when the guard drops (also on a panic).
+    fn tempdir(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new().prefix(&format!("kvroute-tok-{name}-")).tempdir().expect("temp dir")
     }
 
     #[test]
     fn hf_tokenizer_renders_the_chat_template_and_encodes_without_added_specials() {
         let dir = tempdir("hf");
-        let t = LocalTokenizer::load(&tiny_hf(&dir)).unwrap();
+        let t = LocalTokenizer::load(&tiny_hf(dir.path())).unwrap();
         let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": " hi "}]});
         // pycompat's `.strip()` ran; the template's special tokens encode as themselves.
         assert_eq!(t.render_chat(&body).unwrap(), "<|im_start|>user\nhi<|im_end|><|im_start|>");
@@ -461,13 +460,12 @@ mod tests {
         // Completions get the post-processor's BOS.
         let c = serde_json::json!({"model": "m", "prompt": "hi"});
         assert_eq!(t.request_tokens(kvroute_protocol::openai::Api::Completions, &c).unwrap(), vec![0, 12]);
-        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]
     fn requests_it_cannot_reproduce_are_refused_not_guessed() {
         let dir = tempdir("refuse");
-        let t = LocalTokenizer::load(&tiny_hf(&dir)).unwrap();
+        let t = LocalTokenizer::load(&tiny_hf(dir.path())).unwrap();
         let api = kvroute_protocol::openai::Api::Chat;
         let parts = serde_json::json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]});
         assert_eq!(t.request_tokens(api, &parts), Err("unsupported_request"));
@@ -476,24 +474,22 @@ mod tests {
         assert_eq!(t.request_tokens(api, &tools), Err("unsupported_request"));
         let many = serde_json::json!({"prompt": ["a", "b"]});
         assert_eq!(t.request_tokens(kvroute_protocol::openai::Api::Completions, &many), Err("unsupported_request"));
-        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]
     fn bad_files_name_the_file_and_the_problem() {
         let dir = tempdir("bad");
-        let missing = dir.join("nope.gguf");
+        let missing = dir.path().join("nope.gguf");
         let e = LocalTokenizer::load(&missing).unwrap_err();
         assert!(e.to_string().contains("nope.gguf") && e.to_string().contains("cannot open"), "{e}");
-        let junk = dir.join("junk.json");
+        let junk = dir.path().join("junk.json");
         std::fs::write(&junk, b"{\"not\": \"a tokenizer\"}").unwrap();
         let e = LocalTokenizer::load(&junk).unwrap_err();
         assert!(e.to_string().contains("junk.json") && e.to_string().contains("tokenizer.json"), "{e}");
-        let fake = dir.join("fake.gguf");
+        let fake = dir.path().join("fake.gguf");
         std::fs::write(&fake, b"GGUF\x03\x00\x00\x00").unwrap();
         let e = LocalTokenizer::load(&fake).unwrap_err();
         assert!(e.to_string().contains("fake.gguf") && e.to_string().contains("GGUF"), "{e}");
-        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

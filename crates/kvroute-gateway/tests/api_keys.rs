@@ -18,7 +18,8 @@ fn chat(max_tokens: u32) -> serde_json::Value {
 /// temporary directory; both stopped and the file removed on drop.
 struct Keyed {
     router: String,
-    file: std::path::PathBuf,
+    /// The key file; removed when dropped (after `Drop` stopped the router).
+    file: tempfile::TempPath,
     stop: CancellationToken,
     stop_worker: CancellationToken,
 }
@@ -30,7 +31,12 @@ impl Keyed {
         let stop_worker = CancellationToken::new();
         let sim = EngineSimConfig { instant: true, ..EngineSimConfig::default() };
         let (w, _sim) = engine_sim::spawn_local(sim, stop_worker.clone()).await.expect("worker");
-        let file = std::env::temp_dir().join(format!("kvroute-{name}-{}.txt", std::process::id()));
+        let file = tempfile::Builder::new()
+            .prefix(&format!("kvroute-{name}-"))
+            .suffix(".txt")
+            .tempfile()
+            .expect("temp file")
+            .into_temp_path();
         std::fs::write(&file, keys).expect("write keys");
         let config = GatewayConfig {
             policy: "round_robin".into(),
@@ -49,7 +55,6 @@ impl Drop for Keyed {
     fn drop(&mut self) {
         self.stop.cancel();
         self.stop_worker.cancel();
-        let _ = std::fs::remove_file(&self.file);
     }
 }
 
@@ -124,13 +129,12 @@ async fn keys_are_required_and_each_key_is_held_to_its_requests_and_tokens_per_m
 
 #[tokio::test]
 async fn a_bad_key_file_stops_the_router_naming_the_line() {
-    let file = std::env::temp_dir().join(format!("kvroute-badkeys-{}.txt", std::process::id()));
-    std::fs::write(&file, "sk-a\nsk-b rpm=fast\n").expect("write");
-    let config = GatewayConfig { api_key_file: Some(file.display().to_string()), ..GatewayConfig::default() };
+    let file = tempfile::Builder::new().prefix("kvroute-badkeys-").suffix(".txt").tempfile().expect("temp file");
+    std::fs::write(file.path(), "sk-a\nsk-b rpm=fast\n").expect("write");
+    let config = GatewayConfig { api_key_file: Some(file.path().display().to_string()), ..GatewayConfig::default() };
     let err = kvroute_gateway::app::AppState::new(config).expect_err("refused");
     let msg = format!("{err:#}");
     assert!(msg.contains("line 2") && msg.contains("rpm"), "{msg}");
-    let _ = std::fs::remove_file(&file);
 }
 
 /// `kvroute_api_key_reloads_total{outcome}` from `/metrics` (0 when absent).
@@ -164,7 +168,7 @@ async fn rewrite_and_reload(c: &reqwest::Client, r: &str, file: &std::path::Path
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reads_the_key_file_again_and_a_bad_file_keeps_the_keys_in_effect() {
     let keyed = Keyed::start("keys-reload", "sk-leaked team-old\nsk-kept team-kept rpm=2\n").await;
-    let (c, r, file) = (reqwest::Client::new(), keyed.router.clone(), keyed.file.clone());
+    let (c, r, file) = (reqwest::Client::new(), keyed.router.clone(), keyed.file.to_path_buf());
     let status = |key: &'static str| {
         let rb = c.post(format!("{r}/v1/chat/completions")).json(&chat(5)).bearer_auth(key);
         async move { guard(rb.send()).await.expect("send").status().as_u16() }

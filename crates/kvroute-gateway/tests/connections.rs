@@ -18,7 +18,7 @@ mod common;
 use common::{eventually, guard};
 #[path = "common/pki.rs"]
 mod pki;
-use pki::{TempDir, TestCa};
+use pki::{TestCa, scratch_dir};
 
 /// HTTP/2's connection preface.
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -135,9 +135,9 @@ async fn silent_partial_and_idle_sockets_are_closed_by_the_first_request_deadlin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_connection_silent_after_its_handshake_is_closed() {
-    let dir = TempDir::new("connections-tls");
+    let dir = scratch_dir("connections-tls");
     let ca = TestCa::new("kvroute connections test CA");
-    let (crt, key) = ca.server_cert(&dir.0, "router");
+    let (crt, key) = ca.server_cert(dir.path(), "router");
     let stop = CancellationToken::new();
     let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
     let config = GatewayConfig {

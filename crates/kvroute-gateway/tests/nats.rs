@@ -468,11 +468,11 @@ async fn a_key_s_rate_limit_holds_across_the_replicas() {
     let nats = Nats::start(free_port()).await;
     let stop = CancellationToken::new();
     let ws = workers(1, 50.0, &stop).await;
-    let file = std::env::temp_dir().join(format!("kvroute-cluster-keys-{}.txt", std::process::id()));
+    let file = tempfile::Builder::new().prefix("kvroute-cluster-keys-").suffix(".txt").tempfile().expect("temp file");
     // rpm=2 refills one request every 30 s: none within the test.
-    std::fs::write(&file, "sk-shared team-a rpm=2\nsk-other team-b rpm=2\n").expect("write keys");
+    std::fs::write(file.path(), "sk-shared team-a rpm=2\nsk-other team-b rpm=2\n").expect("write keys");
     let keyed = || GatewayConfig {
-        api_key_file: Some(file.display().to_string()),
+        api_key_file: Some(file.path().display().to_string()),
         ..synced_with(Some(&nats.url), &ws, "round_robin")
     };
     let (a, _) = common::start_router(keyed(), stop.clone()).await;
@@ -505,5 +505,4 @@ async fn a_key_s_rate_limit_holds_across_the_replicas() {
     assert_eq!(send(&n, "sk-other").await, 200, "the other key's second request");
     assert_eq!(send(&n, "sk-other").await, 429, "and no third");
     stop.cancel();
-    let _ = std::fs::remove_file(&file);
 }

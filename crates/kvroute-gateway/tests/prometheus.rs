@@ -36,22 +36,10 @@ const NEEDS_OUTSIDE_PIECES: [&str; 5] =
 /// How long a wait may last before the test fails.
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// A fresh directory under the system temp dir, removed with its contents on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> TempDir {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let dir = std::env::temp_dir().join(format!("kvroute-prometheus-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("create the test's directory");
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A fresh directory under the system temp dir, removed with its contents when the guard
+/// drops (also on a panic).
+fn scratch_dir() -> tempfile::TempDir {
+    tempfile::Builder::new().prefix("kvroute-prometheus-").tempdir().expect("create the test's directory")
 }
 
 /// A Prometheus server on 127.0.0.1 scraping its targets every second; killed on drop.
@@ -239,7 +227,8 @@ fn exposed_series(family: &str, ty: &str) -> Vec<String> {
 #[ignore = "needs Prometheus (Debian package prometheus): KVROUTE_PROMETHEUS=$(command -v prometheus) bash scripts/test.sh"]
 async fn prometheus_scrapes_kvroute_and_every_dashboard_query_reads_its_series() {
     let bin = Prometheus::binary();
-    let dir = TempDir::new();
+    // Declared before `prom`, so it is removed after Prometheus is killed.
+    let dir = scratch_dir();
     let stop_w = CancellationToken::new();
     let sim = || EngineSimConfig { time_scale: 50.0, ..EngineSimConfig::default() };
     let w1 = worker(sim(), &stop_w).await;
@@ -249,12 +238,12 @@ async fn prometheus_scrapes_kvroute_and_every_dashboard_query_reads_its_series()
 
     // Job `kvroute`: two workers behind API keys (team-b may send one request a minute),
     // engine metrics scraped for the engines' prefix-cache hit ratio.
-    let keys = dir.0.join("api-keys.txt");
+    let keys = dir.path().join("api-keys.txt");
     std::fs::write(&keys, "sk-main team-a\nsk-limited team-b rpm=1\n").expect("write the API-key file");
     let mut main_cfg = common::config(&[&w1, &w2], "cache_aware");
     main_cfg.api_key_file = Some(keys.display().to_string());
     // The admin token from a file, as a Secret gives it (the reload panel reads its series).
-    let token = dir.0.join("admin-token");
+    let token = dir.path().join("admin-token");
     std::fs::write(&token, common::ADMIN_TOKEN).expect("write the admin token file");
     main_cfg.admin_token = None;
     main_cfg.admin_token_file = Some(token.display().to_string());
@@ -269,7 +258,7 @@ async fn prometheus_scrapes_kvroute_and_every_dashboard_query_reads_its_series()
 
     let prom = Prometheus::start(
         &bin,
-        &dir.0,
+        dir.path(),
         &[("kvroute", gw.trim_start_matches("http://")), ("kvroute-faults", gf.trim_start_matches("http://"))],
     )
     .await;

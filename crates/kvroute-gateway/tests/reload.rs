@@ -7,7 +7,7 @@
 
 use kvroute_engine_sim::{self as engine_sim, EngineSimConfig};
 use kvroute_gateway::{ConfigSource, GatewayConfig};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -15,21 +15,9 @@ use tokio_util::sync::CancellationToken;
 mod common;
 use common::guard;
 
-/// A directory removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let d = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&d).expect("temp dir");
-        TempDir(d)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A fresh directory, removed when the guard drops (also on a panic).
+fn scratch_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("kvroute-{name}-")).tempdir().expect("temp dir")
 }
 
 /// The configuration file's text: an ephemeral port, `policy`, `urls`, then `extra` lines
@@ -113,8 +101,8 @@ async fn sighup_reloads_policy_knobs_and_workers_and_an_invalid_file_keeps_the_c
     let (w1, _s1) = engine_sim::spawn_local(sim(), stop_w.clone()).await.expect("worker 1");
     let (w2, _s2) = engine_sim::spawn_local(sim(), stop_w.clone()).await.expect("worker 2");
     let (w3, _s3) = engine_sim::spawn_local(sim(), stop_w.clone()).await.expect("worker 3");
-    let dir = TempDir::new("reload");
-    let path = dir.0.join("kvroute.toml");
+    let dir = scratch_dir("reload");
+    let path = dir.path().join("kvroute.toml");
     write(&path, &file_text("round_robin", "", &[&w1]));
     let source: ConfigSource = {
         let path = path.clone();
@@ -216,8 +204,8 @@ async fn the_file_watch_applies_what_changed_without_a_signal() {
     let stop_w = CancellationToken::new();
     let sim = EngineSimConfig { instant: true, ..EngineSimConfig::default() };
     let (w1, _s1) = engine_sim::spawn_local(sim, stop_w.clone()).await.expect("worker");
-    let dir = TempDir::new("watch");
-    let (path, keys) = (dir.0.join("kvroute.toml"), dir.0.join("keys.txt"));
+    let dir = scratch_dir("watch");
+    let (path, keys) = (dir.path().join("kvroute.toml"), dir.path().join("keys.txt"));
     write(&keys, "sk-a team-a\nsk-b team-b\n");
     let extra = format!("reload_watch_secs = 1.0\napi_key_file = \"{}\"", keys.display());
     write(&path, &file_text("round_robin", &extra, &[&w1]));
@@ -273,8 +261,8 @@ async fn the_admin_token_rotates_with_its_file() {
     let stop_w = CancellationToken::new();
     let sim = EngineSimConfig { instant: true, ..EngineSimConfig::default() };
     let (w1, _s1) = engine_sim::spawn_local(sim, stop_w.clone()).await.expect("worker");
-    let dir = TempDir::new("admin-token");
-    let token = dir.0.join("token");
+    let dir = scratch_dir("admin-token");
+    let token = dir.path().join("token");
     write(&token, "token-one\n");
     let cfg = GatewayConfig {
         admin_token: None,

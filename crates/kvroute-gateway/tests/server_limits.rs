@@ -186,7 +186,7 @@ async fn one_tenant_holds_at_most_its_share_of_the_body_budget() {
             max_body_bytes: 48 << 10,
             max_buffered_body_bytes: 256 << 10,
             max_buffered_body_bytes_per_tenant: 48 << 10,
-            api_key_file: with_keys.then(|| keys.display().to_string()),
+            api_key_file: with_keys.then(|| keys.path().display().to_string()),
             tenant_header: (!with_keys).then(|| "x-tenant".to_string()),
             ..common::config(&[&w], "round_robin")
         };
@@ -233,7 +233,6 @@ async fn one_tenant_holds_at_most_its_share_of_the_body_budget() {
         let a = guard(post(a_other).body(big.clone()).send()).await.expect("send");
         assert_eq!(a.status(), 200, "{}", a.text().await.unwrap_or_default());
     }
-    let _ = std::fs::remove_file(&keys);
     stop.cancel();
 }
 
@@ -246,7 +245,7 @@ async fn one_tenant_has_at_most_its_share_of_requests_in_flight() {
     let (stop, w, keys) = worker_and_keys("inflight", "sk-a team-a\nsk-b team-b\n").await;
     let config = GatewayConfig {
         max_in_flight_per_tenant: 2,
-        api_key_file: Some(keys.display().to_string()),
+        api_key_file: Some(keys.path().display().to_string()),
         ..common::config(&[&w], "round_robin")
     };
     let (r, _task) = common::start_router(config, stop.clone()).await;
@@ -283,7 +282,6 @@ async fn one_tenant_has_at_most_its_share_of_requests_in_flight() {
         }
     })
     .await;
-    let _ = std::fs::remove_file(&keys);
     stop.cancel();
 }
 
@@ -296,7 +294,7 @@ async fn a_body_refused_before_it_is_read_is_drained_not_cut() {
     let (stop, w, keys) = worker_and_keys("drain", "sk-a team-a\n").await;
     let config = GatewayConfig {
         max_body_bytes: 8 << 20,
-        api_key_file: Some(keys.display().to_string()),
+        api_key_file: Some(keys.path().display().to_string()),
         ..common::config(&[&w], "round_robin")
     };
     let (r, _task) = common::start_router(config, stop.clone()).await;
@@ -311,16 +309,16 @@ async fn a_body_refused_before_it_is_read_is_drained_not_cut() {
     guard(s.read_exact(&mut status)).await.expect("read");
     assert_eq!(&status, b"HTTP/1.1 401", "{}", String::from_utf8_lossy(&status));
     guard(async { s.write_all(body.as_bytes()).await.expect("the body is read, not cut off") }).await;
-    let _ = std::fs::remove_file(&keys);
     stop.cancel();
 }
 
 /// A simulated worker and an API key file of `keys` (named by `tag`), with the token that
 /// stops the worker.
-async fn worker_and_keys(tag: &str, keys: &str) -> (CancellationToken, String, std::path::PathBuf) {
+async fn worker_and_keys(tag: &str, keys: &str) -> (CancellationToken, String, tempfile::NamedTempFile) {
     let stop = CancellationToken::new();
     let (w, _) = engine_sim::spawn_local(EngineSimConfig::default(), stop.clone()).await.expect("worker");
-    let file = std::env::temp_dir().join(format!("kvroute-{tag}-keys-{}.txt", std::process::id()));
-    std::fs::write(&file, keys).expect("write keys");
+    let file =
+        tempfile::Builder::new().prefix(&format!("kvroute-{tag}-keys-")).suffix(".txt").tempfile().expect("temp file");
+    std::fs::write(file.path(), keys).expect("write keys");
     (stop, w, file)
 }

@@ -48,8 +48,14 @@ fn config(workers: &[String], policy: &str, keys: &std::path::Path) -> GatewayCo
     }
 }
 
-fn key_file(name: &str) -> std::path::PathBuf {
-    let file = std::env::temp_dir().join(format!("kvroute-tenants-{name}-{}.txt", std::process::id()));
+/// The two tenants' API-key file; removed when the returned path drops (also on a panic).
+fn key_file(name: &str) -> tempfile::TempPath {
+    let file = tempfile::Builder::new()
+        .prefix(&format!("kvroute-tenants-{name}-"))
+        .suffix(".txt")
+        .tempfile()
+        .expect("temp file")
+        .into_temp_path();
     std::fs::write(&file, "sk-victim team-a\nsk-attacker team-b\n").expect("write keys");
     file
 }
@@ -145,7 +151,6 @@ async fn the_pin_attack_learns_nothing_under_cache_aware_and_least_ttft() {
         }
     }
     stop_w.cancel();
-    let _ = std::fs::remove_file(&keys);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -185,7 +190,6 @@ async fn the_engine_isolates_by_the_tenant_salt_and_shared_tenants_share() {
     let group = attacker_hit(shared).await;
     assert!(group[2] > 0, "tenants of one group share the engine's cache: {group:?}");
     stop_w.cancel();
-    let _ = std::fs::remove_file(&keys);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -248,5 +252,4 @@ async fn debug_route_keys_a_dry_run_as_the_named_tenants_request() {
     assert_eq!(other, 0, "another tenant finds nothing of it");
     stop.cancel();
     stop_w.cancel();
-    let _ = std::fs::remove_file(&keys);
 }

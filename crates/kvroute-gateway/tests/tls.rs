@@ -14,7 +14,7 @@ mod common;
 use common::guard;
 #[path = "common/pki.rs"]
 mod pki;
-use pki::{TempDir, TestCa, client_trusting};
+use pki::{TestCa, client_trusting, scratch_dir};
 
 fn chat() -> serde_json::Value {
     serde_json::json!({"model": "sim-llama-3-8b", "messages": [{"role": "user", "content": "hello over TLS"}],
@@ -60,9 +60,9 @@ async fn start_https_router(cfg: GatewayConfig, stop: CancellationToken, client:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_reach_the_router_over_https_by_http2_and_http1_and_plain_http_or_an_unknown_ca_is_refused() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let dir = TempDir::new("tls-clients");
+    let dir = scratch_dir("tls-clients");
     let ca = TestCa::new("kvroute test CA");
-    let (crt, key) = ca.server_cert(&dir.0, "router");
+    let (crt, key) = ca.server_cert(dir.path(), "router");
     let stop_w = CancellationToken::new();
     let (w, sim) =
         engine_sim::spawn_local(EngineSimConfig { time_scale: 50.0, ..EngineSimConfig::default() }, stop_w.clone())
@@ -106,10 +106,10 @@ async fn clients_reach_the_router_over_https_by_http2_and_http1_and_plain_http_o
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_workers_are_trusted_through_worker_ca_file_and_not_without_it() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let dir = TempDir::new("tls-workers");
+    let dir = scratch_dir("tls-workers");
     let fleet_ca = TestCa::new("inference fleet CA");
-    let (crt, key) = fleet_ca.server_cert(&dir.0, "worker");
-    let ca_file = fleet_ca.write(&dir.0, "fleet-ca.pem");
+    let (crt, key) = fleet_ca.server_cert(dir.path(), "worker");
+    let ca_file = fleet_ca.write(dir.path(), "fleet-ca.pem");
     // A simulated worker behind TLS, served by the gateway's own server loop.
     let sim = engine_sim::start(EngineSimConfig { time_scale: 50.0, ..EngineSimConfig::default() });
     let stop_w = CancellationToken::new();
@@ -144,9 +144,9 @@ async fn https_workers_are_trusted_through_worker_ca_file_and_not_without_it() {
     assert_eq!(v["error"]["message"], "no healthy worker available", "{v}");
     assert_eq!(sim.stats().finished, 3, "no request reached the worker through an untrusted certificate");
     // An unreadable or empty CA bundle is a startup error naming the key.
-    let empty = dir.0.join("empty.pem");
+    let empty = dir.path().join("empty.pem");
     std::fs::write(&empty, "").expect("write");
-    for bad in [empty.display().to_string(), dir.0.join("missing.pem").display().to_string()] {
+    for bad in [empty.display().to_string(), dir.path().join("missing.pem").display().to_string()] {
         let cfg = GatewayConfig { worker_ca_file: Some(bad), ..common::config(&[&w], "round_robin") };
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let e = kvroute_gateway::serve(l, cfg, async {}).await.expect_err("bad CA bundle refused");
@@ -167,9 +167,9 @@ async fn answers(url: &str, ca: &TestCa) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_serves_the_new_certificate_to_new_connections_and_a_bad_file_keeps_the_old_one() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let dir = TempDir::new("tls-reload");
+    let dir = scratch_dir("tls-reload");
     let (ca1, ca2) = (TestCa::new("first CA"), TestCa::new("second CA"));
-    let (crt, key) = ca1.server_cert(&dir.0, "router");
+    let (crt, key) = ca1.server_cert(dir.path(), "router");
     let tls = ServerTls::load(&crt, &key).expect("load");
     let app = axum::Router::new().route("/health", axum::routing::get(|| async { "ok" }));
     let stop = CancellationToken::new();
@@ -177,7 +177,7 @@ async fn a_reload_serves_the_new_certificate_to_new_connections_and_a_bad_file_k
     assert!(answers(&url, &ca1).await && !answers(&url, &ca2).await, "serving the first certificate");
 
     // Renewed in place (a new certificate from another CA), then reloaded.
-    let (crt2, key2) = ca2.server_cert(&dir.0, "renewed");
+    let (crt2, key2) = ca2.server_cert(dir.path(), "renewed");
     std::fs::rename(&crt2, &crt).expect("replace certificate");
     std::fs::rename(&key2, &key).expect("replace key");
     tls.reload().expect("reload");
@@ -191,7 +191,7 @@ async fn a_reload_serves_the_new_certificate_to_new_connections_and_a_bad_file_k
     let e = tls.reload().expect_err("an empty certificate file is refused");
     assert!(format!("{e:#}").contains("no CERTIFICATE"), "{e:#}");
     // A key that is not the certificate's.
-    let (crt3, _) = ca1.server_cert(&dir.0, "third");
+    let (crt3, _) = ca1.server_cert(dir.path(), "third");
     std::fs::rename(&crt3, &crt).expect("replace certificate");
     let e = tls.reload().expect_err("a key that does not fit is refused");
     assert!(format!("{e:#}").contains("does not fit"), "{e:#}");
@@ -207,9 +207,9 @@ async fn a_reload_serves_the_new_certificate_to_new_connections_and_a_bad_file_k
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_certificate_renewed_in_place_is_served_without_a_signal_with_the_file_watch() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let dir = TempDir::new("tls-watch");
+    let dir = scratch_dir("tls-watch");
     let (ca1, ca2) = (TestCa::new("first CA"), TestCa::new("second CA"));
-    let (crt, key) = ca1.server_cert(&dir.0, "router");
+    let (crt, key) = ca1.server_cert(dir.path(), "router");
     let cfg = GatewayConfig {
         tls_cert: Some(crt.display().to_string()),
         tls_key: Some(key.display().to_string()),
@@ -219,7 +219,7 @@ async fn a_certificate_renewed_in_place_is_served_without_a_signal_with_the_file
     let stop = CancellationToken::new();
     let url = start_https_router(cfg, stop.clone(), &client_trusting(&ca1, true)).await;
     assert!(answers(&url, &ca1).await && !answers(&url, &ca2).await, "serving the first certificate");
-    let (crt2, key2) = ca2.server_cert(&dir.0, "renewed");
+    let (crt2, key2) = ca2.server_cert(dir.path(), "renewed");
     std::fs::rename(&key2, &key).expect("replace key");
     std::fs::rename(&crt2, &crt).expect("replace certificate");
     guard(async {

@@ -633,30 +633,25 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    /// A file written for one test, removed with its directory when dropped.
-    struct Tmp(PathBuf);
+    /// A file written for one test in a fresh directory of its own, removed with the directory
+    /// when dropped (also on a panic).
+    struct Tmp {
+        path: PathBuf,
+        _dir: tempfile::TempDir,
+    }
 
     impl std::ops::Deref for Tmp {
         type Target = Path;
         fn deref(&self) -> &Path {
-            &self.0
-        }
-    }
-
-    impl Drop for Tmp {
-        fn drop(&mut self) {
-            if let Some(dir) = self.0.parent() {
-                let _ = std::fs::remove_dir_all(dir);
-            }
+            &self.path
         }
     }
 
     fn tmp(name: &str, body: &str) -> Tmp {
-        let dir = std::env::temp_dir().join(format!("kvroute-trace-test-{}-{name}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("tmp dir");
-        let p = dir.join(name);
-        std::fs::File::create(&p).and_then(|mut f| f.write_all(body.as_bytes())).expect("write");
-        Tmp(p)
+        let dir = tempfile::Builder::new().prefix("kvroute-trace-test-").tempdir().expect("temp dir");
+        let path = dir.path().join(name);
+        std::fs::File::create(&path).and_then(|mut f| f.write_all(body.as_bytes())).expect("write");
+        Tmp { path, _dir: dir }
     }
 
     #[test]

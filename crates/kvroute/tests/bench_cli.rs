@@ -44,9 +44,8 @@ fn engine_sim() -> (Proc, String) {
 #[test]
 fn bench_records_every_request_and_writes_json_and_plots() {
     let (_sim, url) = engine_sim();
-    let dir = std::env::temp_dir().join(format!("kvroute-bench-cli-{}", std::process::id()));
-    let json = dir.join("run.json");
-    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let dir = tempfile::Builder::new().prefix("kvroute-bench-cli-").tempdir().expect("temp dir");
+    let json = dir.path().join("run.json");
     let out = kvroute(&[
         "bench",
         "--url",
@@ -70,7 +69,7 @@ fn bench_records_every_request_and_writes_json_and_plots() {
         "--json",
         json.to_str().expect("utf-8"),
         "--plots",
-        dir.to_str().expect("utf-8"),
+        dir.path().to_str().expect("utf-8"),
         "--quiet",
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -90,9 +89,8 @@ fn bench_records_every_request_and_writes_json_and_plots() {
     // cached system prompt.
     assert!(v["summary"]["cached_token_ratio"].as_f64().is_some_and(|c| c > 0.2), "{}", v["summary"]);
     if kvroute_sim_font_available() {
-        assert!(dir.join("bench_ttft_cdf.png").exists() && dir.join("bench_ttft_cdf.svg").exists());
+        assert!(dir.path().join("bench_ttft_cdf.png").exists() && dir.path().join("bench_ttft_cdf.svg").exists());
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn kvroute_sim_font_available() -> bool {
@@ -129,11 +127,10 @@ fn sessions_trace(path: &std::path::Path) {
 #[test]
 fn a_trace_slice_sends_only_the_sessions_chosen() {
     let (_sim, url) = engine_sim();
-    let dir = std::env::temp_dir().join(format!("kvroute-bench-slice-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("tmp dir");
-    let trace = dir.join("sessions.jsonl");
+    let dir = tempfile::Builder::new().prefix("kvroute-bench-slice-").tempdir().expect("temp dir");
+    let trace = dir.path().join("sessions.jsonl");
     sessions_trace(&trace);
-    let json = dir.join("run.json");
+    let json = dir.path().join("run.json");
     // The first 10 s, sessions with at least 2 requests in them: session 1 only (session 3's
     // second request is at 30 s).
     let out = kvroute(&[
@@ -174,7 +171,6 @@ fn a_trace_slice_sends_only_the_sessions_chosen() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -184,14 +180,13 @@ fn bad_input_gets_a_clear_message() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("exactly one of --trace FILE or --workload"));
     let out = kvroute(&["bench"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("--url is required"));
-    let bad = std::env::temp_dir().join(format!("kvroute-bad-trace-{}.jsonl", std::process::id()));
-    std::fs::write(&bad, "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]}\n{\"timestamp\": 1, \"input_length\": \"ten\"}\n")
+    let bad = tempfile::Builder::new().prefix("kvroute-bad-trace-").suffix(".jsonl").tempfile().expect("temp file");
+    std::fs::write(bad.path(), "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]}\n{\"timestamp\": 1, \"input_length\": \"ten\"}\n")
         .expect("write trace");
-    let out = kvroute(&["bench", "--url", "http://127.0.0.1:9", "--trace", bad.to_str().expect("utf-8")]);
+    let out = kvroute(&["bench", "--url", "http://127.0.0.1:9", "--trace", bad.path().to_str().expect("utf-8")]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains(":2") && err.contains("input_length"), "names the line and field: {err}");
-    let _ = std::fs::remove_file(&bad);
     let out = kvroute(&["bench", "--url", "http://127.0.0.1:9", "--workload", "poisson", "--rate", "0"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("--rate must be a positive number"));
     let out = kvroute(&["bench", "compare", "--peers", "haproxy"]);
@@ -211,8 +206,10 @@ fn compare_runs_to_completion() {
         (Some(_), false) => "sglang-router,vllm-router,smg",
         (None, _) => "",
     };
-    let json = std::env::temp_dir().join(format!("kvroute-compare-{}.json", std::process::id()));
-    let logs = std::env::temp_dir().join(format!("kvroute-compare-logs-{}", std::process::id()));
+    // The JSON and the log directory (`--log-dir`, created by the run) in one scratch dir.
+    let scratch = tempfile::Builder::new().prefix("kvroute-compare-").tempdir().expect("temp dir");
+    let json = scratch.path().join("compare.json");
+    let logs = scratch.path().join("logs");
     let mut args = vec![
         "bench",
         "compare",
@@ -255,8 +252,6 @@ fn compare_runs_to_completion() {
         let shares: f64 = r["worker_share"].as_array().expect("shares").iter().filter_map(|x| x.as_f64()).sum();
         assert!((shares - 1.0).abs() < 1e-6, "shares sum to 1: {shares}");
     }
-    let _ = std::fs::remove_file(&json);
-    let _ = std::fs::remove_dir_all(&logs);
 }
 
 #[test]

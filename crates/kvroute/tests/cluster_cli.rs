@@ -65,7 +65,8 @@ async fn replica(port: u16, workers: &[String], nats: Option<&str>, cluster: &st
 /// Sends the Mooncake slice with `kvroute bench` round-robin over `routers`; fails the test
 /// on any request that did not succeed.
 fn mooncake_slice(routers: &[String]) {
-    let json = std::env::temp_dir().join(format!("kvroute-cluster-cli-{}-{}.json", std::process::id(), free_port()));
+    let dir = tempfile::Builder::new().prefix("kvroute-cluster-cli-").tempdir().expect("temp dir");
+    let json = dir.path().join("bench.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(["bench", "--url", &routers.join(","), "--trace", TRACE])
         .args(["--json", json.to_str().expect("utf-8")])
@@ -78,7 +79,6 @@ fn mooncake_slice(routers: &[String]) {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("json");
-    let _ = std::fs::remove_file(&json);
     assert!(v["summary"]["requests"].as_u64().unwrap_or(0) > 30, "the slice has its requests: {stdout}");
     assert_eq!(v["summary"]["ok"], v["summary"]["requests"], "every request succeeded: {stdout}");
 }

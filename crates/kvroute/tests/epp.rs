@@ -348,8 +348,10 @@ async fn an_immediate_response_names_a_worker_only_to_a_client_that_may_see_deci
     ]));
     let worker = format!("http://127.0.0.1:{port}");
     wait_ok(&worker, "/health").await;
-    let config = std::env::temp_dir().join(format!("kvroute-epp-lora-{}.toml", std::process::id()));
-    std::fs::write(&config, "[[lora.adapters]]\nname = \"bad-adapter\"\npath = \"/adapters/bad\"\n").expect("config");
+    // Declared before `router`, so it is removed after the router is stopped.
+    let config = tempfile::Builder::new().prefix("kvroute-epp-lora-").suffix(".toml").tempfile().expect("temp file");
+    std::fs::write(config.path(), "[[lora.adapters]]\nname = \"bad-adapter\"\npath = \"/adapters/bad\"\n")
+        .expect("config");
     let (rport, epp) = (free_port(), format!("127.0.0.1:{}", free_port()));
     let router = spawn_kvroute(&args(&[
         "serve",
@@ -360,7 +362,7 @@ async fn an_immediate_response_names_a_worker_only_to_a_client_that_may_see_deci
         "--epp-listen",
         &epp,
         "--config",
-        config.to_str().expect("path"),
+        config.path().to_str().expect("path"),
     ]));
     wait_ok(&format!("http://127.0.0.1:{rport}"), "/readiness").await;
     let body = chat("bad-adapter", "hello", false);
@@ -374,7 +376,6 @@ async fn an_immediate_response_names_a_worker_only_to_a_client_that_may_see_deci
     let (_, admin) = s.request_with(&body, None, &[("authorization", &token)]).await.expect_err("503");
     assert!(admin.contains(&worker), "{admin}");
     drop((router, sim));
-    let _ = std::fs::remove_file(config);
 }
 
 /// A buffered request body the picker cannot read whole gets an immediate 413, where it got

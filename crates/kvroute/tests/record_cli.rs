@@ -67,9 +67,8 @@ fn ids(v: &serde_json::Value) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recorded_traffic_keeps_no_text_shares_prefix_ids_and_replays() {
-    let dir = std::env::temp_dir().join(format!("kvroute-record-cli-{}-{}", std::process::id(), free_port()));
-    std::fs::create_dir_all(&dir).expect("tmp dir");
-    let file = dir.join("trace.jsonl");
+    let dir = tempfile::Builder::new().prefix("kvroute-record-cli-").tempdir().expect("temp dir");
+    let file = dir.path().join("trace.jsonl");
     let (_procs, router) = fleet(&file, 2, "50", &["--record-block-tokens", "4"]).await;
     let c = common::client();
     let mut sent = 0;
@@ -137,7 +136,7 @@ async fn recorded_traffic_keeps_no_text_shares_prefix_ids_and_replays() {
     // the realisations' arrival jitter (±100 ms) makes them collide, and the ranking then
     // depends on how (CI once ranked round robin first). At a thousandth of the rate they
     // are seconds apart, never queue, and only the hits decide.
-    let advice = dir.join("advice.json");
+    let advice = dir.path().join("advice.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(["advise", "--trace", file.to_str().expect("utf-8"), "--engines", "2", "--realisations", "2"])
         .args(["--rate-scale", "0.001"])
@@ -153,7 +152,6 @@ async fn recorded_traffic_keeps_no_text_shares_prefix_ids_and_replays() {
     assert_eq!(v["ranking"].as_array().expect("ranking").len(), 2);
     assert!(v["mean_ttft_change_pct"].as_f64().expect("change") < 0.0, "{stdout}");
     assert!(stdout.contains("kvroute serve --policy cache_aware"), "{stdout}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A request no decision stood for (no worker yet: 503) was never dispatched, so it is not
@@ -161,9 +159,8 @@ async fn recorded_traffic_keeps_no_text_shares_prefix_ids_and_replays() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_refused_before_any_decision_is_not_recorded() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let dir = std::env::temp_dir().join(format!("kvroute-record-refused-{}-{}", std::process::id(), free_port()));
-    std::fs::create_dir_all(&dir).expect("tmp dir");
-    let file = dir.join("trace.jsonl");
+    let dir = tempfile::Builder::new().prefix("kvroute-record-refused-").tempdir().expect("temp dir");
+    let file = dir.path().join("trace.jsonl");
     let worker_port = free_port();
     let _worker = spawn_kvroute(&args(&["engine-sim", "--port", &worker_port.to_string(), "--time-scale", "50"]));
     let worker = format!("http://127.0.0.1:{worker_port}");
@@ -192,14 +189,12 @@ async fn a_request_refused_before_any_decision_is_not_recorded() {
     // refused one would be too.
     let got = lines(&file, 1).await;
     assert_eq!(got.len(), 1, "{got:?}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_trace_rotates_at_its_size_limit_and_keeps_its_file_count() {
-    let dir = std::env::temp_dir().join(format!("kvroute-record-rot-{}-{}", std::process::id(), free_port()));
-    std::fs::create_dir_all(&dir).expect("tmp dir");
-    let file = dir.join("trace.jsonl");
+    let dir = tempfile::Builder::new().prefix("kvroute-record-rot-").tempdir().expect("temp dir");
+    let file = dir.path().join("trace.jsonl");
     let (_procs, router) =
         fleet(&file, 2, "50", &["--record-block-tokens", "2", "--record-max-bytes", "4096", "--record-files", "2"])
             .await;
@@ -223,14 +218,13 @@ async fn the_trace_rotates_at_its_size_limit_and_keeps_its_file_count() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let rotated = dir.join("trace.jsonl.1");
+    let rotated = dir.path().join("trace.jsonl.1");
     assert!(rotated.exists(), "trace.jsonl.1 after 12 lines of ~3 KB");
-    assert!(!dir.join("trace.jsonl.2").exists(), "two files kept in all");
+    assert!(!dir.path().join("trace.jsonl.2").exists(), "two files kept in all");
     for f in [&file, &rotated] {
         let len = std::fs::metadata(f).expect("file").len();
         assert!(len <= 4096, "{} is {len} bytes", f.display());
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -274,9 +268,8 @@ fn advise_headroom_bounds_the_recommendation_with_each_kv_oracle() {
     // engines evict (Mooncake's prompts outgrow their KV caches), so a shared store finds
     // more than the fleet holds, and the fleet more than one engine does.
     let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
-    let dir = std::env::temp_dir().join(format!("kvroute-headroom-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    let json = dir.join("advice.json");
+    let dir = tempfile::Builder::new().prefix("kvroute-headroom-").tempdir().expect("temp dir");
+    let json = dir.path().join("advice.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(["advise", "--trace", trace, "--limit", "1500", "--engines", "8", "--rate-scale", "2"])
         .args(["--realisations", "2", "--policies", "round_robin,least_load,least_ttft", "--no-knob-search"])
@@ -290,7 +283,6 @@ fn advise_headroom_bounds_the_recommendation_with_each_kv_oracle() {
         .output()
         .expect("run advise");
     let doc: Option<serde_json::Value> = std::fs::read(&json).ok().and_then(|b| serde_json::from_slice(&b).ok());
-    let _ = std::fs::remove_dir_all(&dir);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("Headroom") && stdout.contains("--kv-oracle store"), "{stdout}");
@@ -374,9 +366,8 @@ fn advise_ranking(trace: &str, extra: &[&str], dir: &std::path::Path, name: &str
 /// first is clear, and one of its near-tied top three where it is not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn advice_on_a_recording_matches_the_ranking_of_the_trace_that_was_sent() {
-    let dir = std::env::temp_dir().join(format!("kvroute-roundtrip-{}-{}", std::process::id(), free_port()));
-    std::fs::create_dir_all(&dir).expect("tmp dir");
-    let file = dir.join("trace.jsonl");
+    let dir = tempfile::Builder::new().prefix("kvroute-roundtrip-").tempdir().expect("temp dir");
+    let file = dir.path().join("trace.jsonl");
     let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces/mooncake_conversation_trace.jsonl");
     let (procs, router) = fleet(&file, 4, "10", &["--record-block-tokens", "512"]).await;
     let bench = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
@@ -421,12 +412,12 @@ async fn advice_on_a_recording_matches_the_ranking_of_the_trace_that_was_sent() 
         let on_recording = advise_ranking(
             recording,
             &["--rate-scale", "0.1", "--realisations", "5", "--policies", policies],
-            &dir,
+            dir.path(),
             &format!("{name}-recording"),
         );
         let mut flags = SLICE.to_vec();
         flags.extend(["--rate-scale", "10", "--realisations", "5", "--policies", policies]);
-        let on_trace = advise_ranking(trace, &flags, &dir, &format!("{name}-trace"));
+        let on_trace = advise_ranking(trace, &flags, dir.path(), &format!("{name}-trace"));
         eprintln!(
             "advice ({name}), top 3: on the recording {:?}; on the trace {:?}",
             &on_recording[..3],
@@ -459,5 +450,4 @@ async fn advice_on_a_recording_matches_the_ranking_of_the_trace_that_was_sent() 
     assert!(on_trace[0].1 < 0.95 * on_trace[1].1, "the first is not clear on the trace: {on_trace:?}");
     assert_eq!(on_recording[0].0, on_trace[0].0, "recording {on_recording:?}\ntrace {on_trace:?}");
     drop(procs);
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -26,12 +26,10 @@ fn trace(dir: &Path) -> PathBuf {
     p
 }
 
-/// A fresh directory under the system temp dir for one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvroute-replay-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
+/// A fresh directory under the system temp dir for one test, removed when the guard drops
+/// (also on a panic).
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("kvroute-replay-cli-{name}-")).tempdir().expect("scratch dir")
 }
 
 fn replay(trace: &Path, json: &Path, extra: &[&str]) -> std::process::Output {
@@ -63,8 +61,8 @@ fn ttfts(json: &Path) -> (String, Vec<f64>) {
 #[test]
 fn arrival_seeds_are_reproducible_realisations_of_one_trace() {
     let dir = scratch("realisations");
-    let t = trace(&dir);
-    let out = |name: &str| dir.join(name);
+    let t = trace(dir.path());
+    let out = |name: &str| dir.path().join(name);
     for (name, extra) in [
         ("even1", &[][..]),
         ("even2", &[][..]),
@@ -86,15 +84,13 @@ fn arrival_seeds_are_reproducible_realisations_of_one_trace() {
     assert_eq!(even_ttft.len(), 2);
     assert_ne!(a1_ttft, even_ttft, "random instants change the outcome");
     assert_ne!(a1_ttft, a2_ttft, "another seed, another realisation");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn an_arrival_seed_with_no_spread_is_refused() {
     let dir = scratch("conflict");
-    let t = trace(&dir);
-    let o = replay(&t, &dir.join("x.json"), &["--arrival-seed", "1", "--no-spread"]);
-    let _ = std::fs::remove_dir_all(&dir);
+    let t = trace(dir.path());
+    let o = replay(&t, &dir.path().join("x.json"), &["--arrival-seed", "1", "--no-spread"]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("--arrival-seed") && err.contains("--no-spread"), "{err}");
@@ -103,11 +99,10 @@ fn an_arrival_seed_with_no_spread_is_refused() {
 #[test]
 fn a_host_slowdown_that_is_not_a_slow_down_is_refused_and_a_measured_one_replays() {
     let dir = scratch("slowdown");
-    let t = trace(&dir);
-    let bad = replay(&t, &dir.join("x.json"), &["--host-slowdown", "1,0"]);
-    let ok = replay(&t, &dir.join("y.json"), &["--host-slowdown", "1,1.06,1.5,2.1"]);
-    let (_, slowed) = ttfts(&dir.join("y.json"));
-    let _ = std::fs::remove_dir_all(&dir);
+    let t = trace(dir.path());
+    let bad = replay(&t, &dir.path().join("x.json"), &["--host-slowdown", "1,0"]);
+    let ok = replay(&t, &dir.path().join("y.json"), &["--host-slowdown", "1,1.06,1.5,2.1"]);
+    let (_, slowed) = ttfts(&dir.path().join("y.json"));
     assert!(!bad.status.success());
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("--host-slowdown") && err.contains('0'), "{err}");
@@ -118,8 +113,8 @@ fn a_host_slowdown_that_is_not_a_slow_down_is_refused_and_a_measured_one_replays
 #[test]
 fn a_trace_slice_replays_only_its_sessions_from_time_zero_and_outputs_are_capped() {
     let dir = scratch("slice");
-    let t = trace(&dir);
-    let json = dir.join("slice.json");
+    let t = trace(dir.path());
+    let json = dir.path().join("slice.json");
     // Seconds 5 to 15 of the trace (60 requests, 15 per group): groups are the sessions.
     let out =
         replay(&t, &json, &["--trace-start", "5", "--trace-window", "10", "--min-turns", "15", "--max-output", "7"]);
@@ -142,14 +137,13 @@ fn a_trace_slice_replays_only_its_sessions_from_time_zero_and_outputs_are_capped
     let out = replay(&t, &json, &["--max-output", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--max-output"));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn slot_routing_runs_every_policy_on_a_slotted_profile_and_is_refused_without_slots() {
     let dir = scratch("slots");
-    let t = trace(&dir);
-    let json = dir.join("slots.json");
+    let t = trace(dir.path());
+    let json = dir.path().join("slots.json");
     let o = replay(&t, &json, &["--profile", "cpu-smollm2-135m", "--prefix-state", "approximate,slots"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).expect("read json")).expect("json");
@@ -162,8 +156,7 @@ fn slot_routing_runs_every_policy_on_a_slotted_profile_and_is_refused_without_sl
     labels.sort();
     // round_robin is prefix-blind, but the slot it takes changes its hits: it runs twice.
     assert_eq!(labels, ["prefill_cost", "prefill_cost/slots", "round_robin", "round_robin/slots"]);
-    let o = replay(&t, &dir.join("h100.json"), &["--prefix-state", "slots"]);
-    let _ = std::fs::remove_dir_all(&dir);
+    let o = replay(&t, &dir.path().join("h100.json"), &["--prefix-state", "slots"]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("--prefix-state slots") && err.contains("h100-llama3-8b"), "{err}");
@@ -172,13 +165,12 @@ fn slot_routing_runs_every_policy_on_a_slotted_profile_and_is_refused_without_sl
 #[test]
 fn a_kv_oracle_replay_is_labelled_as_a_bound_and_refused_where_there_is_no_paged_cache() {
     let dir = scratch("oracle");
-    let t = trace(&dir);
-    let ok = replay(&t, &dir.join("x.json"), &["--kv-oracle", "fleet"]);
-    let slots = replay(&t, &dir.join("y.json"), &["--kv-oracle", "store", "--profile", "cpu-smollm2-135m"]);
-    let bad = replay(&t, &dir.join("z.json"), &["--kv-oracle", "everything"]);
+    let t = trace(dir.path());
+    let ok = replay(&t, &dir.path().join("x.json"), &["--kv-oracle", "fleet"]);
+    let slots = replay(&t, &dir.path().join("y.json"), &["--kv-oracle", "store", "--profile", "cpu-smollm2-135m"]);
+    let bad = replay(&t, &dir.path().join("z.json"), &["--kv-oracle", "everything"]);
     let v: Option<serde_json::Value> =
-        std::fs::read(dir.join("x.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
-    let _ = std::fs::remove_dir_all(&dir);
+        std::fs::read(dir.path().join("x.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
     let v = v.expect("the oracle replay's JSON");
     let labels: Vec<&str> =
@@ -213,18 +205,18 @@ fn hot_document(dir: &Path) -> PathBuf {
 #[test]
 fn kv_migration_restores_on_a_hot_document_and_is_refused_without_slots() {
     let dir = scratch("kv");
-    let t = hot_document(&dir);
-    let run = |json: &str, extra: &[&str]| replay_on_two(&t, &dir.join(json), &["--policy", "least_ttft"], extra);
+    let t = hot_document(dir.path());
+    let run =
+        |json: &str, extra: &[&str]| replay_on_two(&t, &dir.path().join(json), &["--policy", "least_ttft"], extra);
     let cpu = ["--profile", "cpu-smollm2-135m", "--prefix-state"];
     let plain = run("slots.json", &[&cpu[..], &["slots"]].concat());
     let kv = run("kv.json", &[&cpu[..], &["slots", "--kv-migration"]].concat());
     let no_slots = run("x.json", &[&cpu[..], &["approximate", "--kv-migration"]].concat());
     let gpu = run("y.json", &["--kv-migration", "--profile", "h100-llama3-8b"]);
     let read = |name: &str| -> Option<serde_json::Value> {
-        std::fs::read(dir.join(name)).ok().and_then(|b| serde_json::from_slice(&b).ok())
+        std::fs::read(dir.path().join(name)).ok().and_then(|b| serde_json::from_slice(&b).ok())
     };
     let (a, b) = (read("slots.json"), read("kv.json"));
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
     assert!(kv.status.success(), "{}", String::from_utf8_lossy(&kv.stderr));
     let (a, b) = (a.expect("the slots replay's JSON"), b.expect("the kv replay's JSON"));
@@ -247,16 +239,15 @@ fn kv_migration_restores_on_a_hot_document_and_is_refused_without_slots() {
 #[test]
 fn kv_pull_runs_on_the_precise_state_reports_its_pulls_and_refuses_the_rest() {
     let dir = scratch("kv-pull");
-    let t = trace(&dir);
+    let t = trace(dir.path());
     let head = ["--policy", "least_ttft,round_robin", "--rate-scale", "4"];
-    let run = |json: &str, extra: &[&str]| replay_on_two(&t, &dir.join(json), &head, extra);
+    let run = |json: &str, extra: &[&str]| replay_on_two(&t, &dir.path().join(json), &head, extra);
     let ok = run("pull.json", &["--prefix-state", "precise", "--kv-pull", "50"]);
     let approximate = run("x.json", &["--kv-pull", "50"]);
     let zero = run("y.json", &["--prefix-state", "precise", "--kv-pull", "0"]);
     let slots = run("z.json", &["--prefix-state", "precise", "--kv-pull", "50", "--profile", "cpu-smollm2-135m"]);
     let json: Option<serde_json::Value> =
-        std::fs::read(dir.join("pull.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
-    let _ = std::fs::remove_dir_all(&dir);
+        std::fs::read(dir.path().join("pull.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
     let json = json.expect("the replay's JSON");
     let reports = json["reports"].as_array().expect("reports");
@@ -278,14 +269,14 @@ fn kv_pull_runs_on_the_precise_state_reports_its_pulls_and_refuses_the_rest() {
 #[test]
 fn arrivals_past_the_clock_and_tiny_eviction_intervals_are_refused() {
     let dir = scratch("saturate");
-    let json = dir.join("out.json");
-    let big = dir.join("big.jsonl");
+    let json = dir.path().join("out.json");
+    let big = dir.path().join("big.jsonl");
     std::fs::write(&big, "{\"timestamp\": 2e13, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [0]}\n")
         .expect("write trace");
     let out = replay_on_two(&big, &json, &["--policy", "round_robin"], &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("big.jsonl:1: field `timestamp`"), "{err}");
-    let t = trace(&dir);
+    let t = trace(dir.path());
     for (head, what) in [
         (&["--policy", "round_robin", "--rate-scale", "1e-300"][..], "--rate-scale: "),
         (&["--policy", "round_robin", "--rate-scale", "1e-6"][..], "--rate-scale: "),
@@ -295,15 +286,14 @@ fn arrivals_past_the_clock_and_tiny_eviction_intervals_are_refused() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(what), "{head:?}: {err}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_sample_fraction_outside_zero_to_one_is_refused_naming_the_flag() {
     // NaN and 2 ran as 1 without a word; -1 said "no requests left after sampling".
     let dir = scratch("sample");
-    let t = trace(&dir);
-    let json = dir.join("out.json");
+    let t = trace(dir.path());
+    let json = dir.path().join("out.json");
     for bad in ["NaN", "2", "-1", "0", "inf"] {
         let out = replay_on_two(&t, &json, &["--policy", "round_robin"], &[&format!("--sample={bad}")]);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -311,15 +301,14 @@ fn a_sample_fraction_outside_zero_to_one_is_refused_naming_the_flag() {
     }
     let out = replay_on_two(&t, &json, &["--policy", "round_robin"], &["--sample", "0.5"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn slo_bounds_that_are_not_positive_seconds_are_refused_naming_the_flag() {
     // -1 and NaN made good/s 0.00, inf counted every request, without a word.
     let dir = scratch("slo");
-    let t = trace(&dir);
-    let json = dir.join("out.json");
+    let t = trace(dir.path());
+    let json = dir.path().join("out.json");
     for (bad, flag) in
         [("--slo-ttft=-1", "--slo-ttft: "), ("--slo-ttft=NaN", "--slo-ttft: "), ("--slo-tpot=inf", "--slo-tpot: ")]
     {
@@ -327,7 +316,6 @@ fn slo_bounds_that_are_not_positive_seconds_are_refused_naming_the_flag() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(flag) && err.contains("> 0"), "{bad}: {err}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `kvroute replay … | head -1`: a reader that closes the pipe before the table is printed
@@ -336,7 +324,7 @@ fn slo_bounds_that_are_not_positive_seconds_are_refused_naming_the_flag() {
 #[test]
 fn a_closed_pipe_ends_the_replay_without_a_panic() {
     let dir = scratch("closed-pipe");
-    let t = trace(&dir);
+    let t = trace(dir.path());
     // The read end is closed before the child starts: every write it makes fails with EPIPE.
     let (reader, writer) = std::io::pipe().expect("pipe");
     drop(reader);
@@ -348,7 +336,6 @@ fn a_closed_pipe_ends_the_replay_without_a_panic() {
         .output()
         .expect("run");
     let err = String::from_utf8_lossy(&out.stderr);
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(out.status.success(), "{:?}\n{err}", out.status);
     assert!(!err.contains("panicked"), "{err}");
 }

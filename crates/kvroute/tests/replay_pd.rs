@@ -9,12 +9,10 @@ fn mooncake() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/traces/mooncake_conversation_trace.jsonl")
 }
 
-/// A fresh directory under the system temp dir for one test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvroute-replay-pd-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
+/// A fresh directory under the system temp dir for one test, removed when the guard drops
+/// (also on a panic).
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("kvroute-replay-pd-{name}-")).tempdir().expect("scratch dir")
 }
 
 /// `kvroute replay` on the first 600 requests of the Mooncake trace with `extra` flags.
@@ -41,7 +39,7 @@ fn colocated_and_disaggregated_runs_of_one_slice_all_report() {
         ("pd13", &["--pd", "1:3"][..]),
         ("pd22", &["--pd", "2:2", "--engines", "4"][..]),
     ] {
-        let path = dir.join(format!("{name}.json"));
+        let path = dir.path().join(format!("{name}.json"));
         let path_s = path.to_string_lossy().to_string();
         let out = replay(&[flags, &["--json", &path_s]].concat());
         assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
@@ -77,7 +75,6 @@ fn colocated_and_disaggregated_runs_of_one_slice_all_report() {
     }
     // Same trace, same split: the bytes copied do not depend on the P:D ratio.
     assert_eq!(docs[1].1["reports"][0]["pd"]["transfer_bytes"], docs[2].1["reports"][0]["pd"]["transfer_bytes"]);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

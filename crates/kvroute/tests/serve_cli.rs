@@ -25,15 +25,13 @@ fn chat(i: usize) -> serde_json::Value {
 
 #[test]
 fn invalid_config_is_refused_naming_the_key() {
-    let dir = std::env::temp_dir().join(format!("kvroute-serve-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let cfg = dir.join("bad.toml");
+    let dir = tempfile::Builder::new().prefix("kvroute-serve-cli-").tempdir().expect("temp dir");
+    let cfg = dir.path().join("bad.toml");
     std::fs::write(&cfg, "policy = \"cache_aware\"\n[policy_knobs]\ncache_treshold = 0.4\n").expect("write");
     let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(["serve", "--config", cfg.to_str().expect("utf8"), "--port", "0"])
         .output()
         .expect("run");
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("policy_knobs") && err.contains("cache_treshold"), "{err}");
@@ -82,9 +80,9 @@ async fn epp_answers_over_tls(epp: &str, ca: &pki::TestCa) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_certificate_is_reloaded_on_sighup() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let dir = pki::TempDir::new("serve-tls");
+    let dir = pki::scratch_dir("serve-tls");
     let (ca1, ca2) = (pki::TestCa::new("first CA"), pki::TestCa::new("second CA"));
-    let (crt, key) = ca1.server_cert(&dir.0, "router");
+    let (crt, key) = ca1.server_cert(dir.path(), "router");
     let port = free_port();
     let epp = format!("127.0.0.1:{}", free_port());
     let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
@@ -119,7 +117,7 @@ async fn https_certificate_is_reloaded_on_sighup() {
     assert!(epp_answers_over_tls(&epp, &ca1).await, "the endpoint picker serves the main port's certificate");
     assert!(!epp_answers_over_tls(&epp, &ca2).await);
 
-    let (crt2, key2) = ca2.server_cert(&dir.0, "renewed");
+    let (crt2, key2) = ca2.server_cert(dir.path(), "renewed");
     std::fs::rename(&crt2, &crt).expect("replace certificate");
     std::fs::rename(&key2, &key).expect("replace key");
     let pid = router.0.id().to_string();
@@ -151,9 +149,9 @@ async fn policy_name(c: &reqwest::Client, url: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_the_config_file_with_the_flags_on_top() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let dir = pki::TempDir::new("serve-reload");
-    let cfg = dir.0.join("kvroute.toml");
-    let log = dir.0.join("stderr.log");
+    let dir = pki::scratch_dir("serve-reload");
+    let cfg = dir.path().join("kvroute.toml");
+    let log = dir.path().join("stderr.log");
     std::fs::write(&cfg, "policy = \"round_robin\"\n").expect("write");
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))

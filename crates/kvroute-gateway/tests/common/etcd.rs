@@ -36,7 +36,8 @@ fn peer_port(client_port: u16) -> u16 {
 /// A running etcd; killed and its data removed on drop.
 pub struct Etcd {
     child: Child,
-    dir: std::path::PathBuf,
+    /// Holds its data directory; removed when dropped, after `Drop` killed the child.
+    _dir: tempfile::TempDir,
     /// Its client URL, `http://127.0.0.1:PORT`.
     pub url: String,
 }
@@ -48,12 +49,13 @@ impl Etcd {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let bin = etcd_binary();
         let peer = peer_port(client_port);
-        let dir = std::env::temp_dir().join(format!("kvroute-etcd-{}-{client_port}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = tempfile::Builder::new().prefix(&format!("kvroute-etcd-{client_port}-")).tempdir().expect("temp dir");
+        // A data directory etcd creates itself, as it would on a first start.
+        let data = dir.path().join("data");
         let url = format!("http://127.0.0.1:{client_port}");
         let peer_url = format!("http://127.0.0.1:{peer}");
         let child = Command::new(bin)
-            .args(["--name", "kvroute-test", "--data-dir", dir.to_str().expect("utf8")])
+            .args(["--name", "kvroute-test", "--data-dir", data.to_str().expect("utf8")])
             .args(["--listen-client-urls", &url, "--advertise-client-urls", &url])
             .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
             .args(["--initial-cluster", &format!("kvroute-test={peer_url}")])
@@ -62,7 +64,7 @@ impl Etcd {
             .stderr(Stdio::null())
             .spawn()
             .expect("start etcd");
-        let etcd = Etcd { child, dir, url };
+        let etcd = Etcd { child, _dir: dir, url };
         let c = reqwest::Client::new();
         for _ in 0..400 {
             let ok = c
@@ -89,6 +91,6 @@ impl Drop for Etcd {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        // `_dir` is removed after this, when the fields drop.
     }
 }

@@ -3,7 +3,6 @@
 //! configuration on a free 127.0.0.1 port, proxying to one upstream with the headers the
 //! usual deployment guides set (`X-Forwarded-For`, `X-Real-IP`); killed on drop.
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -21,7 +20,8 @@ pub fn nginx_binary() -> String {
 /// A running nginx; killed (and its directory removed) on drop.
 pub struct Nginx {
     child: Child,
-    dir: PathBuf,
+    /// Its prefix directory; removed when dropped, after `Drop` killed the child.
+    dir: tempfile::TempDir,
     /// Its URL, `http://127.0.0.1:PORT`.
     pub url: String,
 }
@@ -34,10 +34,8 @@ impl Nginx {
             let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
             l.local_addr().expect("addr").port()
         };
-        let dir = std::env::temp_dir().join(format!("kvroute-nginx-{}-{port}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("nginx dir");
-        let d = dir.display();
+        let dir = tempfile::Builder::new().prefix(&format!("kvroute-nginx-{port}-")).tempdir().expect("nginx dir");
+        let d = dir.path().display();
         let conf = format!(
             "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
              events {{ worker_connections 64; }}\n\
@@ -47,15 +45,15 @@ impl Nginx {
              proxy_set_header Host $host;\n      proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n\
              proxy_set_header X-Real-IP $remote_addr;\n    }}\n  }}\n}}\n"
         );
-        let conf_path = dir.join("nginx.conf");
+        let conf_path = dir.path().join("nginx.conf");
         std::fs::write(&conf_path, conf).expect("nginx.conf");
         let child = Command::new(nginx_binary())
             .arg("-p")
-            .arg(&dir)
+            .arg(dir.path())
             .arg("-c")
             .arg(&conf_path)
             .arg("-e")
-            .arg(dir.join("error.log"))
+            .arg(dir.path().join("error.log"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -76,7 +74,7 @@ impl Nginx {
 
     /// nginx's error log so far.
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("error.log")).unwrap_or_default()
+        std::fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default()
     }
 }
 
@@ -84,6 +82,6 @@ impl Drop for Nginx {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        // `dir` is removed after this, when the fields drop.
     }
 }

@@ -55,21 +55,8 @@ pub fn client_trusting(ca: &TestCa, http1_only: bool) -> reqwest::Client {
     b.build().expect("client")
 }
 
-/// A fresh temporary directory under the system's temp dir, removed on drop.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    /// Creates `TMP/kvroute-TAG-PID`.
-    pub fn new(tag: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("kvroute-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).expect("temp dir");
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A fresh temporary directory `TMP/kvroute-TAG-XXXXXX`, removed when the guard drops (also
+/// on a panic).
+pub fn scratch_dir(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("kvroute-{tag}-")).tempdir().expect("temp dir")
 }
