@@ -171,8 +171,12 @@ def start_group(a, workers, nats_url, sync, cluster):
         pin = (lambda: os.sched_setaffinity(0, {0})) if a.own_core and not procs else None
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin))
         urls.append(f"http://127.0.0.1:{port}")
-    for u in urls:
-        wait_ok(f"{u}/readiness", "replica")
+    try:
+        for u in urls:
+            wait_ok(f"{u}/readiness", "replica")
+    except BaseException:  # wait_ok exits: the replicas go with the script
+        stop_group(procs)
+        raise
     return procs, urls
 
 
