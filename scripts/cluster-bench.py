@@ -289,7 +289,8 @@ def run_setting(a, workers, nats_url, sync, round_no, monitor, nth):
 def run_side_by_side(a, workers, nats_url, round_no, monitor):
     """The two settings of a round at once (--settings, default off then on), each group of
     replicas with a load generator of its own over the same window: their results, in
-    that order (nats-server's CPU counted to the settings with the sync on, split evenly)."""
+    that order (nats-server's CPU and traffic counted to the settings with the sync on,
+    split evenly)."""
     groups = []
     try:
         for nth, sync in enumerate(a.settings):
@@ -307,7 +308,8 @@ def run_side_by_side(a, workers, nats_url, round_no, monitor):
         s1 = [sample(a, *g) for g in groups]
         n1 = nats_sample(a, monitor)
         synced = max(sum(a.settings), 1)
-        share = lambda n: (n[0], n[1] / synced)
+        share = lambda n: ({k: v / synced for k, v in n[0].items() if k in ("in_bytes", "out_bytes", "in_msgs")},
+                           n[1] / synced)
         return [result(a, sync, round_no, g[0], b, e, read_summary(a, o), wall,
                        share(n0) if sync else None, share(n1) if sync else None)
                 for sync, g, b, e, o in zip(a.settings, groups, s0, s1, outs)]
