@@ -247,6 +247,9 @@ def result(a, sync, round_no, procs, s0, s1, summary, wall, nats0, nats1):
             # Peers' routed events the cluster had applied in full within
             # sync_refresh_secs: load only, no commit.
             "repeat_per_s": d('kvroute_sync_events_total{outcome="repeat"}') / wall,
+            # This replica's requests the cluster had applied in full: not sent (their
+            # load goes in the replica's load totals).
+            "repeat_skipped_per_s": d('kvroute_sync_events_total{outcome="repeat_skipped"}') / wall,
             "lag_p50_s": quantile(lag, 0.5),
             "lag_p99_s": quantile(lag, 0.99),
             "rss_mib": rss / 1024,
@@ -331,7 +334,7 @@ def report(a, r, res):
               f"p99.9 <= {fmt_s(x['decision_cpu_p999_s'])}; "
               f"{x['involuntary_switches_per_decision']:.2f} involuntary switches a request); "
               f"events out {x['published_per_s']:.0f}/s, in {x['applied_per_s']:.0f}/s "
-              f"(+ {x['repeat_per_s']:.0f}/s repeats), "
+              f"(+ {x['repeat_per_s']:.0f}/s repeats; {x['repeat_skipped_per_s']:.0f}/s not sent), "
               f"dropped {x['dropped']:.0f}, gaps {x['gaps']:.0f}, prompts unresolved {x['unresolved']:.0f}; lag p50 <= {fmt_s(x['lag_p50_s'])}, "
               f"p99 <= {fmt_s(x['lag_p99_s'])}; RSS {x['rss_mib']:.1f} MiB (peak {x['peak_rss_mib']:.1f})",
               flush=True)

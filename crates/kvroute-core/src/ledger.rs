@@ -197,6 +197,41 @@ impl AtomicLoad {
         }
     }
 
+    /// Moves the counters from `from` to `to`: another router's last reported totals on
+    /// this worker and the ones it reports now (the gateway's replica sync, whose peers
+    /// send their in-flight load as totals rather than per request). The counters hold the
+    /// sum of what every reporter last said, so each goes back to zero when its reporters'
+    /// totals do ([`WorkerLoad::default`] undoes a reporter). A rise in requests counts as
+    /// a dispatch ([`AtomicLoad::dispatches`]), so a decision made on the view before it is
+    /// stale.
+    pub fn shift(&self, from: WorkerLoad, to: WorkerLoad) {
+        if from == to {
+            return;
+        }
+        fn by32(a: &AtomicU32, from: u32, to: u32) {
+            if to > from {
+                a.fetch_add(to - from, Relaxed);
+            } else if from > to {
+                a.fetch_sub(from - to, Relaxed);
+            }
+        }
+        fn by64(a: &AtomicU64, from: u64, to: u64) {
+            if to > from {
+                a.fetch_add(to - from, Relaxed);
+            } else if from > to {
+                a.fetch_sub(from - to, Relaxed);
+            }
+        }
+        by32(&self.in_flight, from.in_flight, to.in_flight);
+        by32(&self.waiting, from.waiting, to.waiting);
+        by64(&self.pending_prefill_tokens, from.pending_prefill_tokens, to.pending_prefill_tokens);
+        by64(&self.decode_tokens, from.decode_tokens, to.decode_tokens);
+        if to.in_flight > from.in_flight {
+            self.dispatches.fetch_add(1, Relaxed);
+        }
+        self.changed();
+    }
+
     /// Copies the counters into `view`.
     #[inline]
     pub fn fill(&self, view: &mut WorkerView) {
@@ -356,6 +391,28 @@ mod tests {
         drop(b); // a client that went away before its first byte
         drop(a); // ... and one that went away mid-stream
         drop(c);
+        assert_eq!(load.get(), WorkerLoad::default());
+    }
+
+    #[test]
+    fn shifted_totals_add_to_tickets_and_undo_to_zero() {
+        let load = Arc::new(AtomicLoad::default());
+        let t = load.dispatched(10, 20);
+        let l =
+            |in_flight, waiting, p, d| WorkerLoad { in_flight, waiting, pending_prefill_tokens: p, decode_tokens: d };
+        let (a1, a2, b1) = (l(3, 2, 300, 40), l(1, 0, 0, 15), l(2, 2, 50, 0));
+        let seen = load.dispatches();
+        load.shift(WorkerLoad::default(), a1);
+        assert!(load.dispatches() > seen, "more requests: a decision on the old view is stale");
+        load.shift(WorkerLoad::default(), b1);
+        assert_eq!(load.get(), l(6, 5, 360, 40));
+        let seen = load.dispatches();
+        load.shift(a1, a2);
+        assert_eq!(load.dispatches(), seen, "fewer requests are no dispatch");
+        assert_eq!(load.get(), l(4, 3, 60, 15));
+        load.shift(a2, WorkerLoad::default());
+        load.shift(b1, WorkerLoad::default());
+        drop(t);
         assert_eq!(load.get(), WorkerLoad::default());
     }
 }

@@ -4,19 +4,22 @@
 //!
 //! ```text
 //! request path ──try_send──► queue (65,536) ──► publisher: batches ≤ 1,024 events gathered
-//!                                                  over `sync_batch_ms` (20 ms);
-//!                                                  an event the cluster applied in full
-//!                                                  within `sync_refresh_secs` goes as a
-//!                                                  repeat (load only); a prompt's start
-//!                                                  the cluster has seen goes as its chunk
-//!                                                  chain (`chunks`)
+//!                                                  over `sync_batch_ms` (20 ms), with this
+//!                                                  replica's in-flight load per worker as
+//!                                                  totals (those that changed; all each
+//!                                                  heartbeat); an event the cluster applied
+//!                                                  in full within `sync_refresh_secs` is not
+//!                                                  sent (the totals carry its load); a
+//!                                                  prompt's start the cluster has seen goes
+//!                                                  as its chunk chain (`chunks`)
 //!                                                  └─► kvroute.<cluster>.events  (msgpack)
 //! kvroute.<cluster>.events ──► subscriber: skip own, count gaps, rebuild prompts, apply:
 //!      routed     → the model's router commits it (prefix index, sessions) when it runs
-//!                   the same policy (a repeat: no commit); a remote load ticket opens on
-//!                   the worker
-//!      first token→ the ticket's prefill part settles
-//!      done       → the ticket closes
+//!                   the same policy
+//!      load       → each worker's remote counters move from the peer's last totals to
+//!                   these
+//!      first token, done, and routed events of versions before totals → per-request
+//!                   remote load tickets, as those versions send their load
 //!      spent      → (beside the events) what the sender took from an API key's rate-limit
 //!                   buckets, taken from this replica's buckets for the same key
 //! kvroute.<cluster>.snapshot (queue group) ◄── a starting replica's request; one peer
@@ -28,9 +31,10 @@
 //! queue, or NATS down, drops events (counted, `kvroute_sync_events_total{outcome=
 //! "dropped"}`) and never delays or fails a request. Every batch carries the replica id
 //! and a sequence number; a receiver counts the batches it never saw
-//! (`kvroute_sync_gaps_total`). Remote load tickets close on their `done` event, when
-//! their replica falls silent for [`PEER_SILENCE`], or [`TICKET_GRACE`] after
-//! `request_timeout_secs`, so a replica that dies leaves no load behind.
+//! (`kvroute_sync_gaps_total`). A peer's load totals leave the counters when it says
+//! goodbye, restarts or falls silent for [`PEER_SILENCE`]; remote load tickets (peers of
+//! versions before totals) close on their `done` event, then, or [`TICKET_GRACE`] after
+//! `request_timeout_secs`; so a replica that dies leaves no load behind.
 //!
 //! Dynamo's router replica sync (`--router-replica-sync`, NATS) and SMG's tree gossip
 //! solve the same problem; Ray Serve's PrefixCacheAffinityRouter shares one tree actor.
@@ -38,6 +42,7 @@
 //! engines), but their load is shared all the same.
 
 use crate::routers::ModelRouter;
+use kvroute_core::ledger::WorkerLoad;
 use kvroute_core::policy::RequestKey;
 use kvroute_core::types::RequestView;
 use parking_lot::Mutex;
@@ -322,6 +327,56 @@ pub struct Batch {
     /// before it (a map field they do not know).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub spent: Vec<KeySpend>,
+    /// The sender shares its in-flight load as per-worker totals ([`Batch::load`]): a
+    /// receiver opens no load ticket for its routed events, and the sender sends no event
+    /// for a request that would go as a repeat, nor the first-token and done events of
+    /// requests it did not send in full (it sends those for the full ones, which versions
+    /// before totals hold tickets for). Absent (false) from those versions.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub load_totals: bool,
+    /// With [`Batch::load_totals`]: the sender's own in-flight load on each worker whose
+    /// totals changed since its previous batch, and on every worker at least every
+    /// [`HEARTBEAT`]; a worker it no longer has load on goes once with zeros.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub load: Vec<WireLoad>,
+}
+
+/// One worker's in-flight load as one replica reports it ([`Batch::load`]).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WireLoad {
+    /// The worker's URL (ids differ between replicas).
+    pub worker: String,
+    /// Requests dispatched and not yet closed.
+    pub in_flight: u32,
+    /// Of those, requests without a first token yet.
+    pub waiting: u32,
+    /// Uncached prompt tokens of the waiting requests.
+    pub prefill: u64,
+    /// Prompt + expected output tokens of requests past their first token.
+    pub decode: u64,
+}
+
+impl WireLoad {
+    /// `l` on `worker`.
+    pub fn of(worker: &str, l: WorkerLoad) -> WireLoad {
+        WireLoad {
+            worker: worker.to_string(),
+            in_flight: l.in_flight,
+            waiting: l.waiting,
+            prefill: l.pending_prefill_tokens,
+            decode: l.decode_tokens,
+        }
+    }
+
+    /// The counters it reports.
+    pub fn load(&self) -> WorkerLoad {
+        WorkerLoad {
+            in_flight: self.in_flight,
+            waiting: self.waiting,
+            pending_prefill_tokens: self.prefill,
+            decode_tokens: self.decode,
+        }
+    }
 }
 
 /// Requests and tokens one replica admitted for one API key ([`Batch::spent`]).
@@ -569,7 +624,7 @@ impl ReplicaSync {
     ) -> Arc<Self> {
         let replica = replica.map_or_else(random_id, str::to_string);
         let (tx, rx) = mpsc::channel(QUEUE);
-        for outcome in ["published", "dropped", "applied", "repeat", "unresolved"] {
+        for outcome in ["published", "dropped", "applied", "repeat", "repeat_skipped", "unresolved"] {
             drop(metrics.sync_events.get_or_create(&crate::metrics::OutcomeLabel { outcome: outcome.into() }));
         }
         Arc::new(ReplicaSync {
@@ -760,6 +815,11 @@ mod tests {
                 WireEvent::Done(3),
             ],
             spent: vec![KeySpend { key: 5, requests: 1, tokens: 300 }],
+            load_totals: true,
+            load: vec![WireLoad::of(
+                "http://127.0.0.1:1",
+                WorkerLoad { in_flight: 1, waiting: 1, pending_prefill_tokens: 9, decode_tokens: 0 },
+            )],
         };
         let bytes = rmp_serde::to_vec_named(&b).expect("encode");
         assert_eq!(rmp_serde::from_slice::<Batch>(&bytes).expect("decode"), b);
@@ -785,17 +845,20 @@ mod tests {
             bye: false,
             instance: 5,
             spent: vec![KeySpend { key: 6, requests: 1, tokens: 7 }],
+            load_totals: true,
+            load: vec![WireLoad::of("http://w:1", WorkerLoad { in_flight: 2, ..WorkerLoad::default() })],
         };
         let older: Older = rmp_serde::from_slice(&rmp_serde::to_vec_named(&new).expect("encode")).expect("decode");
         assert_eq!(older.events, new.events, "an older replica still reads the events");
         let from_older: Batch =
             rmp_serde::from_slice(&rmp_serde::to_vec_named(&older).expect("encode")).expect("decode");
         assert!(from_older.spent.is_empty());
-        let no_spend = Batch { spent: Vec::new(), ..new };
+        assert!(!from_older.load_totals && from_older.load.is_empty(), "an older replica's load goes per request");
+        let no_spend = Batch { spent: Vec::new(), load_totals: false, load: Vec::new(), ..new };
         assert_eq!(
             rmp_serde::to_vec_named(&no_spend).expect("encode"),
             rmp_serde::to_vec_named(&older).expect("encode"),
-            "a batch without spends is encoded as before"
+            "a batch without spends or load totals is encoded as before"
         );
     }
 

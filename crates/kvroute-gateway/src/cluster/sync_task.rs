@@ -6,10 +6,10 @@ use super::sync::*;
 use crate::app::AppState;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use kvroute_core::ledger::LoadTicket;
+use kvroute_core::ledger::{AtomicLoad, LoadTicket, WorkerLoad};
 use kvroute_core::policy::RequestKey;
 use kvroute_core::types::{BlockHash, BlockSeq, RequestView, Role, WorkerId};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
@@ -76,7 +76,7 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
             return;
         }
     };
-    let publisher = tokio::spawn(publish(Arc::clone(&sync), client.clone(), rx, cancel.clone()));
+    let publisher = tokio::spawn(publish(Arc::clone(&state), Arc::clone(&sync), client.clone(), rx, cancel.clone()));
     let wait = Duration::from_secs_f64(state.cfg.sync_snapshot_timeout_secs);
     tokio::select! {
         () = cancel.cancelled() => {}
@@ -98,9 +98,11 @@ fn max_message(client: &async_nats::Client) -> usize {
     }
 }
 
-/// The publisher: batches the queue's events and publishes them, with a heartbeat when
-/// idle. A batch NATS does not take within a second is dropped (counted).
+/// The publisher: batches the queue's events and this replica's load totals and publishes
+/// them, with a heartbeat when idle. A batch NATS does not take within a second is dropped
+/// (counted).
 async fn publish(
+    state: Arc<AppState>,
     sync: Arc<ReplicaSync>,
     client: async_nats::Client,
     mut rx: mpsc::Receiver<Out>,
@@ -108,6 +110,7 @@ async fn publish(
 ) {
     let mut seq = 0u64;
     let mut buf: Vec<Out> = Vec::with_capacity(MAX_BATCH_EVENTS);
+    let mut report = LoadReport::default();
     loop {
         let first = tokio::select! {
             () = cancel.cancelled() => break,
@@ -124,14 +127,14 @@ async fn publish(
                 }
             }
         }
-        publish_buffered(&sync, &client, &mut seq, &mut buf).await;
+        publish_buffered(&sync, &client, &mut seq, &mut buf, &mut report, &state.fleet).await;
     }
     // Stopping (the requests have drained): what is still queued — the `done` events of the
     // last requests — then a goodbye, so the peers release this replica's load at once.
     while let Ok(e) = rx.try_recv() {
         buf.push(e);
     }
-    publish_buffered(&sync, &client, &mut seq, &mut buf).await;
+    publish_buffered(&sync, &client, &mut seq, &mut buf, &mut report, &state.fleet).await;
     let bye = Batch {
         replica: sync.replica.clone(),
         seq,
@@ -140,6 +143,8 @@ async fn publish(
         bye: true,
         instance: sync.instance,
         spent: Vec::new(),
+        load_totals: true,
+        load: Vec::new(),
     };
     if let Ok(payload) = rmp_serde::to_vec_named(&bye) {
         let _ =
@@ -148,26 +153,90 @@ async fn publish(
     }
 }
 
-/// Publishes the events in `buf` (emptied) in batches that fit a NATS message; nothing but
-/// a heartbeat when it is empty. API keys' spends go with the events they were queued
-/// among.
-async fn publish_buffered(sync: &ReplicaSync, client: &async_nats::Client, seq: &mut u64, buf: &mut Vec<Out>) {
+/// Most requests sent in full whose first-token and done events are still to go
+/// ([`LoadReport::full_ids`]); past it such events are not sent (replicas before load
+/// totals then hold those requests' tickets until their deadline).
+const MAX_FULL_IDS: usize = 65_536;
+
+/// What the publisher keeps between batches for this replica's load totals
+/// ([`Batch::load`]).
+#[derive(Debug, Default)]
+struct LoadReport {
+    /// The totals last sent per worker URL; zeros kept until the next full report.
+    sent: HashMap<String, WorkerLoad>,
+    /// When every worker's totals last went.
+    full_at: Option<Instant>,
+    /// Requests whose routed event went in full and whose done event has not: their
+    /// first-token and done events still go, for replicas of versions before totals (at
+    /// most [`MAX_FULL_IDS`]).
+    full_ids: HashSet<u64>,
+}
+
+impl LoadReport {
+    /// The totals for the next batch: each worker of `fleet` whose load changed since the
+    /// last report, and at least every [`HEARTBEAT`] every worker with load (or with load
+    /// since the previous such report, as zeros), and zeros for workers gone from the fleet.
+    fn changes(&mut self, fleet: &crate::fleet::Fleet, now: Instant) -> Vec<WireLoad> {
+        let full = self.full_at.is_none_or(|t| now.duration_since(t) >= HEARTBEAT);
+        let list = fleet.load();
+        let mut out = Vec::new();
+        for w in list.iter() {
+            let l = w.load.get();
+            let prev = self.sent.get(&*w.url).copied();
+            if l != prev.unwrap_or_default() || (full && prev.is_some()) {
+                out.push(WireLoad::of(&w.url, l));
+                self.sent.insert(w.url.to_string(), l);
+            }
+        }
+        if full {
+            self.full_at = Some(now);
+            let present: HashSet<&str> = list.iter().map(|w| &*w.url).collect();
+            let gone: Vec<String> = self.sent.keys().filter(|u| !present.contains(u.as_str())).cloned().collect();
+            for u in gone {
+                self.sent.remove(&u);
+                out.push(WireLoad::of(&u, WorkerLoad::default()));
+            }
+            self.sent.retain(|_, l| *l != WorkerLoad::default());
+        }
+        out
+    }
+}
+
+/// Publishes the events in `buf` (emptied) and this replica's load totals in batches that
+/// fit a NATS message; only the totals (a heartbeat) when it is empty. API keys' spends go
+/// with the events they were queued among. A routed event the cluster applied in full
+/// within `sync_refresh_secs` is not sent: the totals carry its load
+/// (`kvroute_sync_events_total{outcome="repeat_skipped"}`).
+async fn publish_buffered(
+    sync: &ReplicaSync,
+    client: &async_nats::Client,
+    seq: &mut u64,
+    buf: &mut Vec<Out>,
+    report: &mut LoadReport,
+    fleet: &crate::fleet::Fleet,
+) {
     let limit = max_message(client);
     let mut events = Vec::with_capacity(buf.len());
     let mut spent = Vec::new();
     let mut size = 64;
+    let mut skipped = 0;
     for e in buf.drain(..) {
         let ev = match e {
             Out::Routed(mut r, may_repeat) => {
                 let wire = sync.on_the_wire(&mut r, may_repeat);
-                // A repeat adds nothing to a snapshot: its full event is in the log.
-                if !wire.repeat {
-                    sync.recent.lock().push(Arc::from(r));
+                if wire.repeat {
+                    skipped += 1;
+                    continue;
+                }
+                sync.recent.lock().push(Arc::from(r));
+                if report.full_ids.len() < MAX_FULL_IDS {
+                    report.full_ids.insert(wire.id);
                 }
                 WireEvent::Routed(wire)
             }
-            Out::FirstToken(id) => WireEvent::FirstToken(id),
-            Out::Done(id) => WireEvent::Done(id),
+            Out::FirstToken(id) if report.full_ids.contains(&id) => WireEvent::FirstToken(id),
+            Out::Done(id) if report.full_ids.remove(&id) => WireEvent::Done(id),
+            Out::FirstToken(_) | Out::Done(_) => continue,
             Out::Spent(s) => {
                 let (requests, tokens) = s.take();
                 if requests > 0 || tokens > 0 {
@@ -183,13 +252,27 @@ async fn publish_buffered(sync: &ReplicaSync, client: &async_nats::Client, seq: 
             _ => 16,
         };
         if size + n > limit / 2 && !(events.is_empty() && spent.is_empty()) {
-            send_batch(sync, client, seq, std::mem::take(&mut events), std::mem::take(&mut spent)).await;
+            send_batch(sync, client, seq, std::mem::take(&mut events), std::mem::take(&mut spent), Vec::new()).await;
             size = 64;
         }
         size += n;
         events.push(ev);
     }
-    send_batch(sync, client, seq, events, spent).await;
+    if skipped > 0 {
+        sync.count("repeat_skipped", skipped);
+    }
+    let mut load = Vec::new();
+    for l in report.changes(fleet, Instant::now()) {
+        let n = 40 + l.worker.len();
+        if size + n > limit / 2 && !(events.is_empty() && spent.is_empty() && load.is_empty()) {
+            let (e, s, l) = (std::mem::take(&mut events), std::mem::take(&mut spent), std::mem::take(&mut load));
+            send_batch(sync, client, seq, e, s, l).await;
+            size = 64;
+        }
+        size += n;
+        load.push(l);
+    }
+    send_batch(sync, client, seq, events, spent, load).await;
 }
 
 async fn send_batch(
@@ -198,6 +281,7 @@ async fn send_batch(
     seq: &mut u64,
     events: Vec<WireEvent>,
     spent: Vec<KeySpend>,
+    load: Vec<WireLoad>,
 ) {
     let n = (events.len() + spent.len()) as u64;
     let batch = Batch {
@@ -208,6 +292,8 @@ async fn send_batch(
         bye: false,
         instance: sync.instance,
         spent,
+        load_totals: true,
+        load,
     };
     *seq += 1;
     let payload = match rmp_serde::to_vec_named(&batch) {
@@ -233,7 +319,77 @@ async fn send_batch(
 struct Peer {
     last_seq: u64,
     heard: Instant,
+    /// Its requests' load tickets (a peer that sends per-request load).
     tickets: HashMap<u64, (LoadTicket, Instant)>,
+    /// Its load totals (a peer that sends [`Batch::load`]).
+    load: PeerLoad,
+}
+
+/// One peer's reported in-flight load ([`Batch::load`]), added to the workers' remote
+/// counters; taken out again when dropped or cleared (the peer gone, restarted, or saying
+/// goodbye), as a ticket is.
+#[derive(Debug, Default)]
+struct PeerLoad {
+    /// Per worker URL: the counters the totals were added to and the totals.
+    by_url: HashMap<String, (Arc<AtomicLoad>, WorkerLoad)>,
+    /// The sum of its totals' requests.
+    in_flight: u64,
+}
+
+impl PeerLoad {
+    /// Applies reported totals: each worker's counters move from the peer's last totals
+    /// to these. A worker this replica does not know is skipped (the peer reports every
+    /// worker with load again within [`HEARTBEAT`]); one replaced in the fleet since (a
+    /// new entry under its URL) loses the old totals and gets the new.
+    fn apply(&mut self, fleet: &crate::fleet::Fleet, entries: &[WireLoad]) {
+        if entries.is_empty() {
+            return;
+        }
+        // The fleet's list is searched by URL one entry at a time; a batch with many
+        // entries (a full report over a large fleet) indexes it once instead.
+        let list = fleet.load();
+        let index: Option<HashMap<&str, &Arc<crate::fleet::WorkerEntry>>> =
+            (entries.len() > 8).then(|| list.iter().map(|w| (&*w.url, w)).collect());
+        for e in entries {
+            let to = e.load();
+            let now = match &index {
+                Some(ix) => ix.get(e.worker.as_str()).map(|w| Arc::clone(&w.remote_load)),
+                None => fleet.by_url(&e.worker).map(|w| Arc::clone(&w.remote_load)),
+            };
+            let (counters, from) = match (self.by_url.remove(&e.worker), now) {
+                (Some((held, from)), Some(now)) if Arc::ptr_eq(&held, &now) => (held, from),
+                (old, now) => {
+                    if let Some((held, from)) = old {
+                        held.shift(from, WorkerLoad::default());
+                        self.in_flight -= u64::from(from.in_flight);
+                    }
+                    match now {
+                        Some(now) => (now, WorkerLoad::default()),
+                        None => continue,
+                    }
+                }
+            };
+            counters.shift(from, to);
+            self.in_flight = self.in_flight - u64::from(from.in_flight) + u64::from(to.in_flight);
+            if to != WorkerLoad::default() {
+                self.by_url.insert(e.worker.clone(), (counters, to));
+            }
+        }
+    }
+
+    /// Takes every total out of the workers' counters.
+    fn clear(&mut self) {
+        for (_, (counters, from)) in self.by_url.drain() {
+            counters.shift(from, WorkerLoad::default());
+        }
+        self.in_flight = 0;
+    }
+}
+
+impl Drop for PeerLoad {
+    fn drop(&mut self) {
+        self.clear();
+    }
 }
 
 /// The subscriber: applies the other replicas' batches; sweeps gone peers and stale
@@ -328,7 +484,7 @@ impl Peers {
             p.tickets.retain(|_, (_, deadline)| *deadline > now);
         }
         self.tickets = self.by_name.values().map(|p| p.tickets.len()).sum();
-        metrics.sync_remote_in_flight.set(self.tickets as i64);
+        metrics.sync_remote_in_flight.set(self.remote_in_flight());
         metrics.sync_peers.set(self.by_name.len() as i64);
     }
 
@@ -358,7 +514,7 @@ impl Peers {
                 }
                 self.superseded.push_back(old);
             }
-            metrics.sync_remote_in_flight.set(self.tickets as i64);
+            metrics.sync_remote_in_flight.set(self.remote_in_flight());
         }
         self.by_name.len() < MAX_PEERS
     }
@@ -375,7 +531,7 @@ impl Peers {
         }
         let peer = self.by_name.entry(key.clone()).or_insert_with(|| {
             tracing::info!(replica = %batch.replica, "cluster peer joined");
-            Peer { last_seq: batch.seq, heard: now, tickets: HashMap::new() }
+            Peer { last_seq: batch.seq, heard: now, tickets: HashMap::new(), load: PeerLoad::default() }
         });
         if batch.seq > peer.last_seq + 1 {
             state.metrics.sync_gaps.inc_by(batch.seq - peer.last_seq - 1);
@@ -383,6 +539,7 @@ impl Peers {
             // The replica restarted under the same id: what it had in flight is gone.
             self.tickets -= peer.tickets.len();
             peer.tickets.clear();
+            peer.load.clear();
         }
         if batch.bye {
             // Stopping: what it had in flight has ended or will not be reported.
@@ -390,7 +547,7 @@ impl Peers {
             crate::metrics::count_outcome(&state.metrics.sync_peers_left, "goodbye");
             self.tickets -= peer.tickets.len();
             self.by_name.remove(&key);
-            state.metrics.sync_remote_in_flight.set(self.tickets as i64);
+            state.metrics.sync_remote_in_flight.set(self.remote_in_flight());
             state.metrics.sync_peers.set(self.by_name.len() as i64);
             return;
         }
@@ -410,7 +567,8 @@ impl Peers {
                         outcomes[3] += 1;
                         continue;
                     };
-                    if self.tickets < MAX_REMOTE_TICKETS {
+                    // A peer that sends load totals has its load in them.
+                    if !batch.load_totals && self.tickets < MAX_REMOTE_TICKETS {
                         let t = w.remote_load.dispatched(r.uncached, r.decode);
                         if peer.tickets.insert(r.id, (t, now + self.ttl)).is_none() {
                             self.tickets += 1;
@@ -436,8 +594,15 @@ impl Peers {
                 sync.count(outcome, n);
             }
         }
+        peer.load.apply(&state.fleet, &batch.load);
         take_spent(state, sync, &batch.spent);
-        state.metrics.sync_remote_in_flight.set(self.tickets as i64);
+        state.metrics.sync_remote_in_flight.set(self.remote_in_flight());
+    }
+
+    /// Requests the other replicas have in flight as this replica counts them: tickets
+    /// and totals.
+    fn remote_in_flight(&self) -> i64 {
+        (self.tickets as u64 + self.by_name.values().map(|p| p.load.in_flight).sum::<u64>()) as i64
     }
 }
 
@@ -702,6 +867,76 @@ async fn publish_chunk(client: &async_nats::Client, reply: &async_nats::Subject,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fleet::Fleet;
+    use kvroute_core::types::Health;
+
+    #[test]
+    fn load_totals_go_when_they_change_and_again_each_heartbeat_with_zeros_once() {
+        let f = Fleet::default();
+        let (a, b) = ("http://a:8000", "http://b:8000");
+        let wa = f.add(a, vec![], Health::Healthy).expect("room").0;
+        f.add(b, vec![], Health::Healthy).expect("room");
+        let mut r = LoadReport::default();
+        let t0 = Instant::now();
+        let urls = |v: &[WireLoad]| v.iter().map(|l| (l.worker.clone(), l.in_flight)).collect::<Vec<_>>();
+        assert!(r.changes(&f, t0).is_empty(), "idle workers report nothing");
+        let ticket = wa.load.dispatched(100, 10);
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let first = r.changes(&f, at(10));
+        assert_eq!(urls(&first), [(a.to_string(), 1)]);
+        assert_eq!(first[0].load(), wa.load.get(), "the worker's own counters");
+        assert!(r.changes(&f, at(20)).is_empty(), "unchanged");
+        assert_eq!(urls(&r.changes(&f, at(1000))), [(a.to_string(), 1)], "again at the heartbeat");
+        drop(ticket);
+        assert_eq!(urls(&r.changes(&f, at(1010))), [(a.to_string(), 0)], "the drop to zero");
+        assert_eq!(urls(&r.changes(&f, at(2000))), [(a.to_string(), 0)], "the zero once more at the heartbeat");
+        assert!(r.changes(&f, at(3000)).is_empty(), "then nothing");
+        let _held = wa.load.dispatched(1, 1);
+        r.changes(&f, at(3010));
+        f.remove(a);
+        assert_eq!(urls(&r.changes(&f, at(4000))), [(a.to_string(), 0)], "a worker gone goes as zeros");
+        assert!(r.changes(&f, at(5000)).is_empty());
+    }
+
+    #[test]
+    fn a_peer_s_totals_move_the_remote_counters_and_leave_with_it() {
+        let f = Fleet::default();
+        let (a, b) = ("http://a:8000", "http://b:8000");
+        let wa = f.add(a, vec![], Health::Healthy).expect("room").0;
+        let wb = f.add(b, vec![], Health::Healthy).expect("room").0;
+        let l =
+            |in_flight, p| WorkerLoad { in_flight, waiting: in_flight, pending_prefill_tokens: p, decode_tokens: 0 };
+        let mut one = PeerLoad::default();
+        let mut two = PeerLoad::default();
+        one.apply(&f, &[WireLoad::of(a, l(3, 300)), WireLoad::of("http://unknown:1", l(9, 9))]);
+        two.apply(&f, &[WireLoad::of(a, l(1, 10)), WireLoad::of(b, l(2, 20))]);
+        assert_eq!(wa.remote_load.get(), l(4, 310));
+        assert_eq!((one.in_flight, two.in_flight), (3, 3), "the unknown worker is skipped");
+        one.apply(&f, &[WireLoad::of(a, l(1, 50))]);
+        assert_eq!(wa.remote_load.get(), l(2, 60));
+        // The worker removed and added again under its URL: a new entry, new counters.
+        f.remove(b);
+        let wb2 = f.add(b, vec![], Health::Healthy).expect("room").0;
+        two.apply(&f, &[WireLoad::of(b, l(5, 5))]);
+        assert_eq!((wb.remote_load.get(), wb2.remote_load.get()), (WorkerLoad::default(), l(5, 5)));
+        assert_eq!(two.in_flight, 6);
+        two.apply(&f, &[WireLoad::of(a, WorkerLoad::default())]);
+        assert_eq!(wa.remote_load.get(), l(1, 50));
+        drop(one);
+        two.clear();
+        assert_eq!((wa.remote_load.get(), wb2.remote_load.get()), (WorkerLoad::default(), WorkerLoad::default()));
+        assert_eq!(two.in_flight, 0);
+        // A report over many workers (the fleet indexed once): the same result.
+        let many: Vec<_> =
+            (0..12).map(|i| f.add(&format!("http://m{i}:8000"), vec![], Health::Healthy).expect("room").0).collect();
+        let mut three = PeerLoad::default();
+        let report: Vec<_> = (0..12).map(|i| WireLoad::of(&format!("http://m{i}:8000"), l(i + 1, 1))).collect();
+        three.apply(&f, &report);
+        assert_eq!(many[11].remote_load.get(), l(12, 1));
+        assert_eq!(three.in_flight, (1..=12).sum::<u64>());
+        drop(three);
+        assert!(many.iter().all(|w| w.remote_load.get() == WorkerLoad::default()));
+    }
 
     fn event(id: u64, text_bytes: usize) -> Arc<RoutedEvent> {
         Arc::new(RoutedEvent {
