@@ -146,11 +146,11 @@ pub struct RoutedEvent {
     /// 2 its decode pool ([`Pool`]). Absent in events of older replicas (= 0).
     #[serde(default)]
     pub pool: u8,
-    /// The cluster applied this same event in full within `sync_refresh_secs`: it goes
+    /// The cluster applied this same event in full within `sync_refresh_secs`: it came
     /// without its prompt and block hashes, and receivers open its load ticket and skip
-    /// its commit (`kvroute_sync_events_total{outcome="repeat"}`). Absent (false) when sent
-    /// in full; a replica of a version before it reads such an event as one without a
-    /// prompt (its commit records nothing).
+    /// its commit (`kvroute_sync_events_total{outcome="repeat"}`). Sent by versions between
+    /// repeats and load totals; this version sends no such event (its load totals carry
+    /// the load) and reads theirs. Absent (false) when sent in full.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub repeat: bool,
 }
@@ -206,11 +206,7 @@ impl RoutedEvent {
     /// commits record the same thing. `None` for an event with nothing to commit or with an
     /// unresolved reference.
     pub(crate) fn commit_identity(&self) -> Option<u64> {
-        self.identity_with(&self.prefix)
-    }
-
-    /// [`RoutedEvent::commit_identity`] with `prefix` for the event's own.
-    fn identity_with(&self, prefix: &WirePrefix) -> Option<u64> {
+        let prefix = &self.prefix;
         if *prefix == WirePrefix::None && self.blocks.is_empty() {
             return None;
         }
@@ -673,25 +669,22 @@ impl ReplicaSync {
         self.outcomes.get_or_create(&crate::metrics::OutcomeLabel { outcome: outcome.into() }).inc_by(n);
     }
 
-    /// `r` as it goes on the wire: a repeat without its prompt and block hashes when the
-    /// cluster applied the same event in full within `refresh_secs`
-    /// ([`RoutedEvent::repeat`]); else a prompt text as the chunk chain the cluster already
-    /// holds and the rest ([`WirePrefix::TextRef`]) when it shares one, else as it is.
-    /// Only an event whose policy's commits are idempotent (`may_repeat`) goes as a repeat.
-    pub(crate) fn on_the_wire(&self, r: &mut RoutedEvent, may_repeat: bool) -> RoutedEvent {
+    /// `r` as it goes on the wire: `None` when the cluster applied the same event in full
+    /// within `refresh_secs` — it is not sent, the load totals carry its load ([`Batch::load`])
+    /// — and only an event whose policy's commits are idempotent (`may_repeat`) may be left
+    /// out; else a prompt text as the chunk chain the cluster already holds and the rest
+    /// ([`WirePrefix::TextRef`]) when it shares one, else as it is.
+    pub(crate) fn on_the_wire(&self, r: &mut RoutedEvent, may_repeat: bool) -> Option<RoutedEvent> {
         self.on_the_wire_at(r, may_repeat, self.clock_secs())
     }
 
     /// [`ReplicaSync::on_the_wire`] at `now`, seconds on [`ReplicaSync::clock_secs`].
-    fn on_the_wire_at(&self, r: &mut RoutedEvent, may_repeat: bool, now: u64) -> RoutedEvent {
-        // The prompt and blocks are set aside while the rest of the event is cloned.
-        let prompt = std::mem::replace(&mut r.prefix, WirePrefix::None);
-        if may_repeat && self.refresh_secs > 0 && !self.remember_full(&prompt, r, now) {
-            let blocks = std::mem::take(&mut r.blocks);
-            let wire = RoutedEvent { repeat: true, ..r.clone() };
-            (r.prefix, r.blocks) = (prompt, blocks);
-            return wire;
+    fn on_the_wire_at(&self, r: &mut RoutedEvent, may_repeat: bool, now: u64) -> Option<RoutedEvent> {
+        if may_repeat && self.refresh_secs > 0 && !self.remember_full(r, now) {
+            return None;
         }
+        // The prompt is set aside while the rest of the event is cloned.
+        let prompt = std::mem::replace(&mut r.prefix, WirePrefix::None);
         let mut wire = r.clone();
         wire.prefix = match &prompt {
             WirePrefix::Text(t) => {
@@ -705,14 +698,13 @@ impl ReplicaSync {
             other => other.clone(),
         };
         r.prefix = prompt;
-        wire
+        Some(wire)
     }
 
-    /// Whether `r` (its prefix set aside as `prompt`) goes in full: `false` when the
-    /// cluster applied the same event in full within `refresh_secs`; else it is remembered
-    /// as applied at `now`.
-    fn remember_full(&self, prompt: &WirePrefix, r: &RoutedEvent, now: u64) -> bool {
-        let Some(id) = r.identity_with(prompt) else { return true };
+    /// Whether `r` goes in full: `false` when the cluster applied the same event in full
+    /// within `refresh_secs`; else it is remembered as applied at `now`.
+    fn remember_full(&self, r: &RoutedEvent, now: u64) -> bool {
+        let Some(id) = r.commit_identity() else { return true };
         let mut seen = self.announced.lock();
         if seen.get(&id).is_some_and(|&t| now.saturating_sub(t) < self.refresh_secs) {
             return false;
@@ -936,14 +928,14 @@ mod tests {
         );
         let document: String = (0..600).map(|i| format!("w{} ", i * 7919 % 1009)).collect();
         let first = format!("{document}first question?");
-        let w1 = a.on_the_wire(&mut routed_with(WirePrefix::Text(first.clone())), true);
+        let w1 = a.on_the_wire(&mut routed_with(WirePrefix::Text(first.clone())), true).expect("sent");
         assert_eq!(w1.prefix, WirePrefix::Text(first.clone()), "nothing is shared yet");
         let mut r1 = over_the_wire(&w1);
         assert!(b.resolve(&mut r1));
         assert_eq!(r1.prefix, WirePrefix::Text(first));
 
         let second = format!("{document}and a second question?");
-        let w2 = a.on_the_wire(&mut routed_with(WirePrefix::Text(second.clone())), true);
+        let w2 = a.on_the_wire(&mut routed_with(WirePrefix::Text(second.clone())), true).expect("sent");
         let WirePrefix::TextRef { rest, .. } = &w2.prefix else { panic!("{:?}", w2.prefix) };
         assert!(rest.len() < 300 && w2.size_estimate() < 600, "{} bytes of {}", rest.len(), second.len());
         let mut r2 = over_the_wire(&w2);
@@ -957,7 +949,7 @@ mod tests {
     }
 
     #[test]
-    fn an_event_the_cluster_applied_in_full_goes_as_a_repeat_until_its_refresh() {
+    fn an_event_the_cluster_applied_in_full_is_not_sent_again_until_its_refresh() {
         let metrics = crate::metrics::Metrics::new();
         let (a, b, never) = (
             ReplicaSync::new("c", Some("a"), 10, Duration::from_millis(5), &metrics),
@@ -966,14 +958,16 @@ mod tests {
         );
         let event = |p: WirePrefix| RoutedEvent { blocks: vec![7, 8], ..routed_with(p) };
         let prompt = WirePrefix::Text("a system prompt and a question".into());
-        let full = |w: &RoutedEvent| !w.repeat && w.prefix != WirePrefix::None && w.blocks == [7, 8];
+        let full = |w: &Option<RoutedEvent>| {
+            w.as_ref().is_some_and(|w| !w.repeat && w.prefix != WirePrefix::None && w.blocks == [7, 8])
+        };
         let first = a.on_the_wire_at(&mut event(prompt.clone()), true, 0);
         assert!(full(&first), "{first:?}");
-        // The same event within the refresh: load only, readable by any receiver.
+        let first = first.expect("sent");
+        // The same event within the refresh: not sent (the load totals carry its load).
         let mut r = event(prompt.clone());
-        let again = over_the_wire(&a.on_the_wire_at(&mut r, true, 9));
+        assert_eq!(a.on_the_wire_at(&mut r, true, 9), None);
         assert_eq!(r, event(prompt.clone()), "the event kept for snapshots is whole");
-        assert_eq!(again, RoutedEvent { repeat: true, prefix: WirePrefix::None, blocks: Vec::new(), ..r.clone() });
         assert!(full(&a.on_the_wire_at(&mut r.clone(), true, 10)), "the refresh sends it whole again");
         // Another worker, another prompt, a session: not the same commit (each then
         // repeats in its turn).
@@ -983,17 +977,17 @@ mod tests {
         let other_session = RoutedEvent { session: Some("t".into()), ..r.clone() };
         for e in [other_worker, other_prompt, with_session, other_session] {
             assert!(full(&a.on_the_wire_at(&mut e.clone(), true, 11)), "{e:?}");
-            assert!(a.on_the_wire_at(&mut e.clone(), true, 12).repeat, "{e:?}");
+            assert!(a.on_the_wire_at(&mut e.clone(), true, 12).is_none(), "{e:?}");
         }
         // A policy whose commits are not idempotent (B3 capped counts a session's turns).
         for now in [13, 14] {
             assert!(full(&a.on_the_wire_at(&mut r.clone(), false, now)));
         }
-        // A replica that applied a peer's full event sends its own as a repeat.
+        // A replica that applied a peer's full event does not send its own.
         let mut got = over_the_wire(&first);
         assert!(b.resolve(&mut got));
         b.applied_in_full(&got);
-        assert!(b.on_the_wire_at(&mut r.clone(), true, 0).repeat);
+        assert!(b.on_the_wire_at(&mut r.clone(), true, 0).is_none());
         // `sync_refresh_secs = 0`: every event in full.
         for now in [0, 1] {
             assert!(full(&never.on_the_wire_at(&mut r.clone(), true, now)));

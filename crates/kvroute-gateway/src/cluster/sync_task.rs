@@ -223,11 +223,10 @@ async fn publish_buffered(
     for e in buf.drain(..) {
         let ev = match e {
             Out::Routed(mut r, may_repeat) => {
-                let wire = sync.on_the_wire(&mut r, may_repeat);
-                if wire.repeat {
+                let Some(wire) = sync.on_the_wire(&mut r, may_repeat) else {
                     skipped += 1;
                     continue;
-                }
+                };
                 sync.recent.lock().push(Arc::from(r));
                 if report.full_ids.len() < MAX_FULL_IDS {
                     report.full_ids.insert(wire.id);
