@@ -162,8 +162,9 @@ const MAX_FULL_IDS: usize = 65_536;
 /// ([`Batch::load`]).
 #[derive(Debug, Default)]
 struct LoadReport {
-    /// The totals last sent per worker URL; zeros kept until the next full report.
-    sent: HashMap<String, WorkerLoad>,
+    /// The totals last sent per worker URL (the fleet's own string, shared); zeros kept
+    /// until the next full report.
+    sent: HashMap<Arc<str>, WorkerLoad>,
     /// When every worker's totals last went.
     full_at: Option<Instant>,
     /// Requests whose routed event went in full and whose done event has not: their
@@ -185,13 +186,13 @@ impl LoadReport {
             let prev = self.sent.get(&*w.url).copied();
             if l != prev.unwrap_or_default() || (full && prev.is_some()) {
                 out.push(WireLoad::of(&w.url, l));
-                self.sent.insert(w.url.to_string(), l);
+                self.sent.insert(Arc::clone(&w.url), l);
             }
         }
         if full {
             self.full_at = Some(now);
             let present: HashSet<&str> = list.iter().map(|w| &*w.url).collect();
-            let gone: Vec<String> = self.sent.keys().filter(|u| !present.contains(u.as_str())).cloned().collect();
+            let gone: Vec<Arc<str>> = self.sent.keys().filter(|u| !present.contains(&u[..])).cloned().collect();
             for u in gone {
                 self.sent.remove(&u);
                 out.push(WireLoad::of(&u, WorkerLoad::default()));
