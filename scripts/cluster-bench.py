@@ -274,30 +274,15 @@ def nats_sample(a, monitor):
     return varz(monitor), cpu_seconds(a.nats_pid)
 
 
-def run_setting(a, workers, nats_url, sync, round_no, monitor, nth):
-    procs, urls = start_group(a, workers, nats_url, sync, f"bench{round_no}x{nth}")
-    try:
-        s0, n0 = sample(a, procs, urls), nats_sample(a, monitor)
-        out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-        t0 = time.time()
-        subprocess.run(load(a, urls, out), check=True, stdout=subprocess.DEVNULL)
-        wall = time.time() - t0
-        time.sleep(1.5)  # the last batches and heartbeats arrive
-        s1, n1 = sample(a, procs, urls), nats_sample(a, monitor)
-        return result(a, sync, round_no, procs, s0, s1, read_summary(a, out), wall, n0, n1)
-    finally:
-        stop_group(procs)
-
-
-def run_side_by_side(a, workers, nats_url, round_no, monitor):
-    """The two settings of a round at once (--settings, default off then on), each group of
-    replicas with a load generator of its own over the same window: their results, in
-    that order (nats-server's CPU and traffic counted to the settings with the sync on,
-    split evenly)."""
+def run_groups(a, workers, nats_url, settings, round_no, monitor, first=0):
+    """The settings given at once — one, or two side by side — each group of replicas with
+    a load generator of its own over the same window: their results, in that order
+    (nats-server's CPU and traffic split evenly between the groups with the sync on; a
+    lone group gets them whole). `first` numbers the groups' clusters."""
     groups = []
     try:
-        for nth, sync in enumerate(a.settings):
-            groups.append(start_group(a, workers, nats_url, sync, f"bench{round_no}x{nth}"))
+        for nth, sync in enumerate(settings):
+            groups.append(start_group(a, workers, nats_url, sync, f"bench{round_no}x{first + nth}"))
         outs = [tempfile.NamedTemporaryFile(suffix=".json", delete=False).name for _ in groups]
         s0 = [sample(a, *g) for g in groups]
         n0 = nats_sample(a, monitor)
@@ -310,12 +295,13 @@ def run_side_by_side(a, workers, nats_url, round_no, monitor):
         time.sleep(1.5)  # the last batches and heartbeats arrive
         s1 = [sample(a, *g) for g in groups]
         n1 = nats_sample(a, monitor)
-        synced = max(sum(a.settings), 1)
+        synced = max(sum(settings), 1)
         share = lambda n: ({k: v / synced for k, v in n[0].items() if k in ("in_bytes", "out_bytes", "in_msgs")},
                            n[1] / synced)
+        counted = lambda sync: sync or len(groups) == 1
         return [result(a, sync, round_no, g[0], b, e, read_summary(a, o), wall,
-                       share(n0) if sync else None, share(n1) if sync else None)
-                for sync, g, b, e, o in zip(a.settings, groups, s0, s1, outs)]
+                       share(n0) if counted(sync) else None, share(n1) if counted(sync) else None)
+                for sync, g, b, e, o in zip(settings, groups, s0, s1, outs)]
     finally:
         stop_group([p for g in groups for p in g[0]])
 
@@ -435,10 +421,11 @@ def main():
         for r in range(a.rounds):
             url = f"nats://127.0.0.1:{nats_port}"
             if a.side_by_side:
-                batch = run_side_by_side(a, workers, url, r, monitor)
+                batch = run_groups(a, workers, url, a.settings, r, monitor)
             else:
                 settings = a.settings[::-1] if a.alternate and r % 2 else a.settings
-                batch = (run_setting(a, workers, url, sync, r, monitor, nth) for nth, sync in enumerate(settings))
+                batch = (res for nth, sync in enumerate(settings)
+                         for res in run_groups(a, workers, url, [sync], r, monitor, first=nth))
             for res in batch:
                 results.append(res)
                 report(a, r, res)
