@@ -3,15 +3,14 @@
 //! lands on (`nats`, `cluster`).
 //!
 //! ```text
-//! request path ──try_send──► queue (65,536) ──► publisher: batches ≤ 1,024 events gathered
+//! request path: a request whose commit the cluster applied in full within
+//!   `sync_refresh_secs` sends nothing (the load totals carry its load); the others
+//!   ──try_send──► queue (65,536) ──► publisher: batches ≤ 1,024 events gathered
 //!                                                  over `sync_batch_ms` (20 ms), with this
 //!                                                  replica's in-flight load per worker as
 //!                                                  totals (those that changed; all each
-//!                                                  heartbeat); an event the cluster applied
-//!                                                  in full within `sync_refresh_secs` is not
-//!                                                  sent (the totals carry its load); a
-//!                                                  prompt's start the cluster has seen goes
-//!                                                  as its chunk chain (`chunks`)
+//!                                                  heartbeat); a prompt's start the cluster
+//!                                                  has seen goes as its chunk chain (`chunks`)
 //!                                                  └─► kvroute.<cluster>.events  (msgpack)
 //! kvroute.<cluster>.events ──► subscriber: skip own, count gaps, rebuild prompts, apply:
 //!      routed     → the model's router commits it (prefix index, sessions) when it runs
@@ -27,8 +26,9 @@
 //!      `sync_snapshot_timeout_secs` passes
 //! ```
 //!
-//! The request path only builds an event and `try_send`s it to a bounded queue: a full
-//! queue, or NATS down, drops events (counted, `kvroute_sync_events_total{outcome=
+//! The request path hashes what the request's commit reads (a map of the identities
+//! applied in full, in 16 shards, says whether to send it), builds an event and
+//! `try_send`s it to a bounded queue: a full queue, or NATS down, drops events (counted, `kvroute_sync_events_total{outcome=
 //! "dropped"}`) and never delays or fails a request. Every batch carries the replica id
 //! and a sequence number; a receiver counts the batches it never saw
 //! (`kvroute_sync_gaps_total`). A peer's load totals leave the counters when it says
@@ -169,79 +169,38 @@ pub enum Pool {
 impl RoutedEvent {
     /// The event of dispatch `id` that `a` announces.
     pub fn of(a: &Announce<'_>, id: u64) -> RoutedEvent {
-        let Announce { pool, router, key, req, worker_url, uncached, decode } = *a;
-        // Only a policy that indexes the prompt itself needs it; the others record the key's
-        // block hashes (`blocks`), 9 bytes per block instead of the prompt's bytes.
-        let prefix = if !router.records_request_prefix {
-            WirePrefix::None
-        } else if let Some(t) = req.text.filter(|t| !t.is_empty()) {
-            WirePrefix::Text(cut_text(t))
-        } else if let Some(t) = req.token_ids.filter(|t| !t.is_empty()) {
-            WirePrefix::Tokens(t[..t.len().min(MAX_EVENT_TOKENS)].to_vec())
-        } else if let Some(b) = req.blocks.filter(|b| !b.hashes.is_empty()) {
-            WirePrefix::Blocks(b.hashes.iter().take(MAX_EVENT_BLOCKS).map(|h| h.0).collect(), b.block_tokens)
-        } else {
-            WirePrefix::None
+        a.commit_view().to_event(id, a.uncached, a.decode)
+    }
+
+    /// What a receiver's commit of this event reads, borrowed.
+    fn commit_view(&self) -> CommitView<'_> {
+        let prefix = match &self.prefix {
+            WirePrefix::None => PrefixView::None,
+            WirePrefix::Text(t) => PrefixView::Text(t),
+            WirePrefix::Tokens(t) => PrefixView::Tokens(t),
+            WirePrefix::Blocks(b, bs) => PrefixView::Blocks(Words::Plain(b), *bs),
+            WirePrefix::TextRef { .. } => PrefixView::Unresolved,
         };
-        RoutedEvent {
-            id,
-            model: req.model.to_string(),
-            worker: worker_url.to_string(),
-            policy: router.policy_name.to_string(),
+        CommitView {
+            model: &self.model,
+            worker: &self.worker,
+            policy: &self.policy,
+            session: self.session.as_deref(),
             prefix,
-            blocks: key.blocks.iter().take(MAX_EVENT_BLOCKS).map(|h| h.0).collect(),
-            block_tokens: key.block_tokens,
-            session: req.session_id.map(str::to_string),
-            input_tokens: req.input_tokens,
-            output_tokens: req.output_tokens,
-            uncached,
-            decode,
-            pool: pool as u8,
-            repeat: false,
+            blocks: Words::Plain(&self.blocks),
+            block_tokens: self.block_tokens,
+            pool: self.pool,
+            input_tokens: self.input_tokens,
+            output_tokens: self.output_tokens,
         }
     }
 
     /// A hash of what a receiver's commit of this event reads (model, pool, policy,
     /// worker, prompt, block hashes, token counts, session): equal for two events whose
-    /// commits record the same thing. `None` for an event with nothing to commit or with an
-    /// unresolved reference.
+    /// commits record the same thing, and to [`Announce`]'s before its event is built.
+    /// `None` for an event with nothing to commit or with an unresolved reference.
     pub(crate) fn commit_identity(&self) -> Option<u64> {
-        let prefix = &self.prefix;
-        if *prefix == WirePrefix::None && self.blocks.is_empty() {
-            return None;
-        }
-        let mut h = Identity(xxhash_rust::xxh3::Xxh3::new());
-        h.bytes(self.model.as_bytes());
-        h.bytes(self.worker.as_bytes());
-        h.bytes(self.policy.as_bytes());
-        h.bytes(self.session.as_deref().map_or(&[0xff][..], str::as_bytes));
-        match prefix {
-            WirePrefix::None => h.bytes(&[0]),
-            WirePrefix::Text(t) => {
-                h.bytes(&[1]);
-                h.bytes(t.as_bytes());
-            }
-            WirePrefix::Tokens(t) => {
-                h.bytes(&[2]);
-                h.words(t.iter().map(|&x| u64::from(x)));
-            }
-            WirePrefix::Blocks(b, bs) => {
-                h.bytes(&[3]);
-                h.words(b.iter().copied());
-                h.bytes(&bs.to_le_bytes());
-            }
-            WirePrefix::TextRef { .. } => return None,
-        }
-        h.bytes(&[4]);
-        h.words(self.blocks.iter().copied());
-        h.bytes(&[5]);
-        h.words([
-            self.block_tokens,
-            u64::from(self.pool),
-            u64::from(self.input_tokens),
-            self.output_tokens.map_or(u64::MAX, u64::from),
-        ]);
-        Some(h.0.digest())
+        self.commit_view().identity()
     }
 
     pub(crate) fn size_estimate(&self) -> usize {
@@ -281,6 +240,135 @@ impl Identity {
                 break;
             }
             self.bytes(&buf[..n]);
+        }
+    }
+}
+
+/// Block hashes as a [`CommitView`] reads them: an event's own words, or a request key's
+/// hashes (the same numbers).
+#[derive(Clone, Copy)]
+enum Words<'a> {
+    Plain(&'a [u64]),
+    Hashes(&'a [kvroute_core::types::BlockHash]),
+}
+
+impl Words<'_> {
+    fn is_empty(self) -> bool {
+        match self {
+            Words::Plain(w) => w.is_empty(),
+            Words::Hashes(h) => h.is_empty(),
+        }
+    }
+
+    fn to_vec(self) -> Vec<u64> {
+        match self {
+            Words::Plain(w) => w.to_vec(),
+            Words::Hashes(h) => h.iter().map(|h| h.0).collect(),
+        }
+    }
+
+    fn hash_into(self, h: &mut Identity) {
+        match self {
+            Words::Plain(w) => h.words(w.iter().copied()),
+            Words::Hashes(b) => h.words(b.iter().map(|x| x.0)),
+        }
+    }
+}
+
+/// A prefix key borrowed: [`WirePrefix`] as a commit reads it.
+#[derive(Clone, Copy)]
+enum PrefixView<'a> {
+    None,
+    Text(&'a str),
+    Tokens(&'a [u32]),
+    Blocks(Words<'a>, u32),
+    /// A [`WirePrefix::TextRef`] not resolved: no identity.
+    Unresolved,
+}
+
+/// What a routed event's commit reads, borrowed from the event
+/// ([`RoutedEvent::commit_identity`]) or from the [`Announce`] it is built from, with the
+/// event's limits applied ([`MAX_EVENT_TEXT`], [`MAX_EVENT_TOKENS`], [`MAX_EVENT_BLOCKS`]):
+/// so the request path knows a request's identity, and whether the cluster applied it
+/// already, before it builds anything.
+struct CommitView<'a> {
+    model: &'a str,
+    worker: &'a str,
+    policy: &'a str,
+    session: Option<&'a str>,
+    prefix: PrefixView<'a>,
+    blocks: Words<'a>,
+    block_tokens: u64,
+    pool: u8,
+    input_tokens: u32,
+    output_tokens: Option<u32>,
+}
+
+impl CommitView<'_> {
+    /// See [`RoutedEvent::commit_identity`].
+    fn identity(&self) -> Option<u64> {
+        if matches!(self.prefix, PrefixView::Unresolved)
+            || matches!(self.prefix, PrefixView::None) && self.blocks.is_empty()
+        {
+            return None;
+        }
+        let mut h = Identity(xxhash_rust::xxh3::Xxh3::new());
+        h.bytes(self.model.as_bytes());
+        h.bytes(self.worker.as_bytes());
+        h.bytes(self.policy.as_bytes());
+        h.bytes(self.session.map_or(&[0xff][..], str::as_bytes));
+        match self.prefix {
+            PrefixView::None | PrefixView::Unresolved => h.bytes(&[0]),
+            PrefixView::Text(t) => {
+                h.bytes(&[1]);
+                h.bytes(t.as_bytes());
+            }
+            PrefixView::Tokens(t) => {
+                h.bytes(&[2]);
+                h.words(t.iter().map(|&x| u64::from(x)));
+            }
+            PrefixView::Blocks(b, bs) => {
+                h.bytes(&[3]);
+                b.hash_into(&mut h);
+                h.bytes(&bs.to_le_bytes());
+            }
+        }
+        h.bytes(&[4]);
+        self.blocks.hash_into(&mut h);
+        h.bytes(&[5]);
+        h.words([
+            self.block_tokens,
+            u64::from(self.pool),
+            u64::from(self.input_tokens),
+            self.output_tokens.map_or(u64::MAX, u64::from),
+        ]);
+        Some(h.0.digest())
+    }
+
+    /// The event of dispatch `id`, with `uncached` prompt tokens to prefill and `decode` to
+    /// decode.
+    fn to_event(&self, id: u64, uncached: u64, decode: u64) -> RoutedEvent {
+        let prefix = match self.prefix {
+            PrefixView::None | PrefixView::Unresolved => WirePrefix::None,
+            PrefixView::Text(t) => WirePrefix::Text(t.to_string()),
+            PrefixView::Tokens(t) => WirePrefix::Tokens(t.to_vec()),
+            PrefixView::Blocks(b, bs) => WirePrefix::Blocks(b.to_vec(), bs),
+        };
+        RoutedEvent {
+            id,
+            model: self.model.to_string(),
+            worker: self.worker.to_string(),
+            policy: self.policy.to_string(),
+            prefix,
+            blocks: self.blocks.to_vec(),
+            block_tokens: self.block_tokens,
+            session: self.session.map(str::to_string),
+            input_tokens: self.input_tokens,
+            output_tokens: self.output_tokens,
+            uncached,
+            decode,
+            pool: self.pool,
+            repeat: false,
         }
     }
 }
@@ -485,9 +573,8 @@ impl SpendShadow {
 
 #[derive(Debug)]
 pub(crate) enum Out {
-    /// A routed event, and whether its policy's commits are idempotent
-    /// ([`ModelRouter::idempotent_commits`]: it may go as a repeat).
-    Routed(Box<RoutedEvent>, bool),
+    /// A routed event the cluster did not apply in full within `sync_refresh_secs`.
+    Routed(Box<RoutedEvent>),
     FirstToken(u64),
     Done(u64),
     /// A key's spend to report ([`ReplicaSync::spent`]); its counts are taken when the
@@ -542,8 +629,14 @@ pub struct ReplicaSync {
     pub(crate) shadow: Mutex<SpendShadow>,
     /// When the routed events this replica sent or applied in full were last sent, by
     /// [`RoutedEvent::commit_identity`] (seconds on [`ReplicaSync::clock_secs`]; at most
-    /// [`ANNOUNCED_MAX`], least recently used out).
-    announced: Mutex<lru::LruCache<u64, u64, foldhash::fast::FixedState>>,
+    /// [`ANNOUNCED_MAX`], least recently used out): [`ANNOUNCED_SHARDS`] maps by the
+    /// identity's top bits, so requests read it without one lock for all.
+    announced: Box<[Mutex<Announced>]>,
+    /// `kvroute_sync_events_total{outcome="repeat_skipped"}`, counted on the request path.
+    repeat_skipped: prometheus_client::metrics::counter::Counter,
+    /// Wakes the publisher when a request that queued no event changed the load (its
+    /// dispatch, first token and end): the totals then go within `sync_batch_ms`.
+    pub(crate) load_changed: tokio::sync::Notify,
     /// `sync_refresh_secs`: an event the cluster applied in full within it goes as a
     /// repeat ([`RoutedEvent::repeat`]); 0 = never.
     refresh_secs: u64,
@@ -557,12 +650,21 @@ pub struct ReplicaSync {
     >,
 }
 
-/// A dispatch's sync handle: sends `first token` once and `done` when dropped.
+/// One shard of [`ReplicaSync::announced`].
+type Announced = lru::LruCache<u64, u64, foldhash::fast::FixedState>;
+
+/// Shards of the map of routed events applied in full (a power of two).
+const ANNOUNCED_SHARDS: usize = 16;
+
+/// A dispatch's sync handle: sends `first token` once and `done` when dropped, for a
+/// dispatch whose routed event was queued; for one left to the load totals it wakes the
+/// publisher instead, so the totals go within `sync_batch_ms`.
 #[derive(Debug)]
 pub struct SharedTicket {
     sync: Arc<ReplicaSync>,
     id: u64,
     first: bool,
+    queued: bool,
 }
 
 impl SharedTicket {
@@ -570,14 +672,22 @@ impl SharedTicket {
     pub fn first_token(&mut self) {
         if !self.first {
             self.first = true;
-            self.sync.send(Out::FirstToken(self.id));
+            if self.queued {
+                self.sync.send(Out::FirstToken(self.id));
+            } else {
+                self.sync.load_changed.notify_one();
+            }
         }
     }
 }
 
 impl Drop for SharedTicket {
     fn drop(&mut self) {
-        self.sync.send(Out::Done(self.id));
+        if self.queued {
+            self.sync.send(Out::Done(self.id));
+        } else {
+            self.sync.load_changed.notify_one();
+        }
     }
 }
 
@@ -601,8 +711,42 @@ pub struct Announce<'a> {
     pub decode: u64,
 }
 
-fn cut_text(t: &str) -> String {
-    t[..t.floor_char_boundary(MAX_EVENT_TEXT)].to_string()
+/// `t`'s first [`MAX_EVENT_TEXT`] bytes at most, cut at a character boundary.
+fn cut_text(t: &str) -> &str {
+    &t[..t.floor_char_boundary(MAX_EVENT_TEXT)]
+}
+
+impl<'a> Announce<'a> {
+    /// What the commit of the event it announces reads ([`RoutedEvent::of`] builds the
+    /// event from it). Only a policy that indexes the prompt itself needs the prompt; the
+    /// others record the key's block hashes (`blocks`), 9 bytes per block instead of the
+    /// prompt's bytes.
+    fn commit_view(&self) -> CommitView<'a> {
+        let Announce { pool, router, key, req, worker_url, .. } = *self;
+        let prefix = if !router.records_request_prefix {
+            PrefixView::None
+        } else if let Some(t) = req.text.filter(|t| !t.is_empty()) {
+            PrefixView::Text(cut_text(t))
+        } else if let Some(t) = req.token_ids.filter(|t| !t.is_empty()) {
+            PrefixView::Tokens(&t[..t.len().min(MAX_EVENT_TOKENS)])
+        } else if let Some(b) = req.blocks.filter(|b| !b.hashes.is_empty()) {
+            PrefixView::Blocks(Words::Hashes(&b.hashes[..b.hashes.len().min(MAX_EVENT_BLOCKS)]), b.block_tokens)
+        } else {
+            PrefixView::None
+        };
+        CommitView {
+            model: req.model,
+            worker: worker_url,
+            policy: &router.policy_name,
+            session: req.session_id,
+            prefix,
+            blocks: Words::Hashes(&key.blocks[..key.blocks.len().min(MAX_EVENT_BLOCKS)]),
+            block_tokens: key.block_tokens,
+            pool: pool as u8,
+            input_tokens: req.input_tokens,
+            output_tokens: req.output_tokens,
+        }
+    }
 }
 
 impl ReplicaSync {
@@ -623,6 +767,11 @@ impl ReplicaSync {
         for outcome in ["published", "dropped", "applied", "repeat", "repeat_skipped", "unresolved"] {
             drop(metrics.sync_events.get_or_create(&crate::metrics::OutcomeLabel { outcome: outcome.into() }));
         }
+        let repeat_skipped = metrics
+            .sync_events
+            .get_or_create(&crate::metrics::OutcomeLabel { outcome: "repeat_skipped".into() })
+            .clone();
+        let shard = std::num::NonZeroUsize::new(ANNOUNCED_MAX.get() / ANNOUNCED_SHARDS).expect("shards fit");
         Arc::new(ReplicaSync {
             replica,
             instance: crate::model::random::os_random_u64().max(1),
@@ -635,7 +784,11 @@ impl ReplicaSync {
             recent: Mutex::new(Recent::bounded(SNAPSHOT_MAX_BYTES)),
             chunks: Mutex::default(),
             shadow: Mutex::default(),
-            announced: Mutex::new(lru::LruCache::with_hasher(ANNOUNCED_MAX, foldhash::fast::FixedState::default())),
+            announced: (0..ANNOUNCED_SHARDS)
+                .map(|_| Mutex::new(lru::LruCache::with_hasher(shard, foldhash::fast::FixedState::default())))
+                .collect(),
+            repeat_skipped,
+            load_changed: tokio::sync::Notify::new(),
             refresh_secs,
             batch_window,
             started: std::time::Instant::now(),
@@ -659,30 +812,27 @@ impl ReplicaSync {
         self.ready.load(Relaxed)
     }
 
-    fn send(&self, e: Out) {
-        if self.tx.try_send(e).is_err() {
+    /// Queues `e` for the publisher; `false` (counted as dropped) when the queue is full.
+    fn send(&self, e: Out) -> bool {
+        let queued = self.tx.try_send(e).is_ok();
+        if !queued {
             self.count("dropped", 1);
         }
+        queued
     }
 
     pub(crate) fn count(&self, outcome: &str, n: u64) {
         self.outcomes.get_or_create(&crate::metrics::OutcomeLabel { outcome: outcome.into() }).inc_by(n);
     }
 
-    /// `r` as it goes on the wire: `None` when the cluster applied the same event in full
-    /// within `refresh_secs` — it is not sent, the load totals carry its load ([`Batch::load`])
-    /// — and only an event whose policy's commits are idempotent (`may_repeat`) may be left
-    /// out; else a prompt text as the chunk chain the cluster already holds and the rest
-    /// ([`WirePrefix::TextRef`]) when it shares one, else as it is.
-    pub(crate) fn on_the_wire(&self, r: &mut RoutedEvent, may_repeat: bool) -> Option<RoutedEvent> {
-        self.on_the_wire_at(r, may_repeat, self.clock_secs())
+    /// `r` as it goes on the wire: a prompt text as the chunk chain the cluster already
+    /// holds and the rest ([`WirePrefix::TextRef`]) when it shares one, else as it is.
+    pub(crate) fn on_the_wire(&self, r: &mut RoutedEvent) -> RoutedEvent {
+        self.on_the_wire_at(r, self.clock_secs())
     }
 
     /// [`ReplicaSync::on_the_wire`] at `now`, seconds on [`ReplicaSync::clock_secs`].
-    fn on_the_wire_at(&self, r: &mut RoutedEvent, may_repeat: bool, now: u64) -> Option<RoutedEvent> {
-        if may_repeat && self.refresh_secs > 0 && !self.remember_full(r, now) {
-            return None;
-        }
+    fn on_the_wire_at(&self, r: &mut RoutedEvent, now: u64) -> RoutedEvent {
         // The prompt is set aside while the rest of the event is cloned.
         let prompt = std::mem::replace(&mut r.prefix, WirePrefix::None);
         let mut wire = r.clone();
@@ -698,19 +848,30 @@ impl ReplicaSync {
             other => other.clone(),
         };
         r.prefix = prompt;
-        Some(wire)
+        wire
     }
 
-    /// Whether `r` goes in full: `false` when the cluster applied the same event in full
-    /// within `refresh_secs`; else it is remembered as applied at `now`.
-    fn remember_full(&self, r: &RoutedEvent, now: u64) -> bool {
-        let Some(id) = r.commit_identity() else { return true };
-        let mut seen = self.announced.lock();
+    /// The shard of [`ReplicaSync::announced`] that holds `identity`.
+    fn announced(&self, identity: u64) -> &Mutex<Announced> {
+        &self.announced[(identity >> (64 - ANNOUNCED_SHARDS.trailing_zeros())) as usize]
+    }
+
+    /// Whether an event whose commit reads `v` goes to the cluster at `now`: `false` when
+    /// its policy's commits are idempotent (`may_repeat`), `sync_refresh_secs` is not 0 and
+    /// the cluster applied the same event in full within it — the load totals then carry
+    /// its load ([`Batch::load`]); else it is remembered as applied at `now` and its
+    /// identity returned with `true` (`None`: nothing to remember).
+    fn goes_in_full(&self, v: &CommitView<'_>, may_repeat: bool, now: u64) -> (bool, Option<u64>) {
+        if !may_repeat || self.refresh_secs == 0 {
+            return (true, None);
+        }
+        let Some(id) = v.identity() else { return (true, None) };
+        let mut seen = self.announced(id).lock();
         if seen.get(&id).is_some_and(|&t| now.saturating_sub(t) < self.refresh_secs) {
-            return false;
+            return (false, None);
         }
         seen.put(id, now);
-        true
+        (true, Some(id))
     }
 
     /// Remembers that another replica's event `r` (its reference resolved) was applied
@@ -721,7 +882,7 @@ impl ReplicaSync {
             return;
         }
         if let Some(id) = r.commit_identity() {
-            self.announced.lock().put(id, self.clock_secs());
+            self.announced(id).lock().put(id, self.clock_secs());
         }
     }
 
@@ -757,12 +918,32 @@ impl ReplicaSync {
     }
 
     /// Announces that a request was sent (see [`Announce`]). Never blocks: a full queue
-    /// drops the event.
+    /// drops the event. A request whose event the cluster applied in full within
+    /// `sync_refresh_secs` builds and queues nothing
+    /// (`kvroute_sync_events_total{outcome="repeat_skipped"}`): the load totals carry its
+    /// load.
     pub fn routed(self: &Arc<Self>, a: Announce<'_>) -> SharedTicket {
         let id = self.next_id.fetch_add(1, Relaxed);
-        let ev = RoutedEvent::of(&a, id);
-        self.send(Out::Routed(Box::new(ev), a.router.idempotent_commits));
-        SharedTicket { sync: Arc::clone(self), id, first: false }
+        let queued = self.announce_at(&a, id, self.clock_secs());
+        SharedTicket { sync: Arc::clone(self), id, first: false, queued }
+    }
+
+    /// Queues `a`'s event as dispatch `id` unless it goes as load only at `now`
+    /// ([`ReplicaSync::goes_in_full`]); whether it was queued.
+    fn announce_at(&self, a: &Announce<'_>, id: u64, now: u64) -> bool {
+        let view = a.commit_view();
+        let (full, remembered) = self.goes_in_full(&view, a.router.idempotent_commits, now);
+        if !full {
+            self.repeat_skipped.inc();
+            self.load_changed.notify_one();
+            return false;
+        }
+        let queued = self.send(Out::Routed(Box::new(view.to_event(id, a.uncached, a.decode))));
+        if !queued && let Some(identity) = remembered {
+            // Not sent after all: the next such request goes in full.
+            self.announced(identity).lock().pop(&identity);
+        }
+        queued
     }
 }
 
@@ -928,14 +1109,14 @@ mod tests {
         );
         let document: String = (0..600).map(|i| format!("w{} ", i * 7919 % 1009)).collect();
         let first = format!("{document}first question?");
-        let w1 = a.on_the_wire(&mut routed_with(WirePrefix::Text(first.clone())), true).expect("sent");
+        let w1 = a.on_the_wire(&mut routed_with(WirePrefix::Text(first.clone())));
         assert_eq!(w1.prefix, WirePrefix::Text(first.clone()), "nothing is shared yet");
         let mut r1 = over_the_wire(&w1);
         assert!(b.resolve(&mut r1));
         assert_eq!(r1.prefix, WirePrefix::Text(first));
 
         let second = format!("{document}and a second question?");
-        let w2 = a.on_the_wire(&mut routed_with(WirePrefix::Text(second.clone())), true).expect("sent");
+        let w2 = a.on_the_wire(&mut routed_with(WirePrefix::Text(second.clone())));
         let WirePrefix::TextRef { rest, .. } = &w2.prefix else { panic!("{:?}", w2.prefix) };
         assert!(rest.len() < 300 && w2.size_estimate() < 600, "{} bytes of {}", rest.len(), second.len());
         let mut r2 = over_the_wire(&w2);
@@ -957,18 +1138,14 @@ mod tests {
             ReplicaSync::new("c", Some("n"), 0, Duration::from_millis(5), &metrics),
         );
         let event = |p: WirePrefix| RoutedEvent { blocks: vec![7, 8], ..routed_with(p) };
-        let prompt = WirePrefix::Text("a system prompt and a question".into());
-        let full = |w: &Option<RoutedEvent>| {
-            w.as_ref().is_some_and(|w| !w.repeat && w.prefix != WirePrefix::None && w.blocks == [7, 8])
+        let goes = |s: &ReplicaSync, e: &RoutedEvent, may_repeat: bool, now: u64| {
+            s.goes_in_full(&e.commit_view(), may_repeat, now).0
         };
-        let first = a.on_the_wire_at(&mut event(prompt.clone()), true, 0);
-        assert!(full(&first), "{first:?}");
-        let first = first.expect("sent");
+        let r = event(WirePrefix::Text("a system prompt and a question".into()));
+        assert!(goes(&a, &r, true, 0));
         // The same event within the refresh: not sent (the load totals carry its load).
-        let mut r = event(prompt.clone());
-        assert_eq!(a.on_the_wire_at(&mut r, true, 9), None);
-        assert_eq!(r, event(prompt.clone()), "the event kept for snapshots is whole");
-        assert!(full(&a.on_the_wire_at(&mut r.clone(), true, 10)), "the refresh sends it whole again");
+        assert!(!goes(&a, &r, true, 9));
+        assert!(goes(&a, &r, true, 10), "the refresh sends it whole again");
         // Another worker, another prompt, a session: not the same commit (each then
         // repeats in its turn).
         let other_worker = RoutedEvent { worker: "http://127.0.0.1:2".into(), ..r.clone() };
@@ -976,22 +1153,95 @@ mod tests {
         let with_session = RoutedEvent { session: Some("s".into()), ..r.clone() };
         let other_session = RoutedEvent { session: Some("t".into()), ..r.clone() };
         for e in [other_worker, other_prompt, with_session, other_session] {
-            assert!(full(&a.on_the_wire_at(&mut e.clone(), true, 11)), "{e:?}");
-            assert!(a.on_the_wire_at(&mut e.clone(), true, 12).is_none(), "{e:?}");
+            assert!(goes(&a, &e, true, 11), "{e:?}");
+            assert!(!goes(&a, &e, true, 12), "{e:?}");
         }
         // A policy whose commits are not idempotent (B3 capped counts a session's turns).
         for now in [13, 14] {
-            assert!(full(&a.on_the_wire_at(&mut r.clone(), false, now)));
+            assert!(goes(&a, &r, false, now));
         }
         // A replica that applied a peer's full event does not send its own.
-        let mut got = over_the_wire(&first);
+        let mut got = over_the_wire(&a.on_the_wire(&mut r.clone()));
         assert!(b.resolve(&mut got));
         b.applied_in_full(&got);
-        assert!(b.on_the_wire_at(&mut r.clone(), true, 0).is_none());
+        assert!(!goes(&b, &r, true, 0));
         // `sync_refresh_secs = 0`: every event in full.
         for now in [0, 1] {
-            assert!(full(&never.on_the_wire_at(&mut r.clone(), true, now)));
+            assert!(goes(&never, &r, true, now));
         }
+    }
+
+    #[test]
+    fn a_request_the_cluster_applied_queues_nothing_and_its_identity_is_its_event_s() {
+        let metrics = crate::metrics::Metrics::new();
+        let sync = ReplicaSync::new("c", Some("a"), 10, Duration::from_millis(5), &metrics);
+        let mut rx = sync.rx.lock().take().expect("receiver");
+        let routers = crate::routers::Routers::new("cache_aware", serde_json::json!({}), 1, 1).expect("policy");
+        let router = routers.get("m", kvroute_core::types::Nanos(0));
+        assert!(router.records_request_prefix && router.idempotent_commits);
+        let key = RequestKey {
+            blocks: (1..=5).map(kvroute_core::types::BlockHash).collect(),
+            block_tokens: 16,
+            worker_kv_tokens: None,
+        };
+        let long = "é".repeat(MAX_EVENT_TEXT);
+        let tokens: Vec<u32> = (0..MAX_EVENT_TOKENS as u32 + 9).collect();
+        let hashes: Vec<_> = (0..MAX_EVENT_BLOCKS as u64 + 3).map(kvroute_core::types::BlockHash).collect();
+        let seq = kvroute_core::types::BlockSeq { block_tokens: 16, hashes: &hashes };
+        let text = RequestView { session_id: Some("s"), output_tokens: Some(7), ..RequestView::from_text("m", &long) };
+        let token_ids = RequestView { text: None, token_ids: Some(&tokens), ..RequestView::from_text("m", "") };
+        let blocks = RequestView { text: None, blocks: Some(seq), ..RequestView::from_text("m", "") };
+        let nothing = RequestView::from_text("m", "");
+        let shorter = RequestView { input_tokens: 9, ..nothing };
+        let announce = |req| Announce {
+            pool: Pool::Main,
+            router: &router,
+            key: &key,
+            req,
+            worker_url: "http://127.0.0.1:9",
+            uncached: 300,
+            decode: 7,
+        };
+        for req in [&text, &token_ids, &blocks, &nothing] {
+            let a = announce(req);
+            let event = RoutedEvent::of(&a, 3);
+            // The event's limits hold, and the identity reads what the event carries.
+            match &event.prefix {
+                WirePrefix::Text(t) => assert_eq!(t, cut_text(&long)),
+                WirePrefix::Tokens(t) => assert_eq!(t.len(), MAX_EVENT_TOKENS),
+                WirePrefix::Blocks(b, 16) => assert_eq!(b.len(), MAX_EVENT_BLOCKS),
+                other => assert_eq!(other, &WirePrefix::None),
+            }
+            let id = a.commit_view().identity();
+            assert!(id.is_some());
+            assert_eq!(id, event.commit_identity(), "{:?}", event.prefix);
+            assert_eq!(id, over_the_wire(&event).commit_identity(), "as a peer reads it");
+        }
+        let plain = RoutedEvent::of(&announce(&nothing), 0);
+        let other = RoutedEvent::of(&announce(&shorter), 0);
+        assert_ne!(plain.commit_identity(), other.commit_identity());
+
+        // The first request is queued in full, with its first token and its end.
+        let mut first = sync.routed(announce(&text));
+        first.first_token();
+        drop(first);
+        assert!(matches!(rx.try_recv(), Ok(Out::Routed(r)) if r.prefix == WirePrefix::Text(cut_text(&long).into())));
+        assert!(matches!(rx.try_recv(), Ok(Out::FirstToken(_))));
+        assert!(matches!(rx.try_recv(), Ok(Out::Done(_))));
+        // The same request again: nothing built or queued, counted; its dispatch, first
+        // token and end each wake the publisher, whose load totals carry it.
+        use futures_util::FutureExt;
+        assert!(sync.load_changed.notified().now_or_never().is_none());
+        let mut again = sync.routed(announce(&text));
+        assert!(sync.load_changed.notified().now_or_never().is_some(), "dispatched");
+        again.first_token();
+        assert!(sync.load_changed.notified().now_or_never().is_some(), "first token");
+        drop(again);
+        assert!(sync.load_changed.notified().now_or_never().is_some(), "done");
+        assert!(rx.try_recv().is_err());
+        let skipped =
+            metrics.sync_events.get_or_create(&crate::metrics::OutcomeLabel { outcome: "repeat_skipped".into() }).get();
+        assert_eq!(skipped, 1);
     }
 
     #[test]
@@ -999,7 +1249,7 @@ mod tests {
         let t = "é".repeat(MAX_EVENT_TEXT);
         let cut = cut_text(&t);
         assert!(cut.len() <= MAX_EVENT_TEXT && cut.len() >= MAX_EVENT_TEXT - 1, "{}", cut.len());
-        assert!(t.starts_with(&cut));
+        assert!(t.starts_with(cut));
     }
 
     #[test]

@@ -112,13 +112,16 @@ async fn publish(
     let mut buf: Vec<Out> = Vec::with_capacity(MAX_BATCH_EVENTS);
     let mut report = LoadReport::default();
     loop {
-        let first = tokio::select! {
+        // Woken by an event, or by a change of load that queued none (a request left to
+        // the load totals): its batch goes one window later, as an event's would.
+        let (first, woken) = tokio::select! {
             () = cancel.cancelled() => break,
-            e = rx.recv() => e,
-            () = tokio::time::sleep(HEARTBEAT) => None,
+            e = rx.recv() => (e, true),
+            () = sync.load_changed.notified() => (None, true),
+            () = tokio::time::sleep(HEARTBEAT) => (None, false),
         };
-        if let Some(e) = first {
-            buf.push(e);
+        if woken {
+            buf.extend(first);
             tokio::time::sleep(sync.batch_window).await;
             while buf.len() < MAX_BATCH_EVENTS {
                 match rx.try_recv() {
@@ -205,9 +208,8 @@ impl LoadReport {
 
 /// Publishes the events in `buf` (emptied) and this replica's load totals in batches that
 /// fit a NATS message; only the totals (a heartbeat) when it is empty. API keys' spends go
-/// with the events they were queued among. A routed event the cluster applied in full
-/// within `sync_refresh_secs` is not sent: the totals carry its load
-/// (`kvroute_sync_events_total{outcome="repeat_skipped"}`).
+/// with the events they were queued among. (A routed event the cluster applied in full
+/// within `sync_refresh_secs` was never queued: [`ReplicaSync::routed`].)
 async fn publish_buffered(
     sync: &ReplicaSync,
     client: &async_nats::Client,
@@ -220,14 +222,10 @@ async fn publish_buffered(
     let mut events = Vec::with_capacity(buf.len());
     let mut spent = Vec::new();
     let mut size = 64;
-    let mut skipped = 0;
     for e in buf.drain(..) {
         let ev = match e {
-            Out::Routed(mut r, may_repeat) => {
-                let Some(wire) = sync.on_the_wire(&mut r, may_repeat) else {
-                    skipped += 1;
-                    continue;
-                };
+            Out::Routed(mut r) => {
+                let wire = sync.on_the_wire(&mut r);
                 sync.recent.lock().push(Arc::from(r));
                 if report.full_ids.len() < MAX_FULL_IDS {
                     report.full_ids.insert(wire.id);
@@ -257,9 +255,6 @@ async fn publish_buffered(
         }
         size += n;
         events.push(ev);
-    }
-    if skipped > 0 {
-        sync.count("repeat_skipped", skipped);
     }
     let mut load = Vec::new();
     for l in report.changes(fleet, Instant::now()) {
