@@ -909,10 +909,45 @@ fn role_mask(roles: Option<&[Role]>) -> usize {
     roles.map_or(0b111, |rs| rs.iter().fold(0, |m, r| m | 1 << role_code(*r)))
 }
 
+/// The worker list as one membership change left it: the workers in the order they
+/// joined (so by ascending [`WorkerId`]), and an index by URL. Reads as the list
+/// (`Deref` to `Vec<Arc<WorkerEntry>>`).
+#[derive(Debug, Default)]
+pub struct Listing {
+    workers: Vec<Arc<WorkerEntry>>,
+    /// Each worker's position in `workers`, by its URL as the table spells it.
+    by_url: std::collections::HashMap<Arc<str>, usize, foldhash::fast::FixedState>,
+}
+
+impl Listing {
+    fn new(workers: Vec<Arc<WorkerEntry>>) -> Self {
+        let by_url = workers.iter().enumerate().map(|(i, w)| (Arc::clone(&w.url), i)).collect();
+        Listing { workers, by_url }
+    }
+
+    /// The worker whose URL is spelled `url` (no normalisation).
+    pub fn by_url(&self, url: &str) -> Option<&Arc<WorkerEntry>> {
+        self.by_url.get(url).map(|&i| &self.workers[i])
+    }
+
+    /// The worker with `id` (a binary search: the list is in ascending id order).
+    pub fn by_id(&self, id: WorkerId) -> Option<&Arc<WorkerEntry>> {
+        self.workers.binary_search_by_key(&id, |w| w.id).ok().map(|i| &self.workers[i])
+    }
+}
+
+impl std::ops::Deref for Listing {
+    type Target = Vec<Arc<WorkerEntry>>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.workers
+    }
+}
+
 /// The worker list, swapped whole on membership changes.
 #[derive(Debug, Default)]
 pub struct Fleet {
-    list: ArcSwap<Vec<Arc<WorkerEntry>>>,
+    list: ArcSwap<Listing>,
     /// Serialises membership changes and ejections (never taken on a request's way to a
     /// worker; only when a worker reaches its failure threshold).
     writer: Mutex<()>,
@@ -955,25 +990,24 @@ pub struct FleetFull {
 
 impl Fleet {
     /// The current list (one atomic load).
-    pub fn load(&self) -> arc_swap::Guard<Arc<Vec<Arc<WorkerEntry>>>> {
+    pub fn load(&self) -> arc_swap::Guard<Arc<Listing>> {
         self.list.load()
     }
 
-    /// The worker with `url`.
+    /// The worker with `url` (a hash look-up).
     pub fn by_url(&self, url: &str) -> Option<Arc<WorkerEntry>> {
         let list = self.list.load();
         // Most callers pass a URL as the table spells it (a peer's event, a worker's own
         // KV-event endpoint): no parse then.
-        if let Some(w) = list.iter().find(|w| *w.url == *url) {
+        if let Some(w) = list.by_url(url) {
             return Some(Arc::clone(w));
         }
-        let url = normalised(url);
-        list.iter().find(|w| *w.url == *url).cloned()
+        list.by_url(&normalised(url)).cloned()
     }
 
     /// The worker with `id`.
     pub fn by_id(&self, id: WorkerId) -> Option<Arc<WorkerEntry>> {
-        self.list.load().iter().find(|w| w.id == id).cloned()
+        self.list.load().by_id(id).cloned()
     }
 
     /// Adds a worker unless one with `url` exists; returns it and whether it is new.
@@ -998,7 +1032,7 @@ impl Fleet {
     ) -> Result<(Arc<WorkerEntry>, bool), FleetFull> {
         let _w = self.writer.lock();
         let cur = self.list.load_full();
-        if let Some(w) = cur.iter().find(|w| &*w.url == url) {
+        if let Some(w) = cur.by_url(url) {
             return Ok((Arc::clone(w), false));
         }
         if cur.len() >= MAX_WORKERS {
@@ -1015,7 +1049,7 @@ impl Fleet {
         let mut next = Vec::with_capacity(cur.len() + 1);
         next.extend(cur.iter().cloned());
         next.push(Arc::clone(&entry));
-        self.list.store(Arc::new(next));
+        self.list.store(Arc::new(Listing::new(next)));
         roster_changed();
         Ok((entry, true))
     }
@@ -1025,9 +1059,9 @@ impl Fleet {
         let _w = self.writer.lock();
         let cur = self.list.load_full();
         let url = normalised(url);
-        let gone = cur.iter().find(|w| *w.url == *url).cloned()?;
+        let gone = cur.by_url(&url).cloned()?;
         let next: Vec<Arc<WorkerEntry>> = cur.iter().filter(|w| w.id != gone.id).cloned().collect();
-        self.list.store(Arc::new(next));
+        self.list.store(Arc::new(Listing::new(next)));
         roster_changed();
         // The stale rosters would keep the removed worker alive until the next rebuild.
         self.rosters.store(Arc::default());
@@ -1315,6 +1349,37 @@ mod tests {
                         // Only when no worker is routable (the fresh read offers the last resort).
                         None => proptest::prop_assert!(!fresh.entries.iter().any(|w| w.is_routable())),
                     }
+                }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
+
+        /// After any sequence of adds and removals the look-ups by URL (as the table spells
+        /// it, or with a trailing slash) and by id find what a scan of the list finds.
+        #[test]
+        fn look_ups_by_url_and_id_find_what_a_scan_finds(ops in proptest::collection::vec((proptest::prelude::any::<bool>(), 0u8..24), 1..80)) {
+            let f = Fleet::default();
+            let url = |i: u8| format!("http://127.0.0.1:{}", 9000 + u16::from(i));
+            let mut max_id = 0;
+            for (add, i) in ops {
+                if add {
+                    let (w, _) = f.add(&url(i), vec![], Health::Healthy).expect("room");
+                    max_id = max_id.max(w.id.0);
+                } else {
+                    f.remove(&format!("{}/", url(i)));
+                }
+                let list = f.load();
+                for j in 0..24 {
+                    let scan = list.iter().find(|w| *w.url == *url(j)).map(|w| w.id);
+                    proptest::prop_assert_eq!(f.by_url(&url(j)).map(|w| w.id), scan);
+                    proptest::prop_assert_eq!(f.by_url(&format!("{}/", url(j))).map(|w| w.id), scan);
+                }
+                for id in 0..=max_id + 1 {
+                    let scan = list.iter().find(|w| w.id.0 == id).map(|w| w.url.clone());
+                    proptest::prop_assert_eq!(f.by_id(WorkerId(id)).map(|w| w.url.clone()), scan);
                 }
             }
         }

@@ -194,8 +194,7 @@ impl LoadReport {
         }
         if full {
             self.full_at = Some(now);
-            let present: HashSet<&str> = list.iter().map(|w| &*w.url).collect();
-            let gone: Vec<Arc<str>> = self.sent.keys().filter(|u| !present.contains(&u[..])).cloned().collect();
+            let gone: Vec<Arc<str>> = self.sent.keys().filter(|u| list.by_url(u).is_none()).cloned().collect();
             for u in gone {
                 self.sent.remove(&u);
                 out.push(WireLoad::of(&u, WorkerLoad::default()));
@@ -340,17 +339,10 @@ impl PeerLoad {
         if entries.is_empty() {
             return;
         }
-        // The fleet's list is searched by URL one entry at a time; a batch with many
-        // entries (a full report over a large fleet) indexes it once instead.
         let list = fleet.load();
-        let index: Option<HashMap<&str, &Arc<crate::fleet::WorkerEntry>>> =
-            (entries.len() > 8).then(|| list.iter().map(|w| (&*w.url, w)).collect());
         for e in entries {
             let to = e.load();
-            let now = match &index {
-                Some(ix) => ix.get(e.worker.as_str()).map(|w| Arc::clone(&w.remote_load)),
-                None => fleet.by_url(&e.worker).map(|w| Arc::clone(&w.remote_load)),
-            };
+            let now = list.by_url(&e.worker).map(|w| Arc::clone(&w.remote_load));
             let (counters, from) = match (self.by_url.remove(&e.worker), now) {
                 (Some((held, from)), Some(now)) if Arc::ptr_eq(&held, &now) => (held, from),
                 (old, now) => {
