@@ -28,8 +28,8 @@
 //!
 //! The request path hashes what the request's commit reads (a map of the identities
 //! applied in full, in 16 shards, says whether to send it), builds an event and
-//! `try_send`s it to a bounded queue: a full queue, or NATS down, drops events (counted, `kvroute_sync_events_total{outcome=
-//! "dropped"}`) and never delays or fails a request. Every batch carries the replica id
+//! `try_send`s it to a bounded queue: a full queue, or NATS down, drops events (counted,
+//! `kvroute_sync_events_total{outcome="dropped"}`) and never delays or fails a request. Every batch carries the replica id
 //! and a sequence number; a receiver counts the batches it never saw
 //! (`kvroute_sync_gaps_total`). A peer's load totals leave the counters when it says
 //! goodbye, restarts or falls silent for [`PEER_SILENCE`]; remote load tickets (peers of
@@ -413,9 +413,10 @@ pub struct Batch {
     pub spent: Vec<KeySpend>,
     /// The sender shares its in-flight load as per-worker totals ([`Batch::load`]): a
     /// receiver opens no load ticket for its routed events, and the sender sends no event
-    /// for a request that would go as a repeat, nor the first-token and done events of
-    /// requests it did not send in full (it sends those for the full ones, which versions
-    /// before totals hold tickets for). Absent (false) from those versions.
+    /// for a request the cluster applied in full within `sync_refresh_secs`, nor the
+    /// first-token and done events of requests it did not send in full (it sends those
+    /// for the full ones, which versions before totals hold tickets for). Absent (false)
+    /// from those versions.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub load_totals: bool,
     /// With [`Batch::load_totals`]: the sender's own in-flight load on each worker whose
@@ -637,8 +638,8 @@ pub struct ReplicaSync {
     /// Wakes the publisher when a request that queued no event changed the load (its
     /// dispatch, first token and end): the totals then go within `sync_batch_ms`.
     pub(crate) load_changed: tokio::sync::Notify,
-    /// `sync_refresh_secs`: an event the cluster applied in full within it goes as a
-    /// repeat ([`RoutedEvent::repeat`]); 0 = never.
+    /// `sync_refresh_secs`: a request whose event the cluster applied in full within it
+    /// is not sent (its load goes in the totals); 0 = never.
     refresh_secs: u64,
     /// `sync_batch_ms`: how long the publisher gathers events after the first of a batch.
     pub(crate) batch_window: Duration,
@@ -655,6 +656,9 @@ type Announced = lru::LruCache<u64, u64, foldhash::fast::FixedState>;
 
 /// Shards of the map of routed events applied in full (a power of two).
 const ANNOUNCED_SHARDS: usize = 16;
+/// Entries of one shard.
+const ANNOUNCED_SHARD_MAX: std::num::NonZeroUsize =
+    std::num::NonZeroUsize::new(ANNOUNCED_MAX.get() / ANNOUNCED_SHARDS).unwrap();
 
 /// A dispatch's sync handle: sends `first token` once and `done` when dropped, for a
 /// dispatch whose routed event was queued; for one left to the load totals it wakes the
@@ -751,8 +755,8 @@ impl<'a> Announce<'a> {
 
 impl ReplicaSync {
     /// The sync of a replica named `replica` (a random id when `None`) in `cluster`, whose
-    /// events the cluster applied in full within `refresh_secs` go as repeats (0: never;
-    /// `sync_refresh_secs`) and are published in batches gathered over `batch_window`
+    /// events the cluster applied in full within `refresh_secs` are not sent (0: all are;
+    /// `sync_refresh_secs`) and the others published in batches gathered over `batch_window`
     /// after their first event (`sync_batch_ms`); it sends nothing until
     /// [`super::sync_task::run`] connects it.
     pub fn new(
@@ -771,7 +775,6 @@ impl ReplicaSync {
             .sync_events
             .get_or_create(&crate::metrics::OutcomeLabel { outcome: "repeat_skipped".into() })
             .clone();
-        let shard = std::num::NonZeroUsize::new(ANNOUNCED_MAX.get() / ANNOUNCED_SHARDS).expect("shards fit");
         Arc::new(ReplicaSync {
             replica,
             instance: crate::model::random::os_random_u64().max(1),
@@ -785,7 +788,9 @@ impl ReplicaSync {
             chunks: Mutex::default(),
             shadow: Mutex::default(),
             announced: (0..ANNOUNCED_SHARDS)
-                .map(|_| Mutex::new(lru::LruCache::with_hasher(shard, foldhash::fast::FixedState::default())))
+                .map(|_| {
+                    Mutex::new(lru::LruCache::with_hasher(ANNOUNCED_SHARD_MAX, foldhash::fast::FixedState::default()))
+                })
                 .collect(),
             repeat_skipped,
             load_changed: tokio::sync::Notify::new(),
@@ -875,8 +880,8 @@ impl ReplicaSync {
     }
 
     /// Remembers that another replica's event `r` (its reference resolved) was applied
-    /// here in full now: this replica's own event for the same commit goes as a repeat
-    /// until `refresh_secs` have passed.
+    /// here in full now: this replica's own event for the same commit is not sent until
+    /// `refresh_secs` have passed.
     pub(crate) fn applied_in_full(&self, r: &RoutedEvent) {
         if self.refresh_secs == 0 {
             return;
