@@ -43,7 +43,11 @@ only); with it every request adds a question the cluster has not seen.
 other, the same setting run twice (--settings off,off) differed by -18 to +16 % in
 throughput on a 2-core VM, and side by side by -3 to +1 % in CPU per request; --alternate
 runs on before off in every other round. --sync-batch-ms sets the replicas' sync_batch_ms
-with the sync on.
+with the sync on. With --side-by-side and 3 rounds or more it ends with the rounds'
+median CPU per request and the CPU per request at equal throughput: a group's CPU per
+request also rises as its share of the throughput falls (two sync-off groups: -0.5 points
+per point), so it reads the least-squares line of CPU against throughput over the rounds
+at zero, the setting's own cost with that effect taken out.
 Every process is on 127.0.0.1 and ends with the script.
 """
 
@@ -52,6 +56,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -417,7 +422,7 @@ def main():
             workers.append(f"http://127.0.0.1:{port}")
         for w in workers:
             wait_ok(f"{w}/health", "worker")
-        results = []
+        results, pairs = [], []
         for r in range(a.rounds):
             url = f"nats://127.0.0.1:{nats_port}"
             if a.side_by_side:
@@ -432,11 +437,15 @@ def main():
             if a.side_by_side:
                 x, y = results[-2], results[-1]
                 name = lambda res: "on" if res["sync"] else "off"
+                thr = y['req_per_s'] / x['req_per_s'] - 1
+                cpu = y['replicas_cpu_us_per_request'] / x['replicas_cpu_us_per_request'] - 1
+                pairs.append((thr, cpu))
                 print(f"round {r} side by side, {name(y)} against {name(x)}: "
-                      f"{y['req_per_s'] / x['req_per_s'] - 1:+.1%} throughput, replicas' CPU per request "
-                      f"{y['replicas_cpu_us_per_request'] / x['replicas_cpu_us_per_request'] - 1:+.1%} "
+                      f"{thr:+.1%} throughput, replicas' CPU per request {cpu:+.1%} "
                       f"(nats-server's: {x['nats_cpu_us_per_request']:.1f} and {y['nats_cpu_us_per_request']:.1f} us)",
                       flush=True)
+        if len(pairs) >= 3:
+            report_pairs(pairs)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"args": vars(a), "results": results}, f, indent=1)
@@ -450,6 +459,23 @@ def main():
                 p.kill()
         if a.sync_config:
             os.unlink(a.sync_config)
+
+
+def report_pairs(pairs):
+    """Side-by-side rounds' summary: the median CPU per request, and the CPU per request at
+    equal throughput. A group's CPU per request also depends on how busy it is (a less busy
+    replica wakes more often per request): over rounds it falls as the group's share of
+    the throughput rises, so the least-squares line of CPU against throughput, read at
+    equal throughput, is the setting's own cost with that effect taken out."""
+    thr = [t for t, _ in pairs]
+    cpu = [c for _, c in pairs]
+    line = f"{len(pairs)} rounds: replicas' CPU per request, median {statistics.median(cpu):+.1%}"
+    if len(set(thr)) > 1:
+        fit = statistics.linear_regression(thr, cpu)
+        r = statistics.correlation(thr, cpu) if len(set(cpu)) > 1 else float("nan")
+        line += (f"; at equal throughput {fit.intercept:+.1%} (least squares over the rounds: "
+                 f"{fit.slope:+.2f} points per point of throughput, r = {r:.2f})")
+    print(line, flush=True)
 
 
 if __name__ == "__main__":
