@@ -76,12 +76,14 @@ fn kv_move_histogram() -> Histogram {
 /// Labels of `kvroute_prefix_source`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabels {
-    /// `precise` (engine KV events) or `approximate` (the policy's own index).
-    pub source: String,
+    /// `precise` (engine KV events), `slots` (a llama.cpp worker's slot record) or
+    /// `approximate` (the policy's own index). Static: counted on every request without
+    /// allocating.
+    pub source: &'static str,
     /// Why approximate: `no_events` (the chosen worker publishes none), `not_tokenized`
     /// (the request could not be tokenized), `no_block_size` (no BlockStored seen yet);
     /// empty for precise.
-    pub reason: String,
+    pub reason: &'static str,
 }
 
 /// Labels of `kvroute_local_tokenize` and `kvroute_worker_ejections` (a fixed set of values).
@@ -764,5 +766,20 @@ impl Metrics {
         let mut s = String::new();
         let _ = prometheus_client::encoding::text::encode(&mut s, &self.registry);
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefix_source_is_rendered_with_both_labels() {
+        let m = Metrics::new();
+        m.prefix_source.get_or_create(&SourceLabels { source: "approximate", reason: "no_events" }).inc();
+        m.prefix_source.get_or_create(&SourceLabels { source: "precise", reason: "" }).inc();
+        let text = m.render();
+        assert!(text.contains(r#"kvroute_prefix_source_total{source="approximate",reason="no_events"} 1"#), "{text}");
+        assert!(text.contains(r#"kvroute_prefix_source_total{source="precise",reason=""} 1"#), "{text}");
     }
 }

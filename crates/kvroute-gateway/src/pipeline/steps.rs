@@ -105,11 +105,7 @@ async fn one_worker(ctx: &RequestCtx<'_>, pool: Pool<'_>) -> Result<Response, (A
 /// The `x-kvroute-decision` value of a one-worker request (and its prefix source counted).
 fn decision_header(ctx: &RequestCtx<'_>, routed: &route::Routed, prefix: &str) -> String {
     let (source, reason) = keys::prefix_source(&ctx.precise, routed.chosen_precise, routed.chosen_slots);
-    ctx.s
-        .metrics
-        .prefix_source
-        .get_or_create(&crate::metrics::SourceLabels { source: source.into(), reason: reason.into() })
-        .inc();
+    ctx.s.metrics.prefix_source.get_or_create(&crate::metrics::SourceLabels { source, reason }).inc();
     let mut decision = String::from(prefix);
     decision.push_str(&route::decision_header(&routed.router.policy_name, &routed.decision));
     decision.push_str("; prefix=");
