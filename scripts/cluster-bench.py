@@ -475,6 +475,9 @@ def report_pairs(pairs):
         r = statistics.correlation(thr, cpu) if len(set(cpu)) > 1 else float("nan")
         line += (f"; at equal throughput {fit.intercept:+.1%} (least squares over the rounds: "
                  f"{fit.slope:+.2f} points per point of throughput, r = {r:.2f})")
+        if not min(thr) <= 0 <= max(thr):
+            line += ("; extrapolated: no round's throughput figure was on the other side of "
+                     "zero, take more rounds")
     print(line, flush=True)
 
 
