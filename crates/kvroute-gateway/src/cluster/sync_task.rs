@@ -165,9 +165,12 @@ const MAX_FULL_IDS: usize = 65_536;
 /// ([`Batch::load`]).
 #[derive(Debug, Default)]
 struct LoadReport {
-    /// The totals last sent per worker URL (the fleet's own string, shared); zeros kept
-    /// until the next full report.
-    sent: HashMap<Arc<str>, WorkerLoad>,
+    /// The totals last sent per worker URL (the fleet's own string, shared), and the
+    /// number of the last report that saw the worker with load; zeros kept until the
+    /// next full report.
+    sent: HashMap<Arc<str>, (WorkerLoad, u64)>,
+    /// Reports made (the numbers in `sent`).
+    reports: u64,
     /// When every worker's totals last went.
     full_at: Option<Instant>,
     /// Requests whose routed event went in full and whose done event has not: their
@@ -180,26 +183,57 @@ impl LoadReport {
     /// The totals for the next batch: each worker of `fleet` whose load changed since the
     /// last report, and at least every [`HEARTBEAT`] every worker with load (or with load
     /// since the previous such report, as zeros), and zeros for workers gone from the fleet.
+    ///
+    /// Each worker's counters are read; only those with load, and those reported before,
+    /// are looked up by URL (a fleet of 4,096 mostly idle workers costs a pass over its
+    /// counters, not 4,096 look-ups).
     fn changes(&mut self, fleet: &crate::fleet::Fleet, now: Instant) -> Vec<WireLoad> {
         let full = self.full_at.is_none_or(|t| now.duration_since(t) >= HEARTBEAT);
+        self.reports += 1;
+        let this = self.reports;
         let list = fleet.load();
         let mut out = Vec::new();
         for w in list.iter() {
             let l = w.load.get();
-            let prev = self.sent.get(&*w.url).copied();
-            if l != prev.unwrap_or_default() || (full && prev.is_some()) {
-                out.push(WireLoad::of(&w.url, l));
-                self.sent.insert(Arc::clone(&w.url), l);
+            if l == WorkerLoad::default() {
+                continue;
+            }
+            match self.sent.get_mut(&*w.url) {
+                Some((prev, seen)) => {
+                    *seen = this;
+                    if *prev != l || full {
+                        *prev = l;
+                        out.push(WireLoad::of(&w.url, l));
+                    }
+                }
+                None => {
+                    self.sent.insert(Arc::clone(&w.url), (l, this));
+                    out.push(WireLoad::of(&w.url, l));
+                }
+            }
+        }
+        // Workers reported before that this pass did not see with load: idle now, or gone.
+        let mut gone = Vec::new();
+        for (url, (prev, seen)) in &mut self.sent {
+            if *seen == this {
+                continue;
+            }
+            if list.by_url(url).is_some() {
+                if *prev != WorkerLoad::default() || full {
+                    *prev = WorkerLoad::default();
+                    out.push(WireLoad::of(url, WorkerLoad::default()));
+                }
+            } else if full {
+                gone.push(Arc::clone(url));
             }
         }
         if full {
             self.full_at = Some(now);
-            let gone: Vec<Arc<str>> = self.sent.keys().filter(|u| list.by_url(u).is_none()).cloned().collect();
             for u in gone {
                 self.sent.remove(&u);
                 out.push(WireLoad::of(&u, WorkerLoad::default()));
             }
-            self.sent.retain(|_, l| *l != WorkerLoad::default());
+            self.sent.retain(|_, (l, _)| *l != WorkerLoad::default());
         }
         out
     }
@@ -856,6 +890,82 @@ mod tests {
     use super::*;
     use crate::fleet::Fleet;
     use kvroute_core::types::Health;
+
+    /// The report as it was first written (every worker looked up by URL each batch): the
+    /// reference [`LoadReport::changes`] must agree with.
+    fn reference_changes(
+        sent: &mut HashMap<Arc<str>, WorkerLoad>,
+        full_at: &mut Option<Instant>,
+        fleet: &Fleet,
+        now: Instant,
+    ) -> Vec<WireLoad> {
+        let full = full_at.is_none_or(|t| now.duration_since(t) >= HEARTBEAT);
+        let list = fleet.load();
+        let mut out = Vec::new();
+        for w in list.iter() {
+            let l = w.load.get();
+            let prev = sent.get(&*w.url).copied();
+            if l != prev.unwrap_or_default() || (full && prev.is_some()) {
+                out.push(WireLoad::of(&w.url, l));
+                sent.insert(Arc::clone(&w.url), l);
+            }
+        }
+        if full {
+            *full_at = Some(now);
+            let gone: Vec<Arc<str>> = sent.keys().filter(|u| list.by_url(u).is_none()).cloned().collect();
+            for u in gone {
+                sent.remove(&u);
+                out.push(WireLoad::of(&u, WorkerLoad::default()));
+            }
+            sent.retain(|_, l| *l != WorkerLoad::default());
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+
+        /// Whatever the workers' load, membership and the time between batches, the report
+        /// sends what the reference sends (in any order: each worker at most once).
+        #[test]
+        fn the_load_report_sends_what_a_look_up_of_every_worker_sends(
+            ops in proptest::collection::vec((0u8..5, 0usize..6, 0u64..1200), 1..150),
+        ) {
+            let f = Fleet::default();
+            let url = |i: usize| format!("http://10.0.0.{i}:8000");
+            let mut tickets: Vec<(usize, kvroute_core::ledger::LoadTicket)> = Vec::new();
+            let (mut report, mut sent, mut full_at) = (LoadReport::default(), HashMap::new(), None);
+            let mut now = Instant::now();
+            let sorted = |mut v: Vec<WireLoad>| {
+                v.sort_by(|a, b| a.worker.cmp(&b.worker));
+                v.into_iter().map(|l| (l.worker.clone(), l.load())).collect::<Vec<_>>()
+            };
+            for (op, i, ms) in ops {
+                match op {
+                    0 | 1 => {
+                        if let Some(w) = f.by_url(&url(i)) {
+                            tickets.push((i, w.load.dispatched(ms, 1)));
+                        }
+                    }
+                    2 => {
+                        if let Some(at) = tickets.iter().position(|(w, _)| *w == i) {
+                            tickets.swap_remove(at);
+                        }
+                    }
+                    3 => {
+                        f.add(&url(i), vec![], Health::Healthy).expect("room");
+                    }
+                    _ => {
+                        f.remove(&url(i));
+                    }
+                }
+                now += Duration::from_millis(ms);
+                let got = sorted(report.changes(&f, now));
+                let want = sorted(reference_changes(&mut sent, &mut full_at, &f, now));
+                proptest::prop_assert_eq!(got, want);
+            }
+        }
+    }
 
     #[test]
     fn load_totals_go_when_they_change_and_again_each_heartbeat_with_zeros_once() {
