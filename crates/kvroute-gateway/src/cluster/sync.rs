@@ -29,9 +29,9 @@
 //! The request path hashes what the request's commit reads (a map of the identities
 //! applied in full, in 16 shards, says whether to send it), builds an event and
 //! `try_send`s it to a bounded queue: a full queue, or NATS down, drops events (counted,
-//! `kvroute_sync_events_total{outcome="dropped"}`) and never delays or fails a request. Every batch carries the replica id
-//! and a sequence number; a receiver counts the batches it never saw
-//! (`kvroute_sync_gaps_total`). A peer's load totals leave the counters when it says
+//! `kvroute_sync_events_total{outcome="dropped"}`) and never delays or fails a request.
+//! Every batch carries the replica id and a sequence number; a receiver counts the
+//! batches it never saw (`kvroute_sync_gaps_total`). A peer's load totals leave the counters when it says
 //! goodbye, restarts or falls silent for [`PEER_SILENCE`]; remote load tickets (peers of
 //! versions before totals) close on their `done` event, then, or [`TICKET_GRACE`] after
 //! `request_timeout_secs`; so a replica that dies leaves no load behind.
